@@ -1,0 +1,51 @@
+"""`lichen <command> …`: the console entry point.
+
+Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported only when used,
+so `lichen --help` stays fast. A `UserError` anywhere becomes one `lichen: error: …` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from lichen.errors import UserError
+
+COMMANDS = {
+    "train": ("lichen.train_cli", "run the RL loop: rollout -> train -> weight sync"),
+    "make-tiny-model": ("lichen.models.tiny", "write a small random-init HF checkpoint with a character tokenizer"),
+    "serve": ("lichen.engines.serve", "serve a model over SGLang's HTTP protocol (not available yet)"),
+}
+
+USAGE = "usage: lichen <command> [options]\n\ncommands:\n" + "\n".join(
+    f"  {name:<18} {helptext}" for name, (_, helptext) in COMMANDS.items()
+) + "\n\nRun `lichen <command> --help` for the options of a command."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from lichen import __version__
+
+        print(f"lichen {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"lichen: error: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except UserError as e:
+        print(f"lichen {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lichen {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
