@@ -1,0 +1,140 @@
+"""Algorithm flags: advantage estimator, reward normalization, clipping, KL terms, entropy, loss aggregation."""
+
+from __future__ import annotations
+
+import argparse
+
+from lichen.errors import ConfigError, NotAvailableYet
+from lichen.config.checks import check_float, given
+
+ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+# Estimators whose advantage is a reward minus a statistic of the prompt's group: with one sample per group and
+# group reward normalization, reward - mean(group) is 0 for every sample.
+GROUP_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline")
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("algorithm")
+    g.add_argument(
+        "--advantage-estimator",
+        choices=ESTIMATORS,
+        default="grpo",
+        help="how advantages are computed from rewards (ppo is not available yet)",
+    )
+    g.add_argument(
+        "--disable-rewards-normalization",
+        action="store_true",
+        help="do not subtract the group mean from rewards (default: off, rewards are group-normalized)",
+    )
+    g.add_argument(
+        "--disable-grpo-std-normalization",
+        action="store_true",
+        help="do not divide by the group's reward std, as in Dr. GRPO (default: off, divide)",
+    )
+    g.add_argument(
+        "--normalize-advantages",
+        action="store_true",
+        help="whiten advantages over the batch's response tokens; required by reinforce_plus_plus* (default: off)",
+    )
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip: ratio in [1 - eps, 1 + eps_high]")
+    g.add_argument(
+        "--eps-clip-high",
+        type=float,
+        default=None,
+        help="upper PPO ratio clip (default: --eps-clip)",
+    )
+    g.add_argument(
+        "--eps-clip-c",
+        type=float,
+        default=None,
+        help="dual-clip constant for negative advantages, > 1 (default: no dual clip)",
+    )
+    g.add_argument(
+        "--use-opsm",
+        action="store_true",
+        help="off-policy sequence masking: drop negative-advantage sequences too far off-policy (default: off)",
+    )
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="threshold of --use-opsm")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
+    g.add_argument(
+        "--use-kl-loss",
+        action="store_true",
+        help="add a KL(policy || reference) term to the loss, weighted by --kl-loss-coef (default: off)",
+    )
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL loss term (needs --use-kl-loss)")
+    g.add_argument(
+        "--kl-loss-type",
+        choices=["k1", "k2", "k3", "low_var_kl"],
+        default="k1",
+        help="KL estimator of the KL loss term",
+    )
+    g.add_argument(
+        "--use-unbiased-kl",
+        action="store_true",
+        help="importance-weight the KL estimate by the policy ratio (default: off)",
+    )
+    g.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="weight of a KL penalty subtracted from the reward (not combinable with --kl-loss-coef)",
+    )
+    g.add_argument("--gamma", type=float, default=1.0, help="discount factor of returns")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda")
+    g.add_argument(
+        "--loss-agg-mode",
+        choices=LOSS_AGG_MODES,
+        default="seq-mean-token-mean",
+        help="how per-token losses reduce to one number",
+    )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="alias of --loss-agg-mode token-mean (default: off)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    estimator = args.advantage_estimator
+    if estimator == "ppo":
+        raise NotAvailableYet(
+            "--advantage-estimator ppo is not available yet: it needs a critic (value model), which lichen does "
+            f"not have yet; use one of {', '.join(e for e in ESTIMATORS if e != 'ppo')}"
+        )
+    if estimator.startswith("reinforce_plus_plus") and not args.normalize_advantages:
+        raise ConfigError(
+            f"--advantage-estimator {estimator} needs --normalize-advantages (REINFORCE++ whitens advantages over "
+            "the batch); add it"
+        )
+    if not args.disable_rewards_normalization and args.n_samples_per_prompt == 1 and estimator in GROUP_ESTIMATORS:
+        raise ConfigError(
+            f"--advantage-estimator {estimator} with --n-samples-per-prompt 1 and group reward normalization: every "
+            "advantage would be 0 (a reward minus the mean of a group of one); use --n-samples-per-prompt >= 2 or "
+            "--disable-rewards-normalization"
+        )
+    check_float(args, "eps_clip", low=0.0, low_open=True)
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    check_float(args, "eps_clip_high", low=0.0, low_open=True)
+    check_float(args, "eps_clip_c", low=1.0, low_open=True)
+    check_float(args, "opsm_delta", low=0.0, low_open=True)
+    check_float(args, "entropy_coef", low=0.0)
+    check_float(args, "kl_loss_coef", low=0.0)
+    check_float(args, "kl_coef", low=0.0)
+    if args.kl_coef != 0 and args.kl_loss_coef != 0:
+        raise ConfigError(
+            f"--kl-coef {args.kl_coef} and --kl-loss-coef {args.kl_loss_coef} are both non-zero: pick one KL term "
+            "(a reward penalty or a loss term), set the other to 0"
+        )
+    if args.kl_loss_coef > 0 and not args.use_kl_loss:
+        raise ConfigError(f"--kl-loss-coef {args.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss")
+    check_float(args, "gamma", low=0.0, high=1.0)
+    check_float(args, "lambd", low=0.0, high=1.0)
+    if args.calculate_per_token_loss:
+        if given(args, "loss_agg_mode") and args.loss_agg_mode != "token-mean":
+            raise ConfigError(
+                f"--calculate-per-token-loss means --loss-agg-mode token-mean, but --loss-agg-mode "
+                f"{args.loss_agg_mode} was given; drop one"
+            )
+        args.loss_agg_mode = "token-mean"

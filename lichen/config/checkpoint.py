@@ -1,0 +1,54 @@
+"""Checkpoint flags: where to save, where to resume from, how often, and the HF export.
+
+`--load DIR` resumes from the latest checkpoint in DIR; a DIR that exists but holds no checkpoint starts the run
+fresh. A DIR that does not exist is a mistake (a typo would silently restart training) unless it is the same
+directory as `--save`, the usual "resume if there is something to resume" pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from lichen.errors import ConfigError
+from lichen.config.checks import check_int_at_least
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save", metavar="DIR", default=None, help="save checkpoints here (default: no checkpoints)")
+    g.add_argument(
+        "--load",
+        metavar="DIR",
+        default=None,
+        help="resume from the latest checkpoint in DIR; an existing DIR without one starts fresh (default: start "
+        "from --hf-checkpoint)",
+    )
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="save every N rollout steps (needs --save; default: only at the end of the run when --save is given)",
+    )
+    g.add_argument(
+        "--no-save-hf",
+        action="store_true",
+        help="do not also export the policy as a Hugging Face checkpoint at each save (default: off, exported)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError("--save-interval needs --save DIR: where the checkpoints go")
+    check_int_at_least(args, "save_interval", 1)
+    for dest, flag in (("save", "--save"), ("load", "--load")):
+        path = getattr(args, dest)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r}: exists and is not a directory; give a directory")
+    if args.load is not None and not os.path.isdir(args.load):
+        same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+        if not same_as_save:
+            raise ConfigError(
+                f"--load {args.load!r}: no such directory; give an existing checkpoint directory, or the same "
+                "directory as --save to resume only when a checkpoint is there"
+            )

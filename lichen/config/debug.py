@@ -1,0 +1,67 @@
+"""Debug flags: run only one half of the loop, and dump or replay rollout data."""
+
+from __future__ import annotations
+
+import argparse
+
+from lichen.errors import ConfigError
+
+ROLLOUT_ID_FIELD = "{rollout_id}"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("debug")
+    g.add_argument(
+        "--debug-rollout-only",
+        action="store_true",
+        help="generate and score rollouts but never train (the trainer does nothing, engines keep their weights); "
+        "turns --colocate and offload off",
+    )
+    g.add_argument(
+        "--debug-train-only",
+        action="store_true",
+        help="train on rollout dumps replayed from --load-debug-rollout-data; no engine, no weight sync",
+    )
+    g.add_argument(
+        "--save-debug-rollout-data",
+        metavar="PATH_TEMPLATE",
+        default=None,
+        help="write each rollout batch to this path; must contain {rollout_id}, e.g. dumps/rollout_{rollout_id} "
+        "(default: no dumps)",
+    )
+    g.add_argument(
+        "--load-debug-rollout-data",
+        metavar="PATH_TEMPLATE",
+        default=None,
+        help="replay rollout batches from this path template (must contain {rollout_id}); implies "
+        "--debug-train-only (default: none)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    for dest, flag in (
+        ("save_debug_rollout_data", "--save-debug-rollout-data"),
+        ("load_debug_rollout_data", "--load-debug-rollout-data"),
+    ):
+        template = getattr(args, dest)
+        if template is not None and ROLLOUT_ID_FIELD not in template:
+            raise ConfigError(
+                f"{flag} {template!r}: the path template must contain {ROLLOUT_ID_FIELD} (one file per rollout "
+                f"step), e.g. dumps/rollout_{ROLLOUT_ID_FIELD}"
+            )
+    if args.debug_rollout_only and args.load_debug_rollout_data is not None:
+        raise ConfigError(
+            "--debug-rollout-only and --load-debug-rollout-data exclude each other: replaying dumps means training "
+            "only (it implies --debug-train-only); drop one of them"
+        )
+    if args.debug_rollout_only and args.debug_train_only:
+        raise ConfigError(
+            "--debug-rollout-only and --debug-train-only exclude each other (together nothing would run); drop one"
+        )
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True
+    elif args.debug_train_only:
+        raise ConfigError(
+            "--debug-train-only replays rollout dumps: add --load-debug-rollout-data PATH_TEMPLATE (files written "
+            "by an earlier run with --save-debug-rollout-data)"
+        )

@@ -1,0 +1,29 @@
+"""Flags lichen has removed, each with why and what to do instead.
+
+They are checked before argparse runs, so a removed flag gets its own message rather than "unrecognized
+argument". To retire a flag: delete it from its group module and add a line here.
+"""
+
+from __future__ import annotations
+
+from lichen.errors import ConfigError
+
+REMOVED_FLAGS: dict[str, str] = {
+    "--train-memory-margin-bytes": "was removed: the memory saver's own default margin is used now; drop this flag",
+}
+
+
+def removed_message(flag: str) -> str | None:
+    """The error text for a removed flag, or None if `flag` was not removed."""
+    why = REMOVED_FLAGS.get(flag)
+    return None if why is None else f"{flag} {why}"
+
+
+def check_removed(argv: list[str]) -> None:
+    """Raise ConfigError for the first removed flag in `argv` (`--flag` or `--flag=value`)."""
+    for token in argv:
+        if token == "--":
+            return
+        message = removed_message(token.split("=", 1)[0])
+        if message is not None:
+            raise ConfigError(message)

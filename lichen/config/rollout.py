@@ -1,0 +1,176 @@
+"""Rollout flags: batch shape, sampling, rewards, plug-ins, engines, and `--sglang-*` pass-through.
+
+`--sglang-<x>` flags are meant for the SGLang servers lichen launches and are passed to them verbatim, except the
+ones lichen reads itself (SGLANG_CONSUMED_FLAGS). Unknown `--sglang-*` arguments are therefore collected into
+`args.sglang_passthrough` (a flat token list, e.g. ["--sglang-mem-fraction-static", "0.8"]) instead of failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from lichen.errors import ConfigError, NotAvailableYet
+from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
+
+SGLANG_PREFIX = "--sglang-"
+SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port")
+
+_SERVER_ENGINES_LATER = "server engines come with `lichen serve`; without this flag the in-process engine is used"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "rollout",
+        description=f"Other {SGLANG_PREFIX}<flag> arguments are passed verbatim to the SGLang servers that lichen "
+        f"launches; lichen itself reads only {', '.join(SGLANG_CONSUMED_FLAGS)}.",
+    )
+    g.add_argument(
+        "--rollout-batch-size",
+        type=int,
+        default=None,
+        help="(required) prompts per rollout step; each yields --n-samples-per-prompt samples",
+    )
+    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="samples generated per prompt (group size)")
+    g.add_argument("--rollout-max-response-len", type=int, default=1024, help="most tokens generated per sample")
+    g.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature, > 0")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--rollout-top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all")
+    g.add_argument(
+        "--rollout-stop-token-ids",
+        type=int,
+        nargs="*",
+        default=None,
+        help="token ids that end a response besides EOS (default: EOS only)",
+    )
+    g.add_argument(
+        "--rm-type",
+        default=None,
+        help="built-in rule reward, e.g. math or exact; this or --custom-rm-path is required (default: none)",
+    )
+    g.add_argument(
+        "--custom-rm-path",
+        default=None,
+        help="your reward function as module.function; this or --rm-type is required (default: none)",
+    )
+    g.add_argument(
+        "--reward-key",
+        default=None,
+        help="when the reward is a dict, the key whose value is the scalar reward (default: the reward is a float)",
+    )
+    g.add_argument(
+        "--rollout-function-path",
+        default=None,
+        help="replace the whole rollout step with module.function (default: lichen's own rollout)",
+    )
+    g.add_argument(
+        "--custom-generate-function-path",
+        default=None,
+        help="replace per-sample generation with module.function (default: one engine call per sample)",
+    )
+    g.add_argument(
+        "--rollout-num-engines",
+        type=int,
+        default=None,
+        help="number of `lichen serve` engine servers to launch (not available yet; default: the in-process "
+        "engine)",
+    )
+    g.add_argument(
+        "--rollout-external-engine-addrs",
+        nargs="+",
+        metavar="HOST:PORT",
+        default=None,
+        help="running SGLang-protocol servers to use (not available yet; default: the in-process engine)",
+    )
+    g.add_argument(
+        "--sglang-server-concurrency",
+        type=int,
+        default=512,
+        help="most requests in flight per engine server",
+    )
+    g.add_argument(
+        "--sglang-router-ip",
+        default=None,
+        help="address of a running SGLang router (not available yet; default: none)",
+    )
+    g.add_argument(
+        "--sglang-router-port",
+        type=int,
+        default=None,
+        help="port of a running SGLang router (not available yet; default: none)",
+    )
+    g.add_argument(
+        "--rollout-max-batch-size",
+        type=int,
+        default=None,
+        help="most sequences the in-process engine decodes at once (default: all of a rollout step)",
+    )
+
+
+def collect_sglang_passthrough(extras: list[str], known_flags: list[str]) -> list[str]:
+    """Keep `--sglang-*` arguments (and the values after them) that argparse did not know; anything else is an
+    unrecognized argument, reported with the closest known flag."""
+    passthrough: list[str] = []
+    in_sglang = False
+    for token in extras:
+        if token == "--":
+            raise ConfigError("unrecognized argument '--': lichen train takes no positional arguments")
+        if token.startswith("-") and not _is_number(token):
+            in_sglang = token.startswith(SGLANG_PREFIX)
+            if not in_sglang:
+                name = token.split("=", 1)[0]
+                close = difflib.get_close_matches(name, known_flags, n=1)
+                hint = f"; did you mean {close[0]}?" if close else "; see lichen train --help"
+                raise ConfigError(f"unrecognized argument {name}{hint}")
+            passthrough.append(token)
+        elif in_sglang:
+            passthrough.append(token)
+        else:
+            raise ConfigError(f"unrecognized argument {token!r}: lichen train takes no positional arguments")
+    return passthrough
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.rollout_num_engines is not None:
+        raise NotAvailableYet(f"--rollout-num-engines is not available yet: {_SERVER_ENGINES_LATER}")
+    if args.rollout_external_engine_addrs is not None:
+        raise NotAvailableYet(f"--rollout-external-engine-addrs is not available yet: {_SERVER_ENGINES_LATER}")
+    for dest, flag in (("sglang_router_ip", "--sglang-router-ip"), ("sglang_router_port", "--sglang-router-port")):
+        if getattr(args, dest) is not None:
+            raise NotAvailableYet(f"{flag} is not available yet: {_SERVER_ENGINES_LATER}")
+    if args.sglang_passthrough:
+        raise NotAvailableYet(
+            f"{args.sglang_passthrough[0]}: --sglang-... flags apply to SGLang servers that lichen launches, which "
+            "is not available yet; drop them"
+        )
+    if args.rollout_batch_size is None:
+        raise ConfigError("--rollout-batch-size is required: the number of prompts per rollout step")
+    check_int_at_least(args, "rollout_batch_size", 1)
+    check_int_at_least(args, "n_samples_per_prompt", 1)
+    check_int_at_least(args, "rollout_max_response_len", 1)
+    check_float(args, "rollout_temperature", low=0.0, low_open=True)
+    check_float(args, "rollout_top_p", low=0.0, high=1.0, low_open=True)
+    if args.rollout_top_k != -1 and args.rollout_top_k < 1:
+        raise ConfigError(f"--rollout-top-k {args.rollout_top_k}: must be -1 (no top-k) or >= 1")
+    for token_id in args.rollout_stop_token_ids or []:
+        if token_id < 0:
+            raise ConfigError(f"--rollout-stop-token-ids: {token_id} is not a token id (must be >= 0)")
+    check_int_at_least(args, "sglang_server_concurrency", 1)
+    check_int_at_least(args, "rollout_max_batch_size", 1)
+    if args.rm_type is not None and args.custom_rm_path is not None:
+        raise ConfigError("--rm-type and --custom-rm-path exclude each other: give exactly one reward")
+    if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
+        raise ConfigError(
+            "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path "
+            "module.function"
+        )
+    for dest in ("custom_rm_path", "rollout_function_path", "custom_generate_function_path"):
+        check_dotted_path(args, dest)

@@ -1,0 +1,188 @@
+"""Training flags: run length, batch sizes, optimizer and schedule, loss type, old log-probs.
+
+Batch arithmetic. One rollout step yields S = rollout_batch_size * n_samples_per_prompt samples, split into
+num_steps_per_rollout optimizer steps of global_batch_size samples each, so S = global_batch_size *
+num_steps_per_rollout exactly:
+- only --global-batch-size given:     num_steps_per_rollout = S / global_batch_size
+- only --num-steps-per-rollout given: global_batch_size = S / num_steps_per_rollout
+- both given: they must agree; neither: one step of S samples.
+Each optimizer step is accumulated over global_batch_size / micro_batch_size micro-batches (without dynamic
+batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lichen.errors import ConfigError
+from lichen.config.checks import check_dotted_path, check_float, check_int_at_least, given
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument(
+        "--num-rollout",
+        type=int,
+        default=None,
+        help="rollout steps to run; exactly one of --num-rollout and --num-epoch is required",
+    )
+    g.add_argument(
+        "--num-epoch",
+        type=int,
+        default=None,
+        help="passes over --prompt-data (sets the number of rollout steps); exactly one of --num-rollout and "
+        "--num-epoch is required",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step (default: rollout-batch-size * n-samples-per-prompt / "
+        "num-steps-per-rollout)",
+    )
+    g.add_argument(
+        "--num-steps-per-rollout",
+        type=int,
+        default=1,
+        help="optimizer steps per rollout step (default: 1, or the samples of a rollout step / "
+        "--global-batch-size when that is given)",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="samples per forward/backward pass; must divide the global batch size",
+    )
+    g.add_argument(
+        "--use-dynamic-batch-size",
+        action="store_true",
+        help="pack micro-batches by token count (--max-tokens-per-gpu) instead of --micro-batch-size "
+        "(default: off)",
+    )
+    g.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="token budget of one micro-batch; required with --use-dynamic-batch-size (default: none)",
+    )
+    g.add_argument("--lr", type=float, default=1e-6, help="peak learning rate (Adam)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="constant",
+        help="learning-rate schedule after warm-up",
+    )
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="optimizer steps of linear warm-up from 0")
+    g.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="optimizer steps over which the rate decays to --min-lr (default: the whole run)",
+    )
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW) weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this; 0: off")
+    g.add_argument(
+        "--loss-type",
+        choices=["policy_loss", "sft_loss", "custom_loss"],
+        default="policy_loss",
+        help="policy_loss: the RL objective; sft_loss: negative log-likelihood of responses; custom_loss: "
+        "--custom-loss-function-path",
+    )
+    g.add_argument(
+        "--custom-loss-function-path",
+        default=None,
+        help="your loss as module.function; required by --loss-type custom_loss (default: none)",
+    )
+    g.add_argument(
+        "--force-recompute-old-log-probs",
+        action="store_true",
+        help="recompute old log-probs in a separate no-grad pass even when a single optimizer step per rollout "
+        "makes them equal to the current ones, with a different micro-batch split, so the first-step ppo_kl = 0 "
+        "invariant is actually checked (default: off, reuse the current log-probs)",
+    )
+    g.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="use the engine's log-probs as old log-probs instead of recomputing them (default: off)",
+    )
+
+
+def _resolve_batch(args: argparse.Namespace) -> None:
+    per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    shape = (
+        f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt} = "
+        f"{per_rollout} samples per rollout step"
+    )
+    check_int_at_least(args, "num_steps_per_rollout", 1)
+    check_int_at_least(args, "global_batch_size", 1)
+    gbs, steps = args.global_batch_size, args.num_steps_per_rollout
+    if gbs is not None and given(args, "num_steps_per_rollout"):
+        if gbs * steps != per_rollout:
+            raise ConfigError(
+                f"--global-batch-size {gbs} and --num-steps-per-rollout {steps} disagree: {shape}, but {gbs} x "
+                f"{steps} = {gbs * steps}; give only one of them"
+            )
+    elif gbs is not None:
+        if per_rollout % gbs:
+            raise ConfigError(
+                f"--global-batch-size {gbs} does not divide the rollout: {shape}; pick a divisor of {per_rollout}"
+            )
+        args.num_steps_per_rollout = per_rollout // gbs
+    else:
+        if per_rollout % steps:
+            raise ConfigError(
+                f"--num-steps-per-rollout {steps} does not divide the rollout: {shape}; pick a divisor of "
+                f"{per_rollout}"
+            )
+        args.global_batch_size = per_rollout // steps
+    check_int_at_least(args, "micro_batch_size", 1)
+    if args.use_dynamic_batch_size:
+        if args.max_tokens_per_gpu is None:
+            raise ConfigError(
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu N: the token budget of one micro-batch"
+            )
+    elif args.global_batch_size % args.micro_batch_size:
+        raise ConfigError(
+            f"--micro-batch-size {args.micro_batch_size} does not divide the global batch size "
+            f"{args.global_batch_size} (--global-batch-size); pick a divisor"
+        )
+    check_int_at_least(args, "max_tokens_per_gpu", 1)
+
+
+def check(args: argparse.Namespace) -> None:
+    if (args.num_rollout is None) == (args.num_epoch is None):
+        which = "both were given" if args.num_rollout is not None else "neither was given"
+        raise ConfigError(f"give exactly one of --num-rollout N and --num-epoch N to set the run length ({which})")
+    check_int_at_least(args, "num_rollout", 1)
+    check_int_at_least(args, "num_epoch", 1)
+    if args.num_epoch is not None and args.prompt_data is None:
+        raise ConfigError("--num-epoch counts passes over --prompt-data, which is not given; use --num-rollout N")
+    _resolve_batch(args)
+    check_float(args, "lr", low=0.0)
+    check_float(args, "min_lr", low=0.0)
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay ends at --min-lr")
+    check_int_at_least(args, "lr_warmup_iters", 0)
+    check_int_at_least(args, "lr_decay_iters", 1)
+    check_float(args, "weight_decay", low=0.0)
+    check_float(args, "adam_beta1", low=0.0, high=1.0, high_open=True)
+    check_float(args, "adam_beta2", low=0.0, high=1.0, high_open=True)
+    check_float(args, "adam_eps", low=0.0, low_open=True)
+    check_float(args, "clip_grad", low=0.0)
+    if args.loss_type == "custom_loss" and args.custom_loss_function_path is None:
+        raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path module.function")
+    if args.loss_type != "custom_loss" and args.custom_loss_function_path is not None:
+        raise ConfigError(
+            f"--custom-loss-function-path is only used with --loss-type custom_loss (got --loss-type "
+            f"{args.loss_type}); add --loss-type custom_loss or drop the path"
+        )
+    check_dotted_path(args, "custom_loss_function_path")
+    if args.use_rollout_logprobs and args.force_recompute_old_log_probs:
+        raise ConfigError(
+            "--use-rollout-logprobs and --force-recompute-old-log-probs exclude each other: old log-probs come "
+            "either from the engine or from a trainer pass; drop one"
+        )

@@ -1,0 +1,228 @@
+"""Prompt data sets: JSON Lines or Parquet files, optionally cut to a row range with `path@[a:b]`.
+
+Each row becomes a `PromptRecord`. The prompt (`--input-key`) is either a string or a list of chat messages
+(`{"role": ..., "content": ...}` dicts). The label (`--label-key`) may be anything JSON can hold; a row without
+it gets label None. Metadata (`--metadata-key`) must be an object (a JSON string holding an object is also
+accepted, since Parquet files often store it that way).
+
+The slice suffix follows Python slice semantics over data rows (blank lines in a JSONL file are not rows):
+`data.jsonl@[:100]` is the first 100 rows, `data.jsonl@[-50:]` the last 50, `data.parquet@[10:-10]` all but
+ten at each end. Only the selected rows are parsed, so a malformed line outside the slice is not reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from lichen.errors import DataError
+
+_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<body>[^\]]*)\]$")
+_JSONL_EXTS = (".jsonl", ".json")
+_PARQUET_EXTS = (".parquet",)
+
+
+@dataclass
+class PromptRecord:
+    prompt: str | list[dict]
+    label: Any
+    metadata: dict = field(default_factory=dict)
+    tools: list | None = None
+    source_line: int | None = None  # 1-based line (JSONL) or row (Parquet) in the source file
+
+
+def parse_spec(spec: str, flag: str = "--prompt-data") -> tuple[str, slice | None]:
+    """Split `path@[a:b]` into the path and a `slice`; a spec without the suffix gives (spec, None)."""
+    m = _SLICE_RE.match(spec)
+    if m is None:
+        if "@[" in spec:
+            raise DataError(
+                f"{flag} {spec!r}: bad row slice; write it as PATH@[start:stop], e.g. data.jsonl@[:100] or "
+                f"data.jsonl@[-50:]"
+            )
+        return spec, None
+    body = m.group("body")
+    parts = body.split(":")
+    if len(parts) != 2:
+        raise DataError(
+            f"{flag} {spec!r}: bad row slice [{body}]; expected exactly one ':' as in [start:stop] (no step)"
+        )
+    bounds: list[int | None] = []
+    for part in parts:
+        part = part.strip()
+        if part == "":
+            bounds.append(None)
+            continue
+        try:
+            bounds.append(int(part))
+        except ValueError:
+            raise DataError(
+                f"{flag} {spec!r}: bad row slice [{body}]; {part!r} is not an integer (bounds are whole row "
+                f"numbers, negative counts from the end, empty means the start/end)"
+            ) from None
+    return m.group("path"), slice(bounds[0], bounds[1])
+
+
+def load_prompt_dataset(
+    spec: str,
+    *,
+    input_key: str = "prompt",
+    label_key: str | None = "label",
+    metadata_key: str | None = "metadata",
+    tool_key: str | None = None,
+    flag: str = "--prompt-data",
+) -> list[PromptRecord]:
+    """Read the prompt rows of `spec` (`.jsonl`/`.json` lines or `.parquet`, optional `@[a:b]`) into records."""
+    path, row_slice = parse_spec(spec, flag)
+    if not os.path.exists(path):
+        raise DataError(f"{flag} {path}: file not found; check the path (relative paths start at {os.getcwd()})")
+    if os.path.isdir(path):
+        raise DataError(f"{flag} {path}: is a directory; give a .jsonl or .parquet file")
+    lower = path.lower()
+    if lower.endswith(_JSONL_EXTS):
+        rows = _read_jsonl(path, row_slice)
+    elif lower.endswith(_PARQUET_EXTS):
+        rows = _read_parquet(path, row_slice, flag)
+    else:
+        ext = os.path.splitext(path)[1] or "(none)"
+        raise DataError(
+            f"{flag} {path}: unsupported file extension {ext}; use .jsonl (one JSON object per line), .json "
+            f"(JSON Lines) or .parquet"
+        )
+    if not rows:
+        where = f" after slicing [{_fmt_slice(row_slice)}]" if row_slice is not None else ""
+        raise DataError(f"{flag} {spec}: no prompt rows{where}; the data set must hold at least one prompt")
+    keys = _Keys(input_key, label_key, metadata_key, tool_key)
+    return [_to_record(row, line, path, keys) for line, row in rows]
+
+
+@dataclass
+class _Keys:
+    input: str
+    label: str | None
+    metadata: str | None
+    tool: str | None
+
+
+def _fmt_slice(s: slice | None) -> str:
+    if s is None:
+        return ":"
+    return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+
+
+def _read_jsonl(path: str, row_slice: slice | None) -> list[tuple[int, dict]]:
+    """(1-based line number, parsed object) for each selected non-blank line."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(i + 1, text) for i, text in enumerate(f) if text.strip()]
+    if row_slice is not None:
+        lines = lines[row_slice]
+    rows = []
+    for lineno, text in lines:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            hint = ""
+            if lineno == 1 and text.lstrip().startswith("["):
+                hint = "; the file looks like one JSON array, but lichen reads JSON Lines (one object per line)"
+            raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno}){hint}") from None
+        if not isinstance(obj, dict):
+            raise DataError(
+                f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}; each line must be "
+                f'like {{"prompt": ..., "label": ...}}'
+            )
+        rows.append((lineno, obj))
+    return rows
+
+
+def _read_parquet(path: str, row_slice: slice | None, flag: str) -> list[tuple[int, dict]]:
+    """(1-based row number, row dict) for each selected row."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends for non-parquet content
+        raise DataError(f"{flag} {path}: cannot read as Parquet: {e}") from None
+    start, stop, _ = (row_slice or slice(None)).indices(table.num_rows)
+    stop = max(start, stop)
+    table = table.slice(start, stop - start)
+    return [(start + i + 1, row) for i, row in enumerate(table.to_pylist())]
+
+
+def _where(path: str, line: int) -> str:
+    return f"{path}:{line}" if path.lower().endswith(_JSONL_EXTS) else f"{path} row {line}"
+
+
+def _to_record(row: dict, line: int, path: str, keys: _Keys) -> PromptRecord:
+    where = _where(path, line)
+    if keys.input not in row or row[keys.input] is None:
+        present = ", ".join(repr(k) for k in row) or "(none)"
+        raise DataError(
+            f"{where}: no prompt under key {keys.input!r} (keys present: {present}); set --input-key to the "
+            f"key that holds the prompt"
+        )
+    prompt = _check_prompt(row[keys.input], where, keys.input)
+    label = row.get(keys.label) if keys.label is not None else None
+    metadata: dict = {}
+    if keys.metadata is not None and row.get(keys.metadata) is not None:
+        metadata = _check_object(row[keys.metadata], where, keys.metadata, "metadata")
+    tools = None
+    if keys.tool is not None and row.get(keys.tool) is not None:
+        tools = row[keys.tool]
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: tools under key {keys.tool!r} is a string but not JSON: {e.msg}") from None
+        if not isinstance(tools, list):
+            raise DataError(
+                f"{where}: tools under key {keys.tool!r} must be a list of tool specs, got {type(tools).__name__}"
+            )
+    return PromptRecord(prompt=prompt, label=label, metadata=metadata, tools=tools, source_line=line)
+
+
+def _check_object(value: Any, where: str, key: str, what: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: {what} under key {key!r} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
+    """A prompt is a string or a non-empty list of {role: str, content: str | list | None} messages."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise DataError(
+            f"{where}: prompt under key {key!r} must be a string or a list of chat messages, got "
+            f"{type(value).__name__}"
+        )
+    if not value:
+        raise DataError(f"{where}: prompt under key {key!r} is an empty message list")
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise DataError(
+                f"{where}: message {i} of the prompt under key {key!r} must be an object with 'role' and "
+                f"'content', got {type(msg).__name__}"
+            )
+        if not isinstance(msg.get("role"), str):
+            raise DataError(
+                f"{where}: message {i} of the prompt under key {key!r} has no string 'role' (keys: "
+                f"{', '.join(map(repr, msg)) or '(none)'})"
+            )
+        if "content" not in msg:
+            raise DataError(f"{where}: message {i} of the prompt under key {key!r} has no 'content'")
+        content = msg["content"]
+        # list content = multimodal parts; None = an assistant turn that only calls tools
+        if not (content is None or isinstance(content, (str, list))):
+            raise DataError(
+                f"{where}: message {i} of the prompt under key {key!r}: 'content' must be a string, a list of "
+                f"parts or null, got {type(content).__name__}"
+            )
+    return value

@@ -1,0 +1,134 @@
+"""The RL driver: the only place that orders the phases (DESIGN §1).
+
+    sync -> [eval] -> for each rollout step: generate -> train -> [save] -> sync -> [eval]
+
+Debug modes are plug-ins, not branches: --debug-rollout-only swaps in a trainer that does nothing, and
+--load-debug-rollout-data swaps in a rollout that replays dumps and has no engines to sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from lichen import sync
+from lichen.observe.metrics import MetricsLogger, format_step_line, get_logger
+from lichen.observe.progress import print_line, progress
+from lichen.train import checkpoint as ckpt
+
+log = get_logger(__name__)
+
+
+class NullTrainer:
+    """--debug-rollout-only: no model, no optimizer; engines keep their weights."""
+
+    def train(self, rollout_id, batch) -> dict:
+        return {}
+
+    def offload(self) -> None:
+        pass
+
+    def onload(self) -> None:
+        pass
+
+
+def build_rollout(args):
+    from lichen.rollout.manager import ReplayRollout, RolloutManager
+
+    return ReplayRollout(args) if args.load_debug_rollout_data else RolloutManager(args)
+
+
+def build_trainer(args):
+    if args.debug_rollout_only:
+        return NullTrainer()
+    from lichen.train.actor import TrainActor
+
+    return TrainActor(args)
+
+
+def resolve_num_rollout(args, rollout) -> None:
+    if args.num_rollout is None:
+        per_epoch = getattr(rollout, "num_rollout_per_epoch", None)
+        if per_epoch is None:
+            from lichen.errors import ConfigError
+
+            raise ConfigError("--num-epoch needs a prompt data set; give --num-rollout with --load-debug-rollout-data")
+        args.num_rollout = args.num_epoch * per_epoch
+    args.total_optimizer_steps = args.num_rollout * args.num_steps_per_rollout
+
+
+def resume(args, trainer, rollout) -> int:
+    """Restore trainer, optimizer, RNG and data position from --load; returns the first rollout id to run."""
+    if not args.load:
+        return 0
+    last = ckpt.find_latest(args.load)
+    if last is None:
+        log.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", args.load)
+        return 0
+    if not isinstance(trainer, NullTrainer):
+        ckpt.load_trainer(args.load, last, trainer)
+    rollout.load_state_dict(ckpt.load_rollout_state(args.load, last))
+    log.info("resumed from %s at rollout %d (weight version %d)", ckpt.iter_dir(args.load, last), last, last + 1)
+    return last + 1
+
+
+def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
+    return bool(interval) and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout)
+
+
+def run(args) -> dict:
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+        json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f, indent=1, default=str)
+    rollout = build_rollout(args)
+    resolve_num_rollout(args, rollout)
+    trainer = build_trainer(args)
+    logger = MetricsLogger(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
+                           wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
+                           wandb_run_name=args.wandb_run_name, config=vars(args))
+    if (args.offload_train or args.offload_rollout) and not _on_accelerator(args):
+        log.info("offload requested on CPU: nothing to release, offload is a no-op")
+
+    start = resume(args, trainer, rollout)
+    sync.push(trainer, rollout, version=start)  # engines start from the trainer's weights
+    last: dict = {}
+    if args.eval_interval and start == 0 and not args.skip_eval_before_train:
+        last = rollout.eval(version=0)
+        logger.log(0, last)
+        print_line(format_step_line(-1, {**last, "num_rollout": args.num_rollout}))
+
+    for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
+        t0 = time.perf_counter()
+        batch, metrics = rollout.generate(rollout_id)
+        if args.offload_rollout:
+            rollout.offload()
+        if args.offload_train:
+            trainer.onload()
+        metrics.update(trainer.train(rollout_id, batch))
+        if args.save and is_due(args.save_interval, rollout_id, args.num_rollout):
+            if not isinstance(trainer, NullTrainer):
+                ckpt.save_trainer(args.save, rollout_id, trainer, args.hf_checkpoint)
+            ckpt.save_rollout_state(args.save, rollout_id, rollout.state_dict())
+            ckpt.mark_complete(args.save, rollout_id)
+        if args.offload_train:
+            trainer.offload()
+        if args.offload_rollout:
+            rollout.onload(["weights"])
+        metrics.update(sync.push(trainer, rollout, version=rollout_id + 1))
+        if args.offload_rollout:
+            rollout.onload(["kv_cache"])
+        if is_due(args.eval_interval, rollout_id, args.num_rollout):
+            metrics.update(rollout.eval(version=rollout_id + 1))
+        metrics["time/step"] = time.perf_counter() - t0
+        logger.log(rollout_id + 1, metrics)
+        print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
+        last = metrics
+    logger.close()
+    return last
+
+
+def _on_accelerator(args) -> bool:
+    import torch
+
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

@@ -1,0 +1,152 @@
+"""Rule rewards chosen by `--rm-type`: plain functions `fn(response: str, label, metadata: dict) -> float | dict`.
+
+- `exact`: 1.0 iff response.strip() == str(label).strip().
+- `leading_number`: 1.0 iff the integer at the start of the response (after optional whitespace: an optional '-'
+  then digits, stopping at the first non-digit) equals int(label). The quick-start addition task: prompt
+  "12+35=", response "47<eos>".
+- `math`: 1.0 iff the answer (last `\\boxed{...}`, else the last number in the text) equals the label after
+  normalisation: as strings, or as numbers with |a - b| <= 1e-6 * max(1, |b|). A basic checker; a later version
+  swaps in math-verify.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from lichen.errors import ConfigError
+
+RuleFn = Callable[[str, Any, dict], "float | dict"]
+
+
+def exact(response: str, label: Any, metadata: dict | None = None) -> float:
+    if label is None:
+        return 0.0
+    return 1.0 if response.strip() == str(label).strip() else 0.0
+
+
+_LEADING_INT = re.compile(r"\s*(-?\d+)")
+
+
+def leading_number(response: str, label: Any, metadata: dict | None = None) -> float:
+    try:
+        target = int(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"leading_number: label {label!r} is not an integer") from None
+    m = _LEADING_INT.match(response)
+    return 1.0 if m is not None and int(m.group(1)) == target else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------- math
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance; `\\boxed 5` also counts."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)", text)]
+    for pos in reversed(starts):
+        while pos < len(text) and text[pos] == " ":
+            pos += 1
+        if pos < len(text) and text[pos] == "{":
+            depth = 0
+            for j in range(pos, len(text)):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[pos + 1 : j]
+            continue  # unbalanced: try the box before it
+        m = re.match(r"[^\s$]+", text[pos:])
+        if m:
+            return m.group(0)
+    return None
+
+
+# "1,000" as one number (thousands separators) before the plain form, so "(1,2)" still reads as 1 and 2
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The last boxed answer, or failing that the last number in `text`."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\{([^{}]*)\}")
+
+
+def normalize_answer(s: str) -> str:
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = _TEXT_CMD.sub(r"\1", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ "):
+        s = s.replace(spacing, "")
+    s = s.replace("$", "")
+    s = re.sub(r"\s+", "", s)
+    return s.rstrip(".")
+
+
+_PLAIN = re.compile(r"^-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_FRAC = re.compile(r"^(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
+_FRAC_SHORT = re.compile(r"^(-?)\\frac(\d)(\d)$")
+_SLASH = re.compile(r"^(-?[\d.]+)/(-?[\d.]+)$")
+
+
+def parse_number(s: str) -> float | None:
+    """A normalised answer as a float: plain decimals, 1,000, \\frac{a}{b}, \\frac12, a/b; else None."""
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    try:
+        if _PLAIN.match(s):
+            return float(s)
+        m = _FRAC.match(s) or _FRAC_SHORT.match(s)
+        if m:
+            num, den = float(m.group(2)), float(m.group(3))
+            return None if den == 0 else (-1 if m.group(1) else 1) * num / den
+        m = _SLASH.match(s)
+        if m:
+            num, den = float(m.group(1)), float(m.group(2))
+            return None if den == 0 else num / den
+    except ValueError:  # "1.2.3" passes the loose digit classes above
+        return None
+    return None
+
+
+def answers_equal(pred: str, ref: str) -> bool:
+    a, b = normalize_answer(pred), normalize_answer(ref)
+    if a == b:
+        return True
+    x, y = parse_number(a), parse_number(b)
+    return x is not None and y is not None and abs(x - y) <= 1e-6 * max(1.0, abs(y))
+
+
+def math(response: str, label: Any, metadata: dict | None = None) -> float:
+    if label is None or str(label).strip() == "":
+        return 0.0
+    ref = str(label)
+    ref = last_boxed(ref) or ref  # labels sometimes carry their own \boxed{}
+    pred = extract_answer(response)
+    if pred is None or normalize_answer(ref) == "":
+        return 0.0
+    return 1.0 if answers_equal(pred, ref) else 0.0
+
+
+RULES: dict[str, RuleFn] = {
+    "exact": exact,
+    "leading_number": leading_number,
+    "math": math,
+}
+
+
+def get_rule_reward(rm_type: str, flag: str = "--rm-type") -> RuleFn:
+    try:
+        return RULES[rm_type]
+    except KeyError:
+        raise ConfigError(
+            f"{flag} {rm_type!r} is not a known rule reward; known: {', '.join(sorted(RULES))} (or give "
+            f"--custom-rm-path module.function for your own verifier)"
+        ) from None

@@ -1,0 +1,176 @@
+"""The rollout manager: prompts from the data source -> engine samples -> rewards -> `list[list[Sample]]`.
+
+It owns the engines (the trainer reaches them only through `lichen.sync`), the prompt data source (whose
+position is part of every checkpoint) and the evaluation data sets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from lichen.data import PromptSource, load_prompt_dataset
+from lichen.errors import DataError
+from lichen.models.tokenizer import encode_prompt, load_tokenizer
+from lichen.observe.metrics import get_logger
+from lichen.plugins import load_function
+from lichen.rewards import build_reward_fn, score_samples
+from lichen.rollout.eval import eval_metrics
+from lichen.rollout.generate import build_samples, generate_rollout
+from lichen.types import Sample, Status
+
+log = get_logger(__name__)
+
+
+def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
+    samples = [s for g in groups for s in g]
+    ok = [s for s in samples if s.status != Status.FAILED]
+    n = max(len(samples), 1)
+    return {
+        "rollout/reward_mean": sum(s.scalar_reward(reward_key) for s in ok) / max(len(ok), 1),
+        "rollout/response_length_mean": sum(s.response_length for s in samples) / n,
+        "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
+        "rollout/num_failed": len(samples) - len(ok),
+        "rollout/num_samples": len(samples),
+    }
+
+
+def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]) -> str:
+    path = path_template.format(rollout_id=rollout_id)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"rollout_id": rollout_id, "samples": [[s.to_dict() for s in g] for g in groups]}, path)
+    return path
+
+
+class RolloutManager:
+    def __init__(self, args, engine=None):
+        from lichen.engines.engine import Engine
+        from lichen.train.actor import resolve_device
+
+        self.args = args
+        self.tokenizer = load_tokenizer(args.hf_checkpoint)
+        keys = dict(input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
+                    tool_key=args.tool_key)
+        records = load_prompt_dataset(args.prompt_data, **keys)
+        self._encoded: dict[tuple[str, int], list[int]] = {}
+        if args.rollout_max_prompt_len:
+            kept = [r for i, r in enumerate(records) if len(self._encode_record(r)) <= args.rollout_max_prompt_len]
+            self.num_filtered_prompts = len(records) - len(kept)
+            if self.num_filtered_prompts:
+                log.info("--rollout-max-prompt-len %d: dropped %d of %d prompts", args.rollout_max_prompt_len,
+                         self.num_filtered_prompts, len(records))
+            records = kept
+        self.source = PromptSource(records, batch_size=args.rollout_batch_size, shuffle=args.rollout_shuffle,
+                                   seed=args.rollout_seed)
+        self.eval_sets = {name: load_prompt_dataset(path, flag="--eval-prompt-data", **keys)
+                          for name, path in (args.eval_datasets or [])}
+        if engine is None:
+            engine = Engine.from_pretrained(args.hf_checkpoint, device=resolve_device(args.device),
+                                            max_batch_size=args.rollout_max_batch_size)
+        self.engine = engine
+        self.reward_fn = build_reward_fn(args.rm_type, args.custom_rm_path, args)
+        eval_rm = getattr(args, "eval_rm_type", None)
+        self.eval_reward_fn = build_reward_fn(eval_rm, None, args) if eval_rm else self.reward_fn
+        self.generate_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
+                            if args.rollout_function_path else generate_rollout)
+        self.last_reward_stats: dict = {}
+
+    @property
+    def engines(self) -> list:
+        return [self.engine]
+
+    def _encode_record(self, record) -> list[int]:
+        return encode_prompt(self.tokenizer, record.prompt, self.args.apply_chat_template, record.tools)
+
+    def encode(self, data_index: int, record, dataset: str = "train") -> list[int]:
+        key = (dataset, data_index)
+        if key not in self._encoded:
+            self._encoded[key] = self._encode_record(record)
+        return self._encoded[key]
+
+    @property
+    def num_rollout_per_epoch(self) -> int:
+        return self.source.num_batches_per_epoch
+
+    def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict]:
+        t0 = time.perf_counter()
+        prompts = self.source.next_batch()
+        groups = self.generate_fn(self.args, rollout_id, prompts, self)
+        metrics = rollout_metrics(groups, self.args.reward_key)
+        stats = self.last_reward_stats
+        if stats:
+            metrics["time/reward"] = stats.get("reward_time_s", 0.0)
+        metrics["time/generate"] = time.perf_counter() - t0
+        if self.args.save_debug_rollout_data:
+            dump_rollout(self.args.save_debug_rollout_data, rollout_id, groups)
+        return groups, metrics
+
+    def eval(self, version: int) -> dict:
+        args = self.args
+        out: dict = {}
+        t0 = time.perf_counter()
+        for name, records in self.eval_sets.items():
+            prompts = list(enumerate(records))
+
+            class _View:  # prompt encodings are cached per eval set
+                tokenizer, engine = self.tokenizer, self.engine
+                encode = staticmethod(lambda i, r, _n=name: self.encode(i, r, dataset=f"eval:{_n}"))
+
+            groups = build_samples(
+                args, _View, prompts, n=args.n_samples_per_eval_prompt,
+                temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.rollout_top_k,
+                max_new_tokens=args.eval_max_response_len, seed_key=-1,
+            )
+            score_samples([s for g in groups for s in g], self.eval_reward_fn, args)
+            for key, value in eval_metrics(groups, args.reward_key).items():
+                out[f"eval/{name}/{key}"] = value
+        out["time/eval"] = time.perf_counter() - t0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"source": self.source.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state["source"])
+
+    def offload(self) -> None:
+        for e in self.engines:
+            e.offload()
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        for e in self.engines:
+            e.onload(tags)
+
+
+class ReplayRollout:
+    """--load-debug-rollout-data: replays dumped Samples instead of generating (no engine, no weight sync)."""
+
+    engines: list = []
+
+    def __init__(self, args):
+        self.args = args
+
+    def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict]:
+        path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
+        if not os.path.isfile(path):
+            raise DataError(f"--load-debug-rollout-data: no dump for rollout {rollout_id} at {path!r}")
+        data = torch.load(path, weights_only=False)
+        groups = [[Sample.from_dict(d) for d in g] for g in data["samples"]]
+        return groups, rollout_metrics(groups, self.args.reward_key)
+
+    def eval(self, version: int) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def offload(self) -> None:
+        pass
+
+    def onload(self, tags=None) -> None:
+        pass

@@ -1,0 +1,260 @@
+"""TrainActor: the policy model, its optimizer, log-prob passes and the RL train step.
+
+One optimizer step per global batch: `rollout_batch_size * n_samples_per_prompt` samples are split into
+`num_steps_per_rollout` global batches, each into micro-batches whose gradients accumulate. Every loss is
+aggregated as "this micro-batch's share of the global-batch loss" (lichen.algo.aggregate_loss), so the update
+does not depend on how samples are split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from lichen import algo
+from lichen.models import load_model
+from lichen.models.tokenizer import load_tokenizer
+from lichen.observe.metrics import get_logger
+from lichen.train.advantage import compute_advantages
+from lichen.train.batch import MicroBatch, make_micro_batch, split_by_tokens, split_fixed
+from lichen.train.schedule import lr_at
+from lichen.types import Sample, Status
+
+log = get_logger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TrainActor:
+    def __init__(self, args):
+        self.args = args
+        self.device = resolve_device(args.device)
+        torch.manual_seed(args.seed)
+        tok = load_tokenizer(args.hf_checkpoint)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        # fp32 master weights; --bf16 runs the forward/backward under autocast.
+        self.model = load_model(args.hf_checkpoint, device=self.device, dtype=torch.float32)
+        self.model.gradient_checkpointing = bool(args.gradient_checkpointing)
+        self.model.train()
+        self.ref_model = None
+        if args.use_kl_loss or args.kl_coef != 0:
+            self.ref_model = load_model(args.ref_load or args.hf_checkpoint, device=self.device, dtype=torch.float32)
+            self.ref_model.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
+        self.opt_step = 0
+        self._offloaded = False
+
+    # ---- weights for sync and checkpoints ----------------------------------------------------------------
+    def named_weights(self):
+        """(HF name, tensor) pairs of the current policy, read by sync.push."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def offload(self) -> None:
+        if self.device.type == "cpu":
+            return  # DESIGN §7: a no-op on CPU (logged once by the loop)
+        from lichen.train.offload import offload_to_cpu
+
+        offload_to_cpu(self.model, self.optimizer)
+        self._offloaded = True
+
+    def onload(self) -> None:
+        if not self._offloaded:
+            return
+        from lichen.train.offload import onload_to_device
+
+        onload_to_device(self.model, self.optimizer, self.device)
+        self._offloaded = False
+
+    # ---- log-probs --------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.args.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_log_probs(self, model, mb: MicroBatch, need_entropy: bool = False):
+        """log pi(token) = log_softmax(logits / T)[token] at each response position (DESIGN §3)."""
+        with self._autocast():
+            hidden = model(mb.input_ids, mb.position_ids)
+            h = hidden.gather(1, mb.resp_index[..., None].expand(-1, -1, hidden.shape[-1]))
+            logits = model.logits(h)
+        logits = logits.float() / self.args.rollout_temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, mb.resp_tokens[..., None]).squeeze(-1)
+        entropy = algo.entropy_from_logits(logits) if need_entropy else None
+        return logp, entropy
+
+    @torch.no_grad()
+    def _log_prob_pass(self, model, samples, splits, R) -> torch.Tensor:
+        out = torch.zeros((len(samples), R), device=self.device)
+        for idx in splits:
+            mb = make_micro_batch(samples, idx, self.pad_id, self.device)
+            lp, _ = self.forward_log_probs(model, mb)
+            out[idx, : lp.shape[1]] = lp
+        return out
+
+    def _splits(self, indices: list[int], samples: list[Sample], micro_batch_size: int, max_tokens: int | None):
+        if self.args.use_dynamic_batch_size:
+            return split_by_tokens(indices, [len(s.tokens) for s in samples], max_tokens or self.args.max_tokens_per_gpu)
+        return split_fixed(indices, micro_batch_size)
+
+    # ---- the train step ---------------------------------------------------------------------------------
+    def train(self, rollout_id: int, batch: list[list[Sample]]) -> dict:
+        args = self.args
+        t0 = time.perf_counter()
+        samples = [s for group in batch for s in group]
+        n, R = len(samples), max(max(s.response_length for s in samples), 1)
+        everything = list(range(n))
+        full = make_micro_batch(samples, everything, self.pad_id, "cpu")
+        mask = full.resp_mask.to(self.device)
+        R = mask.shape[1]
+        rollout_lp = torch.zeros((n, R), device=self.device)
+        has_rollout_lp = all(s.rollout_log_probs is not None for s in samples)
+        if has_rollout_lp:
+            for i, s in enumerate(samples):
+                rollout_lp[i, : s.response_length] = torch.tensor(s.rollout_log_probs, device=self.device)
+
+        # Old log-probs: recomputed in a separate no-grad pass whose micro-batches differ from training's, so
+        # the first-step ppo_kl == 0 check exercises batch-shape independence rather than reusing one forward.
+        recompute = args.loss_type != "sft_loss" and (args.num_steps_per_rollout > 1 or args.force_recompute_old_log_probs)
+        lp_mbs = max(2 * args.micro_batch_size, 1)
+        lp_tokens = 2 * args.max_tokens_per_gpu if args.max_tokens_per_gpu else None
+        lp_splits = self._splits(everything, samples, lp_mbs, lp_tokens)
+        old_lp = None
+        if args.use_rollout_logprobs and has_rollout_lp:
+            old_lp = rollout_lp
+        elif recompute:
+            old_lp = self._log_prob_pass(self.model, samples, lp_splits, R)
+        ref_lp = self._log_prob_pass(self.ref_model, samples, lp_splits, R) if self.ref_model is not None else None
+
+        kl_for_adv = None
+        if ref_lp is not None and args.kl_coef != 0:
+            base = old_lp if old_lp is not None else self._log_prob_pass(self.model, samples, lp_splits, R)
+            kl_for_adv = algo.approx_kl(base, ref_lp, args.kl_loss_type) * mask
+        metrics: dict = {}
+        if args.loss_type == "sft_loss":
+            adv = torch.zeros_like(mask)
+        else:
+            adv, adv_metrics = compute_advantages(args, samples, mask, kl_for_adv)
+            metrics.update(adv_metrics)
+
+        gbs = n // args.num_steps_per_rollout
+        step_metrics: list[dict] = []
+        first_logp = torch.zeros((n, R), device=self.device)
+        for k in range(args.num_steps_per_rollout):
+            idx = everything[k * gbs : (k + 1) * gbs]
+            step_metrics.append(self._optimizer_step(samples, idx, mask, adv, old_lp, ref_lp, first_logp if k == 0 else None))
+
+        # Mismatch between the engine's log-probs and the trainer's for the same tokens and weights.
+        if has_rollout_lp:
+            trainer_lp = old_lp if (old_lp is not None and old_lp is not rollout_lp) else first_logp
+            diff = (trainer_lp - rollout_lp).abs() * mask
+            ntok = mask.sum().clamp(min=1)
+            metrics["train/train_rollout_logprob_abs_diff"] = float(diff.sum() / ntok)
+            metrics["train/train_rollout_logprob_abs_diff_max"] = float(diff.max())
+        for key in step_metrics[0]:
+            metrics[f"train/{key}"] = sum(m[key] for m in step_metrics) / len(step_metrics)
+        metrics["train/ppo_kl_first_step"] = step_metrics[0]["ppo_kl"]
+        metrics["train/ppo_kl_last_step"] = step_metrics[-1]["ppo_kl"]
+        metrics["train/num_failed_samples"] = sum(s.status == Status.FAILED for s in samples)
+        metrics["time/train"] = time.perf_counter() - t0
+        if recompute and abs(metrics["train/ppo_kl_first_step"]) > 1e-4:
+            log.warning(
+                "invariant: first-step ppo_kl = %.3g with recomputed old log-probs (expected ~0): the trainer's "
+                "log-probs depend on how samples are batched", metrics["train/ppo_kl_first_step"]
+            )
+        self.last_step_metrics = step_metrics
+        return metrics
+
+    def _policy_terms(self, logp, old, adv, mask):
+        args = self.args
+        est = args.advantage_estimator
+        kw = dict(eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high)
+        if est == "gspo":
+            out = algo.gspo_policy_loss(logp, old, adv, mask, **kw)
+        elif est == "cispo":
+            out = algo.cispo_policy_loss(logp, old, adv, **kw)
+        else:
+            out = algo.ppo_policy_loss(logp, old, adv, eps_clip_c=args.eps_clip_c, **kw)
+        if args.use_opsm:
+            adv_seq = algo.masked_mean(adv, mask, dim=-1)
+            mask = mask * algo.opsm_mask(logp.detach(), old, adv_seq, mask, args.opsm_delta)
+        return out, mask
+
+    def _optimizer_step(self, samples, idx, mask, adv, old_lp, ref_lp, first_logp_out) -> dict:
+        args = self.args
+        splits = self._splits(idx, samples, args.micro_batch_size, None)
+        step_mask = mask[idx]
+        counts = dict(
+            global_num_samples=int((step_mask.sum(-1) > 0).sum()),
+            global_num_tokens=int(step_mask.sum()),
+            max_response_len=args.rollout_max_response_len,
+        )
+        agg = lambda x, m: algo.aggregate_loss(x, m, args.loss_agg_mode, **counts)  # noqa: E731
+        totals = {"loss": 0.0, "pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
+        if args.entropy_coef != 0:
+            totals["entropy"] = 0.0
+        if ref_lp is not None and args.use_kl_loss:
+            totals["kl_loss"] = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in splits:
+            mb = make_micro_batch(samples, rows, self.pad_id, self.device)
+            r = mb.resp_mask.shape[1]
+            m = mask[rows, :r]
+            logp, entropy = self.forward_log_probs(self.model, mb, need_entropy=args.entropy_coef != 0)
+            if first_logp_out is not None:
+                first_logp_out[rows, :r] = logp.detach()
+            old = old_lp[rows, :r] if old_lp is not None else logp.detach()
+            if args.loss_type == "sft_loss":
+                per_tok, pg = algo.sft_loss(logp), None
+            else:
+                pg, m = self._policy_terms(logp, old, adv[rows, :r], m)
+                per_tok = pg["loss"]
+            loss = agg(per_tok, m)
+            totals["pg_loss"] += float(loss.detach())
+            if pg is not None:
+                totals["pg_clipfrac"] += float(agg(pg["clipfrac"].detach(), m))
+                totals["ppo_kl"] += float(agg(pg["ppo_kl"].detach(), m))
+            if entropy is not None:
+                ent = agg(entropy, m)
+                loss = loss - args.entropy_coef * ent
+                totals["entropy"] += float(ent.detach())
+            if "kl_loss" in totals:
+                imp = (logp - old) if args.use_unbiased_kl else None
+                kl = agg(algo.approx_kl(logp, ref_lp[rows, :r], args.kl_loss_type, importance_log_ratio=imp), m)
+                loss = loss + args.kl_loss_coef * kl
+                totals["kl_loss"] += float(kl.detach())
+            totals["loss"] += float(loss.detach())
+            loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
+        lr = lr_at(
+            self.opt_step,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            warmup=args.lr_warmup_iters,
+            decay_iters=args.lr_decay_iters or args.total_optimizer_steps,
+            style=args.lr_decay_style,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if counts["global_num_samples"] > 0 and torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            log.warning("skipping optimizer step %d: %s", self.opt_step,
+                        "no trainable samples" if counts["global_num_samples"] == 0 else f"grad norm {float(grad_norm)}")
+        self.opt_step += 1
+        totals["grad_norm"] = float(grad_norm)
+        totals["lr"] = lr
+        return totals

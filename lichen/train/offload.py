@@ -1,0 +1,34 @@
+"""Moving the trainer's state off the accelerator while engines generate (DESIGN §7).
+
+Parameters, gradients and optimizer state go to pinned CPU memory and come back before training. (When
+`torch_memory_saver` is installed on a CUDA machine it can pause the allocations instead; that path lands with
+colocated GPU runs.) On CPU the trainer never calls these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device, pin: bool) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                moved = value.to(device, non_blocking=True)
+                state[key] = moved.pin_memory() if pin else moved
+
+
+def offload_to_cpu(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.data = p.data.to("cpu").pin_memory()
+        if p.grad is not None:
+            p.grad = None  # gradients are not needed across phases (zeroed at the next step anyway)
+    _move_optimizer_state(optimizer, "cpu", pin=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def onload_to_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device) -> None:
+    for p in model.parameters():
+        p.data = p.data.to(device, non_blocking=True)
+    _move_optimizer_state(optimizer, device, pin=False)

@@ -1,0 +1,296 @@
+"""Rule rewards on hand-checked cases; custom verifiers; the runner's concurrency, timeouts and failure isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from lichen.errors import ConfigError
+from lichen.rewards import RuleReward, build_reward_fn, get_rule_reward, score_samples, score_samples_async
+from lichen.rewards.rules import exact, extract_answer, last_boxed, leading_number, math, parse_number
+from lichen.types import Sample, Status
+
+# the plug-in module lives beside this file; make it importable whatever pytest's import mode
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def make(response: str, label=None, index: int = 0, **metadata) -> Sample:
+    return Sample(prompt="p", response=response, label=label, index=index, metadata=dict(metadata))
+
+
+# --------------------------------------------------------------------------------------------- rule rewards
+
+
+@pytest.mark.parametrize(
+    "response,label,want",
+    [("47", 47, 1.0), (" 47\n", "47", 1.0), ("47.", 47, 0.0), ("", "", 1.0), ("x", None, 0.0)],
+)
+def test_exact(response, label, want):
+    assert exact(response, label, {}) == want
+
+
+@pytest.mark.parametrize(
+    "response,label,want",
+    [
+        ("47", 47, 1.0),
+        ("47</s>", 47, 1.0),
+        (" 47abc", 47, 1.0),
+        ("-3", -3, 1.0),
+        ("-3", 3, 0.0),
+        ("4 7", 4, 1.0),  # digits stop at the space
+        ("4 7", 47, 0.0),
+        ("", 47, 0.0),
+        ("abc", 47, 0.0),
+        ("abc47", 47, 0.0),  # the number must lead
+        ("470", 47, 0.0),
+        ("047", "47", 1.0),  # label given as a string; leading zeros are the same integer
+        ("- 3", -3, 0.0),
+    ],
+)
+def test_leading_number(response, label, want):
+    assert leading_number(response, label, {}) == want
+
+
+def test_leading_number_bad_label_raises():
+    with pytest.raises(ValueError, match="not an integer"):
+        leading_number("47", "forty-seven", {})
+
+
+def test_last_boxed_balances_nested_braces():
+    assert last_boxed(r"x \boxed{\frac{1}{\sqrt{2}}} y") == r"\frac{1}{\sqrt{2}}"
+    assert last_boxed(r"\boxed{1} then \boxed{2}") == "2"
+    assert last_boxed(r"\boxed{3} then \boxed{4") == "3"  # the unbalanced last box is skipped
+    assert last_boxed(r"\boxed 7 done") == "7"
+    assert last_boxed("no box") is None
+
+
+def test_extract_answer_falls_back_to_last_number():
+    assert extract_answer("first 3 then 1,000 and 12.5.") == "12.5"
+    assert extract_answer("total 1,000") == "1,000"
+    assert extract_answer("nothing here") is None
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [("0.5", 0.5), (r"\frac{1}{2}", 0.5), (r"-\frac{3}{4}", -0.75), (r"\frac12", 0.5), ("3/4", 0.75),
+     ("1,000", 1000.0), (r"\frac{1}{0}", None), (r"\sqrt{2}", None), ("1.2.3", None), ("nan", None)],
+)
+def test_parse_number(text, want):
+    assert parse_number(text) == want
+
+
+@pytest.mark.parametrize(
+    "response,label,want",
+    [
+        (r"The answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}", 1.0),
+        (r"\boxed{\dfrac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}", 1.0),
+        (r"\boxed{42}", "43", 0.0),
+        (r"\boxed{42}", "42", 1.0),
+        ("so it is 42", 42, 1.0),  # no box: last number
+        ("so it is 42.", "42", 1.0),
+        (r"\boxed{41} wait, \boxed{42}", "42", 1.0),  # the last box counts
+        (r"\boxed{42} wait, \boxed{41}", "42", 0.0),
+        (r"$\boxed{\text{(B)}}$", "(B)", 1.0),
+        (r"\boxed{\left( 1, 2 \right)}", "(1,2)", 1.0),
+        (r"\boxed{3/4}", r"\tfrac{3}{4}", 1.0),
+        (r"\boxed{1,000}", "1000", 1.0),
+        (r"\boxed{0.3333333}", r"\frac{1}{3}", 1.0),  # within 1e-6
+        (r"\boxed{0.333}", r"\frac{1}{3}", 0.0),
+        (r"\boxed{5}", r"\boxed{5}", 1.0),  # a boxed label
+        (r"\boxed{5}", "", 0.0),  # empty label
+        (r"\boxed{5}", None, 0.0),
+        ("no answer at all", "5", 0.0),
+    ],
+)
+def test_math(response, label, want):
+    assert math(response, label, {}) == want
+
+
+def test_get_rule_reward_unknown_lists_known():
+    assert get_rule_reward("math") is math
+    with pytest.raises(ConfigError) as e:
+        get_rule_reward("f1-score")
+    msg = str(e.value)
+    assert "--rm-type" in msg and "'f1-score'" in msg
+    for name in ("exact", "leading_number", "math"):
+        assert name in msg
+
+
+# ------------------------------------------------------------------------------------------ building the fn
+
+
+def test_rule_wrapper_and_per_sample_override():
+    fn = build_reward_fn("leading_number", None, None)
+    assert isinstance(fn, RuleReward)
+    assert fn(None, make("47", 47)) == 1.0
+    # a sample asking for `exact` is scored by it: "47abc" leads with 47 but is not exactly 47
+    assert fn(None, make("47abc", 47)) == 1.0
+    assert fn(None, make("47abc", 47, rm_type="exact")) == 0.0
+    with pytest.raises(ValueError, match="rm_type 'bogus'"):
+        fn(None, make("47", 47, rm_type="bogus"))
+
+
+def test_build_reward_fn_errors():
+    with pytest.raises(ConfigError, match="--rm-type"):
+        build_reward_fn("nope", None, None)
+    with pytest.raises(ConfigError, match="--rm-type .*--custom-rm-path"):
+        build_reward_fn(None, None, None)
+    with pytest.raises(ConfigError, match="--custom-rm-path"):
+        build_reward_fn(None, "rm_plugins.does_not_exist", None)
+
+
+def test_custom_sync_rm_gets_args_and_sample():
+    fn = build_reward_fn("math", "rm_plugins.sync_rm", None)  # the custom path wins over --rm-type
+    samples = [make("a", "a", index=0), make("b", "c", index=1)]
+    stats = score_samples(samples, fn, SimpleNamespace(bonus=0.25), concurrency=2, timeout=5.0)
+    assert [s.reward for s in samples] == [1.25, 0.25]
+    assert stats["num_failed"] == 0 and stats["failed"] == []
+    assert all(s.status == Status.PENDING for s in samples)  # success leaves the status to the generator
+    assert stats["reward_time_s"] >= 0
+
+
+def test_custom_async_rm_returns_dicts():
+    fn = build_reward_fn(None, "rm_plugins.async_rm", None)
+    samples = [make("a", "a", index=i) for i in range(3)] + [make("b", "c", index=3)]
+    stats = score_samples(samples, fn, None)
+    assert [s.reward["score"] for s in samples] == [1.0, 1.0, 1.0, 0.0]
+    assert samples[3].reward["pred"] == "b"
+    assert stats["num_failed"] == 0
+
+
+def test_rule_rewards_through_runner():
+    fn = build_reward_fn("leading_number", None, None)
+    samples = [make(r, 47, index=i) for i, r in enumerate(["47", " 47abc", "4 7", "", "abc"])]
+    samples.append(make("47", "x", index=5))  # bad label: the rule raises, the sample fails
+    stats = score_samples(samples, fn, None)
+    assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert stats["failed"] == [(5, "ValueError: leading_number: label 'x' is not an integer")]
+
+
+# --------------------------------------------------------------------------------------- failure isolation
+
+
+def test_failing_verifiers_are_isolated():
+    fn = build_reward_fn(None, "rm_plugins.flaky_rm", None)
+    modes = ["ok", "raise", "ok", "hang", "nan", "dict_nan", "none", "own_timeout", "ok"]
+    samples = [make("r", None, index=10 + i, mode=m) for i, m in enumerate(modes)]
+    samples[0].metadata["reward_error"] = "stale"  # from an earlier scoring; success clears it
+    t0 = time.perf_counter()
+    stats = score_samples(samples, fn, None, concurrency=4, timeout=0.3)
+    elapsed = time.perf_counter() - t0
+    # the hung thread sleeps 3 s; the call must return once the 0.3 s timeout fires, not wait for it
+    assert elapsed < 2.0, elapsed
+    want = {
+        11: "ValueError: cannot parse the answer",
+        13: "timeout after 0.3 s",
+        14: "non-finite reward nan",
+        15: "non-finite reward inf at key 'score'",
+        16: "TypeError: reward must be a float or a dict, got NoneType",
+        17: "TimeoutError: sandbox did not answer",  # the verifier's own timeout is its error, not ours
+    }
+    assert dict(stats["failed"]) == want
+    assert stats["num_failed"] == len(want)
+    for s in samples:
+        if s.index in want:
+            assert s.status == Status.FAILED
+            assert s.metadata["reward_error"] == want[s.index]
+        else:
+            assert s.status == Status.PENDING and s.reward == 1.0
+            assert "reward_error" not in s.metadata
+    assert samples[1].reward == 0.0 and samples[3].reward == 0.0 and samples[4].reward == 0.0
+    assert samples[5].reward == {"score": float("inf"), "pred": "x"}  # the dict is kept for inspection
+
+
+def test_async_verifier_timeout_is_cancelled():
+    fn = build_reward_fn(None, "rm_plugins.async_hang_rm", None)
+    samples = [make("r", index=0), make("r", index=1, mode="hang"), make("r", index=2)]
+    t0 = time.perf_counter()
+    stats = score_samples(samples, fn, None, timeout=0.2)
+    assert time.perf_counter() - t0 < 2.0
+    assert stats["failed"] == [(1, "timeout after 0.2 s")]
+    assert samples[0].reward == 0.5 and samples[2].reward == 0.5 and samples[1].reward == 0.0
+
+
+def test_numpy_and_tensor_scalars_accepted():
+    import numpy as np
+    import torch
+
+    values = [np.float32(0.5), torch.tensor(0.25), 1, True, np.float64("nan"), torch.tensor([1.0, 2.0])]
+    samples = [make("r", index=i) for i in range(len(values))]
+    stats = score_samples(samples, lambda args, s: values[s.index], None)
+    assert [s.reward for s in samples[:4]] == [0.5, 0.25, 1.0, 1.0]
+    assert all(isinstance(s.reward, float) for s in samples[:4])
+    failed = dict(stats["failed"])
+    assert failed[4] == "non-finite reward nan"
+    assert failed[5].startswith("TypeError: reward Tensor is not a scalar")
+
+
+# ------------------------------------------------------------------------------------------- concurrency
+
+
+def _tracking_sync(delay: float):
+    lock, state = threading.Lock(), {"now": 0, "max": 0}
+
+    def fn(args, sample):
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(delay)
+        with lock:
+            state["now"] -= 1
+        return 1.0
+
+    return fn, state
+
+
+def test_sync_concurrency_limit_respected_and_reached():
+    fn, state = _tracking_sync(0.05)
+    samples = [make("r", index=i) for i in range(12)]
+    t0 = time.perf_counter()
+    stats = score_samples(samples, fn, None, concurrency=3, timeout=5.0)
+    elapsed = time.perf_counter() - t0
+    assert state["max"] == 3
+    assert stats["num_failed"] == 0
+    assert elapsed >= 4 * 0.05 * 0.9  # 12 calls, 3 at a time: at least 4 rounds
+
+
+def test_async_concurrency_limit_respected_and_reached():
+    state = {"now": 0, "max": 0}
+
+    async def fn(args, sample):
+        state["now"] += 1
+        state["max"] = max(state["max"], state["now"])
+        await asyncio.sleep(0.02)
+        state["now"] -= 1
+        return 1.0
+
+    samples = [make("r", index=i) for i in range(20)]
+    score_samples(samples, fn, None, concurrency=5)
+    assert state["max"] == 5
+    assert all(s.reward == 1.0 for s in samples)
+
+
+def test_score_samples_inside_running_loop():
+    async def main():
+        samples = [make("47", 47)]
+        with pytest.raises(RuntimeError, match="score_samples_async"):
+            score_samples(samples, RuleReward("exact"), None)
+        stats = await score_samples_async(samples, RuleReward("exact"), None)
+        return samples[0].reward, stats["num_failed"]
+
+    assert asyncio.run(main()) == (1.0, 0)
+
+
+def test_bad_runner_arguments():
+    with pytest.raises(ValueError, match="concurrency"):
+        score_samples([make("x")], RuleReward("exact"), None, concurrency=0)
+    with pytest.raises(ValueError, match="timeout"):
+        score_samples([make("x")], RuleReward("exact"), None, timeout=0)
+    assert score_samples([], RuleReward("exact"), None)["num_failed"] == 0
