@@ -40,7 +40,8 @@ def _group_stats(
     num_groups = uniq.numel()
     valid_f = valid.to(torch.float64)
     # Failed samples may carry NaN rewards; they must not leak into the sums.
-    r = torch.where(valid.bool(), rewards.to(torch.float64), torch.zeros((), dtype=torch.float64, device=rewards.device))
+    zero = torch.zeros((), dtype=torch.float64, device=rewards.device)
+    r = torch.where(valid.bool(), rewards.to(torch.float64), zero)
     count = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device).index_add_(0, inverse, valid_f)
     total = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device).index_add_(0, inverse, r)
     return count, total, inverse, r, num_groups

@@ -107,7 +107,9 @@ def check(args: argparse.Namespace) -> None:
             f"--advantage-estimator {estimator} needs --normalize-advantages (REINFORCE++ whitens advantages over "
             "the batch); add it"
         )
-    if not args.disable_rewards_normalization and args.n_samples_per_prompt == 1 and estimator in GROUP_ESTIMATORS:
+    uses_advantages = getattr(args, "loss_type", "policy_loss") == "policy_loss"  # sft_loss ignores them
+    if (uses_advantages and not args.disable_rewards_normalization and args.n_samples_per_prompt == 1
+            and estimator in GROUP_ESTIMATORS):
         raise ConfigError(
             f"--advantage-estimator {estimator} with --n-samples-per-prompt 1 and group reward normalization: every "
             "advantage would be 0 (a reward minus the mean of a group of one); use --n-samples-per-prompt >= 2 or "

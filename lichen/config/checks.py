@@ -49,7 +49,7 @@ def check_float(
         ok = ok and (value < high if high_open else value <= high)
     if not ok:
         left = "(" if low_open else "["
-        right = ")" if high_open else "]"
+        right = ")" if high_open or high is None else "]"
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else f"{high:g}"
         fail(f"{flag_of(dest)} {value}: must be in {left}{lo}, {hi}{right}")

@@ -48,7 +48,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="most tokens per eval response (default: --rollout-max-response-len)",
     )
-    g.add_argument("--eval-rm-type", default=None, help="rule reward for eval (default: --rm-type)")
+    g.add_argument("--eval-rm-type", metavar="NAME", default=None, help="rule reward for eval (default: --rm-type)")
 
 
 def check(args: argparse.Namespace) -> None:

@@ -21,8 +21,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default="online",
         help="W&B mode; offline writes locally for a later `wandb sync`",
     )
-    g.add_argument("--wandb-project", default="lichen", help="W&B project")
-    g.add_argument("--wandb-run-name", default=None, help="W&B run name (default: chosen by W&B)")
+    g.add_argument("--wandb-project", metavar="NAME", default="lichen", help="W&B project")
+    g.add_argument("--wandb-run-name", metavar="NAME", default=None, help="W&B run name (default: chosen by W&B)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars (default: off, bars are shown)")
 
 

@@ -30,9 +30,15 @@ class LichenHelpFormatter(argparse.HelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=40, width=110)
 
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        # "--lr X" reads better than "--lr LR"; choices and explicit metavars are shown as given.
+        return {int: "N", float: "X"}.get(action.type, "VALUE")  # type: ignore[arg-type]
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        if action.default is argparse.SUPPRESS:
             return text
         if action.option_strings and action.nargs != 0:
             return text + " (default: %(default)s)"

@@ -40,31 +40,37 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-stop-token-ids",
         type=int,
         nargs="*",
+        metavar="ID",
         default=None,
         help="token ids that end a response besides EOS (default: EOS only)",
     )
     g.add_argument(
         "--rm-type",
+        metavar="NAME",
         default=None,
         help="built-in rule reward, e.g. math or exact; this or --custom-rm-path is required (default: none)",
     )
     g.add_argument(
         "--custom-rm-path",
+        metavar="MODULE.FUNCTION",
         default=None,
         help="your reward function as module.function; this or --rm-type is required (default: none)",
     )
     g.add_argument(
         "--reward-key",
+        metavar="KEY",
         default=None,
         help="when the reward is a dict, the key whose value is the scalar reward (default: the reward is a float)",
     )
     g.add_argument(
         "--rollout-function-path",
+        metavar="MODULE.FUNCTION",
         default=None,
         help="replace the whole rollout step with module.function (default: lichen's own rollout)",
     )
     g.add_argument(
         "--custom-generate-function-path",
+        metavar="MODULE.FUNCTION",
         default=None,
         help="replace per-sample generation with module.function (default: one engine call per sample)",
     )
@@ -90,11 +96,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--sglang-router-ip",
+        metavar="IP",
         default=None,
         help="address of a running SGLang router (not available yet; default: none)",
     )
     g.add_argument(
         "--sglang-router-port",
+        metavar="PORT",
         type=int,
         default=None,
         help="port of a running SGLang router (not available yet; default: none)",

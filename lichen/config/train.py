@@ -94,6 +94,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--custom-loss-function-path",
+        metavar="MODULE.FUNCTION",
         default=None,
         help="your loss as module.function; required by --loss-type custom_loss (default: none)",
     )

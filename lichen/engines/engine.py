@@ -148,8 +148,8 @@ class Engine:
         next_pos = pos[:, -1] + 1
 
         rows = list(range(B))  # rows[j] = request index of batch row j
-        done = [False] * B
-        n_done_in_batch = 0
+        done = [m == 0 for m in max_new]
+        n_done_in_batch = sum(done)
         for step in range(max(max_new)):
             tokens, lps = sample_next(logits, temp, top_p, top_k, seeds, step)
             tok_list, lp_list = tokens.tolist(), lps.tolist()

@@ -1,0 +1,38 @@
+"""`lichen train`: parse and validate the flags, then run the loop (or print the resolved config with --dry-run)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lichen.config import parse_train_args
+
+
+def resolved_config(args: argparse.Namespace) -> dict:
+    """The public fields of `args` as plain YAML-able values (tuples become lists, private `_x` fields dropped)."""
+    return {key: _plain(value) for key, value in sorted(vars(args).items()) if not key.startswith("_")}
+
+
+def _plain(value):
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, set):
+        return sorted(_plain(v) for v in value)
+    return value
+
+
+def main(argv: list[str]) -> int:
+    args = parse_train_args(argv)
+    os.environ.update(args.train_env_vars)
+    if args.dry_run:
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(resolved_config(args), sort_keys=True, default_flow_style=False))
+        return 0
+    from lichen.loop import run  # imported only now: it pulls in torch and the models
+
+    run(args)
+    return 0

@@ -1,0 +1,24 @@
+"""Plug-ins loaded by dotted path in loop tests."""
+
+
+def digit_fraction(args, sample) -> float:
+    """A reward that varies across samples of a random model: the fraction of digits in the response."""
+    text = sample.response
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def constant_rollout(args, rollout_id, prompts, manager):
+    """--rollout-function-path contract: (args, rollout_id, [(data_index, PromptRecord)], manager) -> groups."""
+    from lichen.types import Sample, Status
+
+    groups = []
+    for pos, (idx, rec) in enumerate(prompts):
+        ids = manager.encode(idx, rec)
+        resp = manager.tokenizer.encode("7", add_special_tokens=False) + [manager.tokenizer.eos_token_id]
+        groups.append([
+            Sample(prompt=rec.prompt, tokens=ids + resp, response="7", response_length=2, label=rec.label,
+                   reward=float(j % 2), loss_mask=[1, 1], status=Status.COMPLETED, group_index=pos,
+                   index=pos * args.n_samples_per_prompt + j, weight_versions=[manager.engine.weight_version])
+            for j in range(args.n_samples_per_prompt)
+        ])
+    return groups
