@@ -78,6 +78,10 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
 
 
 def run(args) -> dict:
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "config.json"), "w") as f:
         json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f, indent=1, default=str)
@@ -106,7 +110,7 @@ def run(args) -> dict:
         if args.offload_train:
             trainer.onload()
         metrics.update(trainer.train(rollout_id, batch))
-        if args.save and is_due(args.save_interval, rollout_id, args.num_rollout):
+        if args.save and (is_due(args.save_interval, rollout_id, args.num_rollout) or rollout_id + 1 == args.num_rollout):
             if not isinstance(trainer, NullTrainer):
                 ckpt.save_trainer(args.save, rollout_id, trainer, args.hf_checkpoint)
             ckpt.save_rollout_state(args.save, rollout_id, rollout.state_dict())

@@ -22,3 +22,9 @@ def constant_rollout(args, rollout_id, prompts, manager):
             for j in range(args.n_samples_per_prompt)
         ])
     return groups
+
+
+def reinforce_loss(args, *, log_probs, old_log_probs, advantages, mask, samples):
+    """--custom-loss-function-path contract: per-token loss [b, R]; here plain REINFORCE: -A * log pi."""
+    assert log_probs.shape == advantages.shape == mask.shape and len(samples) == log_probs.shape[0]
+    return -advantages * log_probs

@@ -37,7 +37,8 @@ def run_cli(argv, capsys):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--rollout-batch-sise", "3"], "unrecognized argument --rollout-batch-sise; did you mean --rollout-batch-size?"),
+        (["--rollout-batch-sise", "3"],
+         "unrecognized argument --rollout-batch-sise; did you mean --rollout-batch-size?"),
         (["--rollout-batch-size", "x"], "argument --rollout-batch-size: invalid int value: 'x'"),
         (["--runtime", "cloud"], "argument --runtime: invalid choice: 'cloud'"),
         (["--lr"], "argument --lr: expected one argument"),

@@ -56,7 +56,7 @@ DEFAULTS = {
     "update_weight_delta_encoding": "xor", "update_weight_delta_checksum": "xxh3-128",
     "debug_rollout_only": False, "debug_train_only": False, "save_debug_rollout_data": None,
     "load_debug_rollout_data": None,
-    "save": None, "load": None, "save_interval": None, "no_save_hf": False,
+    "save": None, "load": None, "save_interval": None,
     "eval_prompt_data": None, "eval_datasets": [], "eval_interval": None, "skip_eval_before_train": False,
     "n_samples_per_eval_prompt": 1, "eval_temperature": 1.0, "eval_top_p": 1.0, "eval_max_response_len": 1024,
     "eval_rm_type": "math",

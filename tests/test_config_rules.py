@@ -48,7 +48,8 @@ def parse(*extra: str, drop: tuple[str, ...] = ()) -> argparse.Namespace:
 # (id, extra args, dropped base flags, substrings the message must contain, exception class)
 REJECTIONS = [
     # general / model
-    ("runtime-ray", ["--runtime", "ray"], (), ["--runtime ray", "not available yet", "--runtime local"], NotAvailableYet),
+    ("runtime-ray", ["--runtime", "ray"], (), ["--runtime ray", "not available yet", "--runtime local"],
+     NotAvailableYet),
     ("megatron", ["--train-backend", "megatron"], (), ["--train-backend megatron", "Megatron"], NotAvailableYet),
     ("qwen-gdn", ["--qwen-gdn-backend", "fla"], (), ["--qwen-gdn-backend", "GatedDeltaNet"], NotAvailableYet),
     ("megatron-to-hf", ["--megatron-to-hf-mode", "raw"], (), ["--megatron-to-hf-mode", "Megatron"], NotAvailableYet),
@@ -112,8 +113,8 @@ REJECTIONS = [
      ["--custom-rm-path", "no_such_module_xyz"], ConfigError),
     ("rollout-fn-not-dotted", ["--rollout-function-path", "nodots"], (), ["--rollout-function-path", "dotted"],
      ConfigError),
-    ("generate-fn-attr", ["--custom-generate-function-path", "os.path.no_such_fn"], (),
-     ["--custom-generate-function-path", "no_such_fn"], ConfigError),
+    ("generate-fn-not-yet", ["--custom-generate-function-path", "os.path.join"], (),
+     ["--custom-generate-function-path", "not available yet"], NotAvailableYet),
     # train
     ("rollout-and-epoch", ["--num-epoch", "1"], (), ["--num-rollout", "--num-epoch", "both"], ConfigError),
     ("no-length", [], ("--num-rollout",), ["--num-rollout", "--num-epoch", "neither"], ConfigError),

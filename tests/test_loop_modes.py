@@ -77,3 +77,10 @@ def test_custom_generate_plugin_contract(tiny_ckpt, addition_data, tmp_path):
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1",
                          "--rollout-function-path", "loop_plugins.constant_rollout"))
     assert rows[0]["rollout/response_length_mean"] == 2
+
+
+def test_custom_loss_plugin_contract(tiny_ckpt, addition_data, tmp_path):
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--loss-type", "custom_loss",
+                         "--custom-loss-function-path", "loop_plugins.reinforce_loss", "--micro-batch-size", "4",
+                         "--num-threads", "1"))
+    assert len(rows) == 2 and all(m["train/grad_norm"] > 0 for m in rows)

@@ -30,11 +30,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="save every N rollout steps (needs --save; default: only at the end of the run when --save is given)",
     )
-    g.add_argument(
-        "--no-save-hf",
-        action="store_true",
-        help="do not also export the policy as a Hugging Face checkpoint at each save (default: off, exported)",
-    )
 
 
 def check(args: argparse.Namespace) -> None:

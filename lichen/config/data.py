@@ -17,11 +17,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="(required unless replaying dumps with --load-debug-rollout-data) prompts as .jsonl or .parquet; "
         "PATH@[start:stop] keeps a row range, e.g. train.jsonl@[:1000]",
     )
-    g.add_argument("--input-key", metavar="KEY", default="prompt", help="row key holding the prompt (a string or chat messages)")
-    g.add_argument("--label-key", metavar="KEY", default="label", help="row key holding the label the reward compares against")
+    g.add_argument(
+        "--input-key", metavar="KEY", default="prompt", help="row key holding the prompt (a string or chat messages)"
+    )
+    g.add_argument(
+        "--label-key", metavar="KEY", default="label", help="row key holding the label the reward compares against"
+    )
     g.add_argument("--metadata-key", metavar="KEY", default="metadata", help="row key holding a metadata object")
     g.add_argument(
-        "--tool-key", metavar="KEY", default=None, help="row key holding tool definitions for the chat template (default: none)"
+        "--tool-key",
+        metavar="KEY",
+        default=None,
+        help="row key holding tool definitions for the chat template (default: none)",
     )
     g.add_argument(
         "--apply-chat-template",

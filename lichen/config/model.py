@@ -72,8 +72,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--ref-load",
         metavar="PATH",
         default=None,
-        help="HF checkpoint of the reference model for KL terms (default: none given; the trainer uses "
-        "--hf-checkpoint)",
+        help="HF checkpoint of the reference model for KL terms (default: the --hf-checkpoint weights; "
+        "version 0)",
     )
     g.add_argument(
         "--device",
@@ -101,7 +101,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_env_vars(text: str) -> dict[str, str]:
+def parse_env_vars(text: str | dict) -> dict[str, str]:
     """`--train-env-vars` JSON text -> dict[str, str]; anything but a JSON object of strings is a ConfigError."""
     expected = f"expected a JSON object of string values, e.g. '{ENV_VARS_EXAMPLE}'"
     if isinstance(text, dict):  # already parsed (a YAML mapping, or re-validation)

@@ -180,5 +180,10 @@ def check(args: argparse.Namespace) -> None:
             "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path "
             "module.function"
         )
+    if args.custom_generate_function_path is not None:
+        raise NotAvailableYet(
+            "--custom-generate-function-path is not available yet: per-sample generate plug-ins come with the server "
+            "engines; use --rollout-function-path to replace the whole rollout"
+        )
     for dest in ("custom_rm_path", "rollout_function_path", "custom_generate_function_path"):
         check_dotted_path(args, dest)

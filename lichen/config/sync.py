@@ -80,7 +80,6 @@ def _uses_server_engines(args: argparse.Namespace) -> bool:
 
 
 def check(args: argparse.Namespace) -> None:
-    _inproc(args)
     check_int_at_least(args, "update_weight_buffer_size", 1)
     check_int_at_least(args, "update_weight_full_interval", 1)
     if args.update_weight_mode == "delta":
@@ -124,9 +123,3 @@ def check(args: argparse.Namespace) -> None:
                     f"{flag} applies to server engines (--rollout-num-engines / --rollout-external-engine-addrs); "
                     "the in-process engine gets a direct tensor copy of the weights; drop this flag"
                 )
-
-def _inproc(args):
-    if not _uses_server_engines(args):
-        for dest, flag in (("update_weight_transport", "--update-weight-transport"), ("update_weight_mode", "--update-weight-mode")):
-            if given(args, dest):
-                raise ConfigError(f"{flag} applies to server engines")

@@ -8,7 +8,8 @@ argparse action, so types, choices and error texts are exactly the command line'
 - `train-env-vars` may be a mapping instead of a JSON string;
 - null means "not given" (the flag keeps its default);
 - unknown `sglang-*` keys are collected for SGLang servers, as on the command line.
-Every error names the file, the line and the key.
+Relative paths in the file are relative to the current directory, as on the command line. Every error names the
+file, the line and the key.
 """
 
 from __future__ import annotations

@@ -55,6 +55,11 @@ class TrainActor:
         )
         self.opt_step = 0
         self._offloaded = False
+        self.custom_loss = None
+        if args.loss_type == "custom_loss":
+            from lichen.plugins import load_function
+
+            self.custom_loss = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
 
     # ---- weights for sync and checkpoints ----------------------------------------------------------------
     def named_weights(self):
@@ -219,6 +224,11 @@ class TrainActor:
             old = old_lp[rows, :r] if old_lp is not None else logp.detach()
             if args.loss_type == "sft_loss":
                 per_tok, pg = algo.sft_loss(logp), None
+            elif self.custom_loss is not None:
+                # Contract: fn(args, log_probs=, old_log_probs=, advantages=, mask=, samples=) -> per-token loss
+                # [b, R]; lichen aggregates it with --loss-agg-mode like every built-in loss.
+                per_tok, pg = self.custom_loss(args, log_probs=logp, old_log_probs=old, advantages=adv[rows, :r],
+                                               mask=m, samples=[samples[i] for i in rows]), None
             else:
                 pg, m = self._policy_terms(logp, old, adv[rows, :r], m)
                 per_tok = pg["loss"]
