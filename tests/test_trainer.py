@@ -1,0 +1,51 @@
+"""Trainer-level properties: micro-batch split invariance, token-budget packing, bf16, checkpointing, epochs."""
+
+import pytest
+import torch
+
+from lichen.train.batch import split_by_tokens
+
+from test_loop_invariants import base_args, final_weights, run
+
+
+def weights_after(tiny_ckpt, data, tmp_path, name, *extra):
+    run(base_args(tiny_ckpt, data, tmp_path / name, "--num-rollout", "2", "--save", str(tmp_path / f"c{name}"),
+                  *extra))
+    return final_weights(tmp_path / f"c{name}")
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_update_does_not_depend_on_micro_batch_split(tiny_ckpt, addition_data, tmp_path):
+    w1 = weights_after(tiny_ckpt, addition_data, tmp_path, "m1", "--micro-batch-size", "1")
+    w16 = weights_after(tiny_ckpt, addition_data, tmp_path, "m16", "--micro-batch-size", "16")
+    wdyn = weights_after(tiny_ckpt, addition_data, tmp_path, "dyn", "--use-dynamic-batch-size",
+                         "--max-tokens-per-gpu", "40")
+    assert max_diff(w1, w16) <= 1e-6 and max_diff(w1, wdyn) <= 1e-6
+    w0 = final_weights.__globals__["load_hf_state_dict"](tiny_ckpt)
+    assert max_diff(w1, w0) > 1e-5  # training did move the weights
+
+
+def test_bf16_and_gradient_checkpointing_run(tiny_ckpt, addition_data, tmp_path):
+    ref = weights_after(tiny_ckpt, addition_data, tmp_path, "ref", "--micro-batch-size", "4")
+    gc = weights_after(tiny_ckpt, addition_data, tmp_path, "gc", "--micro-batch-size", "4", "--gradient-checkpointing")
+    assert max_diff(ref, gc) <= 1e-6  # recomputation changes memory, not math
+    bf = weights_after(tiny_ckpt, addition_data, tmp_path, "bf", "--micro-batch-size", "4", "--bf16")
+    assert all(v.dtype == torch.float32 for v in bf.values())  # fp32 master weights
+    assert 0 < max_diff(ref, bf) < 1e-2  # bf16 compute: close to fp32, not identical
+
+
+def test_num_epoch_sets_the_number_of_steps(tiny_ckpt, addition_data, tmp_path):
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-epoch", "1", "--rollout-batch-size", "16",
+                         "--micro-batch-size", "16"))
+    assert len(rows) == 64 // 16
+
+
+def test_split_by_tokens_respects_budget_and_order():
+    lengths = [5, 9, 3, 12, 4, 4, 30]
+    splits = split_by_tokens(list(range(7)), lengths, 20)
+    assert [i for s in splits for i in s] == list(range(7))
+    for s in splits:
+        assert len(s) == 1 or len(s) * max(lengths[i] for i in s) <= 20
