@@ -28,3 +28,12 @@ def reinforce_loss(args, *, log_probs, old_log_probs, advantages, mask, samples)
     """--custom-loss-function-path contract: per-token loss [b, R]; here plain REINFORCE: -A * log pi."""
     assert log_probs.shape == advantages.shape == mask.shape and len(samples) == log_probs.shape[0]
     return -advantages * log_probs
+
+
+def zero_tis(args, *, old_log_probs, rollout_log_probs, mask):
+    """--custom-tis-function-path contract: per-token weights [b, R]; zeros switch the policy loss off."""
+    assert old_log_probs.shape == rollout_log_probs.shape == mask.shape
+    return torch.zeros_like(mask)
+
+
+import torch  # noqa: E402  (kept below the plug-ins so the contract reads first)

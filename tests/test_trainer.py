@@ -49,3 +49,28 @@ def test_split_by_tokens_respects_budget_and_order():
     assert [i for s in splits for i in s] == list(range(7))
     for s in splits:
         assert len(s) == 1 or len(s) * max(lengths[i] for i in s) <= 20
+
+
+def test_tis_weights_truncate_and_icepop():
+    from types import SimpleNamespace
+
+    from lichen.train.actor import TrainActor
+
+    actor = TrainActor.__new__(TrainActor)
+    actor.tis_fn = None
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.1, 0.4, 0.9]]))  # ratios 5, 0.5, 1
+    m = torch.ones(1, 3)
+    actor.args = SimpleNamespace(tis_mode="truncate", tis_clip=2.0, tis_clip_low=0.6)
+    assert torch.allclose(actor._tis_weights(old, rollout, m), torch.tensor([[2.0, 0.6, 1.0]]))
+    actor.args.tis_mode = "icepop"
+    assert torch.allclose(actor._tis_weights(old, rollout, m), torch.tensor([[0.0, 0.0, 1.0]]))
+
+
+def test_tis_in_the_loop_and_custom_tis_contract(tiny_ckpt, addition_data, tmp_path):
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "t", "--num-rollout", "1", "--micro-batch-size", "4",
+                         "--use-tis", "--force-recompute-old-log-probs"))
+    assert rows[0]["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # engine and trainer agree on CPU
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "z", "--num-rollout", "1", "--micro-batch-size", "4",
+                         "--use-tis", "--custom-tis-function-path", "loop_plugins.zero_tis"))
+    assert rows[0]["train/grad_norm"] == 0.0  # the plug-in's zero weights really reached the loss

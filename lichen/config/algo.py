@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lichen.errors import ConfigError, NotAvailableYet
-from lichen.config.checks import check_float, given
+from lichen.config.checks import check_dotted_path, check_float, given
 
 ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 # Estimators whose advantage is a reward minus a statistic of the prompt's group: with one sample per group and
@@ -89,10 +89,34 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="how per-token losses reduce to one number",
     )
     g.add_argument(
+        "--use-tis",
+        action="store_true",
+        help="truncated importance sampling: weight each token's policy loss by pi_old / pi_rollout (trainer vs "
+        "engine log-probs), clipped to [--tis-clip-low, --tis-clip] (default: off)",
+    )
+    g.add_argument("--tis-clip", type=float, default=2.0, help="upper bound of the TIS weight (default 2.0)")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="lower bound of the TIS weight (default 0.0)")
+    g.add_argument(
+        "--tis-mode",
+        choices=["truncate", "icepop"],
+        default="truncate",
+        help="truncate: clip weights into the band; icepop: weights outside the band become 0 (default truncate)",
+    )
+    g.add_argument(
+        "--custom-tis-function-path",
+        default=None,
+        help="module.fn(args, *, old_log_probs, rollout_log_probs, mask) -> per-token weights [b, R], replacing "
+        "the built-in TIS weight (needs --use-tis; default: none)",
+    )
+    g.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
         help="alias of --loss-agg-mode token-mean (default: off)",
     )
+
+
+def given_set(args: argparse.Namespace) -> set:
+    return set(getattr(args, "_explicit", set()))
 
 
 def check(args: argparse.Namespace) -> None:
@@ -115,6 +139,18 @@ def check(args: argparse.Namespace) -> None:
             "advantage would be 0 (a reward minus the mean of a group of one); use --n-samples-per-prompt >= 2 or "
             "--disable-rewards-normalization"
         )
+    if args.use_tis and args.use_rollout_logprobs:
+        raise ConfigError(
+            "--use-tis and --use-rollout-logprobs exclude each other: TIS reweights trainer-old log-probs against "
+            "the engine's, which --use-rollout-logprobs makes identical; drop one"
+        )
+    if not args.use_tis and (args.custom_tis_function_path is not None or "tis_mode" in given_set(args)):
+        raise ConfigError("--custom-tis-function-path and --tis-mode need --use-tis")
+    if args.use_tis and not (0.0 <= args.tis_clip_low < 1.0 < args.tis_clip):
+        raise ConfigError(
+            f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low < 1 < high"
+        )
+    check_dotted_path(args, "custom_tis_function_path")
     check_float(args, "eps_clip", low=0.0, low_open=True)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip

@@ -60,6 +60,11 @@ class TrainActor:
             from lichen.plugins import load_function
 
             self.custom_loss = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        self.tis_fn = None
+        if args.use_tis and args.custom_tis_function_path:
+            from lichen.plugins import load_function
+
+            self.tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path")
 
     # ---- weights for sync and checkpoints ----------------------------------------------------------------
     def named_weights(self):
@@ -160,7 +165,8 @@ class TrainActor:
         first_logp = torch.zeros((n, R), device=self.device)
         for k in range(args.num_steps_per_rollout):
             idx = everything[k * gbs : (k + 1) * gbs]
-            step_metrics.append(self._optimizer_step(samples, idx, mask, adv, old_lp, ref_lp, first_logp if k == 0 else None))
+            step_metrics.append(self._optimizer_step(samples, idx, mask, adv, old_lp, ref_lp, first_logp if k == 0 else None,
+                                                     rollout_lp if has_rollout_lp else None))
 
         # Mismatch between the engine's log-probs and the trainer's for the same tokens and weights.
         if has_rollout_lp:
@@ -198,7 +204,20 @@ class TrainActor:
             mask = mask * algo.opsm_mask(logp.detach(), old, adv_seq, mask, args.opsm_delta)
         return out, mask
 
-    def _optimizer_step(self, samples, idx, mask, adv, old_lp, ref_lp, first_logp_out) -> dict:
+    def _tis_weights(self, old, rollout_lp, m):
+        """Importance weight of the trainer's old policy over the engine's: w = exp(old - rollout), per token.
+
+        truncate: clip(w, low, high); icepop: w where low <= w <= high, else 0. Detached: a weight, not a path.
+        """
+        args = self.args
+        if self.tis_fn is not None:
+            return self.tis_fn(args, old_log_probs=old, rollout_log_probs=rollout_lp, mask=m).detach()
+        w = torch.exp((old - rollout_lp).clamp(-20, 20)).detach()
+        if args.tis_mode == "icepop":
+            return torch.where((w >= args.tis_clip_low) & (w <= args.tis_clip), w, torch.zeros_like(w))
+        return w.clamp(args.tis_clip_low, args.tis_clip)
+
+    def _optimizer_step(self, samples, idx, mask, adv, old_lp, ref_lp, first_logp_out, rollout_lp=None) -> dict:
         args = self.args
         splits = self._splits(idx, samples, args.micro_batch_size, None)
         step_mask = mask[idx]
@@ -213,6 +232,9 @@ class TrainActor:
             totals["entropy"] = 0.0
         if ref_lp is not None and args.use_kl_loss:
             totals["kl_loss"] = 0.0
+        use_tis = args.use_tis and rollout_lp is not None and args.loss_type == "policy_loss"
+        if use_tis:
+            totals["tis_weight_mean"] = totals["tis_changed_frac"] = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for rows in splits:
             mb = make_micro_batch(samples, rows, self.pad_id, self.device)
@@ -232,6 +254,12 @@ class TrainActor:
             else:
                 pg, m = self._policy_terms(logp, old, adv[rows, :r], m)
                 per_tok = pg["loss"]
+                if use_tis:
+                    w = self._tis_weights(old, rollout_lp[rows, :r], m)
+                    raw = torch.exp((old - rollout_lp[rows, :r]).clamp(-20, 20))
+                    per_tok = per_tok * w
+                    totals["tis_weight_mean"] += float(agg(w, m))
+                    totals["tis_changed_frac"] += float(agg((w != raw).float(), m))
             loss = agg(per_tok, m)
             totals["pg_loss"] += float(loss.detach())
             if pg is not None:
