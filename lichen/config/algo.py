@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lichen.errors import ConfigError, NotAvailableYet
-from lichen.config.checks import check_dotted_path, check_float, given
+from lichen.config.checks import check_dotted_path, check_float, check_hf_dir, given
 
 ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 # Estimators whose advantage is a reward minus a statistic of the prompt's group: with one sample per group and
@@ -109,6 +109,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "the built-in TIS weight (needs --use-tis; default: none)",
     )
     g.add_argument(
+        "--custom-advantage-function-path",
+        default=None,
+        help="module.fn(args, samples, *, rewards, mask, kl) -> per-token advantages [B, R], replacing "
+        "--advantage-estimator's computation (default: none)",
+    )
+    g.add_argument(
+        "--custom-pg-loss-reducer-function-path",
+        default=None,
+        help="module.fn(per_token, mask, *, global_num_samples, global_num_tokens, max_response_len) -> this "
+        "micro-batch's share of the policy loss, replacing --loss-agg-mode for the policy-gradient term (default: none)",
+    )
+    g.add_argument(
+        "--use-opd",
+        action="store_true",
+        help="on-policy distillation: advantage -= --opd-kl-coef * (log pi - log pi_teacher) per token, with the "
+        "teacher --opd-teacher-load scored by the trainer (default: off)",
+    )
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the distillation term (default 1.0)")
+    g.add_argument("--opd-teacher-load", default=None, help="teacher HF checkpoint directory for --use-opd")
+    g.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
         help="alias of --loss-agg-mode token-mean (default: off)",
@@ -151,6 +171,14 @@ def check(args: argparse.Namespace) -> None:
             f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low < 1 < high"
         )
     check_dotted_path(args, "custom_tis_function_path")
+    check_dotted_path(args, "custom_advantage_function_path")
+    check_dotted_path(args, "custom_pg_loss_reducer_function_path")
+    if args.use_opd and args.opd_teacher_load is None:
+        raise ConfigError("--use-opd needs a teacher: add --opd-teacher-load HF_CHECKPOINT_DIR")
+    if not args.use_opd and args.opd_teacher_load is not None:
+        raise ConfigError("--opd-teacher-load is only used with --use-opd; add --use-opd or drop it")
+    if args.opd_teacher_load is not None:
+        check_hf_dir(args.opd_teacher_load, "--opd-teacher-load")
     check_float(args, "eps_clip", low=0.0, low_open=True)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip

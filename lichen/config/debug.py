@@ -30,6 +30,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(default: no dumps)",
     )
     g.add_argument(
+        "--save-debug-train-data",
+        metavar="PATH_TEMPLATE",
+        default=None,
+        help="write what the trainer used each step (rewards, advantages, old/ref/rollout log-probs, loss mask) to "
+        "this path; must contain {rollout_id} (default: no dumps)",
+    )
+    g.add_argument(
         "--load-debug-rollout-data",
         metavar="PATH_TEMPLATE",
         default=None,
@@ -41,6 +48,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     for dest, flag in (
         ("save_debug_rollout_data", "--save-debug-rollout-data"),
+        ("save_debug_train_data", "--save-debug-train-data"),
         ("load_debug_rollout_data", "--load-debug-rollout-data"),
     ):
         template = getattr(args, dest)

@@ -1,8 +1,26 @@
-"""The default rollout: n samples per prompt from the engine, scored by the reward function.
+"""The default rollout: n samples per prompt from the engine, scored, shaped and (optionally) filtered.
 
 A plug-in given by --rollout-function-path replaces `generate_rollout` with the same signature:
     fn(args, rollout_id: int, prompts: list[tuple[int, PromptRecord]], manager) -> list[list[Sample]]
-where `manager` is the RolloutManager (it holds .engine, .tokenizer, .reward_fn, .encode(record)).
+where `manager` is the RolloutManager (it holds .engine, .tokenizer, .reward_fn, .encode(record), .source).
+
+One step: generate --n-samples-per-prompt samples per prompt, score them (lichen.rewards), add the DAPO overlong
+penalty when --overlong-buffer-len is set (lichen.rollout.shaping). With --dynamic-sampling-filter-path the step
+runs DAPO dynamic sampling, in rounds r = 0, 1, ...:
+  - round 0 takes the manager's batch plus (--over-sampling-batch-size - --rollout-batch-size) further prompts
+    from `manager.source`; later rounds take --over-sampling-batch-size prompts each;
+  - round r samples with seed key rollout_id * SEED_ROUND_STRIDE + r, so no two rounds share sampling seeds;
+  - groups the filter keeps are collected until --rollout-batch-size are kept or --dynamic-sampling-max-rounds
+    rounds ran.
+Every prompt taken from the source is generated (the source hands out exactly the prompts asked for), so the
+saved source position is exactly what an uninterrupted run would have reached. Kept groups beyond
+--rollout-batch-size are discarded (counted and logged); their prompts are spent until the next epoch.
+With fewer kept groups than --rollout-batch-size the step trains on fewer: the count is cut down to a multiple
+the trainer can split into --num-steps-per-rollout equal global batches (filters.trainable_group_count); if that
+leaves none, the first rejected groups fill up to the smallest splittable count (marked
+metadata["dynamic_sampling_filler"] = True; under GRPO a group with equal rewards has zero advantage). Both cases
+log a warning. The returned groups are renumbered: group_index = 0..k-1, index = group_index * n + j.
+Metrics for the step are left in `manager.last_rollout_extra`.
 """
 
 from __future__ import annotations
@@ -11,8 +29,23 @@ import time
 
 from lichen.engines.engine import GenRequest
 from lichen.engines.sampling import derive_seed
+from lichen.observe.metrics import get_logger
 from lichen.rewards import score_samples
+from lichen.rollout.filters import (
+    load_group_filter,
+    min_trainable_groups,
+    renumber_groups,
+    run_group_filter,
+    trainable_group_count,
+)
+from lichen.rollout.shaping import apply_overlong_penalty, overlong_metrics
 from lichen.types import Sample, Status
+
+log = get_logger(__name__)
+
+# Round r of rollout i samples with seed key i * SEED_ROUND_STRIDE + r: distinct for every (i, r) while
+# r < SEED_ROUND_STRIDE, which is why --dynamic-sampling-max-rounds is capped at this value.
+SEED_ROUND_STRIDE = 1000
 
 
 def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
@@ -57,6 +90,17 @@ def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: 
 
 
 def generate_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sample]]:
+    """One rollout step: `prompts` (the manager's batch) -> scored, shaped groups; see the module docstring."""
+    if getattr(args, "dynamic_sampling_filter_path", None):
+        return _dynamic_sampling_rollout(args, rollout_id, prompts, manager)
+    groups, stats = _generate_scored(args, manager, prompts, seed_key=rollout_id)
+    manager.last_reward_stats = stats
+    manager.last_rollout_extra = overlong_metrics(s for g in groups for s in g)
+    return groups
+
+
+def _generate_scored(args, manager, prompts, *, seed_key: int) -> tuple[list[list[Sample]], dict]:
+    """build_samples + score_samples + the overlong penalty; returns (groups, reward stats)."""
     groups = build_samples(
         args,
         manager,
@@ -66,9 +110,105 @@ def generate_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sampl
         top_p=args.rollout_top_p,
         top_k=args.rollout_top_k,
         max_new_tokens=args.rollout_max_response_len,
-        seed_key=rollout_id,
+        seed_key=seed_key,
     )
+    samples = [s for g in groups for s in g]
     t0 = time.perf_counter()
-    stats = score_samples([s for g in groups for s in g], manager.reward_fn, args)
-    manager.last_reward_stats = {**stats, "reward_time_s": stats.get("reward_time_s", time.perf_counter() - t0)}
-    return groups
+    stats = score_samples(samples, manager.reward_fn, args)
+    stats = {**stats, "reward_time_s": stats.get("reward_time_s", time.perf_counter() - t0)}
+    buffer_len = getattr(args, "overlong_buffer_len", None)
+    if buffer_len is not None:
+        # after scoring, before any filter: the filter sees the reward the trainer will see
+        apply_overlong_penalty(samples, max_response_len=args.rollout_max_response_len, buffer_len=buffer_len,
+                               factor=args.overlong_penalty_factor, reward_key=args.reward_key)
+    return groups, stats
+
+
+def take_prompts(source, count: int) -> list:
+    """Exactly the next `count` prompts of a PromptSource, advancing its position by `count`.
+
+    PromptSource.next_batch hands out `source.batch_size` prompts; it is set to `count` for one call, so the
+    position moves by exactly the prompts that will be generated (and a resumed run continues from there).
+    """
+    if count <= 0:
+        return []
+    saved = source.batch_size
+    source.batch_size = count
+    try:
+        return source.next_batch()
+    finally:
+        source.batch_size = saved
+
+
+def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sample]]:
+    path = args.dynamic_sampling_filter_path
+    group_filter = load_group_filter(path)
+    target = args.rollout_batch_size
+    per_round = getattr(args, "over_sampling_batch_size", None) or target
+    max_rounds = args.dynamic_sampling_max_rounds
+    n = args.n_samples_per_prompt
+    steps = getattr(args, "num_steps_per_rollout", None) or 1
+
+    passed: list[list[Sample]] = []
+    rejected: list[list[Sample]] = []
+    reward_time, failed = 0.0, []
+    generated = consumed = rounds = 0
+    batch = list(prompts)
+    batch += take_prompts(manager.source, per_round - len(batch))
+    for r in range(max_rounds):
+        if r > 0:
+            batch = take_prompts(manager.source, per_round)
+        consumed += len(batch)
+        groups, stats = _generate_scored(args, manager, batch, seed_key=rollout_id * SEED_ROUND_STRIDE + r)
+        reward_time += stats["reward_time_s"]
+        failed += stats.get("failed", [])
+        keep = run_group_filter(group_filter, args, groups, path)
+        for group, k in zip(groups, keep):
+            for s in group:
+                s.metadata["dynamic_sampling_round"] = r
+            (passed if k else rejected).append(group)
+        generated += len(groups)
+        rounds = r + 1
+        if len(passed) >= target:
+            break
+
+    selected = passed[:target]
+    surplus = len(passed) - len(selected)
+    if surplus:
+        log.info("dynamic sampling: %d groups passed the filter beyond --rollout-batch-size %d; discarded (their "
+                 "prompts are spent for this epoch)", surplus, target)
+    uneven = fillers = 0
+    if len(selected) < target:
+        trainable = trainable_group_count(len(selected), n, steps)
+        if trainable == 0:
+            fillers = min_trainable_groups(n, steps) - len(selected)
+            for group in rejected[:fillers]:
+                for s in group:
+                    s.metadata["dynamic_sampling_filler"] = True
+            selected += rejected[:fillers]
+        else:
+            uneven = len(selected) - trainable
+            selected = selected[:trainable]
+        log.warning(
+            "dynamic sampling: only %d of %d groups passed %s %s in %d round(s) (--dynamic-sampling-max-rounds %d); "
+            "training this step on %d groups%s",
+            len(passed), target, "--dynamic-sampling-filter-path", path, rounds, max_rounds, len(selected),
+            f" ({fillers} of them rejected groups filling up to the smallest batch the trainer can split)"
+            if fillers else (f" (cut by {uneven} so --num-steps-per-rollout {steps} splits it evenly)" if uneven else ""),
+        )
+    renumber_groups(selected)
+
+    manager.last_reward_stats = {"reward_time_s": reward_time, "num_failed": len(failed), "failed": failed}
+    manager.last_rollout_extra = {
+        "rollout/dynamic_sampling_rounds": rounds,
+        "rollout/dynamic_sampling_prompts": consumed,
+        "rollout/dynamic_sampling_generated_groups": generated,
+        "rollout/dynamic_sampling_passed_groups": len(passed),
+        "rollout/dynamic_sampling_dropped_groups": len(rejected),
+        "rollout/dynamic_sampling_discarded_groups": surplus + uneven,
+        "rollout/dynamic_sampling_filler_groups": fillers,
+        "rollout/dynamic_sampling_kept_groups": len(selected),
+        "rollout/dynamic_sampling_pass_rate": len(passed) / max(generated, 1),
+        **overlong_metrics(s for g in selected for s in g),
+    }
+    return selected

@@ -60,6 +60,16 @@ class TrainActor:
             from lichen.plugins import load_function
 
             self.custom_loss = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        self.teacher_model = None
+        if args.use_opd:
+            self.teacher_model = load_model(args.opd_teacher_load, device=self.device, dtype=torch.float32)
+            self.teacher_model.eval().requires_grad_(False)
+        self.pg_reducer = None
+        if args.custom_pg_loss_reducer_function_path:
+            from lichen.plugins import load_function
+
+            self.pg_reducer = load_function(args.custom_pg_loss_reducer_function_path,
+                                            "--custom-pg-loss-reducer-function-path")
         self.tis_fn = None
         if args.use_tis and args.custom_tis_function_path:
             from lichen.plugins import load_function
@@ -160,6 +170,17 @@ class TrainActor:
             adv, adv_metrics = compute_advantages(args, samples, mask, kl_for_adv)
             metrics.update(adv_metrics)
 
+        if self.teacher_model is not None and args.loss_type != "sft_loss":
+            # On-policy distillation: A_t -= coef * (log pi(y_t) - log pi_teacher(y_t)), the per-token reverse KL.
+            teacher_lp = self._log_prob_pass(self.teacher_model, samples, lp_splits, R)
+            policy_lp = old_lp if old_lp is not None else (
+                rollout_lp if has_rollout_lp else self._log_prob_pass(self.model, samples, lp_splits, R))
+            reverse_kl = (policy_lp - teacher_lp) * mask
+            adv = adv - args.opd_kl_coef * reverse_kl
+            metrics["train/opd_reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
+        if args.save_debug_train_data:
+            self._dump(rollout_id, samples, adv, mask, old_lp, ref_lp, rollout_lp if has_rollout_lp else None)
+
         gbs = n // args.num_steps_per_rollout
         step_metrics: list[dict] = []
         first_logp = torch.zeros((n, R), device=self.device)
@@ -203,6 +224,23 @@ class TrainActor:
             adv_seq = algo.masked_mean(adv, mask, dim=-1)
             mask = mask * algo.opsm_mask(logp.detach(), old, adv_seq, mask, args.opsm_delta)
         return out, mask
+
+    def _dump(self, rollout_id, samples, adv, mask, old_lp, ref_lp, rollout_lp) -> None:
+        """--save-debug-train-data: what this step trained on, for checking it against reference math."""
+        import os
+
+        from lichen.train.advantage import sample_rewards
+
+        path = self.args.save_debug_train_data.format(rollout_id=rollout_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+        torch.save({
+            "rollout_id": rollout_id,
+            "samples": [s.to_dict() for s in samples],
+            "rewards": sample_rewards(samples, self.args.reward_key),
+            "advantages": cpu(adv), "mask": cpu(mask), "old_log_probs": cpu(old_lp),
+            "ref_log_probs": cpu(ref_lp), "rollout_log_probs": cpu(rollout_lp),
+        }, path)
 
     def _tis_weights(self, old, rollout_lp, m):
         """Importance weight of the trainer's old policy over the engine's: w = exp(old - rollout), per token.
@@ -260,7 +298,7 @@ class TrainActor:
                     per_tok = per_tok * w
                     totals["tis_weight_mean"] += float(agg(w, m))
                     totals["tis_changed_frac"] += float(agg((w != raw).float(), m))
-            loss = agg(per_tok, m)
+            loss = self.pg_reducer(per_tok, m, **counts) if self.pg_reducer is not None else agg(per_tok, m)
             totals["pg_loss"] += float(loss.detach())
             if pg is not None:
                 totals["pg_clipfrac"] += float(agg(pg["clipfrac"].detach(), m))

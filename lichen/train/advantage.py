@@ -35,6 +35,12 @@ def compute_advantages(
     rewards = sample_rewards(samples, args.reward_key).to(dev)
     group_ids = torch.tensor([s.group_index for s in samples], dtype=torch.long, device=dev)
     valid = torch.tensor([s.status != Status.FAILED for s in samples], dtype=torch.bool, device=dev)
+    if getattr(args, "custom_advantage_function_path", None):
+        from lichen.plugins import load_function
+
+        fn = load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")
+        adv = fn(args, samples, rewards=rewards, mask=resp_mask, kl=kl)
+        return adv * resp_mask, {}
     est = args.advantage_estimator
     normalize = not args.disable_rewards_normalization
     metrics: dict = {}
