@@ -154,7 +154,9 @@ REJECTIONS = [
     ("rollout-logprobs-and-recompute", ["--use-rollout-logprobs", "--force-recompute-old-log-probs"], (),
      ["--use-rollout-logprobs", "--force-recompute-old-log-probs"], ConfigError),
     # algo
-    ("ppo", ["--advantage-estimator", "ppo"], (), ["--advantage-estimator ppo", "critic"], NotAvailableYet),
+    ("critic-lr-without-ppo", ["--critic-lr", "1e-4"], (), ["--critic-lr", "ppo"], ConfigError),
+    ("critic-only-without-ppo", ["--num-critic-only-steps", "2"], (), ["--num-critic-only-steps", "ppo"], ConfigError),
+    ("value-clip-zero", ["--advantage-estimator", "ppo", "--value-clip", "0"], (), ["--value-clip"], ConfigError),
     ("rpp-no-norm", ["--advantage-estimator", "reinforce_plus_plus"], (),
      ["--advantage-estimator reinforce_plus_plus", "--normalize-advantages"], ConfigError),
     ("rpp-baseline-no-norm", ["--advantage-estimator", "reinforce_plus_plus_baseline"], (),

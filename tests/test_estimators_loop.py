@@ -112,3 +112,29 @@ def test_custom_advantage_and_reducer_contracts(tiny_ckpt, addition_data, tmp_pa
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "1", "--micro-batch-size", "4",
                          "--custom-pg-loss-reducer-function-path", "loop_plugins.zero_reducer"))
     assert rows[0]["train/grad_norm"] == 0.0
+
+
+def test_ppo_critic_gae_matches_reference_and_critic_learns(tiny_ckpt, addition_data, tmp_path):
+    dump = str(tmp_path / "train_{rollout_id}.pt")
+    gamma, lambd = 0.9, 0.8
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "3", "--advantage-estimator", "ppo",
+                         "--micro-batch-size", "4", "--force-recompute-old-log-probs", "--gamma", str(gamma),
+                         "--lambd", str(lambd), "--num-critic-only-steps", "1", "--critic-lr", "1e-2",
+                         "--save-debug-train-data", dump))
+    assert "train/grad_norm" not in rows[0]  # step 1: critic only, the policy did not step
+    assert rows[1]["train/grad_norm"] > 0
+    assert all(m["critic/value_loss"] > 0 for m in rows)
+    first = torch.load(dump.format(rollout_id=0), weights_only=False)
+    d = torch.load(dump.format(rollout_id=2), weights_only=False)
+    assert first["values"].abs().max() == 0  # zero-initialized value head
+    assert d["values"].abs().max() > 0  # the critic was trained
+    r, V = d["rewards"].double().tolist(), d["values"].double()
+    for i, s in enumerate(d["samples"]):
+        n = s["response_length"]
+        adv, nxt = [0.0] * n, 0.0
+        for t in reversed(range(n)):
+            v_next = V[i, t + 1].item() if t + 1 < n else 0.0
+            delta = (r[i] if t == n - 1 else 0.0) + gamma * v_next - V[i, t].item()
+            nxt = delta + gamma * lambd * nxt
+            adv[t] = nxt
+        assert d["advantages"][i, :n].tolist() == pytest.approx(adv, abs=1e-5)

@@ -50,10 +50,12 @@ def final_weights(save_dir) -> dict:
     return load_hf_state_dict(f"{save_dir}/iter_{last:07d}/hf")
 
 
-def test_exact_resume(tiny_ckpt, addition_data, tmp_path):
-    """4 steps straight == 2 steps + save + --load + 2 steps: same weights, same metrics, same weight versions."""
+@pytest.mark.parametrize("estimator", ["grpo", "ppo"])
+def test_exact_resume(tiny_ckpt, addition_data, tmp_path, estimator):
+    """4 steps straight == 2 steps + save + --load + 2 steps: same weights, same metrics, same weight versions.
+    With ppo the critic (weights and optimizer) is part of the checkpoint too."""
     common = ["--micro-batch-size", "2", "--rollout-shuffle", "--save-interval", "2", "--lr-decay-style", "cosine",
-              "--lr-warmup-iters", "1", "--num-rollout", "4"]
+              "--lr-warmup-iters", "1", "--num-rollout", "4", "--advantage-estimator", estimator]
     straight = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--save", str(tmp_path / "ca"), *common))
     # First half: the same command, stopped right after the step-2 checkpoint (as a crash would).
     half = base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"), *common)

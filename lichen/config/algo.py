@@ -20,7 +20,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--advantage-estimator",
         choices=ESTIMATORS,
         default="grpo",
-        help="how advantages are computed from rewards (ppo is not available yet)",
+        help="how advantages are computed from rewards; ppo trains a critic (value model) and uses GAE",
     )
     g.add_argument(
         "--disable-rewards-normalization",
@@ -80,6 +80,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="weight of a KL penalty subtracted from the reward (not combinable with --kl-loss-coef)",
     )
+    g.add_argument("--critic-load", default=None,
+                   help="HF checkpoint the PPO critic's backbone starts from (default: --hf-checkpoint)")
+    g.add_argument("--critic-lr", type=float, default=None, help="learning rate of the PPO critic (default: --lr)")
+    g.add_argument("--value-clip", type=float, default=0.2,
+                   help="PPO value clipping: the new value may move at most this far from the old one (default 0.2)")
+    g.add_argument("--num-critic-only-steps", type=int, default=0,
+                   help="train only the critic for the first N rollout steps (default 0)")
     g.add_argument("--gamma", type=float, default=1.0, help="discount factor of returns")
     g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda")
     g.add_argument(
@@ -141,11 +148,18 @@ def given_set(args: argparse.Namespace) -> set:
 
 def check(args: argparse.Namespace) -> None:
     estimator = args.advantage_estimator
-    if estimator == "ppo":
-        raise NotAvailableYet(
-            "--advantage-estimator ppo is not available yet: it needs a critic (value model), which lichen does "
-            f"not have yet; use one of {', '.join(e for e in ESTIMATORS if e != 'ppo')}"
-        )
+    if estimator != "ppo":
+        for dest, flag in (("critic_load", "--critic-load"), ("critic_lr", "--critic-lr")):
+            if getattr(args, dest) is not None:
+                raise ConfigError(f"{flag} is only used with --advantage-estimator ppo (the critic); drop it")
+        if args.num_critic_only_steps:
+            raise ConfigError("--num-critic-only-steps is only used with --advantage-estimator ppo; drop it")
+    if args.num_critic_only_steps < 0:
+        raise ConfigError(f"--num-critic-only-steps {args.num_critic_only_steps}: must be >= 0")
+    if args.value_clip is not None and args.value_clip <= 0:
+        raise ConfigError(f"--value-clip {args.value_clip}: must be > 0 (or leave it unset for no clipping)")
+    if args.critic_load is not None:
+        check_hf_dir(args.critic_load, "--critic-load")
     if estimator.startswith("reinforce_plus_plus") and not args.normalize_advantages:
         raise ConfigError(
             f"--advantage-estimator {estimator} needs --normalize-advantages (REINFORCE++ whitens advantages over "

@@ -60,6 +60,11 @@ class TrainActor:
             from lichen.plugins import load_function
 
             self.custom_loss = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        self.critic = None
+        if args.advantage_estimator == "ppo":
+            from lichen.train.critic import Critic
+
+            self.critic = Critic(args, self.device, self.pad_id)
         self.teacher_model = None
         if args.use_opd:
             self.teacher_model = load_model(args.opd_teacher_load, device=self.device, dtype=torch.float32)
@@ -164,8 +169,20 @@ class TrainActor:
             base = old_lp if old_lp is not None else self._log_prob_pass(self.model, samples, lp_splits, R)
             kl_for_adv = algo.approx_kl(base, ref_lp, args.kl_loss_type) * mask
         metrics: dict = {}
+        returns = values = None
         if args.loss_type == "sft_loss":
             adv = torch.zeros_like(mask)
+        elif self.critic is not None:
+            from lichen.train.advantage import sample_rewards
+
+            values = self.critic.values(samples, lp_splits, R)
+            kl_tok = kl_for_adv if kl_for_adv is not None else torch.zeros_like(mask)
+            token_rewards = algo.reinforce_plus_plus_token_rewards(
+                sample_rewards(samples, args.reward_key).to(self.device), kl_tok, mask, args.kl_coef)
+            adv, returns = algo.gae_advantages(token_rewards, values, mask, args.gamma, args.lambd)
+            if args.normalize_advantages:
+                adv = algo.whiten(adv, mask)
+            metrics["critic/values_mean"] = float((values * mask).sum() / mask.sum().clamp(min=1))
         else:
             adv, adv_metrics = compute_advantages(args, samples, mask, kl_for_adv)
             metrics.update(adv_metrics)
@@ -179,16 +196,29 @@ class TrainActor:
             adv = adv - args.opd_kl_coef * reverse_kl
             metrics["train/opd_reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
         if args.save_debug_train_data:
-            self._dump(rollout_id, samples, adv, mask, old_lp, ref_lp, rollout_lp if has_rollout_lp else None)
+            self._dump(rollout_id, samples, adv, mask, old_lp, ref_lp, rollout_lp if has_rollout_lp else None, values)
 
         gbs = n // args.num_steps_per_rollout
         step_metrics: list[dict] = []
         first_logp = torch.zeros((n, R), device=self.device)
+        critic_only = self.critic is not None and rollout_id < args.num_critic_only_steps
         for k in range(args.num_steps_per_rollout):
             idx = everything[k * gbs : (k + 1) * gbs]
+            if self.critic is not None:
+                step_mask = mask[idx]
+                counts = dict(global_num_samples=int((step_mask.sum(-1) > 0).sum()), global_num_tokens=int(step_mask.sum()),
+                              max_response_len=args.rollout_max_response_len)
+                for key, value in self.critic.train_step(samples, self._splits(idx, samples, args.micro_batch_size, None),
+                                                         mask, values, returns, counts).items():
+                    metrics[key] = metrics.get(key, 0.0) + value / args.num_steps_per_rollout
+            if critic_only:
+                continue
             step_metrics.append(self._optimizer_step(samples, idx, mask, adv, old_lp, ref_lp, first_logp if k == 0 else None,
                                                      rollout_lp if has_rollout_lp else None))
 
+        if critic_only:  # the policy did not move; its log-probs for the mismatch metric come from one pass
+            first_logp = self._log_prob_pass(self.model, samples, lp_splits, R)
+            step_metrics = [{"ppo_kl": 0.0}]
         # Mismatch between the engine's log-probs and the trainer's for the same tokens and weights.
         if has_rollout_lp:
             trainer_lp = old_lp if (old_lp is not None and old_lp is not rollout_lp) else first_logp
@@ -225,7 +255,7 @@ class TrainActor:
             mask = mask * algo.opsm_mask(logp.detach(), old, adv_seq, mask, args.opsm_delta)
         return out, mask
 
-    def _dump(self, rollout_id, samples, adv, mask, old_lp, ref_lp, rollout_lp) -> None:
+    def _dump(self, rollout_id, samples, adv, mask, old_lp, ref_lp, rollout_lp, values=None) -> None:
         """--save-debug-train-data: what this step trained on, for checking it against reference math."""
         import os
 
@@ -239,7 +269,7 @@ class TrainActor:
             "samples": [s.to_dict() for s in samples],
             "rewards": sample_rewards(samples, self.args.reward_key),
             "advantages": cpu(adv), "mask": cpu(mask), "old_log_probs": cpu(old_lp),
-            "ref_log_probs": cpu(ref_lp), "rollout_log_probs": cpu(rollout_lp),
+            "ref_log_probs": cpu(ref_lp), "rollout_log_probs": cpu(rollout_lp), "values": cpu(values),
         }, path)
 
     def _tis_weights(self, old, rollout_lp, m):

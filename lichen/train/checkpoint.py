@@ -63,6 +63,8 @@ def save_trainer(save_dir: str, rollout_id: int, actor, hf_checkpoint: str) -> s
         {"optimizer": actor.optimizer.state_dict(), "opt_step": actor.opt_step, "rng": rng_state()},
         os.path.join(d, "trainer_state.pt"),
     )
+    if getattr(actor, "critic", None) is not None:
+        actor.critic.save(d)
     return d
 
 
@@ -96,6 +98,8 @@ def load_trainer(load_dir: str, rollout_id: int, actor) -> None:
     state = torch.load(os.path.join(d, "trainer_state.pt"), map_location=actor.device, weights_only=False)
     actor.optimizer.load_state_dict(state["optimizer"])
     actor.opt_step = state["opt_step"]
+    if getattr(actor, "critic", None) is not None:
+        actor.critic.load(d)
     set_rng_state(state["rng"])
 
 
