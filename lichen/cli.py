@@ -14,7 +14,9 @@ from lichen.errors import UserError
 COMMANDS = {
     "train": ("lichen.train_cli", "run the RL loop: rollout -> train -> weight sync"),
     "make-tiny-model": ("lichen.models.tiny", "write a small random-init HF checkpoint with a character tokenizer"),
-    "serve": ("lichen.engines.serve", "serve a model over SGLang's HTTP protocol (not available yet)"),
+    "eval": ("lichen.eval_cli", "evaluate a checkpoint on eval data sets (pass@k, mean reward), no training"),
+    "serve": ("lichen.engines.serve", "serve a model over SGLang's HTTP protocol"),
+    "bench": ("lichen.bench", "benchmarks that print ratios against a baseline measured in the same run"),
 }
 
 USAGE = "usage: lichen <command> [options]\n\ncommands:\n" + "\n".join(

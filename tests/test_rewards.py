@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import threading
@@ -12,8 +13,16 @@ from types import SimpleNamespace
 import pytest
 
 from lichen.errors import ConfigError
-from lichen.rewards import RuleReward, build_reward_fn, get_rule_reward, score_samples, score_samples_async
-from lichen.rewards.rules import exact, extract_answer, last_boxed, leading_number, math, parse_number
+from lichen.rewards import (
+    GroupReward,
+    RewardHub,
+    build_reward_fn,
+    get_rule_reward,
+    score_samples,
+    score_samples_async,
+)
+from lichen.rewards.math_grader import grade_math as math
+from lichen.rewards.rules import exact, extract_answer, last_boxed, leading_number, parse_number
 from lichen.types import Sample, Status
 
 # the plug-in module lives beside this file; make it importable whatever pytest's import mode
@@ -119,7 +128,8 @@ def test_get_rule_reward_unknown_lists_known():
         get_rule_reward("f1-score")
     msg = str(e.value)
     assert "--rm-type" in msg and "'f1-score'" in msg
-    for name in ("exact", "leading_number", "math"):
+    for name in ("exact", "leading_number", "math", "dapo", "deepscaler", "f1", "gpqa", "code", "remote_rm",
+                 "boxed_f1"):
         assert name in msg
 
 
@@ -128,13 +138,19 @@ def test_get_rule_reward_unknown_lists_known():
 
 def test_rule_wrapper_and_per_sample_override():
     fn = build_reward_fn("leading_number", None, None)
-    assert isinstance(fn, RuleReward)
-    assert fn(None, make("47", 47)) == 1.0
+    assert isinstance(fn, RewardHub)
+    call = lambda s: asyncio.run(fn(None, s))  # noqa: E731
+    assert call(make("47", 47)) == 1.0
     # a sample asking for `exact` is scored by it: "47abc" leads with 47 but is not exactly 47
-    assert fn(None, make("47abc", 47)) == 1.0
-    assert fn(None, make("47abc", 47, rm_type="exact")) == 0.0
+    assert call(make("47abc", 47)) == 1.0
+    assert call(make("47abc", 47, rm_type="exact")) == 0.0
+    assert call(make(r"so \boxed{47}", 47, rm_type="boxed_exact")) == 1.0
     with pytest.raises(ValueError, match="rm_type 'bogus'"):
-        fn(None, make("47", 47, rm_type="bogus"))
+        call(make("47", 47, rm_type="bogus"))
+    # through the runner a bad per-sample type fails only that sample
+    samples = [make("47", 47, index=0), make("47", 47, index=1, rm_type="bogus")]
+    stats = score_samples(samples, fn, None)
+    assert samples[0].reward == 1.0 and stats["num_failed"] == 1 and stats["failed"][0][0] == 1
 
 
 def test_build_reward_fn_errors():
@@ -281,8 +297,8 @@ def test_score_samples_inside_running_loop():
     async def main():
         samples = [make("47", 47)]
         with pytest.raises(RuntimeError, match="score_samples_async"):
-            score_samples(samples, RuleReward("exact"), None)
-        stats = await score_samples_async(samples, RuleReward("exact"), None)
+            score_samples(samples, RewardHub("exact"), None)
+        stats = await score_samples_async(samples, RewardHub("exact"), None)
         return samples[0].reward, stats["num_failed"]
 
     assert asyncio.run(main()) == (1.0, 0)
@@ -290,7 +306,112 @@ def test_score_samples_inside_running_loop():
 
 def test_bad_runner_arguments():
     with pytest.raises(ValueError, match="concurrency"):
-        score_samples([make("x")], RuleReward("exact"), None, concurrency=0)
+        score_samples([make("x")], RewardHub("exact"), None, concurrency=0)
     with pytest.raises(ValueError, match="timeout"):
-        score_samples([make("x")], RuleReward("exact"), None, timeout=0)
-    assert score_samples([], RuleReward("exact"), None)["num_failed"] == 0
+        score_samples([make("x")], RewardHub("exact"), None, timeout=0)
+    assert score_samples([], RewardHub("exact"), None)["num_failed"] == 0
+
+
+# ------------------------------------------------------------------------------------ --group-rm, args limits
+
+
+def group_len_rm(args, samples):
+    """--group-rm contract: one call per prompt group; rewards = position in group / group size."""
+    CALLS.append([s.index for s in samples])
+    return [j / len(samples) for j in range(len(samples))]
+
+
+async def async_group_rm(args, samples):
+    if samples[0].metadata.get("mode") == "raise":
+        raise RuntimeError("judge model unavailable")
+    if samples[0].metadata.get("mode") == "short":
+        return [1.0]
+    if samples[0].metadata.get("mode") == "hang":
+        await asyncio.sleep(30)
+    return [float("nan") if s.metadata.get("nan") else 1.0 for s in samples]
+
+
+CALLS: list = []
+
+
+def grouped(n_groups: int, n: int, **metadata_by_group) -> list[Sample]:
+    out = []
+    for g in range(n_groups):
+        for j in range(n):
+            meta = dict(metadata_by_group.get(f"g{g}", {}))
+            if meta.get("nan_at") == j:
+                meta["nan"] = True
+            out.append(Sample(response="r", index=g * n + j, group_index=g, metadata=meta))
+    return out
+
+
+def test_group_rm_is_called_once_per_group():
+    CALLS.clear()
+    args = SimpleNamespace(group_rm=True)
+    fn = build_reward_fn(None, "test_rewards.group_len_rm", args)
+    assert isinstance(fn, GroupReward)
+    samples = grouped(3, 4)
+    samples = samples[4:] + samples[:4]  # groups need not arrive in order
+    stats = score_samples(samples, fn, args)
+    assert stats["num_failed"] == 0
+    assert sorted(CALLS) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [s.reward for s in sorted(samples, key=lambda s: s.index)] == [0.0, 0.25, 0.5, 0.75] * 3
+
+
+def test_group_rm_failures():
+    args = SimpleNamespace(group_rm=True)
+    fn = build_reward_fn(None, "test_rewards.async_group_rm", args)
+    samples = grouped(5, 2, g1={"mode": "raise"}, g2={"mode": "short"}, g3={"nan_at": 1}, g4={"mode": "hang"})
+    stats = score_samples(samples, fn, args, timeout=0.3)
+    failed = dict(stats["failed"])
+    assert failed == {
+        2: "RuntimeError: judge model unavailable", 3: "RuntimeError: judge model unavailable",
+        4: "TypeError: --group-rm function must return one reward per sample (2), got 1 values",
+        5: "TypeError: --group-rm function must return one reward per sample (2), got 1 values",
+        7: "non-finite reward nan",  # only the sample with the bad value
+        8: "timeout after 0.3 s", 9: "timeout after 0.3 s",
+    }
+    assert [s.reward for s in samples[:2]] == [1.0, 1.0] and samples[6].reward == 1.0
+    assert samples[6].status == Status.PENDING
+
+
+def test_group_rm_needs_custom_path():
+    with pytest.raises(ConfigError, match="--group-rm"):
+        build_reward_fn("math", None, SimpleNamespace(group_rm=True))
+
+
+def test_limits_come_from_args_when_not_given():
+    fn, state = _tracking_sync(0.02)
+    samples = [make("r", index=i) for i in range(8)]
+    score_samples(samples, fn, SimpleNamespace(reward_concurrency=2, reward_timeout=5.0))
+    assert state["max"] == 2
+    hang = build_reward_fn(None, "rm_plugins.async_hang_rm", None)
+    samples = [make("r", index=0, mode="hang")]
+    t0 = time.perf_counter()
+    stats = score_samples(samples, hang, SimpleNamespace(reward_concurrency=4, reward_timeout=0.2))
+    assert stats["failed"] == [(0, "timeout after 0.2 s")] and time.perf_counter() - t0 < 2.0
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_each_failure_is_logged_with_index_and_cause():
+    fn = build_reward_fn(None, "rm_plugins.flaky_rm", None)
+    samples = [make("r", index=i, mode="raise" if i % 2 else "ok") for i in range(6)]
+    # a handler of our own: lichen's logger does not propagate to the root logger that caplog watches
+    handler, logger = _Collect(), logging.getLogger("lichen.rewards.runner")
+    logger.addHandler(handler)
+    try:
+        score_samples(samples, fn, None)
+    finally:
+        logger.removeHandler(handler)
+    text = "\n".join(handler.lines)
+    assert "reward failed for 3 of 6 samples" in text
+    for i in (1, 3, 5):
+        assert f"sample {i}: ValueError: cannot parse the answer" in text

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rollout, sampling, sync, train
+from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rewards, rollout, sampling, sync, train  # noqa: E501
 from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, option_actions
 from lichen.config.removed import REMOVED_FLAGS, check_removed
 from lichen.config.rollout import SGLANG_CONSUMED_FLAGS, collect_sglang_passthrough
@@ -23,7 +23,7 @@ from lichen.config.validate import resolve_and_validate
 from lichen.config.yaml_config import find_config_path, load_yaml_config
 
 # The order of the sections in --help.
-HELP_ORDER = (model, data, rollout, sampling, train, algo, placement, sync, debug, checkpoint, eval, observe)
+HELP_ORDER = (model, data, rollout, rewards, sampling, train, algo, placement, sync, debug, checkpoint, eval, observe)
 
 __all__ = [
     "REMOVED_FLAGS",

@@ -89,6 +89,11 @@ def _check_dynamic_sampling(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{flag} needs --dynamic-sampling-filter-path MODULE.FUNCTION (e.g. "
                                   f"{BUILTIN_NONZERO_STD}): without a filter there is one round and no over-sampling")
         return
+    if args.num_epoch is not None:
+        raise ConfigError(
+            "--num-epoch with --dynamic-sampling-filter-path: over-sampling uses up an epoch's prompts in fewer "
+            "steps than --num-epoch assumes; give --num-rollout instead"
+        )
     check_dotted_path(args, "dynamic_sampling_filter_path")
     if path == BUILTIN_NONZERO_STD and args.n_samples_per_prompt < 2:
         raise ConfigError(

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rollout, sync, train
+from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rollout, sampling, sync, train
 
-CHECK_ORDER = (model, debug, placement, data, rollout, train, algo, sync, checkpoint, eval, observe)
+CHECK_ORDER = (model, debug, placement, data, rollout, sampling, train, algo, sync, checkpoint, eval, observe)
 
 
 def resolve_and_validate(args: argparse.Namespace) -> argparse.Namespace:

@@ -1,21 +1,26 @@
-"""Rewards: rule rewards picked by `--rm-type`, custom verifiers from `--custom-rm-path`, and the runner that
-scores a batch concurrently with per-sample timeouts and failure isolation."""
+"""Rewards: the hub of built-in rm types (`--rm-type`), custom verifiers (`--custom-rm-path`, `--group-rm`), and
+the runner that scores a batch concurrently with per-sample timeouts and failure isolation."""
 
-from lichen.rewards.rules import RULES, get_rule_reward
+from lichen.rewards.hub import BOXABLE, RULES, RewardHub, check_rm_type, get_rule_reward, grade, known_rm_types
 from lichen.rewards.runner import (
+    GroupReward,
     RewardFn,
-    RuleReward,
     build_reward_fn,
     score_samples,
     score_samples_async,
 )
 
 __all__ = [
+    "BOXABLE",
+    "GroupReward",
     "RULES",
     "RewardFn",
-    "RuleReward",
+    "RewardHub",
     "build_reward_fn",
+    "check_rm_type",
     "get_rule_reward",
+    "grade",
+    "known_rm_types",
     "score_samples",
     "score_samples_async",
 ]

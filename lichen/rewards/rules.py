@@ -4,9 +4,9 @@
 - `leading_number`: 1.0 iff the integer at the start of the response (after optional whitespace: an optional '-'
   then digits, stopping at the first non-digit) equals int(label). The quick-start addition task: prompt
   "12+35=", response "47<eos>".
-- `math`: 1.0 iff the answer (last `\\boxed{...}`, else the last number in the text) equals the label after
-  normalisation: as strings, or as numbers with |a - b| <= 1e-6 * max(1, |b|). A basic checker; a later version
-  swaps in math-verify.
+
+The string helpers below (boxed-answer extraction, normalisation, number parsing) are shared by the graders in
+`math_grader`, `dapo`, `deepscaler`, `f1` and `gpqa`; the registry of every rm type lives in `hub`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from lichen.errors import ConfigError
-
-RuleFn = Callable[[str, Any, dict], "float | dict"]
+RuleFn = Callable[[str, Any, dict], "float | dict"]  # (response, label, metadata) -> reward
 
 
 def exact(response: str, label: Any, metadata: dict | None = None) -> float:
@@ -40,9 +38,22 @@ def leading_number(response: str, label: Any, metadata: dict | None = None) -> f
 # ---------------------------------------------------------------------------------------------------- math
 
 
+_BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+
 def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance; `\\boxed 5` also counts."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)", text)]
+    """The content of the last `\\boxed{...}` whose braces balance; `\\boxed 5` also counts. Only when there is
+    no usable `\\boxed` is the last `\\fbox{...}` taken."""
+    for command in ("boxed", "fbox"):
+        found = _last_box_of(text, command)
+        if found is not None:
+            return found
+    return None
+
+
+def _last_box_of(text: str, command: str) -> str | None:
+    # (?![A-Za-z]) so that a longer command such as \boxedsomething is not read as \boxed
+    starts = [m.end() for m in re.finditer(r"\\" + command + r"(?![A-Za-z])", text)]
     for pos in reversed(starts):
         while pos < len(text) and text[pos] == " ":
             pos += 1
@@ -67,25 +78,41 @@ _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
 
 
 def extract_answer(text: str) -> str | None:
-    """The last boxed answer, or failing that the last number in `text`."""
+    """The last balanced boxed answer; a text with no box at all falls back to its last number.
+
+    A text that has `\\boxed` but no balanced box (e.g. cut off mid-answer) yields None: the model tried to box
+    an answer and failed, so a stray number elsewhere must not earn credit.
+    """
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
+    if _BOX_CMD.search(text):
+        return None
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\{([^{}]*)\}")
+_DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree")
+_LEADING_DOT = re.compile(r"(?<![\d.])\.(\d)")
 
 
 def normalize_answer(s: str) -> str:
+    """Light, meaning-preserving clean-up before comparison.
+
+    Drops `\\left`/`\\right`, `\\text{}`-style wrappers (keeping their content), `$`, LaTeX spacing, degree
+    marks and whitespace; `\\dfrac`/`\\tfrac` become `\\frac`; a leading-dot decimal gains its zero (`.5` ->
+    `0.5`); a trailing period goes.
+    """
     s = s.replace("\\left", "").replace("\\right", "")
     s = _TEXT_CMD.sub(r"\1", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _DEGREES.sub("", s)
     for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ "):
         s = s.replace(spacing, "")
     s = s.replace("$", "")
     s = re.sub(r"\s+", "", s)
+    s = _LEADING_DOT.sub(r"0.\1", s)
     return s.rstrip(".")
 
 
@@ -122,31 +149,3 @@ def answers_equal(pred: str, ref: str) -> bool:
         return True
     x, y = parse_number(a), parse_number(b)
     return x is not None and y is not None and abs(x - y) <= 1e-6 * max(1.0, abs(y))
-
-
-def math(response: str, label: Any, metadata: dict | None = None) -> float:
-    if label is None or str(label).strip() == "":
-        return 0.0
-    ref = str(label)
-    ref = last_boxed(ref) or ref  # labels sometimes carry their own \boxed{}
-    pred = extract_answer(response)
-    if pred is None or normalize_answer(ref) == "":
-        return 0.0
-    return 1.0 if answers_equal(pred, ref) else 0.0
-
-
-RULES: dict[str, RuleFn] = {
-    "exact": exact,
-    "leading_number": leading_number,
-    "math": math,
-}
-
-
-def get_rule_reward(rm_type: str, flag: str = "--rm-type") -> RuleFn:
-    try:
-        return RULES[rm_type]
-    except KeyError:
-        raise ConfigError(
-            f"{flag} {rm_type!r} is not a known rule reward; known: {', '.join(sorted(RULES))} (or give "
-            f"--custom-rm-path module.function for your own verifier)"
-        ) from None

@@ -4,7 +4,13 @@ A reward function has the `--custom-rm-path` signature `fn(args, sample) -> floa
 `score_samples` calls it on every sample concurrently (at most `concurrency` calls in flight, each limited to
 `timeout` seconds) and writes `sample.reward`. A call that raises, runs past its timeout, or returns a non-finite
 number (for a dict: any non-finite numeric value) marks that sample `Status.FAILED` with the cause in
-`sample.metadata["reward_error"]`; the trainer gives failed samples zero weight (DESIGN §4).
+`sample.metadata["reward_error"]`; the trainer gives failed samples zero weight (DESIGN §4). Each failure is
+logged with its sample index and cause (the first MAX_LOGGED_FAILURES per batch one line each).
+
+Under `--group-rm` the function is `fn(args, samples) -> list[reward]` and is called once per prompt group
+(samples grouped by `group_index`): the timeout then applies per group, a raise or timeout fails the whole group,
+and a non-finite value fails only its sample. A reward function with a `batch_context()` async context manager
+(the hub, for its HTTP session) has it entered around the whole batch.
 
 Synchronous verifiers run on daemon threads rather than `asyncio.to_thread`: a thread cannot be killed, and
 `asyncio.run` waits for the default executor's threads on exit, so a verifier hung in C code would hang the whole
@@ -14,6 +20,7 @@ step. A timed-out call's thread is abandoned (it finishes or dies with the proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -24,49 +31,62 @@ from typing import Any, Awaitable, Callable, Union
 
 from lichen.errors import ConfigError
 from lichen.plugins import load_function
-from lichen.rewards.rules import RULES, get_rule_reward
+from lichen.rewards.hub import RewardHub, known_rm_types
 from lichen.types import Sample, Status
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_CONCURRENCY = 16
+DEFAULT_TIMEOUT_S = 60.0
+CANCEL_GRACE_S = 5.0  # how long a timed-out async verifier may take to unwind after its cancellation
+MAX_LOGGED_FAILURES = 20  # failures logged one line each per batch; the rest are counted
 
 RewardValue = Union[float, dict]
 RewardFn = Callable[[Any, Sample], Union[RewardValue, Awaitable[RewardValue]]]
 
 
-class RuleReward:
-    """A rule reward in the `(args, sample)` form; `sample.metadata["rm_type"]` overrides `--rm-type` per sample."""
+class GroupReward:
+    """`--group-rm`: a custom `fn(args, samples: list[Sample]) -> list[reward]` scoring one prompt group per call."""
 
-    # rules are pure, bounded-time string code: running them on the event loop avoids a thread per sample
-    run_inline = True
+    is_group = True
 
-    def __init__(self, rm_type: str) -> None:
-        self.rm_type = rm_type
-        self.rule = get_rule_reward(rm_type)
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
-    def __call__(self, args: Any, sample: Sample) -> RewardValue:
-        metadata = sample.metadata or {}
-        rm_type = metadata.get("rm_type") or self.rm_type
-        rule = self.rule if rm_type == self.rm_type else RULES.get(rm_type)
-        if rule is None:
-            raise ValueError(
-                f"sample metadata rm_type {rm_type!r} is not a known rule reward; known: {', '.join(sorted(RULES))}"
-            )
-        return rule(sample.response, sample.label, metadata)
+    def __call__(self, args: Any, samples: list[Sample]) -> Any:
+        return self.fn(args, samples)
 
     def __repr__(self) -> str:
-        return f"RuleReward({self.rm_type!r})"
+        return f"GroupReward({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
 def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, args: Any = None) -> RewardFn:
-    """`--custom-rm-path` (taking precedence) loaded as `fn(args, sample)`, else the `--rm-type` rule wrapped so."""
+    """`--custom-rm-path` (taking precedence) loaded as `fn(args, sample)` (as `fn(args, samples)` of one group
+    under `--group-rm`), else the hub's `--rm-type` grader."""
+    group = bool(getattr(args, "group_rm", False))
     if custom_rm_path:
-        return load_function(custom_rm_path, "--custom-rm-path")
+        fn = load_function(custom_rm_path, "--custom-rm-path")
+        return GroupReward(fn) if group else fn
+    if group:
+        raise ConfigError("--group-rm scores whole groups with your function: it needs --custom-rm-path")
     if rm_type:
-        return RuleReward(rm_type)
+        return RewardHub(rm_type, args)
     raise ConfigError(
-        f"no reward function: give --rm-type (one of {', '.join(sorted(RULES))}) or --custom-rm-path "
+        f"no reward function: give --rm-type (one of {', '.join(known_rm_types())}) or --custom-rm-path "
         f"module.function"
     )
+
+
+_FROM_ARGS: Any = object()  # "not given": read --reward-timeout from args
+
+
+def _resolve_limits(args: Any, concurrency: int | None, timeout: Any) -> tuple[int, float | None]:
+    if concurrency is None:
+        concurrency = getattr(args, "reward_concurrency", None) or DEFAULT_CONCURRENCY
+    if timeout is _FROM_ARGS:
+        timeout = getattr(args, "reward_timeout", None) or DEFAULT_TIMEOUT_S
+    return concurrency, timeout
 
 
 def score_samples(
@@ -74,10 +94,13 @@ def score_samples(
     reward_fn: RewardFn,
     args: Any,
     *,
-    concurrency: int = 16,
-    timeout: float | None = 60.0,
+    concurrency: int | None = None,
+    timeout: Any = _FROM_ARGS,
 ) -> dict:
     """Score `samples` in place; returns {"reward_time_s", "num_failed", "failed": [(sample.index, cause), ...]}.
+
+    `concurrency` and `timeout` (seconds per call; None: unbounded) default to `args.reward_concurrency` and
+    `args.reward_timeout` (--reward-concurrency, --reward-timeout), else 16 and 60 s.
 
     For synchronous callers only: it runs its own event loop with `asyncio.run`, so it must not be called from
     inside a running loop (await `score_samples_async` there instead).
@@ -98,10 +121,11 @@ async def score_samples_async(
     reward_fn: RewardFn,
     args: Any,
     *,
-    concurrency: int = 16,
-    timeout: float | None = 60.0,
+    concurrency: int | None = None,
+    timeout: Any = _FROM_ARGS,
 ) -> dict:
     """The coroutine behind `score_samples`, for callers that already run an event loop."""
+    concurrency, timeout = _resolve_limits(args, concurrency, timeout)
     if concurrency < 1:
         raise ValueError(f"reward concurrency must be at least 1, got {concurrency}")
     if timeout is not None and timeout <= 0:
@@ -109,25 +133,33 @@ async def score_samples_async(
     start = time.perf_counter()
     semaphore = asyncio.Semaphore(concurrency)
     inline = bool(getattr(reward_fn, "run_inline", False))
-    is_async = inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
-        getattr(reward_fn, "__call__", None)
-    )
+    is_async = getattr(reward_fn, "is_async", None)
+    if is_async is None:
+        is_async = inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
+            getattr(reward_fn, "__call__", None)
+        )
 
-    async def score_one(sample: Sample) -> str | None:
+    async def invoke(payload: Any) -> tuple[Any, str | None]:
+        """(result, None) or (None, failure cause) of one call on a sample (or a group under --group-rm)."""
         async with semaphore:
             try:
                 if inline:
-                    result = reward_fn(args, sample)
-                else:
-                    task = asyncio.ensure_future(_call(reward_fn, args, sample, is_async))
-                    # asyncio.wait, not wait_for: a verifier's own TimeoutError must read as its error, not ours
-                    done, _ = await asyncio.wait({task}, timeout=timeout)
-                    if not done:
-                        task.cancel()
-                        return _fail(sample, f"timeout after {float(timeout)} s", 0.0)  # type: ignore[arg-type]
-                    result = task.result()
+                    return reward_fn(args, payload), None
+                task = asyncio.ensure_future(_call(reward_fn, args, payload, is_async))
+                # asyncio.wait, not wait_for: a verifier's own TimeoutError must read as its error, not ours
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+                if not done:
+                    task.cancel()
+                    # let it clean up (e.g. the code sandbox kills and reaps its process group), within bounds
+                    await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+                    return None, f"timeout after {float(timeout)} s"  # type: ignore[arg-type]
+                return task.result(), None
             except Exception as e:  # the verifier's own failure: recorded, the run goes on
-                return _fail(sample, f"{type(e).__name__}: {e}", 0.0)
+                return None, f"{type(e).__name__}: {e}"
+
+    def store(sample: Sample, result: Any, cause: str | None) -> str | None:
+        if cause is not None:
+            return _fail(sample, cause, 0.0)
         value, cause = _check_reward(result)
         if cause is not None:
             return _fail(sample, cause, value)
@@ -136,14 +168,48 @@ async def score_samples_async(
             sample.metadata.pop("reward_error", None)  # a stale error from an earlier scoring
         return None
 
-    causes = await asyncio.gather(*(score_one(s) for s in samples))
-    failed = [(s.index, c) for s, c in zip(samples, causes) if c is not None]
-    if failed:
-        logger.warning(
-            "reward failed for %d of %d samples (marked failed, zero weight); first: sample %d: %s",
-            len(failed), len(samples), failed[0][0], failed[0][1],
-        )
+    async def score_one(sample: Sample) -> list[str | None]:
+        return [store(sample, *(await invoke(sample)))]
+
+    async def score_group(group: list[Sample]) -> list[str | None]:
+        result, cause = await invoke(group)
+        if cause is None and (not isinstance(result, (list, tuple)) or len(result) != len(group)):
+            got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
+            cause = f"TypeError: --group-rm function must return one reward per sample ({len(group)}), got {got}"
+        if cause is not None:
+            return [store(s, None, cause) for s in group]
+        return [store(s, r, None) for s, r in zip(group, result)]
+
+    if getattr(reward_fn, "is_group", False):
+        groups = _by_group(samples)
+        ordered = [s for g in groups for s in g]
+        jobs = [score_group(g) for g in groups]
+    else:
+        ordered, jobs = list(samples), [score_one(s) for s in samples]
+    context = getattr(reward_fn, "batch_context", None)
+    async with (context() if context is not None else contextlib.nullcontext()):
+        causes = [c for part in await asyncio.gather(*jobs) for c in part]
+    failed = sorted(((s.index, c) for s, c in zip(ordered, causes) if c is not None), key=lambda f: f[0])
+    _log_failures(failed, len(samples))
     return {"reward_time_s": time.perf_counter() - start, "num_failed": len(failed), "failed": failed}
+
+
+def _by_group(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples grouped by `group_index`, groups in order of first appearance, samples in their given order."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())
+
+
+def _log_failures(failed: list[tuple[int, str]], total: int) -> None:
+    if not failed:
+        return
+    logger.warning("reward failed for %d of %d samples (marked failed, zero weight)", len(failed), total)
+    for index, cause in failed[:MAX_LOGGED_FAILURES]:
+        logger.warning("  reward failed: sample %d: %s", index, cause)
+    if len(failed) > MAX_LOGGED_FAILURES:
+        logger.warning("  ... and %d more failed samples", len(failed) - MAX_LOGGED_FAILURES)
 
 
 def _fail(sample: Sample, cause: str, reward: RewardValue) -> str:
@@ -173,8 +239,8 @@ def _check_reward(result: Any) -> tuple[RewardValue, str | None]:
     return 0.0, f"TypeError: reward must be a float or a dict, got {type(result).__name__}"
 
 
-async def _call(fn: RewardFn, args: Any, sample: Sample, is_async: bool) -> Any:
-    result = fn(args, sample) if is_async else await _in_daemon_thread(fn, args, sample)
+async def _call(fn: RewardFn, args: Any, payload: Any, is_async: bool) -> Any:
+    result = fn(args, payload) if is_async else await _in_daemon_thread(fn, args, payload)
     # a plain function may still hand back an awaitable (e.g. it returns a coroutine)
     if inspect.isawaitable(result):
         result = await result

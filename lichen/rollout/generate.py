@@ -189,12 +189,16 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
         else:
             uneven = len(selected) - trainable
             selected = selected[:trainable]
+        if fillers:
+            why = f" ({fillers} of them rejected groups, filling up to the smallest batch the trainer can split)"
+        elif uneven:
+            why = f" (cut by {uneven} so that --num-steps-per-rollout {steps} splits them evenly)"
+        else:
+            why = ""
         log.warning(
-            "dynamic sampling: only %d of %d groups passed %s %s in %d round(s) (--dynamic-sampling-max-rounds %d); "
-            "training this step on %d groups%s",
-            len(passed), target, "--dynamic-sampling-filter-path", path, rounds, max_rounds, len(selected),
-            f" ({fillers} of them rejected groups filling up to the smallest batch the trainer can split)"
-            if fillers else (f" (cut by {uneven} so --num-steps-per-rollout {steps} splits it evenly)" if uneven else ""),
+            "dynamic sampling: only %d of %d groups passed --dynamic-sampling-filter-path %s in %d round(s) "
+            "(--dynamic-sampling-max-rounds %d); training this step on %d groups%s",
+            len(passed), target, path, rounds, max_rounds, len(selected), why,
         )
     renumber_groups(selected)
 

@@ -17,7 +17,7 @@ from lichen.models.tokenizer import encode_prompt, load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.plugins import load_function
 from lichen.rewards import build_reward_fn, score_samples
-from lichen.rollout.eval import eval_metrics
+from lichen.rollout.eval import build_eval_reward_fns, load_eval_sets, run_eval
 from lichen.rollout.generate import build_samples, generate_rollout
 from lichen.types import Sample, Status
 
@@ -64,15 +64,13 @@ class RolloutManager:
             records = kept
         self.source = PromptSource(records, batch_size=args.rollout_batch_size, shuffle=args.rollout_shuffle,
                                    seed=args.rollout_seed)
-        self.eval_sets = {name: load_prompt_dataset(path, flag="--eval-prompt-data", **keys)
-                          for name, path in (args.eval_datasets or [])}
+        self.eval_sets = load_eval_sets(args)  # name -> (resolved data-set config, records)
         if engine is None:
             engine = Engine.from_pretrained(args.hf_checkpoint, device=resolve_device(args.device),
                                             max_batch_size=args.rollout_max_batch_size)
         self.engine = engine
         self.reward_fn = build_reward_fn(args.rm_type, args.custom_rm_path, args)
-        eval_rm = getattr(args, "eval_rm_type", None)
-        self.eval_reward_fn = build_reward_fn(eval_rm, None, args) if eval_rm else self.reward_fn
+        self.eval_reward_fns = build_eval_reward_fns(args, self.eval_sets, self.reward_fn)
         self.generate_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
                             if args.rollout_function_path else generate_rollout)
         self.last_reward_stats: dict = {}
@@ -97,8 +95,10 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict]:
         t0 = time.perf_counter()
         prompts = self.source.next_batch()
+        self.last_rollout_extra = {}  # filled by the default rollout (dynamic sampling, shaping); plug-ins may not
         groups = self.generate_fn(self.args, rollout_id, prompts, self)
         metrics = rollout_metrics(groups, self.args.reward_key)
+        metrics.update(self.last_rollout_extra)
         stats = self.last_reward_stats
         if stats:
             metrics["time/reward"] = stats.get("reward_time_s", 0.0)
@@ -108,26 +108,7 @@ class RolloutManager:
         return groups, metrics
 
     def eval(self, version: int) -> dict:
-        args = self.args
-        out: dict = {}
-        t0 = time.perf_counter()
-        for name, records in self.eval_sets.items():
-            prompts = list(enumerate(records))
-
-            class _View:  # prompt encodings are cached per eval set
-                tokenizer, engine = self.tokenizer, self.engine
-                encode = staticmethod(lambda i, r, _n=name: self.encode(i, r, dataset=f"eval:{_n}"))
-
-            groups = build_samples(
-                args, _View, prompts, n=args.n_samples_per_eval_prompt,
-                temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.rollout_top_k,
-                max_new_tokens=args.eval_max_response_len, seed_key=-1,
-            )
-            score_samples([s for g in groups for s in g], self.eval_reward_fn, args)
-            for key, value in eval_metrics(groups, args.reward_key).items():
-                out[f"eval/{name}/{key}"] = value
-        out["time/eval"] = time.perf_counter() - t0
-        return out
+        return run_eval(self, version)
 
     def state_dict(self) -> dict:
         return {"source": self.source.state_dict()}

@@ -1,0 +1,97 @@
+"""The `math` reward: the last boxed answer of a response, judged equivalent to the label by math-verify.
+
+Grading of one (response, label):
+1. label: `str(label)`, or the content of its own `\\boxed{}` when it has one; an empty label scores 0;
+2. prediction: `rules.extract_answer(response)` — the last balanced `\\boxed{}` (`\\fbox{}` when there is no
+   `\\boxed`), or the last number of a response with no box at all; none scores 0;
+3. equivalence, cheapest first:
+   a. the two strings after `rules.normalize_answer` are equal (handles `\\dfrac`, `\\left(`, `\\text{}`, `.5`, …);
+   b. both parse as plain numbers (fractions, `a/b`, `1,000`) and |a - b| <= 1e-6 * max(1, |b|);
+   c. math-verify parses both as LaTeX/expressions and `verify(gold, pred)` holds (symbolic equality via sympy:
+      `x+1` ≡ `1+x`, `\\frac{\\sqrt2}{2}` ≡ `\\sqrt{2}/2`, `50\\%` ≡ `0.5`, sets, intervals, equations
+      `x=3` ≡ `3`).
+
+math-verify bounds its own work with SIGALRM, which only the main thread may arm; on any other thread it runs
+without that bound (the reward runner's per-sample timeout still abandons the call). Without math-verify
+installed, steps a and b alone decide.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from lichen.rewards.rules import answers_equal, extract_answer, last_boxed, normalize_answer
+
+# seconds math-verify may spend parsing one answer and comparing two (its own SIGALRM bound)
+MATH_VERIFY_TIMEOUT_S = 5
+
+_mv: Any = None  # the math_verify module once imported; False when it is not installed
+
+
+def _math_verify() -> Any:
+    global _mv
+    if _mv is None:
+        try:
+            import math_verify
+        except ImportError:  # a declared dependency; the basic checks still work without it
+            _mv = False
+        else:
+            _mv = math_verify
+    return _mv
+
+
+def math_verify_available() -> bool:
+    return bool(_math_verify())
+
+
+@functools.lru_cache(maxsize=4096)  # a label is parsed once for all the samples of its prompt
+def _parse(text: str, timeout: int | None) -> Any:
+    mv = _math_verify()
+    config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    return mv.parse(f"${text}$", extraction_config=config, parsing_timeout=timeout)
+
+
+def _symbolic_equal(pred: str, ref: str) -> bool:
+    mv = _math_verify()
+    if not mv:
+        return False
+    on_main = threading.current_thread() is threading.main_thread()
+    timeout = MATH_VERIFY_TIMEOUT_S if on_main else None
+    try:
+        gold, target = _parse(ref, timeout), _parse(pred, timeout)
+        if not gold or not target:
+            return False
+        return bool(mv.verify(gold, target, timeout_seconds=timeout))
+    except Exception:  # math-verify raising on odd input means "not shown equal", not a verifier crash
+        return False
+
+
+def math_equal(pred: str, ref: str) -> bool:
+    """Whether two answer strings denote the same mathematical object (steps a-c of the module docstring)."""
+    if normalize_answer(ref) == "" or normalize_answer(pred) == "":
+        return False
+    if answers_equal(pred, ref):
+        return True
+    return _symbolic_equal(pred, ref)
+
+
+def label_answer(label: Any) -> str | None:
+    """The reference answer of a label: its own boxed content when it has one; None for an empty label."""
+    if label is None:
+        return None
+    ref = str(label)
+    ref = last_boxed(ref) or ref
+    return ref if ref.strip() else None
+
+
+def grade_math(response: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 iff the last boxed answer (or last number) of `response` equals `label`; else 0.0."""
+    ref = label_answer(label)
+    if ref is None:
+        return 0.0
+    pred = extract_answer(response)
+    if pred is None:
+        return 0.0
+    return 1.0 if math_equal(pred, ref) else 0.0

@@ -1,0 +1,334 @@
+"""Running untrusted Python (model-written code) in a sandboxed subprocess.
+
+Each run gets, through the launcher `_sandbox_init.py` (see its docstring for the exact sequence):
+- new mount, network, PID, IPC and UTS namespaces: no network at all (not even loopback), a private size-capped
+  tmpfs over every world-writable directory, a fresh work directory, a /proc that shows only its own processes;
+- a non-root identity when the trainer is root: a uid/gid of its own (`uid_base + slot`, one slot per concurrent
+  run on the host, leased through a lock file, so one run's fork bomb cannot use up another's process budget),
+  no supplementary groups, and no-new-privileges. A non-root trainer gets the same namespaces inside a new user
+  namespace instead, the program running as uid 1000 of a nested one;
+- resource limits: CPU seconds, address space, processes, file size, open files, no core dumps;
+- a wall-clock timeout after which the whole process group is killed with SIGKILL (and with it PID 1 of the
+  namespace, which takes every remaining process along), also when the awaiting coroutine is cancelled;
+- a cap on captured output: a run that prints more than `max_output_bytes` is killed.
+Namespaces alone would not stop a root fork bomb (root ignores RLIMIT_NPROC), and a non-root user alone could
+still reach services on loopback; the sandbox needs both, and `check_sandbox` refuses to run without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from lichen.errors import ConfigError
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
+SETUP_FAILED = 125
+DEFAULT_UID_BASE = 2_100_000_000  # far above login and container sub-uid ranges
+NOBODY = 65534
+MAX_UID_BASE = 2**31 - 1 - 256  # base + slot stays a valid positive uid (never -1, which means "unchanged")
+LAUNCH_GRACE_S = 0.5
+_SLOTS = 256
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up (not the sandboxed program failing)."""
+
+
+class SandboxUnavailable(ConfigError):
+    """This machine cannot provide the isolation the code reward requires."""
+
+
+@dataclass
+class SandboxLimits:
+    timeout_s: float = 5.0  # wall clock for one run
+    memory_mb: int = 1024  # RLIMIT_AS
+    max_procs: int = 32  # RLIMIT_NPROC (processes and threads of the sandbox uid)
+    max_file_mb: int = 16  # RLIMIT_FSIZE
+    max_open_files: int = 64
+    tmpfs_mb: int = 64  # each private tmpfs (work directory included)
+    max_output_bytes: int = 1 << 20  # stdout and stderr, each
+    cpu_s: int | None = None  # RLIMIT_CPU; default ceil(timeout_s) + 1
+
+    def as_request(self) -> dict:
+        return {
+            "cpu_s": int(self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1),
+            "memory_bytes": int(self.memory_mb) << 20,
+            "max_procs": int(self.max_procs),
+            "max_file_bytes": int(self.max_file_mb) << 20,
+            "max_open_files": int(self.max_open_files),
+        }
+
+
+@dataclass
+class SandboxResult:
+    returncode: int | None  # None when killed by the timeout or the output cap
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    output_limited: bool = False
+    elapsed_s: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and not self.output_limited
+
+
+@dataclass
+class SandboxConfig:
+    """Who runs sandboxed code and how; built once by `resolve_sandbox`."""
+
+    python: str
+    mode: str  # "root": drop to uid_base + slot; "userns": a user namespace for a non-root trainer
+    uid_base: int = DEFAULT_UID_BASE
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+
+class _UidLease:
+    """Exclusive use of one sandbox uid while a run lasts, across threads and processes on this host.
+
+    Slot i is held through an exclusive flock on `<tmp>/lichen-sandbox-locks-<euid>/lichen-sandbox-<uid>.lock`;
+    the kernel drops it when the file is closed, also when the holder dies, so a crashed trainer holds no slot.
+    """
+
+    def __init__(self, config: "SandboxConfig") -> None:
+        self.config = config
+        self.uid: int | None = None
+        self._fd: int | None = None
+
+    def try_take(self) -> bool:
+        if self.config.uid_base == NOBODY:  # the fallback: one shared uid
+            self.uid = NOBODY
+            return True
+        lock_dir = os.path.join(tempfile.gettempdir(), f"lichen-sandbox-locks-{os.geteuid()}")
+        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+        start = random.randrange(_SLOTS)
+        for k in range(_SLOTS):
+            uid = self.config.uid_base + (start + k) % _SLOTS
+            fd = os.open(os.path.join(lock_dir, f"lichen-sandbox-{uid}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return True
+        return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _world_accessible(path: str) -> bool:
+    """Whether a user with no relation to the file's owner can execute `path` (every parent must be o+x)."""
+    path = os.path.realpath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(path)
+        while True:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+            if parent == "/":
+                return True
+            parent = os.path.dirname(parent)
+    except OSError:
+        return False
+
+
+def find_python(explicit: str | None, root: bool) -> str:
+    """The interpreter for sandboxed code: `explicit`, else this one if the sandbox user can run it, else the
+    system python3."""
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise SandboxUnavailable(f"--code-sandbox-python {explicit!r}: not an executable file")
+        return explicit
+    candidates = [sys.executable, "/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""]
+    for cand in candidates:
+        if cand and os.path.isfile(cand) and (not root or _world_accessible(cand)):
+            return os.path.realpath(cand)
+    raise SandboxUnavailable(
+        f"no Python interpreter the sandbox user can run: {sys.executable} lies in a directory other users cannot "
+        "enter and there is no /usr/bin/python3; give --code-sandbox-python PATH (an interpreter readable and "
+        "executable by all users)"
+    )
+
+
+def resolve_sandbox(python: str | None = None, uid_base: int = DEFAULT_UID_BASE,
+                    limits: SandboxLimits | None = None) -> SandboxConfig:
+    """Pick the mode for this process and check, by running a probe, that the isolation really holds."""
+    root = os.geteuid() == 0
+    config = SandboxConfig(python=find_python(python, root), mode="root" if root else "userns",
+                           uid_base=uid_base, limits=limits or SandboxLimits())
+    check_sandbox(config)
+    return config
+
+
+_PROBE = """
+import os, socket
+print(os.getuid(), os.getpid(), ",".join(sorted(name for _, name in socket.if_nameindex())))
+"""
+
+
+def check_sandbox(config: SandboxConfig) -> dict:
+    """Run a probe; raise SandboxUnavailable unless it ran as PID 1 of its namespace with no network interface but
+    loopback (and, for a root trainer, as a non-root uid). Falls back to uid 65534 when the uid range is not mapped here."""
+    if not 0 < config.uid_base <= MAX_UID_BASE and config.uid_base != NOBODY:
+        raise SandboxUnavailable(f"--code-sandbox-uid-base {config.uid_base}: must be in [1, {MAX_UID_BASE}]")
+    probe_limits = SandboxLimits(timeout_s=10.0, memory_mb=config.limits.memory_mb)
+    try:
+        result = run_sandboxed_sync(_PROBE, config=SandboxConfig(config.python, config.mode, config.uid_base,
+                                                                 probe_limits))
+    except SandboxError as e:
+        if config.mode == "root" and "setresuid" in str(e) and config.uid_base != NOBODY:
+            config.uid_base = NOBODY  # e.g. a container whose user namespace maps few uids
+            return check_sandbox(config)
+        raise SandboxUnavailable(
+            f"the code sandbox cannot be set up on this machine: {e}; it needs Linux namespaces (run as root, or "
+            "allow unprivileged user namespaces)"
+        ) from None
+    if not result.ok:
+        raise SandboxUnavailable(
+            f"the code sandbox does not work on this machine (exit {result.returncode}): "
+            f"{(result.stderr or result.stdout).strip()[-400:]}; it needs Linux namespaces (run as root, or allow "
+            "unprivileged user namespaces) and a Python the sandbox user can run (--code-sandbox-python)"
+        )
+    uid, pid, interfaces = result.stdout.split()
+    # a fresh network namespace holds only its (downed) loopback interface
+    if interfaces != "lo" or pid != "1" or (config.mode == "root" and uid == "0"):
+        raise SandboxUnavailable(
+            f"the code sandbox probe was not isolated: uid {uid}, pid {pid}, network interfaces {interfaces}"
+        )
+    return {"uid": int(uid), "mode": config.mode, "python": config.python, "interfaces": interfaces}
+
+
+async def run_sandboxed(source: str, *, config: SandboxConfig, stdin: str = "", files: dict | None = None,
+                        argv: list[str] | None = None) -> SandboxResult:
+    """Run `source` (saved as solution.py; `files` are written beside it) with `argv` (default: solution.py).
+
+    Returns its exit code and output; a timeout or output overflow kills the whole sandbox and is reported in
+    the result, not raised. Raises SandboxError when the sandbox could not be set up.
+    """
+    lease = _UidLease(config)
+    while not lease.try_take():  # more concurrent runs on this host than slots: wait for one
+        await asyncio.sleep(0.01)
+    uid = lease.uid
+    request = {
+        "files": {"solution.py": source, **(files or {})},
+        "argv": argv or ["solution.py"],
+        "stdin": stdin,
+        "python": config.python,
+        "uid": uid,
+        "gid": uid,
+        "mode": config.mode,
+        "tmpfs_mb": config.limits.tmpfs_mb,
+        "limits": config.limits.as_request(),
+    }
+    try:
+        result = await _run_launcher(json.dumps(request).encode(), config.limits)
+    finally:
+        lease.release()
+    result.details["uid"] = uid
+    return result
+
+
+async def _run_launcher(payload: bytes, limits: SandboxLimits) -> SandboxResult:
+    start = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", LAUNCHER,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # its own process group, killed whole on timeout
+    )
+    overflow = asyncio.Event()
+    captured: dict[str, list[bytes]] = {"out": [], "err": []}
+
+    async def read_capped(stream: asyncio.StreamReader, key: str) -> None:
+        size = 0
+        while True:
+            chunk = await stream.read(65536)
+            if not chunk:
+                return
+            if size < limits.max_output_bytes:
+                captured[key].append(chunk[: limits.max_output_bytes - size])
+            size += len(chunk)
+            if size > limits.max_output_bytes:
+                overflow.set()
+                _kill_group(proc.pid)
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(payload)
+        try:
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        proc.stdin.close()
+
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = asyncio.gather(read_capped(proc.stdout, "out"), read_capped(proc.stderr, "err"))
+    timed_out = False
+    try:
+        await feed()
+        # the launcher's own start-up (a fresh interpreter, namespaces, mounts: ~50 ms) is not the program's time
+        await asyncio.wait_for(asyncio.shield(readers), timeout=limits.timeout_s + LAUNCH_GRACE_S)
+        code = await proc.wait()
+    except asyncio.TimeoutError:
+        timed_out = True
+        _kill_group(proc.pid)
+        await proc.wait()
+        code = None
+        try:  # what it printed before the kill still counts (e.g. test cases that finished)
+            await asyncio.wait_for(readers, timeout=2.0)
+        except asyncio.TimeoutError:
+            readers.cancel()
+    except BaseException:  # cancelled by the reward runner's own timeout: leave nothing running
+        _kill_group(proc.pid)
+        try:  # reap it and drain its pipes, so they close on this loop rather than at garbage collection
+            await asyncio.wait_for(asyncio.gather(proc.wait(), readers), timeout=2.0)
+        except BaseException:
+            readers.cancel()
+        raise
+    finally:
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+    out, err = b"".join(captured["out"]), b"".join(captured["err"])
+    elapsed = time.perf_counter() - start
+    stderr = err.decode(errors="replace")
+    if code == SETUP_FAILED and "lichen-sandbox:" in stderr:
+        raise SandboxError(stderr.strip().splitlines()[-1])
+    limited = overflow.is_set()
+    return SandboxResult(
+        returncode=None if (timed_out or limited) else code,
+        stdout=out.decode(errors="replace"),
+        stderr=stderr,
+        timed_out=timed_out,
+        output_limited=limited,
+        elapsed_s=elapsed,
+    )
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_sandboxed_sync(source: str, *, config: SandboxConfig, stdin: str = "", files: dict | None = None,
+                       argv: list[str] | None = None) -> SandboxResult:
+    """`run_sandboxed` for synchronous callers (not from inside a running event loop)."""
+    return asyncio.run(run_sandboxed(source, config=config, stdin=stdin, files=files, argv=argv))

@@ -1,0 +1,424 @@
+"""The engine side of disk weight sync: bring a host-local checkpoint to a published version (`/pull_weights`).
+
+`pull_weights(local, source, N)` seeds `local` from the newest full version at or below N that it needs, then
+applies each later delta in order, in place in the local safetensors files (mmap), checking every tensor's
+checksum. The local directory keeps its state in `<local>/.weight_sync/`, the layout SGLang's own pull uses:
+`lock` (a per-host `flock`, so engines sharing the directory serialize and the later ones find nothing to do)
+and `state.json` = `{"version": "000007", ...}`, written atomically after a version is complete and removed
+before the first in-place write, so a failed pull leaves no claim and the next pull reseeds from a full version.
+
+lichen adds to state.json the version's `chain_id` and the host's boot id: a local copy from another chain (a
+resumed run republishing version numbers) or from before a reboot (page-cache writes lost) is reseeded rather
+than trusted. A local copy ahead of the target is reseeded too (SGLang treats that as a no-op).
+
+`apply_delta_to_tensors` applies a delta version to live tensors (an engine that moves its loaded weights
+instead of reloading); it verifies every checksum before changing any tensor.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lichen.weights.delta import (
+    COMPRESSION_FORMAT,
+    ChecksumMismatchError,
+    DeltaError,
+    VersionMismatchError,
+    apply_tensor,
+    check_checksum_format,
+    check_encoding,
+    checksum,
+    decode_tensor,
+    parallel_map,
+    tensor_bytes,
+)
+from lichen.weights.hf_io import INDEX_FILE
+from lichen.weights.versions import VersionInfo, read_safetensors_header, read_version_info, version_dir
+
+SYNC_DIR = ".weight_sync"
+_STATE = "state.json"
+_LOCK = "lock"
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What one pull did: the version the local copy now holds, the full version it was seeded from (None when
+    it continued its own chain), the deltas applied, bytes read from the source, seconds, and whether it was a
+    no-op (already at the target)."""
+
+    version: int
+    seeded_from: int | None
+    deltas_applied: list[int]
+    bytes_read: int
+    seconds: float
+    noop: bool
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def read_local_state(local_checkpoint_dir: str) -> dict | None:
+    """The parsed state.json of a local checkpoint dir (`version` as an int), or None when it has none."""
+    path = os.path.join(local_checkpoint_dir, SYNC_DIR, _STATE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        state["version"] = int(state["version"])
+        return state
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DeltaError(f"{path}: damaged state file ({e}); delete it to reseed from a full version") from None
+
+
+def read_applied_version(local_checkpoint_dir: str) -> int | None:
+    """The version a local checkpoint dir holds, or None (fresh, or a pull failed midway)."""
+    state = read_local_state(local_checkpoint_dir)
+    return None if state is None else state["version"]
+
+
+def _write_state(local_dir: str, version: int, chain_id: str | None) -> None:
+    path = os.path.join(local_dir, SYNC_DIR, _STATE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"version": f"{version:06d}", "chain_id": chain_id, "boot_id": _boot_id()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _invalidate_state(local_dir: str) -> None:
+    try:
+        os.unlink(os.path.join(local_dir, SYNC_DIR, _STATE))
+    except FileNotFoundError:
+        pass
+
+
+@contextmanager
+def local_checkpoint_lock(local_checkpoint_dir: str) -> Iterator[None]:
+    """Hold the per-host lock `<local>/.weight_sync/lock` (flock, exclusive)."""
+    sync = os.path.join(local_checkpoint_dir, SYNC_DIR)
+    os.makedirs(sync, exist_ok=True)
+    with open(os.path.join(sync, _LOCK), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _info(source_dir: str, version: int) -> VersionInfo:
+    try:
+        return read_version_info(version_dir(source_dir, version))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"published weight version {version} is missing: {version_dir(source_dir, version)} does not exist "
+            "(versions older than the newest full one are deleted unless --update-weight-disk-keep-files; "
+            "pull a version at or after the newest full one)") from None
+
+
+def plan_pull(source_dir: str, target_version: int, applied: int | None,
+              applied_chain: str | None = None) -> tuple[int | None, list[int]]:
+    """(seed, deltas): the full version to copy first (None: continue from `applied`; 0: the base checkpoint)
+    and the delta versions to apply after it, in order, to go from `applied` to `target_version`."""
+    if target_version < 0:
+        raise ValueError(f"target_version must be >= 0, got {target_version}")
+    if target_version == 0:
+        return (None, []) if applied == 0 else (0, [])
+    target_chain = _info(source_dir, target_version).chain_id
+    other_chain = target_chain is not None and applied_chain != target_chain
+    if applied is not None and (applied > target_version or other_chain):
+        applied = None  # another chain (a resumed run), or ahead of the target: the local bytes cannot be trusted
+    if applied == target_version:
+        return None, []
+    floor = applied if applied is not None else 0
+    start = target_version
+    while start > floor and _info(source_dir, start).is_delta:
+        start -= 1
+    if applied is not None and start <= applied:
+        return None, list(range(applied + 1, target_version + 1))
+    return start, list(range(start + 1, target_version + 1))
+
+
+def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int, *, base_dir: str | None = None,
+                 pre_read_hook: Callable[[str, int], None] | None = None, verify: bool = True,
+                 num_threads: int | None = None) -> PullResult:
+    """Bring `local_checkpoint_dir` to `target_version` of the versions under `source_dir` (see the module doc).
+
+    `base_dir` is version 0 (the engine's own checkpoint): the seed when no full version is published at or
+    below the target, and what `target_version=0` resets to. `pre_read_hook(source_dir, target)` runs first for
+    a target > 0. With `verify`, a full seed's per-tensor checksums (when it has them) are checked after copying;
+    delta checksums are always checked. Raises VersionMismatchError for a delta that does not build on the local
+    version, ChecksumMismatchError naming each bad tensor and file, FileNotFoundError for a missing version.
+    """
+    t0 = time.perf_counter()
+    if target_version > 0 and pre_read_hook is not None:
+        pre_read_hook(source_dir, target_version)
+    local = os.path.abspath(local_checkpoint_dir)
+    with local_checkpoint_lock(local):
+        state = read_local_state(local)
+        if state is not None and state.get("boot_id") and state["boot_id"] != _boot_id():
+            state = None  # writes through the page cache before a reboot may be lost
+        applied = None if state is None else state["version"]
+        seed, deltas = plan_pull(source_dir, target_version, applied, None if state is None else state.get("chain_id"))
+        if seed is None and not deltas:
+            return PullResult(target_version, None, [], 0, time.perf_counter() - t0, True)
+        bytes_read = 0
+        if seed is not None:
+            if seed == 0:
+                if base_dir is None:
+                    raise DeltaError(f"no full version at or below {target_version} under {source_dir!r} and no base "
+                                     "checkpoint (version 0) given to seed from; a chain starts with a full version")
+                src, chain = base_dir, None
+            else:
+                src = version_dir(source_dir, seed)
+                chain = read_version_info(src).chain_id
+            bytes_read += seed_local_checkpoint(src, local, seed, chain_id=chain, verify=verify,
+                                                num_threads=num_threads)
+        for v in deltas:
+            bytes_read += apply_delta_to_checkpoint(local, version_dir(source_dir, v), num_threads=num_threads)
+    return PullResult(target_version, seed, deltas, bytes_read, time.perf_counter() - t0, False)
+
+
+def seed_local_checkpoint(src_dir: str, local_checkpoint_dir: str, version: int, *, chain_id: str | None = None,
+                          verify: bool = True, num_threads: int | None = None) -> int:
+    """Make the local dir an exact copy of the full checkpoint `src_dir` (files it lacks are pruned), check the
+    sizes and, with `verify`, the per-tensor checksums its shards carry; record `version`. Returns bytes copied.
+    The caller holds the lock."""
+    if not os.path.isdir(src_dir):
+        raise FileNotFoundError(f"full checkpoint {src_dir!r} does not exist")
+    os.makedirs(os.path.join(local_checkpoint_dir, SYNC_DIR), exist_ok=True)
+    _invalidate_state(local_checkpoint_dir)
+    files = sorted(e.name for e in os.scandir(src_dir) if e.is_file() and not e.name.startswith("."))
+    copied = 0
+    for name in files:
+        dst = os.path.join(local_checkpoint_dir, name)
+        tmp = os.path.join(local_checkpoint_dir, f".{name}.tmp-{os.getpid()}")
+        shutil.copyfile(os.path.join(src_dir, name), tmp)
+        os.replace(tmp, dst)
+        size, want = os.path.getsize(dst), os.path.getsize(os.path.join(src_dir, name))
+        if size != want:
+            raise DeltaError(f"size mismatch copying {name} from {src_dir}: {want} bytes there, {size} here")
+        copied += size
+    keep = set(files)
+    for e in os.scandir(local_checkpoint_dir):
+        if e.is_file() and e.name not in keep:
+            os.remove(e.path)
+    fmt = _index_metadata(local_checkpoint_dir).get("checksum_format")
+    if verify and fmt is not None:  # published full versions carry checksums; a base HF checkpoint may not
+        bad = verify_checkpoint(local_checkpoint_dir, fmt, num_threads=num_threads)
+        if bad:
+            raise ChecksumMismatchError(bad, f"copying {src_dir}")
+    _write_state(local_checkpoint_dir, version, chain_id)
+    return copied
+
+
+def _index_metadata(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, INDEX_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return dict(json.load(f).get("metadata") or {})
+    except (ValueError, AttributeError, TypeError) as e:
+        raise DeltaError(f"{path}: damaged index ({e})") from None
+
+
+def tensor_locations(ckpt_dir: str) -> dict[str, tuple[str, int, int]]:
+    """name -> (safetensors file, byte offset of its data, byte length), from every shard's header."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for fname in sorted(os.listdir(ckpt_dir)):
+        if not fname.endswith(".safetensors") or fname.startswith("."):
+            continue
+        path = os.path.join(ckpt_dir, fname)
+        n, header = read_safetensors_header(path)
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if name in out:
+                raise DeltaError(f"tensor {name!r} appears in both {out[name][0]} and {path}")
+            begin, end = meta["data_offsets"]
+            out[name] = (path, 8 + n + begin, end - begin)
+    return out
+
+
+def verify_checkpoint(ckpt_dir: str, checksum_format: str, *,
+                      num_threads: int | None = None) -> list[tuple[str, str]]:
+    """(tensor, file) for every tensor whose bytes do not match the checksum in its shard's `__metadata__`
+    (a tensor without a recorded checksum counts as a mismatch)."""
+    check_checksum_format(checksum_format)
+    items = []
+    for path in sorted({p for p, _, _ in tensor_locations(ckpt_dir).values()}):
+        n, header = read_safetensors_header(path)
+        sums = header.get("__metadata__") or {}
+        items += [(name, path, 8 + n + m["data_offsets"][0], m["data_offsets"][1] - m["data_offsets"][0],
+                   sums.get(name)) for name, m in header.items() if name != "__metadata__"]
+
+    def check(item) -> tuple[str, str] | None:
+        name, path, offset, nbytes, want = item
+        with open(path, "rb") as f:
+            if nbytes == 0:
+                got = checksum(checksum_format, b"")
+            else:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    got = checksum(checksum_format, memoryview(mm)[offset: offset + nbytes])
+        return None if got == want else (name, path)
+
+    return [r for r in parallel_map(check, items, num_threads) if r is not None]
+
+
+def _check_delta_meta(info: VersionInfo) -> None:
+    if not info.is_delta:
+        raise DeltaError(f"{info.path} is a full version, not a delta")
+    check_encoding(info.delta_encoding)
+    if info.compression_format != COMPRESSION_FORMAT:
+        raise DeltaError(f"{info.path}: compression {info.compression_format!r} is not supported (only zstd)")
+    check_checksum_format(info.checksum_format)
+
+
+def delta_payloads(info: VersionInfo) -> tuple[list[tuple[str, str, memoryview, str]], int]:
+    """([(tensor, delta file, zstd payload, checksum of its new bytes)], bytes read) of a delta version.
+    Each shard must hold exactly the tensors the index maps to it, as 1-D uint8, each with a checksum."""
+    _check_delta_meta(info)
+    by_file: dict[str, set[str]] = {}
+    for name, fname in info.weight_map.items():
+        by_file.setdefault(fname, set()).add(name)
+    items, read = [], 0
+    for fname, expected in sorted(by_file.items()):
+        path = os.path.join(info.path, fname)
+        if not os.path.isfile(path):
+            raise DeltaError(f"{info.path}: the index names {fname}, which does not exist")
+        with open(path, "rb") as f:
+            blob = f.read()
+        read += len(blob)
+        n, header = read_safetensors_header(path)
+        names = header.keys() - {"__metadata__"}
+        if names != expected:
+            raise DeltaError(f"{path}: holds tensors {sorted(names - expected)[:5]} the index does not map to it and "
+                             f"lacks {sorted(expected - names)[:5]}")
+        sums = header.get("__metadata__") or {}
+        view = memoryview(blob)
+        for name in sorted(names):
+            meta = header[name]
+            if meta.get("dtype") != "U8" or len(meta.get("shape", ())) != 1:
+                raise DeltaError(f"{path}: delta of tensor {name!r} must be a 1-D U8 array, got {meta.get('dtype')}")
+            if name not in sums:
+                raise DeltaError(f"{path}: no checksum recorded for tensor {name!r} in the file's __metadata__")
+            begin, end = meta["data_offsets"]
+            items.append((name, path, view[8 + n + begin: 8 + n + end], sums[name]))
+    return items, read
+
+
+def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_threads: int | None = None) -> int:
+    """Apply one delta version in place to the local checkpoint (caller holds the lock); returns bytes read.
+
+    Refuses (VersionMismatchError, nothing changed) a delta whose base_version or chain is not the local one.
+    A tensor whose result does not match its checksum raises ChecksumMismatchError after all tensors are tried;
+    the local state is then left unrecorded, so the next pull reseeds from a full version."""
+    info = read_version_info(delta_dir)
+    _check_delta_meta(info)
+    state = read_local_state(local_checkpoint_dir)
+    applied = None if state is None else state["version"]
+    if applied != info.base_version:
+        held = "no recorded version" if applied is None else f"version {applied}"
+        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version}, but "
+                                   f"{local_checkpoint_dir} holds {held}")
+    if info.chain_id is not None and state.get("chain_id") not in (None, info.chain_id):
+        raise VersionMismatchError(f"{delta_dir} belongs to another publishing chain than "
+                                   f"{local_checkpoint_dir} (a restarted run); pull its newest full version first")
+    items, read = delta_payloads(info)
+    if items:
+        locations = tensor_locations(local_checkpoint_dir)
+        missing = [name for name, *_ in items if name not in locations]
+        if missing:
+            raise DeltaError(f"{delta_dir} changes tensor(s) {missing[:5]} that {local_checkpoint_dir} does not hold")
+        _invalidate_state(local_checkpoint_dir)
+        maps: dict[str, tuple] = {}
+        try:
+            for path in sorted({locations[name][0] for name, *_ in items}):
+                fh = open(path, "r+b")
+                maps[path] = (fh, mmap.mmap(fh.fileno(), 0))
+
+            def apply_one(item) -> tuple[str, str, str | None] | None:
+                # Errors are returned, not raised: a traceback holding `region` would keep the mmap exported.
+                name, dfile, payload, want = item
+                path, offset, nbytes = locations[name]
+                region = np.ndarray((nbytes,), dtype=np.uint8, buffer=maps[path][1], offset=offset)
+                try:
+                    got = apply_tensor(info.delta_encoding, payload, region, checksum_format=info.checksum_format)
+                except DeltaError as e:
+                    return name, f"{dfile} (applying to {path})", str(e)
+                finally:
+                    del region
+                return None if got == want else (name, f"{dfile} -> {path}", None)
+
+            failed = [r for r in parallel_map(apply_one, items, num_threads) if r is not None]
+        finally:
+            for fh, mm in maps.values():
+                mm.close()
+                fh.close()
+        broken = [f"tensor {name!r} in {where}: {err}" for name, where, err in failed if err is not None]
+        if broken:
+            raise DeltaError(f"cannot apply {delta_dir}: " + "; ".join(broken[:10]))
+        if failed:
+            raise ChecksumMismatchError([(name, where) for name, where, _ in failed], delta_dir)
+    _write_state(local_checkpoint_dir, info.version, info.chain_id or (state or {}).get("chain_id"))
+    return read
+
+
+def apply_delta_to_tensors(tensors: Mapping[str, torch.Tensor], delta_dir: str, *, held_version: int | None,
+                           held_chain_id: str | None = None, num_threads: int | None = None) -> int:
+    """Move live tensors (name -> tensor, any device) from `held_version` to the delta version in `delta_dir`.
+
+    Every changed tensor's new bytes are computed and checked against its checksum first; only when all match
+    are the tensors written, so on any error the tensors still hold `held_version`. Raises VersionMismatchError
+    when the delta does not build on `held_version` (or on `held_chain_id`, when both chains are known).
+    Returns the number of tensors changed."""
+    info = read_version_info(delta_dir)
+    _check_delta_meta(info)
+    if held_version != info.base_version:
+        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version}, "
+                                   f"but the engine holds {held_version}")
+    if info.chain_id is not None and held_chain_id is not None and held_chain_id != info.chain_id:
+        raise VersionMismatchError(f"{delta_dir} belongs to another publishing chain than the engine's weights")
+    items, _ = delta_payloads(info)
+    missing = [name for name, *_ in items if name not in tensors]
+    if missing:
+        raise DeltaError(f"{delta_dir} changes tensor(s) {missing[:5]} that the engine does not hold")
+
+    def decode_one(item):
+        name, dfile, payload, want = item
+        t = tensors[name]
+        old = tensor_bytes(t.detach().to("cpu"))
+        try:
+            new, got = decode_tensor(info.delta_encoding, payload, old, checksum_format=info.checksum_format)
+        except DeltaError as e:
+            raise DeltaError(f"tensor {name!r} in {dfile}: {e}") from None
+        return name, dfile, new, got == want
+
+    decoded = parallel_map(decode_one, items, num_threads)
+    bad = [(name, dfile) for name, dfile, _, ok in decoded if not ok]
+    if bad:
+        raise ChecksumMismatchError(bad, delta_dir)
+    with torch.no_grad():
+        for name, _, new, _ in decoded:
+            t = tensors[name]
+            src = torch.from_numpy(new).view(t.dtype).reshape(t.shape)
+            t.copy_(src)
+    return len(decoded)
