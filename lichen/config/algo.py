@@ -154,10 +154,25 @@ def check(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{flag} is only used with --advantage-estimator ppo (the critic); drop it")
         if args.num_critic_only_steps:
             raise ConfigError("--num-critic-only-steps is only used with --advantage-estimator ppo; drop it")
+    if estimator == "ppo" and args.loss_type != "policy_loss":
+        raise ConfigError(f"--advantage-estimator ppo trains a critic for the policy loss; it cannot be combined with "
+                          f"--loss-type {args.loss_type}")
+    if args.kl_coef != 0 and estimator not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"):
+        raise ConfigError(f"--kl-coef (KL in the reward) is used by reinforce_plus_plus, reinforce_plus_plus_baseline "
+                          f"and ppo, not by --advantage-estimator {estimator}; use --use-kl-loss --kl-loss-coef instead")
+    if args.eps_clip_c is not None and estimator in ("gspo", "cispo"):
+        raise ConfigError(f"--eps-clip-c (dual clip) applies to the PPO-style token loss, not to "
+                          f"--advantage-estimator {estimator}; drop it")
+    if args.custom_advantage_function_path is not None and estimator == "ppo":
+        raise ConfigError("--custom-advantage-function-path replaces group-based estimators; with "
+                          "--advantage-estimator ppo advantages come from the critic (GAE); drop one")
+    if args.disable_rewards_normalization and estimator in ("rloo", "reinforce_plus_plus", "ppo"):
+        raise ConfigError(f"--disable-rewards-normalization has no effect with --advantage-estimator {estimator} "
+                          f"(it does not group-normalize rewards); drop it")
     if args.num_critic_only_steps < 0:
         raise ConfigError(f"--num-critic-only-steps {args.num_critic_only_steps}: must be >= 0")
     if args.value_clip is not None and args.value_clip <= 0:
-        raise ConfigError(f"--value-clip {args.value_clip}: must be > 0 (or leave it unset for no clipping)")
+        raise ConfigError(f"--value-clip {args.value_clip}: must be > 0 (default 0.2)")
     if args.critic_load is not None:
         check_hf_dir(args.critic_load, "--critic-load")
     if estimator.startswith("reinforce_plus_plus") and not args.normalize_advantages:
