@@ -1,23 +1,23 @@
-"""The embedded generation engine: batched sampling over a preallocated KV cache.
+"""The embedded generation engine: batched sampling over a KV cache.
 
 `lichen serve` wraps this class; `--runtime local` uses it in process. It knows nothing about training: it takes
 token ids and sampling parameters and returns token ids, log-probs and a finish reason, tagged with the weight
 version it served.
 
-Batching: prompts are left-padded so every row writes its next token at the same cache position. Finished
-rows leave the batch (their cache rows are dropped) once enough of them have finished, so long, ragged answers
-do not keep paying for the short ones.
+Batching (lichen/engines/batch.py): sequences decode together in one batch; a finished one leaves it and a
+waiting one joins at the next step, so long, ragged answers do not hold back the short ones.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
-from lichen.engines.sampling import sample_next
-from lichen.models import CausalLM, KVCache, load_model
+from lichen.engines.batch import DecodeBatch, Seq
+from lichen.models import CausalLM, ModelConfig, load_model
 
 
 @dataclass
@@ -90,95 +90,127 @@ class Engine:
     def onload(self, tags: list[str] | None = None) -> None:
         pass
 
-    # ---- generation ---------------------------------------------------------------------------------------
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Results are returned in request order. Requests are batched in order, `max_batch_size` at a time."""
-        if not requests:
-            return []
-        size = self.max_batch_size or len(requests)
-        results: list[GenResult] = []
-        for start in range(0, len(requests), size):
-            results.extend(self._generate_batch(requests[start : start + size]))
-        return results
+    def load_weights_from_disk(self, model_dir: str) -> None:
+        """Replace the weights with those of the HF checkpoint `model_dir` (same architecture and shapes).
+        On any error the old weights stay and ValueError says why (see `read_checkpoint`)."""
+        self.apply_state(self.read_checkpoint(model_dir))
+
+    def read_checkpoint(self, model_dir: str) -> dict[str, torch.Tensor]:
+        """Read `model_dir`'s weights and check them against the served model without touching it.
+
+        Raises ValueError naming the problem: missing directory or weights, a different config, or missing /
+        extra / mis-shaped tensors. Separate from `apply_state` so a server can read while it still generates.
+        """
+        from lichen.errors import UserError
+        from lichen.weights.hf_io import load_hf_state_dict
+
+        try:
+            cfg = ModelConfig.from_pretrained(model_dir)
+            state = load_hf_state_dict(model_dir, device="cpu", dtype=self.dtype)
+        except (OSError, UserError, ValueError, KeyError) as e:
+            raise ValueError(f"cannot load {model_dir!r}: {e}") from e
+        mine = self.model.cfg
+        diff = [f"{k}: {getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in vars(mine)
+                if k != "max_position_embeddings" and getattr(cfg, k) != getattr(mine, k)]
+        if diff:
+            raise ValueError(f"{model_dir!r} has a different model config: {'; '.join(diff)}")
+        if mine.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        params = dict(self.model.named_parameters())
+        problems = [f"missing {n}" for n in params if n not in state]
+        problems += [f"unexpected {n}" for n in state if n not in params]
+        problems += [f"{n}: shape {tuple(state[n].shape)} != {tuple(p.shape)}" for n, p in params.items()
+                     if n in state and state[n].shape != p.shape]
+        if problems:
+            raise ValueError(f"{model_dir!r} does not match the served model: {', '.join(problems[:5])}")
+        return state
 
     @torch.no_grad()
-    def _generate_batch(self, reqs: list[GenRequest]) -> list[GenResult]:
-        dev = self.device
-        B = len(reqs)
-        lens = [len(r.input_ids) for r in reqs]
-        if min(lens) == 0:
+    def apply_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a checked state dict (from `read_checkpoint`) into the parameters."""
+        for name, p in self.model.named_parameters():
+            p.copy_(state[name])
+
+    def offload(self) -> None:  # CPU: nothing to release (DESIGN §7)
+        pass
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        pass
+
+    def load_weights_from_disk(self, model_dir: str) -> None:
+        """Replace the weights with those of the HF checkpoint `model_dir` (same architecture and shapes).
+
+        Everything is read and checked before any parameter is touched, so on any error (missing directory,
+        different config, missing / extra / mis-shaped tensor) the old weights stay and ValueError names why.
+        """
+        from lichen.errors import UserError
+        from lichen.weights.hf_io import load_hf_state_dict
+
+        try:
+            cfg = ModelConfig.from_pretrained(model_dir)
+            state = load_hf_state_dict(model_dir, device="cpu", dtype=self.dtype)
+        except (OSError, UserError, ValueError, KeyError) as e:
+            raise ValueError(f"cannot load {model_dir!r}: {e}") from e
+        mine = self.model.cfg
+        diff = [f"{k}: {getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in vars(mine)
+                if k != "max_position_embeddings" and getattr(cfg, k) != getattr(mine, k)]
+        if diff:
+            raise ValueError(f"{model_dir!r} has a different model config: {'; '.join(diff)}")
+        if mine.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        params = dict(self.model.named_parameters())
+        problems = [f"missing {n}" for n in params if n not in state]
+        problems += [f"unexpected {n}" for n in state if n not in params]
+        problems += [f"{n}: shape {tuple(state[n].shape)} != {tuple(p.shape)}" for n, p in params.items()
+                     if n in state and state[n].shape != p.shape]
+        if problems:
+            raise ValueError(f"{model_dir!r} does not match the served model: {', '.join(problems[:5])}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name])
+
+    def offload(self, tags: list[str] | None = None) -> None:
+        """Release device memory. On CPU there is nothing to release (DESIGN §7); on an accelerator the
+        `weights` tag moves the parameters to host memory (the KV cache only lives during generation)."""
+        if self.device.type == "cpu":
+            return
+        if tags is None or "weights" in tags:
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        if self.device.type == "cpu":
+            return
+        if tags is None or "weights" in tags:
+            self.model.to(self.device)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def make_seq(self, r: GenRequest) -> Seq:
+        stop = set() if r.ignore_eos else set(self.eos_token_ids)
+        stop.update(r.stop_token_ids)
+        return Seq(input_ids=list(r.input_ids), max_new_tokens=max(0, r.max_new_tokens), temperature=r.temperature,
+                   top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop_ids=frozenset(stop))
+
+    def new_batch(self, stop_text=None) -> DecodeBatch:
+        return DecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Results are returned in request order. At most `max_batch_size` sequences decode at once; when rows
+        finish, the next requests (in order) take their place."""
+        if not requests:
+            return []
+        if any(not r.input_ids for r in requests):
             raise ValueError("input_ids cannot be empty.")
-        P = max(lens)
-        max_new = [max(0, r.max_new_tokens) for r in reqs]
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_lp: list[list[float]] = [[] for _ in reqs]
-        reasons = ["length"] * B
-        if max(max_new) == 0:
-            return [GenResult([], [], "length", lens[i], self.weight_version) for i in range(B)]
-
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((B, P), dtype=torch.bool)
-        for i, r in enumerate(reqs):
-            ids[i, P - lens[i] :] = torch.tensor(r.input_ids, dtype=torch.long)
-            valid[i, P - lens[i] :] = True
-        ids, valid = ids.to(dev), valid.to(dev)
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        total = P + max(max_new)
-        key_valid = torch.ones((B, total), dtype=torch.bool, device=dev)
-        key_valid[:, :P] = valid
-        padded = not bool(valid.all())
-
-        temp = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([r.top_p for r in reqs], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([r.top_k for r in reqs], dtype=torch.long, device=dev)
-        seeds = torch.tensor([r.seed & 0xFFFFFFFF for r in reqs], dtype=torch.int64, device=dev)
-        stop_sets = [set() if r.ignore_eos else set(self.eos_token_ids) for r in reqs]
-        for s, r in zip(stop_sets, reqs):
-            s.update(r.stop_token_ids)
-
-        cache = KVCache(self.model.cfg, B, total, dev, self.dtype)
-        mask = None
-        if padded:  # causal & real keys; a pad query may see itself so its softmax row is never empty
-            causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
-            eye = torch.eye(P, dtype=torch.bool, device=dev)
-            mask = (causal[None] & valid[:, None, :]) | eye[None]
-            mask = mask[:, None]
-        hidden = self.model(ids, pos, cache=cache, attn_mask=mask)
-        logits = self.model.logits(hidden[:, -1])
-        next_pos = pos[:, -1] + 1
-
-        rows = list(range(B))  # rows[j] = request index of batch row j
-        done = [m == 0 for m in max_new]
-        n_done_in_batch = sum(done)
-        for step in range(max(max_new)):
-            tokens, lps = sample_next(logits, temp, top_p, top_k, seeds, step)
-            tok_list, lp_list = tokens.tolist(), lps.tolist()
-            for j, i in enumerate(rows):
-                if done[i]:
-                    continue
-                out_ids[i].append(tok_list[j])
-                out_lp[i].append(lp_list[j])
-                if tok_list[j] in stop_sets[i]:
-                    done[i], reasons[i] = True, "stop"
-                elif len(out_ids[i]) >= max_new[i]:
-                    done[i] = True
-                if done[i]:
-                    n_done_in_batch += 1
-            if n_done_in_batch == len(rows):
-                break
-            # Drop finished rows once they are at least 1/8 of the batch: a row copy of the cache costs about
-            # as much as a decode step, so compacting on every single finish would cost more than it saves.
-            if n_done_in_batch and n_done_in_batch * 8 >= len(rows):
-                keep = [j for j, i in enumerate(rows) if not done[i]]
-                keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
-                rows = [rows[j] for j in keep]
-                cache.keep_rows(keep_t)
-                tokens, next_pos, key_valid = tokens[keep_t], next_pos[keep_t], key_valid[keep_t]
-                temp, top_p, top_k, seeds = temp[keep_t], top_p[keep_t], top_k[keep_t], seeds[keep_t]
-                n_done_in_batch = 0
-            L = cache.length + 1
-            step_mask = key_valid[:, None, None, :L] if padded else None
-            hidden = self.model(tokens[:, None], next_pos[:, None], cache=cache, attn_mask=step_mask)
-            logits = self.model.logits(hidden[:, -1])
-            next_pos = next_pos + 1
-        return [GenResult(out_ids[i], out_lp[i], reasons[i], lens[i], self.weight_version) for i in range(B)]
+        seqs = [self.make_seq(r) for r in requests]
+        limit = self.max_batch_size or len(seqs)
+        batch = self.new_batch()
+        pending = deque(seqs)
+        while pending or len(batch):
+            free = limit - len(batch)
+            # Refill once an eighth of the slots are free: each join rebuilds the cache (about one step's cost).
+            if pending and free > 0 and (not len(batch) or free * 8 >= limit):
+                batch.add([pending.popleft() for _ in range(min(free, len(pending)))], self.weight_version)
+            batch.step(self.weight_version)
+        return [GenResult(s.output_ids, s.output_logprobs, s.finish[0], len(s.input_ids),
+                          s.finish_version or self.weight_version) for s in seqs]

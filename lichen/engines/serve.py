@@ -1,13 +1,152 @@
-"""`lichen serve`: the SGLang-protocol HTTP server around the embedded engine (comes with the Rollout servers
-issue). Until then the command exits with code 2 and says so, instead of failing obscurely."""
+"""`lichen serve --model PATH`: an HTTP server that speaks SGLang's native protocol around lichen's engine.
+
+    lichen serve --model DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY] [--device auto]
+                 [--dtype float32] [--max-batch-size 256] [--weight-version default]
+
+It binds 127.0.0.1 unless told otherwise; any other address requires --api-key (clients send
+`Authorization: Bearer KEY`; health endpoints stay open). When it is ready it prints one line
+`lichen serve: ready at http://HOST:PORT ...` (with the real port when --port 0 picks a free one).
+SIGTERM / SIGINT abort what is running (callers get their partial output) and exit 0.
+"""
 
 from __future__ import annotations
 
-from lichen.errors import NotAvailableYet
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import sys
+
+from lichen.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lichen serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="Hugging Face checkpoint directory (llama, qwen2, qwen3) with its tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
+    p.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default 30000)")
+    p.add_argument("--api-key", default=None, help="key clients must send (Authorization: Bearer KEY or x-api-key)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="key for control endpoints (abort, pause, weights, memory); "
+                        "then --api-key is not accepted there")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, ... or auto (cuda when available)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and compute dtype (default float32)")
+    p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=256,
+                   help="most sequences decoding at once; more wait in a queue (default 256)")
+    p.add_argument("--weight-version", default="default", help="weight_version reported until an update sets one")
+    p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: the --model path)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the config's max_position_embeddings)")
+    p.add_argument("--health-check-timeout", type=float, default=None,
+                   help="seconds /health_generate waits for a generation before answering 503 "
+                        "(default: $SGLANG_HEALTH_CHECK_TIMEOUT or 20)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not is_loopback(args.host) and not args.api_key:
+        raise ConfigError(f"--host {args.host} exposes the server beyond this machine; pass --api-key KEY "
+                          "(clients then send 'Authorization: Bearer KEY') or bind --host 127.0.0.1")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    if args.context_length is not None and args.context_length < 2:
+        raise ConfigError(f"--context-length must be at least 2, got {args.context_length}")
+    if not os.path.isdir(args.model):
+        raise ConfigError(f"--model {args.model!r}: no such directory; pass a Hugging Face checkpoint directory "
+                          "(`lichen make-tiny-model DIR` writes a small one)")
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"--device {name!r} is not a device torch knows ({e}); use cpu, cuda or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available here; use --device cpu")
+    return dev
+
+
+def load_server(args: argparse.Namespace):
+    """Load tokenizer, model and engine; return the (not yet started) LichenServer."""
+    import torch
+
+    from lichen.engines.engine import Engine
+    from lichen.engines.http_server import LichenServer
+    from lichen.models import load_model
+    from lichen.models.tokenizer import eos_token_ids, load_tokenizer
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = resolve_device(args.device)
+    tok = load_tokenizer(args.model)
+    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    engine = Engine(model, eos_token_ids=eos_token_ids(tok, args.model), pad_token_id=pad,
+                    max_batch_size=args.max_batch_size, weight_version=args.weight_version)
+    with open(os.path.join(args.model, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
+    timeout = args.health_check_timeout
+    if timeout is None:
+        timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+    return LichenServer(engine, tok, model_path=args.model, served_model_name=args.served_model_name,
+                        host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                        max_running=args.max_batch_size, context_length=args.context_length,
+                        health_timeout=timeout, architectures=architectures)
+
+
+async def serve(server, host: str, port: int) -> None:
+    from aiohttp import web
+
+    await server.start()
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        await server.stop()
+        await runner.cleanup()
+        raise ConfigError(f"cannot bind {host}:{port} ({e.strerror or e}); pick another --port") from None
+    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    server.port = bound
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"lichen serve: ready at http://{shown}:{bound} (model {server.model_path}, device {server.engine.device}, "
+          f"dtype {str(server.engine.dtype).replace('torch.', '')})", flush=True)
+    await stop.wait()
+    print("lichen serve: shutting down", file=sys.stderr, flush=True)
+    await server.stop()  # aborts what runs: callers get their partial output before the sockets close
+    await runner.cleanup()
 
 
 def main(argv: list[str]) -> int:
-    raise NotAvailableYet(
-        "`lichen serve` is not available yet: the SGLang-protocol server lands with the rollout-servers work; "
-        "`lichen train` uses the in-process engine meanwhile"
-    )
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    server = load_server(args)
+    asyncio.run(serve(server, args.host, args.port))
+    return 0

@@ -1,0 +1,365 @@
+"""Continuous batching over one KV cache: sequences join a running decode batch and leave it at any step.
+
+Layout. All rows share one cache write position `cache.length` (so one decode step is one batched forward),
+and each row's keys sit right-aligned before it: row j's valid key slots are `key_valid[j, :length]`. A row
+that joins later is prefilled on its own (left-padded with the other newcomers) and copied in so that its
+last prompt token lands on the slot before `length`; the slots before its first token are masked. When a
+newcomer's prompt is longer than what the batch holds, the existing rows move right instead. Rotary positions
+come from each row's own position ids, so the slot a key sits in does not change its value.
+
+Masked slots hold zeros, never uninitialised memory: a NaN there would survive the -inf mask (NaN * 0 = NaN).
+
+Rebuilding the cache (on a join, on growth, and when finished rows are dropped) copies its filled part once,
+about the cost of one decode step, so finished rows are only dropped once they are an eighth of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lichen.engines.sampling import _M32, _fmix32, _mul32, truncate_logprobs
+from lichen.models import CausalLM, KVCache
+
+# Extra cache slots allocated per rebuild beyond the current length (grown again when used up): a long
+# `max_new_tokens` does not reserve memory for tokens that are never generated.
+GROW_SLOTS = 256
+
+
+@dataclass
+class Seq:
+    """One sequence to generate (one prompt x one sample) and everything produced for it so far."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0  # <= 0: greedy, log-probs read at T = 1
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignored) and stop_token_ids; the token is kept
+    stop_strings: tuple[str, ...] = ()
+    input_logprob_start: int = -1  # >= 0: also score the prompt tokens from this position on
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    tag: Any = None  # the owner's handle (the server's job)
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_ids_lp: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top: list[list[tuple[float, int]] | None] | None = None
+    input_ids_lp: list[list[tuple[float, int]] | None] | None = None
+    finish: tuple | None = None  # ("stop", token id | str) | ("length", n) | ("abort", message)
+    versions: list[list] = field(default_factory=list)  # [version, start, end) spans over output tokens
+    finish_version: str | None = None
+    num_retractions: int = 0
+
+    def append(self, token: int, logprob: float, version: str) -> None:
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        n = len(self.output_ids)
+        if self.versions and self.versions[-1][0] == version:
+            self.versions[-1][2] = n
+        else:
+            self.versions.append([version, n - 1, n])
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+
+def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`sampling.uniform_noise` with a step per row: U[b, v] depends only on (seeds[b], steps[b], v).
+
+    Rows of a continuous batch are at different steps; row b here equals `uniform_noise(seeds[b:b+1],
+    steps[b], V)`, so a sample draws the same numbers whether it decodes alone, in a batch or after a retry.
+    """
+    device = seeds.device
+    step_key = _fmix32((_mul32(steps.to(torch.int64) & _M32, 0x9E3779B9) + 0x632BE5AB) & _M32)
+    base = _fmix32((seeds.to(torch.int64) & _M32) ^ step_key)
+    cols = _mul32(torch.arange(vocab_size, dtype=torch.int64, device=device), 0x27D4EB2F)
+    h = _fmix32(_fmix32(base[:, None] ^ cols[None, :]) ^ base[:, None])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_rows(logits, temperature, top_p, top_k, seeds, steps):
+    """`sampling.sample_next` with per-row steps. Returns (tokens [B], log-probs [B], logp [B, V]) where
+    logp = log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows)."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    race_lp = logp
+    if bool(((top_p < 1.0) | (top_k > 0)).any()):
+        race_lp = truncate_logprobs(logp, top_p, top_k)
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+    else:
+        u = row_noise(seeds, steps, logits.shape[-1])
+        score = race_lp - torch.log(-torch.log(u))
+        tokens = torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), logp
+
+
+def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    vals, idx = torch.topk(logp_row, min(k, logp_row.shape[-1]))
+    return list(zip(vals.tolist(), idx.tolist()))
+
+
+def _picked(logp_row: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:
+    return list(zip(logp_row[ids].tolist(), ids))
+
+
+class DecodeBatch:
+    """The running batch. `add` prefills newcomers and makes them part of the batch; `step` samples one token
+    for every live row, finishes rows, and runs the next decode forward. Every live row always holds the
+    logits of its next token between calls. Not thread-safe: one thread drives it.
+
+    `stop_text(seq)` (optional) returns the stop string that the decoded output now ends with, or None.
+    """
+
+    def __init__(self, model: CausalLM, *, pad_token_id: int = 0,
+                 stop_text: Callable[[Seq], str | None] | None = None):
+        self.model = model
+        self.pad = pad_token_id
+        self.stop_text = stop_text
+        self._reset()
+
+    def _reset(self) -> None:
+        self.rows: list[Seq] = []
+        self.cache: KVCache | None = None
+        self.key_valid = self.next_pos = self.tokens = self.logits = None
+        self.temp = self.top_p = self.top_k = self.seeds = None
+        self.padded = False
+        self.n_dead = 0
+
+    def __len__(self) -> int:
+        return len(self.rows) - self.n_dead
+
+    def live(self) -> list[Seq]:
+        return [s for s in self.rows if s.finish is None]
+
+    @property
+    def cache_tokens(self) -> int:
+        return 0 if self.cache is None else len(self.rows) * self.cache.length
+
+    # ---- joining ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, seqs: list[Seq], version: str) -> list[Seq]:
+        """Prefill `seqs` (prompt + any output already generated, e.g. after a retract) and join them.
+
+        Returns the ones already finished: no token budget left (scoring requests, `max_new_tokens` 0).
+        """
+        finished = []
+        todo = []
+        for s in seqs:
+            if not s.input_ids:
+                raise ValueError("input_ids cannot be empty.")
+            if s.remaining <= 0 and not (s.input_logprob_start >= 0 and s.input_logprobs is None):
+                self._finish(s, ("length", len(s.output_ids)), version)
+                finished.append(s)
+            else:
+                todo.append(s)
+        if not todo:
+            return finished
+        p = next(self.model.parameters())
+        dev, dtype = p.device, p.dtype
+        ctx = [s.input_ids + s.output_ids for s in todo]
+        lens = [len(c) for c in ctx]
+        B, P = len(todo), max(lens)
+        ids = torch.full((B, P), self.pad, dtype=torch.long)
+        valid = torch.zeros((B, P), dtype=torch.bool)
+        for i, c in enumerate(ctx):
+            ids[i, P - lens[i]:] = torch.tensor(c, dtype=torch.long)
+            valid[i, P - lens[i]:] = True
+        ids, valid = ids.to(dev), valid.to(dev)
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        mask = None
+        if not bool(valid.all()):  # causal & real keys; a pad query may see itself so its softmax row is never empty
+            causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+            eye = torch.eye(P, dtype=torch.bool, device=dev)
+            mask = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
+        cache = KVCache(self.model.cfg, B, P, dev, dtype)
+        hidden = self.model(ids, pos, cache=cache, attn_mask=mask)
+        logits = self.model.logits(hidden[:, -1])
+        for i, s in enumerate(todo):
+            if s.input_logprob_start >= 0 and s.input_logprobs is None:
+                self._score_prompt(s, hidden[i, P - lens[i]:P - lens[i] + len(s.input_ids)])
+        keep = []
+        for i, s in enumerate(todo):
+            if s.remaining <= 0:
+                self._finish(s, ("length", len(s.output_ids)), version)
+                finished.append(s)
+            else:
+                keep.append(i)
+        if keep:
+            k = torch.tensor(keep, dtype=torch.long, device=dev)
+            part = {
+                "rows": [todo[i] for i in keep],
+                "k": [t.index_select(0, k) for t in cache.k], "v": [t.index_select(0, k) for t in cache.v],
+                "valid": valid.index_select(0, k), "next_pos": pos[:, -1].index_select(0, k) + 1,
+                "tokens": torch.zeros(len(keep), dtype=torch.long, device=dev),
+                "logits": logits.index_select(0, k),
+            }
+            live = [j for j, s in enumerate(self.rows) if s.finish is None]
+            self._rebuild([self._current_part(live), part] if live else [part])
+        return finished
+
+    def _score_prompt(self, s: Seq, h: torch.Tensor) -> None:
+        """log p(prompt[j] | prompt[:j]) for j >= start, under log_softmax(logits / T); position 0 has none."""
+        start = s.input_logprob_start
+        n = len(s.input_ids)
+        first = max(start, 1)
+        vals: list[float | None] = [None] if start == 0 else []
+        tops: list = [None] if start == 0 else []
+        picks: list = [None] if start == 0 else []
+        if first < n:
+            t = s.temperature if s.temperature > 0 else 1.0
+            logp = torch.log_softmax(self.model.logits(h[first - 1:n - 1]).float() / t, dim=-1)
+            target = torch.tensor(s.input_ids[first:n], dtype=torch.long, device=logp.device)
+            vals += logp.gather(-1, target[:, None]).squeeze(-1).tolist()
+            for r in range(logp.shape[0]):
+                if s.top_logprobs_num > 0:
+                    tops.append(_top(logp[r], s.top_logprobs_num))
+                if s.token_ids_logprob:
+                    picks.append(_picked(logp[r], s.token_ids_logprob))
+        s.input_logprobs = vals
+        s.input_top = tops if s.top_logprobs_num > 0 else None
+        s.input_ids_lp = picks if s.token_ids_logprob else None
+
+    # ---- cache layout ---------------------------------------------------------------------------------------
+    def _current_part(self, rows: list[int] | None = None) -> dict:
+        """The batch (or the given row indices of it) as a part for `_rebuild`, trimmed to its filled slots."""
+        L = self.cache.length
+        idx = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.key_valid.device)
+
+        def sel(t):
+            return t if idx is None else t.index_select(0, idx)
+
+        valid = sel(self.key_valid[:, :L])
+        used = valid.any(0)
+        start = int(used.long().argmax()) if bool(used.any()) else L
+        return {
+            "rows": self.rows if rows is None else [self.rows[j] for j in rows],
+            "k": [sel(t[:, :, start:L]) for t in self.cache.k], "v": [sel(t[:, :, start:L]) for t in self.cache.v],
+            "valid": valid[:, start:], "next_pos": sel(self.next_pos), "tokens": sel(self.tokens),
+            "logits": sel(self.logits),
+        }
+
+    def _rebuild(self, parts: list[dict]) -> None:
+        """Lay the parts out right-aligned in a fresh cache with room for GROW_SLOTS more decode steps."""
+        rows = [s for p in parts for s in p["rows"]]
+        if not rows:
+            self._reset()
+            return
+        cfg = self.model.cfg
+        L = max(p["valid"].shape[1] for p in parts)
+        cap = L + max(1, min(GROW_SLOTS, max(s.remaining for s in rows)))
+        dev = parts[0]["valid"].device
+        dtype = parts[0]["k"][0].dtype
+        B = len(rows)
+        cache = KVCache.__new__(KVCache)
+        shape = (B, cfg.num_kv_heads, cap, cfg.head_dim)
+        cache.k = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.num_layers)]
+        cache.v = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.num_layers)]
+        cache.length = L
+        key_valid = torch.ones((B, cap), dtype=torch.bool, device=dev)
+        b = 0
+        for p in parts:
+            n, w = len(p["rows"]), p["valid"].shape[1]
+            for layer in range(cfg.num_layers):
+                cache.k[layer][b:b + n, :, L - w:L] = p["k"][layer]
+                cache.v[layer][b:b + n, :, L - w:L] = p["v"][layer]
+            key_valid[b:b + n, :L - w] = False
+            key_valid[b:b + n, L - w:L] = p["valid"]
+            b += n
+        self.rows = rows
+        self.cache, self.key_valid = cache, key_valid
+        self.next_pos = torch.cat([p["next_pos"] for p in parts])
+        self.tokens = torch.cat([p["tokens"] for p in parts])
+        self.logits = torch.cat([p["logits"] for p in parts])
+        self.temp = torch.tensor([s.temperature for s in rows], dtype=torch.float32, device=dev)
+        self.top_p = torch.tensor([s.top_p for s in rows], dtype=torch.float32, device=dev)
+        self.top_k = torch.tensor([s.top_k for s in rows], dtype=torch.long, device=dev)
+        self.seeds = torch.tensor([s.seed & _M32 for s in rows], dtype=torch.int64, device=dev)
+        self.padded = not bool(key_valid[:, :L].all())
+        self.n_dead = sum(s.finish is not None for s in rows)
+
+    def _compact(self) -> None:
+        live = [j for j, s in enumerate(self.rows) if s.finish is None]
+        self._rebuild([self._current_part(live)] if live else [])
+
+    # ---- stepping -----------------------------------------------------------------------------------------
+    def _finish(self, s: Seq, reason: tuple, version: str) -> None:
+        s.finish = reason
+        s.finish_version = s.versions[-1][0] if s.versions else version
+
+    @torch.no_grad()
+    def step(self, version: str) -> list[Seq]:
+        """Sample one token for every live row (tagged with `version`); return the rows that finished."""
+        if not len(self):
+            return []
+        dev = self.logits.device
+        steps = torch.tensor([len(s.output_ids) for s in self.rows], dtype=torch.int64, device=dev)
+        tokens, lps, logp = sample_rows(self.logits, self.temp, self.top_p, self.top_k, self.seeds, steps)
+        tok_list, lp_list = tokens.tolist(), lps.tolist()
+        finished = []
+        for j, s in enumerate(self.rows):
+            if s.finish is not None:
+                continue
+            tok = tok_list[j]
+            s.append(tok, lp_list[j], version)
+            if s.top_logprobs_num > 0:
+                s.output_top.append(_top(logp[j], s.top_logprobs_num))
+            if s.token_ids_logprob:
+                s.output_ids_lp.append(_picked(logp[j], s.token_ids_logprob))
+            reason = None
+            if tok in s.stop_ids:
+                reason = ("stop", tok)
+            elif s.stop_strings and self.stop_text is not None and (hit := self.stop_text(s)) is not None:
+                reason = ("stop", hit)
+            elif s.remaining <= 0:
+                reason = ("length", len(s.output_ids))
+            if reason is not None:
+                self._finish(s, reason, version)
+                finished.append(s)
+        self.n_dead += len(finished)
+        self.tokens = tokens
+        self._advance()
+        return finished
+
+    def _advance(self) -> None:
+        """Drop finished rows when worth it, then run the decode forward that gives every row its next logits."""
+        if not len(self):
+            self._reset()
+            return
+        if self.n_dead and self.n_dead * 8 >= len(self.rows):
+            self._compact()
+        if self.cache.length >= self.cache.k[0].shape[2]:  # out of slots: rebuild with room for more
+            self._rebuild([self._current_part()])
+        L = self.cache.length
+        step_mask = self.key_valid[:, None, None, :L + 1] if self.padded else None
+        hidden = self.model(self.tokens[:, None], self.next_pos[:, None], cache=self.cache, attn_mask=step_mask)
+        self.logits = self.model.logits(hidden[:, -1])
+        self.next_pos = self.next_pos + 1
+
+    def abort(self, seqs: list[Seq], message: str, version: str) -> None:
+        """Finish the given live rows with ("abort", message); their partial output stays on them."""
+        for s in seqs:
+            if s.finish is None:
+                self._finish(s, ("abort", message), version)
+                self.n_dead += 1
+        if not len(self):
+            self._reset()
+        elif self.n_dead * 8 >= len(self.rows):
+            self._compact()
+
+    def retract(self) -> list[Seq]:
+        """Take every live row out (their cache is dropped); re-adding one recomputes its cache and continues."""
+        live = self.live()
+        for s in live:
+            s.num_retractions += 1
+        self._reset()
+        return live

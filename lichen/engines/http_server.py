@@ -1,0 +1,514 @@
+"""The HTTP side of `lichen serve`: SGLang's native endpoints (sglang-api.md §1–§5) over aiohttp.
+
+The event loop owns the request registry (rid -> job) and the pause gate; the scheduler thread owns the engine.
+Jobs go to the scheduler after the gate; results come back through `_on_events`, which hops onto the loop.
+A request that arrives while generation is paused waits at the gate (SGLang §1.4) and never reaches the
+scheduler until `/continue_generation`; `/abort_request` still answers it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from lichen import __version__
+from lichen.engines import openai_api
+from lichen.engines.engine import Engine
+from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputOptions, RequestError, Sampling,
+                                     abort_status, error_body, expect, generate_output, loads, make_job,
+                                     parse_generate, stream_error)
+from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
+from lichen.observe.metrics import get_logger
+
+log = get_logger(__name__)
+
+# SGLang's ADMIN_OPTIONAL endpoints: an --admin-api-key, when set, is required here (and the plain key is not
+# accepted); otherwise the --api-key is. Paths under /health, /ready and /metrics need no key at all.
+ADMIN_PATHS = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
+    "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name",
+})
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+            "requests, the operation will not be performed.)\n")
+LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(obj).encode(), status=status, content_type="application/json")
+
+
+class LichenServer:
+    def __init__(self, engine: Engine, tokenizer: Any, *, model_path: str, served_model_name: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 admin_api_key: str | None = None, max_running: int = 256, context_length: int | None = None,
+                 health_timeout: float = 20.0, architectures: list[str] | None = None):
+        cfg = engine.model.cfg
+        tokenizer = LockedTokenizer(tokenizer)
+        self.engine = engine
+        self.model_path = self.tokenizer_path = model_path
+        self.served_model_name = served_model_name or model_path
+        self.host, self.port = host, port
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.health_timeout = health_timeout
+        self.architectures = architectures or []
+        self.facts = Facts(tokenizer, cfg.vocab_size, context_length or cfg.max_position_embeddings,
+                           list(engine.eos_token_ids))
+        self.detok = Detok(tokenizer)
+        self.scheduler = Scheduler(engine, max_running=max_running, on_events=self._on_events,
+                                   stop_text=self.detok.stop_text)
+        self.jobs: dict[str, Job] = {}
+        self.paused = False
+        self.started = time.time()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._resumed: asyncio.Event | None = None
+        self._rate = (time.monotonic(), 0, 0.0)  # (when, tokens then, last throughput) for /v1/loads
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        """Answer everything in flight (partial output, finish_reason abort), also requests held by a pause."""
+        if self.scheduler.alive():
+            await self.abort_jobs(list(self.jobs.values()), "server is shutting down")
+        await asyncio.to_thread(self.scheduler.stop)
+
+    # ---- jobs ---------------------------------------------------------------------------------------------
+    def _on_events(self, progress: list, done: list) -> None:  # scheduler thread
+        self.loop.call_soon_threadsafe(self._dispatch, progress, done)
+
+    def _dispatch(self, progress: list, done: list) -> None:
+        for seq, n in progress:
+            job = seq.tag
+            if job is not None and job.queue is not None and not job.done.done():
+                job.queue.put_nowait((job, n))
+        for seq in done:
+            job = seq.tag
+            if job is None or job.done.done():
+                continue
+            job.done.set_result(None)
+            if job.queue is not None:
+                job.queue.put_nowait((job, None))
+
+    def _register(self, jobs: list[Job]) -> None:
+        clash = [j.rid for j in jobs if j.rid in self.jobs]
+        if clash:
+            raise RequestError(f"request id(s) {clash[:5]} are already in flight; send unique rids")
+        for j in jobs:
+            j.done = self.loop.create_future()
+            self.jobs[j.rid] = j
+
+    def _unregister(self, jobs: list[Job]) -> None:
+        for j in jobs:
+            if self.jobs.get(j.rid) is j:
+                del self.jobs[j.rid]
+
+    async def _admit(self, jobs: list[Job]) -> None:
+        """Wait at the pause gate (answered early if all are aborted meanwhile), then hand over."""
+        while self.paused:
+            pending = [j.done for j in jobs if not j.done.done()]
+            if not pending:
+                return
+            resumed = asyncio.ensure_future(self._resumed.wait())
+            try:
+                await asyncio.wait([resumed, *pending], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                resumed.cancel()
+        if not self.scheduler.alive():
+            raise RequestError("the server is shutting down", status=503, shape="object")
+        todo = [j for j in jobs if not j.done.done()]
+        for j in todo:
+            j.submitted = True
+        if todo:
+            self.scheduler.submit([j.seq for j in todo])
+
+    async def run_jobs(self, jobs: list[Job]) -> None:
+        """Generate for `jobs` and wait for all of them (aborted ones come back with their partial output)."""
+        self._register(jobs)
+        try:
+            await self._admit(jobs)
+            await asyncio.gather(*[j.done for j in jobs])
+        except asyncio.CancelledError:
+            await asyncio.shield(self.abort_jobs(jobs, "request cancelled"))
+            raise
+        finally:
+            self._unregister(jobs)
+
+    async def stream_jobs(self, jobs: list[Job]) -> AsyncIterator[tuple[Job, int | None]]:
+        """Yield (job, n_tokens) while jobs generate and (job, None) once each is done. Closing the iterator
+        early (the client went away) aborts what is still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for j in jobs:
+            j.queue = queue
+        self._register(jobs)
+        try:
+            await self._admit(jobs)
+            left = len(jobs)
+            while left:
+                job, n = await queue.get()
+                if n is None:
+                    left -= 1
+                elif job.done.done():
+                    continue
+                yield job, n
+        finally:
+            await asyncio.shield(self.abort_jobs(jobs, "client disconnected"))
+            self._unregister(jobs)
+
+    async def abort_jobs(self, jobs: list[Job], message: str) -> None:
+        version = self.engine.weight_version
+        for j in jobs:
+            if not j.submitted and j.done is not None and not j.done.done():
+                j.seq.finish, j.seq.finish_version = ("abort", "Abort in waiting queue", None), version
+                self._dispatch([], [j.seq])
+        seqs = [j.seq for j in jobs if j.submitted and not j.done.done()]
+        if seqs and self.scheduler.alive():
+            await asyncio.wrap_future(self.scheduler.call(lambda s: s.abort(seqs, message)))
+
+    async def control(self, fn, *, exclusive: bool = False) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn, exclusive=exclusive))
+
+    # ---- app ----------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 1024**2)
+        r = app.router
+        for method in ("POST", "PUT"):
+            r.add_route(method, "/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/get_weight_version", "/weight_version"):
+            r.add_get(path, self.weight_version_gone)
+        r.add_get("/v1/loads", self.loads)
+        r.add_get("/get_load", self.get_load)
+        for method in ("GET", "POST"):
+            r.add_route(method, "/flush_cache", self.flush_cache)
+            r.add_route(method, "/get_weights_by_name", self.get_weights_by_name)
+            r.add_route(method, "/release_memory_occupation", self.release_memory)
+            r.add_route(method, "/resume_memory_occupation", self.resume_memory)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        openai_api.add_routes(app, self)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        openai = request.path.startswith("/v1/")
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return json_response(error_body(e.message, e.status, "object" if openai else e.shape), e.status)
+        except web.HTTPException as e:  # 404, 405, 413 from aiohttp itself
+            if e.status < 400:
+                raise
+            return json_response(error_body(e.reason or str(e), e.status, "object"), e.status)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # a bug must cost one request, never the server
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return json_response(error_body(f"internal error: {type(e).__name__}: {e}", 500, "object"), 500)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        path = request.path
+        if not path.startswith(OPEN_PREFIXES):
+            key = self.admin_api_key if (path in ADMIN_PATHS and self.admin_api_key) else self.api_key
+            if key is not None:
+                given = request.headers.get("x-api-key")
+                auth = request.headers.get("Authorization", "")
+                if auth[:7].lower() == "bearer ":
+                    given = auth[7:].strip()
+                if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+                    return json_response({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    async def _body(self, request: web.Request, empty: Any = None) -> Any:
+        return loads(await request.read(), empty=empty)
+
+    async def _object(self, request: web.Request) -> dict:
+        return expect(await self._body(request, empty={}), (dict,), "the request body", "a JSON object")
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        jobs, single, stream = parse_generate(body, self.facts)
+        if stream:
+            return await self._stream_generate(request, jobs, single)
+        await self.run_jobs(jobs)
+        version = self.engine.weight_version
+        for j in jobs:
+            status = abort_status(j)
+            if status is not None:
+                return json_response(error_body(j.seq.finish[1], status, "object"), status)
+        outs = [generate_output(j, self.detok, version) for j in jobs]
+        return json_response(outs[0] if single else outs)
+
+    async def _stream_generate(self, request: web.Request, jobs: list[Job], single: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        events = self.stream_jobs(jobs)
+        try:
+            async for job, n in events:
+                if not resp.prepared:
+                    await resp.prepare(request)
+                out = generate_output(job, self.detok, self.engine.weight_version, n)
+                if not single:
+                    out["index"] = job.index
+                await resp.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+            if not resp.prepared:
+                await resp.prepare(request)
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client went away; closing `events` aborts its requests
+            pass
+        except Exception as e:
+            if not resp.prepared:
+                raise
+            log.exception("error while streaming %s", request.path)
+            await stream_error(resp, e)
+        finally:
+            await events.aclose()
+        return resp
+
+    def _probe_job(self) -> Job:
+        sp = Sampling(1, 0.0, 1.0, -1, (), (), True, True, False, 1, 0)
+        return make_job(f"HEALTH_CHECK_{uuid.uuid4().hex}", 0, [0], sp, 0, OutputOptions(), self.facts, "health")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.scheduler.alive() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """200 once a one-token generation goes through; 503 if it does not within the timeout (as when paused)."""
+        if not self.scheduler.alive():
+            return web.Response(status=503)
+        job = self._probe_job()
+        try:
+            await asyncio.wait_for(self.run_jobs([job]), self.health_timeout)
+        except asyncio.TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200 if abort_status(job) is None else 503)
+
+    # ---- information --------------------------------------------------------------------------------------
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.engine.model.cfg
+        return json_response({
+            "model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
+            "architectures": self.architectures, "served_model_name": self.served_model_name, "load_format": "auto",
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        eng, sch = self.engine, self.scheduler
+        ctx = self.facts.context_length
+        return json_response({
+            "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
+            "served_model_name": self.served_model_name, "host": self.host, "port": self.port,
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "disaggregation_mode": "null",
+            "enable_memory_saver": True, "skip_tokenizer_init": False, "weight_version": eng.weight_version,
+            "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.device),
+            "max_running_requests": sch.max_running, "max_total_num_tokens": sch.max_running * ctx,
+            "max_req_input_len": ctx - 1, "context_length": ctx, "startup_time": self.started,
+            "api_key_required": self.api_key is not None,
+            "internal_states": [{"paused": self.paused, "released_memory": sorted(sch.released),
+                                 "num_running_reqs": sch.num_running, "num_waiting_reqs": sch.num_waiting}],
+            "version": f"lichen-{__version__}", "kv_events": None,
+        })
+
+    async def weight_version_gone(self, request: web.Request) -> web.Response:
+        msg = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+        return json_response(error_body(msg, 404, "object"), 404)
+
+    def _throughput(self) -> float:
+        now, tokens = time.monotonic(), self.scheduler.generated_tokens
+        then, before, rate = self._rate
+        if now - then >= 1.0:
+            rate = (tokens - before) / (now - then)
+            self._rate = (now, tokens, rate)
+        return rate
+
+    async def loads(self, request: web.Request) -> web.Response:
+        include = set(request.query.get("include", "all").split(","))
+        if not include <= LOAD_SECTIONS:
+            raise RequestError(f"include: unknown section(s) {sorted(include - LOAD_SECTIONS)}; "
+                               f"choose from {sorted(LOAD_SECTIONS)}", shape="object")
+        if request.query.get("format", "json") != "json":
+            raise RequestError("format: lichen serve answers json only", shape="object")
+        sch = self.scheduler
+        used = sch.batch.cache_tokens
+        total = sch.max_running * self.facts.context_length
+        now = datetime.now(timezone.utc).isoformat()
+        load = {
+            "timestamp": now, "dp_rank": 0, "num_running_reqs": sch.num_running, "num_waiting_reqs": sch.num_waiting,
+            "num_waiting_uncached_tokens": sum(len(s.input_ids) + len(s.output_ids) for s in list(sch.waiting)),
+            "num_used_tokens": used, "num_total_tokens": total, "num_active_tokens": used,
+            "max_total_num_tokens": total, "max_running_requests": sch.max_running,
+            "token_usage": used / total if total else 0.0, "gen_throughput": self._throughput(),
+            "cache_hit_rate": 0.0, "utilization": sch.num_running / sch.max_running,
+            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+        }
+        dev = self.engine.device
+        return json_response({"timestamp": now, "version": f"lichen-{__version__}",
+                              "accelerator": None if dev.type == "cpu" else str(dev),
+                              "num_accelerators": 0 if dev.type == "cpu" else 1,
+                              "loads": [load]})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        sch = self.scheduler
+        return json_response([{"dp_rank": 0, "num_reqs": sch.num_running + sch.num_waiting,
+                               "num_waiting_reqs": sch.num_waiting, "num_tokens": sch.batch.cache_tokens,
+                               "num_pending_tokens": 0, "ts_tic": time.time()}])
+
+    # ---- control ------------------------------------------------------------------------------------------
+    def _flushable(self) -> bool:
+        sch = self.scheduler  # retracted requests hold no cache; paused-in-place ones do
+        return not sch.num_running and (not sch.num_waiting or sch.paused)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        try:
+            timeout = float(request.query.get("timeout", 0))
+        except ValueError:
+            raise RequestError("timeout must be a number of seconds", shape="object") from None
+        end = time.monotonic() + max(0.0, timeout)
+        while not self._flushable() and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        if self._flushable():
+            return web.Response(text=FLUSH_OK)
+        sch = self.scheduler
+        return web.Response(status=400, text=f"Flush cache failed: {sch.num_running} running and "
+                                             f"{sch.num_waiting} waiting request(s).\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError("rid must be a string")
+        abort_all = body.get("abort_all", False)
+        expect(abort_all, (bool,), "abort_all", "true or false")
+        if abort_all:
+            hit = list(self.jobs.values())
+        elif rid:  # a prefix, so a base rid aborts all n samples of its request (as SGLang)
+            hit = [j for j in self.jobs.values() if j.rid.startswith(rid)]
+        else:  # no rid aborts nothing (an empty prefix would match everything)
+            hit = []
+        await self.abort_jobs(hit, "Abort by /abort_request")
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        mode = body.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.paused = True
+        self._resumed.clear()
+        await self.control(lambda s: s.pause(mode))
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._object(request)
+        await self.control(lambda s: s.resume())
+        self.paused = False
+        self._resumed.set()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _abort_all_if(self, body: dict, default: bool) -> None:
+        flag = body.get("abort_all_requests", default)
+        if expect(flag, (bool,), "abort_all_requests", "true or false"):
+            await self.abort_jobs(list(self.jobs.values()), "Abort for a weight update")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        path = body.get("model_path")
+        expect(path, (str,), "model_path", "a string (the checkpoint directory)")
+        version = body.get("weight_version")
+        if version is not None:
+            expect(version, (str,), "weight_version", "a string")
+        await self._abort_all_if(body, False)
+        paused = self.scheduler.num_running + self.scheduler.num_waiting if self.paused else 0
+        try:
+            state = await asyncio.to_thread(self.engine.read_checkpoint, path)
+        except ValueError as e:  # the old weights keep serving
+            return json_response({"success": False, "message": f"Failed to update weights: {e}",
+                                  "num_paused_requests": paused}, 400)
+
+        def apply(s: Scheduler) -> None:
+            s.engine.apply_state(state)
+            if version is not None:
+                s.engine.weight_version = version
+
+        await self.control(apply, exclusive=True)
+        self.model_path = path
+        msg = "Succeeded to update model weights." + (f" Weight version updated to {version}." if version else "")
+        return json_response({"success": True, "message": msg, "num_paused_requests": paused})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        version = body.get("new_version")
+        expect(version, (str,), "new_version", "a string")
+        await self._abort_all_if(body, True)
+
+        def setv(s: Scheduler) -> None:
+            s.engine.weight_version = version
+
+        await self.control(setv)
+        return json_response({"success": True, "message": f"Weight version updated to {version}",
+                              "new_version": version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        name = body.get("name")
+        expect(name, (str,), "name", "a string (a parameter name)")
+        size = body.get("truncate_size", 100)
+        expect(size, (int,), "truncate_size", "an integer")
+
+        def get(s: Scheduler) -> list:
+            model = s.engine.model
+            params = dict(model.named_parameters())
+            if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                return model.lm_head_weight[:size].float().cpu().tolist()
+            return params[name][:size].float().cpu().tolist()
+
+        try:
+            return json_response(await self.control(get))
+        except KeyError:
+            raise RequestError(f"Get parameter by name failed: no parameter {name!r}") from None
+
+    def _tags(self, body: dict) -> list[str] | None:
+        tags = body.get("tags")
+        if tags is None:
+            return None
+        expect(tags, (list,), "tags", f"a list of {list(MEMORY_TAGS)} or null")
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise RequestError(f"tags: unknown memory tag(s) {bad}; known: {list(MEMORY_TAGS)}")
+        return tags
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = self._tags(await self._object(request))
+        try:
+            await self.control(lambda s: s.release(tags))
+        except SchedulerError as e:
+            raise RequestError(str(e)) from None
+        return json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = self._tags(await self._object(request))
+        try:
+            await self.control(lambda s: s.resume_memory(tags))
+        except SchedulerError as e:
+            raise RequestError(str(e)) from None
+        return json_response(None)

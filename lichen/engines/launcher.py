@@ -1,0 +1,175 @@
+"""Launches K `lichen serve` processes on free loopback ports and makes sure they stop with their parent.
+
+    with EngineLauncher(model_dir, 2, server_args=["--dtype", "float32"]) as launcher:
+        urls = launcher.urls      # started, ready and answering /health
+    # here every server has exited
+
+Each server binds `--port 0` and reports the port it got (lichen.engines.server_process), so no port is picked
+in advance for another process to take. The servers stop when:
+- `stop()` is called or the `with` block ends (also by an exception);
+- the parent exits normally, by an uncaught exception or by Ctrl-C (SIGINT → KeyboardInterrupt → atexit);
+- the parent gets SIGTERM (a handler turns it into SystemExit(143), so the same cleanup runs), when the
+  handler could be installed (main thread, no handler of the caller's own);
+- the parent dies without cleanup (SIGKILL): on Linux each server is started through a small wrapper that sets
+  the parent-death signal (prctl PR_SET_PDEATHSIG = SIGTERM) before it execs, when launched from the main thread
+  (the signal follows the thread that started the child, not the process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import Sequence
+
+from lichen.engines.server_process import ServerProcess
+from lichen.errors import UserError
+from lichen.observe.metrics import get_logger
+
+log = get_logger(__name__)
+
+# Runs in the child before `lichen serve`: die with the parent (argv[1] = its pid), then become the server.
+_PDEATHSIG_WRAPPER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # the parent is already gone\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
+)
+
+_LIVE: "weakref.WeakSet[EngineLauncher]" = weakref.WeakSet()
+_hooks_installed = False
+
+
+class EngineLaunchError(UserError):
+    """A server did not start (its log tail is in the message)."""
+
+
+def _stop_all_live() -> None:
+    for launcher in list(_LIVE):
+        launcher.stop()
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _install_exit_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_stop_all_live)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+class EngineLauncher:
+    """K `lichen serve --model MODEL --host HOST --port 0 SERVER_ARGS...` processes.
+
+    `log_dir`: each server's stderr goes to `log_dir/engine_{i}.log` (default: a temporary directory, removed by
+    `stop()`; a failed start quotes the log's tail either way). `ready_timeout`: seconds for all servers to come
+    up.
+    """
+
+    def __init__(self, model: str, num_engines: int, *, host: str = "127.0.0.1", server_args: Sequence[str] = (),
+                 log_dir: str | None = None, ready_timeout: float = 300.0, env: dict | None = None):
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.model, self.num_engines, self.host = model, num_engines, host
+        self.server_args = list(server_args)
+        self.log_dir = log_dir
+        self._tmp_log_dir: str | None = None
+        self.ready_timeout = ready_timeout
+        self.env = dict(env or {})
+        self.servers: list[ServerProcess] = []
+        self._lock = threading.Lock()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> list[str]:
+        """Start every server, wait until all are ready; on any failure stop them all and raise
+        EngineLaunchError. Returns the servers' URLs."""
+        _install_exit_hooks()
+        _LIVE.add(self)
+        try:
+            for i in range(self.num_engines):
+                self.servers.append(self._spawn(i))
+            end = time.monotonic() + self.ready_timeout
+            for s in self.servers:
+                try:
+                    s.wait_ready(max(1.0, end - time.monotonic()))
+                except RuntimeError as e:
+                    raise EngineLaunchError(f"--rollout-num-engines: an engine server failed to start: {e}") from None
+        except BaseException:
+            self.stop()
+            raise
+        log.info("started %d lichen serve engine(s): %s", len(self.servers), ", ".join(self.urls))
+        return self.urls
+
+    def _spawn(self, i: int) -> ServerProcess:
+        serve = ["-m", "lichen.cli", "serve", "--model", self.model, "--host", self.host, "--port", "0",
+                 *self.server_args]
+        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+            cmd = [sys.executable, "-c", _PDEATHSIG_WRAPPER, str(os.getpid()), *serve]
+        else:
+            cmd = [sys.executable, *serve]
+        log_dir = self.log_dir
+        if not log_dir:
+            if self._tmp_log_dir is None:
+                self._tmp_log_dir = tempfile.mkdtemp(prefix="lichen-engines-")
+            log_dir = self._tmp_log_dir
+        os.makedirs(log_dir, exist_ok=True)
+        log_path = os.path.join(log_dir, f"engine_{i}.log")
+        with open(log_path, "ab") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**os.environ, **self.env})
+        return ServerProcess(proc, self.host, [sys.executable, *serve], log_path)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every server (they abort what runs and exit), wait up to `grace` s, then SIGKILL. Idempotent."""
+        with self._lock:
+            live = [s for s in self.servers if s.proc.poll() is None]
+            for s in live:
+                try:
+                    s.proc.terminate()
+                except ProcessLookupError:
+                    pass
+            end = time.monotonic() + grace
+            for s in live:
+                try:
+                    s.proc.wait(max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
+                    s.proc.wait()
+            _LIVE.discard(self)
+            if self._tmp_log_dir is not None:
+                shutil.rmtree(self._tmp_log_dir, ignore_errors=True)
+                self._tmp_log_dir = None
+        if live:
+            log.info("stopped %d lichen serve engine(s)", len(live))
+
+    def __enter__(self) -> "EngineLauncher":
+        if not self.servers:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- information --------------------------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers if s.port is not None]
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self.servers]
+
+    def alive(self) -> list[bool]:
+        return [s.proc.poll() is None for s in self.servers]

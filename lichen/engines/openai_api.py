@@ -1,0 +1,390 @@
+"""OpenAI-compatible endpoints of `lichen serve` (sglang-api.md §6): /v1/models, /v1/completions,
+/v1/chat/completions, with log-probs and streaming, so agent frameworks can drive rollouts.
+
+Both completion endpoints map onto the same jobs as `/generate`; log-probs follow lichen's convention
+(log_softmax(logits / T) over the full vocabulary). Chat prompts are rendered with the tokenizer's chat
+template (`chat_template_kwargs` passed through). No tool-call parsing: `tool_calls` is always null.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from lichen.engines.protocol import (Job, OutputOptions, RequestError, abort_status, bool_field, error_body,
+                                     expect, int_field, int_list, loads, make_job, output_text, parse_sampling,
+                                     stream_error)
+
+from lichen.observe.metrics import get_logger
+
+if TYPE_CHECKING:
+    from lichen.engines.http_server import LichenServer
+
+log = get_logger(__name__)
+
+
+# OpenAI / SGLang-extra request keys that map onto sampling_params (request key -> sampling key).
+_SAMPLING_MAP = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "n": "n", "stop": "stop",
+                 "seed": "sampling_seed", "min_p": "min_p", "stop_token_ids": "stop_token_ids",
+                 "no_stop_trim": "no_stop_trim", "ignore_eos": "ignore_eos",
+                 "skip_special_tokens": "skip_special_tokens",
+                 "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+                 "presence_penalty": "presence_penalty", "min_tokens": "min_new_tokens", "regex": "regex",
+                 "json_schema": "json_schema", "ebnf": "ebnf", "logit_bias": "logit_bias"}
+
+
+def add_routes(app: web.Application, server: "LichenServer") -> None:
+    app.router.add_get("/v1/models", lambda r: models(server, r))
+    app.router.add_get("/v1/models/{model:.+}", lambda r: model_card(server, r))
+    app.router.add_post("/v1/completions", lambda r: completions(server, r))
+    app.router.add_post("/v1/chat/completions", lambda r: chat_completions(server, r))
+
+
+def _card(server: "LichenServer") -> dict:
+    return {"id": server.served_model_name, "object": "model", "created": int(server.started),
+            "owned_by": "lichen", "root": server.model_path, "max_model_len": server.facts.context_length}
+
+
+async def models(server: "LichenServer", request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_card(server)]})
+
+
+async def model_card(server: "LichenServer", request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != server.served_model_name:
+        return web.json_response({"error": {"message": f"The model '{name}' does not exist",
+                                            "type": "invalid_request_error", "param": "model",
+                                            "code": "model_not_found"}}, status=404)
+    return web.json_response(_card(server))
+
+
+async def _read(request: web.Request) -> dict:
+    if request.content_type != "application/json":
+        raise RequestError(f"Content-Type must be application/json, got {request.content_type!r}", shape="object")
+    return expect(loads(await request.read()), (dict,), "the request body", "a JSON object")
+
+
+def _sampling(body: dict, max_new: Any):
+    sp = {dst: body[src] for src, dst in _SAMPLING_MAP.items() if body.get(src) is not None}
+    sp["max_new_tokens"] = max_new
+    return parse_sampling(sp, "request")
+
+
+def _jobs(server: "LichenServer", prompts: list[list[int]], body: dict, max_new: Any, opts: OutputOptions,
+          stream: bool) -> list[Job]:
+    sp = _sampling(body, max_new)
+    base = body.get("rid") or uuid.uuid4().hex
+    expect(base, (str,), "rid", "a string")
+    jobs = []
+    for i, ids in enumerate(prompts):
+        for j in range(sp.n):
+            k = i * sp.n + j
+            job = make_job(f"{base}_{k}", k, ids, sp, j, opts, server.facts, f"prompt[{i}]")
+            job.stream = stream
+            jobs.append(job)
+    return jobs
+
+
+def _finish(job: Job) -> tuple[str | None, Any]:
+    f = job.seq.finish
+    if f is None:
+        return None, None
+    return f[0], (f[1] if f[0] == "stop" else None)
+
+
+def _usage(prompts: list[list[int]], jobs: list[Job]) -> dict:
+    p = sum(len(x) for x in prompts)
+    c = sum(len(j.seq.output_ids) for j in jobs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": None}
+
+
+def _stream_options(body: dict) -> bool:
+    so = body.get("stream_options") or {}
+    expect(so, (dict,), "stream_options", "a JSON object")
+    return bool_field(so, "include_usage", False, "stream_options.")
+
+
+def _held(text: str, stops: tuple[str, ...]) -> str:
+    """What of a growing text is safe to send: not a trailing partial character, nor a possible stop prefix."""
+    cut = len(text)
+    if text.endswith("\ufffd"):
+        cut = len(text.rstrip("\ufffd"))
+    for s in stops:
+        for k in range(min(len(s) - 1, cut), 0, -1):
+            if text[:cut].endswith(s[:k]):
+                cut -= k
+                break
+    return text[:cut]
+
+
+class _Delta:
+    """Per-choice streaming state: how much text and how many tokens were sent."""
+
+    def __init__(self):
+        self.text, self.tokens, self.started = "", 0, False
+
+    def step(self, job: Job, server: "LichenServer", n: int | None, prefix: str = "") -> tuple[str, int, int]:
+        final = n is None
+        n = len(job.seq.output_ids) if final else n
+        full = prefix + output_text(job, server.detok, n, final)
+        if not final:
+            full = _held(full, job.seq.stop_strings)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        if delta:
+            self.text = full
+        start, self.tokens = self.tokens, n
+        return delta, start, n
+
+
+async def _sse(request: web.Request, server: "LichenServer", jobs: list[Job], make_chunks) -> web.StreamResponse:
+    """Drive `stream_jobs` and write what `make_chunks(job, n)` returns as SSE events."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    events = server.stream_jobs(jobs)
+    try:
+        async for job, n in events:
+            if not resp.prepared:
+                await resp.prepare(request)
+            for chunk in make_chunks(job, n):
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if not resp.prepared:
+            await resp.prepare(request)
+        for chunk in make_chunks(None, None):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:  # the client went away; closing `events` aborts its requests
+        pass
+    except Exception as e:
+        if not resp.prepared:
+            raise
+        log.exception("error while streaming %s", request.path)
+        await stream_error(resp, e)
+    finally:
+        await events.aclose()
+    return resp
+
+
+def _error_if_failed(jobs: list[Job]) -> web.Response | None:
+    for j in jobs:
+        status = abort_status(j)
+        if status is not None:
+            return web.json_response(error_body(j.seq.finish[1], status, "object"), status=status)
+    return None
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------------------
+def _prompts(server: "LichenServer", prompt: Any) -> tuple[list[list[int]], list[str]]:
+    tok = server.facts.tokenizer
+    if isinstance(prompt, str):
+        return [list(tok.encode(prompt))], [prompt]
+    expect(prompt, (list,), "prompt", "a string, a list of strings, a list of ints or a list of lists of ints")
+    if not prompt:
+        raise RequestError("prompt cannot be empty", shape="object")
+    if all(isinstance(p, str) for p in prompt):
+        return [list(tok.encode(p)) for p in prompt], list(prompt)
+    if isinstance(prompt[0], list):
+        ids = [int_list(p, "prompt") for p in prompt]
+    else:
+        ids = [int_list(prompt, "prompt")]
+    return ids, [server.detok.text(p, False) for p in ids]
+
+
+def _completion_logprobs(server, job: Job, start: int, end: int, top: int, echo: bool, offset: int) -> dict:
+    seq, d = job.seq, server.detok
+    pairs = list(zip(seq.output_logprobs[start:end], seq.output_ids[start:end]))
+    tops = seq.output_top[start:end] if top else []
+    if echo and start == 0 and seq.input_logprobs is not None:
+        pairs = list(zip(seq.input_logprobs, seq.input_ids)) + pairs
+        tops = list(seq.input_top or [None] * len(seq.input_ids)) + list(tops) if top else []
+    tokens = [d.token(t, False) for _, t in pairs]
+    offsets, pos = [], offset
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in pairs], "text_offset": offsets,
+            "top_logprobs": [None if p is None else {d.token(t, False): lp for lp, t in p} for p in tops]
+            if top else None}
+
+
+async def completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
+    body = await _read(request)
+    if "prompt" not in body:
+        raise RequestError("prompt is required", shape="object")
+    prompts, prompt_texts = _prompts(server, body["prompt"])
+    lp = body.get("logprobs")
+    if lp is not None and (expect(lp, (int,), "logprobs", "an integer") < 0 or lp > 20):
+        raise RequestError("logprobs must be between 0 and 20", shape="object")
+    echo = bool_field(body, "echo", False, "")
+    stream = bool_field(body, "stream", False, "")
+    usage = _stream_options(body) if stream else False
+    max_new = int_field(body, "max_tokens", 16, "")
+    opts = OutputOptions(return_logprob=lp is not None, logprob_start_len=0 if (echo and lp is not None) else -1,
+                         top_logprobs_num=lp or 0,
+                         skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
+                         no_stop_trim=bool_field(body, "no_stop_trim", False, ""))
+    jobs = _jobs(server, prompts, body, max_new, opts, stream)
+    n = len(jobs) // len(prompts)
+    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
+
+    def prefix(job: Job) -> str:
+        return prompt_texts[job.index // n] if echo else ""
+
+    if stream:
+        state = {j.index: _Delta() for j in jobs}
+
+        def chunks(job, k):
+            if job is None:
+                if usage:
+                    yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": _usage(prompts, jobs)}
+                return
+            st = state[job.index]
+            delta, a, b = st.step(job, server, k, prefix(job))
+            reason, matched = _finish(job) if k is None else (None, None)
+            if not delta and reason is None:
+                return
+            logprobs = None
+            if lp is not None:
+                logprobs = _completion_logprobs(server, job, a, b, lp, echo and not st.started, 0)
+            st.started = True
+            yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": job.index, "text": delta, "logprobs": logprobs, "finish_reason": reason,
+                                "matched_stop": matched}]}
+
+        return await _sse(request, server, jobs, chunks)
+    await server.run_jobs(jobs)
+    failed = _error_if_failed(jobs)
+    if failed is not None:
+        return failed
+    choices = []
+    for job in jobs:
+        reason, matched = _finish(job)
+        logprobs = None
+        if lp is not None:
+            logprobs = _completion_logprobs(server, job, 0, len(job.seq.output_ids), lp, echo, 0)
+        text = prefix(job) + output_text(job, server.detok, len(job.seq.output_ids), True)
+        choices.append({"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                        "matched_stop": matched})
+    return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
+                              "choices": choices, "usage": _usage(prompts, jobs),
+                              "metadata": {"weight_version": server.engine.weight_version}})
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------------------
+def _render_chat(server: "LichenServer", body: dict) -> list[int]:
+    messages = body.get("messages")
+    expect(messages, (list,), "messages", "a list of messages")
+    if not messages:
+        raise RequestError("messages cannot be empty", shape="object")
+    norm = []
+    for i, m in enumerate(messages):
+        expect(m, (dict,), f"messages[{i}]", "an object with role and content")
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "tool", "developer"):
+            raise RequestError(f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                               shape="object")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise RequestError(f"messages[{i}]: only text content parts are supported", shape="object")
+                parts.append(expect(part.get("text"), (str,), f"messages[{i}].content[].text", "a string"))
+            content = "".join(parts)
+        elif content is not None:
+            expect(content, (str,), f"messages[{i}].content", "a string or a list of content parts")
+        norm.append({**m, "content": content if content is not None else ""})
+    if body.get("continue_final_message"):
+        raise RequestError("continue_final_message is not supported by lichen serve", shape="object")
+    tok = server.facts.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise RequestError("the served tokenizer has no chat template; use /v1/completions", shape="object")
+    kwargs = body.get("chat_template_kwargs") or {}
+    expect(kwargs, (dict,), "chat_template_kwargs", "a JSON object")
+    if body.get("tools"):
+        kwargs = {**kwargs, "tools": body["tools"]}
+    try:
+        text = tok.apply_chat_template(norm, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as e:  # a template error is the request's fault
+        raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                           shape="object") from None
+    if isinstance(text, list):
+        (text,) = text
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def _chat_logprobs(server, job: Job, start: int, end: int, top: int) -> dict:
+    seq, d = job.seq, server.detok
+
+    def entry(lp, t):
+        s = d.token(t, False)
+        return {"token": s, "bytes": list(s.encode()), "logprob": lp}
+
+    content = []
+    for k in range(start, end):
+        e = entry(seq.output_logprobs[k], seq.output_ids[k])
+        e["top_logprobs"] = [entry(lp, t) for lp, t in seq.output_top[k]] if top else []
+        content.append(e)
+    return {"content": content}
+
+
+async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
+    body = await _read(request)
+    ids = _render_chat(server, body)
+    want_lp = bool_field(body, "logprobs", False, "")
+    top = int_field(body, "top_logprobs", 0, "")
+    if not 0 <= top <= 20:
+        raise RequestError("top_logprobs must be between 0 and 20", shape="object")
+    stream = bool_field(body, "stream", False, "")
+    usage = _stream_options(body) if stream else False
+    max_new = body.get("max_completion_tokens", body.get("max_tokens"))
+    opts = OutputOptions(return_logprob=want_lp, top_logprobs_num=top if want_lp else 0,
+                         skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
+                         no_stop_trim=bool_field(body, "no_stop_trim", False, ""))
+    jobs = _jobs(server, [ids], body, max_new, opts, stream)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
+    if stream:
+        state = {j.index: _Delta() for j in jobs}
+
+        def chunks(job, k):
+            base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+            if job is None:
+                if usage:
+                    yield {**base, "choices": [], "usage": _usage([ids], jobs)}
+                return
+            st = state[job.index]
+            if not st.started:
+                st.started = True
+                yield {**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+            delta, a, b = st.step(job, server, k)
+            reason, matched = _finish(job) if k is None else (None, None)
+            if not delta and reason is None:
+                return
+            choice = {"index": job.index, "delta": {"content": delta} if delta else {},
+                      "logprobs": _chat_logprobs(server, job, a, b, top) if want_lp else None,
+                      "finish_reason": reason}
+            if reason is not None:
+                choice["matched_stop"] = matched
+            yield {**base, "choices": [choice]}
+
+        return await _sse(request, server, jobs, chunks)
+    await server.run_jobs(jobs)
+    failed = _error_if_failed(jobs)
+    if failed is not None:
+        return failed
+    choices = []
+    for job in jobs:
+        reason, matched = _finish(job)
+        n = len(job.seq.output_ids)
+        choices.append({"index": job.index,
+                        "message": {"role": "assistant", "content": output_text(job, server.detok, n, True),
+                                    "reasoning_content": None, "tool_calls": None},
+                        "logprobs": _chat_logprobs(server, job, 0, n, top) if want_lp else None,
+                        "finish_reason": reason, "matched_stop": matched})
+    return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                              "choices": choices, "usage": _usage([ids], jobs),
+                              "metadata": {"weight_version": server.engine.weight_version}})

@@ -1,0 +1,510 @@
+"""SGLang's native `/generate` protocol (sglang-api.md §1.3, §2): parsing, validation and response objects.
+
+Every field of SGLang's request schema is accepted. Fields that only tune SGLang internals (for example
+`spaces_between_special_tokens`, `custom_params`, `priority`) are ignored; fields that would change what is
+generated or returned but that lichen's engine does not implement (penalties, grammars, multimodal input, hidden
+states, ...) are rejected with a 400 naming the field unless they hold their neutral value, so nothing is ever
+silently different from what was asked.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from lichen.engines.batch import Seq
+from lichen.engines.sampling import derive_seed
+
+DEFAULT_MAX_NEW_TOKENS = 128
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class RequestError(Exception):
+    """A bad request. shape "error": {"error": {"message"}} (SGLang's /generate and control endpoints);
+    shape "object": {"object": "error", ...} (validation errors and the OpenAI endpoints)."""
+
+    def __init__(self, message: str, status: int = 400, shape: str = "error"):
+        super().__init__(message)
+        self.message, self.status, self.shape = message, status, shape
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.shape)
+
+
+def error_body(message: str, status: int = 400, shape: str = "error") -> dict:
+    if shape == "error":
+        return {"error": {"message": message}}
+    kind = "Bad Request" if status == 400 else str(status)
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+
+
+def _bad_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _int64(text: str) -> int:
+    v = int(text)
+    if not _INT64[0] <= v <= _INT64[1]:
+        raise ValueError(f"integer {text} does not fit in 64 bits")
+    return v
+
+
+def loads(raw: bytes, *, empty: Any = None) -> Any:
+    """Strict JSON: no NaN / Infinity, integers within 64 bits (as SGLang's orjson). `empty` for no body."""
+    if not raw.strip():
+        if empty is not None:
+            return empty
+        raise RequestError("the request body is empty; send a JSON object", shape="object")
+    try:
+        return json.loads(raw, parse_constant=_bad_constant, parse_int=_int64)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"malformed JSON body: {e}", shape="object") from None
+
+
+def expect(value: Any, kinds: tuple, where: str, what: str) -> Any:
+    """Type check with JSON names; bools are not numbers here."""
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        raise RequestError(f"{where} must be {what}, got {json.dumps(value)[:80]}", shape="object")
+    return value
+
+
+def int_field(d: dict, key: str, default: Any, where: str) -> Any:
+    v = d.get(key)
+    return default if v is None else expect(v, (int,), f"{where}{key}", "an integer")
+
+
+def num_field(d: dict, key: str, default: Any, where: str) -> Any:
+    v = d.get(key)
+    return default if v is None else float(expect(v, (int, float), f"{where}{key}", "a number"))
+
+
+def bool_field(d: dict, key: str, default: bool, where: str) -> bool:
+    v = d.get(key)
+    return default if v is None else expect(v, (bool,), f"{where}{key}", "true or false")
+
+
+def int_list(v: Any, where: str) -> list[int]:
+    expect(v, (list,), where, "a list of integers")
+    for x in v:
+        expect(x, (int,), where, "a list of integers")
+    return v
+
+
+# ---- sampling parameters ----------------------------------------------------------------------------------
+# Keys whose effect lichen's engine does not implement: accepted only at their neutral value.
+_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0}
+_UNSUPPORTED_IF_SET = ("regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "logit_bias")
+_IGNORED = ("spaces_between_special_tokens", "custom_params", "stream_interval")
+_HANDLED = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+            "skip_special_tokens", "no_stop_trim", "n", "sampling_seed")
+SAMPLING_KEYS = frozenset(_HANDLED + _IGNORED + _UNSUPPORTED_IF_SET + tuple(_NEUTRAL))
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    n: int
+    seed: int | None
+
+
+def parse_sampling(sp: Any, where: str = "sampling_params") -> Sampling:
+    if sp is None:
+        sp = {}
+    expect(sp, (dict,), where, "a JSON object")
+    unknown = sorted(set(sp) - SAMPLING_KEYS)
+    if unknown:
+        raise RequestError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(SAMPLING_KEYS)}")
+    w = where + "."
+    for key, neutral in _NEUTRAL.items():
+        v = sp.get(key)
+        if v is not None and expect(v, (int, float), w + key, "a number") != neutral:
+            raise RequestError(f"{w}{key}={v} is not supported by lichen serve; leave it out (or {neutral})")
+    for key in _UNSUPPORTED_IF_SET:
+        if sp.get(key) not in (None, {}, [], ""):
+            raise RequestError(f"{w}{key} is not supported by lichen serve; leave it out")
+    temperature = num_field(sp, "temperature", 1.0, w)
+    if temperature < 0:
+        raise RequestError(f"temperature must be non-negative, got {temperature}")
+    top_p = num_field(sp, "top_p", 1.0, w)
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    top_k = int_field(sp, "top_k", -1, w)
+    if top_k != -1 and top_k < 1:
+        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}")
+    max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new is not None:
+        expect(max_new, (int,), w + "max_new_tokens", "an integer")
+        if max_new < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {max_new}")
+    stop = sp.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    else:
+        expect(stop, (list,), w + "stop", "a string or a list of strings")
+        for s in stop:
+            expect(s, (str,), w + "stop", "a string or a list of strings")
+    stop_ids = sp.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else int_list(stop_ids, w + "stop_token_ids")
+    n = int_field(sp, "n", 1, w)
+    if n < 1:
+        raise RequestError(f"n must be at least 1, got {n}")
+    seed = int_field(sp, "sampling_seed", None, w)
+    for key in _IGNORED[:1]:
+        bool_field(sp, key, True, w)
+    return Sampling(max_new, 0.0 if temperature < 1e-6 else temperature, top_p, top_k,
+                    tuple(s for s in stop if s), tuple(stop_ids), bool_field(sp, "ignore_eos", False, w),
+                    bool_field(sp, "skip_special_tokens", True, w), bool_field(sp, "no_stop_trim", False, w), n, seed)
+
+
+# ---- jobs -------------------------------------------------------------------------------------------------
+@dataclass
+class Facts:
+    """What request parsing needs to know about the served model."""
+
+    tokenizer: Any
+    vocab_size: int
+    context_length: int
+    eos_ids: list[int]
+
+
+@dataclass
+class OutputOptions:
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class Job:
+    """One expanded sub-request (prompt x sample) as the server tracks it; `seq.tag` points back here."""
+
+    rid: str
+    index: int
+    seq: Seq
+    opts: OutputOptions
+    stream: bool = False
+    submitted: bool = False
+    created: float = field(default_factory=time.time)
+    done: Any = None  # asyncio.Future, set by the server
+    queue: Any = None  # asyncio.Queue of (job, n_tokens | None) for streaming requests
+
+
+def check_ids(ids: list[int], facts: Facts, max_new: int | None, where: str) -> int:
+    """Validate prompt ids against the vocabulary and context; return the resolved max_new_tokens."""
+    if not ids:
+        raise RequestError("input_ids cannot be empty.")
+    bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+    if bad:
+        raise RequestError(f"{where}: token id(s) {bad[:5]} are outside the vocabulary [0, {facts.vocab_size})")
+    n, ctx = len(ids), facts.context_length
+    if n > ctx:
+        raise RequestError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+    if max_new is None:
+        return ctx - n
+    if n + max_new > ctx:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
+            f"total of {n + max_new} tokens: {n} tokens from the input messages and {max_new} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the completion to fit "
+            "within the limit.")
+    return max_new
+
+
+def make_job(rid: str, index: int, ids: list[int], sp: Sampling, sample: int, opts: OutputOptions,
+             facts: Facts, where: str) -> Job:
+    max_new = check_ids(ids, facts, sp.max_new_tokens, where)
+    if opts.logprob_start_len > len(ids):
+        raise RequestError(f"logprob_start_len ({opts.logprob_start_len}) is longer than the prompt "
+                           f"({len(ids)} tokens)")
+    # The n samples of one request draw from distinct seeds derived from the request's seed.
+    if sp.seed is None:
+        seed = secrets.randbits(32)
+    else:
+        seed = sp.seed if sp.n == 1 else derive_seed(sp.seed, sample)
+    stop = set() if sp.ignore_eos else set(facts.eos_ids)
+    stop.update(sp.stop_token_ids)
+    score = opts.return_logprob and opts.logprob_start_len >= 0
+    seq = Seq(input_ids=list(ids), max_new_tokens=max_new, temperature=sp.temperature, top_p=sp.top_p,
+              top_k=sp.top_k, seed=seed, stop_ids=frozenset(stop), stop_strings=sp.stop,
+              input_logprob_start=opts.logprob_start_len if score else -1,
+              top_logprobs_num=opts.top_logprobs_num if opts.return_logprob else 0,
+              token_ids_logprob=opts.token_ids_logprob if opts.return_logprob else None)
+    job = Job(rid=rid, index=index, seq=seq, opts=opts)
+    seq.tag = job
+    return job
+
+
+def _per_prompt(body: dict, key: str, batch: int, default: Any) -> list:
+    v = body.get(key)
+    if isinstance(v, list) and key != "token_ids_logprob":
+        if len(v) != batch:
+            raise RequestError(f"{key} has {len(v)} entries for a batch of {batch} prompts")
+        return [default if x is None else x for x in v]
+    return [default if v is None else v] * batch
+
+
+# Top-level fields lichen cannot honour: rejected when set to anything but their neutral value.
+_TOP_UNSUPPORTED = {"input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+                    "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
+                    "return_routed_experts": False, "return_entropy": False}
+
+
+def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
+    """A /generate body -> (jobs in prompt-major order, single (answer with one object), stream)."""
+    expect(body, (dict,), "the request body", "a JSON object")
+    for key, neutral in _TOP_UNSUPPORTED.items():
+        if body.get(key) not in (None, neutral, [], {}):
+            if key == "input_embeds":
+                raise RequestError("input_embeds is not supported by lichen serve; send text or input_ids")
+            raise RequestError(f"{key} is not supported by lichen serve; leave it out")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise RequestError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None and input_ids is not None:
+        raise RequestError("Only one of text or input_ids should be provided.")
+    if text is not None:
+        if isinstance(text, str):
+            texts, batched = [text], False
+        else:
+            expect(text, (list,), "text", "a string or a list of strings")
+            for t in text:
+                expect(t, (str,), "text", "a string or a list of strings")
+            texts, batched = text, True
+        prompts = [list(facts.tokenizer.encode(t)) for t in texts]
+    else:
+        expect(input_ids, (list,), "input_ids", "a list of integers or a list of lists of integers")
+        batched = bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = [int_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if batched else \
+            [int_list(input_ids, "input_ids")]
+    if batched and not prompts:
+        raise RequestError("input_ids cannot be empty." if text is None else "text cannot be an empty list.")
+    B = len(prompts)
+    sps = body.get("sampling_params")
+    if isinstance(sps, list):
+        if len(sps) != B:
+            raise RequestError(f"sampling_params has {len(sps)} entries for a batch of {B} prompts")
+        samplings = [parse_sampling(s, f"sampling_params[{i}]") for i, s in enumerate(sps)]
+    else:
+        samplings = [parse_sampling(sps)] * B
+    n = samplings[0].n
+    if any(s.n != n for s in samplings):
+        raise RequestError("every item of a sampling_params list must have the same n")
+    return_logprob = _per_prompt(body, "return_logprob", B, False)
+    start_len = _per_prompt(body, "logprob_start_len", B, -1)
+    top_num = _per_prompt(body, "top_logprobs_num", B, 0)
+    ids_lp = body.get("token_ids_logprob")
+    if ids_lp is not None and ids_lp and isinstance(ids_lp[0], list):
+        if len(ids_lp) != B:
+            raise RequestError(f"token_ids_logprob has {len(ids_lp)} lists for a batch of {B} prompts")
+        ids_lps = [int_list(x, "token_ids_logprob") for x in ids_lp]
+    else:
+        ids_lps = [None if ids_lp is None else int_list(ids_lp, "token_ids_logprob")] * B
+    text_in_lp = bool_field(body, "return_text_in_logprobs", False, "")
+    stream = bool_field(body, "stream", False, "")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        expect(rid, (list,), "rid", "a string or a list of strings")
+        if len(rid) != B:
+            raise RequestError(f"rid has {len(rid)} entries for a batch of {B} prompts")
+        for r in rid:
+            expect(r, (str,), "rid", "a string or a list of strings")
+    jobs = []
+    for i, ids in enumerate(prompts):
+        expect(return_logprob[i], (bool,), "return_logprob", "true or false")
+        expect(start_len[i], (int,), "logprob_start_len", "an integer")
+        expect(top_num[i], (int,), "top_logprobs_num", "an integer")
+        if start_len[i] < -1 or top_num[i] < 0:
+            raise RequestError("logprob_start_len must be -1 or >= 0 and top_logprobs_num >= 0")
+        for t in ids_lps[i] or []:
+            if not 0 <= t < facts.vocab_size:
+                raise RequestError(f"token_ids_logprob: token id {t} is outside the vocabulary")
+        sp = samplings[i]
+        opts = OutputOptions(return_logprob[i], start_len[i], top_num[i], ids_lps[i], text_in_lp,
+                             sp.skip_special_tokens, sp.no_stop_trim)
+        for j in range(n):
+            k = i * n + j
+            if isinstance(rid, list):
+                r = rid[i] if n == 1 else f"{rid[i]}_{j}"
+            elif isinstance(rid, str):
+                r = rid if (not batched and n == 1) else f"{rid}_{k}"
+            else:
+                r = uuid.uuid4().hex
+            job = make_job(r, k, ids, sp, j, opts, facts, f"input_ids[{i}]" if batched else "input_ids")
+            job.stream = stream
+            jobs.append(job)
+    rids = [j.rid for j in jobs]
+    if len(set(rids)) != len(rids):
+        dup = sorted({r for r in rids if rids.count(r) > 1})
+        raise RequestError(f"Duplicate request IDs detected within the request: {dup}")
+    return jobs, (not batched and n == 1), stream
+
+
+# ---- responses --------------------------------------------------------------------------------------------
+class LockedTokenizer:
+    """A tokenizer whose calls are serialised: the scheduler thread decodes (stop strings) while the event loop
+    encodes, and a Hugging Face fast tokenizer can fail with "Already borrowed" when two threads use it at once."""
+
+    def __init__(self, tokenizer: Any):
+        self._tok = tokenizer
+        self._lock = threading.Lock()
+
+    def encode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.decode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+class Detok:
+    """Decoding with a per-token cache (logprob triples decode every token on its own)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[tuple[int, bool], str] = {}
+
+    def text(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special) if ids else ""
+
+    def token(self, token_id: int, skip_special: bool = True) -> str:
+        key = (token_id, skip_special)
+        if key not in self._cache:
+            self._cache[key] = self.tokenizer.decode([token_id], skip_special_tokens=skip_special)
+        return self._cache[key]
+
+    def stop_text(self, seq: Seq) -> str | None:
+        """The stop string that the decoded output now contains (for the scheduler), else None."""
+        width = max(len(s) for s in seq.stop_strings) + 8
+        skip = getattr(seq.tag, "opts", OutputOptions()).skip_special_tokens
+        tail = self.text(seq.output_ids[-width:], skip)
+        for s in seq.stop_strings:
+            if s in tail:
+                return s
+        return None
+
+
+def finish_json(finish: tuple | None) -> dict | None:
+    if finish is None:
+        return None
+    kind = finish[0]
+    if kind == "stop":
+        return {"type": "stop", "matched": finish[1]}
+    if kind == "length":
+        return {"type": "length", "length": finish[1]}
+    return {"type": "abort", "message": finish[1], "status_code": finish[2] if len(finish) > 2 else None,
+            "err_type": None}
+
+
+def output_text(job: Job, detok: Detok, n: int, final: bool) -> str:
+    """Decoded output; at the end a matched stop token / string is cut off unless no_stop_trim."""
+    seq, opts = job.seq, job.opts
+    ids = seq.output_ids[:n]
+    fin = seq.finish if final else None
+    trim = fin is not None and fin[0] == "stop" and not opts.no_stop_trim
+    if trim and isinstance(fin[1], int) and ids:
+        ids = ids[:-1]
+    text = detok.text(ids, opts.skip_special_tokens)
+    if trim and isinstance(fin[1], str):
+        at = text.find(fin[1])
+        if at >= 0:
+            text = text[:at]
+    return text
+
+
+def _triples(pairs, detok: Detok, with_text: bool, skip: bool) -> list:
+    return [[lp, t, detok.token(t, skip) if with_text else None] for lp, t in pairs]
+
+
+def version_spans(seq: Seq, n: int) -> list[dict]:
+    spans = []
+    for version, start, end in list(seq.versions):
+        if start >= n:
+            break
+        spans.append({"version": version, "start": start, "end": min(end, n)})
+    return spans
+
+
+def generate_output(job: Job, detok: Detok, current_version: str, n: int | None = None) -> dict:
+    """The /generate object for a job: final when `n` is None, else a stream snapshot of its first n tokens."""
+    seq, opts = job.seq, job.opts
+    final = n is None
+    n = len(seq.output_ids) if final else n
+    spans = version_spans(seq, n)
+    version = (seq.finish_version if final and seq.finish_version else None) or \
+        (spans[-1]["version"] if spans else current_version)
+    meta = {
+        "id": job.rid,
+        "finish_reason": finish_json(seq.finish) if final else None,
+        "prompt_tokens": len(seq.input_ids),
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "weight_version": version,
+        "weight_versions": spans,
+        "num_retractions": seq.num_retractions,
+        "e2e_latency": time.time() - job.created,
+    }
+    if opts.return_logprob:
+        w, skip = opts.return_text_in_logprobs, opts.skip_special_tokens
+        out_pairs = list(zip(seq.output_logprobs[:n], seq.output_ids[:n]))
+        meta["output_token_logprobs"] = _triples(out_pairs, detok, w, skip)
+        if opts.logprob_start_len >= 0 and seq.input_logprobs is not None:
+            ids = seq.input_ids[opts.logprob_start_len:]
+            meta["input_token_logprobs"] = _triples(zip(seq.input_logprobs, ids), detok, w, skip)
+        else:
+            meta["input_token_logprobs"] = []
+        if opts.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [_triples(p, detok, w, skip) for p in seq.output_top[:n]]
+            meta["input_top_logprobs"] = [None if p is None else _triples(p, detok, w, skip)
+                                          for p in (seq.input_top or [])]
+        if opts.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = [_triples(p, detok, w, skip) for p in seq.output_ids_lp[:n]]
+            meta["input_token_ids_logprobs"] = [None if p is None else _triples(p, detok, w, skip)
+                                                for p in (seq.input_ids_lp or [])]
+    return {"text": output_text(job, detok, n, final), "output_ids": list(seq.output_ids[:n]), "meta_info": meta}
+
+
+def abort_status(job: Job) -> int | None:
+    """An engine failure (abort with status 500/503) is an HTTP error, not a 200 with partial output."""
+    f = job.seq.finish
+    if f is not None and f[0] == "abort" and len(f) > 2 and f[2] in (500, 503):
+        return f[2]
+    return None
+
+
+async def stream_error(resp: Any, e: Exception) -> None:
+    """An error after the stream started: one error event, then [DONE] (SGLang's shape, §1.3)."""
+    err = {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request_error", "code": 400,
+                     "retryable": False}}
+    try:
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+    except ConnectionResetError:
+        pass
