@@ -77,7 +77,14 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
     return bool(interval) and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout)
 
 
-def run(args) -> dict:
+def save_checkpoint(args, trainer, rollout, rollout_id: int) -> None:
+    if not isinstance(trainer, NullTrainer):
+        ckpt.save_trainer(args.save, rollout_id, trainer, args.hf_checkpoint)
+    ckpt.save_rollout_state(args.save, rollout_id, rollout.state_dict())
+    ckpt.mark_complete(args.save, rollout_id)
+
+
+def prepare_output_dir(args) -> None:
     if args.num_threads:
         import torch
 
@@ -85,18 +92,28 @@ def run(args) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "config.json"), "w") as f:
         json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f, indent=1, default=str)
+
+
+def run(args) -> dict:
+    prepare_output_dir(args)
     rollout = build_rollout(args)
-    resolve_num_rollout(args, rollout)
-    trainer = build_trainer(args)
-    logger = MetricsLogger(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
+    try:
+        resolve_num_rollout(args, rollout)
+        trainer = build_trainer(args)
+        with MetricsLogger(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
                            wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
-                           wandb_run_name=args.wandb_run_name, config=vars(args))
+                           wandb_run_name=args.wandb_run_name, config=vars(args)) as logger:
+            return train_loop(args, trainer, rollout, logger)
+    finally:
+        rollout.close()  # stops engine servers lichen launched, also when the run raises
+
+
+def train_loop(args, trainer, rollout, logger) -> dict:
     if (args.offload_train or args.offload_rollout) and not _on_accelerator(args):
         log.info("offload requested on CPU: nothing to release, offload is a no-op")
-
+    last: dict = {}
     start = resume(args, trainer, rollout)
     sync.push(trainer, rollout, version=start)  # engines start from the trainer's weights
-    last: dict = {}
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
         last = rollout.eval(version=0)
         logger.log(0, last)
@@ -111,10 +128,7 @@ def run(args) -> dict:
             trainer.onload()
         metrics.update(trainer.train(rollout_id, batch))
         if args.save and (is_due(args.save_interval, rollout_id, args.num_rollout) or rollout_id + 1 == args.num_rollout):
-            if not isinstance(trainer, NullTrainer):
-                ckpt.save_trainer(args.save, rollout_id, trainer, args.hf_checkpoint)
-            ckpt.save_rollout_state(args.save, rollout_id, rollout.state_dict())
-            ckpt.mark_complete(args.save, rollout_id)
+            save_checkpoint(args, trainer, rollout, rollout_id)
         if args.offload_train:
             trainer.offload()
         if args.offload_rollout:
@@ -128,7 +142,6 @@ def run(args) -> dict:
         logger.log(rollout_id + 1, metrics)
         print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
         last = metrics
-    logger.close()
     return last
 
 

@@ -1,9 +1,19 @@
 """Shared fixtures: a tiny checkpoint and an addition data set, built once per session."""
 
 import json
+import os
 import random
 
 import pytest
+
+
+def pytest_configure(config):
+    # The suite runs two pytest workers on two cores: one torch thread each (also in the servers and runs the tests
+    # start, which inherit OMP_NUM_THREADS) avoids oversubscription, which slows tiny models down many times.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

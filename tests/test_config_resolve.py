@@ -57,7 +57,7 @@ DEFAULTS = {
     "reward_concurrency": 16, "reward_timeout": 60.0, "group_rm": False, "rm_url": None, "rm_max_retries": 3,
     "rm_retry_backoff": 0.5, "code_timeout": 5.0, "code_memory_mb": 1024, "code_max_procs": 32,
     "code_max_file_mb": 16, "code_sandbox_python": None, "code_sandbox_uid_base": 2100000000, "eval_config": None,
-    "eval_reward_key": None, "eval_dataset_configs": [],
+    "eval_reward_key": None, "eval_dataset_configs": [], "rollout_external_engine_api_key": None,
     "colocate": False, "offload": False, "offload_train": False, "offload_rollout": False,
     "update_weight_mode": "full", "update_weight_transport": "nccl", "update_weight_disk_dir": None,
     "update_weight_local_checkpoint_dir": None, "update_weight_buffer_size": 512 * 1024 * 1024,

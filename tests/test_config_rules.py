@@ -85,8 +85,7 @@ REJECTIONS = [
     ("max-prompt-len", ["--rollout-max-prompt-len", "0"], (), ["--rollout-max-prompt-len 0"], ConfigError),
     ("input-key-empty", ["--input-key", ""], (), ["--input-key"], ConfigError),
     # rollout
-    ("num-engines", ["--rollout-num-engines", "2"], (), ["--rollout-num-engines", "lichen serve"], NotAvailableYet),
-    ("external-addrs", ["--rollout-external-engine-addrs", "h:1"], (), ["--rollout-external-engine-addrs"],
+    ("num-engines-nccl", ["--rollout-num-engines", "2"], (), ["--update-weight-transport nccl", "not available yet"],
      NotAvailableYet),
     ("router-ip", ["--sglang-router-ip", "1.2.3.4"], (), ["--sglang-router-ip"], NotAvailableYet),
     ("router-port", ["--sglang-router-port", "30000"], (), ["--sglang-router-port"], NotAvailableYet),
@@ -295,15 +294,26 @@ def _sync_ns(**over) -> argparse.Namespace:
 @pytest.mark.parametrize(
     "over",
     [
-        {},
         {"update_weight_transport": "disk", "update_weight_disk_dir": "w"},
-        {"update_weight_mode": "delta", "update_weight_transport": "disk", "update_weight_disk_dir": "w",
-         "update_weight_local_checkpoint_dir": "l", "update_weight_full_interval": 5},
-        {"rollout_num_engines": None, "rollout_external_engine_addrs": ["h:1"]},
+        {"rollout_num_engines": None, "rollout_external_engine_addrs": ["h:1"], "update_weight_transport": "disk",
+         "update_weight_disk_dir": "w"},
     ],
 )
 def test_sync_valid_combinations_pass_with_server_engines(over):
-    sync_group.check(_sync_ns(**over))  # the rule table itself, with server engines that will exist later
+    sync_group.check(_sync_ns(**over))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"update_weight_mode": "delta", "update_weight_transport": "disk", "update_weight_disk_dir": "w",
+         "update_weight_local_checkpoint_dir": "l", "update_weight_full_interval": 5},
+    ],
+)
+def test_sync_server_transports_not_built_yet(over):
+    with pytest.raises(NotAvailableYet, match="not available yet"):
+        sync_group.check(_sync_ns(**over))
 
 
 def test_sync_in_process_rule_reads_only_explicit_flags():

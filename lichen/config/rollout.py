@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 
 from lichen.errors import ConfigError, NotAvailableYet
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
@@ -16,7 +17,7 @@ from lichen.config.checks import check_dotted_path, check_float, check_int_at_le
 SGLANG_PREFIX = "--sglang-"
 SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port")
 
-_SERVER_ENGINES_LATER = "server engines come with `lichen serve`; without this flag the in-process engine is used"
+_ROUTER_LATER = "lichen routes requests over its engines itself; an external SGLang router comes later"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -78,15 +79,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-num-engines",
         type=int,
         default=None,
-        help="number of `lichen serve` engine servers to launch (not available yet; default: the in-process "
-        "engine)",
+        help="launch this many `lichen serve` engine servers on free loopback ports and stop them at exit "
+        "(needs --update-weight-transport disk for now; default: the in-process engine)",
     )
     g.add_argument(
         "--rollout-external-engine-addrs",
         nargs="+",
         metavar="HOST:PORT",
         default=None,
-        help="running SGLang-protocol servers to use (not available yet; default: the in-process engine)",
+        help="use these running SGLang-protocol servers (lichen serve or SGLang) instead of the in-process engine "
+        "(needs --update-weight-transport disk for now, with a directory the servers can read; default: none)",
+    )
+    g.add_argument(
+        "--rollout-external-engine-api-key",
+        metavar="KEY",
+        default=None,
+        help="API key of the --rollout-external-engine-addrs servers, sent as 'Authorization: Bearer KEY' "
+        "(default: none)",
     )
     g.add_argument(
         "--sglang-server-concurrency",
@@ -147,13 +156,10 @@ def _is_number(token: str) -> bool:
 
 
 def check(args: argparse.Namespace) -> None:
-    if args.rollout_num_engines is not None:
-        raise NotAvailableYet(f"--rollout-num-engines is not available yet: {_SERVER_ENGINES_LATER}")
-    if args.rollout_external_engine_addrs is not None:
-        raise NotAvailableYet(f"--rollout-external-engine-addrs is not available yet: {_SERVER_ENGINES_LATER}")
+    _check_server_engines(args)
     for dest, flag in (("sglang_router_ip", "--sglang-router-ip"), ("sglang_router_port", "--sglang-router-port")):
         if getattr(args, dest) is not None:
-            raise NotAvailableYet(f"{flag} is not available yet: {_SERVER_ENGINES_LATER}")
+            raise NotAvailableYet(f"{flag} is not available yet: {_ROUTER_LATER}")
     if args.sglang_passthrough:
         raise NotAvailableYet(
             f"{args.sglang_passthrough[0]}: --sglang-... flags apply to SGLang servers that lichen launches, which "
@@ -173,6 +179,11 @@ def check(args: argparse.Namespace) -> None:
             raise ConfigError(f"--rollout-stop-token-ids: {token_id} is not a token id (must be >= 0)")
     check_int_at_least(args, "sglang_server_concurrency", 1)
     check_int_at_least(args, "rollout_max_batch_size", 1)
+    if args.rollout_external_engine_addrs is not None and args.rollout_max_batch_size is not None:
+        raise ConfigError(
+            "--rollout-max-batch-size sets the batch of the in-process engine and of launched servers; external "
+            "servers keep their own (lichen serve --max-batch-size, SGLang --max-running-requests): drop it"
+        )
     if args.rm_type is not None and args.custom_rm_path is not None:
         raise ConfigError("--rm-type and --custom-rm-path exclude each other: give exactly one reward")
     if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
@@ -187,3 +198,33 @@ def check(args: argparse.Namespace) -> None:
         )
     for dest in ("custom_rm_path", "rollout_function_path", "custom_generate_function_path"):
         check_dotted_path(args, dest)
+
+
+_ADDR = re.compile(r"^(https?://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})/?$")
+
+
+def _check_server_engines(args: argparse.Namespace) -> None:
+    """--rollout-num-engines / --rollout-external-engine-addrs / --rollout-external-engine-api-key."""
+    num, addrs = args.rollout_num_engines, args.rollout_external_engine_addrs
+    if num is not None and addrs is not None:
+        raise ConfigError(
+            "--rollout-num-engines and --rollout-external-engine-addrs exclude each other: launch servers or use "
+            "running ones, not both"
+        )
+    check_int_at_least(args, "rollout_num_engines", 1)
+    for addr in addrs or []:
+        m = _ADDR.match(addr)
+        if m is None or not 0 < int(m.group(3)) < 65536:
+            raise ConfigError(
+                f"--rollout-external-engine-addrs {addr!r}: expected HOST:PORT (e.g. 127.0.0.1:30000 or "
+                "http://host:30000)"
+            )
+    if addrs is not None and len(set(addrs)) != len(addrs):
+        raise ConfigError("--rollout-external-engine-addrs: an address is given twice; list each server once")
+    if addrs is not None and not addrs:
+        raise ConfigError("--rollout-external-engine-addrs needs at least one HOST:PORT")
+    if getattr(args, "rollout_external_engine_api_key", None) is not None and addrs is None:
+        raise ConfigError(
+            "--rollout-external-engine-api-key is only used with --rollout-external-engine-addrs (launched "
+            "servers bind 127.0.0.1 without a key); add the addresses or drop the key"
+        )

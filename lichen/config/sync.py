@@ -1,16 +1,17 @@
 """Weight-sync flags: how new weights reach server engines (full or delta, NCCL/gloo broadcast or disk).
 
-The in-process engine (no --rollout-num-engines, no --rollout-external-engine-addrs: always the case today) gets
-a direct tensor copy, so these flags only matter for server engines. The combination rules are checked first,
-so a wrong combination is reported as such; then an explicitly given transport or mode is refused for the
-in-process engine.
+The in-process engine (no --rollout-num-engines, no --rollout-external-engine-addrs) gets a direct tensor copy,
+so these flags only matter for server engines. The combination rules are checked first, so a wrong combination
+is reported as such; then an explicitly given transport or mode is refused for the in-process engine. With
+server engines only full disk sync exists so far: the default transport nccl and delta mode exit with "not
+available yet".
 """
 
 from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError
+from lichen.errors import ConfigError, NotAvailableYet
 from lichen.config.checks import check_int_at_least, given
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
@@ -123,3 +124,14 @@ def check(args: argparse.Namespace) -> None:
                     f"{flag} applies to server engines (--rollout-num-engines / --rollout-external-engine-addrs); "
                     "the in-process engine gets a direct tensor copy of the weights; drop this flag"
                 )
+    elif not getattr(args, "debug_rollout_only", False):  # --debug-rollout-only never syncs
+        if args.update_weight_transport == "nccl":
+            raise NotAvailableYet(
+                "--update-weight-transport nccl (the default) with server engines (--rollout-num-engines / "
+                "--rollout-external-engine-addrs) is not available yet: use --update-weight-transport disk "
+                "--update-weight-disk-dir DIR (a directory the servers can read)"
+            )
+        if args.update_weight_mode == "delta":
+            raise NotAvailableYet(
+                "--update-weight-mode delta with server engines is not available yet: use --update-weight-mode full"
+            )

@@ -214,13 +214,28 @@ class EngineClient:
             return False
         return status == 200
 
-    async def wait_healthy(self, timeout: float = 120.0, path: str = "/health", interval: float = 0.2) -> None:
-        """Poll `path` until it answers 200; EngineUnavailable after `timeout` s."""
+    async def wait_healthy(self, timeout: float = 120.0, path: str = "/health", interval: float = 0.2, *,
+                           reachable: bool = False) -> None:
+        """Poll `path` until it answers 200; EngineUnavailable after `timeout` s. With `reachable`, a server
+        that cannot be connected to at all (after the retries) fails at once: only a server that answers, but
+        not yet 200 (SGLang answers 503 while it starts), is waited for."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while not await self.healthy(path, timeout=max(1.0, min(10.0, end - loop.time()))):
+        while True:
+            try:
+                status, _ = await self.request("GET", path, timeout=max(1.0, min(10.0, end - loop.time())),
+                                               retry=reachable)
+            except EngineUnavailable:
+                if reachable:
+                    raise
+                status = None
+            except asyncio.TimeoutError:
+                status = None
+            if status == 200:
+                return
             if loop.time() >= end:
-                raise EngineUnavailable(f"{self.url}{path} did not answer 200 within {timeout:g} s")
+                raise EngineUnavailable(f"{self.url}{path} did not answer 200 within {timeout:g} s "
+                                        f"(last status: {status})")
             await asyncio.sleep(interval)
 
     async def model_info(self) -> dict:

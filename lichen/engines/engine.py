@@ -84,12 +84,6 @@ class Engine:
             params[name].copy_(tensor)
         self.weight_version = str(version)
 
-    def offload(self) -> None:  # CPU: nothing to release (DESIGN §7)
-        pass
-
-    def onload(self, tags: list[str] | None = None) -> None:
-        pass
-
     def load_weights_from_disk(self, model_dir: str) -> None:
         """Replace the weights with those of the HF checkpoint `model_dir` (same architecture and shapes).
         On any error the old weights stay and ValueError says why (see `read_checkpoint`)."""
@@ -130,44 +124,6 @@ class Engine:
         """Copy a checked state dict (from `read_checkpoint`) into the parameters."""
         for name, p in self.model.named_parameters():
             p.copy_(state[name])
-
-    def offload(self) -> None:  # CPU: nothing to release (DESIGN §7)
-        pass
-
-    def onload(self, tags: list[str] | None = None) -> None:
-        pass
-
-    def load_weights_from_disk(self, model_dir: str) -> None:
-        """Replace the weights with those of the HF checkpoint `model_dir` (same architecture and shapes).
-
-        Everything is read and checked before any parameter is touched, so on any error (missing directory,
-        different config, missing / extra / mis-shaped tensor) the old weights stay and ValueError names why.
-        """
-        from lichen.errors import UserError
-        from lichen.weights.hf_io import load_hf_state_dict
-
-        try:
-            cfg = ModelConfig.from_pretrained(model_dir)
-            state = load_hf_state_dict(model_dir, device="cpu", dtype=self.dtype)
-        except (OSError, UserError, ValueError, KeyError) as e:
-            raise ValueError(f"cannot load {model_dir!r}: {e}") from e
-        mine = self.model.cfg
-        diff = [f"{k}: {getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in vars(mine)
-                if k != "max_position_embeddings" and getattr(cfg, k) != getattr(mine, k)]
-        if diff:
-            raise ValueError(f"{model_dir!r} has a different model config: {'; '.join(diff)}")
-        if mine.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        params = dict(self.model.named_parameters())
-        problems = [f"missing {n}" for n in params if n not in state]
-        problems += [f"unexpected {n}" for n in state if n not in params]
-        problems += [f"{n}: shape {tuple(state[n].shape)} != {tuple(p.shape)}" for n, p in params.items()
-                     if n in state and state[n].shape != p.shape]
-        if problems:
-            raise ValueError(f"{model_dir!r} does not match the served model: {', '.join(problems[:5])}")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state[name])
 
     def offload(self, tags: list[str] | None = None) -> None:
         """Release device memory. On CPU there is nothing to release (DESIGN §7); on an accelerator the

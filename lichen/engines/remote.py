@@ -25,9 +25,11 @@ for them, and checks that each routes the endpoints the configured features need
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 import uuid
+import weakref
 from typing import Any, Awaitable, Sequence
 
 from lichen.engines.client import (EngineClient, EngineError, EngineRequestError, EngineUnavailable,
@@ -65,6 +67,12 @@ def launch_server_args(args: Any) -> list[str]:
     return out
 
 
+def _close_if_alive(ref: "weakref.ref[RemoteEngines]") -> None:
+    engines = ref()
+    if engines is not None:
+        engines.close()
+
+
 class RemoteEngines:
     """N engine servers as one engine. `launcher` (an EngineLauncher), when given, is stopped by `close()`."""
 
@@ -84,6 +92,8 @@ class RemoteEngines:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lichen-remote-engines", daemon=True)
         self._thread.start()
+        # Closed at exit even if the owner never calls close(): connections closed, launched servers stopped.
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     def __repr__(self) -> str:
         return f"RemoteEngines({self.urls})"
@@ -98,8 +108,13 @@ class RemoteEngines:
     # ---- running coroutines -------------------------------------------------------------------------------
     def run(self, coro: Awaitable, timeout: float | None = None) -> Any:
         """Run `coro` on the engines' event loop and wait for it (an interrupt cancels it there too)."""
-        if self._closed:
-            raise EngineError("these engines are closed")
+        if self._closed or threading.current_thread() is self._thread:
+            if asyncio.iscoroutine(coro):
+                coro.close()  # never scheduled: close it so Python does not warn that it was never awaited
+            if self._closed:
+                raise EngineError("these engines are closed")
+            raise RuntimeError("RemoteEngines.run/generate called on the engines' own event loop (it would wait "
+                               "for itself); await agenerate(...) there instead")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
@@ -217,8 +232,9 @@ class RemoteEngines:
         self.released.difference_update(todo)
 
     # ---- start-up checks ----------------------------------------------------------------------------------
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        self.run(self._each(lambda c: c.wait_healthy(timeout)))
+    def wait_healthy(self, timeout: float = 120.0, *, reachable: bool = False) -> None:
+        """Every engine answers /health with 200 (see EngineClient.wait_healthy for `reachable`)."""
+        self.run(self._each(lambda c: c.wait_healthy(timeout, reachable=reachable)))
 
     def missing_endpoints(self, paths: Sequence[str]) -> dict[str, list[str]]:
         """url -> the paths of `paths` that engine does not route."""
@@ -257,7 +273,7 @@ class RemoteEngines:
             engines = cls(urls, api_key=api_key, concurrency=args.sglang_server_concurrency, launcher=launcher,
                           failover=bool(getattr(args, "use_fault_tolerance", False)))
             try:
-                engines.wait_healthy(timeout=120.0 if launcher else 30.0)
+                engines.wait_healthy(timeout=120.0, reachable=True)
                 infos = engines.run(engines._each(lambda c: c.model_info()))
             except EngineRequestError as e:
                 if e.status in (401, 403):

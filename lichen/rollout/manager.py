@@ -65,6 +65,11 @@ class RolloutManager:
         self.source = PromptSource(records, batch_size=args.rollout_batch_size, shuffle=args.rollout_shuffle,
                                    seed=args.rollout_seed)
         self.eval_sets = load_eval_sets(args)  # name -> (resolved data-set config, records)
+        servers = getattr(args, "rollout_num_engines", None) or getattr(args, "rollout_external_engine_addrs", None)
+        if engine is None and servers:
+            from lichen.engines.remote import RemoteEngines
+
+            engine = RemoteEngines.from_args(args)  # launched or external servers; close() stops launched ones
         if engine is None:
             engine = Engine.from_pretrained(args.hf_checkpoint, device=resolve_device(args.device),
                                             max_batch_size=args.rollout_max_batch_size)
@@ -124,6 +129,12 @@ class RolloutManager:
         for e in self.engines:
             e.onload(tags)
 
+    def close(self) -> None:
+        """Release the engines: close server connections and stop launched servers (idempotent)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
 
 class ReplayRollout:
     """--load-debug-rollout-data: replays dumped Samples instead of generating (no engine, no weight sync)."""
@@ -143,6 +154,9 @@ class ReplayRollout:
 
     def eval(self, version: int) -> dict:
         return {}
+
+    def close(self) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {}

@@ -1,0 +1,27 @@
+"""`lichen bench <suite>`: benchmarks that measure lichen against a baseline run in the same invocation.
+
+Suites:
+  rl   lichen vs Hugging Face TRL's GRPOTrainer on identical CPU RL work (lichen.bench.rl)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+SUITES = {"rl": ("lichen.bench.rl", "lichen vs TRL GRPOTrainer on the same CPU RL work, medians and ratios")}
+
+USAGE = "usage: lichen bench <suite> [options]\n\nsuites:\n" + "\n".join(
+    f"  {name:<6} {helptext}" for name, (_, helptext) in SUITES.items()
+) + "\n\nRun `lichen bench <suite> --help` for its options."
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUITES:
+        from lichen.errors import ConfigError
+
+        raise ConfigError(f"unknown benchmark suite {name!r}; choose one of: {', '.join(SUITES)}")
+    return int(importlib.import_module(SUITES[name][0]).main(rest) or 0)

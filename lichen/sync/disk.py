@@ -1,0 +1,78 @@
+"""Full weight sync through the file system (`--update-weight-transport disk --update-weight-mode full`).
+
+Sync to version N:
+1. the trainer's weights (`trainer.named_weights()`, as the in-process copy sends them) are written as an HF
+   checkpoint to `DIR/weight_v{N:06d}/` with `save_hf_checkpoint`: written beside it and renamed into place, so an
+   engine never sees a half-written version; config.json and the tokenizer files come from --hf-checkpoint;
+2. every engine loads it: pause generation -> flush cache -> /update_weights_from_disk {model_path, weight_version
+   "N"} -> continue generation (RemoteEngines.update_weights_from_disk);
+3. every engine must then report weight version "N" (else StaleEngineError);
+4. older `weight_v*` directories in DIR are deleted, unless --update-weight-disk-keep-files.
+
+DIR must be readable by the servers under the same path (same machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any, Iterable
+
+from lichen.weights.hf_io import save_hf_checkpoint
+
+_VERSION_DIR = re.compile(r"^weight_v(\d{6,})$")
+
+
+def version_dir(root: str, version: int) -> str:
+    return os.path.join(os.path.abspath(root), f"weight_v{int(version):06d}")
+
+
+def write_version(named_weights: Iterable, root: str, version: int, hf_checkpoint: str) -> str:
+    """Write the weights as `root/weight_v{version:06d}` (atomically); returns that path."""
+    path = version_dir(root, version)
+    with open(os.path.join(hf_checkpoint, "config.json")) as f:
+        config = json.load(f)
+    state = {name: tensor for name, tensor in named_weights}
+    save_hf_checkpoint(state, path, config=config, copy_files_from=hf_checkpoint,
+                       metadata={"weight_version": str(version)})
+    return path
+
+
+def remove_other_versions(root: str, keep: int) -> list[str]:
+    """Delete the `weight_v*` directories in `root` other than version `keep`; returns what was deleted.
+    Only directories named exactly like a version are touched."""
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    for name in sorted(os.listdir(root)):
+        m = _VERSION_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and int(m.group(1)) != int(keep) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def push_full(trainer: Any, engines: list, version: int, *, disk_dir: str, hf_checkpoint: str,
+              keep_files: bool = False) -> dict:
+    """Publish the trainer's weights as version `version` to every engine through `disk_dir`; returns metrics."""
+    from lichen.sync import StaleEngineError
+
+    t0 = time.perf_counter()
+    path = write_version(trainer.named_weights(), disk_dir, version, hf_checkpoint)
+    t1 = time.perf_counter()
+    for engine in engines:
+        engine.update_weights_from_disk(path, str(version))
+    t2 = time.perf_counter()
+    stale = [(i, e.weight_version) for i, e in enumerate(engines) if e.weight_version != str(version)]
+    if stale:
+        raise StaleEngineError(f"engines {[i for i, _ in stale]} report weight versions {[v for _, v in stale]} "
+                               f"after loading {path!r} as version {version}")
+    if not keep_files:
+        remove_other_versions(disk_dir, version)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return {"time/sync": time.perf_counter() - t0, "time/sync_write": t1 - t0, "time/sync_load": t2 - t1,
+            "sync/weight_version": version, "sync/bytes": size}
