@@ -85,8 +85,8 @@ REJECTIONS = [
     ("max-prompt-len", ["--rollout-max-prompt-len", "0"], (), ["--rollout-max-prompt-len 0"], ConfigError),
     ("input-key-empty", ["--input-key", ""], (), ["--input-key"], ConfigError),
     # rollout
-    ("num-engines-nccl", ["--rollout-num-engines", "2"], (), ["--update-weight-transport nccl", "not available yet"],
-     NotAvailableYet),
+    ("post-write-hook-nccl", ["--rollout-num-engines", "2", "--custom-update-weight-post-write-path", "m.f"], (),
+     ["--custom-update-weight-post-write-path", "--update-weight-transport disk"], ConfigError),
     ("router-ip", ["--sglang-router-ip", "1.2.3.4"], (), ["--sglang-router-ip"], NotAvailableYet),
     ("router-port", ["--sglang-router-port", "30000"], (), ["--sglang-router-port"], NotAvailableYet),
     ("sglang-passthrough", ["--sglang-mem-fraction-static", "0.8"], (),
@@ -112,8 +112,8 @@ REJECTIONS = [
      ["--custom-rm-path", "no_such_module_xyz"], ConfigError),
     ("rollout-fn-not-dotted", ["--rollout-function-path", "nodots"], (), ["--rollout-function-path", "dotted"],
      ConfigError),
-    ("generate-fn-not-yet", ["--custom-generate-function-path", "os.path.join"], (),
-     ["--custom-generate-function-path", "not available yet"], NotAvailableYet),
+    ("generate-fn-not-async", ["--custom-generate-function-path", "os.path.join"], (),
+     ["--custom-generate-function-path", "async"], ConfigError),
     # train
     ("rollout-and-epoch", ["--num-epoch", "1"], (), ["--num-rollout", "--num-epoch", "both"], ConfigError),
     ("no-length", [], ("--num-rollout",), ["--num-rollout", "--num-epoch", "neither"], ConfigError),
@@ -311,9 +311,8 @@ def test_sync_valid_combinations_pass_with_server_engines(over):
          "update_weight_local_checkpoint_dir": "l", "update_weight_full_interval": 5},
     ],
 )
-def test_sync_server_transports_not_built_yet(over):
-    with pytest.raises(NotAvailableYet, match="not available yet"):
-        sync_group.check(_sync_ns(**over))
+def test_sync_server_transports_nccl_and_delta_pass(over):
+    sync_group.check(_sync_ns(**over))  # nccl (the default) and delta disk sync both work with server engines
 
 
 def test_sync_in_process_rule_reads_only_explicit_flags():

@@ -22,7 +22,7 @@ from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.launcher import EngineLauncher
 from lichen.engines.remote import RemoteEngines, required_endpoints
 from lichen.engines.sampling import derive_seed
-from lichen.errors import ConfigError, NotAvailableYet
+from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 from lichen.sync.disk import push_full, version_dir, write_version
 from lichen.weights.hf_io import load_hf_state_dict
@@ -141,9 +141,9 @@ def test_offload_onload_follow_the_memory_tags(pair):
 
 def test_missing_endpoints_are_named(pair):
     with pytest.raises(ConfigError) as info:
-        pair.require_endpoints({"/generate": "rollout", "/pull_weights": "--some-feature"})
+        pair.require_endpoints({"/generate": "rollout", "/no_such_endpoint": "--some-feature"})
     msg = str(info.value)
-    assert all(f"{url} lacks /pull_weights (needed by --some-feature)" in msg for url in pair.urls)
+    assert all(f"{url} lacks /no_such_endpoint (needed by --some-feature)" in msg for url in pair.urls)
     assert "/generate" not in msg
 
 
@@ -161,10 +161,10 @@ def test_server_engine_flags(tiny_ckpt, addition_data, tmp_path):
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-external-engine-addrs", "127.0.0.1:30000",
            "http://h:1", "--rollout-external-engine-api-key", "k", *disk)
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--debug-rollout-only")  # no sync
+    _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2")  # nccl (gloo on CPU), the default
+    _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--update-weight-mode", "delta", *disk,
+           "--update-weight-local-checkpoint-dir", str(tmp_path))
     cases = [
-        (["--rollout-num-engines", "2"], NotAvailableYet, "--update-weight-transport nccl (the default)"),
-        (["--rollout-num-engines", "2", "--update-weight-mode", "delta", *disk,
-          "--update-weight-local-checkpoint-dir", str(tmp_path)], NotAvailableYet, "delta with server engines"),
         (["--rollout-num-engines", "0", *disk], ConfigError, "--rollout-num-engines 0"),
         (["--rollout-num-engines", "1", "--rollout-external-engine-addrs", "h:1", *disk], ConfigError,
          "exclude each other"),

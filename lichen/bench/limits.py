@@ -36,8 +36,12 @@ def batch_forward_flops(shape: dict, lengths: list[tuple[int, int]]) -> int:
     return sum(sequence_forward_flops(shape, p, r) for p, r in lengths)
 
 
-def matmul_throughput(size: int = 2048, repeats: int = 5, threads: int | None = None) -> dict:
-    """Best-of-`repeats` fp32 FLOP/s of a size x size x size matmul (2 * size**3 FLOPs per product)."""
+def matmul_throughput(size: int = 2048, repeats: int = 20, threads: int | None = None) -> dict:
+    """Best-of-`repeats` fp32 FLOP/s of a size x size x size matmul (2 * size**3 FLOPs per product).
+
+    Best-of, over many short products: on a shared machine other work only ever slows a product down, so the
+    fastest one is the closest to what the cores can do.
+    """
     import torch
 
     if threads:
@@ -57,6 +61,7 @@ def matmul_throughput(size: int = 2048, repeats: int = 5, threads: int | None = 
     flops = 2 * size**3
     return {
         "size": size,
+        "repeats": repeats,
         "threads": torch.get_num_threads(),
         "best_flops_per_s": flops / best,
         "median_flops_per_s": flops / sorted(times)[len(times) // 2],

@@ -21,11 +21,11 @@ METRICS = (
     ("step_time_s", "step time (mean)", "s", "{:.3f}"),
     ("step_time_median_s", "step time (median of steps)", "s", "{:.3f}"),
     ("step_time_min_s", "step time (fastest step)", "s", "{:.3f}"),
-    ("generate_s", "  generate (incl. reward)", "s", "{:.3f}"),
-    ("train_s", "  train", "s", "{:.3f}"),
-    ("other_s", "  other", "s", "{:.3f}"),
+    ("generate_s", "  generate incl. reward (mean)", "s", "{:.3f}"),
     ("generate_median_s", "  generate (median of steps)", "s", "{:.3f}"),
+    ("train_s", "  train (mean)", "s", "{:.3f}"),
     ("train_median_s", "  train (median of steps)", "s", "{:.3f}"),
+    ("other_s", "  other (mean)", "s", "{:.3f}"),
     ("engine_s", "engine alone", "s", "{:.3f}"),
     ("rollout_tokens_per_s", "useful rollout tok/s (step)", "tok/s", "{:.1f}"),
     ("engine_tokens_per_s", "useful rollout tok/s (engine)", "tok/s", "{:.1f}"),
@@ -133,10 +133,7 @@ def summarize_run(steps: list[dict], shape: dict, matmul_flops: float | None, pe
             out["engine_gflops"] = flops / (out["engine_s"] * n) / 1e9
         if out["train_s"]:
             out["trainer_gflops"] = 3 * flops / (out["train_s"] * n) / 1e9
-        if matmul_flops:
-            for key, frac in (("engine_gflops", "engine_matmul_frac"), ("trainer_gflops", "trainer_matmul_frac")):
-                if out.get(key) is not None:
-                    out[frac] = out[key] * 1e9 / matmul_flops
+        apply_peak(out, matmul_flops)
     if all(s["engine_tokens"] is not None for s in timed):
         out["engine_computed_positions"] = sum(s["engine_tokens"] for s in timed) / n
     if all(s["train_tokens"] is not None for s in timed):
@@ -148,6 +145,13 @@ def summarize_run(steps: list[dict], shape: dict, matmul_flops: float | None, pe
         out["peak_rss_mib"] = peak_rss_kib / 1024
     out["wall_s"] = wall_s
     return out
+
+
+def apply_peak(summary: dict, matmul_flops: float | None) -> None:
+    """Set the engine / trainer fractions of the matmul throughput `matmul_flops` (FLOP/s) in `summary`."""
+    for key, frac in (("engine_gflops", "engine_matmul_frac"), ("trainer_gflops", "trainer_matmul_frac")):
+        if matmul_flops and summary.get(key) is not None:
+            summary[frac] = summary[key] * 1e9 / matmul_flops
 
 
 def medians(runs: list[dict]) -> dict:
@@ -193,9 +197,11 @@ def format_limits(name: str, gen: dict, shape: dict) -> str:
     if not gen:
         return f"limits ({name}): not measured"
     mm = gen.get("matmul", {})
-    peak = mm.get("best_flops_per_s")
-    lines = [f"limits ({name}): fp32 matmul {mm.get('size')}^3 on {mm.get('threads')} threads: "
-             f"{_fmt('{:.1f}', peak / 1e9 if peak else None)} GFLOP/s (best of 5)"]
+    peak = gen.get("peak_flops_per_s") or mm.get("best_flops_per_s")
+    ends = [m.get("best_flops_per_s") for m in (mm, gen.get("matmul_end") or {}) if m.get("best_flops_per_s")]
+    lines = [f"limits ({name}): fp32 matmul {mm.get('size')}^3 on {mm.get('threads')} threads, best of "
+             f"{mm.get('repeats', '?')}: " + " / ".join(f"{x / 1e9:.1f}" for x in ends) + " GFLOP/s (before" +
+             (" / after the runs)" if len(ends) > 1 else ")") + f"; peak used: {_fmt('{:.1f}', peak / 1e9 if peak else None)}"]
     for key, label in (("hf", "HF model.generate"), ("lichen", "lichen Engine    ")):
         runs = gen.get(key) or []
         if not runs:

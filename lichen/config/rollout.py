@@ -2,7 +2,9 @@
 
 `--sglang-<x>` flags are meant for the SGLang servers lichen launches and are passed to them verbatim, except the
 ones lichen reads itself (SGLANG_CONSUMED_FLAGS). Unknown `--sglang-*` arguments are therefore collected into
-`args.sglang_passthrough` (a flat token list, e.g. ["--sglang-mem-fraction-static", "0.8"]) instead of failing.
+`args.sglang_passthrough` (a flat token list, e.g. ["--sglang-mem-fraction-static", "0.8"]) instead of failing;
+they need `--rollout-engine-backend sglang --rollout-num-engines K`, and one that sets what lichen sets itself
+(model path, host, port, tp size, ...: lichen.engines.sglang_launcher.LICHEN_SETS) is an error.
 """
 
 from __future__ import annotations
@@ -117,6 +119,47 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="port of a running SGLang router (not available yet; default: none)",
     )
     g.add_argument(
+        "--rollout-engine-backend",
+        choices=("lichen", "sglang"),
+        default="lichen",
+        help="server launched by --rollout-num-engines: lichen (`lichen serve`, any device) or sglang "
+        "(`python -m sglang.launch_server`, GPU; takes the --sglang-<flag> pass-through) (default: lichen)",
+    )
+    g.add_argument(
+        "--rollout-num-gpus-per-engine",
+        type=int,
+        default=1,
+        help="GPUs per launched SGLang engine (its --tp-size); engine i uses GPUs i*N .. i*N+N-1 (default: 1)",
+    )
+    g.add_argument(
+        "--use-fault-tolerance",
+        action="store_true",
+        help="watch server engines with /health_generate; a dead or hung engine leaves rotation, its requests "
+        "go to the others, a launched one is restarted and re-joins at the next weight sync (default: off)",
+    )
+    g.add_argument(
+        "--rollout-health-check-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between health checks of an engine (with --use-fault-tolerance; default: 10)",
+    )
+    g.add_argument(
+        "--rollout-health-check-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds an engine has to answer /health_generate (with --use-fault-tolerance; default: 5)",
+    )
+    g.add_argument(
+        "--rollout-health-check-first-wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds before the first health check, for engines that compile on first use (with "
+        "--use-fault-tolerance; default: 300)",
+    )
+    g.add_argument(
         "--rollout-max-batch-size",
         type=int,
         default=None,
@@ -160,11 +203,8 @@ def check(args: argparse.Namespace) -> None:
     for dest, flag in (("sglang_router_ip", "--sglang-router-ip"), ("sglang_router_port", "--sglang-router-port")):
         if getattr(args, dest) is not None:
             raise NotAvailableYet(f"{flag} is not available yet: {_ROUTER_LATER}")
-    if args.sglang_passthrough:
-        raise NotAvailableYet(
-            f"{args.sglang_passthrough[0]}: --sglang-... flags apply to SGLang servers that lichen launches, which "
-            "is not available yet; drop them"
-        )
+    _check_sglang_launch(args)
+    _check_fault_tolerance(args)
     if args.rollout_batch_size is None:
         raise ConfigError("--rollout-batch-size is required: the number of prompts per rollout step")
     check_int_at_least(args, "rollout_batch_size", 1)
@@ -191,13 +231,19 @@ def check(args: argparse.Namespace) -> None:
             "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path "
             "module.function"
         )
-    if args.custom_generate_function_path is not None:
-        raise NotAvailableYet(
-            "--custom-generate-function-path is not available yet: per-sample generate plug-ins come with the server "
-            "engines; use --rollout-function-path to replace the whole rollout"
-        )
     for dest in ("custom_rm_path", "rollout_function_path", "custom_generate_function_path"):
         check_dotted_path(args, dest)
+    if args.custom_generate_function_path is not None:
+        import inspect
+
+        from lichen.plugins import load_function
+
+        if not inspect.iscoroutinefunction(load_function(args.custom_generate_function_path,
+                                                         "--custom-generate-function-path")):
+            raise ConfigError(
+                f"--custom-generate-function-path {args.custom_generate_function_path!r}: must be an async function "
+                "`async def fn(args, sample, sampling_params) -> Sample | list[Sample]`"
+            )
 
 
 _ADDR = re.compile(r"^(https?://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})/?$")
@@ -228,3 +274,53 @@ def _check_server_engines(args: argparse.Namespace) -> None:
             "--rollout-external-engine-api-key is only used with --rollout-external-engine-addrs (launched "
             "servers bind 127.0.0.1 without a key); add the addresses or drop the key"
         )
+
+
+def _check_sglang_launch(args: argparse.Namespace) -> None:
+    """--rollout-engine-backend / --rollout-num-gpus-per-engine / the --sglang-* pass-through."""
+    from lichen.engines.sglang_launcher import check_passthrough
+
+    backend = getattr(args, "rollout_engine_backend", "lichen")
+    check_int_at_least(args, "rollout_num_gpus_per_engine", 1)
+    if backend == "sglang" and not args.rollout_num_engines:
+        raise ConfigError(
+            "--rollout-engine-backend sglang chooses the server --rollout-num-engines launches; add "
+            "--rollout-num-engines K (running SGLang servers are used with --rollout-external-engine-addrs)"
+        )
+    if backend == "lichen" and args.rollout_num_gpus_per_engine != 1:
+        raise NotAvailableYet(
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} is not available yet with lichen "
+            "serve engines (one device each); use --rollout-engine-backend sglang for tensor-parallel engines"
+        )
+    if args.sglang_passthrough:
+        if backend != "sglang" or not args.rollout_num_engines:
+            # kept a NotAvailableYet (exit 2) as before SGLang launches existed; the text says what to do now
+            raise NotAvailableYet(
+                f"{args.sglang_passthrough[0]}: --sglang-... flags apply to SGLang servers that lichen launches, "
+                "which this run does not configure: add --rollout-engine-backend sglang --rollout-num-engines K, "
+                "or drop them"
+            )
+        check_passthrough(args.sglang_passthrough, args)
+
+
+def _check_fault_tolerance(args: argparse.Namespace) -> None:
+    """--use-fault-tolerance and the --rollout-health-check-* flags (resolved to their defaults here)."""
+    # slime's defaults (lichen.engines.health has the same): first check after 300 s, then every 10 s, 5 s to answer
+    health = (("rollout_health_check_interval", 10.0, True),
+              ("rollout_health_check_timeout", 5.0, True),
+              ("rollout_health_check_first_wait", 300.0, False))
+    if not getattr(args, "use_fault_tolerance", False):
+        for dest, _, _ in health:
+            if getattr(args, dest, None) is not None:
+                flag = "--" + dest.replace("_", "-")
+                raise ConfigError(f"{flag} only applies with --use-fault-tolerance; add it or drop {flag}")
+        return
+    if not (args.rollout_num_engines or args.rollout_external_engine_addrs):
+        raise ConfigError(
+            "--use-fault-tolerance watches and restarts engine servers; use it with --rollout-num-engines K or "
+            "--rollout-external-engine-addrs (the in-process engine fails with the run)"
+        )
+    for dest, default, positive in health:
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        check_float(args, dest, low=0.0, low_open=positive)

@@ -2,16 +2,15 @@
 
 The in-process engine (no --rollout-num-engines, no --rollout-external-engine-addrs) gets a direct tensor copy,
 so these flags only matter for server engines. The combination rules are checked first, so a wrong combination
-is reported as such; then an explicitly given transport or mode is refused for the in-process engine. With
-server engines only full disk sync exists so far: the default transport nccl and delta mode exit with "not
-available yet".
+is reported as such; then an explicitly given transport or mode is refused for the in-process engine.
+With server engines every transport works: nccl broadcast (the default), full disk and delta disk (lichen.sync).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError, NotAvailableYet
+from lichen.errors import ConfigError
 from lichen.config.checks import check_int_at_least, given
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
@@ -74,6 +73,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default="xxh3-128",
         help="checksum that verifies a delta was applied to the right base",
     )
+    g.add_argument(
+        "--check-weight-update-equal",
+        action="store_true",
+        help="after every sync compare every tensor the engines serve with the trainer's, bit for bit (lichen serve "
+        "is always checked on every tensor by checksum; other servers are then read back in full instead of a sample)",
+    )
+    g.add_argument(
+        "--custom-update-weight-post-write-path",
+        metavar="MODULE.FN",
+        default=None,
+        help="disk transport: fn(version_dir) runs after each version's files are written (e.g. to flush a shared "
+        "file system) and before the engines read them (default: none)",
+    )
 
 
 def _uses_server_engines(args: argparse.Namespace) -> bool:
@@ -107,6 +119,9 @@ def check(args: argparse.Namespace) -> None:
         ):
             if getattr(args, dest) is not None:
                 raise ConfigError(f"{flag} is only used with --update-weight-mode delta; add it or drop {flag}")
+    if args.update_weight_transport != "disk" and getattr(args, "custom_update_weight_post_write_path", None):
+        raise ConfigError("--custom-update-weight-post-write-path is only used with --update-weight-transport disk; "
+                          "add it or drop the hook")
     if args.update_weight_transport == "disk":
         if args.update_weight_disk_dir is None:
             raise ConfigError("--update-weight-transport disk needs --update-weight-disk-dir DIR")
@@ -124,14 +139,3 @@ def check(args: argparse.Namespace) -> None:
                     f"{flag} applies to server engines (--rollout-num-engines / --rollout-external-engine-addrs); "
                     "the in-process engine gets a direct tensor copy of the weights; drop this flag"
                 )
-    elif not getattr(args, "debug_rollout_only", False):  # --debug-rollout-only never syncs
-        if args.update_weight_transport == "nccl":
-            raise NotAvailableYet(
-                "--update-weight-transport nccl (the default) with server engines (--rollout-num-engines / "
-                "--rollout-external-engine-addrs) is not available yet: use --update-weight-transport disk "
-                "--update-weight-disk-dir DIR (a directory the servers can read)"
-            )
-        if args.update_weight_mode == "delta":
-            raise NotAvailableYet(
-                "--update-weight-mode delta with server engines is not available yet: use --update-weight-mode full"
-            )

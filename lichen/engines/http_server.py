@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from lichen import __version__
-from lichen.engines import openai_api
+from lichen.engines import openai_api, weight_endpoints
 from lichen.engines.engine import Engine
 from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputOptions, RequestError, Sampling,
                                      abort_status, error_body, expect, generate_output, loads, make_job,
@@ -34,7 +34,7 @@ log = get_logger(__name__)
 ADMIN_PATHS = frozenset({
     "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
     "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name",
-})
+}) | weight_endpoints.ADMIN_PATHS
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
             "requests, the operation will not be performed.)\n")
@@ -202,9 +202,9 @@ class LichenServer:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weight_version", self.update_weight_version)
         openai_api.add_routes(app, self)
+        weight_endpoints.add_routes(app, self)  # also /update_weights_from_disk, which can apply deltas live
         return app
 
     @web.middleware

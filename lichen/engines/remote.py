@@ -16,6 +16,13 @@ Control calls go to every engine in rotation, in parallel:
   resume_memory_occupation {"tags": ...}; resuming "kv_cache" also resumes "cuda_graph", as SGLang expects
   (sglang-api.md §7.6).
 - `weight_version`: the version every engine reports in /model_info (None when they disagree).
+- `pause_generation(mode)` / `continue_generation()`: every engine in rotation.
+
+Fault tolerance (`failover=True` and `start_health_monitor`, lichen.engines.health): an engine that dies or hangs
+leaves rotation, the requests it held go to the others, a launched one is restarted, and the next weight sync
+(which first waits for restarts in progress) brings it to the current version and back into rotation. Control
+calls then tolerate an unreachable engine (it is taken out like a failed one) as long as one engine answers;
+the health probes are suspended while the engines are paused, syncing weights or offloaded.
 
 `RemoteEngines.from_args(args)` is the one place that reads `lichen train` flags: it launches
 `--rollout-num-engines` servers (stopped by `close()`) or connects to `--rollout-external-engine-addrs`, waits
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import threading
 import uuid
@@ -53,6 +61,8 @@ def required_endpoints(args: Any) -> dict[str, str]:
     if getattr(args, "offload_rollout", False):
         for path in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
             need.setdefault(path, "--offload-rollout")
+    if getattr(args, "use_fault_tolerance", False):
+        need["/health_generate"] = "--use-fault-tolerance"
     return need
 
 
@@ -88,6 +98,9 @@ class RemoteEngines:
                                      retry_delay=retry_delay, request_timeout=request_timeout) for u in urls]
         self.router = Router(self.clients, failover=failover)
         self.released: set[str] = set()
+        self.monitor: Any = None  # a HealthMonitor once start_health_monitor() ran
+        self.last_weights: tuple[str, str] | None = None  # (path, version) of the last update from disk
+        self._paused = False
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lichen-remote-engines", daemon=True)
@@ -122,16 +135,44 @@ class RemoteEngines:
             fut.cancel()
             raise
 
-    async def _each(self, fn, clients: list[EngineClient] | None = None) -> list:
-        """fn(client) on every engine in rotation at once; if any fails, raise naming every failure."""
+    async def _each(self, fn, clients: list[EngineClient] | None = None, *, tolerant: bool | None = None) -> list:
+        """fn(client) on every engine in rotation at once; if any fails, raise naming every failure.
+
+        `tolerant` (default: with failover): an engine that cannot be reached is taken out of rotation like a
+        failed one and its result is None, unless no engine answered at all."""
         clients = self._active() if clients is None else clients
+        tolerant = self.router.failover if tolerant is None else tolerant
         results = await asyncio.gather(*[fn(c) for c in clients], return_exceptions=True)
         errors = [(c, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
+        if tolerant and len(errors) < len(clients):
+            lost = [(c, r) for c, r in errors if isinstance(r, EngineUnavailable)]
+            for c, r in lost:
+                self.engine_failed(self.clients.index(c), str(r))
+            errors = [(c, r) for c, r in errors if not isinstance(r, EngineUnavailable)]
+            results = [None if isinstance(r, EngineUnavailable) else r for r in results]
         if errors:
             if len(errors) == 1:
                 raise errors[0][1]
             raise EngineError("; ".join(str(r) if str(r).startswith(c.url) else f"{c.url}: {r}" for c, r in errors))
         return results
+
+    def engine_failed(self, index: int, reason: str) -> None:
+        """Engine `index` is dead or hung (on the engines' loop): out of rotation, its requests re-sent, and
+        the health monitor (if any) restarts it."""
+        if index in self.router.active:
+            self.router.fail(index, reason)  # tells the monitor through router.on_down
+        elif self.monitor is not None:
+            self.monitor.on_down(index, reason)
+
+    @contextlib.asynccontextmanager
+    async def _probes_suspended(self):
+        if self.monitor is not None:
+            self.monitor.suspend()
+        try:
+            yield
+        finally:
+            if self.monitor is not None:
+                self.monitor.resume()
 
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, requests: list[GenRequest], session_ids: Sequence[str | None] | None = None, *,
@@ -167,7 +208,13 @@ class RemoteEngines:
 
     # ---- state and control --------------------------------------------------------------------------------
     def weight_versions(self) -> list[str | None]:
-        return self.run(self._each(lambda c: c.weight_version()))
+        """The version each engine in rotation reports (an engine lost meanwhile is left out)."""
+        async def get() -> list[str | None]:
+            clients = self._active()
+            versions = await self._each(lambda c: c.weight_version(), clients)
+            return [v for c, v in zip(clients, versions) if self.clients.index(c) in self.router.active]
+
+        return self.run(get())
 
     @property
     def weight_version(self) -> str | None:
@@ -176,8 +223,26 @@ class RemoteEngines:
         return versions.pop() if len(versions) == 1 else None
 
     def update_weights_from_disk(self, path: str, version: str) -> None:
-        """Every engine loads the HF checkpoint at `path` (readable by the servers) as weight version `version`."""
-        self.run(self._each(lambda c: self._update_one(c, path, str(version))))
+        """Every engine loads the HF checkpoint at `path` (readable by the servers) as weight version `version`.
+
+        With a health monitor, restarts in progress are waited for first, and engines waiting to re-join
+        (restarted, or answering again) load it too and return to rotation."""
+        self.run(self._update_all(path, str(version)))
+
+    async def _update_all(self, path: str, version: str) -> None:
+        async with self._probes_suspended():
+            if self.monitor is not None:
+                await self.monitor.settle()
+            joining = self.monitor.pending() if self.monitor is not None else []
+            await self._each(lambda c: self._update_one(c, path, version))
+            self.last_weights = (path, version)
+            for index in joining:
+                try:
+                    await self.monitor.join(index, catch_up=True)
+                except Exception as e:  # noqa: BLE001 - it stays out; the engines in rotation are up to date
+                    log.error("engine %s could not load weight version %s to re-join: %s",
+                              self.clients[index].url, version, e)
+                    self.monitor.on_down(index, f"weight update failed: {e}")
 
     async def _update_one(self, c: EngineClient, path: str, version: str) -> None:
         await c.call_json("POST", "/pause_generation", {})
@@ -206,8 +271,63 @@ class RemoteEngines:
     def flush_cache(self) -> None:
         self.run(self._each(lambda c: c.flush_cache()))
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """POST /pause_generation {mode} to every engine; health probes stay suspended until
+        `continue_generation()` (a paused engine does not answer /health_generate)."""
+        async def pause() -> None:
+            if self.monitor is not None and not self._paused:
+                self.monitor.suspend()
+            self._paused = True
+            await self._each(lambda c: c.call_json("POST", "/pause_generation", {"mode": mode}))
+
+        self.run(pause())
+
+    def continue_generation(self) -> None:
+        async def cont() -> None:
+            try:
+                await self._each(lambda c: c.call_json("POST", "/continue_generation", {}))
+            finally:
+                if self.monitor is not None and self._paused:
+                    self.monitor.resume()
+                self._paused = False
+
+        self.run(cont())
+
+    def admit_restarted(self) -> list[int]:
+        """For a transport that brings every engine in rotation to the new version itself (the broadcast): wait
+        for restarts in progress and put restarted engines back into rotation before the sync reaches them
+        (update_weights_from_disk does this itself). Returns their indices."""
+        async def admit() -> list[int]:
+            async with self._probes_suspended():
+                await self.monitor.settle()
+                joining = self.monitor.pending()
+                for index in joining:
+                    await self.monitor.join(index, catch_up=False)
+                return joining
+
+        return self.run(admit()) if self.monitor is not None else []
+
+    def start_health_monitor(self, *, interval: float, timeout: float, first_wait: float) -> Any:
+        """Watch the engines (lichen.engines.health); needs `failover`. Returns the HealthMonitor."""
+        from lichen.engines.health import HealthMonitor
+
+        if not self.router.failover:
+            raise ValueError("a health monitor needs failover=True (requests of a failed engine are re-sent)")
+        self.monitor = HealthMonitor(self, interval=interval, timeout=timeout, first_wait=first_wait,
+                                     launcher=self.launcher,
+                                     restart_timeout=float(getattr(self.launcher, "ready_timeout", 600.0)))
+        self.router.on_down = self.monitor.on_down
+        # a request that finds every engine out waits for a restarted one rather than failing the step
+        self.router.no_engine_wait = self.monitor.restart_timeout
+        self.monitor.start()
+        return self.monitor
+
     def abort_all(self) -> None:
-        self.run(self._each(lambda c: c.call_json("POST", "/abort_request", {"abort_all": True})))
+        async def abort() -> None:
+            async with self._probes_suspended():  # it would also abort a health probe in flight: not a failure
+                await self._each(lambda c: c.call_json("POST", "/abort_request", {"abort_all": True}))
+
+        self.run(abort())
 
     def offload(self) -> None:
         """Release weights and KV cache on every engine (a no-op on CPU servers, but the call sequence is real)."""
@@ -218,8 +338,12 @@ class RemoteEngines:
             await c.flush_cache()
             await c.call_json("POST", "/release_memory_occupation", {})
 
-        self.run(self._each(release))
-        self.released = set(MEMORY_TAGS)
+        async def release_all() -> None:
+            async with self._probes_suspended():
+                await self._each(release)
+                self.released = set(MEMORY_TAGS)  # probes stay suspended while anything is released
+
+        self.run(release_all())
 
     def onload(self, tags: list[str] | None = None) -> None:
         want = set(MEMORY_TAGS) if tags is None else set(tags)
@@ -228,13 +352,99 @@ class RemoteEngines:
         todo = [t for t in MEMORY_TAGS if t in want and t in self.released]
         if not todo:
             return
-        self.run(self._each(lambda c: c.call_json("POST", "/resume_memory_occupation", {"tags": todo})))
-        self.released.difference_update(todo)
+        async def resume() -> None:
+            async with self._probes_suspended():
+                await self._each(lambda c: c.call_json("POST", "/resume_memory_occupation", {"tags": todo}))
+                self.released.difference_update(todo)
+
+        self.run(resume())
+
+    # ---- weight transports (driven by lichen.sync) ----------------------------------------------------------
+    def submit(self, coro: Awaitable):
+        """Start `coro` on the engines' loop and return a concurrent Future at once: for HTTP calls that must be
+        in flight while the caller's thread does its part (a torch.distributed broadcast)."""
+        if self._closed:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise EngineError("these engines are closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _post_ok(self, c: EngineClient, path: str, body: dict, timeout: float | None = None) -> dict:
+        """POST an SGLang weight call; anything but 200 with `"success": true` raises EngineRequestError."""
+        status, out = await c.request("POST", path, body, timeout=timeout, retry=False)
+        if status != 200 or not (isinstance(out, dict) and out.get("success", True) is not False):
+            raise EngineRequestError(c.url, path, status, out)
+        return out
+
+    def active_urls(self) -> list[str]:
+        """The engines in rotation (the ones control calls and weight syncs reach)."""
+        return [c.url for c in self._active()]
+
+    def server_infos(self) -> list[dict]:
+        return self.run(self._each(lambda c: c.call_json("GET", "/server_info")))
+
+    def paused(self):
+        """Context manager: every engine in rotation paused and flushed inside; continued on exit, also after a
+        failure (sglang-api.md §7.5). Used for transports that must reach all engines at once."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.pause_generation()  # also suspends the health probes (a paused engine does not answer them)
+            try:
+                self.flush_cache()
+                yield self
+            finally:
+                self.continue_generation()
+
+        return scope()
+
+    def init_weights_update_group_async(self, payloads: Sequence[dict], timeout: float | None = None):
+        """Post /init_weights_update_group to each engine in rotation (payload i to engine i) without waiting:
+        the calls return once the trainer joined the group too. The Future holds the responses."""
+        clients = self._active()
+        if len(payloads) != len(clients):
+            raise ValueError(f"{len(payloads)} payloads for {len(clients)} engines")
+        it = iter(payloads)
+        pairs = [(c, next(it)) for c in clients]
+
+        async def post(c: EngineClient) -> dict:
+            return await self._post_ok(c, "/init_weights_update_group", dict(pairs)[c], timeout)
+
+        return self.submit(self._each(post, clients))
+
+    def update_weights_from_distributed_async(self, payload: dict, timeout: float | None = None):
+        """Post one /update_weights_from_distributed bucket to every engine in rotation without waiting (the
+        caller broadcasts the bucket, then waits on the Future)."""
+        return self.submit(self._each(lambda c: self._post_ok(c, "/update_weights_from_distributed", payload,
+                                                              timeout)))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the group on every engine in rotation; an engine that does not know it is fine (as slime)."""
+        async def destroy(c: EngineClient) -> None:
+            await c.request("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=False)
+
+        self.run(self._each(destroy))
+
+    def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int) -> list[dict]:
+        """/pull_weights on every engine in rotation (engines sharing the local dir serialize on its lock)."""
+        body = {"local_checkpoint_dir": local_checkpoint_dir, "source_dir": source_dir,
+                "target_version": int(target_version)}
+        return self.run(self._each(lambda c: self._post_ok(c, "/pull_weights", body)))
+
+    def weights_checker(self, action: str = "checksum") -> list[Any]:
+        """/weights_checker {"action": action} on every engine in rotation; failures raise."""
+        return self.run(self._each(lambda c: self._post_ok(c, "/weights_checker", {"action": action})))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of parameter `name` (nested float lists), from each engine in rotation."""
+        body = {"name": name, "truncate_size": int(truncate_size)}
+        return self.run(self._each(lambda c: c.call_json("POST", "/get_weights_by_name", body)))
 
     # ---- start-up checks ----------------------------------------------------------------------------------
     def wait_healthy(self, timeout: float = 120.0, *, reachable: bool = False) -> None:
         """Every engine answers /health with 200 (see EngineClient.wait_healthy for `reachable`)."""
-        self.run(self._each(lambda c: c.wait_healthy(timeout, reachable=reachable)))
+        self.run(self._each(lambda c: c.wait_healthy(timeout, reachable=reachable), tolerant=False))
 
     def missing_endpoints(self, paths: Sequence[str]) -> dict[str, list[str]]:
         """url -> the paths of `paths` that engine does not route."""
@@ -242,7 +452,7 @@ class RemoteEngines:
             found = await asyncio.gather(*[c.has_endpoint(p) for p in paths])
             return [p for p, ok in zip(paths, found) if not ok]
 
-        missing = self.run(self._each(probe))
+        missing = self.run(self._each(probe, tolerant=False))
         return {c.url: m for c, m in zip(self._active(), missing) if m}
 
     def require_endpoints(self, needed: dict[str, str]) -> None:
@@ -261,9 +471,14 @@ class RemoteEngines:
 
         launcher = None
         if args.rollout_num_engines:
-            launcher = EngineLauncher(args.hf_checkpoint, args.rollout_num_engines,
-                                      server_args=launch_server_args(args),
-                                      log_dir=os.path.join(args.output_dir, "engines"))
+            if getattr(args, "rollout_engine_backend", "lichen") == "sglang":
+                from lichen.engines.sglang_launcher import SGLangLauncher
+
+                launcher = SGLangLauncher.from_args(args)
+            else:
+                launcher = EngineLauncher(args.hf_checkpoint, args.rollout_num_engines,
+                                          server_args=launch_server_args(args),
+                                          log_dir=os.path.join(args.output_dir, "engines"))
             urls, api_key, flag = launcher.start(), None, "--rollout-num-engines"
         else:
             urls = [normalize_url(a) for a in args.rollout_external_engine_addrs]
@@ -274,7 +489,7 @@ class RemoteEngines:
                           failover=bool(getattr(args, "use_fault_tolerance", False)))
             try:
                 engines.wait_healthy(timeout=120.0, reachable=True)
-                infos = engines.run(engines._each(lambda c: c.model_info()))
+                infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
             except EngineRequestError as e:
                 if e.status in (401, 403):
                     raise ConfigError(f"{flag}: {e.url} refused the key ({e.status}); give the server's key with "
@@ -291,10 +506,16 @@ class RemoteEngines:
             raise
         for url, info in zip(urls, infos):
             log.info("engine %s: model %s, weight version %s", url, info.get("model_path"), info.get("weight_version"))
+        if getattr(args, "use_fault_tolerance", False):
+            engines.start_health_monitor(interval=args.rollout_health_check_interval,
+                                         timeout=args.rollout_health_check_timeout,
+                                         first_wait=args.rollout_health_check_first_wait)
         return engines
 
     # ---- shutdown -----------------------------------------------------------------------------------------
     async def _aclose(self) -> None:
+        if self.monitor is not None:
+            await self.monitor.stop()  # before the launcher stops: no restart may outlive close()
         me = asyncio.current_task()
         others = [t for t in asyncio.all_tasks() if t is not me]
         for t in others:

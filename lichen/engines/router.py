@@ -8,14 +8,20 @@ by the load rule and remembered (the most recent `max_sessions` sessions are kep
 
 Failover (`failover=True`, for fault tolerance): when an engine cannot be reached even after its client's
 retries, it is taken out of rotation and the request is sent again, unchanged (same rid and sampling seed, so
-the same tokens), to another engine; `reissued` counts such re-sends. Without failover the error propagates.
-`restore(i)` puts an engine back (after it was restarted and brought to the current weights).
+the same tokens), to another engine; `reissued` counts such re-sends (`reissued_from[i]` those that left engine
+i). Without failover the error propagates. `fail(i, reason)` does the same on the word of a health monitor: the
+engine leaves rotation and every request it holds (in flight, or queued behind its client's concurrency cap) is
+cancelled there and re-sent elsewhere, so a hung engine loses nothing. `on_down(i, reason)`, when set, is told
+of every engine taken out this way (the health monitor restarts it). `restore(i)` puts an engine back (after it
+was restarted and brought to the current weights). With `no_engine_wait` > 0 (failover only), a request that
+finds no engine in rotation waits that many seconds for one to be restored before it fails.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from lichen.engines.client import EngineClient, EngineUnavailable
 from lichen.observe.metrics import get_logger
@@ -28,17 +34,23 @@ class NoEngineAvailable(EngineUnavailable):
 
 
 class Router:
-    def __init__(self, clients: Sequence[EngineClient], *, failover: bool = False, max_sessions: int = 100_000):
+    def __init__(self, clients: Sequence[EngineClient], *, failover: bool = False, max_sessions: int = 100_000,
+                 no_engine_wait: float = 0.0):
         if not clients:
             raise ValueError("a router needs at least one engine")
         self.clients = list(clients)
         self.failover = failover
         self.max_sessions = max_sessions
+        self.no_engine_wait = no_engine_wait
         self.active: set[int] = set(range(len(self.clients)))
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.reissued = 0
+        self.reissued_from = [0] * len(self.clients)  # re-sends of requests that engine i held
         self.routed = [0] * len(self.clients)  # requests sent to each engine (re-sends included)
+        self.on_down: Callable[[int, str], None] | None = None
         self._next = 0  # where the round-robin tie-break starts
+        self._attempts: list[set[asyncio.Future]] = [set() for _ in self.clients]  # per engine, not yet answered
+        self._restored: asyncio.Event | None = None  # created on the event loop that first waits on it
 
     @property
     def urls(self) -> list[str]:
@@ -53,6 +65,29 @@ class Router:
 
     def restore(self, index: int) -> None:
         self.active.add(index)
+        if self._restored is not None:
+            self._restored.set()
+
+    def fail(self, index: int, reason: str) -> int:
+        """Take engine `index` out of rotation and cancel the requests it holds; `generate` re-sends each to
+        another engine. Tells `on_down` (once per removal). Returns how many requests were taken back."""
+        was_active = index in self.active
+        self.remove(index)
+        taken = 0
+        for attempt in list(self._attempts[index]):
+            if not attempt.done():
+                attempt.cancel()
+                taken += 1
+        if was_active:
+            log.warning("engine %s out of rotation (%s); %d request(s) it held are re-sent to other engines",
+                        self.clients[index].url, reason, taken)
+            if self.on_down is not None:
+                self.on_down(index, reason)
+        return taken
+
+    def held(self, index: int) -> int:
+        """Requests engine `index` holds right now (sent or queued for it, not yet answered)."""
+        return sum(not a.done() for a in self._attempts[index])
 
     def pick(self, session_id: str | None = None) -> int:
         """The engine for the next request (see the module docstring)."""
@@ -77,25 +112,59 @@ class Router:
     def end_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 
+    async def _pick_or_wait(self, session_id: str | None) -> int:
+        """`pick`, or with failover and `no_engine_wait`, wait up to that long for an engine to be restored."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.no_engine_wait
+        while True:
+            try:
+                return self.pick(session_id)
+            except NoEngineAvailable:
+                left = end - loop.time()
+                if not self.failover or left <= 0:
+                    raise
+            if self._restored is None:
+                self._restored = asyncio.Event()
+            self._restored.clear()
+            try:
+                await asyncio.wait_for(self._restored.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
     async def generate(self, payload: dict, session_id: str | None = None) -> tuple[int, dict]:
         """Send one `/generate` body; returns (engine index that answered, response object)."""
         while True:
-            index = self.pick(session_id)
+            index = await self._pick_or_wait(session_id)
             client = self.clients[index]
             self.routed[index] += 1
+            attempt = asyncio.ensure_future(client.generate(payload))
+            self._attempts[index].add(attempt)
             try:
-                return index, await client.generate(payload)
-            except EngineUnavailable as e:
-                if not self.failover:
-                    raise
-                self.remove(index)
-                self.reissued += 1
-                log.warning("engine %s is unreachable (%s): out of rotation; re-sending the request to another "
-                            "engine", client.url, e)
+                # wait() rather than await: a cancel by fail() must not look like a cancel of this task
+                await asyncio.wait({attempt})
+            except asyncio.CancelledError:
+                attempt.cancel()
+                raise
+            finally:
+                self._attempts[index].discard(attempt)
+            if attempt.cancelled():  # fail(index) took it back
+                why = "its engine was taken out of rotation"
+            else:
+                try:
+                    return index, attempt.result()
+                except EngineUnavailable as e:
+                    if not self.failover:
+                        raise
+                    why = f"unreachable: {e}"
+                    self.fail(index, f"unreachable: {e}")
+            self.reissued += 1
+            self.reissued_from[index] += 1
+            log.info("re-sending a request that %s held (%s)", client.url, why)
 
     async def close(self) -> None:
         for c in self.clients:
             await c.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"routed": list(self.routed), "reissued": self.reissued, "in_rotation": self.in_rotation()}
+        return {"routed": list(self.routed), "reissued": self.reissued, "reissued_from": list(self.reissued_from),
+                "in_rotation": self.in_rotation()}

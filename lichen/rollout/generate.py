@@ -13,7 +13,9 @@ runs DAPO dynamic sampling, in rounds r = 0, 1, ...:
   - groups the filter keeps are collected until --rollout-batch-size are kept or --dynamic-sampling-max-rounds
     rounds ran.
 Every prompt taken from the source is generated (the source hands out exactly the prompts asked for), so the
-saved source position is exactly what an uninterrupted run would have reached. Kept groups beyond
+saved source position is exactly what an uninterrupted run would have reached. Over engine servers a round stops
+once it has the groups the step lacks: later groups' requests are aborted (lichen.rollout.abort_surplus; the kept
+groups are the same). Kept groups beyond
 --rollout-batch-size are discarded (counted and logged); their prompts are spent until the next epoch.
 With fewer kept groups than --rollout-batch-size the step trains on fewer: the count is cut down to a multiple
 the trainer can split into --num-steps-per-rollout equal global batches (filters.trainable_group_count); if that
@@ -31,6 +33,8 @@ from lichen.engines.engine import GenRequest
 from lichen.engines.sampling import derive_seed
 from lichen.observe.metrics import get_logger
 from lichen.rewards import score_samples
+from lichen.rollout.abort_surplus import can_abort
+from lichen.rollout.abort_surplus import generate_round as abort_surplus_round
 from lichen.rollout.filters import (
     load_group_filter,
     min_trainable_groups,
@@ -51,6 +55,23 @@ SEED_ROUND_STRIDE = 1000
 def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
                   max_new_tokens: int, seed_key: int) -> list[list[Sample]]:
     """Generate `n` samples for each prompt; a sample's seed is derive_seed(--seed, seed_key, prompt pos, j)."""
+    if getattr(args, "custom_generate_function_path", None):  # each sample made by the user's async function
+        from lichen.rollout.custom_generate import build_custom_samples
+
+        return build_custom_samples(args, manager, prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=max_new_tokens, seed_key=seed_key)
+    requests, owners = sample_requests(args, manager, prompts, n=n, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, max_new_tokens=max_new_tokens, seed_key=seed_key)
+    results = manager.engine.generate(requests)
+    groups: list[list[Sample]] = [[] for _ in prompts]
+    for owner, res in zip(owners, results):
+        groups[owner[0]].append(make_sample(manager, owner, res, n))
+    return groups
+
+
+def sample_requests(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
+                    max_new_tokens: int, seed_key: int) -> tuple[list[GenRequest], list[tuple]]:
+    """The engine requests of `build_samples`, and per request its owner (pos, j, data_index, record, ids)."""
     requests, owners = [], []
     for pos, (data_index, record) in enumerate(prompts):
         ids = manager.encode(data_index, record)
@@ -67,26 +88,26 @@ def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: 
                 )
             )
             owners.append((pos, j, data_index, record, ids))
-    results = manager.engine.generate(requests)
-    groups: list[list[Sample]] = [[] for _ in prompts]
-    for (pos, j, data_index, record, ids), res in zip(owners, results):
-        groups[pos].append(
-            Sample(
-                prompt=record.prompt,
-                tokens=list(ids) + list(res.output_ids),
-                response=manager.tokenizer.decode(res.output_ids, skip_special_tokens=True),
-                response_length=len(res.output_ids),
-                label=record.label,
-                loss_mask=[1] * len(res.output_ids),
-                rollout_log_probs=list(res.output_logprobs),
-                status=Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED,
-                weight_versions=[res.weight_version],
-                metadata={**(record.metadata or {}), "prompt_index": data_index},
-                group_index=pos,
-                index=pos * n + j,
-            )
-        )
-    return groups
+    return requests, owners
+
+
+def make_sample(manager, owner: tuple, res, n: int) -> Sample:
+    """The Sample for one engine result of `sample_requests`."""
+    pos, j, data_index, record, ids = owner
+    return Sample(
+        prompt=record.prompt,
+        tokens=list(ids) + list(res.output_ids),
+        response=manager.tokenizer.decode(res.output_ids, skip_special_tokens=True),
+        response_length=len(res.output_ids),
+        label=record.label,
+        loss_mask=[1] * len(res.output_ids),
+        rollout_log_probs=list(res.output_logprobs),
+        status=Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED,
+        weight_versions=[res.weight_version],
+        metadata={**(record.metadata or {}), "prompt_index": data_index},
+        group_index=pos,
+        index=pos * n + j,
+    )
 
 
 def generate_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sample]]:
@@ -152,17 +173,23 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
     passed: list[list[Sample]] = []
     rejected: list[list[Sample]] = []
     reward_time, failed = 0.0, []
-    generated = consumed = rounds = 0
+    generated = consumed = rounds = aborted = 0
     batch = list(prompts)
     batch += take_prompts(manager.source, per_round - len(batch))
     for r in range(max_rounds):
         if r > 0:
             batch = take_prompts(manager.source, per_round)
         consumed += len(batch)
-        groups, stats = _generate_scored(args, manager, batch, seed_key=rollout_id * SEED_ROUND_STRIDE + r)
+        seed_key = rollout_id * SEED_ROUND_STRIDE + r
+        if can_abort(args, manager):  # server engines: stop generating once enough groups are kept
+            groups, keep, stats = abort_surplus_round(args, manager, batch, seed_key=seed_key,
+                                                      group_filter=group_filter, path=path, need=target - len(passed))
+            aborted += stats["aborted_groups"]
+        else:
+            groups, stats = _generate_scored(args, manager, batch, seed_key=seed_key)
+            keep = run_group_filter(group_filter, args, groups, path)
         reward_time += stats["reward_time_s"]
         failed += stats.get("failed", [])
-        keep = run_group_filter(group_filter, args, groups, path)
         for group, k in zip(groups, keep):
             for s in group:
                 s.metadata["dynamic_sampling_round"] = r
@@ -211,6 +238,7 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
         "rollout/dynamic_sampling_dropped_groups": len(rejected),
         "rollout/dynamic_sampling_discarded_groups": surplus + uneven,
         "rollout/dynamic_sampling_filler_groups": fillers,
+        "rollout/dynamic_sampling_aborted_groups": aborted,
         "rollout/dynamic_sampling_kept_groups": len(selected),
         "rollout/dynamic_sampling_pass_rate": len(passed) / max(generated, 1),
         **overlong_metrics(s for g in selected for s in g),

@@ -1,21 +1,47 @@
 """Weight sync: publishing the trainer's weights to the engines (DESIGN §1, §2).
 
 `push` is the only path from trainer to engines. The in-process engine gets a direct tensor copy; server
-engines (lichen serve / SGLang, `engine.is_remote`) get the transport chosen by --update-weight-transport:
-today full disk sync (lichen.sync.disk); the distributed broadcast and delta modes come with the Weight sync
-issue (the flag check refuses them first). After every push the engines must report the version just
-published — a stale engine is an error, not a warning.
+engines (lichen serve / SGLang, `engine.is_remote`) get the transport chosen by --update-weight-transport and
+--update-weight-mode:
+
+- `nccl`: torch.distributed broadcast in buckets (lichen.sync.distributed; NCCL on GPU, gloo on CPU);
+- `disk` + `full`: an HF checkpoint per version that the engines reload (lichen.sync.disk);
+- `disk` + `delta`: versions holding only what changed, pulled into a host-local copy (lichen.sync.delta).
+
+Every sync pauses generation, flushes caches, updates, records the new weight version and continues (inside the
+transports). Then every engine must report the version just published (else StaleEngineError) and serve exactly
+the trainer's weights in its dtype (lichen.sync.verify; else WeightMismatchError) — a mismatch is an error.
+
+Transports keep state between syncs (the broadcast group, the publisher's snapshot), one per RemoteEngines.
+Metrics per sync: `time/sync` and its parts (`time/sync_publish`, `time/sync_transfer`, `time/sync_apply`,
+`time/sync_verify`), `sync/bytes` (bytes on the wire: files written, or bytes broadcast), `sync/total_bytes`
+(the model in the engine dtype), `sync/changed_density` (delta versions), `sync/transport_<name>` = 1.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from lichen.errors import NotAvailableYet
+from lichen.observe.metrics import get_logger
+from lichen.sync.verify import WeightMismatchError, engine_dtype, verify_engines, verify_in_process
+
+log = get_logger(__name__)
+
+__all__ = ["StaleEngineError", "WeightMismatchError", "push", "close"]
 
 
 class StaleEngineError(RuntimeError):
     pass
+
+
+_STATE_ATTR = "_lichen_sync_state"  # held on the RemoteEngines object, so it lives and dies with it
+
+_ENDPOINTS = {
+    "nccl": ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"),
+    "delta": ("/pull_weights", "/update_weights_from_disk"),
+}
 
 
 def push(trainer, rollout, version: int) -> dict:
@@ -36,16 +62,87 @@ def push(trainer, rollout, version: int) -> dict:
     stale = [i for i, e in enumerate(engines) if e.weight_version != str(version)]
     if stale:
         raise StaleEngineError(f"engines {stale} did not take weight version {version}")
-    return {"time/sync": time.perf_counter() - t0, "sync/weight_version": version}
+    t1 = time.perf_counter()
+    for engine in engines:
+        if hasattr(engine, "model"):
+            verify_in_process(engine, named(), version)
+    return {"time/sync": time.perf_counter() - t0, "time/sync_verify": time.perf_counter() - t1,
+            "sync/weight_version": version}
+
+
+def _state(engines: Any, args: Any) -> dict:
+    """Per-RemoteEngines state: the engine dtype, the transport object, the endpoint check done once."""
+    st = getattr(engines, _STATE_ATTR, None)
+    if st is None:
+        transport, mode = args.update_weight_transport, args.update_weight_mode
+        need = _ENDPOINTS.get("nccl" if transport == "nccl" else mode, ())
+        if need:
+            engines.require_endpoints({p: f"--update-weight-transport {transport} --update-weight-mode {mode}"
+                                       for p in need})
+        st = {"dtype": engine_dtype(engines.server_infos()), "transport": _make_transport(engines, args)}
+        setattr(engines, _STATE_ATTR, st)
+    return st
+
+
+def _post_write_hook(args: Any):
+    path = getattr(args, "custom_update_weight_post_write_path", None)
+    if not path:
+        return None
+    from lichen.plugins import load_function
+
+    return load_function(path, "--custom-update-weight-post-write-path")
+
+
+def _make_transport(engines: Any, args: Any) -> Any:
+    transport, mode = args.update_weight_transport, args.update_weight_mode
+    if transport == "nccl":
+        from lichen.sync.distributed import BroadcastSync
+
+        return BroadcastSync(engines, buffer_size=args.update_weight_buffer_size)
+    if mode == "delta":
+        from lichen.sync.delta import DeltaSync
+
+        return DeltaSync(engines, disk_dir=args.update_weight_disk_dir,
+                         local_dir=args.update_weight_local_checkpoint_dir, hf_checkpoint=args.hf_checkpoint,
+                         encoding=args.update_weight_delta_encoding, checksum_format=args.update_weight_delta_checksum,
+                         full_interval=args.update_weight_full_interval or 0,
+                         keep_files=args.update_weight_disk_keep_files, post_write_hook=_post_write_hook(args))
+    if mode == "full":
+        from lichen.sync.disk import FullDiskSync
+
+        return FullDiskSync(engines, disk_dir=args.update_weight_disk_dir, hf_checkpoint=args.hf_checkpoint,
+                            keep_files=args.update_weight_disk_keep_files, post_write_hook=_post_write_hook(args))
+    raise NotAvailableYet(f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is "
+                          "not available")
 
 
 def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
-    transport, mode = args.update_weight_transport, args.update_weight_mode
-    if transport == "disk" and mode == "full":
-        from lichen.sync.disk import push_full
+    t0 = time.perf_counter()
+    metrics: dict[str, Any] = {"sync/weight_version": version, f"sync/transport_{args.update_weight_transport}": 1}
+    for eng in engines:
+        st = _state(eng, args)
+        metrics.update(st["transport"].push(trainer.named_weights(), version, st["dtype"]))
+        versions = eng.weight_versions()
+        stale = [(url, v) for url, v in zip(eng.active_urls(), versions) if v != str(version)]
+        if stale:
+            raise StaleEngineError(f"engines {[u for u, _ in stale]} report weight versions {[v for _, v in stale]} "
+                                   f"after the sync to version {version}")
+        metrics.update(verify_engines(eng, trainer.named_weights, st["dtype"], version=version,
+                                      full=bool(getattr(args, "check_weight_update_equal", False))))
+    metrics["time/sync"] = time.perf_counter() - t0
+    log.info("weight sync to version %d over %s/%s: %s bytes on the wire, %.3f s", version,
+             args.update_weight_transport, args.update_weight_mode, metrics.get("sync/bytes"), metrics["time/sync"])
+    return metrics
 
-        return push_full(trainer, engines, version, disk_dir=args.update_weight_disk_dir,
-                         hf_checkpoint=args.hf_checkpoint, keep_files=args.update_weight_disk_keep_files)
-    # lichen.config.sync refuses these before anything starts; this guards direct callers.
-    raise NotAvailableYet(f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is "
-                          "not available yet; use --update-weight-transport disk --update-weight-mode full")
+
+def close(rollout) -> None:
+    """Release transport state held for `rollout`'s engines (broadcast groups); safe to call twice."""
+    for eng in list(getattr(rollout, "engines", [])):
+        st = getattr(eng, _STATE_ATTR, None)
+        if st is not None:
+            setattr(eng, _STATE_ATTR, None)
+        if st is not None and hasattr(st["transport"], "close"):
+            try:
+                st["transport"].close()
+            except Exception as e:
+                log.warning("closing the weight transport: %s", e)

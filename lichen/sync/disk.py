@@ -19,7 +19,9 @@ import os
 import re
 import shutil
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
+
+import torch
 
 from lichen.weights.hf_io import save_hf_checkpoint
 
@@ -57,12 +59,14 @@ def remove_other_versions(root: str, keep: int) -> list[str]:
 
 
 def push_full(trainer: Any, engines: list, version: int, *, disk_dir: str, hf_checkpoint: str,
-              keep_files: bool = False) -> dict:
+              keep_files: bool = False, post_write_hook: Callable[[str], None] | None = None) -> dict:
     """Publish the trainer's weights as version `version` to every engine through `disk_dir`; returns metrics."""
     from lichen.sync import StaleEngineError
 
     t0 = time.perf_counter()
     path = write_version(trainer.named_weights(), disk_dir, version, hf_checkpoint)
+    if post_write_hook is not None:
+        post_write_hook(path)
     t1 = time.perf_counter()
     for engine in engines:
         engine.update_weights_from_disk(path, str(version))
@@ -75,4 +79,29 @@ def push_full(trainer: Any, engines: list, version: int, *, disk_dir: str, hf_ch
         remove_other_versions(disk_dir, version)
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     return {"time/sync": time.perf_counter() - t0, "time/sync_write": t1 - t0, "time/sync_load": t2 - t1,
+            "time/sync_publish": t1 - t0, "time/sync_apply": t2 - t1,
             "sync/weight_version": version, "sync/bytes": size}
+
+
+class FullDiskSync:
+    """push_full as a transport object (lichen.sync keeps one per RemoteEngines). The checkpoint is written in
+    the engine dtype, so the bytes on disk are the bytes the engines serve."""
+
+    def __init__(self, engines: Any, *, disk_dir: str, hf_checkpoint: str, keep_files: bool = False,
+                 post_write_hook: Callable[[str], None] | None = None):
+        self.engines, self.disk_dir, self.hf_checkpoint = engines, disk_dir, hf_checkpoint
+        self.keep_files, self.post_write_hook = keep_files, post_write_hook
+
+    def push(self, named: Iterable, version: int, dtype: torch.dtype) -> dict:
+        def cast():
+            for name, t in named:
+                yield name, (t.detach().to(dtype) if t.is_floating_point() else t.detach())
+
+        class _Trainer:
+            named_weights = staticmethod(cast)
+
+        m = push_full(_Trainer(), [self.engines], version, disk_dir=self.disk_dir, hf_checkpoint=self.hf_checkpoint,
+                      keep_files=self.keep_files, post_write_hook=self.post_write_hook)
+        m.pop("time/sync", None)
+        m["sync/total_bytes"] = m["sync/bytes"]
+        return m

@@ -1,0 +1,279 @@
+"""Launches SGLang servers for `--rollout-engine-backend sglang --rollout-num-engines K` (GPU machines).
+
+Engine i runs
+
+    python -m sglang.launch_server --model-path CKPT --host 127.0.0.1 --port P_i --tp-size N --base-gpu-id i*N
+        --random-seed SEED --dtype DTYPE [--enable-memory-saver] [--max-running-requests M] PASS-THROUGH...
+
+- what lichen sets (LICHEN_SETS) comes from lichen's own flags: the checkpoint (--hf-checkpoint), a free loopback
+  port per engine, tensor parallelism (--rollout-num-gpus-per-engine; engine i takes GPUs i*N .. i*N+N-1), the
+  seed (--seed), the dtype (--bf16: bfloat16, else float32, the trainer's dtype, so rollout and trainer log-probs
+  agree), the memory saver that /release_memory_occupation needs (--offload-rollout) and the batch cap
+  (--rollout-max-batch-size, when given). A `--sglang-<flag>` naming one of these is an error that says which
+  lichen flag decides it;
+- every other `--sglang-<flag> [VALUE...]` is passed through verbatim as `--<flag> [VALUE...]` (e.g.
+  `--sglang-mem-fraction-static 0.7`, `--sglang-enable-deterministic-inference`, which makes SGLang honour the
+  per-sample `sampling_seed`). lichen does not check them: SGLang does, and its error is in the engine's log.
+
+A server is ready when `GET /health_generate` answers 200 (sglang-api.md §7.1). Each server runs in its own process
+group, so stopping it also stops the scheduler and detokenizer processes SGLang forks; `stop()` (also at exit)
+sends SIGTERM to the group and SIGKILL after a grace period. `restart(i)` kills engine i's group and starts it
+again on a new port (the fault-tolerance monitor uses it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from typing import Any, Sequence
+
+from lichen.errors import ConfigError, UserError
+
+SGLANG_PREFIX = "--sglang-"
+
+# SGLang flag -> the lichen flag (or rule) that sets it on every launched server. Aliases listed separately.
+LICHEN_SETS: dict[str, str] = {
+    "--model-path": "--hf-checkpoint",
+    "--model": "--hf-checkpoint",
+    "--tokenizer-path": "--hf-checkpoint (its tokenizer)",
+    "--host": "lichen (launched engines bind 127.0.0.1)",
+    "--port": "lichen (a free port per engine)",
+    "--tp-size": "--rollout-num-gpus-per-engine",
+    "--tensor-parallel-size": "--rollout-num-gpus-per-engine",
+    "--base-gpu-id": "lichen (engine i starts at GPU i * --rollout-num-gpus-per-engine)",
+    "--random-seed": "--seed",
+    "--dtype": "--bf16 (bfloat16; float32 without it, the trainer's dtype)",
+    "--api-key": "lichen (launched engines bind 127.0.0.1 without a key)",
+    "--admin-api-key": "lichen (launched engines bind 127.0.0.1 without a key)",
+}
+# Set only when the lichen flag is given; otherwise passed through like any other flag.
+LICHEN_SETS_WHEN_GIVEN: dict[str, tuple[str, str]] = {
+    "--max-running-requests": ("rollout_max_batch_size", "--rollout-max-batch-size"),
+}
+
+
+class SGLangLaunchError(UserError):
+    """An SGLang server did not start (its log tail is in the message)."""
+
+
+def sglang_flag(token: str) -> str:
+    """`--sglang-mem-fraction-static=0.7` -> `--mem-fraction-static`."""
+    return "--" + token.split("=", 1)[0][len(SGLANG_PREFIX):]
+
+
+def check_passthrough(tokens: Sequence[str], args: Any = None) -> None:
+    """Raise ConfigError for a pass-through flag that sets what lichen sets (see LICHEN_SETS)."""
+    for token in tokens:
+        if not token.startswith(SGLANG_PREFIX):
+            continue
+        name = sglang_flag(token)
+        if name == "--":
+            raise ConfigError(f"{token!r}: expected --sglang-<flag>, e.g. --sglang-mem-fraction-static 0.7")
+        given = token.split("=", 1)[0]
+        if name in LICHEN_SETS:
+            raise ConfigError(f"{given}: lichen sets SGLang's {name} itself from {LICHEN_SETS[name]}; drop {given}")
+        if name in LICHEN_SETS_WHEN_GIVEN and args is not None:
+            dest, flag = LICHEN_SETS_WHEN_GIVEN[name]
+            if getattr(args, dest, None) is not None:
+                raise ConfigError(f"{given} and {flag} both set SGLang's {name}; give only one")
+
+
+def translate_passthrough(tokens: Sequence[str]) -> list[str]:
+    """`--sglang-<flag>` -> `--<flag>`; values and everything else verbatim."""
+    return ["--" + t[len(SGLANG_PREFIX):] if t.startswith(SGLANG_PREFIX) else t for t in tokens]
+
+
+def build_sglang_command(args: Any, *, engine_index: int, port: int, host: str = "127.0.0.1",
+                         python: str | None = None) -> list[str]:
+    """The exact command that starts engine `engine_index` (see the module docstring)."""
+    passthrough = list(getattr(args, "sglang_passthrough", None) or [])
+    check_passthrough(passthrough, args)
+    tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    cmd = [python or sys.executable, "-m", "sglang.launch_server",
+           "--model-path", str(args.hf_checkpoint),
+           "--host", host, "--port", str(port),
+           "--tp-size", str(tp), "--base-gpu-id", str(engine_index * tp),
+           "--random-seed", str(args.seed),
+           "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
+    given = {sglang_flag(t) for t in passthrough if t.startswith(SGLANG_PREFIX)}
+    if getattr(args, "offload_rollout", False) and "--enable-memory-saver" not in given:
+        cmd.append("--enable-memory-saver")
+    if getattr(args, "rollout_max_batch_size", None) is not None:
+        cmd += ["--max-running-requests", str(args.rollout_max_batch_size)]
+    return cmd + translate_passthrough(passthrough)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (SGLang cannot report a port it picked itself, unlike lichen serve)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# Runs in the child before SGLang: die with the parent (argv[1] = its pid), then become the server.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _stop_if_alive(ref: "weakref.ref[SGLangLauncher]") -> None:
+    launcher = ref()
+    if launcher is not None:
+        launcher.stop()
+
+
+class _Server:
+    def __init__(self, proc: subprocess.Popen, url: str, cmd: list[str], log_path: str):
+        self.proc, self.url, self.cmd, self.log_path = proc, url, cmd, log_path
+
+
+class SGLangLauncher:
+    """K SGLang servers; `command_for(i, port) -> argv` builds engine i's command (build_sglang_command).
+
+    `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts)."""
+
+    def __init__(self, command_for: Any, num_engines: int, *, log_dir: str, host: str = "127.0.0.1",
+                 ready_timeout: float = 1800.0, env: dict | None = None, poll: float = 1.0):
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.command_for, self.num_engines, self.host = command_for, num_engines, host
+        self.log_dir, self.ready_timeout, self.poll = log_dir, ready_timeout, poll
+        self.env = dict(env or {})
+        self.servers: list[_Server] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        atexit.register(_stop_if_alive, weakref.ref(self))
+
+    @classmethod
+    def from_args(cls, args: Any, **kwargs: Any) -> "SGLangLauncher":
+        def command_for(i: int, port: int) -> list[str]:
+            return build_sglang_command(args, engine_index=i, port=port)
+
+        return cls(command_for, args.rollout_num_engines, log_dir=os.path.join(args.output_dir, "engines"),
+                   **kwargs)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> list[str]:
+        """Start every server and wait until each answers /health_generate; on failure stop all and raise."""
+        try:
+            self.servers = [self._spawn(i) for i in range(self.num_engines)]
+            end = time.monotonic() + self.ready_timeout
+            for s in self.servers:
+                self._wait_ready(s, end)
+        except BaseException:
+            self.stop()
+            raise
+        return self.urls
+
+    def _spawn(self, i: int) -> _Server:
+        port = free_port(self.host)
+        cmd = self.command_for(i, port)
+        os.makedirs(self.log_dir, exist_ok=True)
+        log_path = os.path.join(self.log_dir, f"engine_{i}.log")
+        argv = cmd
+        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+            argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+        with open(log_path, "ab") as out:
+            out.write(f"\n[lichen] starting: {' '.join(cmd)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **self.env})
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        return _Server(proc, f"http://{shown}:{port}", cmd, log_path)
+
+    def _wait_ready(self, s: _Server, end: float) -> None:
+        while True:
+            if s.proc.poll() is not None:
+                raise SGLangLaunchError(f"--rollout-engine-backend sglang: an SGLang server exited with code "
+                                        f"{s.proc.returncode}: {' '.join(s.cmd)}\n{_tail(s.log_path)}")
+            if _answers_200(s.url + "/health_generate"):
+                return
+            if time.monotonic() > end:
+                raise SGLangLaunchError(f"--rollout-engine-backend sglang: {s.url} did not answer /health_generate "
+                                        f"within {self.ready_timeout:g} s: {' '.join(s.cmd)}\n{_tail(s.log_path)}")
+            time.sleep(self.poll)
+
+    def restart(self, i: int) -> str:
+        """Kill engine i (its whole process group) and start it again; returns its new URL once it is ready."""
+        with self._lock:
+            if self._stopped:
+                raise SGLangLaunchError("the SGLang launcher is stopped")
+            _kill_group(self.servers[i].proc, grace=0.0)  # dead or hung: no graceful shutdown to wait for
+            self.servers[i] = new = self._spawn(i)
+        self._wait_ready(new, time.monotonic() + self.ready_timeout)
+        return new.url
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM every server's process group, SIGKILL after `grace` s. Idempotent."""
+        with self._lock:
+            self._stopped = True
+            for s in self.servers:
+                _kill_group(s.proc, grace)
+
+    def __enter__(self) -> "SGLangLauncher":
+        if not self.servers:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- information --------------------------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self.servers]
+
+    def alive(self) -> list[bool]:
+        return [s.proc.poll() is None for s in self.servers]
+
+
+def _kill_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the process group `proc` leads, wait up to `grace` s, then SIGKILL it (at once when grace is 0)."""
+    steps = ((signal.SIGTERM, grace),) if grace > 0 else ()
+    for sig, wait in steps + ((signal.SIGKILL, 30.0),):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(wait)
+            if sig == signal.SIGTERM:  # the leader is gone; make sure its children are too
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _tail(path: str, size: int = 2000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-size:]
+    except OSError:
+        return ""

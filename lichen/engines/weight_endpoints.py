@@ -1,0 +1,521 @@
+"""Weight-update endpoints of `lichen serve` beyond /update_weights_from_disk (sglang-api.md §5.2–§5.4, §5.6, §5.8).
+
+- `/init_weights_update_group`: join a torch.distributed group with the trainer (rank 0) as rank `rank_offset`
+  (lichen serve is one rank per engine); `nccl` on an accelerator, `gloo` on CPU. The call returns once the group
+  is formed, so the trainer posts it and builds its own side of the group at the same time.
+- `/update_weights_from_distributed`: receive `names` (with `dtypes`, `shapes`) broadcast from rank 0 — one
+  tensor per name, or with `load_format: "flattened_bucket"` one uint8 tensor holding every tensor's bytes in
+  `names` order (SGLang's FlattenedTensorBucket layout) — then copy them into the served parameters between two
+  decode steps. The bytes are always received (the sender's broadcast would hang otherwise); a name the model
+  lacks or a wrong shape then answers 400 and changes nothing.
+- `/destroy_weights_update_group`: leave a group (400 for an unknown one, as SGLang).
+- `/pull_weights`: bring a host-local checkpoint dir to a published version (lichen.weights.pull_weights: per-host
+  file lock, deltas checked against their checksums); the served weights do not change here.
+- `/update_weights_from_disk` (replaces the server's route, DESIGN §8): when `model_path` is a local checkpoint
+  dir this server pulled into, and the served weights are an earlier version of the same publishing chain, the
+  deltas in the pulled source dir are applied to the live parameters (lichen.weights.apply_delta_to_tensors, every
+  changed tensor checked against its checksum before any is written) instead of reloading the whole checkpoint.
+  Otherwise — and whenever the live apply fails — the checkpoint is reloaded as before.
+- `/weights_checker`: `checksum` answers SGLang's shape `{"success", "message", "ranks": [{"checksums": {name:
+  hex}, "per_gpu_checksum", "parallelism_info"}], "per_engine_checksum"}` with the xxh3-128 of each loaded
+  parameter's raw bytes (engine dtype), computed from the parameters themselves after loading; lichen adds
+  `"checksum_format": "xxh3-128"` so a trainer knows it can recompute them. `snapshot`, `reset_tensors` and
+  `compare` follow SGLang (compare answers 400 naming the tensors that differ from the snapshot).
+
+The group, bucket-layout and checksum helpers here are shared with the trainer's side (lichen.sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from aiohttp import web
+
+from lichen.engines.protocol import RequestError, expect
+from lichen.observe.metrics import get_logger
+
+log = get_logger(__name__)
+
+ADMIN_PATHS = frozenset({"/init_weights_update_group", "/update_weights_from_distributed",
+                         "/destroy_weights_update_group", "/pull_weights", "/weights_checker"})
+DEFAULT_GROUP = "weight_update_group"
+CHECKSUM_FORMAT = "xxh3-128"
+GROUP_TIMEOUT_S = float(os.environ.get("LICHEN_WEIGHT_GROUP_TIMEOUT", 300))
+BACKENDS = ("nccl", "gloo")
+
+
+# ---- shared with the trainer side ---------------------------------------------------------------------------
+class WeightGroup:
+    """One rank of a standalone torch.distributed group (not the default group, so a trainer that already runs
+    its own torch.distributed world can hold it too). Rank 0 owns the TCPStore."""
+
+    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, backend: str):
+        self.pg, self.store, self.rank, self.world_size, self.backend = pg, store, rank, world_size, backend
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast `tensor` in place from rank 0 (rank 0 sends it, the others receive into it)."""
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception as e:  # a peer already gone: nothing left to release
+                log.debug("process group shutdown: %s", e)
+        self.pg = self.store = None
+
+
+def master_store(host: str, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Any:
+    """The rank-0 TCPStore on a free port (read it back from `.port`): no port is picked in advance."""
+    return torch.distributed.TCPStore(host, 0, world_size, True, datetime.timedelta(seconds=timeout_s),
+                                      wait_for_workers=False)
+
+
+def open_group(*, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, timeout_s: float = GROUP_TIMEOUT_S, store: Any = None) -> WeightGroup:
+    """Join (rank > 0) or create (rank 0, with its `master_store`) the group; returns once every rank joined."""
+    dist = torch.distributed
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout)
+    prefixed = dist.PrefixStore(f"lichen/{group_name}", store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        if hasattr(opts, "_timeout"):
+            opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return WeightGroup(pg, store, rank, world_size, backend)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A torch dtype from its name without the `torch.` prefix ("bfloat16"), as SGLang's requests carry it."""
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; expected a torch dtype name such as 'bfloat16' or 'float32'")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def flatten_tensors(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One uint8 tensor holding each tensor's raw bytes back to back (SGLang's flattened bucket)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unflatten_tensors(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Views into `flat` (from flatten_tensors) with the given dtypes and shapes, in order."""
+    out, offset = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        size = nbytes(dtype, shape)
+        out.append(flat[offset: offset + size].view(dtype).reshape(shape))
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"the bucket holds {flat.numel()} bytes but its tensors need {offset}")
+    return out
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """xxh3-128 hex digest of a tensor's raw bytes in its own dtype (what `/weights_checker` reports)."""
+    from lichen.weights.delta import checksum, tensor_bytes
+
+    return checksum(CHECKSUM_FORMAT, tensor_bytes(t.detach().to("cpu")))
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """sha256 over (name, checksum) in name order: SGLang's per_gpu_checksum."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+def checksum_body(named: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """The `/weights_checker {"action": "checksum"}` answer for one rank holding `named` parameters."""
+    sums = {name: tensor_checksum(t) for name, t in named}
+    per_gpu = overall_checksum(sums)
+    info = {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
+    return {"success": True, "message": f"Checksums of {len(sums)} tensors.", "checksum_format": CHECKSUM_FORMAT,
+            "ranks": [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": info}],
+            "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()}
+
+
+# ---- the server side ------------------------------------------------------------------------------------------
+def apply_delta_live(params: dict[str, torch.Tensor], delta_dir: str, *, held_version: int,
+                     chain_id: str | None, num_threads: int | None = None) -> int:
+    """Move served parameters from `held_version` to the delta version in `delta_dir`; returns tensors changed.
+
+    CPU parameters are changed in place (one pass over each changed tensor: decompress, apply, hash); a payload
+    that does not apply or a checksum that does not match raises after the pass, with the parameters then in an
+    unknown state: the caller reloads the verified local checkpoint. Parameters on an accelerator go through
+    lichen.weights.apply_delta_to_tensors (every checksum checked before any tensor is written)."""
+    from lichen.weights.delta import (ChecksumMismatchError, DeltaError, VersionMismatchError, apply_tensor,
+                                      parallel_map, tensor_bytes)
+    from lichen.weights.pull import apply_delta_to_tensors, delta_payloads
+    from lichen.weights.versions import read_version_info
+
+    if any(p.device.type != "cpu" or not p.is_contiguous() for p in params.values()):
+        return apply_delta_to_tensors(params, delta_dir, held_version=held_version, held_chain_id=chain_id,
+                                      num_threads=num_threads)
+    info = read_version_info(delta_dir)
+    if info.base_version != held_version or (chain_id is not None and info.chain_id not in (None, chain_id)):
+        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version} of chain "
+                                   f"{info.chain_id}, the engine holds {held_version} of {chain_id}")
+    items, _ = delta_payloads(info)  # checks the encoding, compression and checksum format too
+    missing = [name for name, *_ in items if name not in params]
+    if missing:
+        raise VersionMismatchError(f"{delta_dir} changes tensor(s) {missing[:5]} the engine does not hold")
+
+    def one(item) -> tuple[str, str, str | None] | None:
+        name, dfile, payload, want = item
+        try:
+            got = apply_tensor(info.delta_encoding, payload, tensor_bytes(params[name].data),
+                               checksum_format=info.checksum_format)
+        except DeltaError as e:
+            return name, dfile, str(e)
+        return None if got == want else (name, dfile, None)
+
+    with torch.no_grad():
+        bad = [r for r in parallel_map(one, items, num_threads) if r is not None]
+    broken = [f"tensor {name!r} in {dfile}: {err}" for name, dfile, err in bad if err is not None]
+    if broken:
+        raise DeltaError(f"cannot apply {delta_dir} to the live weights: " + "; ".join(broken[:10]))
+    if bad:
+        raise ChecksumMismatchError([(name, dfile) for name, dfile, _ in bad], delta_dir)
+    return len(items)
+
+
+def _reply(success: bool, message: str, status: int | None = None, **extra: Any) -> web.Response:
+    import json
+
+    body = {"success": success, "message": message, **extra}
+    return web.Response(body=json.dumps(body).encode(), status=status or (200 if success else 400),
+                        content_type="application/json")
+
+
+@dataclass
+class Held:
+    """The published version the served weights are, when they came from a pulled local checkpoint dir."""
+
+    version: int
+    chain_id: str | None
+
+
+class WeightEndpoints:
+    """The handlers; `server` is the LichenServer (its engine, control() and pause state)."""
+
+    def __init__(self, server: Any):
+        self.server = server
+        self.base_dir = server.model_path  # version 0 of a pull: the checkpoint the server started from
+        self.groups: dict[str, WeightGroup] = {}
+        self.pulled: dict[str, str] = {}  # local checkpoint dir -> the source dir it was last pulled from
+        self.held: Held | None = None
+        self.snapshot: dict[str, torch.Tensor] | None = None
+        self.last_update: dict = {}  # how the last disk update was done (tests and logs read it)
+        self._lock = asyncio.Lock()  # one weight transfer at a time (broadcasts of two calls must not interleave)
+
+    @property
+    def engine(self):
+        return self.server.engine
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.engine.model.named_parameters())
+
+    async def _object(self, request: web.Request) -> dict:
+        return await self.server._object(request)
+
+    # ---- distributed --------------------------------------------------------------------------------------
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        address = expect(body.get("master_address"), (str,), "master_address", "a string (rank 0's address)")
+        port = body.get("master_port")
+        if isinstance(port, str) and port.isdigit():
+            port = int(port)  # SGLang's own test sends a string; pydantic coerces it
+        expect(port, (int,), "master_port", "an integer")
+        rank = expect(body.get("rank_offset"), (int,), "rank_offset", "an integer (this engine's rank)")
+        world = expect(body.get("world_size"), (int,), "world_size", "an integer")
+        name = expect(body.get("group_name", DEFAULT_GROUP), (str,), "group_name", "a string")
+        backend = expect(body.get("backend", "nccl"), (str,), "backend", "a string")
+        if backend not in BACKENDS:
+            return _reply(False, f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            return _reply(False, f"backend nccl needs a CUDA device; this server runs on {self.engine.device}: "
+                                 "use backend gloo")
+        if not 0 < rank < world:
+            return _reply(False, f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer)")
+        if name in self.groups:
+            return _reply(False, f"group {name!r} already exists; destroy it first")
+        try:
+            group = await asyncio.to_thread(open_group, backend=backend, master_address=address, master_port=port,
+                                            rank=rank, world_size=world, group_name=name)
+        except Exception as e:
+            return _reply(False, f"Failed to init custom process group {name!r}: {type(e).__name__}: {e}")
+        self.groups[name] = group
+        log.info("joined weight update group %r as rank %d of %d (%s)", name, rank, world, backend)
+        return _reply(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        name = expect(body.get("group_name", DEFAULT_GROUP), (str,), "group_name", "a string")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return _reply(False, "The group to be destroyed does not exist.")
+        await asyncio.to_thread(group.close)
+        return _reply(True, "Succeeded to destroy custom process group.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        names = expect(body.get("names"), (list,), "names", "a list of parameter names")
+        dtypes = expect(body.get("dtypes"), (list,), "dtypes", "a list of dtype names")
+        shapes = expect(body.get("shapes"), (list,), "shapes", "a list of shapes")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError(f"names, dtypes and shapes must have one entry each per tensor; got {len(names)}, "
+                               f"{len(dtypes)} and {len(shapes)}", shape="object")
+        name = expect(body.get("group_name", DEFAULT_GROUP), (str,), "group_name", "a string")
+        version = body.get("weight_version")
+        if version is not None:
+            expect(version, (str,), "weight_version", "a string")
+        fmt = body.get("load_format")
+        if fmt not in (None, "flattened_bucket"):
+            return _reply(False, f"load_format {fmt!r} is not supported here (null or 'flattened_bucket')")
+        try:
+            torch_dtypes = [parse_dtype(d) for d in dtypes]
+            shapes = [[int(d) for d in expect(s, (list,), "shapes[i]", "a list of integers")] for s in shapes]
+        except (ValueError, TypeError) as e:
+            return _reply(False, str(e))
+        group = self.groups.get(name)
+        if group is None:
+            return _reply(False, f"group {name!r} does not exist; call /init_weights_update_group first")
+        await self.server._abort_all_if(body, False)
+        device = self.engine.device
+
+        def receive() -> list[torch.Tensor]:
+            if fmt == "flattened_bucket":
+                flat = torch.empty(sum(nbytes(d, s) for d, s in zip(torch_dtypes, shapes)), dtype=torch.uint8,
+                                   device=device)
+                group.broadcast(flat)
+                return unflatten_tensors(flat, torch_dtypes, shapes)
+            out = []
+            for d, s in zip(torch_dtypes, shapes):
+                t = torch.empty(s, dtype=d, device=device)
+                group.broadcast(t)
+                out.append(t)
+            return out
+
+        async with self._lock:
+            try:
+                tensors = await asyncio.to_thread(receive)
+            except Exception as e:
+                return _reply(False, f"Failed to receive the broadcast of group {name!r}: {type(e).__name__}: {e}. "
+                                     "The weights were not changed.")
+            problems = self._check_named(names, tensors)
+            if problems:
+                return _reply(False, f"Failed to update parameter online: {'; '.join(problems[:5])}. "
+                                     "The weights were not changed.")
+
+            def apply(s) -> None:
+                params = self._params()
+                with torch.no_grad():
+                    for n, t in zip(names, tensors):
+                        if n in params:
+                            params[n].copy_(t)
+                if version is not None:
+                    s.engine.weight_version = version
+                self.held = None
+
+            await self.server.control(apply, exclusive=True)
+        msg = "Succeeded to update parameter online." + (f" Weight version updated to {version}." if version else "")
+        return _reply(True, msg)
+
+    def _check_named(self, names: list[str], tensors: list[torch.Tensor]) -> list[str]:
+        params = self._params()
+        tied = self.engine.model.cfg.tie_word_embeddings
+        problems = []
+        for n, t in zip(names, tensors):
+            if n not in params:
+                if not (tied and n == "lm_head.weight"):  # a tied head is the embedding: SGLang skips it too
+                    problems.append(f"the model has no parameter {n!r}")
+            elif tuple(t.shape) != tuple(params[n].shape):
+                problems.append(f"{n}: shape {tuple(t.shape)} != {tuple(params[n].shape)}")
+        return problems
+
+    # ---- disk: pull and update ----------------------------------------------------------------------------
+    async def pull_weights(self, request: web.Request) -> web.Response:
+        from lichen.weights.pull import pull_weights
+
+        body = await self._object(request)
+        local = expect(body.get("local_checkpoint_dir"), (str,), "local_checkpoint_dir", "a string (a directory)")
+        source = expect(body.get("source_dir"), (str,), "source_dir", "a string (a directory)")
+        target = expect(body.get("target_version"), (int,), "target_version", "an integer")
+        try:
+            res = await asyncio.to_thread(pull_weights, local, source, target, base_dir=self.base_dir)
+        except Exception as e:
+            log.error("pull_weights to version %d failed: %s", target, e)
+            return _reply(False, "".join(traceback.format_exception_only(type(e), e)).strip())
+        self.pulled[os.path.abspath(local)] = os.path.abspath(source)
+        what = ("already at that version" if res.noop else
+                f"seeded from {res.seeded_from}" if res.seeded_from is not None else "continued its chain")
+        deltas = f", applied deltas {res.deltas_applied}" if res.deltas_applied else ""
+        return _reply(True, f"Pulled weights to version {target} ({what}{deltas}; read {res.bytes_read} bytes in "
+                            f"{res.seconds:.3f} s).", bytes_read=res.bytes_read, deltas_applied=res.deltas_applied)
+
+    def _live_plan(self, local: str) -> tuple[list[str], Held] | None:
+        """The delta dirs that take the served weights to what `local` holds, or None when a reload is needed."""
+        from lichen.weights.pull import read_local_state
+        from lichen.weights.versions import read_version_info, version_dir
+
+        source, held = self.pulled.get(local), self.held
+        if source is None or held is None or held.chain_id is None:
+            return None
+        try:
+            state = read_local_state(local)
+        except Exception:
+            return None
+        if state is None or state.get("chain_id") != held.chain_id or state["version"] <= held.version:
+            return None
+        dirs = []
+        for v in range(held.version + 1, state["version"] + 1):
+            path = version_dir(source, v)
+            try:
+                info = read_version_info(path)
+            except Exception:
+                return None
+            if not info.is_delta or info.chain_id != held.chain_id:
+                return None
+            dirs.append(path)
+        return dirs, Held(state["version"], held.chain_id)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        from lichen.weights.pull import read_local_state
+        from lichen.weights.versions import read_version_info
+
+        body = await self._object(request)
+        path = expect(body.get("model_path"), (str,), "model_path", "a string (the checkpoint directory)")
+        version = body.get("weight_version")
+        if version is not None:
+            expect(version, (str,), "weight_version", "a string")
+        local = os.path.abspath(path)
+        async with self._lock:
+            plan = self._live_plan(local)
+            if plan is not None:
+                dirs, target = plan
+                await self.server._abort_all_if(body, False)
+                sch = self.server.scheduler
+                paused = sch.num_running + sch.num_waiting if self.server.paused else 0
+
+                def apply(s) -> int:
+                    params = self._params()
+                    cur, changed = self.held.version, 0
+                    for d in dirs:
+                        changed += apply_delta_live(params, d, held_version=cur, chain_id=target.chain_id,
+                                                    num_threads=torch.get_num_threads())
+                        cur = read_version_info(d).version
+                        self.held = Held(cur, target.chain_id)
+                    if version is not None:
+                        s.engine.weight_version = version
+                    return changed
+
+                try:
+                    changed = await self.server.control(apply, exclusive=True)
+                except Exception as e:  # the served weights may be between versions: reload the verified copy
+                    log.warning("live delta apply to %s failed (%s); reloading the checkpoint", path, e)
+                    self.held = None
+                else:
+                    self.server.model_path = path
+                    self.last_update = {"mode": "live_delta", "versions": [read_version_info(d).version for d in dirs],
+                                        "tensors_changed": changed}
+                    msg = (f"Succeeded to update model weights. Applied deltas {self.last_update['versions']} "
+                           f"({changed} tensors) to the live weights.")
+                    if version:
+                        msg += f" Weight version updated to {version}."
+                    return _reply(True, msg, num_paused_requests=paused)
+            state = None
+            if local in self.pulled:
+                try:
+                    state = read_local_state(local)
+                except Exception:
+                    state = None
+            resp = await self.server.update_weights_from_disk(request)
+            if resp.status == 200:
+                self.held = None if state is None else Held(state["version"], state.get("chain_id"))
+                self.last_update = {"mode": "reload", "versions": [] if state is None else [state["version"]]}
+            return resp
+
+    # ---- checks -------------------------------------------------------------------------------------------
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        body = await self._object(request)
+        action = expect(body.get("action", "checksum"), (str,), "action", "a string")
+        if action == "checksum":
+            return web.json_response(await self.server.control(lambda s: checksum_body(s.engine.model.named_parameters())))
+        if action == "snapshot":
+            def snap(s) -> int:
+                self.snapshot = {n: p.detach().to("cpu", copy=True) for n, p in s.engine.model.named_parameters()}
+                return len(self.snapshot)
+
+            return _reply(True, f"Snapshot of {await self.server.control(snap)} tensors taken.")
+        if action == "reset_tensors":
+            def reset(s) -> None:
+                gen = torch.Generator(device="cpu").manual_seed(0)
+                with torch.no_grad():
+                    for p in s.engine.model.parameters():
+                        p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
+                self.held = None
+
+            await self.server.control(reset, exclusive=True)
+            return _reply(True, "Parameters reset to random values.")
+        if action == "compare":
+            if self.snapshot is None:
+                return _reply(False, "no snapshot to compare with; call action 'snapshot' first")
+
+            def compare(s) -> list[str]:
+                params = dict(s.engine.model.named_parameters())
+                bad = sorted(set(params) ^ set(self.snapshot))
+                bad += [n for n, p in params.items() if n in self.snapshot
+                        and not torch.equal(p.detach().to("cpu"), self.snapshot[n])]
+                return bad
+
+            bad = await self.server.control(compare)
+            if bad:
+                return _reply(False, f"check tensor equality failed: {len(bad)} tensor(s) differ from the snapshot: "
+                                     f"{', '.join(bad[:20])}")
+            return _reply(True, f"All {len(self.snapshot)} tensors equal the snapshot.")
+        return _reply(False, f"unknown action {action!r}; expected checksum, snapshot, reset_tensors or compare")
+
+
+def add_routes(app: web.Application, server: Any) -> WeightEndpoints:
+    """Route the weight endpoints (including /update_weights_from_disk) to a WeightEndpoints of `server`."""
+    h = WeightEndpoints(server)
+    r = app.router
+    r.add_post("/update_weights_from_disk", h.update_weights_from_disk)
+    r.add_post("/init_weights_update_group", h.init_group)
+    r.add_post("/update_weights_from_distributed", h.update_from_distributed)
+    r.add_post("/destroy_weights_update_group", h.destroy_group)
+    r.add_post("/pull_weights", h.pull_weights)
+    for method in ("GET", "POST"):
+        r.add_route(method, "/weights_checker", h.weights_checker)
+    server.weight_endpoints = h
+    return h

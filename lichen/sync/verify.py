@@ -1,0 +1,157 @@
+"""After every sync: check that each engine serves exactly the trainer's weights (a mismatch stops the run).
+
+The reference is the trainer's tensors cast to the engine dtype (what every transport sends), compared bit for bit:
+
+- `lichen serve` (its `/weights_checker {"action": "checksum"}` answer carries `"checksum_format": "xxh3-128"`):
+  the xxh3-128 of every loaded parameter's raw bytes, computed by the server from its parameters after loading,
+  against the same hash of the trainer's tensors — every tensor, every sync;
+- other servers (SGLang: its checksums use a GPU hash the trainer cannot recompute): `/get_weights_by_name` of a
+  few tensors (first, middle and last of the trainer's names, first 100 rows), compared exactly as float lists
+  (JSON carries each float32 value exactly); with `full` (--check-weight-update-equal) every tensor, every row.
+
+A tensor the engine lacks, one it has that the trainer does not send, or different bytes raise
+`WeightMismatchError` naming the engine and the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from lichen.engines.weight_endpoints import CHECKSUM_FORMAT, parse_dtype, tensor_checksum
+
+
+class WeightMismatchError(RuntimeError):
+    """An engine serves weights that differ from the trainer's after a sync."""
+
+
+def engine_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The trainer tensor as an engine of `dtype` holds it: floating point cast, on CPU, contiguous."""
+    t = t.detach()
+    if t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to("cpu").contiguous()
+
+
+def expected_checksums(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, str]:
+    return {name: tensor_checksum(engine_view(t, dtype)) for name, t in named}
+
+
+def _describe(url: str, version: Any, missing: list[str], extra: list[str], differ: list[str]) -> str:
+    parts = []
+    if differ:
+        parts.append(f"{len(differ)} tensor(s) differ from the trainer's: {', '.join(differ[:10])}")
+    if missing:
+        parts.append(f"{len(missing)} trainer tensor(s) the engine does not serve: {', '.join(missing[:10])}")
+    if extra:
+        parts.append(f"{len(extra)} served tensor(s) the trainer does not have: {', '.join(extra[:10])}")
+    return (f"engine {url} does not serve the trainer's weights after the sync to version {version}: "
+            + "; ".join(parts) + ". The run stops: the engines would generate with other weights than trained.")
+
+
+def compare_checksums(url: str, expected: dict[str, str], body: dict, version: Any) -> int:
+    """Check one engine's `/weights_checker` checksum answer; returns the number of tensors checked."""
+    got: dict[str, str] = {}
+    for rank in body.get("ranks") or []:
+        got.update(rank.get("checksums") or {})
+    missing = sorted(expected.keys() - got.keys())
+    extra = sorted(got.keys() - expected.keys())
+    differ = [n for n in expected if n in got and got[n] != expected[n]]
+    if missing or extra or differ:
+        raise WeightMismatchError(_describe(url, version, missing, extra, differ))
+    return len(expected)
+
+
+def _sample_names(names: list[str]) -> list[str]:
+    picks = {0, len(names) // 2, len(names) - 1} if names else set()
+    return [names[i] for i in sorted(picks)]
+
+
+def engine_dtype(infos: list[dict], fallback: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype the engines serve in (from /server_info); all must agree. SGLang's "auto" reads as `fallback`."""
+    names = {str(i.get("dtype") or "auto") for i in infos}
+    if len(names) != 1:
+        raise WeightMismatchError(f"the engines serve different dtypes ({sorted(names)}); one sync cannot fit all")
+    name = names.pop()
+    return fallback if name == "auto" else parse_dtype(name)
+
+
+def _same_across_engines(urls: list[str], bodies: list, version: Any) -> None:
+    """SGLang's own checksums cannot be recomputed by the trainer, but engines with the same layout (ranks) that
+    hold the same weights report the same per_engine_checksum."""
+    seen: dict[tuple, tuple[str, str]] = {}
+    for url, b in zip(urls, bodies):
+        if not isinstance(b, dict) or not b.get("per_engine_checksum"):
+            continue
+        layout = tuple(sorted(json.dumps(r.get("parallelism_info"), sort_keys=True) for r in b.get("ranks") or []))
+        if layout in seen and seen[layout][1] != b["per_engine_checksum"]:
+            raise WeightMismatchError(f"engines {seen[layout][0]} and {url} serve different weights after the sync to "
+                                      f"version {version} (their /weights_checker checksums differ)")
+        seen.setdefault(layout, (url, b["per_engine_checksum"]))
+
+
+def verify_engines(engines: Any, named_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                   dtype: torch.dtype, *, version: Any = None, full: bool = False,
+                   method: str = "auto") -> dict:
+    """Check every engine of `engines` (a RemoteEngines) against `named_weights()`; returns metrics.
+
+    method "auto": checksums where the engine answers them in lichen's format, else sampled rows;
+    "checksum" / "sampled" force one (tests)."""
+    t0 = time.perf_counter()
+    urls = engines.active_urls()
+    bodies = None
+    if method in ("auto", "checksum"):
+        try:
+            bodies = engines.weights_checker("checksum")
+        except Exception:
+            if method == "checksum":
+                raise
+        if bodies is not None and not all(isinstance(b, dict) and b.get("checksum_format") == CHECKSUM_FORMAT
+                                          for b in bodies):
+            if method == "checksum":
+                raise WeightMismatchError(f"the engines {urls} do not report {CHECKSUM_FORMAT} weight checksums")
+            _same_across_engines(urls, bodies, version)
+            bodies = None
+    if bodies is not None:
+        expected = expected_checksums(named_weights(), dtype)
+        checked = sum(compare_checksums(url, expected, body, version) for url, body in zip(urls, bodies))
+        return {"time/sync_verify": time.perf_counter() - t0, "sync/verified_tensors": checked}
+    state = dict(named_weights())
+    names = list(state) if full else _sample_names(list(state))
+    checked = 0
+    for name in names:
+        ref = engine_view(state[name], dtype)
+        rows = ref.shape[0] if (full and ref.dim()) else 100
+        want = ref[:rows].float() if ref.dim() else ref.float()
+        try:
+            answers = engines.get_weights_by_name(name, rows)
+        except Exception as e:
+            raise WeightMismatchError(f"cannot read tensor {name!r} back from the engines ({e}); "
+                                      f"engines {urls} after the sync to version {version}") from None
+        for url, rows_got in zip(urls, answers):
+            got = torch.tensor(rows_got, dtype=torch.float32)
+            if got.shape != want.shape or not torch.equal(got, want):
+                raise WeightMismatchError(_describe(url, version, [], [], [name]))
+            checked += 1
+    return {"time/sync_verify": time.perf_counter() - t0, "sync/verified_tensors": checked}
+
+
+def verify_in_process(engine: Any, named: Iterable[tuple[str, torch.Tensor]], version: Any = None) -> int:
+    """The in-process engine: its parameters must equal the trainer's tensors (cast to its dtype) exactly."""
+    params = dict(engine.model.named_parameters())
+    checked, missing, differ = 0, [], []
+    for name, t in named:
+        p = params.get(name)
+        if p is None:
+            missing.append(name)
+            continue
+        ref = t.detach().to(device=p.device, dtype=p.dtype)
+        if not torch.equal(p.detach(), ref):
+            differ.append(name)
+        checked += 1
+    if missing or differ:
+        raise WeightMismatchError(_describe("in-process", version, missing, [], differ))
+    return checked

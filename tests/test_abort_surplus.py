@@ -1,0 +1,71 @@
+"""Dynamic sampling over engine servers aborts the surplus requests of a round once enough groups are kept, and
+keeps exactly the groups (and samples) that generating everything would keep. Stand-in engines from
+tests/test_sglang_launcher.py (deterministic tokens per request, counters of the calls they received)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lichen.config import parse_train_args
+from lichen.engines.remote import RemoteEngines
+from lichen.engines.server_process import call
+from lichen.engines.sglang_launcher import SGLangLauncher
+from lichen.rollout import generate as generate_module
+from lichen.rollout.generate import generate_rollout
+from lichen.rollout.manager import RolloutManager
+
+from test_loop_invariants import base_args
+from test_sglang_launcher import write_fake_sglang
+
+
+def odd_prompts(args, group) -> bool:
+    return group[0].group_index % 2 == 1  # round positions 1, 3, 5, 7 pass
+
+
+@pytest.fixture
+def engines(tmp_path):
+    env = {**write_fake_sglang(tmp_path), "FAKE_SGLANG_DELAY": "0.15"}
+
+    def command_for(i, port):
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+                "--port", str(port)]
+
+    launcher = SGLangLauncher(command_for, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
+    with RemoteEngines(launcher.start(), launcher=launcher, concurrency=1) as eng:
+        yield eng
+
+
+def counts(engines) -> list[dict]:
+    return [call(url + "/server_info")[1] for url in engines.urls]
+
+
+def one_step(tiny_ckpt, addition_data, tmp_path, engines):
+    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--rollout-batch-size", "2",
+                     "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "8",
+                     "--dynamic-sampling-filter-path", "test_abort_surplus.odd_prompts", "--debug-rollout-only",
+                     "--rollout-external-engine-addrs", *[u.split("//")[1] for u in engines.urls])
+    args = parse_train_args(argv[1:])
+    manager = RolloutManager(args, engine=engines)
+    groups = generate_rollout(args, 0, manager.source.next_batch(), manager)
+    return groups, manager.last_rollout_extra
+
+
+def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(tiny_ckpt, addition_data, tmp_path,
+                                                                       engines, monkeypatch):
+    groups, extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
+    sent = sum(c["generate_requests"] for c in counts(engines))
+    assert [c["aborts"] for c in counts(engines)] == [1, 1]
+    # kept: round positions 1 and 3, decided in order; positions 4..7 were cut: of their 8 requests, the ones still
+    # queued behind the one-request-per-engine cap were never sent
+    assert extra["rollout/dynamic_sampling_aborted_groups"] == 4 and sent < 16
+    assert extra["rollout/dynamic_sampling_kept_groups"] == 2
+    assert extra["rollout/dynamic_sampling_generated_groups"] == 4
+
+    monkeypatch.setattr(generate_module, "can_abort", lambda args, manager: False)
+    full, full_extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
+    assert sum(c["generate_requests"] for c in counts(engines)) == sent + 16  # everything generated this time
+    assert full_extra["rollout/dynamic_sampling_generated_groups"] == 8
+    assert [[s.to_dict() for s in g] for g in groups] == [[s.to_dict() for s in g] for g in full]
+    assert [s.metadata["prompt_index"] for g in groups for s in g] == [1, 1, 3, 3]
