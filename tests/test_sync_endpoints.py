@@ -55,13 +55,22 @@ def served(pair: RemoteEngines, name: str) -> list[torch.Tensor]:
     return [torch.tensor(x, dtype=F32) for x in pair.get_weights_by_name(name, 10_000)]
 
 
+def checksums(pair: RemoteEngines) -> list[dict]:
+    return pair.post_each("/weights_checker", {"action": "checksum"})
+
+
+def pull(pair: RemoteEngines, local: str, source: str, version: int) -> list[dict]:
+    return pair.post_each("/pull_weights", {"local_checkpoint_dir": local, "source_dir": source,
+                                            "target_version": version})
+
+
 def xxh(t: torch.Tensor) -> str:
     return xxhash.xxh3_128(t.contiguous().numpy().tobytes()).hexdigest()
 
 
 def assert_served(pair: RemoteEngines, state: dict[str, torch.Tensor], version: int) -> None:
     assert pair.weight_versions() == [str(version)] * 2
-    for body in pair.weights_checker("checksum"):
+    for body in checksums(pair):
         sums = body["ranks"][0]["checksums"]
         assert sums == {k: xxh(v) for k, v in state.items()}  # every tensor, bit for bit
     for got in served(pair, "model.embed_tokens.weight"):  # the tied embedding, read back as floats
@@ -150,15 +159,15 @@ def test_delta_sync_serves_what_full_sync_serves_and_applies_live(pair, tiny_ckp
     # the next version is pulled, then moved into the live weights by the delta (no reload)
     state = step(state, 104)
     ds.publisher.publish(state, 4)
-    pulls = pair.pull_weights(local, disk, 4)
+    pulls = pull(pair, local, disk, 4)
     assert sorted(len(p["deltas_applied"]) for p in pulls) == [0, 1]  # one engine applied it, the other found it
     for url in pair.urls:
         assert "Applied deltas [4]" in _update(url, local, "4")["message"]
     assert_served(pair, state, 4)
-    delta_sums = [b["per_engine_checksum"] for b in pair.weights_checker()]
+    delta_sums = [b["per_engine_checksum"] for b in checksums(pair)]
     # the same weights through a full disk sync: the same served bytes
     FullDiskSync(pair, disk_dir=str(tmp_path / "full"), hf_checkpoint=tiny_ckpt).push(iter(state.items()), 5, F32)
-    assert [b["per_engine_checksum"] for b in pair.weights_checker()] == delta_sums
+    assert [b["per_engine_checksum"] for b in checksums(pair)] == delta_sums
     # a delta out of order is refused: version 4 builds on 3, the local copy holds 4
     with pytest.raises(VersionMismatchError):
         apply_delta_to_checkpoint(local, os.path.join(disk, "weight_v000004"))
@@ -309,7 +318,7 @@ def test_live_apply_falls_back_to_the_verified_local_copy(pair, tiny_ckpt, tmp_p
         ds.push(iter(state.items()), version, F32)
     state = step(state, 603)
     res = ds.publisher.publish(state, 3)
-    pair.pull_weights(local, disk, 3)  # the local copy is verified at version 3 ...
+    pull(pair, local, disk, 3)  # the local copy is verified at version 3 ...
     _flip_payload_byte(res.path)  # ... then the published delta changes under the engines
     for url in pair.urls:
         assert "Applied deltas" not in _update(url, local, "3")["message"]  # reloaded instead
@@ -347,7 +356,8 @@ class FakeSGLang:
     def active_urls(self):
         return [f"http://e{i}" for i in range(len(self.weights))]
 
-    def weights_checker(self, action="checksum"):
+    def post_each(self, path, body):
+        assert path == "/weights_checker" and body == {"action": "checksum"}
         info = {"tp_rank": 0, "tp_size": 1}
         return [{"success": True, "message": "", "per_engine_checksum": s,
                  "ranks": [{"checksums": {}, "per_gpu_checksum": s, "parallelism_info": info}]} for s in self.sums]
@@ -372,3 +382,32 @@ def test_verify_against_servers_without_lichen_checksums():
     verify_engines(bf16, lambda: iter(state.items()), torch.bfloat16, full=True)
     with pytest.raises(WeightMismatchError):
         verify_engines(bf16, lambda: iter(state.items()), F32, full=True)
+
+
+def test_a_failing_engine_ends_the_wait_at_once(monkeypatch):
+    """An engine that refuses a group or bucket never joins the collective: the trainer must not wait for it."""
+    import asyncio
+    import concurrent.futures
+    import threading
+    import time
+
+    from lichen.sync.distributed import _while_engines_answer
+
+    engines = RemoteEngines(["http://127.0.0.1:9", "http://127.0.0.1:10"])  # never contacted
+    try:
+        async def post_ok(c, path, body, timeout=None):
+            if c.url.endswith(":9"):
+                raise EngineError(f"{c.url}{path} answered HTTP 400: group does not exist")
+            await asyncio.sleep(60)  # the other engine: blocked in the broadcast
+
+        monkeypatch.setattr(engines, "_post_ok", post_ok)
+        t0 = time.monotonic()
+        pending = engines.post_each("/update_weights_from_distributed", {}, wait=False)
+        with pytest.raises(EngineError, match="group does not exist"):
+            _while_engines_answer(threading.Event().wait, pending, "test")  # a collective that never completes
+        assert time.monotonic() - t0 < 10
+    finally:
+        engines.close()
+    done = concurrent.futures.Future()
+    done.set_result([{"success": True}])
+    assert _while_engines_answer(lambda: 42, done, "test") == 42

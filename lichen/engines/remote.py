@@ -399,25 +399,32 @@ class RemoteEngines:
 
         return scope()
 
-    def init_weights_update_group_async(self, payloads: Sequence[dict], timeout: float | None = None):
-        """Post /init_weights_update_group to each engine in rotation (payload i to engine i) without waiting:
-        the calls return once the trainer joined the group too. The Future holds the responses."""
+    def post_each(self, path: str, body: dict | Sequence[dict], *, timeout: float | None = None, wait: bool = True):
+        """POST an SGLang weight call to every engine in rotation (`body`, or body i to engine i) and return the
+        answers; each must be 200 with `"success": true` (else EngineRequestError). With `wait=False`, return a
+        concurrent Future at once: /init_weights_update_group and /update_weights_from_distributed answer only
+        once the caller's side of the torch.distributed call has run."""
         clients = self._active()
-        if len(payloads) != len(clients):
-            raise ValueError(f"{len(payloads)} payloads for {len(clients)} engines")
-        it = iter(payloads)
-        pairs = [(c, next(it)) for c in clients]
+        bodies = [body] * len(clients) if isinstance(body, dict) else list(body)
+        if len(bodies) != len(clients):
+            raise ValueError(f"{len(bodies)} bodies for {len(clients)} engines")
+        by_url = {c.url: b for c, b in zip(clients, bodies)}
+        if wait:
+            return self.run(self._each(lambda c: self._post_ok(c, path, by_url[c.url], timeout), clients))
 
-        async def post(c: EngineClient) -> dict:
-            return await self._post_ok(c, "/init_weights_update_group", dict(pairs)[c], timeout)
+        async def fail_fast() -> list[dict]:
+            # The first error ends the wait: the other engines may be blocked in a collective that can no longer
+            # complete without the one that failed.
+            tasks = [asyncio.ensure_future(self._post_ok(c, path, by_url[c.url], timeout)) for c in clients]
+            done, rest = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if t.exception() is not None]
+            if failed:
+                for t in rest:
+                    t.cancel()
+                raise failed[0].exception()
+            return [t.result() for t in tasks]
 
-        return self.submit(self._each(post, clients))
-
-    def update_weights_from_distributed_async(self, payload: dict, timeout: float | None = None):
-        """Post one /update_weights_from_distributed bucket to every engine in rotation without waiting (the
-        caller broadcasts the bucket, then waits on the Future)."""
-        return self.submit(self._each(lambda c: self._post_ok(c, "/update_weights_from_distributed", payload,
-                                                              timeout)))
+        return self.submit(fail_fast())
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group on every engine in rotation; an engine that does not know it is fine (as slime)."""
@@ -425,16 +432,6 @@ class RemoteEngines:
             await c.request("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=False)
 
         self.run(self._each(destroy))
-
-    def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int) -> list[dict]:
-        """/pull_weights on every engine in rotation (engines sharing the local dir serialize on its lock)."""
-        body = {"local_checkpoint_dir": local_checkpoint_dir, "source_dir": source_dir,
-                "target_version": int(target_version)}
-        return self.run(self._each(lambda c: self._post_ok(c, "/pull_weights", body)))
-
-    def weights_checker(self, action: str = "checksum") -> list[Any]:
-        """/weights_checker {"action": action} on every engine in rotation; failures raise."""
-        return self.run(self._each(lambda c: self._post_ok(c, "/weights_checker", {"action": action})))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of parameter `name` (nested float lists), from each engine in rotation."""

@@ -1,4 +1,4 @@
-"""Weight-update endpoints of `lichen serve` beyond /update_weights_from_disk (sglang-api.md §5.2–§5.4, §5.6, §5.8).
+"""The weight-update endpoints of `lichen serve` (sglang-api.md §5.1–§5.4, §5.6, §5.8).
 
 - `/init_weights_update_group`: join a torch.distributed group with the trainer (rank 0) as rank `rank_offset`
   (lichen serve is one rank per engine); `nccl` on an accelerator, `gloo` on CPU. The call returns once the group
@@ -470,7 +470,8 @@ class WeightEndpoints:
         body = await self._object(request)
         action = expect(body.get("action", "checksum"), (str,), "action", "a string")
         if action == "checksum":
-            return web.json_response(await self.server.control(lambda s: checksum_body(s.engine.model.named_parameters())))
+            body = await self.server.control(lambda s: checksum_body(s.engine.model.named_parameters()))
+            return web.json_response(body)
         if action == "snapshot":
             def snap(s) -> int:
                 self.snapshot = {n: p.detach().to("cpu", copy=True) for n, p in s.engine.model.named_parameters()}

@@ -130,7 +130,7 @@ def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
         metrics.update(verify_engines(eng, trainer.named_weights, st["dtype"], version=version,
                                       full=bool(getattr(args, "check_weight_update_equal", False))))
     metrics["time/sync"] = time.perf_counter() - t0
-    log.info("weight sync to version %d over %s/%s: %s bytes on the wire, %.3f s", version,
+    log.debug("weight sync to version %d over %s/%s: %s bytes on the wire, %.3f s", version,
              args.update_weight_transport, args.update_weight_mode, metrics.get("sync/bytes"), metrics["time/sync"])
     return metrics
 

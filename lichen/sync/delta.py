@@ -72,7 +72,8 @@ class DeltaSync:
             metrics.update({"sync/bytes": 0, "sync/is_delta": 0})
         t1 = time.perf_counter()
         try:
-            pulls = self.engines.pull_weights(self.local_dir, self.disk_dir, version)
+            pulls = self.engines.post_each("/pull_weights", {"local_checkpoint_dir": self.local_dir,
+                                                             "source_dir": self.disk_dir, "target_version": version})
             t2 = time.perf_counter()
             self.engines.update_weights_from_disk(self.local_dir, str(version))
         except BaseException:

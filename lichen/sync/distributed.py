@@ -3,7 +3,8 @@
 The trainer is rank 0 of a group with the engines (sglang-api.md §5.2–§5.4); an engine with tensor parallelism
 k takes k ranks, so engine i gets `rank_offset = 1 + Σ_{j<i} k_j` and `world_size = 1 + Σ k_j`.
 
-Forming the group (the first sync, and again whenever the engines in rotation change):
+Forming the group (the first sync, and again whenever the engines in rotation change, e.g. when a restarted engine
+re-joins: each sync first admits restarted engines, RemoteEngines.admit_restarted):
 1. rank 0's TCPStore binds a free port on the trainer's address;
 2. `/init_weights_update_group` is posted to every engine without waiting (each call returns once the group
    exists), while the trainer builds its own side of the group; then the answers are checked.
@@ -12,9 +13,11 @@ One sync to version N: pause generation and flush caches on every engine, then f
 tensors in order, cast to the engine dtype, at most --update-weight-buffer-size bytes, a larger tensor alone):
 post `/update_weights_from_distributed` {names, dtypes, shapes, group_name, weight_version "N",
 load_format "flattened_bucket"} to every engine, broadcast the bucket as one uint8 tensor (each tensor's bytes in
-`names` order), and wait for every answer; then continue generation. The broadcast runs on a helper thread so
-an engine that answers with an error at once (and so never receives) fails the sync instead of leaving the
-trainer blocked in the collective until its timeout; the group is then rebuilt at the next sync.
+`names` order), and wait for every answer; then continue generation.
+
+Forming the group and each broadcast run on a helper thread, so an engine that answers with an error at once
+(and so never joins or receives) fails the sync instead of leaving the trainer blocked in the collective until
+its timeout; the group is then rebuilt at the next sync.
 """
 
 from __future__ import annotations
@@ -69,6 +72,29 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, buffe
         yield bucket
 
 
+def _while_engines_answer(fn, pending, name: str):
+    """fn() on a helper thread (a collective call that blocks until every rank joins); raise the engines' error
+    as soon as one of them answered with one (it will never join), instead of waiting for the timeout."""
+    out: list = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # reported to the caller below
+            error.append(e)
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+        if thread.is_alive() and pending.done() and pending.exception() is not None:
+            raise pending.exception()
+    if error:
+        raise error[0]
+    return out[0] if out else None
+
+
 class BroadcastSync:
     """The trainer's side of the broadcast transport for one RemoteEngines. `backend` None picks nccl when the
     trainer's weights are on a CUDA device, else gloo."""
@@ -94,10 +120,13 @@ class BroadcastSync:
                              "world_size": world, "group_name": self.group_name, "backend": backend})
             offset += tp
         self.engines.destroy_weights_update_group(self.group_name)  # one left by a trainer that died (no-op else)
-        pending = self.engines.init_weights_update_group_async(payloads, timeout=self.timeout_s + 30)
+        pending = self.engines.post_each("/init_weights_update_group", payloads, timeout=self.timeout_s + 30,
+                                         wait=False)
         try:
-            group = open_group(backend=backend, master_address=host, master_port=store.port, rank=0,
-                               world_size=world, group_name=self.group_name, timeout_s=self.timeout_s, store=store)
+            group = _while_engines_answer(
+                lambda: open_group(backend=backend, master_address=host, master_port=store.port, rank=0,
+                                   world_size=world, group_name=self.group_name, timeout_s=self.timeout_s,
+                                   store=store), pending, "lichen-weight-group")
         except BaseException:
             pending.cancel()
             raise
@@ -128,26 +157,11 @@ class BroadcastSync:
 
     # ---- one sync -----------------------------------------------------------------------------------------
     def _broadcast(self, flat: torch.Tensor, pending) -> None:
-        """Broadcast on a helper thread; fail as soon as an engine answered with an error."""
-        error: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                self.group.broadcast(flat)
-            except BaseException as e:  # reported to the caller below
-                error.append(e)
-
-        thread = threading.Thread(target=send, name="lichen-weight-broadcast", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.05)
-            if pending.done() and pending.exception() is not None and thread.is_alive():
-                self.group = None  # the collective is stuck on ranks that never received: rebuild next time
-                self.members = None
-                raise pending.exception()
-        if error:
-            self.group, self.members = None, None
-            raise error[0]
+        try:
+            _while_engines_answer(lambda: self.group.broadcast(flat), pending, "lichen-weight-broadcast")
+        except BaseException:
+            self.group, self.members = None, None  # ranks that never received leave the group stuck: rebuild
+            raise
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
         """Send the weights as version `version` in the engine dtype; returns metrics (bytes, buckets, seconds)."""
@@ -159,6 +173,9 @@ class BroadcastSync:
         if device.type != "cuda":
             device = torch.device("cpu")
         t0 = time.perf_counter()
+        admit = getattr(self.engines, "admit_restarted", None)
+        if admit is not None:
+            admit()  # restarted engines re-join rotation first: the group then includes them (membership changed)
         self._ensure_group(device)
         send_device = device if self.group.backend == "nccl" else torch.device("cpu")
         t1 = time.perf_counter()
@@ -175,7 +192,8 @@ class BroadcastSync:
                            "weight_version": str(version)}
                 if self.flattened:
                     payload["load_format"] = "flattened_bucket"
-                pending = self.engines.update_weights_from_distributed_async(payload, timeout=self.timeout_s + 30)
+                pending = self.engines.post_each("/update_weights_from_distributed", payload,
+                                                 timeout=self.timeout_s + 30, wait=False)
                 if self.flattened:
                     flat = flatten_tensors(t for _, t in bucket)
                     self._broadcast(flat, pending)

@@ -105,7 +105,7 @@ def verify_engines(engines: Any, named_weights: Callable[[], Iterable[tuple[str,
     bodies = None
     if method in ("auto", "checksum"):
         try:
-            bodies = engines.weights_checker("checksum")
+            bodies = engines.post_each("/weights_checker", {"action": "checksum"})
         except Exception:
             if method == "checksum":
                 raise
