@@ -1,0 +1,95 @@
+"""Does the quick start's RL gain hold across seeds? Runs examples/quickstart.py for each seed and checks it.
+
+    .venv/bin/python benchmarks/quickstart_seeds.py [--seeds 1 2 3] [--workdir runs/quickstart_seeds]
+                                                    [--min-gain 10] [--max-seconds 300]
+
+Each seed runs in its own workdir (<workdir>/seed<N>) from nothing: model init, data split, SFT, GRPO. The
+table shows held-out accuracy after SFT and after RL (500 held-out problems, greedy), the gain in points and
+the wall time per stage. A seed passes when RL gains at least --min-gain points and the run took at most
+--max-seconds. Exit status 1 when any seed fails or a run crashes. Extra arguments after `--` go to every
+quickstart run, e.g. `-- --rl-lr 2e-4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+QUICKSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "quickstart.py")
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--workdir", default="runs/quickstart_seeds")
+    p.add_argument("--min-gain", type=float, default=10.0, help="points of held-out accuracy RL must add")
+    p.add_argument("--max-seconds", type=float, default=300.0, help="wall-time limit of one quickstart run")
+    p.add_argument("--verbose", action="store_true", help="stream each run's full output")
+    return p.parse_args(argv), extra
+
+
+def run_seed(seed: int, workdir: str, extra: list[str], verbose: bool) -> dict | None:
+    """One quickstart run; its summary.json, or None when it failed."""
+    cmd = [sys.executable, QUICKSTART, "--seed", str(seed), "--workdir", workdir, *extra]
+    if not verbose:
+        cmd.append("--quiet")
+    print(f"--- seed {seed}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    wall = time.perf_counter() - t0
+    summary_path = os.path.join(workdir, "summary.json")
+    if rc != 0 or not os.path.isfile(summary_path):
+        print(f"--- seed {seed}: quickstart failed (exit {rc}) after {wall:.0f}s", flush=True)
+        return None
+    with open(summary_path) as f:
+        summary = json.load(f)
+    summary["wall_with_startup"] = wall
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    rows = []
+    for seed in args.seeds:
+        rows.append((seed, run_seed(seed, os.path.join(args.workdir, f"seed{seed}"), extra, args.verbose)))
+
+    print(f"\nquick start over {len(rows)} seeds (pass: RL gain >= {args.min_gain:g} points and total <= "
+          f"{args.max_seconds:.0f}s)")
+    head = f"{'seed':>4}  {'SFT acc':>7}  {'RL acc':>7}  {'gain':>6}  {'model':>5}  {'SFT':>5}  {'RL':>5}  {'total':>6}  result"
+    print(head)
+    print("-" * len(head))
+    failed = 0
+    for seed, s in rows:
+        if s is None:
+            print(f"{seed:>4}  {'-':>7}  {'-':>7}  {'-':>6}  {'-':>5}  {'-':>5}  {'-':>5}  {'-':>6}  FAIL (crashed)")
+            failed += 1
+            continue
+        t = s["seconds"]
+        ok_gain = s["delta_points"] >= args.min_gain
+        ok_time = t["total"] <= args.max_seconds
+        why = [] if ok_gain else [f"gain < {args.min_gain:g}"]
+        why += [] if ok_time else [f"time > {args.max_seconds:.0f}s"]
+        failed += bool(why)
+        print(f"{seed:>4}  {100 * s['sft_accuracy']:6.1f}%  {100 * s['rl_accuracy']:6.1f}%  {s['delta_points']:+6.1f}"
+              f"  {t['model']:4.0f}s  {t['sft']:4.0f}s  {t['rl']:4.0f}s  {t['total']:5.0f}s  "
+              + ("ok" if not why else "FAIL (" + ", ".join(why) + ")"))
+    ok = [s for _, s in rows if s is not None]
+    if ok:
+        mean = sum(s["delta_points"] for s in ok) / len(ok)
+        print(f"mean gain {mean:+.1f} points over {len(ok)} completed seeds")
+    print("PASS" if failed == 0 else f"FAIL: {failed} of {len(rows)} seeds")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
