@@ -117,6 +117,7 @@ def run_lichen(wl: Workload, d: str, tag: str, ctx: dict, profile_path: str | No
     steps = report.lichen_steps(data, read_metrics(out_dir))
     summary = report.summarize_run(steps, ctx["shape"], ctx["matmul"], child["maxrss_kib"], child["wall_s"])
     summary["cpu_s"] = child["cpu_s"]
+    summary["torch_threads"] = data.get("torch_threads")
     summary["instrumentation_missing"] = data.get("instrumentation_missing", [])
     return summary
 
@@ -133,6 +134,7 @@ def run_trl(wl: Workload, d: str, tag: str, ctx: dict) -> dict:
     summary = report.summarize_run(report.trl_steps(data), ctx["shape"], ctx["matmul"], child["maxrss_kib"],
                                    child["wall_s"])
     summary["cpu_s"] = child["cpu_s"]
+    summary["torch_threads"] = data.get("torch_threads")
     summary["instrumentation_missing"] = data.get("instrumentation_missing", [])
     ctx["trl_info"] = {k: data.get(k) for k in ("versions", "config", "optim", "eos_token_ids")}
     return summary

@@ -95,6 +95,11 @@ def install() -> None:
     _wrap("lichen.rollout.manager", "RolloutManager", "generate", _rollout_wrapper)
 
 
+def _torch_threads() -> int | None:
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[1] != "--":
         print("usage: python -m lichen.bench.run_lichen RESULT.json -- <lichen train flags>", file=sys.stderr)
@@ -129,6 +134,7 @@ def main(argv: list[str]) -> int:
             "steps": steps,
             "instrumentation_missing": STATE["missing"],
             "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "torch_threads": _torch_threads(),
         }, f)
     return rc
 

@@ -211,6 +211,7 @@ def main(argv: list[str]) -> int:
             "steps": steps,
             "instrumentation_missing": STATE["missing"],
             "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "torch_threads": torch.get_num_threads(),
             "versions": _versions(),
             "config": {k: v for k, v in trl_config_kwargs(wl, steps=a.steps, seed=a.seed,
                                                           output_dir=a.output_dir).items() if k != "output_dir"},
