@@ -104,6 +104,7 @@ def test_summary_skips_the_warmup_step_and_divides_sums():
     assert s["step_time_s"] == pytest.approx(4.0)
     assert s["step_time_median_s"] == pytest.approx(4.0) and s["step_time_min_s"] == 3.0
     assert s["generate_median_s"] == pytest.approx(2.0) and s["train_median_s"] == pytest.approx(1.5)
+    assert s["generate_min_s"] == 1.0 and s["train_min_s"] == 1.5
     assert s["generate_s"] == pytest.approx(2.0) and s["train_s"] == pytest.approx(1.5)
     assert s["other_s"] == pytest.approx(0.5)
     assert s["response_tokens"] == pytest.approx(7 / 2)
@@ -120,9 +121,10 @@ def test_summary_skips_the_warmup_step_and_divides_sums():
 
 
 def test_medians_and_ratios():
-    runs = [{"step_time_s": x, "reward_curve": [x, 0.0]} for x in (3.0, 1.0, 2.0)]
+    runs = [{"step_time_s": x, "step_time_min_s": x / 2, "reward_curve": [x, 0.0]} for x in (3.0, 1.0, 2.0)]
     m = report.medians(runs)
     assert m["step_time_s"] == 2.0 and m["step_time_s_min"] == 1.0 and m["step_time_s_max"] == 3.0
+    assert m["step_time_min_s"] == 0.5  # the fastest step of any repeat, not a median
     assert m["reward_curve"] == [2.0, 0.0]
     r = report.ratios({"step_time_s": 1.0, "train_s": 2.0}, {"step_time_s": 4.0, "train_s": 0})
     assert r == {"step_time_s": 0.25}

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
 
-STATE: dict = {"phase": "train", "steps": [], "missing": [], "rewards": []}
+STATE: dict = {"phase": "train", "steps": [], "missing": []}
 
 
 def _new_step() -> dict:
