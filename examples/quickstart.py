@@ -7,7 +7,7 @@ the response's leading integer equals the label). Four stages, each a plain `lic
 process, so every step is something you can type yourself (examples/tiny_cpu_grpo.sh is the same run as a
 shell script):
 
-  1. `lichen make-tiny-model`: a random-init llama-style model (2 layers, width 64, ~180k parameters) with a
+  1. `lichen make-tiny-model`: a random-init llama-style model (2 layers, width 64, 138k parameters) with a
      one-token-per-character tokenizer.
   2. data: every pair (a, b) with 0 <= a, b <= 99, shuffled by --seed; the first --heldout pairs are the
      held-out set, the other 9,500 are training prompts. The two sets share no problem.

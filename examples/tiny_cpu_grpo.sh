@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tiny-model RL on a laptop CPU: build a 180k-parameter model, SFT-warm it on two-digit addition, then run GRPO
+# Tiny-model RL on a laptop CPU: build a 138k-parameter model, SFT-warm it on two-digit addition, then run GRPO
 # and watch greedy accuracy on 500 held-out problems rise. About 3 minutes on 2 cores, no GPU, no downloads.
 # examples/quickstart.py is the same run driven from Python (it also prints a summary); this is the version you
 # would type yourself.
