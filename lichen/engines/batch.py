@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from lichen.engines.sampling import _M32, _fmix32, _mul32, truncate_logprobs
+from lichen.engines.sampling import _M32, _fmix32, _mul32, sample_with_noise
 from lichen.models import CausalLM, KVCache
 
 # Extra cache slots allocated per rebuild beyond the current length (grown again when used up): a long
@@ -88,19 +88,7 @@ def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torc
 def sample_rows(logits, temperature, top_p, top_k, seeds, steps):
     """`sampling.sample_next` with per-row steps. Returns (tokens [B], log-probs [B], logp [B, V]) where
     logp = log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows)."""
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
-    race_lp = logp
-    if bool(((top_p < 1.0) | (top_k > 0)).any()):
-        race_lp = truncate_logprobs(logp, top_p, top_k)
-    if bool(greedy.all()):
-        tokens = logits.argmax(dim=-1)
-    else:
-        u = row_noise(seeds, steps, logits.shape[-1])
-        score = race_lp - torch.log(-torch.log(u))
-        tokens = torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), logp
+    return sample_with_noise(logits, temperature, top_p, top_k, lambda v: row_noise(seeds, steps, v))
 
 
 def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:

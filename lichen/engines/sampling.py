@@ -63,6 +63,22 @@ def truncate_logprobs(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tens
     return torch.empty_like(logp).scatter_(-1, order, sorted_lp)
 
 
+def sample_with_noise(logits, temperature, top_p, top_k, noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exponential race given `noise(vocab_size) -> U [B, V]`. Returns (tokens, log-probs, logp [B, V])."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    race_lp = logp
+    if bool(((top_p < 1.0) | (top_k > 0)).any()):
+        race_lp = truncate_logprobs(logp, top_p, top_k)
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+    else:
+        score = race_lp - torch.log(-torch.log(noise(logits.shape[-1])))
+        tokens = torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), logp
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -75,16 +91,5 @@ def sample_next(
 
     Rows with temperature <= 0 are greedy (argmax); their log-prob is read at T = 1.
     """
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
-    race_lp = logp
-    if bool(((top_p < 1.0) | (top_k > 0)).any()):
-        race_lp = truncate_logprobs(logp, top_p, top_k)
-    if bool(greedy.all()):
-        tokens = logits.argmax(dim=-1)
-    else:
-        u = uniform_noise(seeds, step, logits.shape[-1])
-        score = race_lp - torch.log(-torch.log(u))
-        tokens = torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    tokens, lps, _ = sample_with_noise(logits, temperature, top_p, top_k, lambda v: uniform_noise(seeds, step, v))
+    return tokens, lps
