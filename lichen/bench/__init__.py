@@ -1,17 +1,23 @@
 """`lichen bench <suite>`: benchmarks that measure lichen against a baseline run in the same invocation.
 
 Suites:
-  rl   lichen vs Hugging Face TRL's GRPOTrainer on identical CPU RL work (lichen.bench.rl)
+  rl        lichen vs Hugging Face TRL's GRPOTrainer on identical CPU RL work (lichen.bench.rl)
+  learning  lichen vs TRL learning curves on the W1 task over several seeds (lichen.bench.learning)
+  sync      weight-sync transports and delta encodings on one model (lichen.bench.sync)
 """
 
 from __future__ import annotations
 
 import importlib
 
-SUITES = {"rl": ("lichen.bench.rl", "lichen vs TRL GRPOTrainer on the same CPU RL work, medians and ratios")}
+SUITES = {
+    "rl": ("lichen.bench.rl", "lichen vs TRL GRPOTrainer on the same CPU RL work, medians and ratios"),
+    "learning": ("lichen.bench.learning", "lichen vs TRL reward curves from one SFT warm start over several seeds"),
+    "sync": ("lichen.bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
+}
 
 USAGE = "usage: lichen bench <suite> [options]\n\nsuites:\n" + "\n".join(
-    f"  {name:<6} {helptext}" for name, (_, helptext) in SUITES.items()
+    f"  {name:<9} {helptext}" for name, (_, helptext) in SUITES.items()
 ) + "\n\nRun `lichen bench <suite> --help` for its options."
 
 
