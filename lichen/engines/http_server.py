@@ -23,7 +23,7 @@ from lichen.engines import openai_api, weight_endpoints
 from lichen.engines.engine import Engine
 from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputOptions, RequestError, Sampling,
                                      abort_status, error_body, expect, generate_output, loads, make_job,
-                                     parse_generate, stream_error)
+                                     parse_generate)
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.observe.metrics import get_logger
 
@@ -260,29 +260,15 @@ class LichenServer:
         return json_response(outs[0] if single else outs)
 
     async def _stream_generate(self, request: web.Request, jobs: list[Job], single: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        events = self.stream_jobs(jobs)
-        try:
-            async for job, n in events:
-                if not resp.prepared:
-                    await resp.prepare(request)
-                out = generate_output(job, self.detok, self.engine.weight_version, n)
-                if not single:
-                    out["index"] = job.index
-                await resp.write(b"data: " + json.dumps(out).encode() + b"\n\n")
-            if not resp.prepared:
-                await resp.prepare(request)
-            await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client went away; closing `events` aborts its requests
-            pass
-        except Exception as e:
-            if not resp.prepared:
-                raise
-            log.exception("error while streaming %s", request.path)
-            await stream_error(resp, e)
-        finally:
-            await events.aclose()
-        return resp
+        def chunks(job: Job | None, n: int | None) -> list[dict]:
+            if job is None:
+                return []  # /generate closes with [DONE] only
+            out = generate_output(job, self.detok, self.engine.weight_version, n)
+            if not single:
+                out["index"] = job.index
+            return [out]
+
+        return await openai_api.sse_stream(request, self, jobs, chunks)
 
     def _probe_job(self) -> Job:
         sp = Sampling(1, 0.0, 1.0, -1, (), (), True, True, False, 1, 0)

@@ -140,8 +140,9 @@ class _Delta:
         return delta, start, n
 
 
-async def _sse(request: web.Request, server: "LichenServer", jobs: list[Job], make_chunks) -> web.StreamResponse:
-    """Drive `stream_jobs` and write what `make_chunks(job, n)` returns as SSE events."""
+async def sse_stream(request: web.Request, server: "LichenServer", jobs: list[Job], make_chunks) -> web.StreamResponse:
+    """Drive `stream_jobs` and write what `make_chunks(job, n)` returns as SSE events; `make_chunks(None, None)`
+    gives the closing events before [DONE]. Shared by /generate and the OpenAI routes."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     events = server.stream_jobs(jobs)
     try:
@@ -254,7 +255,7 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
                    "choices": [{"index": job.index, "text": delta, "logprobs": logprobs, "finish_reason": reason,
                                 "matched_stop": matched}]}
 
-        return await _sse(request, server, jobs, chunks)
+        return await sse_stream(request, server, jobs, chunks)
     await server.run_jobs(jobs)
     failed = _error_if_failed(jobs)
     if failed is not None:
@@ -371,7 +372,7 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
                 choice["matched_stop"] = matched
             yield {**base, "choices": [choice]}
 
-        return await _sse(request, server, jobs, chunks)
+        return await sse_stream(request, server, jobs, chunks)
     await server.run_jobs(jobs)
     failed = _error_if_failed(jobs)
     if failed is not None:
