@@ -40,6 +40,7 @@ import uuid
 import weakref
 from typing import Any, Awaitable, Sequence
 
+from lichen.aio import gather_or_cancel
 from lichen.engines.client import (EngineClient, EngineError, EngineRequestError, EngineUnavailable,
                                    generate_payload, normalize_url, result_from_output)
 from lichen.engines.engine import GenRequest, GenResult
@@ -186,14 +187,7 @@ class RemoteEngines:
 
     async def _generate_all(self, requests, session_ids, allow_abort) -> list[GenResult]:
         sids = session_ids if session_ids is not None else [None] * len(requests)
-        tasks = [asyncio.ensure_future(self.agenerate(r, s, allow_abort=allow_abort)) for r, s in zip(requests, sids)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_or_cancel(self.agenerate(r, s, allow_abort=allow_abort) for r, s in zip(requests, sids))
 
     async def agenerate(self, request: GenRequest, session_id: str | None = None, *, rid: str | None = None,
                         allow_abort: bool = False) -> GenResult:

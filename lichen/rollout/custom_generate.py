@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from lichen.aio import gather_or_cancel
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.sampling import derive_seed
 from lichen.errors import UserError
@@ -152,14 +153,7 @@ def run_custom_generate(fn: Callable[..., Awaitable], args: Any, samples: list[S
 
     async def run_all() -> list[Any]:
         _CONTEXT.set(ctx)  # the tasks created below copy this context
-        tasks = [asyncio.ensure_future(fn(args, s, p)) for s, p in zip(samples, params)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_or_cancel(fn(args, s, p) for s, p in zip(samples, params))
 
     if remote:
         return engine.run(run_all())
