@@ -11,7 +11,7 @@ quickstart: setup
 	.venv/bin/python examples/quickstart.py
 
 test: setup-test
-	.venv/bin/python -m pytest -n 2 -q tests
+	.venv/bin/python -m pytest -n 2 -q -rs tests
 
 bench-quickstart: setup
 	.venv/bin/python benchmarks/quickstart_seeds.py
