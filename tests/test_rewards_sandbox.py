@@ -334,18 +334,25 @@ def test_non_root_trainer_gets_a_user_namespace_sandbox():
     import json
     import subprocess
 
-    path = os.path.join(_repo_root(), "lichen", "rewards", "_sandbox_init.py")
-    parents = [os.path.dirname(path)]
-    while parents[-1] != "/":
-        parents.append(os.path.dirname(parents[-1]))
-    if not (os.stat(path).st_mode & 0o004 and all(os.stat(d).st_mode & 0o001 for d in parents)):
-        pytest.skip("the checkout is not readable by other users")
     import shutil
     import tempfile
+
+    # The non-root user must read the package; a checkout (e.g. a `mktemp -d` clone, mode 0700) may not let it,
+    # so it runs a world-readable copy of the package instead.
+    readable = tempfile.mkdtemp(prefix="lichen-sandbox-pkg-")
+    os.chmod(readable, 0o755)
+    shutil.copytree(os.path.join(_repo_root(), "lichen"), os.path.join(readable, "lichen"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for d, dirs, files in os.walk(readable):
+        for name in dirs:
+            os.chmod(os.path.join(d, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o644)
 
     # the non-root trainer's own directory, outside any tmpfs the sandbox covers: only read-only mounts protect it
     base = next((d for d in ("/run", "/var/lib", "/opt") if os.path.isdir(d) and os.access(d, os.W_OK)), None)
     if base is None:
+        shutil.rmtree(readable, ignore_errors=True)
         pytest.skip("no writable directory outside /tmp for the test")
     owned = tempfile.mkdtemp(prefix="lichen-sandbox-test-", dir=base)
     try:
@@ -353,11 +360,12 @@ def test_non_root_trainer_gets_a_user_namespace_sandbox():
         os.chown(owned, NOBODY, NOBODY)
         target = os.path.join(owned, "f")
         proc = subprocess.run(["/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                               "/usr/bin/python3", "-c", _NON_ROOT_SCRIPT, _repo_root(), target],
+                               "/usr/bin/python3", "-c", _NON_ROOT_SCRIPT, readable, target],
                               capture_output=True, text=True, timeout=60, cwd="/")
         assert not os.path.exists(target)
     finally:
         shutil.rmtree(owned, ignore_errors=True)
+        shutil.rmtree(readable, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mode"] == "userns" and result["ok"], result
