@@ -45,6 +45,8 @@ def parse(*extra: str, drop: tuple[str, ...] = ()) -> argparse.Namespace:
     return parse_train_args(make_argv(*extra, drop=drop))
 
 
+PARTIAL_FILTER = "lichen.rollout.filters.check_reward_nonzero_std"
+
 # (id, extra args, dropped base flags, substrings the message must contain, exception class)
 REJECTIONS = [
     # general / model
@@ -236,6 +238,18 @@ REJECTIONS = [
     ("eval-len-zero", ["--eval-max-response-len", "0"], (), ["--eval-max-response-len 0"], ConfigError),
     # observe
     ("wandb-project-empty", ["--wandb-project", ""], (), ["--wandb-project"], ConfigError),
+    # partial rollout (lichen/config/sampling.py)
+    ("partial-mask-alone", ["--mask-offpolicy-in-partial-rollout"], (),
+     ["--mask-offpolicy-in-partial-rollout needs --partial-rollout"], ConfigError),
+    ("partial-no-filter", ["--partial-rollout", "--rollout-num-engines", "2"], (),
+     ["--partial-rollout needs --dynamic-sampling-filter-path", "nothing is aborted"], ConfigError),
+    ("partial-in-process", ["--partial-rollout", "--dynamic-sampling-filter-path", PARTIAL_FILTER], (),
+     ["--partial-rollout needs engine servers", "--rollout-num-engines K", "--rollout-external-engine-addrs"],
+     ConfigError),
+    ("partial-custom-generate", ["--partial-rollout", "--dynamic-sampling-filter-path", PARTIAL_FILTER,
+                                 "--rollout-num-engines", "2", "--custom-generate-function-path",
+                                 "lichen.rollout.examples.calculator_agent.generate"],
+     (), ["--partial-rollout with --custom-generate-function-path", "drop one of the two"], ConfigError),
 ]
 
 
@@ -319,3 +333,10 @@ def test_sync_in_process_rule_reads_only_explicit_flags():
     sync_group.check(_sync_ns(rollout_num_engines=None, _explicit=set()))  # defaults: fine
     with pytest.raises(ConfigError, match="--update-weight-mode applies to server engines"):
         sync_group.check(_sync_ns(rollout_num_engines=None, _explicit={"update_weight_mode"}))
+
+
+@pytest.mark.parametrize("engines", [["--rollout-num-engines", "2"], ["--rollout-external-engine-addrs", "h:1"]])
+def test_partial_rollout_passes_with_dynamic_sampling_over_servers(files, engines):
+    args = parse("--partial-rollout", "--mask-offpolicy-in-partial-rollout", "--dynamic-sampling-filter-path",
+                 PARTIAL_FILTER, *engines)
+    assert args.partial_rollout and args.mask_offpolicy_in_partial_rollout

@@ -26,7 +26,6 @@ An engine found dead — by a probe, or by the router when its requests cannot c
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 from typing import Any
 
@@ -228,33 +227,10 @@ def restart_engine(launcher: Any, index: int, monitor: HealthMonitor | None = No
     """Kill engine `index` of `launcher` (if still alive) and start it again; returns its new URL, or None when
     `monitor` began stopping meanwhile. Blocking (run it in a worker thread).
 
-    A launcher with its own `restart(index)` (SGLangLauncher) does the work; for an EngineLauncher the server is
-    started again with its launch command (its log file is appended to)."""
+    The launcher's own `restart(index)` does the work (EngineLauncher, SGLangLauncher); once the launcher is
+    stopped it refuses to start another server, so a restart racing with shutdown leaves nothing running."""
     stopping = (lambda: monitor.stopping) if monitor is not None else (lambda: False)
     if stopping():
         return None
-    restart = getattr(launcher, "restart", None)
-    if restart is not None:
-        url = restart(index)
-        return None if stopping() else url
-    old = launcher.servers[index]
-    if old.proc.poll() is None:
-        old.proc.kill()
-    try:
-        old.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    new = launcher._spawn(index)
-    lock = monitor._stop_lock if monitor is not None else threading.Lock()
-    with lock:
-        if stopping():  # RemoteEngines.close() is stopping the launcher: do not leave this one running
-            new.proc.kill()
-            new.proc.wait()
-            return None
-        with launcher._lock:
-            launcher.servers[index] = new
-    try:
-        new.wait_ready(launcher.ready_timeout)
-    except RuntimeError as e:
-        raise RuntimeError(f"engine {index} did not come back: {e}") from None
-    return new.url
+    url = launcher.restart(index)
+    return None if stopping() else url

@@ -89,7 +89,8 @@ class EngineLauncher:
         self.ready_timeout = ready_timeout
         self.env = dict(env or {})
         self.servers: list[ServerProcess] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards `servers` and `_stopped` (restart runs in a worker thread)
+        self._stopped = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -97,6 +98,7 @@ class EngineLauncher:
         EngineLaunchError. Returns the servers' URLs."""
         _install_exit_hooks()
         _LIVE.add(self)
+        self._stopped = False
         try:
             for i in range(self.num_engines):
                 self.servers.append(self._spawn(i))
@@ -131,9 +133,34 @@ class EngineLauncher:
                                     env={**os.environ, **self.env})
         return ServerProcess(proc, self.host, [sys.executable, *serve], log_path)
 
+    def restart(self, index: int) -> str:
+        """Kill server `index` (dead or hung: no graceful shutdown) and start it again with its launch command,
+        on a new port (its log file is appended to); returns its new URL once it answers /health.
+
+        Blocking: call it from a worker thread. Once `stop()` has begun, a restart raises EngineLaunchError
+        instead of starting a server nobody would stop; a server started just before `stop()` is stopped by it.
+        """
+        with self._lock:
+            if self._stopped:
+                raise EngineLaunchError(f"cannot restart engine {index}: the engine launcher is stopped")
+            old = self.servers[index]
+            if old.proc.poll() is None:
+                old.proc.kill()
+            try:
+                old.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            self.servers[index] = new = self._spawn(index)
+        try:
+            new.wait_ready(self.ready_timeout)
+        except RuntimeError as e:
+            raise EngineLaunchError(f"engine {index} did not come back: {e}") from None
+        return new.url
+
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every server (they abort what runs and exit), wait up to `grace` s, then SIGKILL. Idempotent."""
         with self._lock:
+            self._stopped = True
             live = [s for s in self.servers if s.proc.poll() is None]
             for s in live:
                 try:

@@ -10,20 +10,31 @@ prompt order — and their samples are the same (same requests, same seeds); onl
 generated (counted as aborted). Deciding in prompt order, not in completion order, is what keeps a run
 reproducible and its resume exact.
 
+With --partial-rollout (lichen.rollout.partial) the groups after the cut are not thrown away: round 0 may start
+with groups resumed from the manager's PartialBuffer (only their unfinished samples are sent, as continuations),
+and at the cut the requests still queued are not sent (a gate of our own holds every request beyond the
+engines' concurrency caps), the running ones are aborted (`abort_all`, repeated until each has answered, so a
+request that reached a server just after an abort is aborted too) and every group after the cut, with what it
+has generated so far, goes back into the buffer in prompt order.
+
 The in-process engine generates a round as one batch call and has nothing to abort; custom generate functions
 (`--custom-generate-function-path`) make their own engine calls. Both keep the generate-everything path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from typing import Any
 
 from lichen.engines.client import EngineError
+from lichen.engines.engine import GenResult
+from lichen.engines.sampling import derive_seed
 from lichen.observe.metrics import get_logger
 from lichen.rewards import score_samples
 from lichen.rollout.filters import run_group_filter
+from lichen.rollout.partial import PartialBuffer, continuation_request, extend_sample, to_buffered
 from lichen.rollout.shaping import apply_overlong_penalty
 from lichen.types import Sample
 
@@ -37,32 +48,64 @@ def can_abort(args: Any, manager: Any) -> bool:
 
 
 def generate_round(args: Any, manager: Any, prompts: list, *, seed_key: int, group_filter: Any, path: str,
-                   need: int) -> tuple[list[list[Sample]], list[bool], dict]:
+                   need: int, resumed: list[list[Sample]] = (), buffer: PartialBuffer | None = None,
+                   ) -> tuple[list[list[Sample]], list[bool], dict]:
     """One round: (groups decided, keep flag per group, stats). Stats: reward_time_s, failed, aborted_groups,
-    aborted_requests. Groups after the `need`-th kept one are aborted and not returned."""
+    aborted_requests, buffered_groups. Groups after the `need`-th kept one are aborted and not returned; with a
+    `buffer` (--partial-rollout) they are put into it. `resumed` groups (from the buffer) take positions
+    0..len(resumed)-1 of the round, before `prompts`."""
     from lichen.rollout.generate import make_sample, sample_requests
 
     n = args.n_samples_per_prompt
-    requests, owners = sample_requests(args, manager, prompts, n=n, temperature=args.rollout_temperature,
-                                       top_p=args.rollout_top_p, top_k=args.rollout_top_k,
-                                       max_new_tokens=args.rollout_max_response_len, seed_key=seed_key)
-    engine = manager.engine
-    futures = [engine.submit(engine.agenerate(r, allow_abort=True)) for r in requests]
-    by_group: list[list[int]] = [[] for _ in prompts]
+    resumed = list(resumed)
+    fresh, owners = sample_requests(args, manager, prompts, n=n, temperature=args.rollout_temperature,
+                                    top_p=args.rollout_top_p, top_k=args.rollout_top_k,
+                                    max_new_tokens=args.rollout_max_response_len, seed_key=seed_key,
+                                    first_pos=len(resumed))
+    # plan[pos] = per sample (request index or None, ("resumed", Sample) or ("fresh", owner))
+    requests, plan = [], []
+    for pos, group in enumerate(resumed):
+        members = []
+        for j, s in enumerate(group):
+            req = continuation_request(args, s, seed=derive_seed(args.seed, seed_key, pos, j))
+            if req is not None:
+                requests.append(req)
+            members.append((len(requests) - 1 if req is not None else None, ("resumed", s)))
+        plan.append(members)
     for k, owner in enumerate(owners):
-        by_group[owner[0]].append(k)
+        if owner[1] == 0:
+            plan.append([])
+        requests.append(fresh[k])
+        plan[-1].append((len(requests) - 1, ("fresh", owner)))
+
+    mask = bool(getattr(args, "mask_offpolicy_in_partial_rollout", False))
+
+    def build(base: tuple, res: GenResult | None, cut: bool) -> Sample:
+        kind, what = base
+        if kind == "resumed":
+            return what if res is None else extend_sample(what, res, _decoder(manager), mask_offpolicy=mask)
+        if res is None:  # cut off before it was sent: a sample with no response yet
+            return to_buffered(make_sample(manager, what, GenResult([], [], "abort", len(what[4]), ""), n), None)
+        s = make_sample(manager, what, res, n)
+        return to_buffered(s, res.finish_reason) if cut else s
+
+    engine = manager.engine
+    gate = _Gate(engine) if buffer is not None else None
+    futures = [engine.submit(gate.generate(r) if gate else engine.agenerate(r, allow_abort=True)) for r in requests]
     groups: list[list[Sample]] = []
     keep: list[bool] = []
-    stats = {"reward_time_s": 0.0, "failed": [], "aborted_groups": 0, "aborted_requests": 0}
+    stats = {"reward_time_s": 0.0, "failed": [], "aborted_groups": 0, "aborted_requests": 0, "buffered_groups": 0}
     try:
-        for pos, members in enumerate(by_group):
+        for members in plan:
             if sum(keep) >= need:
                 break
-            concurrent.futures.wait([futures[k] for k in members])
-            results = [futures[k].result() for k in members]
-            if any(res.finish_reason == "abort" for res in results):  # not by us: as the default path, an error
+            mine = [futures[k] for k, _ in members if k is not None]
+            concurrent.futures.wait(mine)
+            results = [None if k is None else futures[k].result() for k, _ in members]
+            if any(res is not None and res.finish_reason == "abort" for res in results):
+                # not by us: as the default path, an error
                 raise EngineError("an engine aborted a rollout request of a group being kept")
-            group = [make_sample(manager, owners[k], res, n) for k, res in zip(members, results)]
+            group = [build(base, res, False) for (_, base), res in zip(members, results)]
             t0 = time.perf_counter()
             scored = score_samples(group, manager.reward_fn, args)
             stats["reward_time_s"] += scored.get("reward_time_s", time.perf_counter() - t0)
@@ -73,15 +116,77 @@ def generate_round(args: Any, manager: Any, prompts: list, *, seed_key: int, gro
                                        factor=args.overlong_penalty_factor, reward_key=args.reward_key)
             groups.append(group)
             keep += run_group_filter(group_filter, args, [group], path)
-    finally:
-        surplus = [f for f in futures if not f.done()]
-        for f in surplus:
-            f.cancel()  # a request still queued for a slot is never sent
-        if surplus:
-            engine.abort_all()  # the ones running on the servers stop there
-        stats["aborted_groups"] = len(prompts) - len(groups)
-        stats["aborted_requests"] = len(surplus)
+    except BaseException:
+        _cancel_surplus(engine, futures)
+        raise
+    if gate is None:
+        stats["aborted_requests"] = _cancel_surplus(engine, futures)
+    else:
+        stats["aborted_requests"] = _drain(engine, futures, gate)
+        for members in plan[len(groups):]:
+            results = [None if k is None else _result_or_none(futures[k]) for k, _ in members]
+            buffer.put([build(base, res, True) for (_, base), res in zip(members, results)])
+        stats["buffered_groups"] = len(plan) - len(groups)
+    stats["aborted_groups"] = len(plan) - len(groups)
     if stats["aborted_groups"]:
-        log.info("dynamic sampling: %d groups kept; aborted the %d requests of the %d later groups of this round",
-                 need, len(surplus), stats["aborted_groups"])
+        log.info("dynamic sampling: %d groups kept; aborted the %d requests of the %d later groups of this round%s",
+                 need, stats["aborted_requests"], stats["aborted_groups"],
+                 " (their groups go to the partial-rollout buffer)" if gate is not None else "")
     return groups, keep, stats
+
+
+def _decoder(manager: Any):
+    return lambda ids: manager.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _cancel_surplus(engine: Any, futures: list) -> int:
+    """Cancel what has not answered (a request still queued for a slot is never sent) and abort the rest on
+    the servers; returns how many requests that was."""
+    surplus = [f for f in futures if not f.done()]
+    for f in surplus:
+        f.cancel()
+    if surplus:
+        engine.abort_all()  # the ones running on the servers stop there
+    return len(surplus)
+
+
+class _Gate:
+    """Holds requests beyond the engines' concurrency caps on our side, so that after the cut they are never
+    sent (inside the client's own queue they could not be told apart from requests already running)."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        clients = getattr(engine, "clients", None) or []
+        self.capacity = sum(getattr(c, "concurrency", 0) for c in clients) or 1 << 30
+        self.cut = False
+        self._slots: asyncio.Semaphore | None = None
+
+    async def generate(self, request) -> GenResult | None:
+        if self._slots is None:  # made on the engines' loop, by the first request (no await before: no race)
+            self._slots = asyncio.Semaphore(self.capacity)
+        async with self._slots:
+            if self.cut:
+                return None
+            return await self._engine.agenerate(request, allow_abort=True)
+
+
+def _drain(engine: Any, futures: list, gate: _Gate, poll: float = 0.25) -> int:
+    """After the cut: no further request is sent, and the running ones are aborted until every one has answered
+    (one that reached its server just after an abort call is caught by the next). Returns how many were open."""
+    gate.cut = True
+    pending = {f for f in futures if not f.done()}
+    open_at_cut = len(pending)
+    while pending:
+        engine.abort_all()
+        _, pending = concurrent.futures.wait(pending, timeout=poll)
+    return open_at_cut
+
+
+def _result_or_none(future) -> GenResult | None:
+    """A surplus request's result; one that failed (e.g. its engine died) adds nothing and is sent again when its
+    group is continued."""
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001 - a cut-off request must not fail the step
+        log.warning("a cut-off rollout request failed (%s); its sample is continued next step", e)
+        return None

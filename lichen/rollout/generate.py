@@ -15,7 +15,9 @@ runs DAPO dynamic sampling, in rounds r = 0, 1, ...:
 Every prompt taken from the source is generated (the source hands out exactly the prompts asked for), so the
 saved source position is exactly what an uninterrupted run would have reached. Over engine servers a round stops
 once it has the groups the step lacks: later groups' requests are aborted (lichen.rollout.abort_surplus; the kept
-groups are the same). Kept groups beyond
+groups are the same). With --partial-rollout the aborted groups go to the manager's PartialBuffer and are
+continued first next step (lichen.rollout.partial): round 0 then holds the buffered groups followed by
+--over-sampling-batch-size minus that many new prompts. Kept groups beyond
 --rollout-batch-size are discarded (counted and logged); their prompts are spent until the next epoch.
 With fewer kept groups than --rollout-batch-size the step trains on fewer: the count is cut down to a multiple
 the trainer can split into --num-steps-per-rollout equal global batches (filters.trainable_group_count); if that
@@ -42,6 +44,7 @@ from lichen.rollout.filters import (
     run_group_filter,
     trainable_group_count,
 )
+from lichen.rollout.partial import require_abortable
 from lichen.rollout.shaping import apply_overlong_penalty, overlong_metrics
 from lichen.types import Sample, Status
 
@@ -70,10 +73,11 @@ def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: 
 
 
 def sample_requests(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
-                    max_new_tokens: int, seed_key: int) -> tuple[list[GenRequest], list[tuple]]:
-    """The engine requests of `build_samples`, and per request its owner (pos, j, data_index, record, ids)."""
+                    max_new_tokens: int, seed_key: int, first_pos: int = 0) -> tuple[list[GenRequest], list[tuple]]:
+    """The engine requests of `build_samples`, and per request its owner (pos, j, data_index, record, ids); the
+    prompts take round positions first_pos, first_pos + 1, ... (resumed partial groups come before them)."""
     requests, owners = [], []
-    for pos, (data_index, record) in enumerate(prompts):
+    for pos, (data_index, record) in enumerate(prompts, start=first_pos):
         ids = manager.encode(data_index, record)
         for j in range(n):
             requests.append(
@@ -170,20 +174,30 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
     n = args.n_samples_per_prompt
     steps = getattr(args, "num_steps_per_rollout", None) or 1
 
+    abortable = can_abort(args, manager)
+    partial = None
+    if getattr(args, "partial_rollout", False):
+        require_abortable(args, abortable)
+        partial = manager.partial
+    resumed = partial.take_all() if partial is not None else []
+    resumed_tokens = sum(s.response_length for g in resumed for s in g)
+    num_resumed = len(resumed)
+
     passed: list[list[Sample]] = []
     rejected: list[list[Sample]] = []
     reward_time, failed = 0.0, []
     generated = consumed = rounds = aborted = 0
     batch = list(prompts)
-    batch += take_prompts(manager.source, per_round - len(batch))
+    batch += take_prompts(manager.source, per_round - len(resumed) - len(batch))
     for r in range(max_rounds):
         if r > 0:
-            batch = take_prompts(manager.source, per_round)
+            batch, resumed = take_prompts(manager.source, per_round), []
         consumed += len(batch)
         seed_key = rollout_id * SEED_ROUND_STRIDE + r
-        if can_abort(args, manager):  # server engines: stop generating once enough groups are kept
+        if abortable:  # server engines: stop generating once enough groups are kept
             groups, keep, stats = abort_surplus_round(args, manager, batch, seed_key=seed_key,
-                                                      group_filter=group_filter, path=path, need=target - len(passed))
+                                                      group_filter=group_filter, path=path, need=target - len(passed),
+                                                      resumed=resumed, buffer=partial)
             aborted += stats["aborted_groups"]
         else:
             groups, stats = _generate_scored(args, manager, batch, seed_key=seed_key)
@@ -241,6 +255,8 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
         "rollout/dynamic_sampling_aborted_groups": aborted,
         "rollout/dynamic_sampling_kept_groups": len(selected),
         "rollout/dynamic_sampling_pass_rate": len(passed) / max(generated, 1),
+        **({"rollout/partial_buffer_groups": len(partial), "rollout/partial_resumed_groups": num_resumed,
+            "rollout/partial_resumed_tokens": resumed_tokens} if partial is not None else {}),
         **overlong_metrics(s for g in selected for s in g),
     }
     return selected

@@ -1,7 +1,8 @@
 """The rollout manager: prompts from the data source -> engine samples -> rewards -> `list[list[Sample]]`.
 
 It owns the engines (the trainer reaches them only through `lichen.sync`), the prompt data source (whose
-position is part of every checkpoint) and the evaluation data sets.
+position is part of every checkpoint), the partial-rollout buffer (--partial-rollout: groups cut off by an abort,
+continued first next step; also part of every checkpoint) and the evaluation data sets.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from lichen.observe.metrics import get_logger
 from lichen.plugins import load_function
 from lichen.rewards import build_reward_fn, score_samples
 from lichen.rollout.eval import build_eval_reward_fns, load_eval_sets, run_eval
-from lichen.rollout.generate import build_samples, generate_rollout
+from lichen.rollout.abort_surplus import can_abort
+from lichen.rollout.generate import build_samples, generate_rollout, take_prompts
+from lichen.rollout.partial import PartialBuffer, require_abortable
 from lichen.types import Sample, Status
 
 log = get_logger(__name__)
@@ -79,6 +82,12 @@ class RolloutManager:
         self.generate_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
                             if args.rollout_function_path else generate_rollout)
         self.last_reward_stats: dict = {}
+        self.partial = PartialBuffer()
+        try:
+            require_abortable(args, can_abort(args, self))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def engines(self) -> list:
@@ -99,7 +108,11 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict]:
         t0 = time.perf_counter()
-        prompts = self.source.next_batch()
+        reserved = len(self.partial) if getattr(self.args, "partial_rollout", False) else 0
+        if reserved:  # buffered groups take their places first: the data position moves by that many fewer
+            prompts = take_prompts(self.source, self.args.rollout_batch_size - reserved)
+        else:
+            prompts = self.source.next_batch()
         self.last_rollout_extra = {}  # filled by the default rollout (dynamic sampling, shaping); plug-ins may not
         groups = self.generate_fn(self.args, rollout_id, prompts, self)
         metrics = rollout_metrics(groups, self.args.reward_key)
@@ -116,10 +129,16 @@ class RolloutManager:
         return run_eval(self, version)
 
     def state_dict(self) -> dict:
-        return {"source": self.source.state_dict()}
+        return {"source": self.source.state_dict(), "partial_rollout": self.partial.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["source"])
+        self.partial.load_state_dict(state.get("partial_rollout"))  # absent in older checkpoints: empty
+        if len(self.partial) and not getattr(self.args, "partial_rollout", False):
+            log.warning("the checkpoint holds %d partially generated groups but --partial-rollout is off: they are "
+                        "dropped (their prompts stay spent); resume with --partial-rollout to continue them",
+                        len(self.partial))
+            self.partial.clear()
 
     def offload(self) -> None:
         for e in self.engines:
