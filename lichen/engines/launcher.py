@@ -29,7 +29,7 @@ import time
 import weakref
 from typing import Sequence
 
-from lichen.engines.server_process import ServerProcess
+from lichen.engines.server_process import ServerProcess, ServerSet
 from lichen.errors import UserError
 from lichen.observe.metrics import get_logger
 
@@ -70,7 +70,7 @@ def _install_exit_hooks() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-class EngineLauncher:
+class EngineLauncher(ServerSet):
     """K `lichen serve --model MODEL --host HOST --port 0 SERVER_ARGS...` processes.
 
     `log_dir`: each server's stderr goes to `log_dir/engine_{i}.log` (default: a temporary directory, removed by
@@ -181,22 +181,8 @@ class EngineLauncher:
         if live:
             log.info("stopped %d lichen serve engine(s)", len(live))
 
-    def __enter__(self) -> "EngineLauncher":
-        if not self.servers:
-            self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
     # ---- information --------------------------------------------------------------------------------------
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers if s.port is not None]
 
-    @property
-    def pids(self) -> list[int]:
-        return [s.proc.pid for s in self.servers]
-
-    def alive(self) -> list[bool]:
-        return [s.proc.poll() is None for s in self.servers]

@@ -122,3 +122,25 @@ def stream(url: str, body: Any, *, headers: dict | None = None, timeout: float =
             if line.startswith(b"data:"):
                 payload = line[5:].strip()
                 yield "[DONE]" if payload == b"[DONE]" else json.loads(payload)
+
+
+class ServerSet:
+    """What both launchers (lichen serve, SGLang) share: `with launcher:` starts and stops the set, and the
+    process facts. Subclasses hold `servers` (objects with `.proc`) and define `start()` and `stop()`."""
+
+    servers: list
+
+    def __enter__(self):
+        if not self.servers:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self.servers]
+
+    def alive(self) -> list[bool]:
+        return [s.proc.poll() is None for s in self.servers]

@@ -36,6 +36,7 @@ import urllib.request
 import weakref
 from typing import Any, Sequence
 
+from lichen.engines.server_process import ServerSet
 from lichen.errors import ConfigError, UserError
 
 SGLANG_PREFIX = "--sglang-"
@@ -139,7 +140,7 @@ class _Server:
         self.proc, self.url, self.cmd, self.log_path = proc, url, cmd, log_path
 
 
-class SGLangLauncher:
+class SGLangLauncher(ServerSet):
     """K SGLang servers; `command_for(i, port) -> argv` builds engine i's command (build_sglang_command).
 
     `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts)."""
@@ -222,25 +223,11 @@ class SGLangLauncher:
             for s in self.servers:
                 _kill_group(s.proc, grace)
 
-    def __enter__(self) -> "SGLangLauncher":
-        if not self.servers:
-            self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
     # ---- information --------------------------------------------------------------------------------------
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    @property
-    def pids(self) -> list[int]:
-        return [s.proc.pid for s in self.servers]
-
-    def alive(self) -> list[bool]:
-        return [s.proc.poll() is None for s in self.servers]
 
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:
