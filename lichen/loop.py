@@ -105,6 +105,7 @@ def run(args) -> dict:
                            wandb_run_name=args.wandb_run_name, config=vars(args)) as logger:
             return train_loop(args, trainer, rollout, logger)
     finally:
+        sync.close(rollout)  # leaves broadcast groups while the engines still answer
         rollout.close()  # stops engine servers lichen launched, also when the run raises
 
 

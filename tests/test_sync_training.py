@@ -83,3 +83,53 @@ def test_three_steps_over_two_engines_match_in_process(tiny_ckpt, addition_data,
     if transport == "disk-delta":
         assert [m["sync/is_delta"] for m in remote] == [0, 1, 1]  # version 1 starts the chain
         assert sorted(os.listdir(tmp_path / "w")) == ["weight_v000001", "weight_v000002", "weight_v000003"]
+
+
+# ---- closing the transports ---------------------------------------------------------------------------------
+class _Transport:
+    def __init__(self, log: list, fail: bool = False):
+        self.log, self.fail = log, fail
+
+    def close(self):
+        self.log.append("transport.close")
+        if self.fail:
+            raise RuntimeError("engine already gone")
+
+
+def test_close_releases_every_transport_once_and_never_raises():
+    from types import SimpleNamespace
+
+    from lichen import sync
+
+    log: list = []
+    engines = [SimpleNamespace(), SimpleNamespace(), SimpleNamespace()]
+    setattr(engines[0], sync._STATE_ATTR, {"transport": _Transport(log, fail=True)})
+    setattr(engines[1], sync._STATE_ATTR, {"transport": _Transport(log)})
+    rollout = SimpleNamespace(engines=engines)
+    sync.close(rollout)  # the first transport's error is logged, the second is still closed
+    assert log == ["transport.close", "transport.close"]
+    assert all(getattr(e, sync._STATE_ATTR, None) is None for e in engines)
+    sync.close(rollout)
+    sync.close(SimpleNamespace())  # a rollout without engines (a replay)
+    assert len(log) == 2
+
+
+def test_run_closes_the_transports_before_the_rollout(monkeypatch):
+    from types import SimpleNamespace
+
+    import lichen.loop as loop
+
+    order: list = []
+    rollout = SimpleNamespace(close=lambda: order.append("rollout.close"))
+    monkeypatch.setattr(loop, "prepare_output_dir", lambda args: None)
+    monkeypatch.setattr(loop, "build_rollout", lambda args: rollout)
+    monkeypatch.setattr(loop, "resolve_num_rollout", lambda args, r: None)
+
+    def no_trainer(args):
+        raise RuntimeError("trainer failed to build")
+
+    monkeypatch.setattr(loop, "build_trainer", no_trainer)
+    monkeypatch.setattr(loop.sync, "close", lambda r: order.append(("sync.close", r)))
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        loop.run(SimpleNamespace())
+    assert order == [("sync.close", rollout), "rollout.close"]

@@ -386,20 +386,20 @@ def test_undecodable_delta_names_tensor_and_files(tmp_path, monkeypatch):
     pull_weights(local, disk, 1)
     _change(sd, ["model.layers.0.mlp.weight", "model.norm.weight"], seed=2)
     pub.publish(sd, 2)
-    real = P.apply_tensor
+    real = P.apply_tensor_at
 
-    def broken(encoding, payload, target, **kw):  # one payload fails to decode (a bad frame, a wrong size)
-        if target.size == 16 * 2:
+    def broken(encoding, payload, fd, offset, nbytes, **kw):  # one payload fails to decode (a bad frame, ...)
+        if nbytes == 16 * 2:
             raise DeltaError("payload decodes to 7 bytes")
-        return real(encoding, payload, target, **kw)
+        return real(encoding, payload, fd, offset, nbytes, **kw)
 
-    monkeypatch.setattr(P, "apply_tensor", broken)
+    monkeypatch.setattr(P, "apply_tensor_at", broken)
     with pytest.raises(DeltaError, match=r"tensor 'model.norm.weight' in .*weight_v000002/model-00001-of-00001"
                                          r".safetensors \(applying to .*local/model-00001-of-00001.safetensors\): "
                                          r"payload decodes to 7 bytes"):
         pull_weights(local, disk, 2)
     assert read_applied_version(local) is None
-    monkeypatch.setattr(P, "apply_tensor", real)
+    monkeypatch.setattr(P, "apply_tensor_at", real)
     assert pull_weights(local, disk, 2).seeded_from == 1
     _assert_same(load_hf_state_dict(local), _engine(sd))
 

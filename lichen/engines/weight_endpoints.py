@@ -10,12 +10,15 @@
   lacks or a wrong shape then answers 400 and changes nothing.
 - `/destroy_weights_update_group`: leave a group (400 for an unknown one, as SGLang).
 - `/pull_weights`: bring a host-local checkpoint dir to a published version (lichen.weights.pull_weights: per-host
-  file lock, deltas checked against their checksums); the served weights do not change here.
+  file lock, deltas checked against their checksums); the served weights do not change here. When the served
+  weights are the version the local copy held, each delta is also decoded into staging buffers (lichen.weights.
+  staging: a second copy of the CPU weights, verified by the same checksums), so it is decompressed only once.
 - `/update_weights_from_disk` (replaces the server's route, DESIGN §8): when `model_path` is a local checkpoint
   dir this server pulled into, and the served weights are an earlier version of the same publishing chain, the
-  deltas in the pulled source dir are applied to the live parameters (lichen.weights.apply_delta_to_tensors, every
-  changed tensor checked against its checksum before any is written) instead of reloading the whole checkpoint.
-  Otherwise — and whenever the live apply fails — the checkpoint is reloaded as before.
+  served weights move by the deltas instead of reloading the whole checkpoint: the staged tensors are swapped in
+  (no copy) when the last pull staged exactly this version, else the deltas in the pulled source dir are applied
+  to the live parameters (lichen.weights.apply_delta_in_place, every changed tensor checked against its
+  checksum). Otherwise — and whenever the live apply fails — the checkpoint is reloaded as before.
 - `/weights_checker`: `checksum` answers SGLang's shape `{"success", "message", "ranks": [{"checksums": {name:
   hex}, "per_gpu_checksum", "parallelism_info"}], "per_engine_checksum"}` with the xxh3-128 of each loaded
   parameter's raw bytes (engine dtype), computed from the parameters themselves after loading; lichen adds
@@ -167,46 +170,12 @@ def checksum_body(named: Iterable[tuple[str, torch.Tensor]]) -> dict:
 # ---- the server side ------------------------------------------------------------------------------------------
 def apply_delta_live(params: dict[str, torch.Tensor], delta_dir: str, *, held_version: int,
                      chain_id: str | None, num_threads: int | None = None) -> int:
-    """Move served parameters from `held_version` to the delta version in `delta_dir`; returns tensors changed.
+    """Move served parameters from `held_version` to the delta version in `delta_dir` (lichen.weights.pull.
+    apply_delta_in_place); returns the number of tensors changed."""
+    from lichen.weights.pull import apply_delta_in_place
 
-    CPU parameters are changed in place (one pass over each changed tensor: decompress, apply, hash); a payload
-    that does not apply or a checksum that does not match raises after the pass, with the parameters then in an
-    unknown state: the caller reloads the verified local checkpoint. Parameters on an accelerator go through
-    lichen.weights.apply_delta_to_tensors (every checksum checked before any tensor is written)."""
-    from lichen.weights.delta import (ChecksumMismatchError, DeltaError, VersionMismatchError, apply_tensor,
-                                      parallel_map, tensor_bytes)
-    from lichen.weights.pull import apply_delta_to_tensors, delta_payloads
-    from lichen.weights.versions import read_version_info
-
-    if any(p.device.type != "cpu" or not p.is_contiguous() for p in params.values()):
-        return apply_delta_to_tensors(params, delta_dir, held_version=held_version, held_chain_id=chain_id,
-                                      num_threads=num_threads)
-    info = read_version_info(delta_dir)
-    if info.base_version != held_version or (chain_id is not None and info.chain_id not in (None, chain_id)):
-        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version} of chain "
-                                   f"{info.chain_id}, the engine holds {held_version} of {chain_id}")
-    items, _ = delta_payloads(info)  # checks the encoding, compression and checksum format too
-    missing = [name for name, *_ in items if name not in params]
-    if missing:
-        raise VersionMismatchError(f"{delta_dir} changes tensor(s) {missing[:5]} the engine does not hold")
-
-    def one(item) -> tuple[str, str, str | None] | None:
-        name, dfile, payload, want = item
-        try:
-            got = apply_tensor(info.delta_encoding, payload, tensor_bytes(params[name].data),
-                               checksum_format=info.checksum_format)
-        except DeltaError as e:
-            return name, dfile, str(e)
-        return None if got == want else (name, dfile, None)
-
-    with torch.no_grad():
-        bad = [r for r in parallel_map(one, items, num_threads) if r is not None]
-    broken = [f"tensor {name!r} in {dfile}: {err}" for name, dfile, err in bad if err is not None]
-    if broken:
-        raise DeltaError(f"cannot apply {delta_dir} to the live weights: " + "; ".join(broken[:10]))
-    if bad:
-        raise ChecksumMismatchError([(name, dfile) for name, dfile, _ in bad], delta_dir)
-    return len(items)
+    return apply_delta_in_place(params, delta_dir, held_version=held_version, chain_id=chain_id,
+                                num_threads=num_threads)
 
 
 def _reply(success: bool, message: str, status: int | None = None, **extra: Any) -> web.Response:
@@ -234,9 +203,33 @@ class WeightEndpoints:
         self.groups: dict[str, WeightGroup] = {}
         self.pulled: dict[str, str] = {}  # local checkpoint dir -> the source dir it was last pulled from
         self.held: Held | None = None
+        self.stage: Any = None  # a lichen.weights.staging.LiveStage filled by the last /pull_weights
+        self.spare: dict[str, torch.Tensor] = {}  # staging buffers kept between syncs
         self.snapshot: dict[str, torch.Tensor] | None = None
         self.last_update: dict = {}  # how the last disk update was done (tests and logs read it)
         self._lock = asyncio.Lock()  # one weight transfer at a time (broadcasts of two calls must not interleave)
+
+    def _set_held(self, held: Held | None) -> None:
+        """Record what the served weights are; a stage built on other weights is dropped."""
+        self.held = held
+        if self.stage is not None:
+            self.stage.release()
+            self.stage = None
+
+    def _stage_for_pull(self) -> Any:
+        """The stage a pull should fill: the current one, or a new one on the served version (CPU weights of a
+        known chain only; LICHEN_LIVE_STAGE=0 turns staging off)."""
+        from lichen.weights.staging import LiveStage
+
+        if os.environ.get("LICHEN_LIVE_STAGE", "1") == "0" or self.held is None or self.held.chain_id is None:
+            return None
+        if self.stage is not None and self.stage.usable:
+            return self.stage
+        try:
+            self.stage = LiveStage(self._params(), self.held.version, self.held.chain_id, spare=self.spare)
+        except ValueError:  # parameters on an accelerator: the update decodes the deltas itself
+            self.stage = None
+        return self.stage
 
     @property
     def engine(self):
@@ -345,7 +338,7 @@ class WeightEndpoints:
                             params[n].copy_(t)
                 if version is not None:
                     s.engine.weight_version = version
-                self.held = None
+                self._set_held(None)
 
             await self.server.control(apply, exclusive=True)
         msg = "Succeeded to update parameter online." + (f" Weight version updated to {version}." if version else "")
@@ -371,12 +364,18 @@ class WeightEndpoints:
         local = expect(body.get("local_checkpoint_dir"), (str,), "local_checkpoint_dir", "a string (a directory)")
         source = expect(body.get("source_dir"), (str,), "source_dir", "a string (a directory)")
         target = expect(body.get("target_version"), (int,), "target_version", "an integer")
-        try:
-            res = await asyncio.to_thread(pull_weights, local, source, target, base_dir=self.base_dir)
-        except Exception as e:
-            log.error("pull_weights to version %d failed: %s", target, e)
-            return _reply(False, "".join(traceback.format_exception_only(type(e), e)).strip())
-        self.pulled[os.path.abspath(local)] = os.path.abspath(source)
+        async with self._lock:  # a stage reads the served weights: no update may swap them meanwhile
+            stage = self._stage_for_pull()
+            try:
+                res = await asyncio.to_thread(pull_weights, local, source, target, base_dir=self.base_dir,
+                                              stage=stage)
+            except Exception as e:
+                log.error("pull_weights to version %d failed: %s", target, e)
+                return _reply(False, "".join(traceback.format_exception_only(type(e), e)).strip())
+            finally:
+                if stage is not None and not stage.usable:
+                    self._set_held(self.held)  # drops it
+            self.pulled[os.path.abspath(local)] = os.path.abspath(source)
         what = ("already at that version" if res.noop else
                 f"seeded from {res.seeded_from}" if res.seeded_from is not None else "continued its chain")
         deltas = f", applied deltas {res.deltas_applied}" if res.deltas_applied else ""
@@ -426,6 +425,18 @@ class WeightEndpoints:
                 await self.server._abort_all_if(body, False)
                 sch = self.server.scheduler
                 paused = sch.num_running + sch.num_waiting if self.server.paused else 0
+                stage, self.stage = self.stage, None
+                staged = (stage is not None and stage.usable and stage.version == target.version
+                          and stage.base_version == self.held.version and stage.chain_id == target.chain_id)
+                if stage is not None and not staged:
+                    stage.release()
+
+                def swap(s) -> int:  # the deltas were decoded and verified into the stage at pull time
+                    count = stage.swap_in()
+                    self.held = target
+                    if version is not None:
+                        s.engine.weight_version = version
+                    return count
 
                 def apply(s) -> int:
                     params = self._params()
@@ -440,16 +451,18 @@ class WeightEndpoints:
                     return changed
 
                 try:
-                    changed = await self.server.control(apply, exclusive=True)
+                    changed = await self.server.control(swap if staged else apply, exclusive=True)
                 except Exception as e:  # the served weights may be between versions: reload the verified copy
                     log.warning("live delta apply to %s failed (%s); reloading the checkpoint", path, e)
-                    self.held = None
+                    self._set_held(None)
                 else:
                     self.server.model_path = path
-                    self.last_update = {"mode": "live_delta", "versions": [read_version_info(d).version for d in dirs],
+                    how = "staged" if staged else "live_delta"
+                    self.last_update = {"mode": how, "versions": [read_version_info(d).version for d in dirs],
                                         "tensors_changed": changed}
                     msg = (f"Succeeded to update model weights. Applied deltas {self.last_update['versions']} "
-                           f"({changed} tensors) to the live weights.")
+                           f"({changed} tensors) to the live weights"
+                           + (" (decoded and verified at pull time)." if staged else "."))
                     if version:
                         msg += f" Weight version updated to {version}."
                     return _reply(True, msg, num_paused_requests=paused)
@@ -461,9 +474,17 @@ class WeightEndpoints:
                     state = None
             resp = await self.server.update_weights_from_disk(request)
             if resp.status == 200:
-                self.held = None if state is None else Held(state["version"], state.get("chain_id"))
+                self._set_held(None if state is None else Held(state["version"], state.get("chain_id")))
                 self.last_update = {"mode": "reload", "versions": [] if state is None else [state["version"]]}
+                if self.held is not None and os.environ.get("LICHEN_LIVE_STAGE", "1") != "0":
+                    await asyncio.to_thread(self._reserve_spare)
             return resp
+
+    def _reserve_spare(self) -> None:
+        """Allocate the staging buffers now (a reload starts a chain), not at the first delta's pull."""
+        from lichen.weights.staging import reserve
+
+        reserve(self._params(), self.spare)
 
     # ---- checks -------------------------------------------------------------------------------------------
     async def weights_checker(self, request: web.Request) -> web.Response:
@@ -484,7 +505,7 @@ class WeightEndpoints:
                 with torch.no_grad():
                     for p in s.engine.model.parameters():
                         p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
-                self.held = None
+                self._set_held(None)
 
             await self.server.control(reset, exclusive=True)
             return _reply(True, "Parameters reset to random values.")

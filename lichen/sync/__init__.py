@@ -136,8 +136,14 @@ def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
 
 
 def close(rollout) -> None:
-    """Release transport state held for `rollout`'s engines (broadcast groups); safe to call twice."""
-    for eng in list(getattr(rollout, "engines", [])):
+    """Release transport state held for `rollout`'s engines (broadcast groups); safe to call twice, and never
+    raises (the run loop calls it in a `finally`, before stopping the engines)."""
+    try:
+        engines = list(getattr(rollout, "engines", None) or [])
+    except Exception as e:
+        log.warning("closing the weight transports: %s", e)
+        return
+    for eng in engines:
         st = getattr(eng, _STATE_ATTR, None)
         if st is not None:
             setattr(eng, _STATE_ATTR, None)

@@ -10,9 +10,11 @@ One sync to version N (>= 1):
 1. publish `weight_v{N:06d}` (time: publish);
 2. `/pull_weights {local_checkpoint_dir, source_dir, target_version N}` on every engine (time: transfer): the
    engine brings its host-local copy to N (seeding from the newest full version it needs, checking every
-   checksum; a failure leaves the engine serving its last good weights and stops the run);
+   checksum; a failure leaves the engine serving its last good weights and stops the run); lichen serve also
+   decodes the deltas into a staged copy of its weights here;
 3. pause -> flush -> `/update_weights_from_disk {model_path: local dir, weight_version "N"}` -> continue
-   (time: apply): lichen serve moves its live weights by the deltas (DESIGN §8), SGLang reloads the local copy.
+   (time: apply): lichen serve moves its live weights by the deltas (swaps the staged copy in, DESIGN §8),
+   SGLang reloads the local copy.
 
 Version 0 (the start of a fresh run) publishes nothing: `/pull_weights` target 0 seeds the local copy from the
 engine's own checkpoint, as slime's first sync does.

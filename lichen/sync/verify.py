@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.engines.weight_endpoints import CHECKSUM_FORMAT, parse_dtype, tensor_checksum
+from lichen.engines.weight_endpoints import CHECKSUM_FORMAT, parse_dtype
 
 
 class WeightMismatchError(RuntimeError):
@@ -37,7 +37,12 @@ def engine_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def expected_checksums(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, str]:
-    return {name: tensor_checksum(engine_view(t, dtype)) for name, t in named}
+    """name -> xxh3-128 of the tensor's bytes in the engine dtype (cast chunk by chunk, tensors in parallel)."""
+    from lichen.weights.delta import cast_checksum, parallel_map
+
+    items = list(named)
+    sums = parallel_map(lambda item: cast_checksum(CHECKSUM_FORMAT, item[1], dtype), items)
+    return {name: digest for (name, _), digest in zip(items, sums)}
 
 
 def _describe(url: str, version: Any, missing: list[str], extra: list[str], differ: list[str]) -> str:

@@ -1,7 +1,7 @@
 """The engine side of disk weight sync: bring a host-local checkpoint to a published version (`/pull_weights`).
 
 `pull_weights(local, source, N)` seeds `local` from the newest full version at or below N that it needs, then
-applies each later delta in order, in place in the local safetensors files (mmap), checking every tensor's
+applies each later delta in order, in place in the local safetensors files (pread/pwrite), checking every tensor's
 checksum. The local directory keeps its state in `<local>/.weight_sync/`, the layout SGLang's own pull uses:
 `lock` (a per-host `flock`, so engines sharing the directory serialize and the later ones find nothing to do)
 and `state.json` = `{"version": "000007", ...}`, written atomically after a version is complete and removed
@@ -11,8 +11,10 @@ lichen adds to state.json the version's `chain_id` and the host's boot id: a loc
 resumed run republishing version numbers) or from before a reboot (page-cache writes lost) is reseeded rather
 than trusted. A local copy ahead of the target is reseeded too (SGLang treats that as a no-op).
 
-`apply_delta_to_tensors` applies a delta version to live tensors (an engine that moves its loaded weights
-instead of reloading); it verifies every checksum before changing any tensor.
+`apply_delta_in_place` (CPU, in place) and `apply_delta_to_tensors` (any device; every checksum verified before
+any tensor changes) apply a delta version to live tensors (an engine that moves its loaded weights instead of
+reloading). With a `LiveStage` (lichen.weights.staging) a pull decodes each payload once, into the engine's
+staging buffers, checks it there and writes those verified bytes to the local file.
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ from lichen.weights.delta import (
     DeltaError,
     VersionMismatchError,
     apply_tensor,
+    apply_tensor_at,
     check_checksum_format,
     check_encoding,
     checksum,
     decode_tensor,
     parallel_map,
     tensor_bytes,
+    write_at,
 )
 from lichen.weights.hf_io import INDEX_FILE
+from lichen.weights.staging import LiveStage
 from lichen.weights.versions import VersionInfo, read_safetensors_header, read_version_info, version_dir
 
 SYNC_DIR = ".weight_sync"
@@ -158,7 +163,7 @@ def plan_pull(source_dir: str, target_version: int, applied: int | None,
 
 def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int, *, base_dir: str | None = None,
                  pre_read_hook: Callable[[str, int], None] | None = None, verify: bool = True,
-                 num_threads: int | None = None) -> PullResult:
+                 num_threads: int | None = None, stage: LiveStage | None = None) -> PullResult:
     """Bring `local_checkpoint_dir` to `target_version` of the versions under `source_dir` (see the module doc).
 
     `base_dir` is version 0 (the engine's own checkpoint): the seed when no full version is published at or
@@ -166,6 +171,10 @@ def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int
     a target > 0. With `verify`, a full seed's per-tensor checksums (when it has them) are checked after copying;
     delta checksums are always checked. Raises VersionMismatchError for a delta that does not build on the local
     version, ChecksumMismatchError naming each bad tensor and file, FileNotFoundError for a missing version.
+
+    `stage` (lichen.weights.staging): also apply the deltas to the engine's staging buffers, from the same
+    decompressed bytes; used only when the local copy holds the stage's version of its chain and no seed is
+    needed (else the stage is marked failed and left alone).
     """
     t0 = time.perf_counter()
     if target_version > 0 and pre_read_hook is not None:
@@ -179,6 +188,10 @@ def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int
         seed, deltas = plan_pull(source_dir, target_version, applied, None if state is None else state.get("chain_id"))
         if seed is None and not deltas:
             return PullResult(target_version, None, [], 0, time.perf_counter() - t0, True)
+        if stage is not None and (seed is not None or applied != stage.version
+                                  or (state or {}).get("chain_id") != stage.chain_id):
+            stage.fail(f"the local copy holds version {applied}, not the staged version {stage.version}")
+            stage = None
         bytes_read = 0
         if seed is not None:
             if seed == 0:
@@ -192,7 +205,8 @@ def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int
             bytes_read += seed_local_checkpoint(src, local, seed, chain_id=chain, verify=verify,
                                                 num_threads=num_threads)
         for v in deltas:
-            bytes_read += apply_delta_to_checkpoint(local, version_dir(source_dir, v), num_threads=num_threads)
+            bytes_read += apply_delta_to_checkpoint(local, version_dir(source_dir, v), num_threads=num_threads,
+                                                    stage=stage)
     return PullResult(target_version, seed, deltas, bytes_read, time.perf_counter() - t0, False)
 
 
@@ -325,8 +339,29 @@ def delta_payloads(info: VersionInfo) -> tuple[list[tuple[str, str, memoryview, 
     return items, read
 
 
-def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_threads: int | None = None) -> int:
+def _staged(stage: LiveStage, name: str, info: VersionInfo, payload, want: str) -> bool:
+    """Decode one payload into the stage (old bytes: the staged ones, else the live ones); True when the result
+    matches its checksum, else the stage is marked failed."""
+    try:
+        src, dst = stage.targets(name)
+        got = apply_tensor(info.delta_encoding, payload, dst, source=src, checksum_format=info.checksum_format)
+    except KeyError:
+        stage.fail(f"the engine holds no tensor {name!r}")
+        return False
+    except DeltaError as e:
+        stage.fail(f"tensor {name!r}: {e}")
+        return False
+    if got != want:
+        stage.fail(f"staged tensor {name!r} does not match its checksum")
+        return False
+    return True
+
+
+def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_threads: int | None = None,
+                              stage: LiveStage | None = None) -> int:
     """Apply one delta version in place to the local checkpoint (caller holds the lock); returns bytes read.
+    With `stage`, each payload is also applied to the staging buffers (see pull_weights); the stage moves to this
+    version when every staged checksum matched, else it is marked failed.
 
     Refuses (VersionMismatchError, nothing changed) a delta whose base_version or chain is not the local one.
     A tensor whose result does not match its checksum raises ChecksumMismatchError after all tensors are tried;
@@ -349,35 +384,40 @@ def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_
         if missing:
             raise DeltaError(f"{delta_dir} changes tensor(s) {missing[:5]} that {local_checkpoint_dir} does not hold")
         _invalidate_state(local_checkpoint_dir)
-        maps: dict[str, tuple] = {}
+        fds: dict[str, int] = {}
         try:
             for path in sorted({locations[name][0] for name, *_ in items}):
-                fh = open(path, "r+b")
-                maps[path] = (fh, mmap.mmap(fh.fileno(), 0))
+                fds[path] = os.open(path, os.O_RDWR)
 
             def apply_one(item) -> tuple[str, str, str | None] | None:
-                # Errors are returned, not raised: a traceback holding `region` would keep the mmap exported.
                 name, dfile, payload, want = item
                 path, offset, nbytes = locations[name]
-                region = np.ndarray((nbytes,), dtype=np.uint8, buffer=maps[path][1], offset=offset)
+                if stage is not None and stage.usable and _staged(stage, name, info, payload, want):
+                    try:  # the staged bytes are verified: the local copy takes them as they are
+                        write_at(fds[path], stage.targets(name)[1], offset)
+                        return None
+                    except OSError as e:
+                        return name, f"{dfile} (writing to {path})", str(e)
                 try:
-                    got = apply_tensor(info.delta_encoding, payload, region, checksum_format=info.checksum_format)
+                    got = apply_tensor_at(info.delta_encoding, payload, fds[path], offset, nbytes,
+                                          checksum_format=info.checksum_format)
                 except DeltaError as e:
                     return name, f"{dfile} (applying to {path})", str(e)
-                finally:
-                    del region
                 return None if got == want else (name, f"{dfile} -> {path}", None)
 
             failed = [r for r in parallel_map(apply_one, items, num_threads) if r is not None]
         finally:
-            for fh, mm in maps.values():
-                mm.close()
-                fh.close()
+            for fd in fds.values():
+                os.close(fd)
         broken = [f"tensor {name!r} in {where}: {err}" for name, where, err in failed if err is not None]
         if broken:
             raise DeltaError(f"cannot apply {delta_dir}: " + "; ".join(broken[:10]))
         if failed:
+            if stage is not None:
+                stage.fail(f"checksum mismatch in {delta_dir}")
             raise ChecksumMismatchError([(name, where) for name, where, _ in failed], delta_dir)
+    if stage is not None and stage.usable:
+        stage.version = info.version
     _write_state(local_checkpoint_dir, info.version, info.chain_id or (state or {}).get("chain_id"))
     return read
 
@@ -422,3 +462,42 @@ def apply_delta_to_tensors(tensors: Mapping[str, torch.Tensor], delta_dir: str, 
             src = torch.from_numpy(new).view(t.dtype).reshape(t.shape)
             t.copy_(src)
     return len(decoded)
+
+
+def apply_delta_in_place(params: Mapping[str, torch.Tensor], delta_dir: str, *, held_version: int,
+                         chain_id: str | None, num_threads: int | None = None) -> int:
+    """Move served parameters from `held_version` to the delta version in `delta_dir`; returns tensors changed.
+
+    CPU parameters are changed in place (one pass over each changed tensor: decompress, apply, hash); a payload
+    that does not apply or a checksum that does not match raises after the pass, with the parameters then in an
+    unknown state: the caller reloads the verified local checkpoint. Parameters on an accelerator go through
+    apply_delta_to_tensors (every checksum checked before any tensor is written)."""
+    if any(p.device.type != "cpu" or not p.is_contiguous() for p in params.values()):
+        return apply_delta_to_tensors(params, delta_dir, held_version=held_version, held_chain_id=chain_id,
+                                      num_threads=num_threads)
+    info = read_version_info(delta_dir)
+    if info.base_version != held_version or (chain_id is not None and info.chain_id not in (None, chain_id)):
+        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version} of chain "
+                                   f"{info.chain_id}, the engine holds {held_version} of {chain_id}")
+    items, _ = delta_payloads(info)  # checks the encoding, compression and checksum format too
+    missing = [name for name, *_ in items if name not in params]
+    if missing:
+        raise VersionMismatchError(f"{delta_dir} changes tensor(s) {missing[:5]} the engine does not hold")
+
+    def one(item) -> tuple[str, str, str | None] | None:
+        name, dfile, payload, want = item
+        try:
+            got = apply_tensor(info.delta_encoding, payload, tensor_bytes(params[name].data),
+                               checksum_format=info.checksum_format)
+        except DeltaError as e:
+            return name, dfile, str(e)
+        return None if got == want else (name, dfile, None)
+
+    with torch.no_grad():
+        bad = [r for r in parallel_map(one, items, num_threads) if r is not None]
+    broken = [f"tensor {name!r} in {dfile}: {err}" for name, dfile, err in bad if err is not None]
+    if broken:
+        raise DeltaError(f"cannot apply {delta_dir} to the live weights: " + "; ".join(broken[:10]))
+    if bad:
+        raise ChecksumMismatchError([(name, dfile) for name, dfile, _ in bad], delta_dir)
+    return len(items)

@@ -45,7 +45,7 @@ from lichen.weights.delta import (
     check_encoding,
     checksum,
     default_threads,
-    encode_tensor,
+    encode_tensor_cast,
     parallel_map,
     tensor_bytes,
 )
@@ -334,9 +334,8 @@ class VersionPublisher:
         names = list(state_dict)
         # The snapshot advances as tensors are encoded; a failure after this point resets the publisher.
         encoded = parallel_map(
-            lambda n: encode_tensor(self.encoding, tensor_bytes(_engine_view(state_dict[n], self.dtype)),
-                                    tensor_bytes(snap[n]), checksum_format=self.checksum_format, level=self.level,
-                                    update_old=True),
+            lambda n: encode_tensor_cast(self.encoding, state_dict[n], tensor_bytes(snap[n]), snap[n].dtype,
+                                         checksum_format=self.checksum_format, level=self.level),
             names, self.num_threads)
         changed = {n: e for n, e in zip(names, encoded) if e is not None}
         shards: list[list[str]] = []

@@ -1,0 +1,316 @@
+"""A fast zstd encoder for sparse byte strings (xor deltas): the sequences are found with numpy, only the entropy
+coding is left to libzstd (`ZSTD_compressSequences`, through ctypes on the system's libzstd).
+
+Why: zstd's own match finder spends ~90 ns per match on a xor delta of a bf16 model after one small optimizer
+step (a nonzero byte every ~50 bytes), 0.5 GB/s per core; the delta's structure is known, so the matches are too.
+The frame is an ordinary zstd frame (any zstd decoder reads it; content size in the header), so the on-disk
+format (sglang-api.md §5.6) does not change, and the frames decode faster (one simple match per zero run).
+
+Parse, on the little-endian 8-byte words w[0..W) of the input x (n bytes, W = n // 8): every maximal run of zero
+words [lo, hi) becomes one zstd sequence (literals x[prev_me : ms], then a match of offset 1 and length me - ms):
+  ms = 8*(lo - 1) + k + 2, k = index (0..7) of the highest nonzero byte of w[lo - 1]
+       (the match repeats the zero byte at ms - 1, so one zero literal follows the last nonzero byte); ms = 1
+       when lo = 0;
+  me = 8*hi + j, j = index of the lowest nonzero byte of w[hi]; me = 8*W when hi = W;
+and prev_me is the previous sequence's me (0 first). An offset-1 match is an overlapping copy of the byte before
+it, and every byte in [ms - 1, me) is zero, so the match reproduces the run. Runs are >= 8 bytes, so matches are
+>= 7 bytes (zstd's minimum is 3). The bytes after the last match (the n % 8 tail included) are the frame's last
+literals. libzstd splits sequences at its 128 KiB block boundaries itself (`ZSTD_sf_noBlockDelimiters`, the
+default). k and j come from an exact byte mask of the word (no floating point).
+
+The library is used only when it loads, is >= 1.5.0 and passes a round-trip self-test against python-zstandard's
+decoder; otherwise `available()` is False and callers use python-zstandard's own compressor. The environment
+variable LICHEN_ZSTD_SEQUENCES=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+
+import numpy as np
+import zstandard
+
+_MIN_VERSION = 10500  # 1.5.0
+_ZSTD_C_COMPRESSION_LEVEL = 100
+_ZSTD_C_CONTENT_SIZE_FLAG = 200
+_ZSTD_RESET_SESSION_ONLY = 1
+_MAX_BYTES = (1 << 32) - 1  # ZSTD_Sequence lengths are unsigned 32-bit
+_PARSE_CHUNK_WORDS = 1 << 17  # parse 1 MiB of input at a time (cache-sized temporaries)
+_LOW7, _HIGH1 = np.uint64(0x7F7F7F7F7F7F7F7F), np.uint64(0x8080808080808080)
+_GATHER = np.uint64(0x0102040810204080)  # bit 8i -> bit 56 + i, without collisions in the top byte
+_HIGHEST = np.array([max(i for i in range(8) if m >> i & 1) if m else 0 for m in range(256)], dtype=np.int64)
+_LOWEST = np.array([min(i for i in range(8) if m >> i & 1) if m else 0 for m in range(256)], dtype=np.int64)
+
+_lib = None
+_lib_state = "unloaded"  # "unloaded" | "ok" | "unavailable: <why>"
+_load_lock = threading.Lock()
+_local = threading.local()
+
+
+def _bind(lib) -> None:
+    c_size, c_void = ctypes.c_size_t, ctypes.c_void_p
+    lib.ZSTD_versionNumber.restype = ctypes.c_uint
+    lib.ZSTD_createCCtx.restype = c_void
+    lib.ZSTD_freeCCtx.argtypes = [c_void]
+    lib.ZSTD_freeCCtx.restype = c_size
+    lib.ZSTD_CCtx_setParameter.argtypes = [c_void, ctypes.c_int, ctypes.c_int]
+    lib.ZSTD_CCtx_setParameter.restype = c_size
+    lib.ZSTD_CCtx_reset.argtypes = [c_void, ctypes.c_int]
+    lib.ZSTD_CCtx_reset.restype = c_size
+    lib.ZSTD_compressSequences.argtypes = [c_void, c_void, c_size, c_void, c_size, c_void, c_size]
+    lib.ZSTD_compressSequences.restype = c_size
+    lib.ZSTD_compressBound.argtypes = [c_size]
+    lib.ZSTD_compressBound.restype = c_size
+    lib.ZSTD_isError.argtypes = [c_size]
+    lib.ZSTD_isError.restype = ctypes.c_uint
+    lib.ZSTD_getErrorName.argtypes = [c_size]
+    lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+
+
+def _open_library():
+    names = ["libzstd.so.1", ctypes.util.find_library("zstd"), "libzstd.dylib", "libzstd.1.dylib"]
+    for name in names:
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _self_test() -> str | None:
+    """Round-trip awkward inputs (empty, tiny, dense, sparse, multi-block) through python-zstandard's decoder."""
+    rng = np.random.default_rng(1234)
+    cases = [np.zeros(0, np.uint8), np.zeros(5, np.uint8), np.arange(1, 12, dtype=np.uint8),
+             np.zeros(300_001, np.uint8)]
+    for n, density in ((4099, 0.3), (300_003, 0.02), (300_000, 0.9), (200_000, 0.0005)):
+        cases.append(((rng.random(n) < density) * rng.integers(1, 256, n)).astype(np.uint8))
+    for x in cases:
+        frame = _compress(x, 1)
+        if zstandard.frame_content_size(frame) != x.size:
+            return "the frame does not record its content size"
+        back = zstandard.ZstdDecompressor().decompress(frame) if x.size else b""
+        if back != x.tobytes():
+            return "the self-test round trip differs"
+    return None
+
+
+def _load():
+    global _lib, _lib_state
+    with _load_lock:
+        if _lib_state != "unloaded":
+            return _lib
+        if os.environ.get("LICHEN_ZSTD_SEQUENCES", "1") == "0":
+            _lib_state = "unavailable: LICHEN_ZSTD_SEQUENCES=0"
+            return None
+        lib = _open_library()
+        if lib is None:
+            _lib_state = "unavailable: no libzstd shared library found"
+            return None
+        try:
+            _bind(lib)
+            version = lib.ZSTD_versionNumber()
+        except AttributeError as e:
+            _lib_state = f"unavailable: libzstd lacks {e}"
+            return None
+        if version < _MIN_VERSION:
+            _lib_state = f"unavailable: libzstd {version} is older than 1.5.0"
+            return None
+        _lib = lib
+        try:
+            problem = _self_test()
+        except Exception as e:  # any failure means: do not trust this library
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            _lib, _lib_state = None, f"unavailable: {problem}"
+            return None
+        _lib_state = "ok"
+        return _lib
+
+
+def available() -> bool:
+    """Whether the sequence encoder can be used (loads and self-tests libzstd on first call)."""
+    return _load() is not None
+
+
+def status() -> str:
+    """"ok" or "unavailable: <why>" (after `available()`)."""
+    _load()
+    return _lib_state
+
+
+class _Context:
+    """One ZSTD_CCtx and output buffer per thread (a CCtx is not thread-safe); freed with the thread."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.cctx = lib.ZSTD_createCCtx()
+        if not self.cctx:
+            raise MemoryError("ZSTD_createCCtx failed")
+        self.level: int | None = None
+        self.out = np.empty(0, np.uint8)
+
+    def __del__(self):
+        if getattr(self, "cctx", None):
+            self.lib.ZSTD_freeCCtx(self.cctx)
+            self.cctx = None
+
+
+def _context(level: int) -> _Context:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        ctx = _local.ctx = _Context(_lib)
+    # a session left by the last call (done, or failed for a small buffer) must end before parameters change
+    _check(ctx.lib.ZSTD_CCtx_reset(ctx.cctx, _ZSTD_RESET_SESSION_ONLY))
+    if ctx.level != level:
+        _check(ctx.lib.ZSTD_CCtx_setParameter(ctx.cctx, _ZSTD_C_COMPRESSION_LEVEL, level))
+        _check(ctx.lib.ZSTD_CCtx_setParameter(ctx.cctx, _ZSTD_C_CONTENT_SIZE_FLAG, 1))
+        ctx.level = level
+    return ctx
+
+
+def _check(code: int) -> int:
+    if _lib.ZSTD_isError(code):
+        raise RuntimeError(f"libzstd: {_lib.ZSTD_getErrorName(code).decode(errors='replace')}")
+    return code
+
+
+def _byte_mask(words: np.ndarray) -> np.ndarray:
+    """Per nonzero u64: an 8-bit mask whose bit i says byte i (little-endian) is nonzero (SWAR: set bit 7 of each
+    nonzero byte without carries between bytes, then gather the eight bit-7s into the top byte by a multiply)."""
+    flags = (((words & _LOW7) + _LOW7) | words) & _HIGH1
+    return ((flags >> np.uint64(7)) * _GATHER) >> np.uint64(56)
+
+
+class Parser:
+    """The parse above, fed incrementally: `feed(w)` parses the words below w (call it as the bytes of x become
+    final, e.g. chunk by chunk while they are still in cache), `finish()` returns the (n_seq, 4) uint32
+    ZSTD_Sequence array (offset, litLength, matchLength, rep). Rows go straight into a per-thread array whose
+    constant columns are filled once."""
+
+    def __init__(self, x: np.ndarray):
+        self.x = x
+        self.n_words = x.size // 8
+        self.words = x[: 8 * self.n_words].view(np.uint64)
+        self.fed = 0  # words parsed so far
+        self.count = 0  # rows written
+        self.prev_end = 0  # byte where the last match ends (the next literals start there)
+        self.open_lo = -1  # first word of a zero run that reached the end of the words parsed so far
+        self.rows = getattr(_local, "rows", None)
+        if self.rows is None:
+            self.rows = _local.rows = _new_rows(1 << 14)
+
+    def feed(self, upto_word: int) -> None:
+        upto_word = min(upto_word, self.n_words)
+        while self.fed < upto_word:
+            w1 = min(self.fed + _PARSE_CHUNK_WORDS, upto_word)
+            self._chunk(self.fed, w1)
+            self.fed = w1
+
+    def _chunk(self, w0: int, w1: int) -> None:
+        zero = self.words[w0:w1] == 0
+        change = np.flatnonzero(zero[1:] != zero[:-1])
+        lead, trail = bool(zero[0]), bool(zero[-1])
+        edges = np.empty(change.size + lead + trail, np.int64)
+        if lead:
+            edges[0] = w0
+        np.add(change, w0 + 1, out=edges[lead: lead + change.size])
+        if trail:
+            edges[-1] = w1
+        lo, hi = edges[0::2], edges[1::2]
+        if self.open_lo >= 0:
+            if lead:  # the open run continues into this chunk
+                lo[0] = self.open_lo
+            else:  # it ended exactly at the chunk edge
+                lo, hi = np.concatenate(([self.open_lo], lo)), np.concatenate(([w0], hi))
+            self.open_lo = -1
+        if trail and w1 < self.n_words:  # may continue past the words parsed so far
+            self.open_lo = int(lo[-1])
+            lo, hi = lo[:-1], hi[:-1]
+        if lo.size:
+            self._rows(lo, hi)
+
+    def _rows(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Rows for the zero-word runs [lo, hi) (absolute word indices, ascending, all parsed)."""
+        words = self.words
+        start = 8 * lo + _HIGHEST[_byte_mask(words[lo - 1])] - 6  # lo == 0 (only first) wraps; fixed below
+        if lo[0] == 0:
+            start[0] = 1
+        end = 8 * hi
+        if hi[-1] == self.n_words:  # only possible last: no word after it
+            end[:-1] += _LOWEST[_byte_mask(words[hi[:-1]])]
+        else:
+            end += _LOWEST[_byte_mask(words[hi])]
+        k, c = lo.size, self.count
+        if c + k > self.rows.shape[0]:
+            grown = _new_rows(max(2 * self.rows.shape[0], c + k))
+            grown[:c] = self.rows[:c]
+            self.rows = _local.rows = grown
+        out = self.rows[c: c + k]
+        out[0, 1] = start[0] - self.prev_end
+        np.subtract(start[1:], end[:-1], out=out[1:, 1], casting="unsafe")
+        np.subtract(end, start, out=out[:, 2], casting="unsafe")
+        self.count += k
+        self.prev_end = int(end[-1])
+
+    def finish(self) -> np.ndarray:
+        self.feed(self.n_words)
+        return self.rows[: self.count]
+
+
+def _new_rows(n: int) -> np.ndarray:
+    rows = np.empty((n, 4), np.uint32)
+    rows[:, 0] = 1  # offset 1: repeat the previous (zero) byte
+    rows[:, 3] = 0
+    return rows
+
+
+def sequences(x: np.ndarray) -> np.ndarray:
+    """The ZSTD_Sequence array of the parse of `x` (a copy: the parser's array is reused by the next parse)."""
+    return Parser(x).finish().copy()
+
+
+def _compress(x: np.ndarray, level: int, parser: Parser | None = None) -> bytes:
+    ctx = _context(level)
+    seqs = (parser or Parser(x)).finish()
+    # libzstd trusts the sequences (no validation): never let a parse error read outside x
+    if seqs.shape[0] and (int(seqs[:, 1].sum(dtype=np.int64)) + int(seqs[:, 2].sum(dtype=np.int64)) > x.size
+                          or int(seqs[:, 2].min()) < 3):
+        raise AssertionError("zstd_seq: the parse does not fit the input")
+    # A sparse input compresses to a few percent: start with an eighth of the worst case, retry with all of it.
+    for cap in (min(ctx.lib.ZSTD_compressBound(x.size), (1 << 20) + x.size // 8), ctx.lib.ZSTD_compressBound(x.size)):
+        if ctx.out.size < cap:
+            ctx.out = np.empty(cap, np.uint8)
+        _check(ctx.lib.ZSTD_CCtx_reset(ctx.cctx, _ZSTD_RESET_SESSION_ONLY))
+        size = ctx.lib.ZSTD_compressSequences(ctx.cctx, ctx.out.ctypes.data, cap, seqs.ctypes.data, seqs.shape[0],
+                                              x.ctypes.data, x.size)
+        if not ctx.lib.ZSTD_isError(size):
+            return ctx.out[:size].tobytes()
+        if b"too small" not in ctx.lib.ZSTD_getErrorName(size):
+            _check(size)
+    return _check(size)  # unreachable: the worst-case bound always fits
+
+
+def parser_for(x: np.ndarray) -> Parser | None:
+    """A Parser to feed while `x` is being written, or None when compress_sparse would not use it."""
+    if _load() is None or x.size > _MAX_BYTES:
+        return None
+    return Parser(x)
+
+
+def compress_sparse(x: np.ndarray, level: int = 1, parser: Parser | None = None) -> bytes | None:
+    """One zstd frame (content size recorded) holding the bytes of the 1-D contiguous uint8 array `x`, or None when
+    the sequence encoder is unavailable or `x` is too large for it (the caller then compresses with
+    python-zstandard). Fast when most 8-byte words of `x` are zero. `parser`: a Parser of `x` already fed some
+    of it (see parser_for)."""
+    if _load() is None or x.size > _MAX_BYTES:
+        return None
+    if x.dtype != np.uint8 or x.ndim != 1 or not x.flags.c_contiguous:
+        raise TypeError("compress_sparse needs a 1-D contiguous uint8 array")
+    if parser is not None and parser.x is not x:
+        raise ValueError("the parser belongs to another array")
+    return _compress(x, level, parser)
