@@ -28,6 +28,35 @@ def test_update_does_not_depend_on_micro_batch_split(tiny_ckpt, addition_data, t
     assert max_diff(w1, w0) > 1e-5  # training did move the weights
 
 
+def odd_groups_without_signal(args, samples, *, rewards, mask, kl):
+    """Advantage (reward - 0.05) on even prompt groups, exactly 0 on odd ones."""
+    keep = torch.tensor([s.group_index % 2 == 0 for s in samples], dtype=rewards.dtype)
+    return ((rewards - 0.05) * keep)[:, None] * mask
+
+
+def test_sorted_packed_skipping_run_equals_the_plain_one(tiny_ckpt, addition_data, tmp_path, monkeypatch):
+    """Whole loop, 2 rollouts: micro-batches over length-sorted, packed samples with zero-advantage samples
+    skipped give the same weights as sample-order, one-row-per-sample micro-batches with every sample trained."""
+    from lichen.train.actor import TrainActor
+
+    flags = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "60",
+             "--custom-advantage-function-path", "test_trainer.odd_groups_without_signal")
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "probe", "--num-rollout", "1", *flags))
+    assert rows[0]["train/skipped_samples"] == 8  # 2 of the 4 groups have no signal
+    fast = weights_after(tiny_ckpt, addition_data, tmp_path, "fast", *flags)
+    init = TrainActor.__init__
+
+    def plain_init(self, args):
+        init(self, args)
+        self.sort_by_length = self.pack_sequences = self.skip_zero_advantage = False
+
+    monkeypatch.setattr(TrainActor, "__init__", plain_init)
+    plain = weights_after(tiny_ckpt, addition_data, tmp_path, "plain", *flags)
+    assert max_diff(fast, plain) <= 1e-6
+    w0 = final_weights.__globals__["load_hf_state_dict"](tiny_ckpt)
+    assert max_diff(plain, w0) > 1e-5
+
+
 def test_bf16_and_gradient_checkpointing_run(tiny_ckpt, addition_data, tmp_path):
     ref = weights_after(tiny_ckpt, addition_data, tmp_path, "ref", "--micro-batch-size", "4")
     gc = weights_after(tiny_ckpt, addition_data, tmp_path, "gc", "--micro-batch-size", "4", "--gradient-checkpointing")

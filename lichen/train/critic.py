@@ -20,7 +20,8 @@ from torch import nn
 
 from lichen import algo
 from lichen.models import CausalLM, load_model
-from lichen.train.batch import make_micro_batch
+from lichen.train.batch import StepBatch
+from lichen.train.optim import make_adamw
 
 
 class ValueModel(nn.Module):
@@ -33,9 +34,8 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, mb) -> torch.Tensor:
-        hidden = self.backbone(mb.input_ids, mb.position_ids)
-        h = hidden.gather(1, mb.resp_index[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self.value_head(h).squeeze(-1).float()  # [b, R]
+        hidden = self.backbone(mb.input_ids, mb.position_ids, attn_mask=mb.attn_mask)
+        return self.value_head(mb.response_hidden(hidden)).squeeze(-1).float()  # [b, R]
 
 
 class Critic:
@@ -47,24 +47,25 @@ class Critic:
         self.model.train()
         # The LM head is unused by the critic; leaving it out of the optimizer keeps AdamW from decaying it.
         params = [p for n, p in self.model.named_parameters() if "lm_head" not in n]
-        self.optimizer = torch.optim.AdamW(params, lr=args.critic_lr or args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                           eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.optimizer = make_adamw(params, lr=args.critic_lr or args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                    eps=args.adam_eps, weight_decay=args.weight_decay)
 
     @torch.no_grad()
-    def values(self, samples, splits, R: int) -> torch.Tensor:
-        out = torch.zeros((len(samples), R), device=self.device)
-        for idx in splits:
-            mb = make_micro_batch(samples, idx, self.pad_id, self.device)
+    def values(self, sb: StepBatch, splits, R: int) -> torch.Tensor:
+        out = torch.zeros((len(sb.samples), R), device=self.device)
+        for plan in splits:
+            mb = sb.micro(plan, self.device)
             v = self.model(mb)
-            out[idx, : v.shape[1]] = v
+            out[mb.indices, : v.shape[1]] = v
         return out
 
-    def train_step(self, samples, splits, mask, old_values, returns, counts: dict) -> dict:
+    def train_step(self, sb: StepBatch, splits, mask, old_values, returns, counts: dict) -> dict:
         args = self.args
         self.optimizer.zero_grad(set_to_none=True)
         total, clipfrac = 0.0, 0.0
-        for rows in splits:
-            mb = make_micro_batch(samples, rows, self.pad_id, self.device)
+        for plan in splits:
+            mb = sb.micro(plan, self.device)
+            rows = mb.indices
             r = mb.resp_mask.shape[1]
             m = mask[rows, :r]
             v = self.model(mb)

@@ -1,0 +1,38 @@
+"""The trainer's AdamW, built with the fastest torch implementation the parameters allow.
+
+All three torch implementations (fused, foreach, single-tensor) compute the same update, per parameter:
+    m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2;   p = p (1 - lr wd)
+    p = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+and differ only in how many kernels they launch (fused: one per parameter group and dtype, including on CPU;
+single-tensor: about ten per parameter), hence in fp32 rounding only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+_FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def adamw_implementation(params: list[torch.Tensor]) -> str:
+    """"fused" when every parameter's device type and dtype have torch's fused AdamW kernel, else "foreach"."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    fused_devices = set(_get_fused_kernels_supported_devices())
+    if params and all(p.device.type in fused_devices and p.dtype in _FUSED_DTYPES for p in params):
+        return "fused"
+    return "foreach"
+
+
+def make_adamw(params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
+               weight_decay: float, implementation: str | None = None) -> torch.optim.AdamW:
+    """torch.optim.AdamW over `params` with `implementation` ("fused", "foreach" or "single"; default: the fastest
+    supported, see adamw_implementation)."""
+    params = [p for p in params]
+    kind = implementation or adamw_implementation(params)
+    if kind not in ("fused", "foreach", "single"):
+        raise ValueError(f"unknown AdamW implementation {kind!r}; choose fused, foreach or single")
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[kind]
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
