@@ -77,6 +77,8 @@ def lichen_steps(child: dict, metrics: list[dict]) -> list[dict]:
             "engine_tokens": inst.get("engine_tokens"),
             "train_tokens": (inst.get("train_grad_tokens", 0) + inst.get("train_nograd_tokens", 0)) if inst else None,
             "response_length_mean": m.get("rollout/response_length_mean"),
+            # samples with zero advantage get a forward but no backward (lichen/train/actor.py)
+            "skipped_frac": (m.get("train/skipped_samples") or 0) / max(len(inst.get("lengths") or []), 1),
         })
     return steps
 
@@ -135,7 +137,11 @@ def summarize_run(steps: list[dict], shape: dict, matmul_flops: float | None, pe
             out["engine_tokens_per_s"] = resp / (out["engine_s"] * n)
             out["engine_gflops"] = flops / (out["engine_s"] * n) / 1e9
         if out["train_s"]:
-            out["trainer_gflops"] = 3 * flops / (out["train_s"] * n) / 1e9
+            # forward + backward = 3x the forward for trained samples; a skipped sample (zero advantage) only had
+            # its forward, counted by its share of the step's samples
+            train_flops = sum(batch_forward_flops(shape, s["lengths"]) * (3 - 2 * s.get("skipped_frac", 0.0))
+                              for s in timed)
+            out["trainer_gflops"] = train_flops / (out["train_s"] * n) / 1e9
         apply_peak(out, matmul_flops)
     if all(s["engine_tokens"] is not None for s in timed):
         out["engine_computed_positions"] = sum(s["engine_tokens"] for s in timed) / n
