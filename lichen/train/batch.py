@@ -178,33 +178,27 @@ def split_by_tokens(indices: list[int], lengths: list[int], max_tokens: int) -> 
     Rows are padded to the longest row of their micro-batch, so the padded size is what the budget bounds.
     A single row longer than the budget gets a micro-batch of its own.
     """
-    out: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i in indices:
-        n = lengths[i]
-        if cur and (len(cur) + 1) * max(longest, n) > max_tokens:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        out.append(cur)
-    return out
+    return _greedy_groups(indices, lambda i: lengths[i], max_tokens)
 
 
 def group_rows(rows: list[list[int]], lengths: list[int], max_tokens: int) -> list[list[list[int]]]:
     """Consecutive rows grouped greedily while (rows in group) x (widest row's fill) <= max_tokens."""
-    out: list[list[list[int]]] = []
-    cur: list[list[int]] = []
-    width = 0
-    for row in rows:
-        fill = sum(lengths[i] for i in row)
-        if cur and (len(cur) + 1) * max(width, fill) > max_tokens:
+    return _greedy_groups(rows, lambda row: sum(lengths[i] for i in row), max_tokens)
+
+
+def _greedy_groups(items: list, width_of, max_tokens: int) -> list[list]:
+    """Consecutive items grouped greedily while (items in group) x (widest item) <= max_tokens: the padded size
+    of the group. An item wider than the budget gets a group of its own."""
+    out: list[list] = []
+    cur: list = []
+    widest = 0
+    for item in items:
+        w = width_of(item)
+        if cur and (len(cur) + 1) * max(widest, w) > max_tokens:
             out.append(cur)
-            cur, width = [], 0
-        cur.append(row)
-        width = max(width, fill)
+            cur, widest = [], 0
+        cur.append(item)
+        widest = max(widest, w)
     if cur:
         out.append(cur)
     return out
