@@ -22,6 +22,8 @@ import resource
 import sys
 import time
 
+from lichen.bench.counting import positions, record_forward
+
 STATE: dict = {"steps": [], "phase": "train", "missing": []}
 
 
@@ -49,18 +51,8 @@ def _wrap(module_name: str, class_name: str, attr: str, make_wrapper) -> None:
 
 
 def _forward_wrapper(original):
-    import torch
-
     def forward(self, input_ids, *args, **kwargs):
-        n = int(input_ids.shape[0]) * int(input_ids.shape[1]) if input_ids.dim() == 2 else int(input_ids.numel())
-        rec = _current()
-        if STATE["phase"] == "engine":
-            rec["engine_tokens"] += n
-            rec["engine_forwards"] += 1
-        elif torch.is_grad_enabled():
-            rec["train_grad_tokens"] += n
-        else:
-            rec["train_nograd_tokens"] += n
+        record_forward(_current(), STATE["phase"], positions(input_ids))
         return original(self, input_ids, *args, **kwargs)
 
     return forward

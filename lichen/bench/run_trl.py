@@ -22,6 +22,8 @@ import resource
 import sys
 import time
 
+from lichen.bench.counting import positions, record_forward
+
 STATE: dict = {"phase": "train", "steps": [], "missing": []}
 
 
@@ -83,8 +85,6 @@ def trl_config_kwargs(wl, *, steps: int, seed: int, output_dir: str) -> dict:
 
 
 def _instrument(trainer, model) -> None:
-    import torch
-
     def wrap_method(obj, name, make):
         original = getattr(obj, name, None)
         if original is None:
@@ -118,15 +118,7 @@ def _instrument(trainer, model) -> None:
     def counting_forward(original):
         def inner(*args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            n = int(ids.shape[0]) * int(ids.shape[1]) if ids is not None and ids.dim() == 2 else 0
-            rec = _current()
-            if STATE["phase"] == "engine":
-                rec["engine_tokens"] += n
-                rec["engine_forwards"] += 1
-            elif torch.is_grad_enabled():
-                rec["train_grad_tokens"] += n
-            else:
-                rec["train_nograd_tokens"] += n
+            record_forward(_current(), STATE["phase"], positions(ids))
             return original(*args, **kwargs)
         return inner
 
