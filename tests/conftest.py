@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny checkpoint and an addition data set, built once per session."""
+"""Shared fixtures: a tiny checkpoint and an addition data set (built once per session), and launched engines."""
 
 import json
 import os
@@ -38,3 +38,33 @@ def write_addition(path, n: int, seed: int = 0, hi: int = 20) -> str:
 @pytest.fixture(scope="session")
 def addition_data(tmp_path_factory) -> str:
     return write_addition(tmp_path_factory.mktemp("data") / "add.jsonl", 64)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt, tmp_path_factory):
+    """Two `lichen serve` engines on the tiny checkpoint behind one RemoteEngines, shared by a test module."""
+    from lichen.engines.launcher import EngineLauncher
+    from lichen.engines.remote import RemoteEngines
+
+    launcher = EngineLauncher(tiny_ckpt, 2, server_args=["--num-threads", "1"],
+                              log_dir=str(tmp_path_factory.mktemp("logs")))
+    engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=4)
+    yield engines
+    engines.close()
+    assert not any(launcher.alive())
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list:
+    """Every EngineLauncher a test starts (for checking that runs stop what they launched)."""
+    from lichen.engines.launcher import EngineLauncher
+
+    seen: list = []
+    start = EngineLauncher.start
+
+    def recording_start(self):
+        seen.append(self)
+        return start(self)
+
+    monkeypatch.setattr(EngineLauncher, "start", recording_start)
+    return seen

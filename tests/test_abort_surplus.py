@@ -4,7 +4,6 @@ tests/test_sglang_launcher.py (deterministic tokens per request, counters of the
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
@@ -17,7 +16,7 @@ from lichen.rollout.generate import generate_rollout
 from lichen.rollout.manager import RolloutManager
 
 from test_loop_invariants import base_args
-from test_sglang_launcher import write_fake_sglang
+from test_sglang_launcher import fake_sglang_command, write_fake_sglang
 
 
 def odd_prompts(args, group) -> bool:
@@ -28,11 +27,7 @@ def odd_prompts(args, group) -> bool:
 def engines(tmp_path):
     env = {**write_fake_sglang(tmp_path), "FAKE_SGLANG_DELAY": "0.15"}
 
-    def command_for(i, port):
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
-                "--port", str(port)]
-
-    launcher = SGLangLauncher(command_for, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
+    launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
     with RemoteEngines(launcher.start(), launcher=launcher, concurrency=1) as eng:
         yield eng
 

@@ -5,7 +5,6 @@ and the calculator tool-use example, whose tool output tokens must carry loss ma
 from __future__ import annotations
 
 import argparse
-import sys
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from lichen.rollout.generate import build_samples
 from lichen.types import Sample, Status
 
 from test_loop_invariants import base_args, run
-from test_sglang_launcher import write_fake_sglang
+from test_sglang_launcher import fake_sglang_command, write_fake_sglang
 
 
 # ---- plug-ins used below ------------------------------------------------------------------------------------------
@@ -206,11 +205,7 @@ def test_over_engine_servers(tiny_ckpt, tmp_path):
     """The same API over RemoteEngines: the functions run on the engines' loop, each call is a /generate."""
     env = write_fake_sglang(tmp_path)
 
-    def command_for(i, port):
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
-                "--port", str(port)]
-
-    launcher = SGLangLauncher(command_for, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
+    launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
     with RemoteEngines(launcher.start(), launcher=launcher) as engines:
         groups = build_custom_samples(_args("lichen.rollout.examples.calculator_agent.generate"),
                                       Manager(tiny_ckpt, engines), PROMPTS, **{**SAMPLING, "max_new_tokens": 4})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -21,7 +20,6 @@ import torch
 
 from lichen.config import parse_train_args
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.launcher import EngineLauncher
 from lichen.engines.remote import RemoteEngines, required_endpoints
 from lichen.engines.sampling import derive_seed
 from lichen.engines.server_process import call
@@ -30,7 +28,7 @@ from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 
 from test_loop_invariants import base_args, run
-from test_sglang_launcher import write_fake_sglang
+from test_sglang_launcher import fake_sglang_command, write_fake_sglang
 
 TIMEOUT = 0.5  # health-check timeout for the stand-in engines
 
@@ -52,11 +50,7 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
 def fake_pair(tmp_path):
     env = {**write_fake_sglang(tmp_path), "FAKE_SGLANG_DELAY": "0.3"}
 
-    def command_for(i, port):
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
-                "--port", str(port)]
-
-    launcher = SGLangLauncher(command_for, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05, ready_timeout=60)
+    launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05, ready_timeout=60)
     engines = RemoteEngines(launcher.start(), launcher=launcher, failover=True, concurrency=2, retry_delay=0.1)
     yield engines
     engines.close()
@@ -129,11 +123,7 @@ def test_an_external_engine_is_probed_until_it_answers_again(tmp_path):
     """lichen cannot restart an engine it did not launch: it leaves rotation and re-joins once it answers."""
     env = write_fake_sglang(tmp_path)
 
-    def command_for(i, port):
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
-                "--port", str(port)]
-
-    with SGLangLauncher(command_for, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05) as launcher:
+    with SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05) as launcher:
         with RemoteEngines(launcher.urls, failover=True, retry_delay=0.1) as engines:  # "external": no launcher
             monitor = engines.start_health_monitor(interval=0.1, timeout=TIMEOUT, first_wait=0)
             os.kill(launcher.pids[0], signal.SIGSTOP)
@@ -199,19 +189,6 @@ def killing_rollout(args, rollout_id, prompts, manager):
                          "pids": list(engines.launcher.pids), "restarts": list(engines.monitor.restarts)}
         groups = generate_rollout(args, rollout_id, prompts, manager)
     return groups
-
-
-@pytest.fixture
-def launched(monkeypatch) -> list[EngineLauncher]:
-    seen: list[EngineLauncher] = []
-    start = EngineLauncher.start
-
-    def recording_start(self):
-        seen.append(self)
-        return start(self)
-
-    monkeypatch.setattr(EngineLauncher, "start", recording_start)
-    return seen
 
 
 def test_sigkill_an_engine_mid_step(tiny_ckpt, addition_data, tmp_path, launched):

@@ -19,7 +19,6 @@ from lichen.cli import main
 from lichen.config import parse_train_args
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.launcher import EngineLauncher
 from lichen.engines.remote import RemoteEngines, required_endpoints
 from lichen.engines.sampling import derive_seed
 from lichen.errors import ConfigError
@@ -62,15 +61,6 @@ class FakeTrainer:
 
     def named_weights(self):
         return iter(self.state.items())
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_ckpt, tmp_path_factory):
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=THREADS, log_dir=str(tmp_path_factory.mktemp("logs")))
-    engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=4)
-    yield engines
-    engines.close()
-    assert not any(launcher.alive())
 
 
 # ---- engine level -----------------------------------------------------------------------------------------
@@ -191,19 +181,6 @@ def test_unreachable_external_engine_is_a_user_error(tiny_ckpt, addition_data, t
 
 
 # ---- training over launched servers ---------------------------------------------------------------------------
-@pytest.fixture
-def launched(monkeypatch) -> list[EngineLauncher]:
-    seen: list[EngineLauncher] = []
-    start = EngineLauncher.start
-
-    def recording_start(self):
-        seen.append(self)
-        return start(self)
-
-    monkeypatch.setattr(EngineLauncher, "start", recording_start)
-    return seen
-
-
 def _samples(path: str) -> list[dict]:
     return [s for g in torch.load(path, weights_only=False)["samples"] for s in g]
 

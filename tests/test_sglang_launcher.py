@@ -112,6 +112,12 @@ server.serve_forever()
 '''
 
 
+def fake_sglang_command(i: int, port: int) -> list[str]:
+    """The launch command of fake SGLang server `i` (a `command_for` for SGLangLauncher)."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
 def write_fake_sglang(root) -> dict:
     """A stand-in `sglang` package under `root`; returns the environment that makes `python -m
     sglang.launch_server` run it (FAKE_SGLANG_DIR: where each server records its argv, by pid)."""

@@ -17,7 +17,6 @@ import xxhash
 
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine
-from lichen.engines.launcher import EngineLauncher
 from lichen.engines.remote import RemoteEngines
 from lichen.engines.server_process import call
 from lichen.models import load_model
@@ -28,16 +27,7 @@ from lichen.sync.verify import WeightMismatchError, verify_engines, verify_in_pr
 from lichen.weights import VersionMismatchError, apply_delta_to_checkpoint, list_versions, read_version_info
 from lichen.weights.hf_io import load_hf_state_dict
 
-THREADS = ["--num-threads", "1"]
 F32 = torch.float32
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_ckpt, tmp_path_factory):
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=THREADS, log_dir=str(tmp_path_factory.mktemp("logs")))
-    engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=4)
-    yield engines
-    engines.close()
 
 
 def step(state: dict[str, torch.Tensor], seed: int, fraction: float = 0.02) -> dict[str, torch.Tensor]:
