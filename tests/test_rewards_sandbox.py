@@ -350,10 +350,10 @@ def test_non_root_trainer_gets_a_user_namespace_sandbox():
             os.chmod(os.path.join(d, name), 0o644)
 
     # the non-root trainer's own directory, outside any tmpfs the sandbox covers: only read-only mounts protect it
-    base = next((d for d in ("/run", "/var/lib", "/opt") if os.path.isdir(d) and os.access(d, os.W_OK)), None)
-    if base is None:
-        shutil.rmtree(readable, ignore_errors=True)
-        pytest.skip("no writable directory outside /tmp for the test")
+    # (the test runs as root, so one of these is writable on any system whose root file system is not read-only)
+    base = next((d for d in ("/run", "/var/lib", "/opt", "/root")
+                 if os.path.isdir(d) and os.access(d, os.W_OK)), None)
+    assert base is not None, "root found no writable directory outside /tmp (read-only root file system?)"
     owned = tempfile.mkdtemp(prefix="lichen-sandbox-test-", dir=base)
     try:
         os.chmod(owned, 0o755)
