@@ -156,13 +156,6 @@ class StepBatch:
         )
 
 
-def make_micro_batch(samples: list[Sample], indices: list[int], pad_id: int, device) -> MicroBatch:
-    """One micro-batch of `samples[i] for i in indices`, one sample per row (MicroBatch.indices keeps `indices`)."""
-    mb = StepBatch([samples[i] for i in indices], pad_id).micro([[r] for r in range(len(indices))], device)
-    mb.indices = list(indices)
-    return mb
-
-
 def order_by_length(indices: list[int], lengths: list[int]) -> list[int]:
     """`indices` sorted by descending `lengths[i]`; ties keep their order (the sort is stable)."""
     return sorted(indices, key=lambda i: -lengths[i])
