@@ -7,6 +7,7 @@ checked against a byte-by-byte Python loop, casts against torch's `.to(dtype)`, 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -16,6 +17,7 @@ import zstandard
 
 from lichen.weights import VersionPublisher, pull_weights, read_version_info, version_dir
 from lichen.weights import delta as D
+from lichen.weights import diff_kernel
 from lichen.weights import zstd_seq as Z
 from lichen.weights.staging import LiveStage, reserve
 
@@ -102,6 +104,75 @@ def test_encoder_falls_back_to_python_zstandard(monkeypatch):
     monkeypatch.setattr(Z, "_lib", None)
     monkeypatch.setattr(Z, "_lib_state", "unavailable: test")
     assert not Z.available() and Z.compress_sparse(np.zeros(8, np.uint8)) is None
+    old, new = _sparse(5000, 0.5, 1), _sparse(5000, 0.5, 2)
+    enc = D.encode_tensor("xor", new, old)
+    assert zstandard.ZstdDecompressor().decompress(enc.payload) == (new ^ old).tobytes()
+
+
+# ---------------------------------------------------------------- compiled diff + parse (lichen.weights.diff_kernel)
+
+needs_kernel = pytest.mark.skipif(not (Z.available() and diff_kernel.available()),
+                                  reason=f"compiled diff kernel: {diff_kernel.status()}; sequences: {Z.status()}")
+
+
+def _kernel_diff(new: np.ndarray, old: np.ndarray, chunk: int, update: bool):
+    """Drive Parser.diff over `chunk`-byte pieces: (x after the pass, rows, changed count, old after)."""
+    x, o = new.copy(), old.copy()
+    parser = Z.Parser(x)
+    changed = sum(parser.diff(a, min(a + chunk, x.size), o, update) for a in range(0, x.size, chunk))
+    rows = [tuple(int(v) for v in row[:3]) for row in parser.finish()]
+    return x, rows, changed, o
+
+
+@needs_kernel
+@pytest.mark.parametrize("chunk", [8, 24, 4096, 1 << 20])  # 8: every word its own call; runs cross many calls
+def test_kernel_diff_matches_references(chunk):
+    for seed, (n, density) in enumerate([(0, 0.0), (5, 0.5), (8, 0.0), (64, 0.0), (203, 0.05), (1000, 0.02),
+                                          (2048, 0.3), (4099, 0.9), (777, 1.0), (65_541, 0.01)]):
+        old = _sparse(n, 0.7, 100 + seed)
+        new = old ^ _sparse(n, density, seed)
+        for update in (True, False):
+            x, rows, changed, o = _kernel_diff(new, old, chunk, update)
+            assert np.array_equal(x, new ^ old), (n, density)
+            assert rows == _naive_sequences(new ^ old), (n, density, chunk)
+            assert changed == int(np.count_nonzero(new ^ old))
+            assert np.array_equal(o, new if update else old)
+
+
+@needs_kernel
+def test_kernel_and_numpy_paths_write_identical_payloads(monkeypatch):
+    """The compiled pass must produce the very frame the numpy pass does (same parse, same snapshot update)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300_007, generator=g) * 0.02
+    stepped = w - 1e-6 * torch.sign(torch.randn(w.shape, generator=g))
+    old = D.tensor_bytes(w.to(torch.bfloat16))
+    monkeypatch.setattr(D, "CHUNK_BYTES", 4096)
+    snaps, payloads = [], []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr(diff_kernel, "_kernel", None)
+            monkeypatch.setattr(diff_kernel, "_state", "unavailable: test")
+        snap = old.copy()
+        enc = D.encode_tensor_cast("xor", stepped, snap, torch.bfloat16, checksum_format="xxh3-128")
+        snaps.append(snap)
+        payloads.append((enc.payload, enc.changed_bytes, enc.checksum))
+    assert payloads[0] == payloads[1] and np.array_equal(snaps[0], snaps[1])
+    assert np.array_equal(snaps[0], D.tensor_bytes(stepped.to(torch.bfloat16)))
+
+
+def test_kernel_is_available_where_numba_is_installed():
+    """numba is a dependency: a kernel that fails to build or its self-test must not pass unnoticed (the
+    encoder would silently fall back to the slower numpy pass, and the kernel tests above would skip)."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    assert diff_kernel.available(), diff_kernel.status()
+
+
+def test_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(diff_kernel, "_kernel", None)
+    monkeypatch.setattr(diff_kernel, "_state", "unloaded")
+    monkeypatch.setenv("LICHEN_NUMBA", "0")
+    assert not diff_kernel.available() and diff_kernel.status() == "unavailable: LICHEN_NUMBA=0"
     old, new = _sparse(5000, 0.5, 1), _sparse(5000, 0.5, 2)
     enc = D.encode_tensor("xor", new, old)
     assert zstandard.ZstdDecompressor().decompress(enc.payload) == (new ^ old).tobytes()

@@ -16,11 +16,12 @@ Every changed tensor also carries a checksum of its new bytes, in one of `CHECKS
 Encoding and applying stream each tensor in `CHUNK_BYTES` pieces through per-thread buffers that are reused
 (fill, hash, xor, count, parse and update one piece while it is in cache; a fresh model-sized array would cost a
 page fault per 4 KiB). xor payloads are built by lichen.weights.zstd_seq (the matches of a sparse delta are found
-with numpy, libzstd only entropy-codes them) when the system's libzstd allows, else by python-zstandard; both
-are ordinary zstd frames. zstd, numpy ufuncs, ctypes calls and the hashes release the GIL, so a thread pool over
+by lichen.weights.diff_kernel's compiled pass, or numpy without numba; libzstd only entropy-codes them) when
+the system's libzstd allows, else by python-zstandard; both are ordinary zstd frames. zstd, numpy ufuncs, ctypes calls and the hashes release the GIL, so a thread pool over
 tensors (`parallel_map`, which keeps torch on one intra-op thread inside each call) uses every core.
 
-This module is a leaf: torch, numpy, zstandard, xxhash, blake3, the standard library and lichen.weights.zstd_seq.
+This module is a leaf: torch, numpy, zstandard, xxhash, blake3, the standard library, lichen.weights.zstd_seq and
+lichen.weights.diff_kernel.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 import xxhash
 import zstandard
 
-from lichen.weights import zstd_seq
+from lichen.weights import diff_kernel, zstd_seq
 
 ENCODINGS = ("xor", "overwrite")
 CHECKSUM_FORMATS = ("xxh3-128", "blake3", "adler32")
@@ -165,7 +166,8 @@ def _diff_pass(encoding: str, n: int, fill: Callable[[int, int, np.ndarray], Non
     written back while it is in cache."""
     delta = _scratch("delta", n)
     parser = zstd_seq.parser_for(delta) if encoding == "xor" else None
-    step = _chunk_bytes(itemsize)
+    fused = parser is not None and diff_kernel.available()
+    step = _chunk_bytes(max(itemsize, 8))
     changed = 0
     for start in range(0, n, step):
         stop = min(start + step, n)
@@ -173,6 +175,9 @@ def _diff_pass(encoding: str, n: int, fill: Callable[[int, int, np.ndarray], Non
         fill(start, stop, d)
         if hasher is not None:
             hasher.update(d)
+        if fused:
+            changed += parser.diff(start, stop, old, update_old)
+            continue
         np.bitwise_xor(d, o, out=d)
         count = int(np.count_nonzero(d))
         if count:

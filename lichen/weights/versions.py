@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -49,6 +50,7 @@ from lichen.weights.delta import (
     parallel_map,
     tensor_bytes,
 )
+from lichen.weights import diff_kernel
 from lichen.weights.hf_io import INDEX_FILE, SINGLE_FILE, _copy_side_files, _fsync_dir, _fsync_file, _write_json
 
 VERSION_PREFIX = "weight_v"
@@ -210,6 +212,8 @@ class VersionPublisher:
         self.chain_id: str | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None  # engine-dtype CPU copies of the last version
         self._deltas_since_full = 0
+        if mode == "delta" and self.encoding == "xor":  # compile or load the kernel before the first delta
+            threading.Thread(target=diff_kernel.warm, name="lichen-diff-kernel-warm", daemon=True).start()
 
     def reset(self) -> None:
         """Forget the snapshot: the next version is full and starts a new chain (as after a resume)."""

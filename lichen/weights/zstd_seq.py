@@ -1,5 +1,5 @@
-"""A fast zstd encoder for sparse byte strings (xor deltas): the sequences are found with numpy, only the entropy
-coding is left to libzstd (`ZSTD_compressSequences`, through ctypes on the system's libzstd).
+"""A fast zstd encoder for sparse byte strings (xor deltas): the sequences are found by us (numpy, or the compiled
+pass of lichen.weights.diff_kernel through `Parser.diff`), only the entropy coding is left to libzstd (`ZSTD_compressSequences`, through ctypes on the system's libzstd).
 
 Why: zstd's own match finder spends ~90 ns per match on a xor delta of a bf16 model after one small optimizer
 step (a nonzero byte every ~50 bytes), 0.5 GB/s per core; the delta's structure is known, so the matches are too.
@@ -32,6 +32,8 @@ import threading
 
 import numpy as np
 import zstandard
+
+from lichen.weights import diff_kernel
 
 _MIN_VERSION = 10500  # 1.5.0
 _ZSTD_C_COMPRESSION_LEVEL = 100
@@ -203,8 +205,67 @@ class Parser:
         self.rows = getattr(_local, "rows", None)
         if self.rows is None:
             self.rows = _local.rows = _new_rows(1 << 14)
+        self.kernel_state: np.ndarray | None = None  # diff(): [open_lo, prev_end, count, changed] of diff_kernel
+        self.kernel_prev = np.zeros(1, np.uint64)
+
+    def diff(self, start: int, stop: int, old: np.ndarray, update_old: bool) -> int:
+        """With the compiled kernel (lichen.weights.diff_kernel; check `diff_kernel.available()`): x[start:stop]
+        holds the new bytes, `old` the old bytes of the whole array; x[start:stop] becomes new ^ old, `old` takes
+        the new bytes there (with `update_old`), and those bytes are parsed, all in one pass. Returns the count of
+        changed bytes. Chunks go in order; `start` is a multiple of 8. Not to be mixed with `feed`."""
+        if start % 8 or start != 8 * self.fed:
+            raise ValueError(f"diff chunks go in order from word boundaries; got byte {start} after word {self.fed}")
+        if self.kernel_state is None:
+            self.kernel_state = np.array([self.open_lo, self.prev_end, self.count, 0], np.int64)
+        w0, w1 = start // 8, min(stop // 8, self.n_words)
+        changed = 0
+        if w1 > w0:
+            need = int(self.kernel_state[2]) + (w1 - w0) // 2 + 2
+            if need > self.rows.shape[0]:
+                grown = _new_rows(max(2 * self.rows.shape[0], need))
+                grown[: self.kernel_state[2]] = self.rows[: self.kernel_state[2]]
+                self.rows = _local.rows = grown
+            before = int(self.kernel_state[3])
+            flags = getattr(_local, "flags", None)
+            if flags is None or flags.size < w1 - w0 + 8:
+                flags = _local.flags = np.empty(max(w1 - w0 + 8, _PARSE_CHUNK_WORDS), np.uint8)
+            diff_kernel.diff_parse(self.words[w0:w1], old[8 * w0: 8 * w1].view(np.uint64), update_old, w0,
+                                   self.kernel_state, self.kernel_prev, self.rows, flags)
+            changed = int(self.kernel_state[3]) - before
+            self.fed = w1
+        if stop > 8 * w1:  # the last few bytes of x (not a whole word): literals at the end of the frame
+            x, o = self.x[8 * w1: stop], old[8 * w1: stop]
+            np.bitwise_xor(x, o, out=x)
+            tail = int(np.count_nonzero(x))
+            if tail and update_old:
+                np.bitwise_xor(o, x, out=o)
+            changed += tail
+        return changed
+
+    def _finish_kernel(self) -> None:
+        """Close a zero run that reaches the last word (no nonzero word after it: it ends at byte 8 * n_words)."""
+        st = self.kernel_state
+        if self.fed != self.n_words:
+            raise ValueError(f"diff() parsed {self.fed} of {self.n_words} words")
+        self.open_lo, self.prev_end, self.count = int(st[0]), int(st[1]), int(st[2])
+        self.kernel_state = None
+        if self.open_lo < 0:
+            return
+        lo = self.open_lo
+        last = int(self.kernel_prev[0])
+        start = 1 if lo == 0 else 8 * (lo - 1) + max(i for i in range(8) if last >> (8 * i) & 255) + 2
+        end = 8 * self.n_words
+        if self.count + 1 > self.rows.shape[0]:
+            grown = _new_rows(2 * self.rows.shape[0])
+            grown[: self.count] = self.rows[: self.count]
+            self.rows = _local.rows = grown
+        self.rows[self.count, 1:3] = (start - self.prev_end, end - start)
+        self.count += 1
+        self.prev_end, self.open_lo = end, -1
 
     def feed(self, upto_word: int) -> None:
+        if self.kernel_state is not None:
+            raise ValueError("this parser is fed by diff()")
         upto_word = min(upto_word, self.n_words)
         while self.fed < upto_word:
             w1 = min(self.fed + _PARSE_CHUNK_WORDS, upto_word)
@@ -258,7 +319,10 @@ class Parser:
         self.prev_end = int(end[-1])
 
     def finish(self) -> np.ndarray:
-        self.feed(self.n_words)
+        if self.kernel_state is not None:
+            self._finish_kernel()
+        else:
+            self.feed(self.n_words)
         return self.rows[: self.count]
 
 
