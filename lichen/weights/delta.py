@@ -17,8 +17,9 @@ Encoding and applying stream each tensor in `CHUNK_BYTES` pieces through per-thr
 (fill, hash, xor, count, parse and update one piece while it is in cache; a fresh model-sized array would cost a
 page fault per 4 KiB). xor payloads are built by lichen.weights.zstd_seq (the matches of a sparse delta are found
 by lichen.weights.diff_kernel's compiled pass, or numpy without numba; libzstd only entropy-codes them) when
-the system's libzstd allows, else by python-zstandard; both are ordinary zstd frames. zstd, numpy ufuncs, ctypes calls and the hashes release the GIL, so a thread pool over
-tensors (`parallel_map`, which keeps torch on one intra-op thread inside each call) uses every core.
+the system's libzstd allows, else by python-zstandard; both are ordinary zstd frames. zstd, numpy ufuncs, the
+compiled kernels, ctypes calls and the hashes release the GIL, so a thread pool over tensors (`parallel_map`,
+which keeps torch on one intra-op thread inside each call) uses every core.
 
 This module is a leaf: torch, numpy, zstandard, xxhash, blake3, the standard library, lichen.weights.zstd_seq and
 lichen.weights.diff_kernel.

@@ -1,24 +1,28 @@
-"""The compiled inner loop of xor delta encoding: diff, count, snapshot update and zstd sequence parse of one chunk,
-in one pass over its 8-byte words (numba; `available()` is False without it and callers use numpy instead).
+"""The compiled inner loop of xor delta encoding: diff, count, snapshot update and zstd sequence parse of one chunk
+(numba; `available()` is False without it, and callers then use the numpy path, which gives the same bytes).
 
 Why: the numpy pipeline makes ~10 passes over each chunk (xor, count, update, zero tests, edge search, byte masks,
-row arithmetic) and costs ~0.65 CPU-s per GB of bf16 weights; this loop does it in one (~0.3 CPU-s/GB), and the
-publish side of a delta sync is CPU-bound.
+row arithmetic) and costs ~0.6 CPU-s per GB of bf16 weights; these two loops cost ~0.25 (measured on a 0.5B
+model's AdamW step), and the publish side of a delta sync is CPU-bound.
 
-`diff_parse(d, o, update, w0, state, prev, rows)`, over the little-endian words d[0..m) (the new bytes, in place
-becoming x = new ^ old) and o[0..m) (the old bytes; set to the new ones where they differ when `update`), which are
-the words w0..w0+m of the whole array: adds the nonzero bytes of x to `changed`, and appends to `rows` the
-ZSTD_Sequence rows (offset 1, litLength, matchLength, 0) of every maximal run of zero words [lo, hi) that ends in
-this chunk, exactly as lichen.weights.zstd_seq's parse does:
-  ms = 8*(lo - 1) + k + 2 with k the highest nonzero byte of word lo - 1 (ms = 1 when lo = 0),
-  me = 8*hi + j with j the lowest nonzero byte of word hi, litLength = ms - (the previous row's me), matchLength
-  = me - ms.
-The state carried between chunks: state = int64[open_lo (first word of a zero run still open, or -1), prev_end
-(byte where the last match ended), count (rows written), changed]; prev = uint64[1], the last nonzero word (word
-lo - 1 of an open run). `rows` needs room for count + m // 2 + 2 rows (a chunk ends at most that many runs).
+`diff_parse(d, o, update, w0, state, prev, rows, scratch)` works on the little-endian words d[0..m) (the new
+bytes, in place becoming x = new ^ old) and o[0..m) (the old bytes; set to the new ones when `update`), which are
+the words w0..w0+m of the whole array:
+1. `xor_pass` (branch-free, vectorized): x, the snapshot update, the count of nonzero bytes (added to `changed`)
+   and a flag per word (x != 0) in `scratch`;
+2. `parse`: finds the edges of the zero-word runs eight flags at a time and appends to `rows` the ZSTD_Sequence
+   rows (offset 1, litLength, matchLength, 0) of every maximal run of zero words [lo, hi) that ends in this chunk,
+   exactly as lichen.weights.zstd_seq's parse does:
+     ms = 8*(lo - 1) + k + 2 with k the highest nonzero byte of word lo - 1 (ms = 1 when lo = 0),
+     me = 8*hi + j with j the lowest nonzero byte of word hi, litLength = ms - (the previous row's me),
+     matchLength = me - ms.
+State carried between chunks: state = int64[open_lo (first word of a zero run still open, or -1), prev_end (byte
+where the last match ended), count (rows written), changed]; prev = uint64[1], the nonzero word before the open
+run. `rows` needs room for count + m // 2 + 2 rows (a chunk ends at most that many runs).
 
-The module compiles its kernel on first use (a few seconds) and caches it on disk (numba's cache, next to this
-file or in the user's cache directory); `warm()` does that ahead of time. LICHEN_NUMBA=0 turns it off.
+The kernels compile on first use (a few seconds) and are cached on disk (numba's cache, next to this file or in
+the user's cache directory); `warm()` does that ahead of time, and a self-test must pass before they are used.
+LICHEN_NUMBA=0 turns them off.
 """
 
 from __future__ import annotations
