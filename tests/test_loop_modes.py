@@ -55,6 +55,8 @@ def test_sft_warmup_lowers_loss_and_exports_hf(tiny_ckpt, addition_data, tmp_pat
                          "--n-samples-per-prompt", "1", "--micro-batch-size", "4", "--rollout-batch-size", "8",
                          "--save", str(tmp_path / "c"), "--save-interval", "3", "--lr", "3e-3"))
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    # supervised data is not scored and has no old policy: no reward, clip fraction or KL metrics to misread
+    assert not {"rollout/reward_mean", "train/pg_clipfrac", "train/ppo_kl", "train/ppo_kl_first_step"} & set(rows[0])
     hf = tmp_path / "c" / "iter_0000005" / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf)
     ours = load_hf_state_dict(str(hf))
@@ -84,3 +86,12 @@ def test_custom_loss_plugin_contract(tiny_ckpt, addition_data, tmp_path):
                          "--custom-loss-function-path", "loop_plugins.reinforce_loss", "--micro-batch-size", "4",
                          "--num-threads", "1"))
     assert len(rows) == 2 and all(m["train/grad_norm"] > 0 for m in rows)
+    assert "train/pg_clipfrac" not in rows[0]  # the custom loss does no clipping that lichen could count
+
+
+def test_custom_loss_still_checks_first_step_ppo_kl(tiny_ckpt, addition_data, tmp_path):
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", "--loss-type", "custom_loss",
+                         "--custom-loss-function-path", "loop_plugins.reinforce_loss", "--micro-batch-size", "4",
+                         "--num-steps-per-rollout", "2", "--num-threads", "1"))
+    assert abs(rows[0]["train/ppo_kl_first_step"]) <= 1e-6  # recomputed old log-probs = the policy's own
+    assert abs(rows[0]["train/ppo_kl_last_step"]) > 1e-6  # measured, not a constant: the policy moved

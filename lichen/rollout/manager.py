@@ -31,13 +31,16 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
     samples = [s for g in groups for s in g]
     ok = [s for s in samples if s.status != Status.FAILED]
     n = max(len(samples), 1)
-    return {
-        "rollout/reward_mean": sum(s.scalar_reward(reward_key) for s in ok) / max(len(ok), 1),
+    metrics = {
         "rollout/response_length_mean": sum(s.response_length for s in samples) / n,
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
         "rollout/num_failed": len(samples) - len(ok),
         "rollout/num_samples": len(samples),
     }
+    scored = [s for s in ok if s.reward is not None]
+    if scored or not ok:  # rollouts of supervised data (rollout.sft) carry no reward: no reward metric
+        metrics["rollout/reward_mean"] = sum(s.scalar_reward(reward_key) for s in scored) / max(len(scored), 1)
+    return metrics
 
 
 def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]) -> str:

@@ -29,7 +29,7 @@ def generate_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sampl
                     response=str(record.label),
                     response_length=len(resp),
                     label=record.label,
-                    reward=0.0,
+                    reward=None,  # supervised: nothing is scored (no reward metrics)
                     loss_mask=[1] * len(resp),
                     status=Status.COMPLETED,
                     weight_versions=[manager.engine.weight_version],

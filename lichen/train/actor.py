@@ -238,8 +238,9 @@ class TrainActor:
             metrics["train/train_rollout_logprob_abs_diff_max"] = float(diff.max())
         for key in step_metrics[0]:
             metrics[f"train/{key}"] = sum(m[key] for m in step_metrics) / len(step_metrics)
-        metrics["train/ppo_kl_first_step"] = step_metrics[0]["ppo_kl"]
-        metrics["train/ppo_kl_last_step"] = step_metrics[-1]["ppo_kl"]
+        if "ppo_kl" in step_metrics[0]:
+            metrics["train/ppo_kl_first_step"] = step_metrics[0]["ppo_kl"]
+            metrics["train/ppo_kl_last_step"] = step_metrics[-1]["ppo_kl"]
         metrics["train/num_failed_samples"] = sum(s.status == Status.FAILED for s in samples)
         metrics["time/train"] = time.perf_counter() - t0
         if recompute and abs(metrics["train/ppo_kl_first_step"]) > 1e-4:
@@ -335,7 +336,11 @@ class TrainActor:
         skipped, observed = self._skipped_rows(idx, mask, adv, needs_logp)
         skip = set(skipped)
         trained = [i for i in idx if i not in skip]
-        totals = {"loss": 0.0, "pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
+        totals = {"loss": 0.0, "pg_loss": 0.0}
+        if args.loss_type != "sft_loss":  # SFT has no old policy: no ratio, no clipping, no KL to it
+            totals["ppo_kl"] = 0.0
+            if self.custom_loss is None:
+                totals["pg_clipfrac"] = 0.0
         if args.entropy_coef != 0:
             totals["entropy"] = 0.0
         if ref_lp is not None and args.use_kl_loss:
@@ -417,6 +422,8 @@ class TrainActor:
         if pg is not None:
             sums["pg_clipfrac"] += agg(pg["clipfrac"].detach(), m)
             sums["ppo_kl"] += agg(pg["ppo_kl"].detach(), m)
+        elif "ppo_kl" in sums:  # a custom loss: the KL to the old policy is still measured (first-step check)
+            sums["ppo_kl"] += agg((old - logp).detach(), m)
         if entropy is not None:
             ent = agg(entropy, m)
             loss = loss - args.entropy_coef * ent
