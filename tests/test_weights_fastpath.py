@@ -168,6 +168,23 @@ def test_kernel_is_available_where_numba_is_installed():
     assert diff_kernel.available(), diff_kernel.status()
 
 
+@needs_kernel
+def test_kernel_compiles_without_a_cache_directory(monkeypatch):
+    import numba
+
+    real = numba.njit
+
+    def njit(*args, **kwargs):  # what numba raises where no cache directory is writable
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'x.py'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    monkeypatch.setattr(diff_kernel, "_kernel", None)
+    monkeypatch.setattr(diff_kernel, "_state", "unloaded")
+    assert diff_kernel.available(), diff_kernel.status()
+
+
 def test_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(diff_kernel, "_kernel", None)
     monkeypatch.setattr(diff_kernel, "_state", "unloaded")

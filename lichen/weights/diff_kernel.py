@@ -37,7 +37,7 @@ _state = "unloaded"  # "unloaded" | "ok" | "unavailable: <why>"
 _lock = threading.Lock()
 
 
-def _build():
+def _build(cache: bool = True):
     import numba
     from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
@@ -45,11 +45,11 @@ def _build():
     low7, high1, zero, byte = u(0x7F7F7F7F7F7F7F7F), u(0x8080808080808080), u(0), u(255)
     lanes16 = u(0x00FF00FF00FF00FF)
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def lane_sum(acc):
         return np.int64((acc & u(0xFFFF)) + ((acc >> u(16)) & u(0xFFFF)) + ((acc >> u(32)) & u(0xFFFF)) + (acc >> u(48)))
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def xor_block(d, o, update, nz):
         """xor_pass on at most 65535 words. Loops run from 0 over whole arrays: numba then knows the indices are
         not negative, and LLVM vectorizes them (with range(a, b) it did not: 6x slower)."""
@@ -75,7 +75,7 @@ def _build():
                 nz[i] = np.uint8(x != zero)
         return lane_sum(even) + lane_sum(odd)
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def xor_pass(d, o, update, nz):
         """d = d ^ o (o = the old d where `update`), nz[i] = (d[i] != 0); returns the count of nonzero bytes."""
         changed = np.int64(0)
@@ -84,7 +84,7 @@ def _build():
             changed += xor_block(d[b0:b1], o[b0:b1], update, nz[b0:b1])
         return changed
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def parse(d, nz, w0, state, prev, rows):
         """Rows of the zero-word runs, from the flags `nz` (padded with zeros to a multiple of 8 flags; edges are
         found eight words at a time)."""
@@ -127,7 +127,7 @@ def _build():
         state[0], state[1], state[2] = open_lo, prev_end, count
         prev[0] = last
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def diff_parse(d, o, update, w0, state, prev, rows, nz):
         m = d.shape[0]
         padded = (m + 7) // 8 * 8
@@ -164,8 +164,14 @@ def _load():
             _state = "unavailable: LICHEN_NUMBA=0"
             return None
         try:
-            kernel = _build()
-            problem = _self_test(kernel)
+            try:
+                kernel = _build()
+                problem = _self_test(kernel)
+            except RuntimeError as e:  # numba found no writable cache directory: compile in memory each run
+                if "cannot cache" not in str(e):
+                    raise
+                kernel = _build(cache=False)
+                problem = _self_test(kernel)
         except Exception as e:  # no numba, or it cannot compile here: the numpy path does the same work
             problem = f"{type(e).__name__}: {e}"
         if problem:
