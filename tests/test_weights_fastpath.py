@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 import zstandard
 
+import lichen.weights
 from lichen.weights import VersionPublisher, pull_weights, read_version_info, version_dir
 from lichen.weights import delta as D
 from lichen.weights import diff_kernel
@@ -182,7 +184,10 @@ def test_kernel_compiles_without_a_cache_directory(monkeypatch):
     monkeypatch.setattr(numba, "njit", njit)
     monkeypatch.setattr(diff_kernel, "_kernel", None)
     monkeypatch.setattr(diff_kernel, "_state", "unloaded")
+    monkeypatch.delitem(sys.modules, "lichen.weights._diff_kernel_jit")  # decorate again, under the patched njit
+    monkeypatch.delattr(lichen.weights, "_diff_kernel_jit")
     assert diff_kernel.available(), diff_kernel.status()
+    assert type(diff_kernel._kernel._cache).__name__ == "NullCache"  # compiled without an on-disk cache
 
 
 def test_kernel_can_be_turned_off(monkeypatch):
