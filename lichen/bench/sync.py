@@ -27,7 +27,8 @@ Printed per transport (means over the timed syncs; bytes are engine-dtype bytes,
 The targets of the weight-sync issue are checked at the end, PASS or MISS each (delta xor wire <= 5% of full,
 publish and apply >= 1 GB/s, end-to-end >= 1.5x and shared fs >= 4x faster than full). The exit status is 0
 even when a target is missed: it is a report. Timings are wall-clock on whatever else the machine runs; the load
-average is printed before and after.
+average is printed before and after. Dirty pages are written back (os.sync) before each transport, so one
+transport's background writeback does not run during the next one's syncs.
 """
 
 from __future__ import annotations
@@ -279,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in args.transports:
                 print(f"syncing with {name} ...", flush=True)
+                # write back the previous transport's files first: the kernel's background writeback of GBs of
+                # dirty pages would otherwise take CPU and memory bandwidth from this transport's timed syncs
+                os.sync()
                 rows = run_transport(name, engines, states, dtype, work, model_dir, _engine_pid(launcher))
                 raw[name] = rows
                 results.append(summarize(name, rows, model_bytes, args.bandwidth))
