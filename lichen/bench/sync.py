@@ -27,8 +27,8 @@ Printed per transport (means over the timed syncs; bytes are engine-dtype bytes,
 The targets of the weight-sync issue are checked at the end, PASS or MISS each (delta xor wire <= 5% of full,
 publish and apply >= 1 GB/s, end-to-end >= 1.5x and shared fs >= 4x faster than full). The exit status is 0
 even when a target is missed: it is a report. Timings are wall-clock on whatever else the machine runs; the load
-average is printed before and after. Dirty pages are written back (os.sync) before each transport, so one
-transport's background writeback does not run during the next one's syncs.
+average is printed before and after. Dirty pages are written back (os.sync, not timed) before every sync, so the
+writeback of one sync's files does not run during the next one (in training, a train step lies between them).
 """
 
 from __future__ import annotations
@@ -155,6 +155,10 @@ def run_transport(name: str, engines, states, dtype: torch.dtype, work: str, mod
     try:
         for version, state in enumerate(states, start=1):
             trainer = {n: w.float() for n, w in state.items()}  # the trainer's fp32 view, made before the clock
+            # Each sync starts with nothing left to write back: the kernel's writeback of the last sync's files
+            # (1 GB for full; the engine's local checkpoint for delta) would otherwise run during this one. In a
+            # training loop a train step lies between two syncs.
+            os.sync()
             c0, e0 = _cpu_seconds(None), _cpu_seconds(engine_pid) if engine_pid else 0.0
             t0 = time.perf_counter()
             m = t.push(iter(trainer.items()), version, dtype)
@@ -280,9 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in args.transports:
                 print(f"syncing with {name} ...", flush=True)
-                # write back the previous transport's files first: the kernel's background writeback of GBs of
-                # dirty pages would otherwise take CPU and memory bandwidth from this transport's timed syncs
-                os.sync()
                 rows = run_transport(name, engines, states, dtype, work, model_dir, _engine_pid(launcher))
                 raw[name] = rows
                 results.append(summarize(name, rows, model_bytes, args.bandwidth))

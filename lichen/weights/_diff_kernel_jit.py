@@ -11,6 +11,7 @@ from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 u = np.uint64
 low7, high1, zero, byte = u(0x7F7F7F7F7F7F7F7F), u(0x8080808080808080), u(0), u(255)
 lanes16 = u(0x00FF00FF00FF00FF)
+gather = u(0x0102040810204080)  # byte i's bit 0 -> bit 56 + i (no carries)
 
 
 def _jit(fn):
@@ -67,27 +68,31 @@ def xor_pass(d, o, update, nz):
 
 @_jit
 def parse(d, nz, w0, state, prev, rows):
-    """Rows of the zero-word runs, from the flags `nz` (padded with zeros to a multiple of 8 flags; edges are
-    found eight words at a time)."""
+    """Rows of the zero-word runs, from the flags `nz` (padded with zeros to a multiple of 64 flags). Edges are
+    found 64 words at a time in a bit mask (bit k: word k is nonzero), so the loops branch per edge, not per
+    word."""
     m = d.shape[0]
     flags = nz.view(np.uint64)
     open_lo, prev_end, count = state[0], state[1], state[2]
     last = prev[0]  # the nonzero word before the open run (word open_lo - 1)
-    flag_prev = zero if open_lo >= 0 else u(1)  # the flag of the word before d[0]
-    for q in range(flags.shape[0]):
-        f = flags[q]
-        g = 8 * q
-        edges = f ^ ((f << u(8)) | flag_prev)
+    bit_prev = zero if open_lo >= 0 else u(1)  # the flag of the word before d[0]
+    for q in range(flags.shape[0] // 8):
+        mask = zero
+        for k in range(8):  # eight 0/1 flag bytes -> eight bits (a multiply gathers them into the top byte)
+            mask |= ((flags[8 * q + k] * gather) >> u(56)) << u(8 * k)
+        g = 64 * q
+        edges = mask ^ ((mask << u(1)) | bit_prev)
         n = m - g
-        if n < 8:  # flags past the end must not look like edges
-            edges &= (u(1) << u(8 * n)) - u(1)
-            flag_prev = (f >> u(8 * (n - 1))) & byte
+        if n < 64:  # flags past the end must not look like edges
+            edges &= (u(1) << u(n)) - u(1)
+            bit_prev = (mask >> u(n - 1)) & u(1)
         else:
-            flag_prev = f >> u(56)
+            bit_prev = mask >> u(63)
         while edges != zero:
-            i = g + (np.int64(trailing_zeros(edges)) >> 3)
+            k = np.int64(trailing_zeros(edges))
             edges &= edges - u(1)
-            if nz[i]:  # a zero run [open_lo, w0 + i) ends here
+            i = g + k
+            if (mask >> u(k)) & u(1):  # a zero run [open_lo, w0 + i) ends here
                 x = d[i]
                 if open_lo == 0:
                     ms = np.int64(1)
@@ -112,7 +117,7 @@ def parse(d, nz, w0, state, prev, rows):
 @_jit
 def diff_parse(d, o, update, w0, state, prev, rows, nz):
     m = d.shape[0]
-    padded = (m + 7) // 8 * 8
+    padded = (m + 63) // 64 * 64
     nz[m:padded] = 0
     state[3] += xor_pass(d, o, update, nz[:m])
     parse(d, nz[:padded], w0, state, prev, rows)

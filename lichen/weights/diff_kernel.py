@@ -10,7 +10,7 @@ bytes, in place becoming x = new ^ old) and o[0..m) (the old bytes; set to the n
 the words w0..w0+m of the whole array:
 1. `xor_pass` (branch-free, vectorized): x, the snapshot update, the count of nonzero bytes (added to `changed`)
    and a flag per word (x != 0) in `scratch`;
-2. `parse`: finds the edges of the zero-word runs eight flags at a time and appends to `rows` the ZSTD_Sequence
+2. `parse`: finds the edges of the zero-word runs 64 flags at a time (a bit mask) and appends to `rows` the ZSTD_Sequence
    rows (offset 1, litLength, matchLength, 0) of every maximal run of zero words [lo, hi) that ends in this chunk,
    exactly as lichen.weights.zstd_seq's parse does:
      ms = 8*(lo - 1) + k + 2 with k the highest nonzero byte of word lo - 1 (ms = 1 when lo = 0),
@@ -52,7 +52,7 @@ def _self_test(kernel) -> str | None:
     state = np.array([-1, 0, 0, 0], np.int64)
     prev = np.zeros(1, np.uint64)
     rows = np.zeros((8, 4), np.uint32)
-    kernel(d, o, True, 0, state, prev, rows, np.zeros(8, np.uint8))
+    kernel(d, o, True, 0, state, prev, rows, np.zeros(64, np.uint8))
     # runs: [0,1) -> ms 1, me 8+1 = 9; [2,4) -> word 1's highest byte 1: ms 8+1+2 = 11, me 32+7 = 39
     want = [(1, 8), (11 - 9, 39 - 11)]
     got = [(int(r[1]), int(r[2])) for r in rows[: state[2]]]
@@ -100,5 +100,5 @@ def warm() -> None:
 def diff_parse(d: np.ndarray, o: np.ndarray, update: bool, w0: int, state: np.ndarray, prev: np.ndarray,
                rows: np.ndarray, scratch: np.ndarray) -> None:
     """The kernel described in the module doc (call `available()` first); `scratch`: a uint8 array of at least
-    d.size rounded up to a multiple of 8 elements (the per-word nonzero flags)."""
+    d.size rounded up to a multiple of 64 elements (the per-word nonzero flags)."""
     _load()(d, o, update, w0, state, prev, rows, scratch)

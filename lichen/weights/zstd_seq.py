@@ -227,8 +227,8 @@ class Parser:
                 self.rows = _local.rows = grown
             before = int(self.kernel_state[3])
             flags = getattr(_local, "flags", None)
-            if flags is None or flags.size < w1 - w0 + 8:
-                flags = _local.flags = np.empty(max(w1 - w0 + 8, _PARSE_CHUNK_WORDS), np.uint8)
+            if flags is None or flags.size < w1 - w0 + 64:
+                flags = _local.flags = np.empty(max(w1 - w0 + 64, _PARSE_CHUNK_WORDS + 64), np.uint8)
             diff_kernel.diff_parse(self.words[w0:w1], old[8 * w0: 8 * w1].view(np.uint64), update_old, w0,
                                    self.kernel_state, self.kernel_prev, self.rows, flags)
             changed = int(self.kernel_state[3]) - before
