@@ -142,6 +142,13 @@ def test_kernel_diff_matches_references(chunk):
 
 
 @needs_kernel
+def test_row_totals_match_numpy():
+    rows = np.random.default_rng(2).integers(3, 1 << 20, (1000, 4)).astype(np.uint32)
+    want = (int(rows[:, 1].sum(dtype=np.int64) + rows[:, 2].sum(dtype=np.int64)), int(rows[:, 2].min()))
+    assert diff_kernel.row_totals(rows) == want
+
+
+@needs_kernel
 def test_kernel_and_numpy_paths_write_identical_payloads(monkeypatch):
     """The compiled pass must produce the very frame the numpy pass does (same parse, same snapshot update)."""
     g = torch.Generator().manual_seed(3)
@@ -187,7 +194,7 @@ def test_kernel_compiles_without_a_cache_directory(monkeypatch):
     monkeypatch.delitem(sys.modules, "lichen.weights._diff_kernel_jit")  # decorate again, under the patched njit
     monkeypatch.delattr(lichen.weights, "_diff_kernel_jit")
     assert diff_kernel.available(), diff_kernel.status()
-    assert type(diff_kernel._kernel._cache).__name__ == "NullCache"  # compiled without an on-disk cache
+    assert type(diff_kernel._kernel.diff_parse._cache).__name__ == "NullCache"  # compiled without an on-disk cache
 
 
 def test_kernel_can_be_turned_off(monkeypatch):

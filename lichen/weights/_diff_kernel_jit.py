@@ -122,3 +122,15 @@ def diff_parse(d, o, update, w0, state, prev, rows, nz):
     state[3] += xor_pass(d, o, update, nz[:m])
     parse(d, nz[:padded], w0, state, prev, rows)
 
+
+@_jit
+def row_totals(rows):
+    """(sum of litLength + matchLength, smallest matchLength) of ZSTD_Sequence rows, in one pass (numpy's strided
+    column sums cost 0.04 CPU-s per GB of weights)."""
+    covered = np.int64(0)
+    shortest = np.int64(1) << 40
+    for i in range(rows.shape[0]):
+        covered += np.int64(rows[i, 1]) + np.int64(rows[i, 2])
+        shortest = min(shortest, np.int64(rows[i, 2]))
+    return covered, shortest
+

@@ -41,7 +41,7 @@ _lock = threading.Lock()
 def _build():
     from lichen.weights import _diff_kernel_jit
 
-    return _diff_kernel_jit.diff_parse
+    return _diff_kernel_jit
 
 
 def _self_test(kernel) -> str | None:
@@ -52,12 +52,14 @@ def _self_test(kernel) -> str | None:
     state = np.array([-1, 0, 0, 0], np.int64)
     prev = np.zeros(1, np.uint64)
     rows = np.zeros((8, 4), np.uint32)
-    kernel(d, o, True, 0, state, prev, rows, np.zeros(64, np.uint8))
+    kernel.diff_parse(d, o, True, 0, state, prev, rows, np.zeros(64, np.uint8))
     # runs: [0,1) -> ms 1, me 8+1 = 9; [2,4) -> word 1's highest byte 1: ms 8+1+2 = 11, me 32+7 = 39
     want = [(1, 8), (11 - 9, 39 - 11)]
     got = [(int(r[1]), int(r[2])) for r in rows[: state[2]]]
     if got != want or int(state[3]) != 3 or state[0] != -1 or not np.array_equal(o, new):
         return f"self-test gave rows {got}, changed {int(state[3])}"
+    if kernel.row_totals(rows[: state[2]]) != (39, 8):
+        return "row_totals self-test failed"
     return None
 
 
@@ -101,4 +103,10 @@ def diff_parse(d: np.ndarray, o: np.ndarray, update: bool, w0: int, state: np.nd
                rows: np.ndarray, scratch: np.ndarray) -> None:
     """The kernel described in the module doc (call `available()` first); `scratch`: a uint8 array of at least
     d.size rounded up to a multiple of 64 elements (the per-word nonzero flags)."""
-    _load()(d, o, update, w0, state, prev, rows, scratch)
+    _load().diff_parse(d, o, update, w0, state, prev, rows, scratch)
+
+
+def row_totals(rows: np.ndarray) -> tuple[int, int]:
+    """(sum of litLength + matchLength, smallest matchLength) of (n >= 1, 4) uint32 ZSTD_Sequence rows."""
+    covered, shortest = _load().row_totals(rows)
+    return int(covered), int(shortest)

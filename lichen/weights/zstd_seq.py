@@ -342,9 +342,12 @@ def _compress(x: np.ndarray, level: int, parser: Parser | None = None) -> bytes:
     ctx = _context(level)
     seqs = (parser or Parser(x)).finish()
     # libzstd trusts the sequences (no validation): never let a parse error read outside x
-    if seqs.shape[0] and (int(seqs[:, 1].sum(dtype=np.int64)) + int(seqs[:, 2].sum(dtype=np.int64)) > x.size
-                          or int(seqs[:, 2].min()) < 3):
-        raise AssertionError("zstd_seq: the parse does not fit the input")
+    if seqs.shape[0]:
+        covered, shortest = (diff_kernel.row_totals(seqs) if diff_kernel.available() else
+                             (int(seqs[:, 1].sum(dtype=np.int64)) + int(seqs[:, 2].sum(dtype=np.int64)),
+                              int(seqs[:, 2].min())))
+        if covered > x.size or shortest < 3:
+            raise AssertionError("zstd_seq: the parse does not fit the input")
     # A sparse input compresses to a few percent: start with an eighth of the worst case, retry with all of it.
     for cap in (min(ctx.lib.ZSTD_compressBound(x.size), (1 << 20) + x.size // 8), ctx.lib.ZSTD_compressBound(x.size)):
         if ctx.out.size < cap:
