@@ -142,6 +142,17 @@ def test_kernel_diff_matches_references(chunk):
 
 
 @needs_kernel
+def test_kernel_counts_exactly_past_its_16_bit_lanes():
+    """A 1 MiB chunk has 131072 words; the byte counters are 16-bit lanes summed every 65535 words."""
+    for density in (1.0, 0.3):
+        old = _sparse((1 << 20) + 24, 0.5, 7)
+        new = old ^ _sparse(old.size, density, 8)
+        x, rows, changed, o = _kernel_diff(new, old, 1 << 20, True)
+        assert changed == int(np.count_nonzero(new ^ old)) and np.array_equal(x, new ^ old)
+        assert np.array_equal(o, new)
+
+
+@needs_kernel
 def test_row_totals_match_numpy():
     rows = np.random.default_rng(2).integers(3, 1 << 20, (1000, 4)).astype(np.uint32)
     want = (int(rows[:, 1].sum(dtype=np.int64) + rows[:, 2].sum(dtype=np.int64)), int(rows[:, 2].min()))
