@@ -10,9 +10,9 @@ bytes, in place becoming x = new ^ old) and o[0..m) (the old bytes; set to the n
 the words w0..w0+m of the whole array:
 1. `xor_pass` (branch-free, vectorized): x, the snapshot update, the count of nonzero bytes (added to `changed`)
    and a flag per word (x != 0) in `scratch`;
-2. `parse`: finds the edges of the zero-word runs 64 flags at a time (a bit mask) and appends to `rows` the ZSTD_Sequence
-   rows (offset 1, litLength, matchLength, 0) of every maximal run of zero words [lo, hi) that ends in this chunk,
-   exactly as lichen.weights.zstd_seq's parse does:
+2. `parse`: finds the edges of the zero-word runs 64 flags at a time (a bit mask) and appends to `rows` the
+   ZSTD_Sequence rows (offset 1, litLength, matchLength, 0) of every maximal run of zero words [lo, hi) that
+   ends in this chunk, exactly as lichen.weights.zstd_seq's parse does:
      ms = 8*(lo - 1) + k + 2 with k the highest nonzero byte of word lo - 1 (ms = 1 when lo = 0),
      me = 8*hi + j with j the lowest nonzero byte of word hi, litLength = ms - (the previous row's me),
      matchLength = me - ms.

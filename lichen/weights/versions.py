@@ -39,6 +39,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+from lichen.weights import diff_kernel
 from lichen.weights.delta import (
     COMPRESSION_FORMAT,
     DeltaError,
@@ -50,7 +51,6 @@ from lichen.weights.delta import (
     parallel_map,
     tensor_bytes,
 )
-from lichen.weights import diff_kernel
 from lichen.weights.hf_io import INDEX_FILE, SINGLE_FILE, _copy_side_files, _fsync_dir, _fsync_file, _write_json
 
 VERSION_PREFIX = "weight_v"

@@ -1,5 +1,6 @@
 """A fast zstd encoder for sparse byte strings (xor deltas): the sequences are found by us (numpy, or the compiled
-pass of lichen.weights.diff_kernel through `Parser.diff`), only the entropy coding is left to libzstd (`ZSTD_compressSequences`, through ctypes on the system's libzstd).
+pass of lichen.weights.diff_kernel through `Parser.diff`), only the entropy coding is left to libzstd
+(`ZSTD_compressSequences`, through ctypes on the system's libzstd).
 
 Why: zstd's own match finder spends ~90 ns per match on a xor delta of a bf16 model after one small optimizer
 step (a nonzero byte every ~50 bytes), 0.5 GB/s per core; the delta's structure is known, so the matches are too.
@@ -220,11 +221,7 @@ class Parser:
         w0, w1 = start // 8, min(stop // 8, self.n_words)
         changed = 0
         if w1 > w0:
-            need = int(self.kernel_state[2]) + (w1 - w0) // 2 + 2
-            if need > self.rows.shape[0]:
-                grown = _new_rows(max(2 * self.rows.shape[0], need))
-                grown[: self.kernel_state[2]] = self.rows[: self.kernel_state[2]]
-                self.rows = _local.rows = grown
+            self._reserve(int(self.kernel_state[2]), (w1 - w0) // 2 + 2)
             before = int(self.kernel_state[3])
             flags = getattr(_local, "flags", None)
             if flags is None or flags.size < w1 - w0 + 64:
@@ -255,13 +252,17 @@ class Parser:
         last = int(self.kernel_prev[0])
         start = 1 if lo == 0 else 8 * (lo - 1) + max(i for i in range(8) if last >> (8 * i) & 255) + 2
         end = 8 * self.n_words
-        if self.count + 1 > self.rows.shape[0]:
-            grown = _new_rows(2 * self.rows.shape[0])
-            grown[: self.count] = self.rows[: self.count]
-            self.rows = _local.rows = grown
+        self._reserve(self.count, 1)
         self.rows[self.count, 1:3] = (start - self.prev_end, end - start)
         self.count += 1
         self.prev_end, self.open_lo = end, -1
+
+    def _reserve(self, used: int, more: int) -> None:
+        """Room for `more` rows after the first `used` (kept), growing the per-thread array at least twofold."""
+        if used + more > self.rows.shape[0]:
+            grown = _new_rows(max(2 * self.rows.shape[0], used + more))
+            grown[:used] = self.rows[:used]
+            self.rows = _local.rows = grown
 
     def feed(self, upto_word: int) -> None:
         if self.kernel_state is not None:
@@ -307,10 +308,7 @@ class Parser:
         else:
             end += _LOWEST[_byte_mask(words[hi])]
         k, c = lo.size, self.count
-        if c + k > self.rows.shape[0]:
-            grown = _new_rows(max(2 * self.rows.shape[0], c + k))
-            grown[:c] = self.rows[:c]
-            self.rows = _local.rows = grown
+        self._reserve(c, k)
         out = self.rows[c: c + k]
         out[0, 1] = start[0] - self.prev_end
         np.subtract(start[1:], end[:-1], out=out[1:, 1], casting="unsafe")
