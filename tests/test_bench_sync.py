@@ -47,3 +47,6 @@ def test_smoke_run_prints_every_transport(tmp_path, capsys):
     assert summary["xor"]["wire_bytes"] < summary["full"]["wire_bytes"]
     assert summary["overwrite"]["wire_bytes"] < summary["full"]["wire_bytes"]
     assert 0 < summary["xor"]["changed_density"] < 0.5  # one small AdamW step moves a few percent of the bytes
+    for r in summary.values():  # one end-to-end time per timed sync; their mean is the table's
+        assert len(r["e2e_each_s"]) == 1 and abs(sum(r["e2e_each_s"]) - r["e2e_s"]) < 1e-9
+    assert re.search(r"^  xor\s+\d+\.\d{3}$", out[out.index("each timed sync"):], re.M)
