@@ -161,23 +161,34 @@ def test_row_totals_match_numpy():
 
 @needs_kernel
 def test_kernel_and_numpy_paths_write_identical_payloads(monkeypatch):
-    """The compiled pass must produce the very frame the numpy pass does (same parse, same snapshot update)."""
+    """The compiled passes must produce the very payloads the numpy passes do (same parse, same snapshot update;
+    for overwrite the same offsets and values), for a cast step and for raw bytes with and without update_old."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(300_007, generator=g) * 0.02
     stepped = w - 1e-6 * torch.sign(torch.randn(w.shape, generator=g))
     old = D.tensor_bytes(w.to(torch.bfloat16))
+    new = D.tensor_bytes(stepped.to(torch.bfloat16))
     monkeypatch.setattr(D, "CHUNK_BYTES", 4096)
-    snaps, payloads = [], []
+    results = []
     for use_kernel in (True, False):
         if not use_kernel:
             monkeypatch.setattr(diff_kernel, "_kernel", None)
             monkeypatch.setattr(diff_kernel, "_state", "unavailable: test")
-        snap = old.copy()
-        enc = D.encode_tensor_cast("xor", stepped, snap, torch.bfloat16, checksum_format="xxh3-128")
-        snaps.append(snap)
-        payloads.append((enc.payload, enc.changed_bytes, enc.checksum))
-    assert payloads[0] == payloads[1] and np.array_equal(snaps[0], snaps[1])
-    assert np.array_equal(snaps[0], D.tensor_bytes(stepped.to(torch.bfloat16)))
+        got = []
+        for encoding in ("xor", "overwrite"):
+            snap = old.copy()
+            enc = D.encode_tensor_cast(encoding, stepped, snap, torch.bfloat16, checksum_format="xxh3-128")
+            got.append((enc.payload, enc.changed_bytes, enc.checksum, snap.tobytes()))
+            for update in (True, False):
+                snap = old.copy()
+                enc = D.encode_tensor(encoding, new, snap, checksum_format="xxh3-128", update_old=update)
+                got.append((enc.payload, enc.changed_bytes, enc.checksum, snap.tobytes()))
+        results.append(got)
+    assert results[0] == results[1]
+    assert results[0][0][3] == new.tobytes()  # the snapshot holds the new bytes
+    back = old.copy()
+    D.apply_tensor("overwrite", results[0][3][0], back)
+    assert np.array_equal(back, new)
 
 
 def test_kernel_is_available_where_numba_is_installed():

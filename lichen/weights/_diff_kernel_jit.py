@@ -134,3 +134,28 @@ def row_totals(rows):
         shortest = min(shortest, np.int64(rows[i, 2]))
     return covered, shortest
 
+
+@_jit
+def changed_bytes(x, old, old_is_new, pos, val):
+    """For the overwrite encoding: pos[c] = offset of the c-th nonzero byte of x (the xor bytes), val[c] = the new
+    byte there (old[i] when old_is_new, else old[i] ^ x[i]); returns the count. Nonzero bytes are found inside
+    nonzero 8-byte words only (a sparse delta has few)."""
+    n = x.shape[0]
+    n_words = n // 8
+    words = x[: 8 * n_words].view(np.uint64)
+    c = 0
+    for w in range(n_words):
+        v = words[w]
+        while v != zero:
+            i = 8 * w + (np.int64(trailing_zeros(v)) >> 3)
+            v &= ~(byte << u(8 * (i - 8 * w)))
+            pos[c] = i
+            val[c] = old[i] if old_is_new else old[i] ^ x[i]
+            c += 1
+    for i in range(8 * n_words, n):
+        if x[i] != 0:
+            pos[c] = i
+            val[c] = old[i] if old_is_new else old[i] ^ x[i]
+            c += 1
+    return c
+

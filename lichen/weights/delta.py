@@ -28,6 +28,7 @@ lichen.weights.diff_kernel.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import zlib
@@ -197,6 +198,14 @@ def _payload(encoding: str, delta: np.ndarray, old: np.ndarray, changed: int, le
     if encoding == "xor":
         frame = zstd_seq.compress_sparse(delta, level, parser)
         return frame if frame is not None else zstandard.ZstdCompressor(level=level).compress(delta)
+    if diff_kernel.available() and sys.byteorder == "little":  # one compiled pass writes the raw payload
+        raw = np.empty(4 + 5 * changed, np.uint8)
+        raw[:4] = np.frombuffer(changed.to_bytes(4, "little"), np.uint8)
+        found = diff_kernel.changed_bytes(delta, old, old_is_new, raw[4: 4 + 4 * changed].view(np.uint32),
+                                          raw[4 + 4 * changed:])
+        if found != changed:
+            raise AssertionError(f"overwrite: {found} changed bytes found, {changed} counted")
+        return zstandard.ZstdCompressor(level=level).compress(raw)
     pos = _nonzero_positions(delta)
     values = old[pos] if old_is_new else old[pos] ^ delta[pos]
     raw = b"".join([changed.to_bytes(4, "little"), pos.astype("<u4").tobytes(), values.tobytes()])

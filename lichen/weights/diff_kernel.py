@@ -1,5 +1,6 @@
-"""The compiled inner loop of xor delta encoding: diff, count, snapshot update and zstd sequence parse of one chunk
-(numba; `available()` is False without it, and callers then use the numpy path, which gives the same bytes).
+"""The compiled inner loops of delta encoding: for xor, diff, count, snapshot update and zstd sequence parse of one
+chunk; for overwrite, the offsets and new values of the changed bytes (`changed_bytes`). numba; `available()` is
+False without it, and callers then use the numpy path, which gives the same bytes.
 
 Why: the numpy pipeline makes ~10 passes over each chunk (xor, count, update, zero tests, edge search, byte masks,
 row arithmetic) and costs ~0.6 CPU-s per GB of bf16 weights; these two loops cost ~0.25 (measured on a 0.5B
@@ -110,3 +111,10 @@ def row_totals(rows: np.ndarray) -> tuple[int, int]:
     """(sum of litLength + matchLength, smallest matchLength) of (n >= 1, 4) uint32 ZSTD_Sequence rows."""
     covered, shortest = _load().row_totals(rows)
     return int(covered), int(shortest)
+
+
+def changed_bytes(x: np.ndarray, old: np.ndarray, old_is_new: bool, pos: np.ndarray, val: np.ndarray) -> int:
+    """Offsets (into `pos`, uint32) and new values (into `val`, uint8) of the nonzero bytes of the xor bytes `x`;
+    returns their count (the arrays need room for all of them). Call `available()` first."""
+    return int(_load().changed_bytes(x, old, old_is_new, pos, val))
+
