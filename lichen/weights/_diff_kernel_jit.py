@@ -32,7 +32,8 @@ def lane_sum(acc):
 @_jit
 def xor_block(d, o, update, nz):
     """xor_pass on at most 65535 words. Loops run from 0 over whole arrays: numba then knows the indices are
-    not negative, and LLVM vectorizes them (with range(a, b) it did not: 6x slower)."""
+    not negative, and LLVM vectorizes them (with range(a, b) it did not: 6x slower). `nz` None: no flags (numba
+    compiles that case separately, without the branch)."""
     even = zero  # 16-bit lanes: nonzero-byte counts of bytes 0, 2, 4, 6 (and 1, 3, 5, 7 in `odd`)
     odd = zero
     if update:
@@ -44,7 +45,8 @@ def xor_block(d, o, update, nz):
             f = ((((x & low7) + low7) | x) & high1) >> u(7)
             even += f & lanes16
             odd += (f >> u(8)) & lanes16
-            nz[i] = np.uint8(x != zero)
+            if nz is not None:
+                nz[i] = np.uint8(x != zero)
     else:
         for i in range(d.shape[0]):
             x = d[i] ^ o[i]
@@ -52,17 +54,33 @@ def xor_block(d, o, update, nz):
             f = ((((x & low7) + low7) | x) & high1) >> u(7)
             even += f & lanes16
             odd += (f >> u(8)) & lanes16
-            nz[i] = np.uint8(x != zero)
+            if nz is not None:
+                nz[i] = np.uint8(x != zero)
     return lane_sum(even) + lane_sum(odd)
 
 
 @_jit
 def xor_pass(d, o, update, nz):
-    """d = d ^ o (o = the old d where `update`), nz[i] = (d[i] != 0); returns the count of nonzero bytes."""
+    """d = d ^ o (o = the old d where `update`), nz[i] = (d[i] != 0) unless nz is None; returns the count of
+    nonzero bytes."""
     changed = np.int64(0)
     for b0 in range(0, d.shape[0], 65535):  # a 16-bit lane counts at most 65535 words
         b1 = min(b0 + 65535, d.shape[0])
-        changed += xor_block(d[b0:b1], o[b0:b1], update, nz[b0:b1])
+        changed += xor_block(d[b0:b1], o[b0:b1], update, None if nz is None else nz[b0:b1])
+    return changed
+
+
+@_jit
+def xor_count(d8, o8, update):
+    """xor_pass over bytes (any length, no flags): for the overwrite encoding's diff."""
+    n_words = d8.shape[0] // 8
+    changed = xor_pass(d8[: 8 * n_words].view(np.uint64), o8[: 8 * n_words].view(np.uint64), update, None)
+    for i in range(8 * n_words, d8.shape[0]):
+        x = d8[i] ^ o8[i]
+        if update:
+            o8[i] = d8[i]
+        d8[i] = x
+        changed += x != 0
     return changed
 
 

@@ -169,6 +169,7 @@ def _diff_pass(encoding: str, n: int, fill: Callable[[int, int, np.ndarray], Non
     delta = _scratch("delta", n)
     parser = zstd_seq.parser_for(delta) if encoding == "xor" else None
     fused = parser is not None and diff_kernel.available()
+    compiled = parser is None and diff_kernel.available()
     step = _chunk_bytes(max(itemsize, 8))
     changed = 0
     for start in range(0, n, step):
@@ -179,6 +180,9 @@ def _diff_pass(encoding: str, n: int, fill: Callable[[int, int, np.ndarray], Non
             hasher.update(d)
         if fused:
             changed += parser.diff(start, stop, old, update_old)
+            continue
+        if compiled:
+            changed += diff_kernel.xor_count(d, o, update_old)
             continue
         np.bitwise_xor(d, o, out=d)
         count = int(np.count_nonzero(d))

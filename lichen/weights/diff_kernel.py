@@ -118,3 +118,9 @@ def changed_bytes(x: np.ndarray, old: np.ndarray, old_is_new: bool, pos: np.ndar
     returns their count (the arrays need room for all of them). Call `available()` first."""
     return int(_load().changed_bytes(x, old, old_is_new, pos, val))
 
+
+def xor_count(d: np.ndarray, o: np.ndarray, update: bool) -> int:
+    """d = d ^ o over uint8 arrays of equal length (o = the old d where `update`); returns the count of nonzero
+    bytes of the result. Call `available()` first."""
+    return int(_load().xor_count(d, o, update))
+
