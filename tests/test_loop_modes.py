@@ -3,11 +3,9 @@
 import json
 import os
 
-import pytest
 import torch
 
 from lichen.cli import main
-from lichen.observe.metrics import read_metrics
 from lichen.weights.hf_io import load_hf_state_dict
 
 from test_loop_invariants import base_args, final_weights, run

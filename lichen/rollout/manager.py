@@ -17,10 +17,10 @@ from lichen.errors import DataError
 from lichen.models.tokenizer import encode_prompt, load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.plugins import load_function
-from lichen.rewards import build_reward_fn, score_samples
+from lichen.rewards import build_reward_fn
 from lichen.rollout.eval import build_eval_reward_fns, load_eval_sets, run_eval
 from lichen.rollout.abort_surplus import can_abort
-from lichen.rollout.generate import build_samples, generate_rollout, take_prompts
+from lichen.rollout.generate import generate_rollout, take_prompts
 from lichen.rollout.partial import PartialBuffer, require_abortable
 from lichen.types import Sample, Status
 

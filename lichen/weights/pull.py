@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from lichen.weights.delta import (
