@@ -1,13 +1,11 @@
 """The embedded engine: seeded sampling, the log-prob convention, stopping, batching independence."""
 
-import math
 
 import pytest
 import torch
 
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.sampling import derive_seed, sample_next, truncate_logprobs, uniform_noise
-from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model
 
 

@@ -1,7 +1,6 @@
 """The loop's invariants (issue: Foundation): first-step ppo_kl, rollout/trainer log-prob agreement, exact resume."""
 
 import pytest
-import torch
 
 from lichen.cli import main
 from lichen.observe.metrics import read_metrics

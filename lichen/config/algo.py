@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError, NotAvailableYet
+from lichen.errors import ConfigError
 from lichen.config.checks import check_dotted_path, check_float, check_hf_dir, given
 
 ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
