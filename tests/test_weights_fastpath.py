@@ -20,6 +20,7 @@ import lichen.weights
 from lichen.weights import VersionPublisher, pull_weights, read_version_info, version_dir
 from lichen.weights import delta as D
 from lichen.weights import diff_kernel
+from lichen.weights.native import Native, Unavailable
 from lichen.weights import zstd_seq as Z
 from lichen.weights.staging import LiveStage, reserve
 
@@ -103,8 +104,8 @@ def test_sparse_frame_is_smaller_than_zstd_level_1_on_a_bf16_step():
 
 
 def test_encoder_falls_back_to_python_zstandard(monkeypatch):
-    monkeypatch.setattr(Z, "_lib", None)
-    monkeypatch.setattr(Z, "_lib_state", "unavailable: test")
+    monkeypatch.setattr(Z._native, "value", None)
+    monkeypatch.setattr(Z._native, "state", "unavailable: test")
     assert not Z.available() and Z.compress_sparse(np.zeros(8, np.uint8)) is None
     old, new = _sparse(5000, 0.5, 1), _sparse(5000, 0.5, 2)
     enc = D.encode_tensor("xor", new, old)
@@ -172,8 +173,8 @@ def test_kernel_and_numpy_paths_write_identical_payloads(monkeypatch):
     results = []
     for use_kernel in (True, False):
         if not use_kernel:
-            monkeypatch.setattr(diff_kernel, "_kernel", None)
-            monkeypatch.setattr(diff_kernel, "_state", "unavailable: test")
+            monkeypatch.setattr(diff_kernel._native, "value", None)
+            monkeypatch.setattr(diff_kernel._native, "state", "unavailable: test")
         got = []
         for encoding in ("xor", "overwrite"):
             snap = old.copy()
@@ -191,14 +192,49 @@ def test_kernel_and_numpy_paths_write_identical_payloads(monkeypatch):
     assert np.array_equal(back, new)
 
 
-def test_kernel_is_available_where_numba_is_installed():
-    """numba is a dependency: a kernel that fails to build or its self-test must not pass unnoticed (the
-    encoder would silently fall back to the slower numpy pass, and the kernel tests above would skip)."""
-    if importlib.util.find_spec("numba") is None:
-        pytest.skip("numba is not installed")
-    if os.environ.get("LICHEN_NUMBA") == "0":
-        pytest.skip("LICHEN_NUMBA=0: the numpy path is under test")
-    assert diff_kernel.available(), diff_kernel.status()
+def test_kernel_availability_follows_numba_and_the_switch():
+    """numba is a dependency: a kernel that fails to build or its self-test must not pass unnoticed (the encoder
+    would silently fall back to the slower numpy pass, and the kernel tests above would skip). Where numba is
+    missing (Pythons it has no wheels for) or LICHEN_NUMBA=0, the status must say which."""
+    has_numba = importlib.util.find_spec("numba") is not None
+    switched_off = os.environ.get("LICHEN_NUMBA") == "0"
+    if has_numba and not switched_off:
+        assert diff_kernel.available(), diff_kernel.status()
+    elif switched_off:
+        assert not diff_kernel.available() and diff_kernel.status() == "unavailable: LICHEN_NUMBA=0"
+    else:
+        assert not diff_kernel.available() and "ModuleNotFoundError" in diff_kernel.status()
+
+
+def test_native_loads_once_and_reports_why_it_is_unavailable(monkeypatch):
+    calls = []
+
+    def load():
+        calls.append(1)
+        return "lib"
+
+    seen = []
+    ok = Native(load, lambda v: seen.append(ok.value) or None, "LICHEN_TEST_NATIVE")
+    assert ok.get() == "lib" and ok.get() == "lib" and ok.status() == "ok"
+    assert calls == [1] and seen == ["lib"]  # loaded once; the value is visible during its self-test
+
+    bad = Native(load, lambda v: "wrong answer", "LICHEN_TEST_NATIVE")
+    assert bad.get() is None and bad.status() == "unavailable: wrong answer"
+
+    def missing():
+        raise Unavailable("no such library")
+
+    assert Native(missing, lambda v: None, "LICHEN_TEST_NATIVE").status() == "unavailable: no such library"
+
+    def broken():
+        raise OSError("bad ELF")
+
+    assert Native(broken, lambda v: None, "LICHEN_TEST_NATIVE").status() == "unavailable: OSError: bad ELF"
+
+    monkeypatch.setenv("LICHEN_TEST_NATIVE", "0")
+    off, loads = Native(load, lambda v: None, "LICHEN_TEST_NATIVE"), len(calls)
+    assert not off.available() and off.status() == "unavailable: LICHEN_TEST_NATIVE=0"
+    assert len(calls) == loads  # switched off: not even loaded
 
 
 @needs_kernel
@@ -213,17 +249,17 @@ def test_kernel_compiles_without_a_cache_directory(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(numba, "njit", njit)
-    monkeypatch.setattr(diff_kernel, "_kernel", None)
-    monkeypatch.setattr(diff_kernel, "_state", "unloaded")
+    monkeypatch.setattr(diff_kernel._native, "value", None)
+    monkeypatch.setattr(diff_kernel._native, "state", "unloaded")
     monkeypatch.delitem(sys.modules, "lichen.weights._diff_kernel_jit")  # decorate again, under the patched njit
     monkeypatch.delattr(lichen.weights, "_diff_kernel_jit")
     assert diff_kernel.available(), diff_kernel.status()
-    assert type(diff_kernel._kernel.diff_parse._cache).__name__ == "NullCache"  # compiled without an on-disk cache
+    assert type(diff_kernel._native.value.diff_parse._cache).__name__ == "NullCache"  # compiled without an on-disk cache
 
 
 def test_kernel_can_be_turned_off(monkeypatch):
-    monkeypatch.setattr(diff_kernel, "_kernel", None)
-    monkeypatch.setattr(diff_kernel, "_state", "unloaded")
+    monkeypatch.setattr(diff_kernel._native, "value", None)
+    monkeypatch.setattr(diff_kernel._native, "state", "unloaded")
     monkeypatch.setenv("LICHEN_NUMBA", "0")
     assert not diff_kernel.available() and diff_kernel.status() == "unavailable: LICHEN_NUMBA=0"
     old, new = _sparse(5000, 0.5, 1), _sparse(5000, 0.5, 2)

@@ -29,14 +29,9 @@ memory where neither is writable), so later processes load them in ~2 s, most of
 
 from __future__ import annotations
 
-import os
-import threading
-
 import numpy as np
 
-_kernel = None
-_state = "unloaded"  # "unloaded" | "ok" | "unavailable: <why>"
-_lock = threading.Lock()
+from lichen.weights.native import Native
 
 
 def _build():
@@ -64,63 +59,45 @@ def _self_test(kernel) -> str | None:
     return None
 
 
-def _load():
-    global _kernel, _state
-    with _lock:
-        if _state != "unloaded":
-            return _kernel
-        if os.environ.get("LICHEN_NUMBA", "1") == "0":
-            _state = "unavailable: LICHEN_NUMBA=0"
-            return None
-        try:
-            kernel = _build()
-            problem = _self_test(kernel)
-        except Exception as e:  # no numba, or it cannot compile here: the numpy path does the same work
-            problem = f"{type(e).__name__}: {e}"
-        if problem:
-            _state = f"unavailable: {problem}"
-            return None
-        _kernel, _state = kernel, "ok"
-        return _kernel
+_native = Native(_build, _self_test, "LICHEN_NUMBA")  # without numba: "unavailable: ModuleNotFoundError: ..."
 
 
 def available() -> bool:
-    """Whether the compiled kernel can be used (compiles or loads it on first call)."""
-    return _load() is not None
+    """Whether the compiled kernels can be used (compiles or loads them on first call)."""
+    return _native.available()
 
 
 def status() -> str:
     """"ok" or "unavailable: <why>"."""
-    _load()
-    return _state
+    return _native.status()
 
 
 def warm() -> None:
     """Compile (or load from numba's cache) now, e.g. before a timed sync."""
-    _load()
+    _native.get()
 
 
 def diff_parse(d: np.ndarray, o: np.ndarray, update: bool, w0: int, state: np.ndarray, prev: np.ndarray,
                rows: np.ndarray, scratch: np.ndarray) -> None:
     """The kernel described in the module doc (call `available()` first); `scratch`: a uint8 array of at least
     d.size rounded up to a multiple of 64 elements (the per-word nonzero flags)."""
-    _load().diff_parse(d, o, update, w0, state, prev, rows, scratch)
+    _native.value.diff_parse(d, o, update, w0, state, prev, rows, scratch)
 
 
 def row_totals(rows: np.ndarray) -> tuple[int, int]:
     """(sum of litLength + matchLength, smallest matchLength) of (n >= 1, 4) uint32 ZSTD_Sequence rows."""
-    covered, shortest = _load().row_totals(rows)
+    covered, shortest = _native.value.row_totals(rows)
     return int(covered), int(shortest)
 
 
 def changed_bytes(x: np.ndarray, old: np.ndarray, old_is_new: bool, pos: np.ndarray, val: np.ndarray) -> int:
     """Offsets (into `pos`, uint32) and new values (into `val`, uint8) of the nonzero bytes of the xor bytes `x`;
     returns their count (the arrays need room for all of them). Call `available()` first."""
-    return int(_load().changed_bytes(x, old, old_is_new, pos, val))
+    return int(_native.value.changed_bytes(x, old, old_is_new, pos, val))
 
 
 def xor_count(d: np.ndarray, o: np.ndarray, update: bool) -> int:
     """d = d ^ o over uint8 arrays of equal length (o = the old d where `update`); returns the count of nonzero
     bytes of the result. Call `available()` first."""
-    return int(_load().xor_count(d, o, update))
+    return int(_native.value.xor_count(d, o, update))
 

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import threading
 
 import numpy as np
 import zstandard
 
 from lichen.weights import diff_kernel
+from lichen.weights.native import Native, Unavailable
 
 _MIN_VERSION = 10500  # 1.5.0
 _ZSTD_C_COMPRESSION_LEVEL = 100
@@ -47,9 +47,6 @@ _GATHER = np.uint64(0x0102040810204080)  # bit 8i -> bit 56 + i, without collisi
 _HIGHEST = np.array([max(i for i in range(8) if m >> i & 1) if m else 0 for m in range(256)], dtype=np.int64)
 _LOWEST = np.array([min(i for i in range(8) if m >> i & 1) if m else 0 for m in range(256)], dtype=np.int64)
 
-_lib = None
-_lib_state = "unloaded"  # "unloaded" | "ok" | "unavailable: <why>"
-_load_lock = threading.Lock()
 _local = threading.local()
 
 
@@ -102,48 +99,31 @@ def _self_test() -> str | None:
     return None
 
 
-def _load():
-    global _lib, _lib_state
-    with _load_lock:
-        if _lib_state != "unloaded":
-            return _lib
-        if os.environ.get("LICHEN_ZSTD_SEQUENCES", "1") == "0":
-            _lib_state = "unavailable: LICHEN_ZSTD_SEQUENCES=0"
-            return None
-        lib = _open_library()
-        if lib is None:
-            _lib_state = "unavailable: no libzstd shared library found"
-            return None
-        try:
-            _bind(lib)
-            version = lib.ZSTD_versionNumber()
-        except AttributeError as e:
-            _lib_state = f"unavailable: libzstd lacks {e}"
-            return None
-        if version < _MIN_VERSION:
-            _lib_state = f"unavailable: libzstd {version} is older than 1.5.0"
-            return None
-        _lib = lib
-        try:
-            problem = _self_test()
-        except Exception as e:  # any failure means: do not trust this library
-            problem = f"{type(e).__name__}: {e}"
-        if problem:
-            _lib, _lib_state = None, f"unavailable: {problem}"
-            return None
-        _lib_state = "ok"
-        return _lib
+def _load_library():
+    lib = _open_library()
+    if lib is None:
+        raise Unavailable("no libzstd shared library found")
+    try:
+        _bind(lib)
+        version = lib.ZSTD_versionNumber()
+    except AttributeError as e:
+        raise Unavailable(f"libzstd lacks {e}") from None
+    if version < _MIN_VERSION:
+        raise Unavailable(f"libzstd {version} is older than 1.5.0")
+    return lib
+
+
+_native = Native(_load_library, lambda lib: _self_test(), "LICHEN_ZSTD_SEQUENCES")
 
 
 def available() -> bool:
     """Whether the sequence encoder can be used (loads and self-tests libzstd on first call)."""
-    return _load() is not None
+    return _native.available()
 
 
 def status() -> str:
-    """"ok" or "unavailable: <why>" (after `available()`)."""
-    _load()
-    return _lib_state
+    """"ok" or "unavailable: <why>"."""
+    return _native.status()
 
 
 class _Context:
@@ -166,7 +146,7 @@ class _Context:
 def _context(level: int) -> _Context:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
-        ctx = _local.ctx = _Context(_lib)
+        ctx = _local.ctx = _Context(_native.value)
     # a session left by the last call (done, or failed for a small buffer) must end before parameters change
     _check(ctx.lib.ZSTD_CCtx_reset(ctx.cctx, _ZSTD_RESET_SESSION_ONLY))
     if ctx.level != level:
@@ -177,8 +157,9 @@ def _context(level: int) -> _Context:
 
 
 def _check(code: int) -> int:
-    if _lib.ZSTD_isError(code):
-        raise RuntimeError(f"libzstd: {_lib.ZSTD_getErrorName(code).decode(errors='replace')}")
+    lib = _native.value
+    if lib.ZSTD_isError(code):
+        raise RuntimeError(f"libzstd: {lib.ZSTD_getErrorName(code).decode(errors='replace')}")
     return code
 
 
@@ -231,12 +212,7 @@ class Parser:
             changed = int(self.kernel_state[3]) - before
             self.fed = w1
         if stop > 8 * w1:  # the last few bytes of x (not a whole word): literals at the end of the frame
-            x, o = self.x[8 * w1: stop], old[8 * w1: stop]
-            np.bitwise_xor(x, o, out=x)
-            tail = int(np.count_nonzero(x))
-            if tail and update_old:
-                np.bitwise_xor(o, x, out=o)
-            changed += tail
+            changed += diff_kernel.xor_count(self.x[8 * w1: stop], old[8 * w1: stop], update_old)
         return changed
 
     def _finish_kernel(self) -> None:
@@ -362,7 +338,7 @@ def _compress(x: np.ndarray, level: int, parser: Parser | None = None) -> bytes:
 
 def parser_for(x: np.ndarray) -> Parser | None:
     """A Parser to feed while `x` is being written, or None when compress_sparse would not use it."""
-    if _load() is None or x.size > _MAX_BYTES:
+    if _native.get() is None or x.size > _MAX_BYTES:
         return None
     return Parser(x)
 
@@ -372,7 +348,7 @@ def compress_sparse(x: np.ndarray, level: int = 1, parser: Parser | None = None)
     the sequence encoder is unavailable or `x` is too large for it (the caller then compresses with
     python-zstandard). Fast when most 8-byte words of `x` are zero. `parser`: a Parser of `x` already fed some
     of it (see parser_for)."""
-    if _load() is None or x.size > _MAX_BYTES:
+    if _native.get() is None or x.size > _MAX_BYTES:
         return None
     if x.dtype != np.uint8 or x.ndim != 1 or not x.flags.c_contiguous:
         raise TypeError("compress_sparse needs a 1-D contiguous uint8 array")
