@@ -3,7 +3,7 @@ chunk; for overwrite, the offsets and new values of the changed bytes (`changed_
 False without it, and callers then use the numpy path, which gives the same bytes.
 
 Why: the numpy pipeline makes ~10 passes over each chunk (xor, count, update, zero tests, edge search, byte masks,
-row arithmetic) and costs ~0.6 CPU-s per GB of bf16 weights; these two loops cost ~0.25 (measured on a 0.5B
+row arithmetic) and costs ~0.6 CPU-s per GB of bf16 weights; these two loops cost ~0.17 (measured on a 0.5B
 model's AdamW step), and the publish side of a delta sync is CPU-bound.
 
 `diff_parse(d, o, update, w0, state, prev, rows, scratch)` works on the little-endian words d[0..m) (the new
