@@ -16,6 +16,13 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_report_header(config):
+    import torch
+
+    # Float results differ in the last bits between kernel families; the header says which one this run used.
+    return f"torch {torch.__version__}, CPU kernels: {torch.backends.cpu.get_cpu_capability()}"
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
     from lichen.models.tiny import make_tiny_model
