@@ -116,6 +116,14 @@ def test_dapo(response, label, acc, pred):
     assert out == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+@pytest.mark.parametrize("marker", ["<|im_end|>", "<|endoftext|>"])
+def test_dapo_strips_chat_end_markers(marker):
+    # a response decoded with its special tokens ends in the end marker, right after the answer
+    assert grade_dapo(f"Answer: 42{marker}", "42", {}) == {"score": 1.0, "acc": True, "pred": "42"}
+    assert grade_dapo(f"Answer: \\boxed{{7}}{marker}", f"7{marker}", {})["acc"] is True
+    assert grade("boxed_dapo", f"\\boxed{{7}}{marker}", "7")["acc"] is True
+
+
 def test_dapo_helpers():
     assert extract_dapo_answer("a\nAnswer: 3 \nmore") == "3"
     assert extract_dapo_answer("none") is None
@@ -201,6 +209,34 @@ def test_gpqa_labels_and_choices():
     assert grade_gpqa("The answer is E", "D", {}) == 0.0  # only A-D by default: E is not read as a choice
     with pytest.raises(ValueError, match="not a choice letter"):
         grade_gpqa("A", "Z", {})
+
+
+def test_gpqa_label_as_choice_text_ignores_case_and_whitespace():
+    meta = {"choices": ["red", "green", "Light  blue", "cyan"]}
+    assert label_letter("light blue", meta) == "C"
+    assert label_letter("  LIGHT\tBlue \n", meta) == "C"
+    assert grade_gpqa("The answer is C", "LIGHT BLUE", meta) == 1.0
+    assert grade_gpqa("The answer is B", "LIGHT BLUE", meta) == 0.0
+
+
+def test_gpqa_choices_as_dict():
+    meta = {"choices": {"B": "green", "A": "red", "D": "cyan", "C": "blue"}}  # letter keys in any order
+    assert label_letter("Blue", meta) == "C" and label_letter("B", meta) == "B"
+    assert grade_gpqa("The answer is C", "blue", meta) == 1.0
+    five = {"choices": {"1": "a", "2": "b", "3": "c", "4": "d", "5": "pink"}}  # other keys: by position
+    assert grade_gpqa("The answer is E", "pink", five) == 1.0
+
+
+@pytest.mark.parametrize("label,want", [(2.0, "C"), (0.0, "A"), (3, "D")])
+def test_gpqa_float_index_labels(label, want):
+    assert label_letter(label, {}) == want
+    assert grade_gpqa(f"The answer is {want}", label, {}) == 1.0
+
+
+@pytest.mark.parametrize("label", [2.5, float("nan"), float("inf"), 7.0, True])
+def test_gpqa_bad_numeric_labels_still_raise(label):
+    with pytest.raises(ValueError, match="not a choice letter"):
+        grade_gpqa("The answer is C", label, {})
 
 
 # ------------------------------------------------------------------------------------------------- boxed_

@@ -4,6 +4,8 @@ Returns `{"score": +1.0 | -1.0, "acc": bool, "pred": str}`; train with `--reward
 sample correct when its score is > 0). `pred` is the normalised answer ("" when the response has no `Answer:`).
 
 Normalisation (applied to prediction and label alike), in order:
+- the chat end markers `<|im_end|>` and `<|endoftext|>` go (a response decoded with its special tokens ends in
+  one, e.g. `Answer: 42<|im_end|>`; slime's DAPO grader drops them too);
 - a `\\boxed{...}` inside the answer is unwrapped;
 - `$`, a trailing period and LaTeX spacing go; `\\text{...}`-style wrappers keep their content;
 - a leading `x =` style assignment is dropped (`x = 5` -> `5`) when the left side is one short symbol;
@@ -31,6 +33,7 @@ _TRAILING_UNITS = re.compile(r"(?:\s*(?:\\text\{\s*|\\mbox\{\s*|\\mathrm\{\s*)?(
                              r")\b\}?\.?)+\s*$", re.IGNORECASE)
 _FRAC_DIGITS = re.compile(r"\\frac(\d)(\d)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 
 
 def extract_dapo_answer(response: str) -> str | None:
@@ -41,7 +44,10 @@ def extract_dapo_answer(response: str) -> str | None:
 
 def normalize_final_answer(answer: str) -> str:
     """The normalised form of a final answer (see the module docstring)."""
-    s = answer.strip()
+    s = answer
+    for marker in END_MARKERS:
+        s = s.replace(marker, "")
+    s = s.strip()
     boxed = last_boxed(s)
     if boxed is not None:
         s = boxed
