@@ -25,6 +25,8 @@ from lichen.rewards.math_grader import grade_math as math
 from lichen.rewards.rules import exact, extract_answer, last_boxed, leading_number, parse_number
 from lichen.types import Sample, Status
 
+import rm_plugins
+
 # the plug-in module lives beside this file; make it importable whatever pytest's import mode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,11 +200,10 @@ def test_failing_verifiers_are_isolated():
     modes = ["ok", "raise", "ok", "hang", "nan", "dict_nan", "none", "own_timeout", "ok"]
     samples = [make("r", None, index=10 + i, mode=m) for i, m in enumerate(modes)]
     samples[0].metadata["reward_error"] = "stale"  # from an earlier scoring; success clears it
-    t0 = time.perf_counter()
+    finished_before = len(rm_plugins.HANGS_FINISHED)
     stats = score_samples(samples, fn, None, concurrency=4, timeout=0.3)
-    elapsed = time.perf_counter() - t0
-    # the hung thread sleeps 3 s; the call must return once the 0.3 s timeout fires, not wait for it
-    assert elapsed < 2.0, elapsed
+    # the hung thread sleeps 10 s; the call returns once the 0.3 s timeout fires, while that thread still sleeps
+    assert len(rm_plugins.HANGS_FINISHED) == finished_before
     want = {
         11: "ValueError: cannot parse the answer",
         13: "timeout after 0.3 s",
@@ -229,7 +230,7 @@ def test_async_verifier_timeout_is_cancelled():
     samples = [make("r", index=0), make("r", index=1, mode="hang"), make("r", index=2)]
     t0 = time.perf_counter()
     stats = score_samples(samples, fn, None, timeout=0.2)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 15  # the hang is 30 s: cancelled at the timeout, not awaited
     assert stats["failed"] == [(1, "timeout after 0.2 s")]
     assert samples[0].reward == 0.5 and samples[2].reward == 0.5 and samples[1].reward == 0.0
 
@@ -389,7 +390,7 @@ def test_limits_come_from_args_when_not_given():
     samples = [make("r", index=0, mode="hang")]
     t0 = time.perf_counter()
     stats = score_samples(samples, hang, SimpleNamespace(reward_concurrency=4, reward_timeout=0.2))
-    assert stats["failed"] == [(0, "timeout after 0.2 s")] and time.perf_counter() - t0 < 2.0
+    assert stats["failed"] == [(0, "timeout after 0.2 s")] and time.perf_counter() - t0 < 15  # hang: 30 s
 
 
 class _Collect(logging.Handler):
@@ -415,3 +416,61 @@ def test_each_failure_is_logged_with_index_and_cause():
     assert "reward failed for 3 of 6 samples" in text
     for i in (1, 3, 5):
         assert f"sample {i}: ValueError: cannot parse the answer" in text
+
+
+# ---------------------------------------------------------------------- verifiers that exit or blow up
+
+
+@pytest.mark.parametrize("name", ["rm_plugins.base_exception_rm", "rm_plugins.async_base_exception_rm"])
+def test_base_exceptions_and_huge_rewards_fail_only_their_sample(name):
+    fn = build_reward_fn(None, name, None)
+    modes = ["ok", "exit", "odd", "generator_exit", "cancel", "huge", "dict_huge", "big_but_fine"]
+    samples = [make("r", index=i, mode=m) for i, m in enumerate(modes)]
+    stats = score_samples(samples, fn, None)
+    assert dict(stats["failed"]) == {
+        1: "SystemExit: the verifier exited (code 3)",
+        2: "OddError: not an Exception",
+        3: "GeneratorExit: ",
+        4: "CancelledError: the verifier cancelled itself",
+        5: "reward 1e+308 is out of range (|reward| must be at most 1e+15)",
+        6: "reward -1e+16 is out of range (|reward| must be at most 1e+15) at key 'score'",
+    }
+    assert [s.status == Status.FAILED for s in samples] == [False, True, True, True, True, True, True, False]
+    assert samples[0].reward == 1.0 and samples[5].reward == 0.0 and samples[7].reward == 1e15
+
+
+@pytest.mark.parametrize("name", ["rm_plugins.base_exception_rm", "rm_plugins.async_base_exception_rm"])
+def test_keyboard_interrupt_in_a_verifier_still_stops_the_run(name):
+    fn = build_reward_fn(None, name, None)
+    with pytest.raises(KeyboardInterrupt):
+        score_samples([make("r", index=0), make("r", index=1, mode="interrupt")], fn, None)
+
+
+def test_cancelling_the_batch_still_cancels():
+    # the runner turns a verifier's own CancelledError into a failure; a cancellation of the caller stays one
+    fn = build_reward_fn(None, "rm_plugins.async_hang_rm", None)
+
+    async def main():
+        task = asyncio.ensure_future(score_samples_async([make("r", mode="hang")], fn, None, timeout=None))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_huge_rewards_never_reach_the_advantages():
+    from lichen.train.advantage import sample_rewards
+    from lichen import algo
+    import torch
+
+    fn = build_reward_fn(None, "rm_plugins.base_exception_rm", None)
+    samples = [make("r", index=i, mode=m) for i, m in enumerate(["ok", "huge", "big_but_fine", "ok"])]
+    for s in samples:
+        s.group_index = 0
+    score_samples(samples, fn, None)
+    valid = torch.tensor([s.status != Status.FAILED for s in samples])
+    adv, _ = algo.group_normalized_rewards(sample_rewards(samples, None), torch.zeros(4, dtype=torch.long), valid,
+                                           normalize=True, std_normalize=True)
+    assert torch.isfinite(adv).all(), adv

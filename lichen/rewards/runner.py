@@ -2,10 +2,12 @@
 
 A reward function has the `--custom-rm-path` signature `fn(args, sample) -> float | dict` (plain or `async def`).
 `score_samples` calls it on every sample concurrently (at most `concurrency` calls in flight, each limited to
-`timeout` seconds) and writes `sample.reward`. A call that raises, runs past its timeout, or returns a non-finite
-number (for a dict: any non-finite numeric value) marks that sample `Status.FAILED` with the cause in
-`sample.metadata["reward_error"]`; the trainer gives failed samples zero weight (DESIGN §4). Each failure is
-logged with its sample index and cause (the first MAX_LOGGED_FAILURES per batch one line each).
+`timeout` seconds) and writes `sample.reward`. A call that raises (anything: also `SystemExit` or another
+`BaseException`; only `KeyboardInterrupt` stops the run), runs past its timeout, or returns a number that is not
+finite or whose magnitude exceeds MAX_ABS_REWARD (for a dict: any such numeric value) marks that sample
+`Status.FAILED` with the cause in `sample.metadata["reward_error"]`; the trainer gives failed samples zero weight
+(DESIGN §4). Each failure is logged with its sample index and cause (the first MAX_LOGGED_FAILURES per batch one
+line each).
 
 Under `--group-rm` the function is `fn(args, samples) -> list[reward]` and is called once per prompt group
 (samples grouped by `group_index`): the timeout then applies per group, a raise or timeout fails the whole group,
@@ -40,6 +42,10 @@ DEFAULT_CONCURRENCY = 16
 DEFAULT_TIMEOUT_S = 60.0
 CANCEL_GRACE_S = 5.0  # how long a timed-out async verifier may take to unwind after its cancellation
 MAX_LOGGED_FAILURES = 20  # failures logged one line each per batch; the rest are counted
+# The trainer takes rewards as float32 and squares and sums them over a batch for group statistics; beyond 1e15
+# those overflow to inf (float32 tops out at 3.4e38) and every advantage of the batch turns nan. No verifier means
+# a reward that large, so it is a bug of the verifier: the sample fails rather than poisoning its batch.
+MAX_ABS_REWARD = 1e15
 
 RewardValue = Union[float, dict]
 RewardFn = Callable[[Any, Sample], Union[RewardValue, Awaitable[RewardValue]]]
@@ -142,20 +148,30 @@ async def score_samples_async(
     async def invoke(payload: Any) -> tuple[Any, str | None]:
         """(result, None) or (None, failure cause) of one call on a sample (or a group under --group-rm)."""
         async with semaphore:
-            try:
-                if inline:
+            if inline:
+                try:
                     return reward_fn(args, payload), None
-                task = asyncio.ensure_future(_call(reward_fn, args, payload, is_async))
-                # asyncio.wait, not wait_for: a verifier's own TimeoutError must read as its error, not ours
-                done, _ = await asyncio.wait({task}, timeout=timeout)
-                if not done:
-                    task.cancel()
-                    # let it clean up (e.g. the code sandbox kills and reaps its process group), within bounds
-                    await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-                    return None, f"timeout after {float(timeout)} s"  # type: ignore[arg-type]
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:  # the verifier's own failure (even SystemExit): the run goes on
+                    return None, _cause(e)
+            task = asyncio.ensure_future(_call(reward_fn, args, payload, is_async))
+            # asyncio.wait, not wait_for: a verifier's own TimeoutError must read as its error, not ours
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                # let it clean up (e.g. the code sandbox kills and reaps its process group), within bounds
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+                return None, f"timeout after {float(timeout)} s"  # type: ignore[arg-type]
+            # the task is done and nobody cancelled it: a cancellation or any other exception is the verifier's
+            if task.cancelled():
+                return None, "CancelledError: the verifier cancelled itself"
+            error = task.exception()
+            if error is None:
                 return task.result(), None
-            except Exception as e:  # the verifier's own failure: recorded, the run goes on
-                return None, f"{type(e).__name__}: {e}"
+            if isinstance(error, KeyboardInterrupt):
+                raise error
+            return None, _cause(error)
 
     def store(sample: Sample, result: Any, cause: str | None) -> str | None:
         if cause is not None:
@@ -221,29 +237,54 @@ def _fail(sample: Sample, cause: str, reward: RewardValue) -> str:
     return cause
 
 
+def _cause(error: BaseException) -> str:
+    if isinstance(error, VerifierExit):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _out_of_range(value: float) -> str | None:
+    if not math.isfinite(value):
+        return f"non-finite reward {value}"
+    if abs(value) > MAX_ABS_REWARD:
+        return f"reward {value:g} is out of range (|reward| must be at most {MAX_ABS_REWARD:g})"
+    return None
+
+
 def _check_reward(result: Any) -> tuple[RewardValue, str | None]:
-    """(value to store, failure cause or None): floats must be finite; a dict's numeric values too."""
+    """(value to store, failure cause or None): floats must be finite and at most MAX_ABS_REWARD in magnitude; a
+    dict's numeric values too."""
     if isinstance(result, dict):
         for key, v in result.items():
-            if isinstance(v, numbers.Real) and not math.isfinite(float(v)):
-                return result, f"non-finite reward {float(v)} at key {key!r}"
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                cause = _out_of_range(float(v))
+                if cause is not None:
+                    return result, f"{cause} at key {key!r}"
         return result, None
     if isinstance(result, numbers.Real) or (result is not None and hasattr(result, "__float__")):
         try:
             value = float(result)
         except (TypeError, ValueError) as e:  # e.g. a multi-element tensor
             return 0.0, f"TypeError: reward {type(result).__name__} is not a scalar: {e}"
-        if not math.isfinite(value):
-            return 0.0, f"non-finite reward {value}"
-        return value, None
+        cause = _out_of_range(value)
+        return (0.0, cause) if cause is not None else (value, None)
     return 0.0, f"TypeError: reward must be a float or a dict, got {type(result).__name__}"
 
 
+class VerifierExit(Exception):
+    """A verifier called `sys.exit()` (raised SystemExit): its sample fails; the run goes on."""
+
+
 async def _call(fn: RewardFn, args: Any, payload: Any, is_async: bool) -> Any:
-    result = fn(args, payload) if is_async else await _in_daemon_thread(fn, args, payload)
-    # a plain function may still hand back an awaitable (e.g. it returns a coroutine)
-    if inspect.isawaitable(result):
-        result = await result
+    try:
+        result = fn(args, payload) if is_async else await _in_daemon_thread(fn, args, payload)
+        # a plain function may still hand back an awaitable (e.g. it returns a coroutine)
+        if inspect.isawaitable(result):
+            result = await result
+    except SystemExit as e:
+        # asyncio lets SystemExit out of a task through the event loop, which would end the run: re-raised as
+        # an ordinary exception, it stays this call's failure
+        raise VerifierExit(f"SystemExit: the verifier exited (code {e.code!r})") from None
     return result
 
 
