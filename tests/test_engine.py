@@ -97,14 +97,18 @@ def test_stop_tokens_and_lengths(engine):
     out = engine.generate([GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, ignore_eos=True)])[0]
     stop = out.output_ids[3]
     res = engine.generate([
-        GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+        GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, stop_token_ids=[stop]),
         GenRequest(input_ids=[30, 31, 32, 33], max_new_tokens=5, temperature=1.0, ignore_eos=True),
         GenRequest(input_ids=[30], max_new_tokens=0),
+        GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
     ])
-    first = res[0].output_ids
-    assert first[-1] == stop and stop not in first[:-1] and res[0].finish_reason == "stop"
+    ends = {stop, *engine.eos_token_ids}
+    cut = next(i for i, t in enumerate(out.output_ids) if t in ends)  # greedy: the same tokens up to a stop
+    assert res[0].output_ids == out.output_ids[:cut + 1] and res[0].finish_reason == "stop"
     assert len(res[1].output_ids) == 5 and res[1].finish_reason == "length"
     assert res[2].output_ids == [] and res[2].prompt_tokens == 1
+    # as SGLang (Req.check_finished): ignore_eos turns off stop_token_ids as well
+    assert res[3].output_ids == out.output_ids and res[3].finish_reason == "length"
 
 
 def test_max_batch_size_chunks_give_same_results(engine):

@@ -12,6 +12,7 @@ from lichen.engines.sampling import derive_seed
 from lichen.engines.server_process import call, launch, stream
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model, token_strings
+from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 
 T = 0.7
 
@@ -135,7 +136,8 @@ def test_scoring_a_given_sequence(server, model):
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == 3 + len(meta["input_token_logprobs"])
     assert [x[1] for x in meta["input_token_logprobs"]] == ids[3:]
-    assert all(len(t) == 2 and t[0][0] >= t[1][0] for t in meta["input_top_logprobs"])
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None  # as SGLang
+    assert all(len(t) == 2 and t[0][0] >= t[1][0] for t in meta["input_top_logprobs"][1:])
 
 
 def test_seeded_samples_match_the_in_process_engine(server, model):
@@ -152,7 +154,7 @@ def test_seeded_samples_match_the_in_process_engine(server, model):
     assert two[0]["output_ids"] != two[1]["output_ids"]
 
 
-def test_stop_strings_trim_and_logprob_text(server):
+def test_stop_strings_trim_and_logprob_text(server, tiny_ckpt):
     sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     base = gen(server, {"input_ids": [40, 41], "sampling_params": sp, "return_logprob": True,
                         "return_text_in_logprobs": True})[1]
@@ -167,10 +169,13 @@ def test_stop_strings_trim_and_logprob_text(server):
     kept = gen(server, {"input_ids": [40, 41], "sampling_params": {**sp, "stop": stop, "no_stop_trim": True}})[1]
     assert kept["text"] == text[:text.find(stop) + 2]
     tok = base["output_ids"][3]
-    by_id = gen(server, {"input_ids": [40, 41], "sampling_params": {**sp, "stop_token_ids": [tok]}})[1]
-    first = base["output_ids"].index(tok)
+    # stop_token_ids only act without ignore_eos (SGLang's Req.check_finished); then EOS stops too
+    by_id = gen(server, {"input_ids": [40, 41], "sampling_params": {**sp, "ignore_eos": False,
+                                                                     "stop_token_ids": [tok]}})[1]
+    eos = set(eos_token_ids(load_tokenizer(tiny_ckpt), tiny_ckpt))
+    first = next(i for i, t in enumerate(base["output_ids"]) if t == tok or t in eos)
     assert by_id["output_ids"] == base["output_ids"][:first + 1]
-    assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": base["output_ids"][first]}
     assert by_id["text"] == text[:first]
 
 

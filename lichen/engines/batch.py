@@ -16,7 +16,7 @@ about the cost of one decode step, so finished rows are only dropped once they a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -69,6 +69,12 @@ class Seq:
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
+
+
+def stop_ids(ignore_eos: bool, eos_ids: Iterable[int], stop_token_ids: Iterable[int]) -> frozenset[int]:
+    """The token ids that end a sequence. As in SGLang (Req.check_finished), `ignore_eos` turns off
+    `stop_token_ids` too, not only EOS; stop strings still apply."""
+    return frozenset() if ignore_eos else frozenset(eos_ids) | frozenset(stop_token_ids)
 
 
 def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -196,13 +202,15 @@ class DecodeBatch:
         return finished
 
     def _score_prompt(self, s: Seq, h: torch.Tensor) -> None:
-        """log p(prompt[j] | prompt[:j]) for j >= start, under log_softmax(logits / T); position 0 has none."""
+        """log p(prompt[j] | prompt[:j]) for j > start, under log_softmax(logits / T). Position `start` itself
+        gets None, whatever `start` is: SGLang's first input log-prob is always null (sglang-api.md §2.3), so
+        len(input_token_logprobs) == prompt_tokens - logprob_start_len."""
         start = s.input_logprob_start
         n = len(s.input_ids)
-        first = max(start, 1)
-        vals: list[float | None] = [None] if start == 0 else []
-        tops: list = [None] if start == 0 else []
-        picks: list = [None] if start == 0 else []
+        first = start + 1
+        vals: list[float | None] = [None] if start < n else []  # start == n: no prompt position to report
+        tops: list = list(vals)
+        picks: list = list(vals)
         if first < n:
             t = s.temperature if s.temperature > 0 else 1.0
             logp = torch.log_softmax(self.model.logits(h[first - 1:n - 1]).float() / t, dim=-1)

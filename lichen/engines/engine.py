@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from lichen.engines.batch import DecodeBatch, Seq
+from lichen.engines.batch import DecodeBatch, Seq, stop_ids
 from lichen.models import CausalLM, ModelConfig, load_model
 
 
@@ -143,10 +143,9 @@ class Engine:
 
     # ---- generation ---------------------------------------------------------------------------------------
     def make_seq(self, r: GenRequest) -> Seq:
-        stop = set() if r.ignore_eos else set(self.eos_token_ids)
-        stop.update(r.stop_token_ids)
         return Seq(input_ids=list(r.input_ids), max_new_tokens=max(0, r.max_new_tokens), temperature=r.temperature,
-                   top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop_ids=frozenset(stop))
+                   top_p=r.top_p, top_k=r.top_k, seed=r.seed,
+                   stop_ids=stop_ids(r.ignore_eos, self.eos_token_ids, r.stop_token_ids))
 
     def new_batch(self, stop_text=None) -> DecodeBatch:
         return DecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)

@@ -222,6 +222,8 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
     stream = bool_field(body, "stream", False, "")
     usage = _stream_options(body) if stream else False
     max_new = int_field(body, "max_tokens", 16, "")
+    if max_new <= 0:  # SGLang's CompletionRequest validator: 0 would answer an empty completion
+        raise RequestError(f"max_tokens must be positive, got {max_new}", shape="object")
     opts = OutputOptions(return_logprob=lp is not None, logprob_start_len=0 if (echo and lp is not None) else -1,
                          top_logprobs_num=lp or 0,
                          skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
@@ -332,8 +334,21 @@ def _chat_logprobs(server, job: Job, start: int, end: int, top: int) -> dict:
     return {"content": content}
 
 
+def _refuse_response_format(body: dict) -> None:
+    """JSON mode / JSON schema need constrained decoding, which lichen's engine does not do: refuse them rather
+    than answer plain text as if they were honoured. {"type": "text"} is the plain text it gives anyway."""
+    rf = body.get("response_format")
+    if rf is None:
+        return
+    expect(rf, (dict,), "response_format", "an object such as {\"type\": \"text\"}")
+    if rf.get("type") != "text":
+        raise RequestError(f"response_format {json.dumps(rf)[:80]} is not supported by lichen serve (no constrained "
+                           "decoding); leave it out or use {\"type\": \"text\"}", shape="object")
+
+
 async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
     body = await _read(request)
+    _refuse_response_format(body)
     ids = _render_chat(server, body)
     want_lp = bool_field(body, "logprobs", False, "")
     top = int_field(body, "top_logprobs", 0, "")

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lichen.engines.batch import Seq
+from lichen.engines.batch import Seq, stop_ids
 from lichen.engines.sampling import derive_seed
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -217,12 +217,14 @@ def check_ids(ids: list[int], facts: Facts, max_new: int | None, where: str) -> 
     bad = [t for t in ids if not 0 <= t < facts.vocab_size]
     if bad:
         raise RequestError(f"{where}: token id(s) {bad[:5]} are outside the vocabulary [0, {facts.vocab_size})")
+    # SGLang's rule (tokenizer_manager._validate_one_request): a request must leave room below the context
+    # length, so a prompt of `ctx` tokens, or prompt + max_new_tokens == ctx, is refused (`>=`, not `>`).
     n, ctx = len(ids), facts.context_length
-    if n > ctx:
+    if n >= ctx:
         raise RequestError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
     if max_new is None:
-        return ctx - n
-    if n + max_new > ctx:
+        return ctx - 1 - n
+    if n + max_new >= ctx:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
             f"total of {n + max_new} tokens: {n} tokens from the input messages and {max_new} tokens for the "
@@ -242,11 +244,10 @@ def make_job(rid: str, index: int, ids: list[int], sp: Sampling, sample: int, op
         seed = secrets.randbits(32)
     else:
         seed = sp.seed if sp.n == 1 else derive_seed(sp.seed, sample)
-    stop = set() if sp.ignore_eos else set(facts.eos_ids)
-    stop.update(sp.stop_token_ids)
+    stop = stop_ids(sp.ignore_eos, facts.eos_ids, sp.stop_token_ids)
     score = opts.return_logprob and opts.logprob_start_len >= 0
     seq = Seq(input_ids=list(ids), max_new_tokens=max_new, temperature=sp.temperature, top_p=sp.top_p,
-              top_k=sp.top_k, seed=seed, stop_ids=frozenset(stop), stop_strings=sp.stop,
+              top_k=sp.top_k, seed=seed, stop_ids=stop, stop_strings=sp.stop,
               input_logprob_start=opts.logprob_start_len if score else -1,
               top_logprobs_num=opts.top_logprobs_num if opts.return_logprob else 0,
               token_ids_logprob=opts.token_ids_logprob if opts.return_logprob else None)
