@@ -26,6 +26,8 @@ from lichen.rollout.generate import generate_rollout
 from lichen.sync.disk import push_full, version_dir, write_version
 from lichen.weights.hf_io import load_hf_state_dict
 
+from batch_schedule import assert_mostly_same_generations
+
 from test_loop_invariants import base_args, run
 
 THREADS = ["--num-threads", "1"]  # 2 loaded cores: more threads per process only oversubscribe them
@@ -42,11 +44,16 @@ def requests(n: int = 10) -> list[GenRequest]:
 
 
 def assert_same_results(remote, local, version: str) -> None:
+    """Same seeds, other batch schedule (server batches vs one local batch): the same tokens but for a rare
+    rounding flip between near-tied tokens (at most one of the requests)."""
     assert len(remote) == len(local)
+    flips = assert_mostly_same_generations(
+        [(r.output_ids, r.output_logprobs, loc.output_ids, loc.output_logprobs) for r, loc in zip(remote, local)],
+        max_flips=1)
     for r, loc in zip(remote, local):
-        assert r.output_ids == loc.output_ids
-        assert max((abs(x - y) for x, y in zip(r.output_logprobs, loc.output_logprobs)), default=0.0) <= 1e-5
-        assert (r.finish_reason, r.prompt_tokens, r.weight_version) == (loc.finish_reason, loc.prompt_tokens, version)
+        assert r.weight_version == version and r.prompt_tokens == loc.prompt_tokens
+        if not flips:
+            assert r.finish_reason == loc.finish_reason
 
 
 def perturbed(ckpt: str, scale: float) -> dict[str, torch.Tensor]:
@@ -181,6 +188,10 @@ def test_unreachable_external_engine_is_a_user_error(tiny_ckpt, addition_data, t
 
 
 # ---- training over launched servers ---------------------------------------------------------------------------
+def _response(sample: dict) -> list[int]:
+    return sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
+
+
 def _samples(path: str) -> list[dict]:
     return [s for g in torch.load(path, weights_only=False)["samples"] for s in g]
 
@@ -194,17 +205,29 @@ def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, additi
     remote = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", *common,
                            "--save-debug-rollout-data", dump.format("b"), "--rollout-num-engines", "2",
                            "--update-weight-transport", "disk", "--update-weight-disk-dir", str(wdir)))
+    # One engine batch of 16 vs two servers' batches: a near-tied token can flip (DESIGN: identical tokens only
+    # for identical batch schedules). Until a flip the runs are the same; after it they train on other data.
+    same_so_far = True
     for step in range(3):
         a = _samples(dump.format("a").format(rollout_id=step))
         b = _samples(dump.format("b").format(rollout_id=step))
         assert len(a) == len(b) == 16
-        for x, y in zip(a, b):
-            lp_x, lp_y = x.pop("rollout_log_probs"), y.pop("rollout_log_probs")
-            assert x == y  # tokens, response, reward, status, weight_versions, indices: identical
-            assert max(abs(p - q) for p, q in zip(lp_x, lp_y)) <= 1e-5  # a different batch rounds differently
         assert {tuple(s["weight_versions"]) for s in b} == {(str(step),)}  # engines took every disk sync
+        assert [(s["group_index"], s["index"]) for s in a] == [(s["group_index"], s["index"]) for s in b]
+        if not same_so_far:
+            continue
+        flips = assert_mostly_same_generations(
+            [(_response(x), x["rollout_log_probs"], _response(y), y["rollout_log_probs"]) for x, y in zip(a, b)],
+            max_flips=2)
+        for x, y in zip(a, b):
+            if x["tokens"] == y["tokens"]:
+                x.pop("rollout_log_probs"), y.pop("rollout_log_probs")
+                assert x == y  # response, reward, status, weight_versions, indices: identical
+        if flips:
+            same_so_far = False
+        else:
+            assert abs(local[step]["train/loss"] - remote[step]["train/loss"]) <= 1e-5
     for m_a, m_b in zip(local, remote):
-        assert abs(m_a["train/loss"] - m_b["train/loss"]) <= 1e-5
         assert m_b["sync/weight_version"] == m_a["step"]
     assert os.listdir(wdir) == ["weight_v000003"]
     assert len(launched) == 1 and len(launched[0].pids) == 2
