@@ -233,9 +233,10 @@ def test_extract_code_and_cases():
     assert extract_code("<think>```python\nx\n```</think> no code after thinking") is None
     assert extract_code("print(1)") is None
     assert parse_test_cases('[{"input": "1", "output": "2"}]', {}) == ("stdio", [("1", "2")])
-    assert parse_test_cases(None, {"test_cases": ["assert f() == 1"]}) == ("asserts", ["assert f() == 1"])
-    kind, tests = parse_test_cases({"fn_name": "f", "inputs": [[1, 2]], "outputs": [3]}, {})
-    assert kind == "asserts" and tests[0].startswith("assert __lichen_eq__(f(*json.loads(")
+    kind, cases = parse_test_cases(None, {"test_cases": ["assert f() == 1"]})
+    assert kind == "checks" and [c.probe for c in cases[0].checks] == [{"expr": "f()"}]
+    kind, cases = parse_test_cases({"fn_name": "f", "inputs": [[1, 2]], "outputs": [3]}, {})
+    assert kind == "checks" and [c.probe for c in cases[0].checks] == [{"call": "f", "args": [1, 2]}]
     for bad in (None, "not json", {"inputs": ["1"], "outputs": []}, [{"input": "1"}], {"fn_name": "a b",
                                                                                      "inputs": [1], "outputs": [1]}):
         with pytest.raises(ValueError, match="code:"):
@@ -262,7 +263,8 @@ def test_code_reward_pass_fractions(sandbox):
     fn = "def add(a, b):\n    return a + b if a < 5 else None\nprint('top-level noise')"
     calls = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [10, 20]], "outputs": [3, [7], 30]}
     assert g(fenced(fn, "py"), calls) == pytest.approx(2 / 3)  # [7] also matches 7, as in APPS
-    asserts = ["assert add(1, 2) == 3", "assert add(9, 1) == 10", "while True: pass", "assert add(2, 2) == 4"]
+    fn += "\ndef spin():\n    while True:\n        pass\n"
+    asserts = ["assert add(1, 2) == 3", "assert add(9, 1) == 10", "assert spin() == 0", "assert add(2, 2) == 4"]
     # case 2 hangs: cases 0 (pass) and 1 (fail) were reported before the kill, 2 and 3 count as failed
     quick = CodeReward(sandbox, case_timeout_s=0.4)
     assert asyncio.run(quick.grade(fenced(fn), asserts, {})) == 0.25

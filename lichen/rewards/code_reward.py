@@ -11,11 +11,12 @@ Test cases come from `metadata["test_cases"]`, else the label (a JSON string is 
 - call-based: `{"fn_name": "f", "inputs": [[arg, ...], ...], "outputs": [value, ...]}`: case i passes iff
   `f(*inputs[i])` equals outputs[i] (tuples compare as lists; an expected value given as a one-element list
   also matches the bare element, as in APPS);
-- asserts: `["assert f(1) == 2", ...]` or `{"asserts": [...]}`: case i passes iff its statement runs without
-  an exception after the program's top level ran (with `__name__` != "__main__").
+- asserts: `["assert f(1) == 2", ...]` or `{"asserts": [...]}`: case i passes iff its assert holds after the
+  program's top level ran (with `__name__` != "__main__"); see code_checks.py for the forms that are accepted.
 Call-based and assert cases run in one sandboxed process (timeout = per-case timeout x number of cases) that
-reports each case as it finishes, so a hanging case costs only itself and the ones after it. Results are
-marked with a random nonce that the program never sees in its files or argv.
+evaluates only the program's side of each case and reports the values as plain data; the trainer compares them
+with the expected values, which never enter the sandbox, so neither the program's output nor its exit status is
+ever a verdict for these cases. An assert that cannot be split this way fails (closed) with a logged warning.
 reward = passed cases / all cases. A malformed test-case spec raises (the sample is marked failed).
 """
 
@@ -23,63 +24,16 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
+from pathlib import Path
 from typing import Any
 
+from lichen.rewards.code_checks import Case, call_case, parse_report, split_assert
 from lichen.rewards.deepscaler import after_thinking
 from lichen.rewards.sandbox import SandboxConfig, SandboxLimits, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-HARNESS = r'''
-import json, os, sys
-
-
-def __lichen_eq__(got, want):
-    def plain(x):
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-
-    def same(a, b):
-        if isinstance(a, float) or isinstance(b, float):
-            try:
-                return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
-            except (TypeError, ValueError):
-                return False
-        if isinstance(a, list) and isinstance(b, list):
-            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-        return a == b
-
-    got, want = plain(got), plain(want)
-    return same(got, want) or (isinstance(want, list) and len(want) == 1 and same(got, want[0]))
-
-
-def __lichen_run__():
-    header = json.loads(sys.stdin.readline())
-    mark, tests = header.pop("nonce"), header.pop("tests")
-    report = os.fdopen(os.dup(1), "w")
-    sys.stdin = open(os.devnull)
-    scope = {"__name__": "__lichen_solution__", "__lichen_eq__": __lichen_eq__, "json": json}
-    try:
-        with open("solution.py") as f:
-            exec(compile(f.read(), "solution.py", "exec"), scope)
-    except BaseException as e:
-        print(mark, "load", type(e).__name__, file=report, flush=True)
-        return
-    for i, test in enumerate(tests):
-        try:
-            exec(compile(test, "<test %d>" % i, "exec"), scope)
-            ok = 1
-        except BaseException:
-            ok = 0
-        print(mark, i, ok, file=report, flush=True)
-
-
-__lichen_run__()
-'''
+HARNESS = Path(__file__).with_name("_code_harness.py").read_text()
 
 
 def extract_code(response: str) -> str | None:
@@ -90,7 +44,7 @@ def extract_code(response: str) -> str | None:
 
 
 def parse_test_cases(label: Any, metadata: dict | None) -> tuple[str, list]:
-    """("stdio", [(input, output), ...]) or ("asserts", [statement, ...]); raises ValueError when malformed."""
+    """("stdio", [(input, output), ...]) or ("checks", [Case, ...]); raises ValueError when malformed."""
     spec = (metadata or {}).get("test_cases", label)
     if isinstance(spec, str):
         try:
@@ -100,7 +54,7 @@ def parse_test_cases(label: Any, metadata: dict | None) -> tuple[str, list]:
     if isinstance(spec, dict) and "asserts" in spec:
         spec = spec["asserts"]
     if isinstance(spec, list) and spec and all(isinstance(t, str) for t in spec):
-        return "asserts", list(spec)
+        return "checks", [split_assert(t) for t in spec]
     if isinstance(spec, list) and spec and all(isinstance(t, dict) for t in spec):
         try:
             return "stdio", [(str(t["input"]), str(t["output"])) for t in spec]
@@ -116,18 +70,15 @@ def parse_test_cases(label: Any, metadata: dict | None) -> tuple[str, list]:
         if fn_name:
             if not str(fn_name).isidentifier():
                 raise ValueError(f"code: fn_name {fn_name!r} is not a Python identifier")
-            return "asserts", [_call_assert(str(fn_name), args, want) for args, want in zip(inputs, outputs)]
+            try:
+                return "checks", [call_case(str(fn_name), args, want) for args, want in zip(inputs, outputs)]
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"code: call arguments must be JSON values: {e}") from None
         return "stdio", [(str(i), str(o)) for i, o in zip(inputs, outputs)]
     raise ValueError(
         "code: no test cases; give metadata['test_cases'] or a label as {'inputs': [...], 'outputs': [...]} "
         "(optionally with 'fn_name'), [{'input': ..., 'output': ...}], or a list of assert statements"
     )
-
-
-def _call_assert(fn_name: str, args: Any, want: Any) -> str:
-    args = args if isinstance(args, list) else [args]
-    return (f"assert __lichen_eq__({fn_name}(*json.loads({json.dumps(args)!r})), "
-            f"json.loads({json.dumps(want)!r}))")
 
 
 def outputs_match(got: str, want: str) -> bool:
@@ -172,16 +123,22 @@ class CodeReward:
                 result = await run_sandboxed(program, config=config, stdin=stdin)
                 passed += result.ok and outputs_match(result.stdout, want)
             return passed / len(cases)
-        return await self._run_asserts(program, cases) / len(cases)
+        return await self._run_checks(program, cases) / len(cases)
 
-    async def _run_asserts(self, program: str, tests: list[str]) -> int:
-        nonce = secrets.token_hex(16)
-        header = json.dumps({"nonce": nonce, "tests": tests}) + "\n"
-        result = await run_sandboxed(program, config=self._config(self.case_timeout_s * len(tests)),
+    async def _run_checks(self, program: str, cases: list[Case]) -> int:
+        """Passed cases: the sandbox reports each probe's value, the verdicts are computed here."""
+        probes = [check.probe for case in cases for check in case.checks]
+        if not probes:
+            return 0
+        header = json.dumps({"probes": probes}) + "\n"
+        result = await run_sandboxed(program, config=self._config(self.case_timeout_s * len(cases)),
                                      stdin=header, files={"harness.py": HARNESS}, argv=["harness.py"])
-        passed = set()
-        for line in result.stdout.splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == nonce and parts[2] == "1" and parts[1].isdigit():
-                passed.add(int(parts[1]))
-        return len(passed & set(range(len(tests))))
+        values = parse_report(result.stdout, len(probes))
+        passed, k = 0, 0
+        for case in cases:
+            ok = bool(case.checks)
+            for check in case.checks:
+                ok = ok and k in values and check.verdict(values[k])
+                k += 1
+            passed += ok
+        return passed
