@@ -1,7 +1,9 @@
 """`lichen <command> …`: the console entry point.
 
 Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported only when used,
-so `lichen --help` stays fast. A `UserError` anywhere becomes one `lichen: error: …` line and exit code 2.
+so `lichen --help` stays fast. A `UserError` anywhere becomes one `lichen <command>: error: …` line and exit
+code 2; a `RunError` (the run started but cannot go on) the same line with exit code 1. Both messages pass through
+the secret redaction of `lichen.observe.secrets`.
 """
 
 from __future__ import annotations
@@ -9,14 +11,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-from lichen.errors import UserError
+from lichen.errors import RunError, UserError
+from lichen.observe.secrets import redact_text
 
 COMMANDS = {
     "train": ("lichen.train_cli", "run the RL loop: rollout -> train -> weight sync"),
     "make-tiny-model": ("lichen.models.tiny", "write a small random-init HF checkpoint with a character tokenizer"),
     "eval": ("lichen.eval_cli", "evaluate a checkpoint on eval data sets (pass@k, mean reward), no training"),
     "serve": ("lichen.engines.serve", "serve a model over SGLang's HTTP protocol"),
-    "bench": ("lichen.bench", "benchmarks that print ratios against a baseline measured in the same run"),
+    "bench": ("lichen_bench", "benchmarks that print ratios against a baseline measured in the same run"),
 }
 
 USAGE = "usage: lichen <command> [options]\n\ncommands:\n" + "\n".join(
@@ -42,11 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(rest) or 0)
     except UserError as e:
-        print(f"lichen {name}: error: {e}", file=sys.stderr)
+        print(f"lichen {name}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"lichen {name}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"lichen {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(error: Exception) -> str:
+    """The message on one line (an engine's answer may carry newlines), secrets redacted."""
+    return redact_text(" | ".join(line.strip() for line in str(error).splitlines() if line.strip()))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from lichen.bench import limits, report
-from lichen.bench.workloads import (
+from lichen_bench import limits, report
+from lichen_bench.workloads import (
     WORKLOADS,
     make_prompts,
     model_shape,
@@ -146,7 +146,7 @@ def smoke_checkpoint(tmp_path_factory):
 
 
 def test_lichen_flags_resolve_to_the_issue_settings(smoke_checkpoint, tmp_path):
-    from lichen.bench.rl import lichen_train_flags
+    from lichen_bench.rl import lichen_train_flags
     from lichen.config import parse_train_args
 
     _, ckpt = smoke_checkpoint
@@ -168,7 +168,7 @@ def test_lichen_flags_resolve_to_the_issue_settings(smoke_checkpoint, tmp_path):
 def test_trl_config_sets_the_issue_settings(tmp_path):
     from trl import GRPOConfig
 
-    from lichen.bench.run_trl import trl_config_kwargs
+    from lichen_bench.run_trl import trl_config_kwargs
 
     cfg = GRPOConfig(**trl_config_kwargs(WORKLOADS["w1"], steps=20, seed=7, output_dir=str(tmp_path)))
     value = lambda x: getattr(x, "value", x)  # noqa: E731  (transformers stores enums)
@@ -195,7 +195,7 @@ def _check_run(run: dict, wl):
 
 
 def test_harness_runs_one_lichen_step(smoke_checkpoint):
-    from lichen.bench.rl import main
+    from lichen_bench.rl import main
 
     work, _ = smoke_checkpoint
     out = work / "report.json"
@@ -214,7 +214,7 @@ def test_harness_runs_one_lichen_step(smoke_checkpoint):
 
 @pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install -e '.[bench]')")
 def test_trl_child_runs_one_step(smoke_checkpoint, tmp_path):
-    from lichen.bench import run_trl
+    from lichen_bench import run_trl
 
     _, ckpt = smoke_checkpoint
     wl = WORKLOADS["smoke"]

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from lichen.bench import learning
-from lichen.bench.workloads import WORKLOADS
+from lichen_bench import learning
+from lichen_bench.workloads import WORKLOADS
 from lichen.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from lichen.bench import sync as bench_sync
+from lichen_bench import sync as bench_sync
 
 
 def test_help_lists_the_options(capsys):

@@ -5,7 +5,7 @@ than two (the first pays one-time costs: thread pools, allocator growth, lazy in
 frameworks). Throughputs are ratios of sums over the timed steps (tokens / seconds), not means of ratios.
 Tokens:
   - useful rollout tokens: generated response tokens (EOS included, nothing after it);
-  - useful positions: p + r - 1 per sequence (see lichen.bench.limits), the positions a forward must run;
+  - useful positions: p + r - 1 per sequence (see lichen_bench.limits), the positions a forward must run;
   - computed positions: rows x sequence length of every forward the framework actually ran, so left/right
     padding and finished rows kept in the batch count.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-from lichen.bench.limits import batch_forward_flops, useful_tokens
+from lichen_bench.limits import batch_forward_flops, useful_tokens
 
 # (key, label, unit, format) in print order
 METRICS = (

@@ -1,9 +1,9 @@
 """`lichen bench <suite>`: benchmarks that measure lichen against a baseline run in the same invocation.
 
 Suites:
-  rl        lichen vs Hugging Face TRL's GRPOTrainer on identical CPU RL work (lichen.bench.rl)
-  learning  lichen vs TRL learning curves on the W1 task over several seeds (lichen.bench.learning)
-  sync      weight-sync transports and delta encodings on one model (lichen.bench.sync)
+  rl        lichen vs Hugging Face TRL's GRPOTrainer on identical CPU RL work (lichen_bench.rl)
+  learning  lichen vs TRL learning curves on the W1 task over several seeds (lichen_bench.learning)
+  sync      weight-sync transports and delta encodings on one model (lichen_bench.sync)
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 
 SUITES = {
-    "rl": ("lichen.bench.rl", "lichen vs TRL GRPOTrainer on the same CPU RL work, medians and ratios"),
-    "learning": ("lichen.bench.learning", "lichen vs TRL reward curves from one SFT warm start over several seeds"),
-    "sync": ("lichen.bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
+    "rl": ("lichen_bench.rl", "lichen vs TRL GRPOTrainer on the same CPU RL work, medians and ratios"),
+    "learning": ("lichen_bench.learning", "lichen vs TRL reward curves from one SFT warm start over several seeds"),
+    "sync": ("lichen_bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
 }
 
 USAGE = "usage: lichen bench <suite> [options]\n\nsuites:\n" + "\n".join(

@@ -1,6 +1,6 @@
 """Child process of `lichen bench rl`: runs `lichen train` with light instrumentation and writes what it saw.
 
-    python -m lichen.bench.run_lichen RESULT.json -- <lichen train flags>
+    python -m lichen_bench.run_lichen RESULT.json -- <lichen train flags>
 
 Instrumentation only observes (it changes no computation): it wraps
   - `CausalLM.forward` to count the token positions each forward runs (rows x sequence length, so padding and
@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 
-from lichen.bench.counting import positions, record_forward
+from lichen_bench.counting import positions, record_forward
 
 STATE: dict = {"steps": [], "phase": "train", "missing": []}
 
@@ -94,7 +94,7 @@ def _torch_threads() -> int | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[1] != "--":
-        print("usage: python -m lichen.bench.run_lichen RESULT.json -- <lichen train flags>", file=sys.stderr)
+        print("usage: python -m lichen_bench.run_lichen RESULT.json -- <lichen train flags>", file=sys.stderr)
         return 2
     result_path, train_args = argv[0], argv[2:]
     t0 = time.perf_counter()

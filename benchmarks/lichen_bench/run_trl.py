@@ -1,6 +1,6 @@
 """Child process of `lichen bench rl`: runs Hugging Face TRL's GRPOTrainer on a workload and writes what it saw.
 
-    python -m lichen.bench.run_trl RESULT.json --workload w1 --checkpoint DIR --prompts FILE.jsonl \
+    python -m lichen_bench.run_trl RESULT.json --workload w1 --checkpoint DIR --prompts FILE.jsonl \
         --steps N --seed S --threads 2 --output-dir DIR
 
 Settings mirror lichen's run (see `trl_config_kwargs`); every one that matters is set explicitly, so a change
@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 
-from lichen.bench.counting import positions, record_forward
+from lichen_bench.counting import positions, record_forward
 
 STATE: dict = {"phase": "train", "steps": [], "missing": []}
 
@@ -128,7 +128,7 @@ def _instrument(trainer, model) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m lichen.bench.run_trl")
+    p = argparse.ArgumentParser(prog="python -m lichen_bench.run_trl")
     p.add_argument("result")
     p.add_argument("--workload", required=True)
     p.add_argument("--checkpoint", required=True)
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lichen.bench.workloads import WORKLOADS, trl_reward_fn
+    from lichen_bench.workloads import WORKLOADS, trl_reward_fn
 
     wl = WORKLOADS[a.workload]
     with open(a.prompts, encoding="utf-8") as f:

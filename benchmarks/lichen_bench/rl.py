@@ -1,11 +1,11 @@
 """`lichen bench rl`: lichen vs Hugging Face TRL's GRPOTrainer on the same CPU work, in the same run.
 
-For each workload (lichen.bench.workloads): write the checkpoint and the prompt file once, measure the limits
+For each workload (lichen_bench.workloads): write the checkpoint and the prompt file once, measure the limits
 (matmul throughput, HF `generate` and lichen's Engine on the step-1 batch), then run lichen and TRL back to
 back `--repeats` times (alternating which goes first, so slow drifts of a shared machine hit both) and print
 the medians and the ratio lichen / TRL of every metric.
 
-Every framework run is its own child process (`python -m lichen.bench.run_lichen` / `run_trl`), so imports,
+Every framework run is its own child process (`python -m lichen_bench.run_lichen` / `run_trl`), so imports,
 memory and thread pools do not leak between them; each child's peak RSS is the kernel's `ru_maxrss` for that
 process, read with `os.wait4` when it exits.
 """
@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-from lichen.bench import report
-from lichen.bench.workloads import (
+from lichen_bench import report
+from lichen_bench.workloads import (
     LICHEN_REWARD_PATHS,
     WORKLOADS,
     Workload,
@@ -41,7 +41,7 @@ LICHEN_TRAINER_FLAGS = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "409
 
 def lichen_train_flags(wl: Workload, *, checkpoint: str, prompts: str, steps: int, seed: int, threads: int,
                        output_dir: str, extra: list[str]) -> list[str]:
-    """`lichen train` flags equivalent to the TRL config in lichen.bench.run_trl.trl_config_kwargs."""
+    """`lichen train` flags equivalent to the TRL config in lichen_bench.run_trl.trl_config_kwargs."""
     return [
         "--hf-checkpoint", checkpoint, "--prompt-data", prompts, "--custom-rm-path", LICHEN_REWARD_PATHS[wl.reward],
         "--device", "cpu", "--num-threads", str(threads), "--seed", str(seed), "--output-dir", output_dir,
@@ -106,7 +106,7 @@ def run_lichen(wl: Workload, d: str, tag: str, ctx: dict, profile_path: str | No
     result = os.path.join(d, f"lichen-{tag}.json")
     flags = lichen_train_flags(wl, checkpoint=ctx["checkpoint"], prompts=ctx["prompts"], steps=ctx["steps"],
                                seed=ctx["seed"], threads=ctx["threads"], output_dir=out_dir, extra=ctx["lichen_extra"])
-    child = run_child([sys.executable, "-m", "lichen.bench.run_lichen", result, "--", *flags],
+    child = run_child([sys.executable, "-m", "lichen_bench.run_lichen", result, "--", *flags],
                       os.path.join(d, f"lichen-{tag}.log"), timeout=ctx["timeout"], threads=ctx["threads"],
                       extra_env={"LICHEN_BENCH_PROFILE": profile_path} if profile_path else None)
     data = _load_json(result)
@@ -124,7 +124,7 @@ def run_lichen(wl: Workload, d: str, tag: str, ctx: dict, profile_path: str | No
 
 def run_trl(wl: Workload, d: str, tag: str, ctx: dict) -> dict:
     result = os.path.join(d, f"trl-{tag}.json")
-    cmd = [sys.executable, "-m", "lichen.bench.run_trl", result, "--workload", wl.name,
+    cmd = [sys.executable, "-m", "lichen_bench.run_trl", result, "--workload", wl.name,
            "--checkpoint", ctx["checkpoint"], "--prompts", ctx["prompts"], "--steps", str(ctx["steps"]),
            "--seed", str(ctx["seed"]), "--threads", str(ctx["threads"]), "--output-dir", os.path.join(d, f"trl-{tag}")]
     child = run_child(cmd, os.path.join(d, f"trl-{tag}.log"), timeout=ctx["timeout"], threads=ctx["threads"])
@@ -142,7 +142,7 @@ def run_trl(wl: Workload, d: str, tag: str, ctx: dict) -> dict:
 
 def run_limits(wl: Workload, d: str, ctx: dict, *, repeats: int, skip_hf: bool, matmul_only: bool = False) -> dict:
     result = os.path.join(d, "matmul-end.json" if matmul_only else "limits.json")
-    cmd = [sys.executable, "-m", "lichen.bench.run_gen", result, "--workload", wl.name, "--checkpoint",
+    cmd = [sys.executable, "-m", "lichen_bench.run_gen", result, "--workload", wl.name, "--checkpoint",
            ctx["checkpoint"], "--prompts", ctx["prompts"], "--threads", str(ctx["threads"]), "--repeats",
            str(repeats), "--seed", str(ctx["seed"])] + (["--skip-hf"] if skip_hf else []) + \
         (["--matmul-only"] if matmul_only else [])

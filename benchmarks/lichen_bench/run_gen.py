@@ -1,6 +1,6 @@
 """Child process of `lichen bench rl`: the limits measured in the same run.
 
-    python -m lichen.bench.run_gen RESULT.json --workload w1 --checkpoint DIR --prompts FILE.jsonl \
+    python -m lichen_bench.run_gen RESULT.json --workload w1 --checkpoint DIR --prompts FILE.jsonl \
         --threads 2 --repeats 3 --seed S
 
   - fp32 matmul throughput (a large GEMM, best of 20), the hardware ceiling the FLOP fractions refer to;
@@ -87,7 +87,7 @@ def _lichen_generate(engine, tokenizer, prompts, wl, seed) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m lichen.bench.run_gen")
+    p = argparse.ArgumentParser(prog="python -m lichen_bench.run_gen")
     p.add_argument("result")
     p.add_argument("--workload", required=True)
     p.add_argument("--checkpoint", required=True)
@@ -102,13 +102,13 @@ def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from lichen.bench.limits import matmul_throughput
+    from lichen_bench.limits import matmul_throughput
 
     if a.matmul_only:
         with open(a.result, "w", encoding="utf-8") as f:
             json.dump({"matmul": matmul_throughput(threads=a.threads)}, f)
         return 0
-    from lichen.bench.workloads import WORKLOADS
+    from lichen_bench.workloads import WORKLOADS
 
     wl = WORKLOADS[a.workload]
     with open(a.prompts, encoding="utf-8") as f:

@@ -94,8 +94,8 @@ def lichen_digit_fraction_reward(args, sample) -> float:
 
 
 LICHEN_REWARD_PATHS = {
-    "addition": "lichen.bench.workloads.lichen_addition_reward",
-    "digit_fraction": "lichen.bench.workloads.lichen_digit_fraction_reward",
+    "addition": "lichen_bench.workloads.lichen_addition_reward",
+    "digit_fraction": "lichen_bench.workloads.lichen_digit_fraction_reward",
 }
 
 

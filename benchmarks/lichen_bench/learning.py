@@ -1,6 +1,6 @@
 """`lichen bench learning`: does lichen learn as well as TRL's GRPOTrainer from the same SFT warm start?
 
-The issue's target: on W1 (lichen.bench.workloads), from one SFT warm start, over seeds s = 1..n,
+The issue's target: on W1 (lichen_bench.workloads), from one SFT warm start, over seeds s = 1..n,
   1. the 95% confidence interval of the mean per-seed difference d_s = L_s - T_s has a lower bound >= -0.05,
      where L_s / T_s are lichen's / TRL's mean reward over steps 11-20 of seed s;
   2. lichen's mean reward over steps 11-20 (averaged over seeds) exceeds its mean over steps 1-2.
@@ -11,7 +11,7 @@ Procedure:
     correct sums a+b, 10 <= a, b <= 49 (the W1 prompt range), minus a held-out set on which greedy accuracy is
     measured. SFT stops while the model is partly right, so RL has room; both frameworks load its HF checkpoint.
   - per seed s: the prompt file `make_prompts(wl, steps, seed=s)` and framework seed s, the same for both; lichen
-    and TRL run as child processes through lichen.bench.rl (same flags as `lichen bench rl`), the one going
+    and TRL run as child processes through lichen_bench.rl (same flags as `lichen bench rl`), the one going
     first alternating by seed; each run's per-step mean reward is read back.
 
 Statistics (paired over seeds, n = number of seeds with both runs):
@@ -33,13 +33,13 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from lichen.bench import rl
-from lichen.bench.workloads import LICHEN_REWARD_PATHS, WORKLOADS, Workload, ensure_checkpoint, make_prompts, \
+from lichen_bench import rl
+from lichen_bench.workloads import LICHEN_REWARD_PATHS, WORKLOADS, Workload, ensure_checkpoint, make_prompts, \
     model_shape, write_prompts
 from lichen.errors import ConfigError
 
 CI_LOWER_TARGET = -0.05  # the issue's bound on the CI's lower end
-OPERANDS = (10, 49)  # the operand range of the W1 prompts (lichen.bench.workloads.make_prompts)
+OPERANDS = (10, 49)  # the operand range of the W1 prompts (lichen_bench.workloads.make_prompts)
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def sft_warm_start(wl: Workload, a: argparse.Namespace, base: str) -> dict:
 
 # ---- the paired runs ----------------------------------------------------------------------------------------
 def prepare_seed(wl: Workload, seed: int, a: argparse.Namespace, base: str, warm: str) -> dict:
-    """Seed `seed`'s directory, prompt file and the context lichen.bench.rl's runners read."""
+    """Seed `seed`'s directory, prompt file and the context lichen_bench.rl's runners read."""
     d = os.path.join(base, f"seed{seed}")
     os.makedirs(d, exist_ok=True)
     prompts = os.path.join(d, "prompts.jsonl")
