@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
-from lichen.data import PromptSource, load_prompt_dataset
+from lichen.data import PromptSource, load_prompt_dataset, parse_spec
+from lichen.data.fit import fit_prompts
 from lichen.errors import DataError
 from lichen.models.tokenizer import encode_prompt, load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -22,6 +21,7 @@ from lichen.rollout.eval import build_eval_reward_fns, load_eval_sets, run_eval
 from lichen.rollout.abort_surplus import can_abort
 from lichen.rollout.generate import generate_rollout, take_prompts
 from lichen.rollout.partial import PartialBuffer, require_abortable
+from lichen.torch_files import load_plain, save_plain, to_plain
 from lichen.types import Sample, Status
 
 log = get_logger(__name__)
@@ -44,9 +44,15 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
 
 
 def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]) -> str:
+    """Write the step's Samples as plain dicts (lichen.torch_files: a dump loads with weights_only=True)."""
     path = path_template.format(rollout_id=rollout_id)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save({"rollout_id": rollout_id, "samples": [[s.to_dict() for s in g] for g in groups]}, path)
+    converted: list[str] = []
+    samples = to_plain([[s.to_dict() for s in g] for g in groups], converted, "samples")
+    if converted:
+        log.warning("--save-debug-rollout-data: %d value(s) that are not plain data were stored as strings, e.g. %s",
+                    len(converted), ", ".join(converted[:3]))
+    save_plain({"rollout_id": rollout_id, "samples": samples}, path)
     return path
 
 
@@ -59,18 +65,18 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
         keys = dict(input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
                     tool_key=args.tool_key)
-        records = load_prompt_dataset(args.prompt_data, **keys)
+        skip = getattr(args, "skip_bad_rows", False)
+        records = load_prompt_dataset(args.prompt_data, **keys, skip_bad_rows=skip)
         self._encoded: dict[tuple[str, int], list[int]] = {}
-        if args.rollout_max_prompt_len:
-            kept = [r for i, r in enumerate(records) if len(self._encode_record(r)) <= args.rollout_max_prompt_len]
-            self.num_filtered_prompts = len(records) - len(kept)
-            if self.num_filtered_prompts:
-                log.info("--rollout-max-prompt-len %d: dropped %d of %d prompts", args.rollout_max_prompt_len,
-                         self.num_filtered_prompts, len(records))
-            records = kept
-        self.source = PromptSource(records, batch_size=args.rollout_batch_size, shuffle=args.rollout_shuffle,
+        # checked at load, not mid-run: a prompt with no room under the context is never sent (lichen.data.fit)
+        max_prompt = getattr(args, "rollout_max_prompt_len", None)
+        kept = fit_prompts(records, lambda i, r: self._encode_record(r), path=parse_spec(args.prompt_data)[0],
+                           max_prompt_len=max_prompt, skip_bad_rows=skip)
+        self.num_filtered_prompts = len(records) - len(kept)
+        self.source = PromptSource(kept, batch_size=args.rollout_batch_size, shuffle=args.rollout_shuffle,
                                    seed=args.rollout_seed)
-        self.eval_sets = load_eval_sets(args)  # name -> (resolved data-set config, records)
+        self.eval_sets = {name: (cfg, self._fit_eval(name, cfg, recs, max_prompt))  # name -> (config, records)
+                          for name, (cfg, recs) in load_eval_sets(args).items()}
         servers = getattr(args, "rollout_num_engines", None) or getattr(args, "rollout_external_engine_addrs", None)
         if engine is None and servers:
             from lichen.engines.remote import RemoteEngines
@@ -91,6 +97,14 @@ class RolloutManager:
         except BaseException:
             self.close()
             raise
+
+    def _fit_eval(self, name: str, cfg: dict, records: list, max_prompt: int | None) -> list:
+        """The eval set's prompts that fit the context, encoded as run_eval encodes them (its own chat setting)."""
+        def encode(_: int, r) -> list[int]:
+            return encode_prompt(self.tokenizer, r.prompt, cfg["apply_chat_template"], r.tools)
+
+        return fit_prompts(records, encode, path=parse_spec(cfg["path"])[0], max_prompt_len=max_prompt,
+                           skip_bad_rows=False, what=f"eval data set {name!r}")
 
     @property
     def engines(self) -> list:
@@ -170,7 +184,9 @@ class ReplayRollout:
         path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.isfile(path):
             raise DataError(f"--load-debug-rollout-data: no dump for rollout {rollout_id} at {path!r}")
-        data = torch.load(path, weights_only=False)
+        data = load_plain(path, "--load-debug-rollout-data")
+        if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
+            raise DataError(f"--load-debug-rollout-data {path}: not a rollout dump (no 'samples' list)")
         groups = [[Sample.from_dict(d) for d in g] for g in data["samples"]]
         return groups, rollout_metrics(groups, self.args.reward_key)
 

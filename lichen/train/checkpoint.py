@@ -1,13 +1,25 @@
-"""Training checkpoints: `--save DIR` writes `DIR/iter_{rollout_id:07d}/`, `--load DIR` resumes from the latest.
+"""Training checkpoints: `--save DIR` writes `DIR/iter_{rollout_id:07d}/`, `--load DIR` resumes from the newest
+intact one.
 
 Layout of one checkpoint:
   hf/                 the policy as a Hugging Face checkpoint (safetensors + config + tokenizer): loadable by
                       `from_pretrained`, and what a resume loads the weights from
-  trainer_state.pt    optimizer state, optimizer step count, RNG states
+  trainer_state.pt    optimizer state, optimizer step count, RNG states (tensors and plain data only)
+  critic.pt           --advantage-estimator ppo: the critic's weights and optimizer state
   rollout_state.json  the data source position (and anything else the rollout side needs to resume)
   meta.json           rollout_id, weight_version
-`DIR/latest_checkpointed_iteration.txt` names the newest complete checkpoint; it is written last, so a crash
-during a save leaves the previous checkpoint as the one that resumes.
+  checksums.json      size and xxh3-128 digest of every file above (lichen.train.ckpt_integrity); written last
+`DIR/latest_checkpointed_iteration.txt` names the newest complete checkpoint; it is written after checksums.json,
+so a crash during a save leaves the previous checkpoint as the one that resumes.
+
+Resuming verifies every file against checksums.json before anything is loaded. A damaged checkpoint (a file
+missing, truncated or changed, or a bad `latest` file) is named in a warning and the newest older intact one is
+loaded instead; when none is intact the run stops with exit code 2. A checkpoint without checksums.json (an
+unfinished save, or written by a lichen before checksums, whose trainer_state.pt cannot be read safely) is never
+loaded: resume it with the lichen that wrote it, or start from its weights with `--hf-checkpoint iter_N/hf`.
+
+The .pt files are read with `torch.load(weights_only=True)` (lichen.torch_files): they hold tensors and plain
+Python values only (the numpy RNG state is stored as a tensor and plain fields), so loading one never runs code.
 """
 
 from __future__ import annotations
@@ -15,13 +27,24 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import numpy as np
 import torch
 
+from lichen.errors import ConfigError
+from lichen.observe.metrics import get_logger
+from lichen.torch_files import load_plain, save_plain
+from lichen.train.ckpt_integrity import CheckpointDamaged, remove_manifest, remove_stale_temps, verify, write_manifest
 from lichen.weights.hf_io import save_hf_checkpoint
 
+log = get_logger(__name__)
+
 LATEST = "latest_checkpointed_iteration.txt"
+TRAINER_STATE = "trainer_state.pt"
+ROLLOUT_STATE = "rollout_state.json"
+STATE_FORMAT = 2  # 2: plain data only (weights_only=True); 1 (no "format" key) pickled numpy's RNG state
+_ITER = re.compile(r"^iter_(\d{7,})$")
 
 
 def iter_dir(save_dir: str, rollout_id: int) -> str:
@@ -38,64 +61,139 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The RNG states as tensors and plain values (numpy's key array becomes an int64 tensor)."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu())
+    n = state["numpy"]
+    np.random.set_state((n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _begin_save(save_dir: str, rollout_id: int) -> str:
+    """Create (or reopen) the checkpoint directory as unfinished, after removing crashed saves' temp entries."""
+    for path in remove_stale_temps(save_dir):
+        log.info("removed %s, left by a save that did not finish", path)
+    d = iter_dir(save_dir, rollout_id)
+    os.makedirs(d, exist_ok=True)
+    remove_manifest(d)
+    return d
 
 
 def save_trainer(save_dir: str, rollout_id: int, actor, hf_checkpoint: str) -> str:
-    d = iter_dir(save_dir, rollout_id)
-    os.makedirs(d, exist_ok=True)
+    d = _begin_save(save_dir, rollout_id)
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
     state = {k: v.detach() for k, v in actor.model.state_dict().items()}
     save_hf_checkpoint(state, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
-    torch.save(
-        {"optimizer": actor.optimizer.state_dict(), "opt_step": actor.opt_step, "rng": rng_state()},
-        os.path.join(d, "trainer_state.pt"),
-    )
+    save_plain({"format": STATE_FORMAT, "optimizer": actor.optimizer.state_dict(), "opt_step": actor.opt_step,
+                "rng": rng_state()}, os.path.join(d, TRAINER_STATE))
     if getattr(actor, "critic", None) is not None:
         actor.critic.save(d)
     return d
 
 
 def save_rollout_state(save_dir: str, rollout_id: int, state: dict) -> None:
-    d = iter_dir(save_dir, rollout_id)
-    os.makedirs(d, exist_ok=True)
-    _atomic_write_text(os.path.join(d, "rollout_state.json"), json.dumps(state, sort_keys=True))
+    d = _begin_save(save_dir, rollout_id)
+    _atomic_write_text(os.path.join(d, ROLLOUT_STATE), json.dumps(state, sort_keys=True))
 
 
 def mark_complete(save_dir: str, rollout_id: int) -> None:
     """Record `rollout_id` as the newest complete checkpoint (weights trained for rollout_id + 1 steps)."""
+    d = iter_dir(save_dir, rollout_id)
     meta = {"rollout_id": rollout_id, "weight_version": str(rollout_id + 1)}
-    _atomic_write_text(os.path.join(iter_dir(save_dir, rollout_id), "meta.json"), json.dumps(meta))
+    _atomic_write_text(os.path.join(d, "meta.json"), json.dumps(meta))
+    write_manifest(d)
     _atomic_write_text(os.path.join(save_dir, LATEST), str(rollout_id))
 
 
-def find_latest(load_dir: str) -> int | None:
+def _checkpoint_ids(load_dir: str) -> list[int]:
+    ids = [int(m.group(1)) for m in map(_ITER.match, os.listdir(load_dir)) if m]
+    return sorted(i for i in ids if os.path.isdir(iter_dir(load_dir, i)))
+
+
+def _read_latest(load_dir: str) -> tuple[int | None, str | None]:
+    """(the rollout id the `latest` file names, None) or (None, what is wrong with it); (None, None) if absent."""
     path = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise ValueError(f"holds {text[:40]!r}, not a rollout id")
+        return int(text), None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"{LATEST}: {e}"
+
+
+def find_latest(load_dir: str) -> int | None:
+    """The rollout id of the newest intact checkpoint in `load_dir`, verified against its checksums.
+
+    None when `load_dir` holds no checkpoint at all (start fresh). A damaged newest checkpoint, or a bad `latest`
+    file, is named in a warning and the newest older intact checkpoint is returned; when checkpoints exist and
+    none is intact, raises ConfigError (exit code 2) naming what is wrong with each.
+    """
+    latest, latest_problem = _read_latest(load_dir)
+    ids = _checkpoint_ids(load_dir)
+    problems = [latest_problem] if latest_problem else []
+    if latest is not None:
+        if latest not in ids:
+            problems.append(f"{os.path.basename(iter_dir(load_dir, latest))}: missing (named by {LATEST})")
+        ids = [i for i in ids if i <= latest]  # newer ones are saves that did not finish
+    elif latest_problem is None and not ids:
         return None
-    with open(path) as f:
-        return int(f.read().strip())
+    for rollout_id in reversed(ids):
+        name = os.path.basename(iter_dir(load_dir, rollout_id))
+        try:
+            verify(iter_dir(load_dir, rollout_id))
+        except CheckpointDamaged as e:
+            problems.append(f"{name}/{e}")
+            continue
+        if latest is not None and rollout_id < latest:
+            log.warning("!!! --load %s: %s. Resuming from the newest intact checkpoint, %s, instead: rollout ids "
+                        "%d..%d run again.", load_dir, "; ".join(problems), name, rollout_id + 1, latest)
+        elif problems or latest is None:
+            log.warning("!!! --load %s: %s. Resuming from the newest intact checkpoint, %s.", load_dir,
+                        "; ".join(problems or [f"no {LATEST}"]), name)
+        return rollout_id
+    if latest is None and latest_problem is None:
+        log.warning("--load %s: no %s and no finished checkpoint (%s): starting from --hf-checkpoint", load_dir,
+                    LATEST, "; ".join(problems))
+        return None
+    raise ConfigError(
+        f"--load {load_dir}: no intact checkpoint to resume from: {'; '.join(problems)}. Restore the damaged files, "
+        f"start a checkpoint's weights afresh with --hf-checkpoint {load_dir}/iter_N/hf, or drop --load to start "
+        "from --hf-checkpoint")
 
 
 def load_trainer(load_dir: str, rollout_id: int, actor) -> None:
     from lichen.weights.hf_io import load_hf_state_dict
 
     d = iter_dir(load_dir, rollout_id)
+    if not os.path.isdir(os.path.join(d, "hf")) or not os.path.isfile(os.path.join(d, TRAINER_STATE)):
+        raise ConfigError(f"checkpoint {d} has no trainer state (hf/, {TRAINER_STATE}): it was saved with "
+                          "--debug-rollout-only; resume it with --debug-rollout-only, or start without --load")
     weights = load_hf_state_dict(os.path.join(d, "hf"), device=str(actor.device))
     actor.model.load_state_dict(weights, strict=True)
-    state = torch.load(os.path.join(d, "trainer_state.pt"), map_location=actor.device, weights_only=False)
+    state = load_plain(os.path.join(d, TRAINER_STATE), "checkpoint file")
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ConfigError(f"checkpoint {d}/{TRAINER_STATE}: not format {STATE_FORMAT} (written by another version "
+                          f"of lichen?); start from its weights with --hf-checkpoint {d}/hf")
     actor.optimizer.load_state_dict(state["optimizer"])
     actor.opt_step = state["opt_step"]
     if getattr(actor, "critic", None) is not None:
@@ -104,5 +202,9 @@ def load_trainer(load_dir: str, rollout_id: int, actor) -> None:
 
 
 def load_rollout_state(load_dir: str, rollout_id: int) -> dict:
-    with open(os.path.join(iter_dir(load_dir, rollout_id), "rollout_state.json")) as f:
-        return json.load(f)
+    path = os.path.join(iter_dir(load_dir, rollout_id), ROLLOUT_STATE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {path}: unreadable ({e})") from None

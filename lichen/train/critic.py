@@ -19,9 +19,13 @@ import torch
 from torch import nn
 
 from lichen import algo
+from lichen.errors import ConfigError
 from lichen.models import CausalLM, load_model
+from lichen.torch_files import load_plain, save_plain
 from lichen.train.batch import StepBatch
 from lichen.train.optim import make_adamw
+
+CRITIC_FILE = "critic.pt"
 
 
 class ValueModel(nn.Module):
@@ -89,7 +93,13 @@ class Critic:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def save(self, directory: str) -> None:
-        torch.save(self.state_dict(), os.path.join(directory, "critic.pt"))
+        save_plain(self.state_dict(), os.path.join(directory, CRITIC_FILE))
 
     def load(self, directory: str) -> None:
-        self.load_state_dict(torch.load(os.path.join(directory, "critic.pt"), map_location=self.device, weights_only=False))
+        """Restore from `directory`/critic.pt, read with weights_only=True (tensors land on the CPU; load_state_dict
+        copies them onto the critic's device)."""
+        path = os.path.join(directory, CRITIC_FILE)
+        if not os.path.isfile(path):
+            raise ConfigError(f"checkpoint {directory} has no {CRITIC_FILE}: it was saved without "
+                              "--advantage-estimator ppo; resume it with the estimator it was saved with")
+        self.load_state_dict(load_plain(path, "checkpoint file"))

@@ -1,0 +1,176 @@
+"""Checkpoint integrity: the checksum manifest of a checkpoint, its verification, and stale temp-entry cleanup.
+
+`checksums.json` in `iter_N/` lists every file of the checkpoint with its size and xxh3-128 digest:
+    {"format": 1, "algorithm": "xxh3_128", "files": {"hf/model.safetensors": {"size": 1234, "xxh3_128": "…"}, …}}
+It is written after every other file of the checkpoint (and before `latest_checkpointed_iteration.txt`), so a
+checkpoint without it is unfinished — or was written by a lichen from before checksums. `verify` checks every
+listed file (size first, then digest), so truncation, a zeroed file and a single flipped bit are all caught
+before anything is loaded. Entries named `*.tmp-PID` / `*.old-PID` (an unfinished atomic write) are neither
+listed nor verified; `remove_stale_temps` deletes those whose owning process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import xxhash
+
+from lichen.errors import ConfigError
+
+MANIFEST = "checksums.json"
+ALGORITHM = "xxh3_128"
+FORMAT = 1
+_CHUNK = 8 << 20
+_TEMP_ENTRY = re.compile(r"\.(tmp|old)-(\d+)$")  # what atomic writes name their temp files and directories
+
+
+class CheckpointDamaged(ConfigError):
+    """A checkpoint file that is missing, truncated, altered or unreadable; `path` is relative to the checkpoint."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def file_digest(path: str) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """Relative paths ('/'-separated, sorted) of the files a manifest of `directory` covers: all but the manifest
+    itself and temp entries of unfinished atomic writes."""
+    out = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not _TEMP_ENTRY.search(d))
+        rel_root = os.path.relpath(root, directory)
+        for name in files:
+            rel = name if rel_root == "." else f"{rel_root}/{name}".replace(os.sep, "/")
+            if rel != MANIFEST and not _TEMP_ENTRY.search(name):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(directory: str) -> None:
+    """Hash every file of the checkpoint in `directory` and write `checksums.json` atomically (fsynced)."""
+    files = {rel: {"size": os.path.getsize(os.path.join(directory, rel)),
+                   ALGORITHM: file_digest(os.path.join(directory, rel))} for rel in checkpoint_files(directory)}
+    path = os.path.join(directory, MANIFEST)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_manifest(directory: str) -> None:
+    """Mark `directory` unfinished before files in it are rewritten (a crash mid-save must not look complete)."""
+    try:
+        os.remove(os.path.join(directory, MANIFEST))
+    except FileNotFoundError:
+        pass
+
+
+def _read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointDamaged(MANIFEST, "missing: the save did not finish, or an older lichen (before checkpoint "
+                                          "checksums) wrote it")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointDamaged(MANIFEST, f"unreadable ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (manifest.get("algorithm") if isinstance(manifest, dict) else None) != ALGORITHM or not isinstance(files, dict):
+        raise CheckpointDamaged(MANIFEST, f"not a lichen checksum manifest (expected format {FORMAT}, {ALGORITHM})")
+    for rel, entry in files.items():
+        if (os.path.isabs(rel) or ".." in rel.split("/") or not isinstance(entry, dict)
+                or not isinstance(entry.get("size"), int) or not isinstance(entry.get(ALGORITHM), str)):
+            raise CheckpointDamaged(MANIFEST, f"damaged entry {rel!r}")
+    return files
+
+
+def verify(directory: str) -> None:
+    """Raise `CheckpointDamaged` naming the first file of the checkpoint in `directory` that does not match its
+    manifest (missing, wrong size, wrong digest), or a weight file under hf/ that the manifest does not list."""
+    files = _read_manifest(directory)
+    for rel in sorted(files):
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise CheckpointDamaged(rel, "missing")
+        size = os.path.getsize(path)
+        if size != files[rel]["size"]:
+            raise CheckpointDamaged(rel, f"truncated or overwritten: {size} bytes, the save wrote {files[rel]['size']}")
+        if file_digest(path) != files[rel][ALGORITHM]:
+            raise CheckpointDamaged(rel, "checksum mismatch: its contents changed after the save (disk error or edit)")
+    # The weight loader reads whatever index/shards it finds in hf/: a file added there would be loaded unchecked.
+    extra = [rel for rel in checkpoint_files(directory) if rel.startswith("hf/") and rel not in files]
+    if extra:
+        raise CheckpointDamaged(extra[0], "not in the checkpoint's checksums (added after the save)")
+
+
+def _process_start_time(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _owner_may_be_writing(pid: int, mtime: float) -> bool:
+    """Whether the process that named a temp entry after itself may still be writing it.
+
+    This process never is (saves run one at a time; a leftover with our pid is an earlier process's). A dead pid
+    never is. A live pid is, unless it started after the entry was last modified: then it is a newer process that
+    reused the number (containers restart runs with the same small pids).
+    """
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    started = _process_start_time(pid)
+    return started is None or started <= mtime + 1.0
+
+
+def remove_stale_temps(save_dir: str) -> list[str]:
+    """Delete the temp files/directories (`*.tmp-PID`, `*.old-PID`) that crashed saves left in `save_dir` and its
+    `iter_*` checkpoints, never one whose owner may still be writing it; returns the paths removed."""
+    if not os.path.isdir(save_dir):
+        return []
+    parents = [save_dir] + [os.path.join(save_dir, d) for d in sorted(os.listdir(save_dir))
+                            if d.startswith("iter_") and os.path.isdir(os.path.join(save_dir, d))]
+    removed = []
+    for parent in parents:
+        for name in os.listdir(parent):
+            m = _TEMP_ENTRY.search(name)
+            path = os.path.join(parent, name)
+            if m is None:
+                continue
+            try:
+                if _owner_may_be_writing(int(m.group(2)), os.lstat(path).st_mtime):
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except FileNotFoundError:  # its owner finished meanwhile
+                continue
+            removed.append(path)
+    return removed
