@@ -1,8 +1,10 @@
 """Checkpoint flags: where to save, where to resume from, how often, and the HF export.
 
-`--load DIR` resumes from the latest checkpoint in DIR; a DIR that exists but holds no checkpoint starts the run
-fresh. A DIR that does not exist is a mistake (a typo would silently restart training) unless it is the same
-directory as `--save`, the usual "resume if there is something to resume" pattern.
+`--load DIR` resumes from the newest intact checkpoint in DIR (every file verified against its checksums.json; a
+damaged newest one falls back to an older intact one with a warning, none intact is exit code 2 — see
+lichen.train.checkpoint and docs/checkpoints.md); a DIR that exists but holds no checkpoint starts the run fresh.
+A DIR that does not exist is a mistake (a typo would silently restart training) unless it is the same directory
+as `--save`, the usual "resume if there is something to resume" pattern.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--load",
         metavar="DIR",
         default=None,
-        help="resume from the latest checkpoint in DIR; an existing DIR without one starts fresh (default: start "
-        "from --hf-checkpoint)",
+        help="resume from the newest intact checkpoint in DIR (files verified against its checksums; a damaged one "
+        "falls back to the previous intact one); an existing DIR without one starts fresh (default: start from "
+        "--hf-checkpoint)",
     )
     g.add_argument(
         "--save-interval",
