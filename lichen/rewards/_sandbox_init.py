@@ -1,20 +1,23 @@
 """Sandbox launcher: run as `python -I -S _sandbox_init.py` by lichen.rewards.sandbox; standard library only.
 
-It reads one JSON request from stdin (files, argv, stdin text, interpreter, uid/gid, limits, mode) and then:
+It reads one JSON request from stdin (files, argv, stdin text, interpreter, uid/gid, limits, mode, the host paths
+to expose, the control socket and cgroup fds the trainer passed) and then:
 1. enters new mount, network, PID, IPC and UTS namespaces (mode "root"), or the same inside a new user
-   namespace that maps the caller's uid (mode "userns", for a non-root trainer);
-2. makes every mount private (nothing it mounts reaches the host) and read-only (but /proc, /sys, /dev), mounts a
-   size-capped tmpfs over each world-writable directory (/tmp, /var/tmp, /dev/shm, /run/lock, /dev/mqueue) and
-   writes the files into a fresh work directory on the new /tmp;
-3. forks the child that becomes PID 1 of the new PID namespace: it mounts a /proc of that namespace, sets the
-   resource limits (CPU, address space, processes, file size, open files, core), drops to the sandbox uid/gid
-   with no supplementary groups (mode "root") or enters a nested user namespace as uid 1000 (mode "userns"),
-   sets no-new-privileges and parent-death = SIGKILL, and execs the
-   interpreter on argv inside the work directory with a minimal environment;
-4. writes the child's stdin, waits, and exits with the child's code (128 + signal when it was killed).
-When PID 1 of a PID namespace dies the kernel kills every process left in it, so killing this launcher's process
-group (the host does, on timeout) removes the whole sandbox. The new network namespace has only a downed
-loopback interface: no connection leaves it. A setup failure exits 125 with a "lichen-sandbox:" line on stderr.
+   namespace that maps the caller's uid (mode "userns", for a non-root trainer), and makes every mount private;
+2. forks the child that becomes PID 1 of the new PID namespace, opens a pidfd for it and hands that pidfd to the
+   trainer over the control socket before letting the child go on: the trainer kills the whole namespace through
+   it when the run ends, whatever the program did to its session, process group or parent-death signal;
+3. the child joins the run's cgroup (through the fd the trainer opened), builds a new root on a small tmpfs
+   holding only read-only bind mounts of the exposed paths (the interpreter, its standard library, the shared
+   libraries it loads), /dev/{null,zero,full,random,urandom}, a /proc of its own PID namespace and a private
+   size-capped /tmp with the work directory, pivots into it and detaches the host's tree, so no data file,
+   checkout or socket of the host is reachable; then it sets the resource limits (CPU, address space,
+   processes, file size, open files, core), drops to the sandbox uid/gid with no supplementary groups (mode
+   "root") or enters a nested user namespace as uid 1000 (mode "userns"), sets no-new-privileges and
+   parent-death = SIGKILL, and execs the interpreter on argv inside the work directory with a minimal environment;
+4. the launcher writes the child's stdin, waits, and exits with the child's code (128 + signal when killed).
+The new network namespace has only a downed loopback interface: no connection leaves it. A setup failure exits
+125 with a "lichen-sandbox:" line on stderr.
 """
 
 import ctypes
@@ -22,6 +25,8 @@ import json
 import os
 import resource
 import signal
+import socket
+import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -33,11 +38,14 @@ CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 32, 4096, 0x4000, 1 << 18, 1 << 21
 ST_NOATIME, ST_NODIRATIME, ST_RELATIME = 1024, 2048, 4096  # statvfs f_flag bits (same as MS_ for the first two)
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 INNER_UID = 1000  # the program's uid inside the nested user namespace of mode "userns"
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SETUP_FAILED = 125
-WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
-WORKDIR = "/tmp/sandbox"
+STAGING = "/tmp"  # the new root is built on a tmpfs mounted here (in this mount namespace only)
+WORKDIR = "/tmp/sandbox"  # inside the new root
+DEVICES = ("null", "zero", "full", "random", "urandom")
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -76,45 +84,84 @@ def enter_namespaces(req):
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # before any other mount: nothing may propagate out
 
 
-def mount_points():
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].replace("\\040", " ") for line in f]
-    return list(dict.fromkeys(points))
-
-
-def make_read_only():
-    """Bind-remount every mount read-only (keeping its locked nosuid/nodev/noexec/atime flags), except the
-    kernel's /proc, /sys and /dev: the program may write only to the private tmpfs mounted afterwards."""
+def bind(source, target, extra):
+    """Bind `source` on `target`, then remount it with `extra` flags, keeping the flags the kernel locks on a
+    mount inherited from a more privileged namespace (nosuid, nodev, noexec, atime)."""
+    mount(source, target, None, MS_BIND | MS_REC, None)
     keep = MS_NOSUID | MS_NODEV | MS_NOEXEC | ST_NOATIME | ST_NODIRATIME
-    for point in mount_points():
-        if point in ("/proc", "/sys", "/dev") or point.startswith(("/proc/", "/sys/", "/dev/")):
-            continue
-        try:
-            st = os.statvfs(point)
-        except OSError:  # hidden under another mount, or gone
-            continue
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | (st.f_flag & keep)
-        if st.f_flag & ST_RELATIME:
-            flags |= MS_RELATIME
-        try:
-            mount(None, point, None, flags, None)
-        except OSError:
-            if point == "/":
-                raise
+    st = os.statvfs(target)
+    flags = MS_BIND | MS_REMOUNT | extra | (st.f_flag & keep)
+    if st.f_flag & ST_RELATIME:
+        flags |= MS_RELATIME
+    mount(None, target, None, flags, None)
 
 
-def prepare_filesystem(req):
-    make_read_only()
-    opts = "size=%dm,mode=1777" % req["tmpfs_mb"]
-    for path in WORLD_WRITABLE:
-        if os.path.isdir(path) and not os.path.islink(path):
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    os.mkdir(WORKDIR, 0o700)
+def expose(root, path, depth=0):
+    """Make host `path` visible read-only at the same path under `root`, recreating the symlinks on the way
+    (/lib64 -> usr/lib64 and the like) so that every path the interpreter was built with resolves the same."""
+    if depth > 40:
+        raise OSError("too many symlinks under %s" % path)
+    parts = [p for p in path.split("/") if p]
+    current = ""
+    for i, part in enumerate(parts):
+        current += "/" + part
+        target = root + current
+        info = os.lstat(current)
+        if stat.S_ISLNK(info.st_mode):
+            link = os.readlink(current)
+            if not os.path.lexists(target):
+                os.symlink(link, target)
+            rest = "/".join(parts[i + 1:])
+            return expose(root, os.path.normpath(os.path.join(os.path.dirname(current), link, rest)), depth + 1)
+        if os.path.lexists(target) and (i < len(parts) - 1 or os.path.ismount(target)):
+            continue  # a directory on the way, or already exposed (also inside an exposed parent)
+        if i < len(parts) - 1:
+            os.mkdir(target, 0o755)
+        elif stat.S_ISDIR(info.st_mode):
+            if not os.path.lexists(target):
+                os.mkdir(target, 0o755)
+            bind(current, target, MS_RDONLY | MS_NOSUID | MS_NODEV)
+        else:
+            if not os.path.lexists(target):
+                open(target, "w").close()
+            bind(current, target, MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def build_root(req):
+    """The program's whole file system: read-only exposed paths, a few devices, its /proc and a private /tmp."""
+    root = STAGING
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in req["expose"]:
+        expose(root, path)
+    os.mkdir(root + "/dev", 0o755)
+    for name in DEVICES:
+        open(root + "/dev/" + name, "w").close()
+        bind("/dev/" + name, root + "/dev/" + name, MS_NOSUID | MS_NOEXEC)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
+    os.mkdir(root + "/proc", 0o555)
+    try:  # a /proc that shows only this PID namespace; not every container allows it
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    except OSError:
+        pass
+    os.mkdir(root + "/tmp", 0o1777)
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=%dm,mode=1777" % req["tmpfs_mb"])
+    os.mkdir(root + WORKDIR, 0o700)
     for name, text in req["files"].items():
-        write_file(os.path.join(WORKDIR, name), text)
+        write_file(os.path.join(root + WORKDIR, name), text)
     if req["mode"] == "root":
         for name in [""] + list(req["files"]):
-            os.chown(os.path.join(WORKDIR, name), req["uid"], req["gid"])
+            os.chown(os.path.join(root + WORKDIR, name), req["uid"], req["gid"])
+    # pivot into the new root and detach the host's tree: unlike chroot, nothing of it stays reachable
+    nr = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if nr is None:
+        raise OSError("pivot_root: unknown system call number on %s" % os.uname().machine)
+    os.chdir(root)
+    check(libc.syscall(ctypes.c_long(nr), b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
 
 
 def set_limits(limits):
@@ -130,12 +177,15 @@ def set_limits(limits):
         resource.setrlimit(which, (soft, hard))
 
 
-def child(req, stdin_fd):
+def child(req, stdin_fd, go_fd):
     try:
-        try:  # a /proc that shows only this PID namespace; not every container allows it
-            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        except OSError:
-            pass
+        # wait until the trainer holds this process's pidfd; if the launcher dies first, EOF: leave
+        if os.read(go_fd, 1) != b"g":
+            os._exit(SETUP_FAILED)
+        os.close(go_fd)
+        if req.get("cgroup_fd") is not None:
+            os.write(req["cgroup_fd"], b"0")  # "0": this process; its descendants follow it
+        build_root(req)
         os.dup2(stdin_fd, 0)
         os.closerange(3, 1 << 16)
         os.chdir(WORKDIR)
@@ -151,7 +201,7 @@ def child(req, stdin_fd):
                 fail("setresuid %d: still running as %s" % (req["uid"], os.getresuid()))
         if req["mode"] == "userns":
             # a nested user namespace in which the program is not root: it holds no capability over the mount
-            # namespace above, so it cannot undo the read-only remounts or the tmpfs over /tmp
+            # namespace above, so it cannot undo the read-only mounts or the tmpfs over /tmp
             check(libc.unshare(CLONE_NEWUSER), "unshare(user)")
             write_file("/proc/self/setgroups", "deny")
             write_file("/proc/self/uid_map", "%d 0 1" % INNER_UID)
@@ -167,19 +217,37 @@ def child(req, stdin_fd):
         fail("child setup: %s: %s" % (type(e).__name__, e))
 
 
+def hand_over(control_fd, pid):
+    """Give the trainer a pidfd of the namespace's PID 1 (and the namespace's id, for its records)."""
+    ns = os.readlink("/proc/%d/ns/pid" % pid)
+    pidfd = os.pidfd_open(pid)
+    with socket.socket(fileno=control_fd) as control:
+        socket.send_fds(control, [json.dumps({"pid": pid, "ns": ns}).encode()], [pidfd])
+    os.close(pidfd)
+
+
 def main():
     try:
         req = json.loads(sys.stdin.read())
         enter_namespaces(req)
-        prepare_filesystem(req)
         read_fd, write_fd = os.pipe()
+        go_read, go_write = os.pipe()
     except BaseException as e:
         fail("%s: %s" % (type(e).__name__, e))
     pid = os.fork()  # the first child after unshare(CLONE_NEWPID) is PID 1 of the new namespace
     if pid == 0:
         os.close(write_fd)
-        child(req, read_fd)
+        os.close(go_write)
+        child(req, read_fd, go_read)
     os.close(read_fd)
+    os.close(go_read)
+    try:
+        hand_over(req["control_fd"], pid)
+    except BaseException as e:
+        os.kill(pid, signal.SIGKILL)
+        fail("hand over the sandbox: %s: %s" % (type(e).__name__, e))
+    os.write(go_write, b"g")
+    os.close(go_write)
     # written here, not on a thread: after unshare(CLONE_NEWPID) this process may not create threads. A child
     # that exits without reading closes the pipe, so the write ends (EPIPE) instead of blocking.
     try:

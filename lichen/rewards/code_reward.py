@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lichen.rewards.code_checks import Case, call_case, parse_report, split_assert
 from lichen.rewards.deepscaler import after_thinking
-from lichen.rewards.sandbox import SandboxConfig, SandboxLimits, run_sandboxed
+from lichen.rewards.sandbox import SandboxConfig, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -105,11 +106,7 @@ class CodeReward:
         self.case_timeout_s = case_timeout_s
 
     def _config(self, timeout_s: float) -> SandboxConfig:
-        base = self.sandbox.limits
-        limits = SandboxLimits(timeout_s=timeout_s, memory_mb=base.memory_mb, max_procs=base.max_procs,
-                               max_file_mb=base.max_file_mb, max_open_files=base.max_open_files,
-                               tmpfs_mb=base.tmpfs_mb, max_output_bytes=base.max_output_bytes)
-        return SandboxConfig(self.sandbox.python, self.sandbox.mode, self.sandbox.uid_base, limits)
+        return self.sandbox.with_limits(replace(self.sandbox.limits, timeout_s=timeout_s, cpu_s=None))
 
     async def grade(self, response: str, label: Any, metadata: dict | None = None) -> float:
         kind, cases = parse_test_cases(label, metadata)

@@ -1,15 +1,21 @@
 """Running untrusted Python (model-written code) in a sandboxed subprocess.
 
 Each run gets, through the launcher `_sandbox_init.py` (see its docstring for the exact sequence):
-- new mount, network, PID, IPC and UTS namespaces: no network at all (not even loopback), a private size-capped
-  tmpfs over every world-writable directory, a fresh work directory, a /proc that shows only its own processes;
+- new mount, network, PID, IPC and UTS namespaces: no network at all (not even loopback), a /proc that shows only
+  its own processes, and a minimal root of its own: the interpreter, its standard library and shared libraries
+  read-only (`sandbox_root.py`), a few devices, and a private size-capped /tmp holding its work directory. No
+  host data file, checkout or unix socket is reachable;
 - a non-root identity when the trainer is root: a uid/gid of its own (`uid_base + slot`, one slot per concurrent
   run on the host, leased through a lock file, so one run's fork bomb cannot use up another's process budget),
   no supplementary groups, and no-new-privileges. A non-root trainer gets the same namespaces inside a new user
   namespace instead, the program running as uid 1000 of a nested one;
+- a cgroup of its own with the memory limit for all its processes together (`sandbox_cgroup.py`); where none can
+  be made, the run's memory is split between a lowered process cap instead, and the trainer's log says so;
 - resource limits: CPU seconds, address space, processes, file size, open files, no core dumps;
-- a wall-clock timeout after which the whole process group is killed with SIGKILL (and with it PID 1 of the
-  namespace, which takes every remaining process along), also when the awaiting coroutine is cancelled;
+- an end for all its processes: the launcher hands the trainer a pidfd of the namespace's PID 1, and when the run
+  ends (exit, wall-clock timeout, output cap, or the awaiting coroutine being cancelled) the trainer kills it,
+  which kills every process of the namespace, then waits until they are gone. Nothing the program does to its
+  session, process group or parent-death signal outlives this;
 - a cap on captured output: a run that prints more than `max_output_bytes` is killed.
 Namespaces alone would not stop a root fork bomb (root ignores RLIMIT_NPROC), and a non-root user alone could
 still reach services on loopback; the sandbox needs both, and `check_sandbox` refuses to run without them.
@@ -20,18 +26,25 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import math
 import os
 import random
+import select
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lichen.errors import ConfigError
+from lichen.rewards.sandbox_cgroup import CgroupParent, RunCgroup, find_cgroup_parent
+from lichen.rewards.sandbox_root import interpreter_paths
+
+logger = logging.getLogger(__name__)
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
 SETUP_FAILED = 125
@@ -39,6 +52,8 @@ DEFAULT_UID_BASE = 2_100_000_000  # far above login and container sub-uid ranges
 NOBODY = 65534
 MAX_UID_BASE = 2**31 - 1 - 256  # base + slot stays a valid positive uid (never -1, which means "unchanged")
 LAUNCH_GRACE_S = 0.5
+REAP_TIMEOUT_S = 5.0  # how long the trainer waits for a killed sandbox's processes to be gone
+FALLBACK_PROCESS_MB = 256  # without a cgroup: the address space each process gets when the run's memory is split
 _SLOTS = 256
 
 
@@ -60,11 +75,13 @@ class SandboxLimits:
     tmpfs_mb: int = 64  # each private tmpfs (work directory included)
     max_output_bytes: int = 1 << 20  # stdout and stderr, each
     cpu_s: int | None = None  # RLIMIT_CPU; default ceil(timeout_s) + 1
+    process_memory_mb: int | None = None  # RLIMIT_AS per process; default memory_mb (the run's, via its cgroup)
 
     def as_request(self) -> dict:
+        per_process = self.process_memory_mb if self.process_memory_mb is not None else self.memory_mb
         return {
             "cpu_s": int(self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1),
-            "memory_bytes": int(self.memory_mb) << 20,
+            "memory_bytes": int(per_process) << 20,
             "max_procs": int(self.max_procs),
             "max_file_bytes": int(self.max_file_mb) << 20,
             "max_open_files": int(self.max_open_files),
@@ -94,6 +111,11 @@ class SandboxConfig:
     mode: str  # "root": drop to uid_base + slot; "userns": a user namespace for a non-root trainer
     uid_base: int = DEFAULT_UID_BASE
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    expose: list[str] = field(default_factory=list)  # host paths the minimal root shows, read-only
+    cgroup: CgroupParent | None = None  # where each run's cgroup is made; None: the memory is split instead
+
+    def with_limits(self, limits: SandboxLimits) -> "SandboxConfig":
+        return SandboxConfig(self.python, self.mode, self.uid_base, limits, self.expose, self.cgroup)
 
 
 class _UidLease:
@@ -170,12 +192,32 @@ def find_python(explicit: str | None, root: bool) -> str:
 
 def resolve_sandbox(python: str | None = None, uid_base: int = DEFAULT_UID_BASE,
                     limits: SandboxLimits | None = None) -> SandboxConfig:
-    """Pick the mode for this process and check, by running a probe, that the isolation really holds."""
+    """Pick the mode for this process, find what the run's root must show and where its cgroup goes, and check,
+    by running a probe, that the isolation really holds."""
     root = os.geteuid() == 0
-    config = SandboxConfig(python=find_python(python, root), mode="root" if root else "userns",
-                           uid_base=uid_base, limits=limits or SandboxLimits())
+    python = find_python(python, root)
+    config = SandboxConfig(python=python, mode="root" if root else "userns", uid_base=uid_base,
+                           limits=limits or SandboxLimits(), expose=interpreter_paths(python),
+                           cgroup=find_cgroup_parent())
+    if config.cgroup is None:
+        config.limits = split_memory(config.limits)
+        logger.warning(
+            "code sandbox: no cgroup with a memory controller can be made here (%s); each run's %d MiB are "
+            "bounded by allowing %d process(es) of %d MiB address space each instead. Run as root or give this "
+            "user a delegated cgroup for a per-run memory limit.",
+            "not root" if not root else "cgroup file system not writable", config.limits.memory_mb,
+            config.limits.max_procs, config.limits.memory_mb // config.limits.max_procs)
     check_sandbox(config)
     return config
+
+
+def split_memory(limits: SandboxLimits) -> SandboxLimits:
+    """Without a cgroup, RLIMIT_AS holds per process: lower the process cap and the per-process address space so
+    that cap x per-process <= the run's memory (each process gets at least FALLBACK_PROCESS_MB when it can)."""
+    if limits.memory_mb < 32:
+        raise SandboxUnavailable(f"--code-memory-mb {limits.memory_mb}: the interpreter needs at least 32 MiB")
+    procs = max(1, min(limits.max_procs, limits.memory_mb // FALLBACK_PROCESS_MB))
+    return replace(limits, max_procs=procs, process_memory_mb=limits.memory_mb // procs)
 
 
 _PROBE = """
@@ -189,10 +231,8 @@ def check_sandbox(config: SandboxConfig) -> dict:
     loopback (and, for a root trainer, as a non-root uid). Falls back to uid 65534 when the uid range is not mapped here."""
     if not 0 < config.uid_base <= MAX_UID_BASE and config.uid_base != NOBODY:
         raise SandboxUnavailable(f"--code-sandbox-uid-base {config.uid_base}: must be in [1, {MAX_UID_BASE}]")
-    probe_limits = SandboxLimits(timeout_s=10.0, memory_mb=config.limits.memory_mb)
     try:
-        result = run_sandboxed_sync(_PROBE, config=SandboxConfig(config.python, config.mode, config.uid_base,
-                                                                 probe_limits))
+        result = run_sandboxed_sync(_PROBE, config=config.with_limits(replace(config.limits, timeout_s=10.0)))
     except SandboxError as e:
         if config.mode == "root" and "setresuid" in str(e) and config.uid_base != NOBODY:
             config.uid_base = NOBODY  # e.g. a container whose user namespace maps few uids
@@ -227,34 +267,89 @@ async def run_sandboxed(source: str, *, config: SandboxConfig, stdin: str = "", 
     while not lease.try_take():  # more concurrent runs on this host than slots: wait for one
         await asyncio.sleep(0.01)
     uid = lease.uid
-    request = {
-        "files": {"solution.py": source, **(files or {})},
-        "argv": argv or ["solution.py"],
-        "stdin": stdin,
-        "python": config.python,
-        "uid": uid,
-        "gid": uid,
-        "mode": config.mode,
-        "tmpfs_mb": config.limits.tmpfs_mb,
-        "limits": config.limits.as_request(),
-    }
+    cgroup = None
+    control, control_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        result = await _run_launcher(json.dumps(request).encode(), config.limits)
+        if config.cgroup is not None:
+            RunCgroup.sweep_stale()
+            cgroup = RunCgroup(config.cgroup, config.limits.memory_mb << 20, config.limits.max_procs)
+        request = {
+            "files": {"solution.py": source, **(files or {})},
+            "argv": argv or ["solution.py"],
+            "stdin": stdin,
+            "python": config.python,
+            "uid": uid,
+            "gid": uid,
+            "mode": config.mode,
+            "tmpfs_mb": config.limits.tmpfs_mb,
+            "limits": config.limits.as_request(),
+            "expose": config.expose,
+            "control_fd": control_child.fileno(),
+            "cgroup_fd": cgroup.procs_fd if cgroup else None,
+        }
+        pass_fds = (control_child.fileno(),) + ((cgroup.procs_fd,) if cgroup else ())
+        result = await _run_launcher(json.dumps(request).encode(), config.limits, pass_fds, control_child,
+                                     _Namespace(control))
+        if cgroup is not None:
+            result.details["memory_peak_bytes"] = cgroup.peak_bytes()
     finally:
+        control.close()
+        control_child.close()
+        if cgroup is not None:
+            await cgroup.remove()
         lease.release()
     result.details["uid"] = uid
     return result
 
 
-async def _run_launcher(payload: bytes, limits: SandboxLimits) -> SandboxResult:
+class _Namespace:
+    """The run's PID namespace, held through a pidfd of its PID 1 that the launcher sends once it forked."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.info: dict = {}
+
+    def kill(self) -> None:
+        """Kill PID 1 of the namespace (the kernel then kills all of it) and wait until it is gone.
+        A launcher that never forked sent nothing, and has nothing to kill."""
+        self.control.setblocking(False)
+        try:
+            message, fds, _, _ = socket.recv_fds(self.control, 4096, 1)
+        except (BlockingIOError, OSError):
+            return
+        if not fds:
+            return
+        pidfd = fds[0]
+        try:
+            self.info = json.loads(message)
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+        try:
+            # readable once PID 1 has exited, which it does only after every other process of its namespace
+            if not select.select([pidfd], [], [], REAP_TIMEOUT_S)[0]:
+                logger.warning("code sandbox: namespace %s still alive %.0f s after SIGKILL",
+                               self.info.get("ns"), REAP_TIMEOUT_S)
+        finally:
+            os.close(pidfd)
+
+
+async def _run_launcher(payload: bytes, limits: SandboxLimits, pass_fds: tuple[int, ...],
+                        control_child: socket.socket, namespace: _Namespace) -> SandboxResult:
     start = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-S", LAUNCHER,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True,  # its own process group, killed whole on timeout
+        pass_fds=pass_fds,
     )
+    control_child.close()  # the launcher holds it now: its end closes when the launcher exits
     overflow = asyncio.Event()
     captured: dict[str, list[bytes]] = {"out": [], "err": []}
+
+    def kill_all() -> None:
+        _kill_group(proc.pid)
+        namespace.kill()
 
     async def read_capped(stream: asyncio.StreamReader, key: str) -> None:
         size = 0
@@ -267,7 +362,7 @@ async def _run_launcher(payload: bytes, limits: SandboxLimits) -> SandboxResult:
             size += len(chunk)
             if size > limits.max_output_bytes:
                 overflow.set()
-                _kill_group(proc.pid)
+                kill_all()
 
     async def feed() -> None:
         assert proc.stdin is not None
@@ -288,7 +383,7 @@ async def _run_launcher(payload: bytes, limits: SandboxLimits) -> SandboxResult:
         code = await proc.wait()
     except asyncio.TimeoutError:
         timed_out = True
-        _kill_group(proc.pid)
+        kill_all()
         await proc.wait()
         code = None
         try:  # what it printed before the kill still counts (e.g. test cases that finished)
@@ -296,15 +391,14 @@ async def _run_launcher(payload: bytes, limits: SandboxLimits) -> SandboxResult:
         except asyncio.TimeoutError:
             readers.cancel()
     except BaseException:  # cancelled by the reward runner's own timeout: leave nothing running
-        _kill_group(proc.pid)
+        kill_all()
         try:  # reap it and drain its pipes, so they close on this loop rather than at garbage collection
             await asyncio.wait_for(asyncio.gather(proc.wait(), readers), timeout=2.0)
         except BaseException:
             readers.cancel()
         raise
     finally:
-        if proc.returncode is None:
-            _kill_group(proc.pid)
+        kill_all()  # also after a normal exit: a namespace whose PID 1 lives on is killed here
     out, err = b"".join(captured["out"]), b"".join(captured["err"])
     elapsed = time.perf_counter() - start
     stderr = err.decode(errors="replace")
@@ -318,6 +412,7 @@ async def _run_launcher(payload: bytes, limits: SandboxLimits) -> SandboxResult:
         timed_out=timed_out,
         output_limited=limited,
         elapsed_s=elapsed,
+        details={"pid_ns": namespace.info.get("ns")},
     )
 
 
