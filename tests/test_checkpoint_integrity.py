@@ -148,10 +148,30 @@ def resume_argv(tiny_ckpt, addition_data, tmp_path, load_dir, num_rollout="3"):
 
 def test_resume_via_cli_falls_back_to_the_previous_checkpoint(tiny_ckpt, addition_data, tmp_path, copy, capsys):
     flip_bit_in_first_tensor(os.path.join(ckpt.iter_dir(copy, 1), "hf", "model.safetensors"))
-    rows = run(resume_argv(tiny_ckpt, addition_data, tmp_path, copy))
+    rows = run(resume_argv(tiny_ckpt, addition_data, tmp_path, copy) + ["--save", copy, "--save-interval", "1"])
     assert [m["step"] for m in rows] == [2, 3]  # resumed after iter_0000000: rollout 1 ran again
     err = capsys.readouterr().err
     assert "iter_0000001/hf/model.safetensors: checksum mismatch" in err and "Traceback" not in err
+    verify(ckpt.iter_dir(copy, 1))  # saved again over the damaged one
+    assert ckpt.find_latest(copy) == 2
+
+
+def test_resume_after_a_crash_mid_save(tiny_ckpt, addition_data, tmp_path, copy, capsys):
+    """The state kill -9 leaves while rollout 1 is being saved: `latest` still names iter_0000000, iter_0000001 has
+    no checksums, a half-written trainer_state.pt and the dead saver's hf.tmp-PID/."""
+    d = ckpt.iter_dir(copy, 1)
+    open(os.path.join(copy, ckpt.LATEST), "w").write("0")
+    os.remove(os.path.join(d, MANIFEST))
+    truncate(os.path.join(d, "trainer_state.pt"))
+    tmp = os.path.join(d, f"hf.tmp-{dead_pid()}")
+    shutil.copytree(os.path.join(d, "hf"), tmp)
+    truncate(os.path.join(tmp, "model.safetensors"))
+    rows = run(resume_argv(tiny_ckpt, addition_data, tmp_path, copy) + ["--save", copy, "--save-interval", "1"])
+    assert [m["step"] for m in rows] == [2, 3]
+    assert "!!!" not in capsys.readouterr().err  # nothing damaged: the unfinished save is simply not used
+    assert not os.path.exists(tmp)
+    verify(d)
+    assert ckpt.find_latest(copy) == 2
 
 
 @pytest.mark.parametrize("case", ["one bit flipped in a weight", "empty trainer_state.pt"])
