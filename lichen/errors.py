@@ -2,6 +2,10 @@
 
 A `UserError` is a mistake the user can fix (bad flag, bad file, bad value). The CLI prints its message as one
 line and exits with code 2, without a traceback. Messages name the flag, file, line or field and say what to do.
+
+A `RunError` stops a run that started correctly because something it depends on failed (an engine that serves
+other weights than trained, a verifier that fails every sample). The CLI prints it as one line too, with exit
+code 1: its message is the whole diagnosis, a traceback of lichen's own frames would add nothing.
 """
 
 
@@ -19,3 +23,7 @@ class DataError(UserError):
 
 class NotAvailableYet(ConfigError):
     """A valid flag or value whose feature is not built yet."""
+
+
+class RunError(Exception):
+    """A run cannot go on (engine, sync or verifier failure); printed as one line without traceback, exit code 1."""

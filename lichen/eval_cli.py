@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from lichen.errors import ConfigError
+from lichen.train_cli import hide_secrets
 
 # flags `lichen train` requires that mean nothing for an eval-only run, with the values used when absent
 _NEUTRAL = (("--num-rollout", "1"), ("--rollout-batch-size", "1"), ("--n-samples-per-prompt", "1"))
@@ -72,6 +73,7 @@ def format_table(metrics: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_eval_args(argv)
+    hide_secrets(args)
     import os
 
     from lichen.observe.metrics import MetricsLogger
@@ -84,9 +86,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     manager = RolloutManager(args)
     metrics = manager.eval(version=0)
-    logger = MetricsLogger(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
-                           wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
-                           wandb_run_name=args.wandb_run_name, config=vars(args))
+    logger = MetricsLogger.for_run(args)
     logger.log(0, metrics)
     logger.close()
     sys.stdout.write(format_table(metrics) + "\n")

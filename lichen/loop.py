@@ -13,8 +13,10 @@ import os
 import time
 
 from lichen import sync
+from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import MetricsLogger, format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
+from lichen.observe.secrets import redact_config
 from lichen.train import checkpoint as ckpt
 
 log = get_logger(__name__)
@@ -91,7 +93,8 @@ def prepare_output_dir(args) -> None:
         torch.set_num_threads(args.num_threads)
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-        json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f, indent=1, default=str)
+        json.dump(redact_config({k: v for k, v in vars(args).items() if not k.startswith("_")}), f, indent=1,
+                  default=str)
 
 
 def run(args) -> dict:
@@ -100,9 +103,7 @@ def run(args) -> dict:
     try:
         resolve_num_rollout(args, rollout)
         trainer = build_trainer(args)
-        with MetricsLogger(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
-                           wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
-                           wandb_run_name=args.wandb_run_name, config=vars(args)) as logger:
+        with MetricsLogger.for_run(args) as logger:
             return train_loop(args, trainer, rollout, logger)
     finally:
         sync.close(rollout)  # leaves broadcast groups while the engines still answer
@@ -113,6 +114,7 @@ def train_loop(args, trainer, rollout, logger) -> dict:
     if (args.offload_train or args.offload_rollout) and not _on_accelerator(args):
         log.info("offload requested on CPU: nothing to release, offload is a no-op")
     last: dict = {}
+    all_failed = FailedStepGuard(args.max_consecutive_failed_steps)  # stops a run whose verifier fails every sample
     start = resume(args, trainer, rollout)
     sync.push(trainer, rollout, version=start)  # engines start from the trainer's weights
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
@@ -123,6 +125,7 @@ def train_loop(args, trainer, rollout, logger) -> dict:
     for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
         t0 = time.perf_counter()
         batch, metrics = rollout.generate(rollout_id)
+        all_failed.check(rollout_id, batch)
         if args.offload_rollout:
             rollout.offload()
         if args.offload_train:

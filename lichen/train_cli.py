@@ -1,4 +1,9 @@
-"""`lichen train`: parse and validate the flags, then run the loop (or print the resolved config with --dry-run)."""
+"""`lichen train`: parse and validate the flags, then run the loop (or print the resolved config with --dry-run).
+
+Secrets among the flags (see `lichen.observe.secrets`) are registered before anything is printed or written, so
+that the dry-run output, the run's config.json, W&B's record of the config and of `sys.argv`, and every log line
+show them redacted.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import sys
 
 from lichen.config import parse_train_args
+from lichen.observe.secrets import redact_argv, redact_config, register_secrets
 
 
 def resolved_config(args: argparse.Namespace) -> dict:
@@ -24,13 +30,23 @@ def _plain(value):
     return value
 
 
+def hide_secrets(args: argparse.Namespace) -> None:
+    """Register the secrets of the parsed flags and the environment, and redact them in `sys.argv` (which W&B
+    records); the process's own command line in /proc stays as given, so prefer environment variables or key
+    files for secrets."""
+    register_secrets(vars(args))
+    sys.argv[:] = redact_argv(sys.argv)
+
+
 def main(argv: list[str]) -> int:
     args = parse_train_args(argv)
+    hide_secrets(args)
     os.environ.update(args.train_env_vars)
     if args.dry_run:
         import yaml
 
-        sys.stdout.write(yaml.safe_dump(resolved_config(args), sort_keys=True, default_flow_style=False))
+        sys.stdout.write(yaml.safe_dump(redact_config(resolved_config(args)), sort_keys=True,
+                                        default_flow_style=False))
         return 0
     from lichen.loop import run  # imported only now: it pulls in torch and the models
 

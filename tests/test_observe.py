@@ -222,3 +222,68 @@ def test_progress_and_print_line(capsys):
 
     assert list(progress([1, 2], disable=True)) == [1, 2]
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------------- secrets in sinks and logs
+
+
+def test_wandb_key_goes_to_settings_and_config_is_redacted(tmp_path, monkeypatch):
+    fake = _fake_wandb()
+    fake.Settings = lambda **kw: ("settings", kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = {"lr": 1e-6, "wandb_key": "k-wandb-0001", "train_env_vars": {"HF_TOKEN": "t-0002"}, "_engine_key": "x"}
+    with MetricsLogger(str(tmp_path), use_wandb=True, wandb_key="k-wandb-0001", config=config):
+        pass
+    (run,) = fake.runs
+    assert run.init_kwargs["settings"] == ("settings", {"api_key": "k-wandb-0001"})
+    assert run.init_kwargs["config"] == {"lr": 1e-6, "wandb_key": "<redacted>",
+                                         "train_env_vars": {"HF_TOKEN": "<redacted>"}}
+
+
+def test_log_lines_are_redacted(capsys):
+    from lichen.observe.secrets import add_secrets, forget_secrets
+
+    add_secrets(["planted-log-secret-42"])
+    try:
+        get_logger("secrets").warning("the server said: bad key planted-log-secret-42")
+    finally:
+        forget_secrets()
+    assert capsys.readouterr().err == "[lichen] WARNING: the server said: bad key <redacted>\n"
+
+
+# ------------------------------------------------------------------------------ --max-consecutive-failed-steps
+
+
+def _step(*statuses, cause="KeyError: 'answer'"):
+    from lichen.types import Sample, Status
+
+    samples = [Sample(prompt="p", index=i, status=Status(s), metadata={}) for i, s in enumerate(statuses)]
+    for s in samples:
+        if s.status == Status.FAILED:
+            s.metadata["reward_error"] = cause
+    return [samples]
+
+
+def test_failed_step_guard_counts_consecutive_all_failed_steps():
+    from lichen.errors import RunError
+    from lichen.observe.failed_steps import AllSamplesFailed, FailedStepGuard
+
+    guard = FailedStepGuard(2)
+    guard.check(0, _step("failed", "failed"))
+    guard.check(1, _step("failed", "completed"))  # one sample scored: the streak starts over
+    guard.check(2, _step("failed", "failed"))
+    with pytest.raises(AllSamplesFailed) as info:
+        guard.check(3, _step("failed", "failed"))
+    assert isinstance(info.value, RunError)
+    assert str(info.value).startswith("every sample failed in 2 consecutive rollout step(s) (steps 3-4; 2 samples "
+                                      "in the last, e.g. sample 0: KeyError: 'answer')")
+    assert "--max-consecutive-failed-steps" in str(info.value)
+
+
+def test_failed_step_guard_zero_never_stops():
+    from lichen.observe.failed_steps import FailedStepGuard
+
+    guard = FailedStepGuard(0)
+    for step in range(10):
+        guard.check(step, _step("failed"))
+    FailedStepGuard(1).check(0, [])  # a step without samples is not a failed one

@@ -20,6 +20,32 @@ def raise_on_tenth(args, sample):
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
+def always_fails(args, sample):
+    raise KeyError("answer")
+
+
+def test_run_whose_every_sample_fails_stops_with_an_error(tiny_ckpt, addition_data, tmp_path, capfd):
+    from lichen.cli import main
+    from lichen.observe import read_metrics
+
+    out = tmp_path / "r"
+    argv = base_args(tiny_ckpt, addition_data, out, "--num-rollout", "6", "--max-consecutive-failed-steps", "2")
+    argv[argv.index("loop_plugins.digit_fraction")] = "test_rewards_loop.always_fails"
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lichen train: error: every sample failed in 2 consecutive rollout step(s) (steps 1-2; "
+                           "16 samples in the last, e.g. sample 0: KeyError: 'answer')"), last
+    assert "Traceback" not in err
+    assert [m["step"] for m in read_metrics(str(out))] == [1]  # stopped at step 2, before training on it
+
+    # 0 turns the check off: the run goes to its end
+    argv[argv.index("--max-consecutive-failed-steps") + 1] = "0"
+    argv[argv.index("--num-rollout") + 1] = "3"
+    argv[argv.index("--output-dir") + 1] = str(tmp_path / "r0")
+    assert main(argv) == 0
+
+
 def test_failing_verifier_samples_get_zero_weight(tiny_ckpt, addition_data, tmp_path, capfd):
     dump = str(tmp_path / "train_{rollout_id}.pt")
     argv = base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", "--rollout-batch-size", "5",

@@ -23,6 +23,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--wandb-project", metavar="NAME", default="lichen", help="W&B project")
     g.add_argument("--wandb-run-name", metavar="NAME", default=None, help="W&B run name (default: chosen by W&B)")
+    g.add_argument(
+        "--wandb-key",
+        metavar="KEY",
+        default=None,
+        help="W&B API key (default: W&B's own login or the WANDB_API_KEY environment variable, which is preferable: "
+        "a flag is visible to every local user in `ps`); redacted from every output of lichen",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars (default: off, bars are shown)")
 
 

@@ -22,6 +22,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="a verifier call running longer marks its sample failed (zero weight); per group with --group-rm",
     )
     g.add_argument(
+        "--max-consecutive-failed-steps",
+        type=int,
+        default=3,
+        metavar="N",
+        help="stop the run with an error (exit code 1) after N consecutive rollout steps in which every sample's "
+        "reward failed; 0: never stop",
+    )
+    g.add_argument(
         "--group-rm",
         action="store_true",
         help="call --custom-rm-path once per prompt group as fn(args, samples) -> list of rewards (default: once "
@@ -32,6 +40,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         default=None,
         help="endpoint of --rm-type remote_rm: each sample is POSTed as {prompt, response, label} (default: none)",
+    )
+    g.add_argument(
+        "--rm-api-key-file",
+        metavar="PATH",
+        default=None,
+        help="remote_rm: file holding the key sent as `Authorization: Bearer KEY` (chmod 600; default: the "
+        "LICHEN_RM_API_KEY environment variable, else no key)",
     )
     g.add_argument("--rm-max-retries", type=int, default=3, help="remote_rm: retries after an error, 429 or 5xx")
     g.add_argument(
@@ -72,6 +87,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     check_int_at_least(args, "reward_concurrency", 1)
     check_float(args, "reward_timeout", low=0.0, low_open=True)
+    check_int_at_least(args, "max_consecutive_failed_steps", 0)
     check_int_at_least(args, "rm_max_retries", 0)
     check_float(args, "rm_retry_backoff", low=0.0)
     check_float(args, "code_timeout", low=0.0, low_open=True)

@@ -2,7 +2,8 @@
 
 `metrics.jsonl` holds one strict-JSON object per `log` call: {"step": step, "<prefix>/<key>": value, ...}.
 Non-finite floats (NaN, ±inf) are written as `null`, because NaN/Infinity are not valid JSON and would break
-other readers; TensorBoard and W&B receive the float itself.
+other readers; TensorBoard and W&B receive the float itself. The run config given to W&B and every line of
+lichen's logger pass through the secret redaction of `lichen.observe.secrets`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from lichen.errors import ConfigError, DataError
+from lichen.observe.secrets import redact_config, redact_text
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("online", "offline", "disabled")
@@ -66,11 +68,13 @@ class MetricsLogger:
     metrics.jsonl is opened in append mode and flushed after every line, so a crash loses nothing already logged
     and a resumed run continues the same file. TensorBoard events go to `<output_dir>/tensorboard`. W&B is
     imported only when enabled; `wandb_mode="offline"` needs no network and keeps its files under `output_dir`.
+    `wandb_key` (else W&B's own WANDB_API_KEY / login) goes to W&B's settings, never into its config or files;
+    `config` is recorded with its secrets redacted.
     """
 
     def __init__(self, output_dir: str, *, use_tensorboard: bool = False, use_wandb: bool = False,
                  wandb_mode: str = "offline", wandb_project: str = "lichen", wandb_run_name: str | None = None,
-                 config: dict | None = None) -> None:
+                 wandb_key: str | None = None, config: dict | None = None) -> None:
         if use_wandb and wandb_mode not in WANDB_MODES:
             raise ConfigError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}; got {wandb_mode!r}")
         self.output_dir = output_dir
@@ -86,11 +90,19 @@ class MetricsLogger:
             if use_tensorboard:
                 self._tb = _tensorboard_writer(os.path.join(output_dir, "tensorboard"))
             if wandb is not None:
+                extra = {"settings": wandb.Settings(api_key=wandb_key)} if wandb_key else {}
                 self._wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, mode=wandb_mode,
-                                             dir=output_dir, config=dict(config or {}))
+                                             dir=output_dir, config=redact_config(_public(config or {})), **extra)
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def for_run(cls, args: Any) -> MetricsLogger:
+        """The sinks the parsed flags of `lichen train` / `lichen eval` ask for, under `args.output_dir`."""
+        return cls(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
+                   wandb_mode=args.wandb_mode, wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
+                   wandb_key=getattr(args, "wandb_key", None), config=vars(args))
 
     def log(self, step: int, metrics: dict[str, float | int], prefix: str | None = None) -> None:
         """Record `metrics` at `step`; with `prefix`, key "k" is recorded as "prefix/k"."""
@@ -131,6 +143,10 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _public(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not str(k).startswith("_")}
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -212,7 +228,7 @@ class _LichenFormatter(logging.Formatter):
         text = f"[lichen] {msg}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
-        return text
+        return redact_text(text)
 
 
 class _TqdmStderrHandler(logging.Handler):

@@ -150,7 +150,7 @@ class RewardHub:
     def _remote_rm(self) -> Any:
         with self._lock:
             if self._remote is None:
-                from lichen.rewards.remote import RemoteRM
+                from lichen.rewards.remote import RemoteRM, rm_api_key
 
                 a = self.args
                 url = _opt(a, "rm_url", None)
@@ -159,7 +159,8 @@ class RewardHub:
                 self._remote = RemoteRM(url, max_retries=_opt(a, "rm_max_retries", 3),
                                         backoff_s=_opt(a, "rm_retry_backoff", 0.5),
                                         request_timeout_s=_opt(a, "reward_timeout", 60.0) or 60.0,
-                                        max_concurrency=_opt(a, "reward_concurrency", 16))
+                                        max_concurrency=_opt(a, "reward_concurrency", 16),
+                                        api_key=rm_api_key(_opt(a, "rm_api_key_file", None)))
             return self._remote
 
     @contextlib.asynccontextmanager

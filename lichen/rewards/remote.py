@@ -7,6 +7,11 @@ retried after `backoff_s * 2**attempt` seconds (times a jitter factor in [0.5, 1
 bodies that are not JSON fail at once. At most `max_concurrency` requests are in flight per batch (the reward
 runner's `--reward-concurrency` bounds them too). One HTTP session serves a whole batch: the runner enters
 `batch_context()` around it; calls outside a batch open a session each.
+
+With a key (`--rm-api-key-file PATH`, a file only its owner can read, or the environment variable
+LICHEN_RM_API_KEY; never a flag, which every local user could read in `ps`) each request carries
+`Authorization: Bearer KEY`. The key is registered with `lichen.observe.secrets`, so an error message or log line
+that echoes it shows it redacted.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import random
 from typing import Any, AsyncIterator
 
 from lichen.errors import ConfigError
+from lichen.observe.secrets import add_secrets
 from lichen.types import Sample
+
+RM_KEY_ENV = "LICHEN_RM_API_KEY"
 
 _session: contextvars.ContextVar = contextvars.ContextVar("lichen_remote_rm_session", default=None)
 
@@ -37,7 +45,7 @@ def _aiohttp() -> Any:
 
 class RemoteRM:
     def __init__(self, url: str, *, max_retries: int = 3, backoff_s: float = 0.5, request_timeout_s: float = 60.0,
-                 max_concurrency: int = 64) -> None:
+                 max_concurrency: int = 64, api_key: str | None = None) -> None:
         if not url or not url.startswith(("http://", "https://")):
             raise ConfigError(f"--rm-url {url!r}: give the reward endpoint as http(s)://host:port/path")
         _aiohttp()
@@ -46,13 +54,16 @@ class RemoteRM:
         self.backoff_s = backoff_s
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if api_key:
+            add_secrets([api_key])
 
     @contextlib.asynccontextmanager
     async def batch_context(self) -> AsyncIterator[None]:
         aiohttp = _aiohttp()
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers) as session:
             token = _session.set((session, asyncio.Semaphore(self.max_concurrency)))
             try:
                 yield
@@ -89,6 +100,14 @@ class RemoteRM:
                 continue
             return _parse_reward(text, self.url)
         raise RemoteRMError(f"{self.url}: no answer after {self.max_retries + 1} attempts (last: {last_error})")
+
+
+def rm_api_key(key_file: str | None) -> str | None:
+    """The remote RM's key: from `--rm-api-key-file`, else LICHEN_RM_API_KEY, else None (no key sent)."""
+    from lichen.engines.auth import resolve_key
+
+    return resolve_key(flag_value=None, file_path=key_file, env=RM_KEY_ENV, flag=RM_KEY_ENV,
+                       file_flag="--rm-api-key-file")
 
 
 def _parse_reward(text: str, url: str) -> float | dict:

@@ -32,6 +32,7 @@ import time
 from typing import Any, Awaitable, Callable, Union
 
 from lichen.errors import ConfigError
+from lichen.observe.secrets import redact_text
 from lichen.plugins import load_function
 from lichen.rewards.hub import RewardHub, known_rm_types
 from lichen.types import Sample, Status
@@ -229,6 +230,7 @@ def _log_failures(failed: list[tuple[int, str]], total: int) -> None:
 
 
 def _fail(sample: Sample, cause: str, reward: RewardValue) -> str:
+    cause = redact_text(cause)  # e.g. a reward server's error that echoes the key it was sent
     sample.status = Status.FAILED
     sample.reward = reward
     if sample.metadata is None:

@@ -11,6 +11,8 @@ engines (lichen serve / SGLang, `engine.is_remote`) get the transport chosen by 
 Every sync pauses generation, flushes caches, updates, records the new weight version and continues (inside the
 transports). Then every engine must report the version just published (else StaleEngineError) and serve exactly
 the trainer's weights in its dtype (lichen.sync.verify; else WeightMismatchError) — a mismatch is an error.
+An engine that fails during the update (an HTTP error, a lost connection) raises SyncError naming the engines and
+the weight version; all three are `RunError`s, which the CLI prints as one line with exit code 1.
 
 Transports keep state between syncs (the broadcast group, the publisher's snapshot), one per RemoteEngines.
 Metrics per sync: `time/sync` and its parts (`time/sync_publish`, `time/sync_transfer`, `time/sync_apply`,
@@ -23,16 +25,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from lichen.engines.client import EngineError
 from lichen.errors import NotAvailableYet
 from lichen.observe.metrics import get_logger
-from lichen.sync.verify import WeightMismatchError, engine_dtype, verify_engines, verify_in_process
+from lichen.sync.verify import SyncError, WeightMismatchError, engine_dtype, verify_engines, verify_in_process
 
 log = get_logger(__name__)
 
-__all__ = ["StaleEngineError", "WeightMismatchError", "push", "close"]
+__all__ = ["StaleEngineError", "SyncError", "WeightMismatchError", "push", "close"]
 
 
-class StaleEngineError(RuntimeError):
+class StaleEngineError(SyncError):
     pass
 
 
@@ -120,8 +123,11 @@ def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {"sync/weight_version": version, f"sync/transport_{args.update_weight_transport}": 1}
     for eng in engines:
-        st = _state(eng, args)
-        metrics.update(st["transport"].push(trainer.named_weights(), version, st["dtype"]))
+        try:
+            st = _state(eng, args)
+            metrics.update(st["transport"].push(trainer.named_weights(), version, st["dtype"]))
+        except EngineError as e:  # the engine's own message, with what the run was doing when it came
+            raise SyncError(f"weight sync to version {version} failed: engine {e}") from e
         versions = eng.weight_versions()
         stale = [(url, v) for url, v in zip(eng.active_urls(), versions) if v != str(version)]
         if stale:

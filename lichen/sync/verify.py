@@ -10,7 +10,8 @@ The reference is the trainer's tensors cast to the engine dtype (what every tran
   (JSON carries each float32 value exactly); with `full` (--check-weight-update-equal) every tensor, every row.
 
 A tensor the engine lacks, one it has that the trainer does not send, or different bytes raise
-`WeightMismatchError` naming the engine and the tensors.
+`WeightMismatchError` naming the engine and the tensors. Every sync failure is a `SyncError`, a `RunError`: the
+CLI prints it as one line (which engine, which weight version) and exits with code 1.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lichen.engines.weight_endpoints import CHECKSUM_FORMAT, parse_dtype
+from lichen.errors import RunError
 
 
-class WeightMismatchError(RuntimeError):
+class SyncError(RunError):
+    """A weight sync failed: an engine refused or lost the update, or serves other weights afterwards."""
+
+
+class WeightMismatchError(SyncError):
     """An engine serves weights that differ from the trainer's after a sync."""
 
 
