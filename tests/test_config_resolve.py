@@ -55,7 +55,8 @@ DEFAULTS = {
     "num_critic_only_steps": 0, "dynamic_sampling_filter_path": None, "over_sampling_batch_size": None,
     "dynamic_sampling_max_rounds": 10, "partial_rollout": False, "mask_offpolicy_in_partial_rollout": False,
     "overlong_buffer_len": None, "overlong_penalty_factor": 1.0,
-    "reward_concurrency": 16, "reward_timeout": 60.0, "group_rm": False, "rm_url": None, "rm_max_retries": 3,
+    "reward_concurrency": 16, "reward_timeout": 60.0, "max_consecutive_failed_steps": 3, "rm_api_key_file": None,
+    "group_rm": False, "rm_url": None, "rm_max_retries": 3,
     "rm_retry_backoff": 0.5, "code_timeout": 5.0, "code_memory_mb": 1024, "code_max_procs": 32,
     "code_max_file_mb": 16, "code_sandbox_python": None, "code_sandbox_uid_base": 2100000000, "eval_config": None,
     "eval_reward_key": None, "eval_dataset_configs": [], "rollout_external_engine_api_key": None,
@@ -75,7 +76,7 @@ DEFAULTS = {
     "n_samples_per_eval_prompt": 1, "eval_temperature": 1.0, "eval_top_p": 1.0, "eval_max_response_len": 1024,
     "eval_rm_type": "math",
     "use_tensorboard": False, "use_wandb": False, "wandb_mode": "online", "wandb_project": "lichen",
-    "wandb_run_name": None, "no_progress": False,
+    "wandb_run_name": None, "wandb_key": None, "no_progress": False,
 }
 
 
