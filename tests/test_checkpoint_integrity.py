@@ -138,7 +138,8 @@ def test_checkpoint_without_checksums_is_refused_with_what_to_do(copy):
     with pytest.raises(ConfigError) as e:
         ckpt.find_latest(copy)
     msg = str(e.value)
-    assert "checksums.json: missing" in msg and "older lichen" in msg and "--hf-checkpoint" in msg
+    assert "have no checksums.json" in msg and "before checkpoint checksums" in msg
+    assert f"--hf-checkpoint {ckpt.iter_dir(copy, 1)}/hf" in msg
 
 
 def resume_argv(tiny_ckpt, addition_data, tmp_path, load_dir, num_rollout="3"):

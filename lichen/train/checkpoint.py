@@ -35,7 +35,8 @@ import torch
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.torch_files import load_plain, save_plain
-from lichen.train.ckpt_integrity import CheckpointDamaged, remove_manifest, remove_stale_temps, verify, write_manifest
+from lichen.train.ckpt_integrity import (MANIFEST, NO_MANIFEST, CheckpointDamaged, remove_manifest, remove_stale_temps,
+                                         verify, write_manifest)
 from lichen.weights.hf_io import save_hf_checkpoint
 
 log = get_logger(__name__)
@@ -166,19 +167,35 @@ def find_latest(load_dir: str) -> int | None:
             continue
         if latest is not None and rollout_id < latest:
             log.warning("!!! --load %s: %s. Resuming from the newest intact checkpoint, %s, instead: rollout ids "
-                        "%d..%d run again.", load_dir, "; ".join(problems), name, rollout_id + 1, latest)
+                        "%d..%d run again.", load_dir, _summary(problems), name, rollout_id + 1, latest)
         elif problems or latest is None:
             log.warning("!!! --load %s: %s. Resuming from the newest intact checkpoint, %s.", load_dir,
-                        "; ".join(problems or [f"no {LATEST}"]), name)
+                        _summary(problems or [f"no {LATEST}"]), name)
         return rollout_id
     if latest is None and latest_problem is None:
         log.warning("--load %s: no %s and no finished checkpoint (%s): starting from --hf-checkpoint", load_dir,
-                    LATEST, "; ".join(problems))
+                    LATEST, _summary(problems))
         return None
-    raise ConfigError(
-        f"--load {load_dir}: no intact checkpoint to resume from: {'; '.join(problems)}. Restore the damaged files, "
-        f"start a checkpoint's weights afresh with --hf-checkpoint {load_dir}/iter_N/hf, or drop --load to start "
-        "from --hf-checkpoint")
+    raise _no_intact_checkpoint(load_dir, ids, problems)
+
+
+def _no_intact_checkpoint(load_dir: str, ids: list[int], problems: list[str]) -> ConfigError:
+    newest = os.path.join(load_dir, os.path.basename(iter_dir(load_dir, ids[-1])) if ids else "iter_N", "hf")
+    if ids and len(problems) == len(ids) and all(p.endswith(NO_MANIFEST) for p in problems):
+        return ConfigError(
+            f"--load {load_dir}: its checkpoints have no {MANIFEST}: they were written by a lichen from before "
+            "checkpoint checksums (their trainer_state.pt cannot be loaded safely), or their saves did not finish. "
+            f"Resume them with the lichen version that wrote them, or start from the weights with --hf-checkpoint "
+            f"{newest} (a fresh optimizer) and without --load")
+    return ConfigError(
+        f"--load {load_dir}: no intact checkpoint to resume from: {_summary(problems)}. Restore the damaged files, "
+        f"start from a checkpoint's weights with --hf-checkpoint {newest} and without --load, or drop --load to "
+        "start from the --hf-checkpoint you gave")
+
+
+def _summary(problems: list[str], most: int = 3) -> str:
+    more = f"; and {len(problems) - most} more" if len(problems) > most else ""
+    return "; ".join(problems[:most]) + more
 
 
 def load_trainer(load_dir: str, rollout_id: int, actor) -> None:

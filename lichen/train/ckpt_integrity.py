@@ -23,6 +23,7 @@ from lichen.errors import ConfigError
 MANIFEST = "checksums.json"
 ALGORITHM = "xxh3_128"
 FORMAT = 1
+NO_MANIFEST = "missing: the save did not finish, or an older lichen (before checkpoint checksums) wrote it"
 _CHUNK = 8 << 20
 _TEMP_ENTRY = re.compile(r"\.(tmp|old)-(\d+)$")  # what atomic writes name their temp files and directories
 
@@ -82,8 +83,7 @@ def remove_manifest(directory: str) -> None:
 def _read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
-        raise CheckpointDamaged(MANIFEST, "missing: the save did not finish, or an older lichen (before checkpoint "
-                                          "checksums) wrote it")
+        raise CheckpointDamaged(MANIFEST, NO_MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
