@@ -180,3 +180,74 @@ def test_dry_run_imports_no_torch(base, tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "rollout_batch_size: 4" in result.stdout
+
+
+# ---- values that used to pass the flag checks and fail later with a traceback: one line, exit 2 -------------
+@pytest.fixture
+def sized(base, tmp_path):
+    """`base` with a config.json that has a vocabulary and positions (the checks read both)."""
+    (tmp_path / "hf" / "config.json").write_text('{"vocab_size": 100, "max_position_embeddings": 64}')
+    return base
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--lr", "inf"], "--lr inf: must be a finite number in [0, inf)"),
+    (["--adam-eps=-inf"], "--adam-eps -inf: must be a finite number"),
+    (["--seed", str(2**64)], f"--seed {2**64}: must be in [0, 4294967295]"),
+    (["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
+    (["--rollout-stop-token-ids", "7", "100"], "--rollout-stop-token-ids: 100 is not a token id of the model (must be "
+                                               "in [0, 100))"),
+    (["--rollout-max-context-len", "64"], "--rollout-max-context-len 64: the model (hf) has 64 positions"),
+    (["--device", "cuda"], "--device cuda: "),
+])
+def test_late_failures_are_caught_by_the_flag_checks(sized, capsys, monkeypatch, extra, needle):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a machine with a GPU
+    rc, out, err = run_cli(sized + extra, capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert needle in err, err
+
+
+def test_accepted_edges_of_the_new_checks(sized):
+    args = parse_train_args(sized + ["--seed", str(2**32 - 1), "--rollout-stop-token-ids", "0", "99", "--lr", "1e3"])
+    assert args.seed == 2**32 - 1 and args.rollout_stop_token_ids == [0, 99] and args.rollout_max_context_len == 63
+
+
+@pytest.mark.parametrize("extra, env, needle", [
+    (["--context-length", "65"], None, "--context-length 65 is above the 64 positions of the model"),
+    (["--health-check-timeout", "-1"], None, "--health-check-timeout -1.0: must be a positive number of seconds"),
+    (["--health-check-timeout", "inf"], None, "--health-check-timeout inf: must be a positive number"),
+    ([], "soon", "$SGLANG_HEALTH_CHECK_TIMEOUT soon: must be a positive number"),
+])
+def test_serve_limits_are_one_line_exit_2(sized, capsys, monkeypatch, extra, env, needle):
+    if env is not None:
+        monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", env)
+    rc = lichen.cli.main(["serve", "--model", "hf", "--port", "0", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert needle in err, err
+
+
+def _train_on(tiny_ckpt, data, tmp_path, *extra) -> list[str]:
+    return ["--hf-checkpoint", tiny_ckpt, "--prompt-data", str(data), "--rm-type", "math", "--rollout-batch-size",
+            "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2", "--num-rollout", "1",
+            "--debug-rollout-only", "--output-dir", str(tmp_path / "out"), "--no-progress", *extra]
+
+
+def test_bad_data_rows_stop_the_run_before_it_starts(tiny_ckpt, tmp_path, capsys):
+    import json
+
+    data = tmp_path / "d.jsonl"
+    rows = [json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}).encode() for i in range(200)]
+    rows[49] = b'{"prompt": "", "label": "x"}'
+    data.write_bytes(b"\n".join(rows) + b"\n")
+    rc, out, err = run_cli(_train_on(tiny_ckpt, data, tmp_path), capsys)
+    assert rc == 2 and "Traceback" not in err and err.count("\n") == 1
+    assert f"{data}:50: the prompt under key 'prompt' is an empty string" in err and "--skip-bad-rows" in err
+    rows[49], rows[9] = rows[49], b'{"prompt": "caf\xe9", "label": "x"}'  # Latin-1: not UTF-8
+    data.write_bytes(b"\n".join(rows) + b"\n")
+    rc, out, err = run_cli(_train_on(tiny_ckpt, data, tmp_path), capsys)
+    assert rc == 2 and "Traceback" not in err and f"{data}:10: not UTF-8 text" in err
+    rc, out, err = run_cli(_train_on(tiny_ckpt, data, tmp_path, "--skip-bad-rows"), capsys)
+    assert rc == 0 and "skipped 2 bad row(s) of 200 (--skip-bad-rows)" in err

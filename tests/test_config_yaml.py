@@ -90,7 +90,7 @@ def test_empty_file_is_no_flags(env):
 
 def test_config_values_still_validated(env):
     path = write(env, GOOD.replace("rollout-temperature: 0.7", "rollout-temperature: 0"))
-    with pytest.raises(ConfigError, match=r"--rollout-temperature 0\.0: must be in \(0, inf\)"):
+    with pytest.raises(ConfigError, match=r"--rollout-temperature 0\.0: must be a finite number in \(0, inf\)"):
         parse_train_args(["--config", path])
 
 

@@ -224,6 +224,62 @@ def test_tools_must_be_list(tmp_path):
         load_prompt_dataset(path, tool_key="tools")
 
 
+def test_empty_prompt_is_a_bad_row_at_load(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "label": i + 1} for i in range(200)]
+    rows[49]["prompt"] = ""
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=rf"^{path}:50: the prompt under key 'prompt' is an empty string; fix the row, "
+                                        "or pass --skip-bad-rows"):
+        load_prompt_dataset(path)
+    got = load_prompt_dataset(path, skip_bad_rows=True)
+    assert len(got) == 199 and all(r.prompt for r in got) and 50 not in [r.source_line for r in got]
+
+
+def test_skip_bad_rows_logs_each_and_the_count(tmp_path, caplog):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": ""}\n{"prompt": "b",}\n\xff\xfe{"prompt": "c"}\n[1]\n'
+                     b'{"prompt": "d", "metadata": [1]}\n{"question": "e"}\n{"prompt": "f"}\n')
+    with caplog.at_level("WARNING", logger="lichen.data.dataset"):
+        got = load_prompt_dataset(str(path), skip_bad_rows=True)
+    assert [r.prompt for r in got] == ["a", "f"]
+    warned = [r.getMessage() for r in caplog.records]
+    for line in range(2, 8):
+        assert any(f"{path}:{line}:" in w for w in warned), (line, warned)
+    assert warned[-1].endswith("skipped 6 bad row(s) of 8 (--skip-bad-rows)")
+    path.write_text('{"prompt": ""}\n')
+    with pytest.raises(DataError, match="all 1 rows are bad"):
+        load_prompt_dataset(str(path), skip_bad_rows=True)
+
+
+def test_non_utf8_line_is_named(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(DataError, match=rf"^{path}:2: not UTF-8 text \(byte 0xe9 at byte 16 of the line\)"):
+        load_prompt_dataset(str(path))
+
+
+def test_eval_data_errors_do_not_suggest_skip_bad_rows(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": ""}])
+    with pytest.raises(DataError) as e:
+        load_prompt_dataset(path, flag="eval data set 'x'")
+    assert "--skip-bad-rows" not in str(e.value)
+
+
+def test_fit_prompts_drops_long_ones_and_names_empty_encodings(tmp_path, caplog):
+    from lichen.data.fit import fit_prompts
+
+    records = [PromptRecord(prompt="x" * n, label=None, source_line=i + 1) for i, n in enumerate([3, 9, 5, 0])]
+    encode = lambda i, r: [7] * len(r.prompt)  # noqa: E731
+    with pytest.raises(DataError, match=r"d.jsonl:4: the prompt encodes to no tokens.*--skip-bad-rows"):
+        fit_prompts(records, encode, path="d.jsonl", max_prompt_len=5, skip_bad_rows=False)
+    with caplog.at_level("WARNING", logger="lichen.data.fit"):
+        kept = fit_prompts(records, encode, path="d.jsonl", max_prompt_len=5, skip_bad_rows=True)
+    assert [r.source_line for r in kept] == [1, 3]
+    assert any("dropped 1 of 4 prompts longer than --rollout-max-prompt-len 5" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DataError, match="none of the 4 prompts fits"):
+        fit_prompts(records, encode, path="d.jsonl", max_prompt_len=2, skip_bad_rows=True)
+
+
 # ------------------------------------------------------------------------------------------ prompt source
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Any
@@ -38,11 +39,12 @@ def check_float(
     low_open: bool = False,
     high_open: bool = False,
 ) -> None:
-    """`args.<dest>` (if not None) must lie in the interval given; the message states the interval."""
+    """`args.<dest>` (if not None) must be finite and lie in the interval given; the message states the interval.
+    inf is never a value: argparse's float() takes "inf", and e.g. --lr inf only fails steps later, far away."""
     value = getattr(args, dest)
     if value is None:
         return
-    ok = value == value  # NaN is never allowed
+    ok = math.isfinite(value)  # NaN and +-inf are never allowed
     if low is not None:
         ok = ok and (value > low if low_open else value >= low)
     if high is not None:
@@ -52,7 +54,7 @@ def check_float(
         right = ")" if high_open or high is None else "]"
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else f"{high:g}"
-        fail(f"{flag_of(dest)} {value}: must be in {left}{lo}, {hi}{right}")
+        fail(f"{flag_of(dest)} {value}: must be a finite number in {left}{lo}, {hi}{right}")
 
 
 def data_file_of(spec: str) -> str:
@@ -75,6 +77,24 @@ def check_hf_dir(path: str, flag: str) -> None:
         fail(f"{flag} {path!r}: no such directory; give a Hugging Face checkpoint directory (with config.json)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"{flag} {path!r}: no config.json in this directory; give a Hugging Face checkpoint directory")
+
+
+def model_config_value(model_dir: str, key: str, default: Any = None) -> Any:
+    """`key` of `model_dir`/config.json (checked to exist by check_hf_dir), or `default` when it is absent or not
+    a positive integer; a config.json that is not JSON is left for the model loader to report."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            value = json.load(f).get(key, default)
+    except (OSError, ValueError, AttributeError):
+        return default
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def model_positions(model_dir: str) -> int:
+    """The model's max_position_embeddings (4096 when config.json has none, as lichen.models.ModelConfig)."""
+    return model_config_value(model_dir, "max_position_embeddings", 4096)
 
 
 def check_dotted_path(args: argparse.Namespace, dest: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lichen.errors import ConfigError
-from lichen.config.checks import check_data_file, check_int_at_least
+from lichen.config.checks import check_data_file, check_int_at_least, model_positions
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +42,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rollout-seed", type=int, default=42, help="seed of the prompt shuffle")
     g.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        help="most tokens one sample holds, prompt + response: each sample may generate min("
+        "--rollout-max-response-len, this - prompt tokens) on every engine (default: the model's "
+        "max_position_embeddings - 1, the most an engine serving the model's full context accepts)",
+    )
+    g.add_argument(
         "--rollout-max-prompt-len",
         type=int,
         default=None,
-        help="drop prompts longer than this many tokens when loading (default: keep all)",
+        help="drop prompts longer than this many tokens when loading, with a count in the log (default: "
+        "--rollout-max-context-len - 1, so every kept prompt has room for at least one response token)",
+    )
+    g.add_argument(
+        "--skip-bad-rows",
+        action="store_true",
+        help="skip data rows that cannot be used (no or empty prompt, malformed JSON, bad metadata), logging each "
+        "and their count (default: off, the first bad row stops the run before it starts, naming FILE:LINE)",
     )
 
 
@@ -58,6 +73,35 @@ def check(args: argparse.Namespace) -> None:
             )
     else:
         check_data_file(args.prompt_data, "--prompt-data")
-    check_int_at_least(args, "rollout_max_prompt_len", 1)
+    _resolve_context(args)
     if not args.input_key:
         raise ConfigError("--input-key: must not be empty; give the row key that holds the prompt")
+
+
+def _resolve_context(args: argparse.Namespace) -> None:
+    """--rollout-max-context-len and --rollout-max-prompt-len (slime's rule: prompt <= context - 1).
+
+    SGLang (and lichen serve) refuse a request whose prompt + max_new_tokens reaches the engine's context length
+    C, so a sample of the model's C = max_position_embeddings positions holds at most C - 1 tokens; that is the
+    default and the ceiling, which keeps the in-process engine, lichen serve and SGLang on the same budget.
+    """
+    positions = model_positions(args.hf_checkpoint)
+    ceiling = positions - 1
+    if args.rollout_max_context_len is None:
+        args.rollout_max_context_len = ceiling
+    check_int_at_least(args, "rollout_max_context_len", 2, " (a prompt token and a response token)")
+    if args.rollout_max_context_len > ceiling:
+        raise ConfigError(
+            f"--rollout-max-context-len {args.rollout_max_context_len}: the model ({args.hf_checkpoint}) has "
+            f"{positions} positions and an engine serving them accepts prompt + response < {positions} tokens; "
+            f"use at most {ceiling}"
+        )
+    if args.rollout_max_prompt_len is None:
+        args.rollout_max_prompt_len = args.rollout_max_context_len - 1
+    check_int_at_least(args, "rollout_max_prompt_len", 1)
+    if args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
+        raise ConfigError(
+            f"--rollout-max-prompt-len {args.rollout_max_prompt_len} leaves no room for a response under "
+            f"--rollout-max-context-len {args.rollout_max_context_len}; use at most "
+            f"{args.rollout_max_context_len - 1}"
+        )

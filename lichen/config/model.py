@@ -11,6 +11,7 @@ from lichen.errors import ConfigError, NotAvailableYet
 from lichen.config.checks import check_hf_dir, check_int_at_least
 
 ENV_VARS_EXAMPLE = '{"OMP_NUM_THREADS": "2"}'
+SEED_MAX = 2**32 - 1
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
@@ -101,6 +102,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_cuda() -> None:
+    """--device cuda where torch sees no CUDA device fails now, not when the trainer first touches the device."""
+    import torch  # only for --device cuda: the dry run of other configurations stays free of torch
+
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"--device cuda: {why}; use --device cpu (or auto, which picks cuda when there is one)")
+
+
 def parse_env_vars(text: str | dict) -> dict[str, str]:
     """`--train-env-vars` JSON text -> dict[str, str]; anything but a JSON object of strings is a ConfigError."""
     expected = f"expected a JSON object of string values, e.g. '{ENV_VARS_EXAMPLE}'"
@@ -153,6 +163,13 @@ def check(args: argparse.Namespace) -> None:
     if args.ref_load is not None:
         check_hf_dir(args.ref_load, "--ref-load")
     check_int_at_least(args, "num_threads", 1)
+    if not 0 <= args.seed <= SEED_MAX:
+        raise ConfigError(
+            f"--seed {args.seed}: must be in [0, {SEED_MAX}] (2**32 - 1), the range numpy and SGLang's --random-seed "
+            "take"
+        )
+    if args.device == "cuda":
+        _check_cuda()
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     elif os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):

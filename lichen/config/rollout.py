@@ -14,7 +14,7 @@ import difflib
 import re
 
 from lichen.errors import ConfigError, NotAvailableYet
-from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
+from lichen.config.checks import check_dotted_path, check_float, check_int_at_least, model_config_value
 
 SGLANG_PREFIX = "--sglang-"
 SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port")
@@ -214,9 +214,12 @@ def check(args: argparse.Namespace) -> None:
     check_float(args, "rollout_top_p", low=0.0, high=1.0, low_open=True)
     if args.rollout_top_k != -1 and args.rollout_top_k < 1:
         raise ConfigError(f"--rollout-top-k {args.rollout_top_k}: must be -1 (no top-k) or >= 1")
+    vocab = model_config_value(args.hf_checkpoint, "vocab_size") if args.hf_checkpoint else None
     for token_id in args.rollout_stop_token_ids or []:
-        if token_id < 0:
-            raise ConfigError(f"--rollout-stop-token-ids: {token_id} is not a token id (must be >= 0)")
+        if token_id < 0 or (vocab is not None and token_id >= vocab):
+            where = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ConfigError(f"--rollout-stop-token-ids: {token_id} is not a token id of the model (must be in "
+                              f"{where}); the model could never generate it, so it would never stop a response")
     check_int_at_least(args, "sglang_server_concurrency", 1)
     check_int_at_least(args, "rollout_max_batch_size", 1)
     if args.rollout_external_engine_addrs is not None and args.rollout_max_batch_size is not None:

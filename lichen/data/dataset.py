@@ -8,17 +8,25 @@ accepted, since Parquet files often store it that way).
 The slice suffix follows Python slice semantics over data rows (blank lines in a JSONL file are not rows):
 `data.jsonl@[:100]` is the first 100 rows, `data.jsonl@[-50:]` the last 50, `data.parquet@[10:-10]` all but
 ten at each end. Only the selected rows are parsed, so a malformed line outside the slice is not reported.
+
+Every selected row is checked when the file loads, before any model loads (a bad row found mid-run would
+kill the run at that step, and again on every resume): a line that is not UTF-8 or not a JSON object, a
+missing or empty prompt, bad metadata or tools. The first bad row is a DataError naming FILE:LINE (exit 2);
+with `skip_bad_rows` (--skip-bad-rows) each bad row is logged and left out, and their count is logged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from lichen.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 _SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<body>[^\]]*)\]$")
 _JSONL_EXTS = (".jsonl", ".json")
@@ -74,8 +82,10 @@ def load_prompt_dataset(
     metadata_key: str | None = "metadata",
     tool_key: str | None = None,
     flag: str = "--prompt-data",
+    skip_bad_rows: bool = False,
 ) -> list[PromptRecord]:
-    """Read the prompt rows of `spec` (`.jsonl`/`.json` lines or `.parquet`, optional `@[a:b]`) into records."""
+    """Read the prompt rows of `spec` (`.jsonl`/`.json` lines or `.parquet`, optional `@[a:b]`) into records;
+    a bad row raises DataError naming it, or with `skip_bad_rows` is logged and left out."""
     path, row_slice = parse_spec(spec, flag)
     if not os.path.exists(path):
         raise DataError(f"{flag} {path}: file not found; check the path (relative paths start at {os.getcwd()})")
@@ -96,7 +106,32 @@ def load_prompt_dataset(
         where = f" after slicing [{_fmt_slice(row_slice)}]" if row_slice is not None else ""
         raise DataError(f"{flag} {spec}: no prompt rows{where}; the data set must hold at least one prompt")
     keys = _Keys(input_key, label_key, metadata_key, tool_key)
-    return [_to_record(row, line, path, keys) for line, row in rows]
+    records, bad = [], 0
+    for line, row in rows:
+        try:
+            if isinstance(row, DataError):
+                raise row
+            records.append(_to_record(row, line, path, keys))
+        except DataError as e:
+            if not skip_bad_rows:
+                raise DataError(f"{e}{bad_row_hint(flag)}") from None
+            bad += 1
+            logger.warning("%s: skipping bad row: %s", flag, e)
+    if bad:
+        logger.warning("%s %s: skipped %d bad row(s) of %d (--skip-bad-rows)", flag, spec, bad, len(rows))
+    if not records:
+        raise DataError(f"{flag} {spec}: all {len(rows)} rows are bad (--skip-bad-rows left none); see the log")
+    return records
+
+
+def bad_row_hint(flag: str) -> str:
+    """What to do about a bad row; --skip-bad-rows applies to --prompt-data only (eval data stays strict)."""
+    return "; fix the row, or pass --skip-bad-rows to leave bad rows out" if flag == "--prompt-data" else ""
+
+
+def row_where(path: str, line: int) -> str:
+    """How a row is named in messages: FILE:LINE for JSON Lines, FILE row N for Parquet."""
+    return f"{path}:{line}" if path.lower().endswith(_JSONL_EXTS) else f"{path} row {line}"
 
 
 @dataclass
@@ -113,28 +148,35 @@ def _fmt_slice(s: slice | None) -> str:
     return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
 
 
-def _read_jsonl(path: str, row_slice: slice | None) -> list[tuple[int, dict]]:
-    """(1-based line number, parsed object) for each selected non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        lines = [(i + 1, text) for i, text in enumerate(f) if text.strip()]
+def _read_jsonl(path: str, row_slice: slice | None) -> list[tuple[int, dict | DataError]]:
+    """(1-based line number, parsed object or the DataError that line is) for each selected non-blank line."""
+    # bytes, decoded line by line: one line that is not UTF-8 is a bad row, not a UnicodeDecodeError traceback
+    with open(path, "rb") as f:
+        lines = [(i + 1, raw) for i, raw in enumerate(f) if raw.strip()]
     if row_slice is not None:
         lines = lines[row_slice]
-    rows = []
-    for lineno, text in lines:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            hint = ""
-            if lineno == 1 and text.lstrip().startswith("["):
-                hint = "; the file looks like one JSON array, but lichen reads JSON Lines (one object per line)"
-            raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno}){hint}") from None
-        if not isinstance(obj, dict):
-            raise DataError(
-                f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}; each line must be "
-                f'like {{"prompt": ..., "label": ...}}'
-            )
-        rows.append((lineno, obj))
-    return rows
+    return [(lineno, _parse_line(path, lineno, raw)) for lineno, raw in lines]
+
+
+def _parse_line(path: str, lineno: int, raw: bytes) -> dict | DataError:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                         "line); save the file as UTF-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = ""
+        if lineno == 1 and text.lstrip().startswith("["):
+            hint = "; the file looks like one JSON array, but lichen reads JSON Lines (one object per line)"
+        return DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno}){hint}")
+    if not isinstance(obj, dict):
+        return DataError(
+            f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}; each line must be "
+            f'like {{"prompt": ..., "label": ...}}'
+        )
+    return obj
 
 
 def _read_parquet(path: str, row_slice: slice | None, flag: str) -> list[tuple[int, dict]]:
@@ -151,12 +193,8 @@ def _read_parquet(path: str, row_slice: slice | None, flag: str) -> list[tuple[i
     return [(start + i + 1, row) for i, row in enumerate(table.to_pylist())]
 
 
-def _where(path: str, line: int) -> str:
-    return f"{path}:{line}" if path.lower().endswith(_JSONL_EXTS) else f"{path} row {line}"
-
-
 def _to_record(row: dict, line: int, path: str, keys: _Keys) -> PromptRecord:
-    where = _where(path, line)
+    where = row_where(path, line)
     if keys.input not in row or row[keys.input] is None:
         present = ", ".join(repr(k) for k in row) or "(none)"
         raise DataError(
@@ -197,6 +235,8 @@ def _check_object(value: Any, where: str, key: str, what: str) -> dict:
 def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
     """A prompt is a string or a non-empty list of {role: str, content: str | list | None} messages."""
     if isinstance(value, str):
+        if not value:  # an engine refuses an empty prompt ("input_ids cannot be empty")
+            raise DataError(f"{where}: the prompt under key {key!r} is an empty string")
         return value
     if not isinstance(value, list):
         raise DataError(

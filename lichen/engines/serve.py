@@ -72,6 +72,30 @@ def check_args(args: argparse.Namespace) -> None:
     if not os.path.isdir(args.model):
         raise ConfigError(f"--model {args.model!r}: no such directory; pass a Hugging Face checkpoint directory "
                           "(`lichen make-tiny-model DIR` writes a small one)")
+    check_model_limits(args)
+
+
+def check_model_limits(args: argparse.Namespace) -> None:
+    """--context-length within the model's positions (beyond them the model was never trained and RoPE tables
+    end), and a health-check timeout (flag or $SGLANG_HEALTH_CHECK_TIMEOUT) that is a positive number."""
+    import math
+
+    from lichen.config.checks import model_positions
+
+    positions = model_positions(args.model)
+    if args.context_length is not None and args.context_length > positions:
+        raise ConfigError(f"--context-length {args.context_length} is above the {positions} positions of the model "
+                          f"({args.model}/config.json max_position_embeddings); use at most {positions}")
+    timeout, source = args.health_check_timeout, "--health-check-timeout"
+    if timeout is None and os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") is not None:
+        source = "$SGLANG_HEALTH_CHECK_TIMEOUT"
+        try:
+            timeout = float(os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"])
+        except ValueError:
+            timeout = float("nan")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        shown = os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") if source[0] == "$" else timeout
+        raise ConfigError(f"{source} {shown}: must be a positive number of seconds")
 
 
 def resolve_device(name: str):

@@ -181,6 +181,8 @@ def run_custom_generate(fn: Callable[..., Awaitable], args: Any, samples: list[S
 def build_custom_samples(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
                          max_new_tokens: int, seed_key: int) -> list[list[Sample]]:
     """The default rollout's `build_samples` with the custom generate function making each sample."""
+    from lichen.rollout.generate import response_budget
+
     fn = load_custom_generate(args.custom_generate_function_path)
     samples, params = [], []
     for pos, (data_index, record) in enumerate(prompts):
@@ -190,7 +192,8 @@ def build_custom_samples(args, manager, prompts, *, n: int, temperature: float, 
                                   status=Status.PENDING,
                                   metadata={**(record.metadata or {}), "prompt_index": data_index},
                                   group_index=pos, index=pos * n + j))
-            params.append({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            budget = response_budget(args, len(ids), max_new_tokens)  # the same per-sample budget as build_samples
+            params.append({"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
                            "top_k": top_k, "stop_token_ids": list(args.rollout_stop_token_ids or []),
                            "sampling_seed": derive_seed(args.seed, seed_key, pos, j)})
     outputs = run_custom_generate(fn, args, samples, params, engine=manager.engine, tokenizer=manager.tokenizer)

@@ -55,6 +55,14 @@ log = get_logger(__name__)
 SEED_ROUND_STRIDE = 1000
 
 
+def response_budget(args, num_tokens: int, max_new_tokens: int) -> int:
+    """Tokens a sample holding `num_tokens` may still generate: min(max_new_tokens, --rollout-max-context-len -
+    num_tokens), slime's rule. The request carries it, so the in-process engine, lichen serve and SGLang all
+    generate within the same budget; prompts with no room were dropped when the data loaded (lichen.data.fit)."""
+    context = getattr(args, "rollout_max_context_len", None)  # None: args built by hand, without validation
+    return max_new_tokens if context is None else min(max_new_tokens, context - num_tokens)
+
+
 def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
                   max_new_tokens: int, seed_key: int) -> list[list[Sample]]:
     """Generate `n` samples for each prompt; a sample's seed is derive_seed(--seed, seed_key, prompt pos, j)."""
@@ -83,7 +91,7 @@ def sample_requests(args, manager, prompts, *, n: int, temperature: float, top_p
             requests.append(
                 GenRequest(
                     input_ids=ids,
-                    max_new_tokens=max_new_tokens,
+                    max_new_tokens=response_budget(args, len(ids), max_new_tokens),
                     temperature=temperature,
                     top_p=top_p,
                     top_k=top_k,

@@ -117,7 +117,9 @@ def continuation_request(args: Any, sample: Sample, *, seed: int) -> GenRequest 
     A sample whose response already fills --rollout-max-response-len is marked truncated instead."""
     if not is_unfinished(sample):
         return None
-    budget = args.rollout_max_response_len - sample.response_length
+    from lichen.rollout.generate import response_budget
+
+    budget = response_budget(args, len(sample.tokens), args.rollout_max_response_len - sample.response_length)
     if budget <= 0:
         sample.status = Status.TRUNCATED
         return None
