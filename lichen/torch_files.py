@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import os
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -38,15 +39,28 @@ def load_plain(path: str, what: str) -> Any:
     except FileNotFoundError:
         raise UnreadableFile(f"{what} {path}: no such file") from None
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "weights only load failed" in first.lower():
+        detail = _unpickler_detail(str(e))
+        culprit = re.search(r"Unsupported global: GLOBAL (\S+)", detail)
+        if culprit:
             raise UnreadableFile(
-                f"{what} {path}: refused: it holds objects other than tensors and plain data, which could run code "
-                "when loaded (was it written by this version of lichen?)") from None
-        raise UnreadableFile(f"{what} {path}: damaged ({first})") from None
-    except (EOFError, RuntimeError, ValueError, OSError) as e:
+                f"{what} {path}: refused: it names {culprit.group(1)}, which loading would call; lichen's .pt files "
+                "hold tensors and plain data only (damaged, written by something else, or crafted to run code)"
+            ) from None
+        raise UnreadableFile(f"{what} {path}: damaged or not a torch file ({detail})") from None
+    except EOFError:
+        raise UnreadableFile(f"{what} {path}: damaged: it ends early (empty or truncated)") from None
+    except (RuntimeError, ValueError, OSError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UnreadableFile(f"{what} {path}: damaged or not a torch file ({type(e).__name__}: {first})") from None
+
+
+def _unpickler_detail(message: str) -> str:
+    """The cause torch's weights-only unpickler reports, without the advice around it (to load it unsafely)."""
+    if "WeightsUnpickler error:" in message:
+        cause = message.split("WeightsUnpickler error:", 1)[1].strip().splitlines()
+        if cause:
+            return cause[0].split(" was not an allowed")[0].strip()
+    return "unreadable pickle"
 
 
 def save_plain(obj: Any, path: str) -> None:

@@ -207,7 +207,7 @@ def test_pickle_payload_in_trainer_state_never_runs(tiny_ckpt, addition_data, tm
     assert main(resume_argv(tiny_ckpt, addition_data, tmp_path, copy)) == 2
     err = capsys.readouterr().err
     assert not os.path.exists(marker)
-    assert ("refused" if reseal else "iter_0000001/trainer_state.pt: truncated or overwritten") in err
+    assert ("refused: it names exec" if reseal else "iter_0000001/trainer_state.pt: truncated or overwritten") in err
     assert "Traceback" not in err
 
 
@@ -294,3 +294,17 @@ def test_a_crashed_save_leaves_no_manifest(copy):
     ckpt.save_rollout_state(copy, 1, {"source": {}})  # the save of rollout 1 starts again, then "crashes"
     assert not os.path.exists(os.path.join(ckpt.iter_dir(copy, 1), MANIFEST))
     assert ckpt.find_latest(copy) == 0
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "ends early"),
+    (b"PK\x03\x04" + b"\0" * 40, "damaged or not a torch file (RuntimeError"),
+    (b'{"a": 1}', "damaged or not a torch file (Unsupported operand"),
+], ids=["empty", "broken zip", "json"])
+def test_load_plain_names_the_damage(tmp_path, content, message):
+    from lichen.torch_files import UnreadableFile, load_plain
+
+    (tmp_path / "x.pt").write_bytes(content)
+    with pytest.raises(UnreadableFile) as e:
+        load_plain(str(tmp_path / "x.pt"), "state")
+    assert str(e.value).startswith(f"state {tmp_path / 'x.pt'}: ") and message in str(e.value)
