@@ -178,3 +178,23 @@ def test_planted_keys_appear_in_no_output_of_a_run(tiny_ckpt, addition_data, tmp
         assert not leaks, f"the {name} key leaked into {leaks}"
     config = json.loads((out / "config.json").read_text())
     assert config["wandb_key"] == REDACTED and config["train_env_vars"] == {"HF_TOKEN": REDACTED}
+
+
+def test_remote_rm_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from lichen.rewards.remote import RM_KEY_ENV, RemoteRM, rm_api_key
+
+    monkeypatch.delenv(RM_KEY_ENV, raising=False)
+    assert rm_api_key(None) is None
+    monkeypatch.setenv(RM_KEY_ENV, "rm-env-key-0007")
+    assert rm_api_key(None) == "rm-env-key-0007"
+    key_file = tmp_path / "rm.key"
+    key_file.write_text("rm-file-key-0008\n")
+    key_file.chmod(0o600)
+    assert rm_api_key(str(key_file)) == "rm-file-key-0008"
+    forget_secrets()
+    try:
+        rm = RemoteRM("http://127.0.0.1:9/score", api_key="rm-file-key-0008")
+        assert rm._headers == {"Authorization": "Bearer rm-file-key-0008"}
+        assert redact_text("echo: rm-file-key-0008") == f"echo: {REDACTED}"  # registered once read
+    finally:
+        forget_secrets()
