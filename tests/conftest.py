@@ -53,7 +53,9 @@ def pair(tiny_ckpt, tmp_path_factory):
     from lichen.engines.launcher import EngineLauncher
     from lichen.engines.remote import RemoteEngines
 
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=["--num-threads", "1"],
+    tmp = str(tmp_path_factory.getbasetemp())  # the tests' weight dirs and local copies are all below it
+    launcher = EngineLauncher(tiny_ckpt, 2, server_args=["--num-threads", "1", "--weight-dir", tmp,
+                                                         "--local-checkpoint-dir", tmp],
                               log_dir=str(tmp_path_factory.mktemp("logs")))
     engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=4)
     yield engines

@@ -156,7 +156,7 @@ def test_server_engine_flags(tiny_ckpt, addition_data, tmp_path):
     assert need["/update_weights_from_disk"] == "--update-weight-transport disk"
     assert need["/release_memory_occupation"] == "--offload-rollout"
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-external-engine-addrs", "127.0.0.1:30000",
-           "http://h:1", "--rollout-external-engine-api-key", "k", *disk)
+           "http://h:1", "--rollout-external-engine-api-key-file", "k.key", *disk)
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--debug-rollout-only")  # no sync
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2")  # nccl (gloo on CPU), the default
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--update-weight-mode", "delta", *disk,
@@ -167,7 +167,7 @@ def test_server_engine_flags(tiny_ckpt, addition_data, tmp_path):
          "exclude each other"),
         (["--rollout-external-engine-addrs", "nohostport", *disk], ConfigError, "expected HOST:PORT"),
         (["--rollout-external-engine-addrs", "h:1", "h:1", *disk], ConfigError, "given twice"),
-        (["--rollout-external-engine-api-key", "k"], ConfigError, "only used with --rollout-external-engine-addrs"),
+        (["--rollout-external-engine-api-key-file", "k"], ConfigError, "only used with --rollout-external-engine-addrs"),
         (["--rollout-external-engine-addrs", "h:1", "--rollout-max-batch-size", "4", *disk], ConfigError,
          "--rollout-max-batch-size"),
         ([*disk], ConfigError, "--update-weight-transport applies to server engines"),

@@ -1,6 +1,7 @@
 """`lichen serve` off loopback: it refuses to start without --api-key, and with one it checks keys as SGLang does
 (sglang-api.md §1.2): health endpoints open, 401 otherwise; an admin key guards the control endpoints."""
 
+import os
 import subprocess
 import sys
 
@@ -56,3 +57,66 @@ def test_control_endpoints_take_only_the_admin_key(server):
     assert call(server.url + "/abort_request", body, headers=bearer(ADMIN))[0] == 200
     assert call(server.url + "/flush_cache", headers=bearer(KEY))[0] == 401
     assert call(server.url + "/flush_cache", headers=bearer(ADMIN))[0] == 200
+
+
+def test_either_header_may_carry_the_key(server):
+    # a client that sends a stale Bearer and the right x-api-key (or the other way round) is let in, as SGLang
+    assert call(server.url + "/generate", GEN, headers={**bearer("wrong"), "x-api-key": KEY})[0] == 200
+    assert call(server.url + "/generate", GEN, headers={**bearer(KEY), "x-api-key": "wrong"})[0] == 200
+    assert call(server.url + "/abort_request", {"abort_all": True},
+                headers={**bearer(KEY), "x-api-key": ADMIN})[0] == 200
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def test_keys_from_a_file_or_the_environment_stay_off_the_command_line(tiny_ckpt, tmp_path):
+    loose = tmp_path / "loose.key"
+    loose.write_text(KEY + "\n")
+    os.chmod(loose, 0o644)
+    r = subprocess.run([sys.executable, "-m", "lichen.cli", "serve", "--model", tiny_ckpt, "--port", "0",
+                        "--api-key-file", str(loose)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "chmod 600" in r.stderr and "Traceback" not in r.stderr
+    assert KEY not in r.stderr
+    key_file = tmp_path / "api.key"
+    key_file.write_text(KEY + "\n")
+    os.chmod(key_file, 0o600)
+    proc = launch(tiny_ckpt, "--host", "0.0.0.0", "--api-key-file", str(key_file), "--num-threads", "1",
+                  env={"LICHEN_ADMIN_API_KEY": ADMIN}, log_path=str(tmp_path / "serve.log"))
+    try:
+        assert KEY not in _cmdline(proc.proc.pid) and ADMIN not in _cmdline(proc.proc.pid)
+        assert call(proc.url + "/generate", GEN)[0] == 401
+        assert call(proc.url + "/generate", GEN, headers=bearer(KEY))[0] == 200
+        assert call(proc.url + "/flush_cache", headers=bearer(KEY))[0] == 401
+        assert call(proc.url + "/flush_cache", headers=bearer(ADMIN))[0] == 200
+    finally:
+        proc.stop()
+    assert KEY not in (tmp_path / "serve.log").read_text()
+
+
+def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
+    from lichen.engines.launcher import EngineLauncher
+    from lichen.engines.remote import RemoteEngines
+    from lichen.engines.engine import GenRequest
+
+    launcher = EngineLauncher(tiny_ckpt, 1, server_args=["--num-threads", "1"], log_dir=str(tmp_path))
+    other = EngineLauncher(tiny_ckpt, 1)
+    assert launcher.api_key and launcher.admin_api_key and launcher.api_key != other.api_key
+    engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=2)
+    try:
+        url, pid = launcher.urls[0], launcher.pids[0]
+        assert call(url + "/generate", GEN)[0] == 401  # any local user without the key
+        assert call(url + "/pull_weights", {"local_checkpoint_dir": "/x", "source_dir": "/y",
+                                            "target_version": 0})[0] == 401
+        assert call(url + "/flush_cache", headers=bearer(launcher.api_key))[0] == 401  # user key: no admin paths
+        for key in (launcher.api_key, launcher.admin_api_key):
+            assert key not in _cmdline(pid)
+        out = engines.generate([GenRequest([5, 6], 2, seed=3, ignore_eos=True)])  # the run's client sends the keys
+        assert len(out[0].output_ids) == 2
+        engines.flush_cache()
+    finally:
+        engines.close()
+    for name in os.listdir(tmp_path):
+        assert launcher.api_key not in (tmp_path / name).read_text(errors="replace")

@@ -21,8 +21,8 @@ T = 0.7
 def both(tiny_ckpt, tmp_path_factory):
     """The server process (one for the module) and the same checkpoint loaded here; they load concurrently."""
     log = str(tmp_path_factory.mktemp("serve_log") / "serve.log")
-    proc = launch(tiny_ckpt, "--num-threads", "1", "--health-check-timeout", "0.5", "--weight-version", "0",
-                  log_path=log, wait=False)
+    proc = launch(tiny_ckpt, "--num-threads", "1", "--health-check-timeout", "3", "--weight-version", "0",
+                  "--weight-dir", str(tmp_path_factory.getbasetemp()), log_path=log, wait=False)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -18,7 +18,7 @@ import xxhash
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine
 from lichen.engines.remote import RemoteEngines
-from lichen.engines.server_process import call
+from lichen.engines.server_process import call as plain_call
 from lichen.models import load_model
 from lichen.sync.delta import DeltaSync
 from lichen.sync.disk import FullDiskSync
@@ -28,6 +28,18 @@ from lichen.weights import VersionMismatchError, apply_delta_to_checkpoint, list
 from lichen.weights.hf_io import load_hf_state_dict
 
 F32 = torch.float32
+_ADMIN: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _admin_key(request):
+    """The pair's engines are keyed by their launcher; direct calls here carry its admin key."""
+    if "pair" in request.fixturenames:
+        _ADMIN["key"] = request.getfixturevalue("pair").launcher.admin_api_key
+
+
+def call(url: str, body=None, **kwargs):
+    return plain_call(url, body, headers={"Authorization": f"Bearer {_ADMIN['key']}"}, **kwargs)
 
 
 def step(state: dict[str, torch.Tensor], seed: int, fraction: float = 0.02) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.launcher import EngineLauncher
 
 from test_loop_invariants import base_args, run
@@ -22,9 +23,20 @@ THREADS = ["--num-threads", "1"]
 
 @pytest.fixture(scope="module")
 def addrs(tiny_ckpt, tmp_path_factory):
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=THREADS, log_dir=str(tmp_path_factory.mktemp("logs")))
+    tmp = str(tmp_path_factory.getbasetemp())  # the runs' weight dirs are below it
+    launcher = EngineLauncher(tiny_ckpt, 2, server_args=[*THREADS, "--weight-dir", tmp, "--local-checkpoint-dir", tmp],
+                              log_dir=str(tmp_path_factory.mktemp("logs")))
     urls = launcher.start()
+    # the runs use them as external engines: their keys go through the environment, as a user's would
+    keys = {ENGINE_KEY_ENV: launcher.api_key, ENGINE_ADMIN_KEY_ENV: launcher.admin_api_key}
+    before = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
     yield [u.replace("http://", "") for u in urls]
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     launcher.stop()
 
 

@@ -10,6 +10,9 @@ from lichen.errors import ConfigError
 
 REMOVED_FLAGS: dict[str, str] = {
     "--train-memory-margin-bytes": "was removed: the memory saver's own default margin is used now; drop this flag",
+    "--rollout-external-engine-api-key": "was removed: a key on the command line is visible to every local user in "
+    "`ps`; put it in a file (chmod 600) given with --rollout-external-engine-api-key-file, or in "
+    "$LICHEN_ENGINE_API_KEY",
 }
 
 

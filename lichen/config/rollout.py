@@ -93,11 +93,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(needs --update-weight-transport disk for now, with a directory the servers can read; default: none)",
     )
     g.add_argument(
-        "--rollout-external-engine-api-key",
-        metavar="KEY",
+        "--rollout-external-engine-api-key-file",
+        metavar="FILE",
         default=None,
-        help="API key of the --rollout-external-engine-addrs servers, sent as 'Authorization: Bearer KEY' "
-        "(default: none)",
+        help="file holding the API key of the --rollout-external-engine-addrs servers (chmod 600), sent as "
+        "'Authorization: Bearer KEY' (default: $LICHEN_ENGINE_API_KEY, else none); engines lichen launches get a "
+        "fresh random key per run",
+    )
+    g.add_argument(
+        "--rollout-external-engine-admin-api-key-file",
+        metavar="FILE",
+        default=None,
+        help="file holding those servers' admin key (their --admin-api-key), sent on the control endpoints "
+        "(default: $LICHEN_ENGINE_ADMIN_API_KEY, else the API key)",
     )
     g.add_argument(
         "--sglang-server-concurrency",
@@ -253,7 +261,7 @@ _ADDR = re.compile(r"^(https?://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})
 
 
 def _check_server_engines(args: argparse.Namespace) -> None:
-    """--rollout-num-engines / --rollout-external-engine-addrs / --rollout-external-engine-api-key."""
+    """--rollout-num-engines / --rollout-external-engine-addrs / their key files."""
     num, addrs = args.rollout_num_engines, args.rollout_external_engine_addrs
     if num is not None and addrs is not None:
         raise ConfigError(
@@ -272,11 +280,13 @@ def _check_server_engines(args: argparse.Namespace) -> None:
         raise ConfigError("--rollout-external-engine-addrs: an address is given twice; list each server once")
     if addrs is not None and not addrs:
         raise ConfigError("--rollout-external-engine-addrs needs at least one HOST:PORT")
-    if getattr(args, "rollout_external_engine_api_key", None) is not None and addrs is None:
-        raise ConfigError(
-            "--rollout-external-engine-api-key is only used with --rollout-external-engine-addrs (launched "
-            "servers bind 127.0.0.1 without a key); add the addresses or drop the key"
-        )
+    for dest in ("rollout_external_engine_api_key_file", "rollout_external_engine_admin_api_key_file"):
+        if getattr(args, dest, None) is not None and addrs is None:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is only used with --rollout-external-engine-addrs (launched servers get a fresh random "
+                "key per run); add the addresses or drop the key file"
+            )
 
 
 def _check_sglang_launch(args: argparse.Namespace) -> None:

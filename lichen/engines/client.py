@@ -2,8 +2,12 @@
 
 One `EngineClient` per server. It caps the `/generate` requests it has in flight (`--sglang-server-concurrency`;
 more wait for a slot), retries a request whose connection failed (refused, reset, dropped before an answer:
-`max_retries` more attempts, `retry_delay` s apart) and sends `Authorization: Bearer KEY` when given a key
-(SGLang and lichen serve accept it on every endpoint that needs one).
+`max_retries` more attempts, `retry_delay` s apart) and sends `Authorization: Bearer KEY` when given a key: the
+admin key on the control endpoints when it has one (lichen.engines.auth), else the API key.
+
+A server whose queue is full answers 503 with `Retry-After` (lichen serve's --max-queued-sequences / -tokens):
+that request was not taken, so it is sent again after a growing pause (0.25 s doubling to 5 s) for up to
+`overload_timeout` s, without using up `max_retries`.
 
 A retried `/generate` carries the same `sampling_seed`, so it draws the same tokens as the lost attempt would
 have (sglang-api.md §2.2; lichen serve always honours the seed, SGLang with deterministic inference).
@@ -21,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from lichen.engines.auth import key_for_path
 from lichen.engines.engine import GenRequest, GenResult
 
 # Statuses a proxy or a starting / overloaded server answers with; the request never ran, so it is retried.
@@ -114,12 +119,15 @@ class EngineClient:
     the router balances on it. `attempts` counts HTTP attempts made (retries included).
     """
 
-    def __init__(self, url: str, *, api_key: str | None = None, concurrency: int = 512, max_retries: int = 3,
-                 retry_delay: float = 0.5, connect_timeout: float = 10.0, request_timeout: float | None = None):
+    def __init__(self, url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
+                 concurrency: int = 512, max_retries: int = 3, retry_delay: float = 0.5,
+                 connect_timeout: float = 10.0, request_timeout: float | None = None,
+                 overload_timeout: float = 600.0):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.url = normalize_url(url)
-        self.api_key = api_key
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.overload_timeout = overload_timeout
         self.concurrency = concurrency
         self.max_retries = max_retries
         self.retry_delay = retry_delay
@@ -130,15 +138,14 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the keys
         return f"EngineClient({self.url!r}, outstanding={self.outstanding})"
 
     def _ensure(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             # Connections beyond the /generate cap are for control calls made while generation runs.
             connector = aiohttp.TCPConnector(limit=self.concurrency + 16, force_close=False)
-            self._session = aiohttp.ClientSession(headers=headers, connector=connector, timeout=self.timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
             self._slots = asyncio.Semaphore(self.concurrency)
         return self._session
 
@@ -153,26 +160,40 @@ class EngineClient:
         when the body is not JSON, or None when it is empty). Raises EngineUnavailable when every attempt
         failed to connect."""
         session = self._ensure()
-        kwargs: dict[str, Any] = {"params": params}
+        headers: dict[str, str] = {}
+        key = key_for_path(path, self.api_key, self.admin_api_key)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        kwargs: dict[str, Any] = {"params": params, "headers": headers}
         if body is not None:
             kwargs["data"] = json.dumps(body)
-            kwargs["headers"] = {"Content-Type": "application/json"}
+            headers["Content-Type"] = "application/json"
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.timeout.sock_connect)
         tries = 1 + (self.max_retries if retry else 0)
         last: BaseException | None = None
-        for attempt in range(tries):
+        attempt, pause, busy_until = 0, 0.25, None
+        while attempt < tries:
             if attempt:
                 await asyncio.sleep(self.retry_delay)
             self.attempts += 1
             try:
                 async with session.request(method, self.url + path, **kwargs) as resp:
                     raw = await resp.read()
-                    status = resp.status
+                    status, busy = resp.status, resp.headers.get("Retry-After") is not None
             except CONNECTION_ERRORS as e:
                 last = e
+                attempt += 1
                 continue
-            if status in RETRY_STATUSES and attempt + 1 < tries:
+            if status == 503 and busy and retry:  # queue full: the request was not taken; back off, send again
+                loop = asyncio.get_running_loop()
+                busy_until = busy_until or loop.time() + self.overload_timeout
+                if loop.time() + pause <= busy_until:
+                    await asyncio.sleep(pause)
+                    pause = min(5.0, pause * 2)
+                    continue
+            attempt += 1
+            if status in RETRY_STATUSES and attempt < tries:
                 continue
             return status, _decode(raw)
         raise EngineUnavailable(f"{self.url}{path}: no answer after {tries} attempt(s) "

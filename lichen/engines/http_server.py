@@ -9,7 +9,6 @@ scheduler until `/continue_generation`; `/abort_request` still answers it at onc
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -20,22 +19,20 @@ from aiohttp import web
 
 from lichen import __version__
 from lichen.engines import openai_api, weight_endpoints
+from lichen.engines.auth import key_for_path, request_has_key
 from lichen.engines.engine import Engine
+from lichen.engines.limits import Limits, Overloaded, free_memory_bytes, job_tokens, torch_itemsize
 from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputOptions, RequestError, Sampling,
                                      abort_status, error_body, expect, generate_output, loads, make_job,
                                      parse_generate)
+from lichen.engines.weight_paths import WeightDirs
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
 
-# SGLang's ADMIN_OPTIONAL endpoints: an --admin-api-key, when set, is required here (and the plain key is not
-# accepted); otherwise the --api-key is. Paths under /health, /ready and /metrics need no key at all.
-ADMIN_PATHS = frozenset({
-    "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
-    "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name",
-}) | weight_endpoints.ADMIN_PATHS
-OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+# Generation: a client that goes away aborts its request (and frees its rid); every other call runs to its end.
+CANCELLABLE_PATHS = frozenset({"/generate", "/health_generate", "/v1/completions", "/v1/chat/completions"})
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
             "requests, the operation will not be performed.)\n")
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
@@ -49,18 +46,22 @@ class LichenServer:
     def __init__(self, engine: Engine, tokenizer: Any, *, model_path: str, served_model_name: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  admin_api_key: str | None = None, max_running: int = 256, context_length: int | None = None,
-                 health_timeout: float = 20.0, architectures: list[str] | None = None):
+                 health_timeout: float = 20.0, architectures: list[str] | None = None,
+                 limits: Limits | None = None, weight_dirs: WeightDirs | None = None):
         cfg = engine.model.cfg
         tokenizer = LockedTokenizer(tokenizer)
         self.engine = engine
         self.model_path = self.tokenizer_path = model_path
         self.served_model_name = served_model_name or model_path
+        self.limits = limits or Limits()
+        self.weight_dirs = weight_dirs or WeightDirs(model_path)  # where weight requests may read and write
+        self.queued_tokens = 0  # prompt + max_new_tokens of every registered job (the queue bound counts them)
         self.host, self.port = host, port
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.health_timeout = health_timeout
         self.architectures = architectures or []
         self.facts = Facts(tokenizer, cfg.vocab_size, context_length or cfg.max_position_embeddings,
-                           list(engine.eos_token_ids))
+                           list(engine.eos_token_ids), max_request_sequences=self.limits.max_request_sequences)
         self.detok = Detok(tokenizer)
         self.scheduler = Scheduler(engine, max_running=max_running, on_events=self._on_events,
                                    stop_text=self.detok.stop_text)
@@ -100,18 +101,23 @@ class LichenServer:
             if job.queue is not None:
                 job.queue.put_nowait((job, None))
 
-    def _register(self, jobs: list[Job]) -> None:
+    def _register(self, jobs: list[Job], *, bounded: bool = True) -> None:
         clash = [j.rid for j in jobs if j.rid in self.jobs]
         if clash:
             raise RequestError(f"request id(s) {clash[:5]} are already in flight; send unique rids")
+        tokens = sum(job_tokens(j) for j in jobs)
+        if bounded:
+            self.limits.admit(len(jobs), tokens, len(self.jobs), self.queued_tokens)
         for j in jobs:
             j.done = self.loop.create_future()
             self.jobs[j.rid] = j
+        self.queued_tokens += tokens
 
     def _unregister(self, jobs: list[Job]) -> None:
         for j in jobs:
             if self.jobs.get(j.rid) is j:
                 del self.jobs[j.rid]
+                self.queued_tokens -= job_tokens(j)
 
     async def _admit(self, jobs: list[Job]) -> None:
         """Wait at the pause gate (answered early if all are aborted meanwhile), then hand over."""
@@ -132,12 +138,16 @@ class LichenServer:
         if todo:
             self.scheduler.submit([j.seq for j in todo])
 
-    async def run_jobs(self, jobs: list[Job]) -> None:
-        """Generate for `jobs` and wait for all of them (aborted ones come back with their partial output)."""
-        self._register(jobs)
+    async def run_jobs(self, jobs: list[Job], *, bounded: bool = True) -> None:
+        """Generate for `jobs` and wait for all of them (aborted ones come back with their partial output).
+        Cancelled (the client disconnected: handler_cancellation), it aborts them and frees their rids."""
+        self._register(jobs, bounded=bounded)
         try:
             await self._admit(jobs)
-            await asyncio.gather(*[j.done for j in jobs])
+            # asyncio.wait, not gather: a cancelled gather cancels the futures, and abort_jobs would then take
+            # the jobs for finished and leave them running
+            if jobs:
+                await asyncio.wait([j.done for j in jobs])
         except asyncio.CancelledError:
             await asyncio.shield(self.abort_jobs(jobs, "request cancelled"))
             raise
@@ -180,7 +190,7 @@ class LichenServer:
 
     # ---- app ----------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 1024**2)
+        app = web.Application(middlewares=[self._errors, self._auth, self._shield], client_max_size=256 * 1024**2)
         r = app.router
         for method in ("POST", "PUT"):
             r.add_route(method, "/generate", self.generate)
@@ -213,7 +223,10 @@ class LichenServer:
         try:
             return await handler(request)
         except RequestError as e:
-            return json_response(error_body(e.message, e.status, "object" if openai else e.shape), e.status)
+            resp = json_response(error_body(e.message, e.status, "object" if openai else e.shape), e.status)
+            if isinstance(e, Overloaded):
+                resp.headers["Retry-After"] = "1"
+            return resp
         except web.HTTPException as e:  # 404, 405, 413 from aiohttp itself
             if e.status < 400:
                 raise
@@ -226,17 +239,18 @@ class LichenServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        path = request.path
-        if not path.startswith(OPEN_PREFIXES):
-            key = self.admin_api_key if (path in ADMIN_PATHS and self.admin_api_key) else self.api_key
-            if key is not None:
-                given = request.headers.get("x-api-key")
-                auth = request.headers.get("Authorization", "")
-                if auth[:7].lower() == "bearer ":
-                    given = auth[7:].strip()
-                if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-                    return json_response({"error": "Unauthorized"}, 401)
+        key = key_for_path(request.path, self.api_key, self.admin_api_key)
+        if key is not None and not request_has_key(request.headers, key):
+            return json_response({"error": "Unauthorized"}, 401)
         return await handler(request)
+
+    @web.middleware
+    async def _shield(self, request: web.Request, handler) -> web.StreamResponse:
+        """A client that disconnects cancels its handler (handler_cancellation): generation is aborted then, as
+        SGLang does; a control call (weights, pause, memory) always runs to its end."""
+        if request.path in CANCELLABLE_PATHS:
+            return await handler(request)
+        return await asyncio.shield(handler(request))
 
     async def _body(self, request: web.Request, empty: Any = None) -> Any:
         return loads(await request.read(), empty=empty)
@@ -283,7 +297,7 @@ class LichenServer:
             return web.Response(status=503)
         job = self._probe_job()
         try:
-            await asyncio.wait_for(self.run_jobs([job]), self.health_timeout)
+            await asyncio.wait_for(self.run_jobs([job], bounded=False), self.health_timeout)
         except asyncio.TimeoutError:
             return web.Response(status=503)
         return web.Response(status=200 if abort_status(job) is None else 503)
@@ -305,11 +319,16 @@ class LichenServer:
             "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.served_model_name, "host": self.host, "port": self.port,
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "disaggregation_mode": "null",
-            "enable_memory_saver": True, "skip_tokenizer_init": False, "weight_version": eng.weight_version,
+            # releasing memory frees device memory only off the CPU (Engine.offload does nothing on CPU)
+            "enable_memory_saver": eng.device.type != "cpu", "skip_tokenizer_init": False,
+            "weight_version": eng.weight_version,
             "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.device),
-            "max_running_requests": sch.max_running, "max_total_num_tokens": sch.max_running * ctx,
+            "max_running_requests": sch.max_running, "max_total_num_tokens": self.kv_capacity(),
             "max_req_input_len": ctx - 1, "context_length": ctx, "startup_time": self.started,
             "api_key_required": self.api_key is not None,
+            "max_sequences_per_request": self.limits.max_request_sequences,
+            "max_queued_sequences": self.limits.max_queued_sequences,
+            "max_queued_tokens": self.limits.max_queued_tokens,
             "internal_states": [{"paused": self.paused, "released_memory": sorted(sch.released),
                                  "num_running_reqs": sch.num_running, "num_waiting_reqs": sch.num_waiting}],
             "version": f"lichen-{__version__}", "kv_events": None,
@@ -335,12 +354,12 @@ class LichenServer:
         if request.query.get("format", "json") != "json":
             raise RequestError("format: lichen serve answers json only", shape="object")
         sch = self.scheduler
-        used = sch.batch.cache_tokens
-        total = sch.max_running * self.facts.context_length
+        used = sch.cache_tokens
+        total = self.kv_capacity()
         now = datetime.now(timezone.utc).isoformat()
         load = {
             "timestamp": now, "dp_rank": 0, "num_running_reqs": sch.num_running, "num_waiting_reqs": sch.num_waiting,
-            "num_waiting_uncached_tokens": sum(len(s.input_ids) + len(s.output_ids) for s in list(sch.waiting)),
+            "num_waiting_uncached_tokens": sch.waiting_tokens,
             "num_used_tokens": used, "num_total_tokens": total, "num_active_tokens": used,
             "max_total_num_tokens": total, "max_running_requests": sch.max_running,
             "token_usage": used / total if total else 0.0, "gen_throughput": self._throughput(),
@@ -356,7 +375,7 @@ class LichenServer:
     async def get_load(self, request: web.Request) -> web.Response:
         sch = self.scheduler
         return json_response([{"dp_rank": 0, "num_reqs": sch.num_running + sch.num_waiting,
-                               "num_waiting_reqs": sch.num_waiting, "num_tokens": sch.batch.cache_tokens,
+                               "num_waiting_reqs": sch.num_waiting, "num_tokens": sch.cache_tokens,
                                "num_pending_tokens": 0, "ts_tic": time.time()}])
 
     # ---- control ------------------------------------------------------------------------------------------
@@ -416,17 +435,34 @@ class LichenServer:
         if expect(flag, (bool,), "abort_all_requests", "true or false"):
             await self.abort_jobs(list(self.jobs.values()), "Abort for a weight update")
 
+    def set_model_path(self, path: str) -> None:
+        """After a successful update from disk: SGLang then serves (and names) the model as the new path."""
+        self.model_path = self.served_model_name = path
+
+    def kv_capacity(self) -> int:
+        """Tokens of KV cache this server can actually hold: max_running x context, or fewer when the memory
+        left (plus what the cache holds now) cannot fit them."""
+        eng, sch = self.engine, self.scheduler
+        cfg = eng.model.cfg
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch_itemsize(eng.dtype)
+        want = sch.max_running * self.facts.context_length
+        free = free_memory_bytes(eng.device)
+        if free is None or per_token <= 0:
+            return want
+        return min(want, sch.cache_tokens + free // per_token)
+
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await self._object(request)
         path = body.get("model_path")
         expect(path, (str,), "model_path", "a string (the checkpoint directory)")
+        real = self.weight_dirs.model(path)  # 403 for a directory this server was not started with
         version = body.get("weight_version")
         if version is not None:
             expect(version, (str,), "weight_version", "a string")
         await self._abort_all_if(body, False)
         paused = self.scheduler.num_running + self.scheduler.num_waiting if self.paused else 0
         try:
-            state = await asyncio.to_thread(self.engine.read_checkpoint, path)
+            state = await asyncio.to_thread(self.engine.read_checkpoint, real)
         except ValueError as e:  # the old weights keep serving
             return json_response({"success": False, "message": f"Failed to update weights: {e}",
                                   "num_paused_requests": paused}, 400)
@@ -437,7 +473,7 @@ class LichenServer:
                 s.engine.weight_version = version
 
         await self.control(apply, exclusive=True)
-        self.model_path = path
+        self.set_model_path(path)
         msg = "Succeeded to update model weights." + (f" Weight version updated to {version}." if version else "")
         return json_response({"success": True, "message": msg, "num_paused_requests": paused})
 

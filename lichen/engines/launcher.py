@@ -13,6 +13,10 @@ in advance for another process to take. The servers stop when:
 - the parent dies without cleanup (SIGKILL): on Linux each server is started through a small wrapper that sets
   the parent-death signal (prctl PR_SET_PDEATHSIG = SIGTERM) before it execs, when launched from the main thread
   (the signal follows the thread that started the child, not the process).
+
+The servers are keyed: the launcher makes a random API key and admin key (lichen.engines.auth) and hands them
+over in the servers' environment (LICHEN_API_KEY, LICHEN_ADMIN_API_KEY), never on their command line, which every
+local user can read; `api_key` / `admin_api_key` are what clients send (RemoteEngines takes them from the launcher).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 import weakref
 from typing import Sequence
 
+from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
 from lichen.engines.server_process import ServerProcess, ServerSet
 from lichen.errors import UserError
 from lichen.observe.metrics import get_logger
@@ -75,19 +80,27 @@ class EngineLauncher(ServerSet):
 
     `log_dir`: each server's stderr goes to `log_dir/engine_{i}.log` (default: a temporary directory, removed by
     `stop()`; a failed start quotes the log's tail either way). `ready_timeout`: seconds for all servers to come
-    up.
+    up. `keyed`: give the servers fresh random keys (see the module doc).
     """
 
     def __init__(self, model: str, num_engines: int, *, host: str = "127.0.0.1", server_args: Sequence[str] = (),
-                 log_dir: str | None = None, ready_timeout: float = 300.0, env: dict | None = None):
+                 log_dir: str | None = None, ready_timeout: float = 300.0, env: dict | None = None,
+                 keyed: bool = True):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if any(a.startswith(("--api-key", "--admin-api-key")) for a in server_args):
+            raise ValueError("server_args must not carry keys (every local user can read a command line); "
+                             "the launcher keys the servers through their environment")
         self.model, self.num_engines, self.host = model, num_engines, host
         self.server_args = list(server_args)
         self.log_dir = log_dir
         self._tmp_log_dir: str | None = None
         self.ready_timeout = ready_timeout
+        self.api_key = self.admin_api_key = None
+        if keyed:
+            self.api_key, self.admin_api_key = new_key(), new_key()
         self.env = dict(env or {})
+        self._key_env = {SERVE_KEY_ENV: self.api_key, SERVE_ADMIN_KEY_ENV: self.admin_api_key} if keyed else {}
         self.servers: list[ServerProcess] = []
         self._lock = threading.Lock()  # guards `servers` and `_stopped` (restart runs in a worker thread)
         self._stopped = False
@@ -130,7 +143,7 @@ class EngineLauncher(ServerSet):
         log_path = os.path.join(log_dir, f"engine_{i}.log")
         with open(log_path, "ab") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, **self.env})
+                                    env={**os.environ, **self.env, **self._key_env})
         return ServerProcess(proc, self.host, [sys.executable, *serve], log_path)
 
     def restart(self, index: int) -> str:

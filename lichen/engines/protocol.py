@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lichen.engines.batch import Seq, stop_ids
+from lichen.engines.batch import Seq, context_error, stop_ids
 from lichen.engines.sampling import derive_seed
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -182,6 +182,7 @@ class Facts:
     vocab_size: int
     context_length: int
     eos_ids: list[int]
+    max_request_sequences: int | None = None  # most sequences (prompts x n) one request may ask for
 
 
 @dataclass
@@ -217,24 +218,19 @@ def check_ids(ids: list[int], facts: Facts, max_new: int | None, where: str) -> 
     bad = [t for t in ids if not 0 <= t < facts.vocab_size]
     if bad:
         raise RequestError(f"{where}: token id(s) {bad[:5]} are outside the vocabulary [0, {facts.vocab_size})")
-    # SGLang's rule (tokenizer_manager._validate_one_request): a request must leave room below the context
-    # length, so a prompt of `ctx` tokens, or prompt + max_new_tokens == ctx, is refused (`>=`, not `>`).
     n, ctx = len(ids), facts.context_length
-    if n >= ctx:
-        raise RequestError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
-    if max_new is None:
-        return ctx - 1 - n
-    if n + max_new >= ctx:
-        raise RequestError(
-            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
-            f"total of {n + max_new} tokens: {n} tokens from the input messages and {max_new} tokens for the "
-            "completion. Please reduce the number of tokens in the input messages or the completion to fit "
-            "within the limit.")
-    return max_new
+    problem = context_error(n, max_new, ctx)
+    if problem is not None:
+        raise RequestError(problem)
+    return ctx - 1 - n if max_new is None else max_new
 
 
 def make_job(rid: str, index: int, ids: list[int], sp: Sampling, sample: int, opts: OutputOptions,
              facts: Facts, where: str) -> Job:
+    cap = facts.max_request_sequences
+    if cap is not None and index >= cap:  # refused at the first job past the cap, before the rest are built
+        raise RequestError(f"the request asks for more than {cap} sequences (prompts x n); this server takes at "
+                           f"most {cap} per request (lichen serve --max-sequences-per-request); split it")
     max_new = check_ids(ids, facts, sp.max_new_tokens, where)
     if opts.logprob_start_len > len(ids):
         raise RequestError(f"logprob_start_len ({opts.logprob_start_len}) is longer than the prompt "

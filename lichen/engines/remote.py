@@ -41,6 +41,7 @@ import weakref
 from typing import Any, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
+from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, resolve_key
 from lichen.engines.client import (EngineClient, EngineError, EngineRequestError, EngineUnavailable,
                                    generate_payload, normalize_url, result_from_output)
 from lichen.engines.engine import GenRequest, GenResult
@@ -69,13 +70,43 @@ def required_endpoints(args: Any) -> dict[str, str]:
 
 def launch_server_args(args: Any) -> list[str]:
     """`lichen serve` flags for launched engines: the trainer's device and dtype (float32, as the in-process
-    engine), --rollout-max-batch-size, and the CPU threads split between the engines."""
+    engine), --rollout-max-batch-size, the CPU threads split between the engines, the run's weight directories
+    (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
     out = ["--device", str(getattr(args, "device", "auto") or "auto"), "--dtype", "float32"]
     if getattr(args, "rollout_max_batch_size", None):
         out += ["--max-batch-size", str(args.rollout_max_batch_size)]
     threads = getattr(args, "num_threads", None) or max(1, (os.cpu_count() or 1) // args.rollout_num_engines)
     out += ["--num-threads", str(threads)]
+    if getattr(args, "update_weight_disk_dir", None):
+        out += ["--weight-dir", os.path.abspath(args.update_weight_disk_dir)]
+    if getattr(args, "update_weight_local_checkpoint_dir", None):
+        out += ["--local-checkpoint-dir", os.path.abspath(args.update_weight_local_checkpoint_dir)]
+    return out + launch_limits(args)
+
+
+def launch_limits(args: Any) -> list[str]:
+    """Queue bounds for launched engines: the client keeps at most --sglang-server-concurrency requests of one
+    sequence each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and
+    control traffic; tokens: that many sequences of the run's longest prompt + response, when both are set."""
+    from lichen.engines.serve import DEFAULT_MAX_QUEUED_SEQUENCES
+
+    seqs = max(DEFAULT_MAX_QUEUED_SEQUENCES, 2 * int(getattr(args, "sglang_server_concurrency", 512) or 512))
+    out = ["--max-queued-sequences", str(seqs)]
+    prompt = getattr(args, "rollout_max_prompt_len", None)
+    response = max(getattr(args, "rollout_max_response_len", None) or 0, getattr(args, "eval_max_response_len", None) or 0)
+    if prompt and response:
+        out += ["--max-queued-tokens", str(seqs * (int(prompt) + int(response)))]
     return out
+
+
+def external_keys(args: Any) -> tuple[str | None, str | None]:
+    """(API key, admin key) of --rollout-external-engine-addrs servers: from the key file flags or the environment
+    (LICHEN_ENGINE_API_KEY, LICHEN_ENGINE_ADMIN_API_KEY), never from the command line."""
+    api = resolve_key(flag_value=None, file_path=getattr(args, "rollout_external_engine_api_key_file", None),
+                      env=ENGINE_KEY_ENV, flag="", file_flag="--rollout-external-engine-api-key-file")
+    admin = resolve_key(flag_value=None, file_path=getattr(args, "rollout_external_engine_admin_api_key_file", None),
+                        env=ENGINE_ADMIN_KEY_ENV, flag="", file_flag="--rollout-external-engine-admin-api-key-file")
+    return api, admin
 
 
 def _close_if_alive(ref: "weakref.ref[RemoteEngines]") -> None:
@@ -89,14 +120,18 @@ class RemoteEngines:
 
     is_remote = True
 
-    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, concurrency: int = 512,
-                 max_retries: int = 3, retry_delay: float = 0.5, failover: bool = False, launcher: Any = None,
-                 request_timeout: float | None = None):
+    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, admin_api_key: str | None = None,
+                 concurrency: int = 512, max_retries: int = 3, retry_delay: float = 0.5, failover: bool = False,
+                 launcher: Any = None, request_timeout: float | None = None):
         if not urls:
             raise ValueError("RemoteEngines needs at least one engine URL")
         self.launcher = launcher
-        self.clients = [EngineClient(u, api_key=api_key, concurrency=concurrency, max_retries=max_retries,
-                                     retry_delay=retry_delay, request_timeout=request_timeout) for u in urls]
+        # the keys of engines a launcher started (it made them for this run) unless given
+        api_key = api_key or getattr(launcher, "api_key", None)
+        admin_api_key = admin_api_key or getattr(launcher, "admin_api_key", None)
+        self.clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_api_key, concurrency=concurrency,
+                                     max_retries=max_retries, retry_delay=retry_delay,
+                                     request_timeout=request_timeout) for u in urls]
         self.router = Router(self.clients, failover=failover)
         self.released: set[str] = set()
         self.monitor: Any = None  # a HealthMonitor once start_health_monitor() ran
@@ -470,21 +505,22 @@ class RemoteEngines:
                 launcher = EngineLauncher(args.hf_checkpoint, args.rollout_num_engines,
                                           server_args=launch_server_args(args),
                                           log_dir=os.path.join(args.output_dir, "engines"))
-            urls, api_key, flag = launcher.start(), None, "--rollout-num-engines"
+            urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-engines"
         else:
             urls = [normalize_url(a) for a in args.rollout_external_engine_addrs]
-            api_key, flag = getattr(args, "rollout_external_engine_api_key", None), "--rollout-external-engine-addrs"
+            api_key, admin_key = external_keys(args)
+            flag = "--rollout-external-engine-addrs"
         engines = None
         try:
-            engines = cls(urls, api_key=api_key, concurrency=args.sglang_server_concurrency, launcher=launcher,
-                          failover=bool(getattr(args, "use_fault_tolerance", False)))
+            engines = cls(urls, api_key=api_key, admin_api_key=admin_key, concurrency=args.sglang_server_concurrency,
+                          launcher=launcher, failover=bool(getattr(args, "use_fault_tolerance", False)))
             try:
                 engines.wait_healthy(timeout=120.0, reachable=True)
                 infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
             except EngineRequestError as e:
                 if e.status in (401, 403):
                     raise ConfigError(f"{flag}: {e.url} refused the key ({e.status}); give the server's key with "
-                                      "--rollout-external-engine-api-key") from None
+                                      f"--rollout-external-engine-api-key-file FILE or ${ENGINE_KEY_ENV}") from None
                 raise
             except EngineUnavailable as e:
                 raise ConfigError(f"{flag}: cannot reach an engine server: {e}") from None

@@ -82,14 +82,19 @@ class Scheduler:
             self._inbox.append(item)
             self._cv.notify()
 
-    # ---- state (read on any thread: plain ints, approximate) ----------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return len(self.batch)
+    # ---- state (read on any thread) ------------------------------------------------------------------------
+    # Published by the scheduler thread after each pass (_publish): other threads read these ints and never the
+    # batch or the queue themselves, which change under them (len() of a batch mid-update once failed a request).
+    num_running = 0
+    num_waiting = 0
+    cache_tokens = 0
+    waiting_tokens = 0
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    def _publish(self) -> None:
+        self.num_running = len(self.batch)
+        self.num_waiting = len(self.waiting)
+        self.cache_tokens = self.batch.cache_tokens
+        self.waiting_tokens = sum(len(s.input_ids) + len(s.output_ids) for s in self.waiting)
 
     def idle(self) -> bool:
         return not len(self.batch) and not self.waiting
@@ -193,9 +198,13 @@ class Scheduler:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            fut.set_result(fn(self))
+            result = fn(self)
         except BaseException as e:  # the caller re-raises it
+            self._publish()
             fut.set_exception(e)
+        else:
+            self._publish()  # before the caller hears back: what it reads next reflects its call
+            fut.set_result(result)
 
     def _iterate(self) -> None:
         version = self.engine.weight_version
@@ -224,6 +233,7 @@ class Scheduler:
         self._progress += [(s, len(s.output_ids)) for s in streaming if s.finish is None]
 
     def _emit(self) -> None:
+        self._publish()
         if self._progress or self._done:
             progress, done = self._progress, self._done
             self._progress, self._done = [], []

@@ -1,12 +1,18 @@
 """`lichen serve --model PATH`: an HTTP server that speaks SGLang's native protocol around lichen's engine.
 
-    lichen serve --model DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY] [--device auto]
+    lichen serve --model DIR [--host 127.0.0.1] [--port 30000] [--api-key-file FILE] [--device auto]
                  [--dtype float32] [--max-batch-size 256] [--weight-version default]
+                 [--weight-dir DIR ...] [--local-checkpoint-dir DIR]
 
-It binds 127.0.0.1 unless told otherwise; any other address requires --api-key (clients send
-`Authorization: Bearer KEY`; health endpoints stay open). When it is ready it prints one line
-`lichen serve: ready at http://HOST:PORT ...` (with the real port when --port 0 picks a free one).
-SIGTERM / SIGINT abort what is running (callers get their partial output) and exit 0.
+It binds 127.0.0.1 unless told otherwise; any other address requires a key (clients send
+`Authorization: Bearer KEY` or `x-api-key: KEY`; health endpoints stay open). Keys come from a key file
+(chmod 600) or $LICHEN_API_KEY / $LICHEN_ADMIN_API_KEY, so they are not visible in `ps`; --api-key KEY works too
+(SGLang's flag) but every local user can read it. Weight requests may only read the --model directory, the
+--weight-dir directories and the --local-checkpoint-dir, and /pull_weights only writes the latter (403 for any
+other path). Work is bounded: --max-sequences-per-request, --max-queued-sequences, --max-queued-tokens (503 when
+the queue is full), and --header-timeout for slow clients.
+When it is ready it prints one line `lichen serve: ready at http://HOST:PORT ...` (with the real port when
+--port 0 picks a free one). SIGTERM / SIGINT abort what is running (callers get their partial output) and exit 0.
 """
 
 from __future__ import annotations
@@ -19,9 +25,16 @@ import os
 import signal
 import sys
 
+from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, resolve_key
 from lichen.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Work bounds (lichen.engines.limits), sized from what a training step asks of one engine: slime's scripts send up
+# to 2,048 sequences per step.
+DEFAULT_MAX_REQUEST_SEQUENCES = 2048
+DEFAULT_MAX_QUEUED_SEQUENCES = 4096
+DEFAULT_MAX_QUEUED_TOKENS = 4096 * 4096
+DEFAULT_HEADER_TIMEOUT = 20.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,10 +44,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face checkpoint directory (llama, qwen2, qwen3) with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
     p.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default 30000)")
-    p.add_argument("--api-key", default=None, help="key clients must send (Authorization: Bearer KEY or x-api-key)")
+    p.add_argument("--api-key", default=None,
+                   help="key clients must send (Authorization: Bearer KEY or x-api-key); visible to every local user "
+                        "in `ps`: prefer --api-key-file or $LICHEN_API_KEY")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (one line; must not be readable by group or others)")
     p.add_argument("--admin-api-key", default=None,
-                   help="key for control endpoints (abort, pause, weights, memory); "
-                        "then --api-key is not accepted there")
+                   help="key for control endpoints (abort, pause, weights, memory); then the API key is not accepted "
+                        "there; prefer --admin-api-key-file or $LICHEN_ADMIN_API_KEY")
+    p.add_argument("--admin-api-key-file", default=None, metavar="FILE", help="read the admin key from FILE")
+    p.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
+                   help="a directory weight requests may read from (/pull_weights source_dir, "
+                        "/update_weights_from_disk model_path: DIR or below it); repeat for several (default: only "
+                        "--model)")
+    p.add_argument("--local-checkpoint-dir", default=None, metavar="DIR",
+                   help="the only directory /pull_weights may write its local copy to (default: none; pulls are "
+                        "refused)")
+    for flag, default, what in (
+            ("--max-sequences-per-request", DEFAULT_MAX_REQUEST_SEQUENCES,
+             "most sequences (prompts x n) one request may ask for; more is a 400"),
+            ("--max-queued-sequences", DEFAULT_MAX_QUEUED_SEQUENCES,
+             "most sequences accepted and not yet answered; a request past it gets 503 with Retry-After"),
+            ("--max-queued-tokens", DEFAULT_MAX_QUEUED_TOKENS,
+             "most prompt + max_new_tokens tokens accepted and not yet answered; past it 503")):
+        p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a connection has to send a request's headers before it is closed "
+                        f"(default {DEFAULT_HEADER_TIMEOUT:g})")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, ... or auto (cuda when available)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and compute dtype (default float32)")
     p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=256,
@@ -59,10 +95,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def resolve_keys(args: argparse.Namespace) -> None:
+    """Fill args.api_key / args.admin_api_key from the flag, the key file or the environment (then removed from
+    it, so nothing this server starts inherits it)."""
+    args.api_key = resolve_key(flag_value=args.api_key, file_path=args.api_key_file, env=SERVE_KEY_ENV,
+                               flag="--api-key", file_flag="--api-key-file", pop_env=True)
+    args.admin_api_key = resolve_key(flag_value=args.admin_api_key, file_path=args.admin_api_key_file,
+                                     env=SERVE_ADMIN_KEY_ENV, flag="--admin-api-key", file_flag="--admin-api-key-file",
+                                     pop_env=True)
+
+
 def check_args(args: argparse.Namespace) -> None:
+    resolve_keys(args)
     if not is_loopback(args.host) and not args.api_key:
-        raise ConfigError(f"--host {args.host} exposes the server beyond this machine; pass --api-key KEY "
-                          "(clients then send 'Authorization: Bearer KEY') or bind --host 127.0.0.1")
+        raise ConfigError(f"--host {args.host} exposes the server beyond this machine; give a key with "
+                          f"--api-key-file FILE or ${SERVE_KEY_ENV} (clients then send 'Authorization: Bearer KEY') "
+                          "or bind --host 127.0.0.1")
+    for flag, value, low in (("--max-sequences-per-request", args.max_sequences_per_request, 1),
+                             ("--max-queued-sequences", args.max_queued_sequences, 1),
+                             ("--max-queued-tokens", args.max_queued_tokens, 1)):
+        if value < low:
+            raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    if not args.header_timeout > 0:
+        raise ConfigError(f"--header-timeout must be a positive number of seconds, got {args.header_timeout}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch_size < 1:
@@ -118,6 +173,8 @@ def load_server(args: argparse.Namespace):
 
     from lichen.engines.engine import Engine
     from lichen.engines.http_server import LichenServer
+    from lichen.engines.limits import Limits
+    from lichen.engines.weight_paths import WeightDirs
     from lichen.models import load_model
     from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -134,17 +191,24 @@ def load_server(args: argparse.Namespace):
     timeout = args.health_check_timeout
     if timeout is None:
         timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+    limits = Limits(args.max_sequences_per_request, args.max_queued_sequences, args.max_queued_tokens,
+                    args.header_timeout)
+    dirs = WeightDirs(args.model, args.weight_dir, args.local_checkpoint_dir)
     return LichenServer(engine, tok, model_path=args.model, served_model_name=args.served_model_name,
                         host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
                         max_running=args.max_batch_size, context_length=args.context_length,
-                        health_timeout=timeout, architectures=architectures)
+                        health_timeout=timeout, architectures=architectures, limits=limits, weight_dirs=dirs)
 
 
 async def serve(server, host: str, port: int) -> None:
     from aiohttp import web
 
+    from lichen.engines.limits import BoundedAppRunner
+
     await server.start()
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its generation
+    runner = BoundedAppRunner(server.app(), header_timeout=server.limits.header_timeout, access_log=None,
+                              handle_signals=False, shutdown_timeout=5.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

@@ -46,8 +46,6 @@ from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
 
-ADMIN_PATHS = frozenset({"/init_weights_update_group", "/update_weights_from_distributed",
-                         "/destroy_weights_update_group", "/pull_weights", "/weights_checker"})
 DEFAULT_GROUP = "weight_update_group"
 CHECKSUM_FORMAT = "xxh3-128"
 GROUP_TIMEOUT_S = float(os.environ.get("LICHEN_WEIGHT_GROUP_TIMEOUT", 300))
@@ -364,6 +362,8 @@ class WeightEndpoints:
         local = expect(body.get("local_checkpoint_dir"), (str,), "local_checkpoint_dir", "a string (a directory)")
         source = expect(body.get("source_dir"), (str,), "source_dir", "a string (a directory)")
         target = expect(body.get("target_version"), (int,), "target_version", "an integer")
+        # only the directories this server was started with (403 otherwise, before anything is touched)
+        local, source = self.server.weight_dirs.local(local), self.server.weight_dirs.source(source)
         async with self._lock:  # a stage reads the served weights: no update may swap them meanwhile
             stage = self._stage_for_pull()
             try:
@@ -375,7 +375,7 @@ class WeightEndpoints:
             finally:
                 if stage is not None and not stage.usable:
                     self._set_held(self.held)  # drops it
-            self.pulled[os.path.abspath(local)] = os.path.abspath(source)
+            self.pulled[local] = source
         what = ("already at that version" if res.noop else
                 f"seeded from {res.seeded_from}" if res.seeded_from is not None else "continued its chain")
         deltas = f", applied deltas {res.deltas_applied}" if res.deltas_applied else ""
@@ -417,7 +417,7 @@ class WeightEndpoints:
         version = body.get("weight_version")
         if version is not None:
             expect(version, (str,), "weight_version", "a string")
-        local = os.path.abspath(path)
+        local = self.server.weight_dirs.model(path)  # 403 for a directory this server was not started with
         async with self._lock:
             plan = self._live_plan(local)
             if plan is not None:
@@ -456,7 +456,7 @@ class WeightEndpoints:
                     log.warning("live delta apply to %s failed (%s); reloading the checkpoint", path, e)
                     self._set_held(None)
                 else:
-                    self.server.model_path = path
+                    self.server.set_model_path(path)
                     how = "staged" if staged else "live_delta"
                     self.last_update = {"mode": how, "versions": [read_version_info(d).version for d in dirs],
                                         "tensors_changed": changed}

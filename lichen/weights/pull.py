@@ -53,6 +53,7 @@ from lichen.weights.versions import VersionInfo, read_safetensors_header, read_v
 SYNC_DIR = ".weight_sync"
 _STATE = "state.json"
 _LOCK = "lock"
+_FILES = "files.json"  # the files of the local dir that a pull wrote: the only ones a pull may replace or delete
 
 
 @dataclass(frozen=True)
@@ -97,14 +98,19 @@ def read_applied_version(local_checkpoint_dir: str) -> int | None:
     return None if state is None else state["version"]
 
 
-def _write_state(local_dir: str, version: int, chain_id: str | None) -> None:
-    path = os.path.join(local_dir, SYNC_DIR, _STATE)
+def _write_json(path: str, obj: object) -> None:
+    """Write `obj` to `path` atomically (a temp file, fsync, rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"version": f"{version:06d}", "chain_id": chain_id, "boot_id": _boot_id()}, f)
+        json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _write_state(local_dir: str, version: int, chain_id: str | None) -> None:
+    _write_json(os.path.join(local_dir, SYNC_DIR, _STATE),
+                {"version": f"{version:06d}", "chain_id": chain_id, "boot_id": _boot_id()})
 
 
 def _invalidate_state(local_dir: str) -> None:
@@ -114,11 +120,34 @@ def _invalidate_state(local_dir: str) -> None:
         pass
 
 
+def written_files(local_dir: str) -> set[str]:
+    """The names of the files in `local_dir` that pulls wrote (empty for a fresh directory)."""
+    try:
+        with open(os.path.join(local_dir, SYNC_DIR, _FILES), encoding="utf-8") as f:
+            names = json.load(f)
+    except FileNotFoundError:
+        return set()
+    except ValueError as e:
+        raise DeltaError(f"{local_dir}/{SYNC_DIR}/{_FILES}: damaged ({e}); remove the local copy (the whole directory) to reseed "
+                         "it") from None
+    return {n for n in names if isinstance(n, str) and _plain_name(n)}
+
+
+def _write_files(local_dir: str, names: set[str]) -> None:
+    _write_json(os.path.join(local_dir, SYNC_DIR, _FILES), sorted(names))
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and os.sep not in name and not name.startswith(".")
+
+
 @contextmanager
 def local_checkpoint_lock(local_checkpoint_dir: str) -> Iterator[None]:
-    """Hold the per-host lock `<local>/.weight_sync/lock` (flock, exclusive)."""
+    """Hold the per-host lock `<local>/.weight_sync/lock` (flock, exclusive). A missing local dir is created
+    private to this user (0700)."""
     sync = os.path.join(local_checkpoint_dir, SYNC_DIR)
-    os.makedirs(sync, exist_ok=True)
+    os.makedirs(local_checkpoint_dir, mode=0o700, exist_ok=True)
+    os.makedirs(sync, mode=0o700, exist_ok=True)
     with open(os.path.join(sync, _LOCK), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -209,33 +238,56 @@ def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int
     return PullResult(target_version, seed, deltas, bytes_read, time.perf_counter() - t0, False)
 
 
+def _copy_private(src: str, tmp: str) -> None:
+    """Copy `src` to the new file `tmp` (never through a link an attacker planted: O_EXCL | O_NOFOLLOW)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+        shutil.copyfileobj(inp, out, 16 * 1024**2)
+
+
 def seed_local_checkpoint(src_dir: str, local_checkpoint_dir: str, version: int, *, chain_id: str | None = None,
                           verify: bool = True, num_threads: int | None = None) -> int:
-    """Make the local dir an exact copy of the full checkpoint `src_dir` (files it lacks are pruned), check the
-    sizes and, with `verify`, the per-tensor checksums its shards carry; record `version`. Returns bytes copied.
-    The caller holds the lock."""
+    """Make the local dir hold a copy of the full checkpoint `src_dir` (the regular files it has; links are
+    skipped), check the sizes and, with `verify`, the per-tensor checksums its shards carry; record `version`.
+    Returns bytes copied. The caller holds the lock.
+
+    Only files an earlier pull wrote (listed in `.weight_sync/files.json`) are replaced or pruned: a file of the
+    same name that a pull did not write is an error, and other files are left alone."""
     if not os.path.isdir(src_dir):
         raise FileNotFoundError(f"full checkpoint {src_dir!r} does not exist")
-    os.makedirs(os.path.join(local_checkpoint_dir, SYNC_DIR), exist_ok=True)
+    os.makedirs(os.path.join(local_checkpoint_dir, SYNC_DIR), mode=0o700, exist_ok=True)
     _invalidate_state(local_checkpoint_dir)
-    files = sorted(e.name for e in os.scandir(src_dir) if e.is_file() and not e.name.startswith("."))
+    ours = written_files(local_checkpoint_dir)
+    files = sorted(e.name for e in os.scandir(src_dir)
+                   if e.is_file(follow_symlinks=False) and _plain_name(e.name))
+    foreign = [n for n in files if n not in ours and os.path.lexists(os.path.join(local_checkpoint_dir, n))]
+    if foreign:
+        raise DeltaError(f"{local_checkpoint_dir} holds {foreign[:5]}, which no pull wrote; lichen does not replace "
+                         "files it did not write: move them away or use an empty --update-weight-local-checkpoint-dir")
+    _write_files(local_checkpoint_dir, ours | set(files))  # recorded before writing: a crash leaves no stray file
     copied = 0
     for name in files:
         dst = os.path.join(local_checkpoint_dir, name)
         tmp = os.path.join(local_checkpoint_dir, f".{name}.tmp-{os.getpid()}")
-        shutil.copyfile(os.path.join(src_dir, name), tmp)
+        try:
+            os.unlink(tmp)  # a leftover of a crashed pull of this pid; never followed if a link
+        except FileNotFoundError:
+            pass
+        _copy_private(os.path.join(src_dir, name), tmp)
         os.replace(tmp, dst)
         size, want = os.path.getsize(dst), os.path.getsize(os.path.join(src_dir, name))
         if size != want:
             raise DeltaError(f"size mismatch copying {name} from {src_dir}: {want} bytes there, {size} here")
         copied += size
-    keep = set(files)
-    for e in os.scandir(local_checkpoint_dir):
-        if e.is_file() and e.name not in keep:
-            os.remove(e.path)
-    fmt = _index_metadata(local_checkpoint_dir).get("checksum_format")
+    for name in sorted(ours - set(files)):
+        try:
+            os.unlink(os.path.join(local_checkpoint_dir, name))
+        except FileNotFoundError:
+            pass
+    _write_files(local_checkpoint_dir, set(files))
+    fmt = _index_metadata(local_checkpoint_dir).get("checksum_format") if INDEX_FILE in files else None
     if verify and fmt is not None:  # published full versions carry checksums; a base HF checkpoint may not
-        bad = verify_checkpoint(local_checkpoint_dir, fmt, num_threads=num_threads)
+        bad = verify_checkpoint(local_checkpoint_dir, fmt, num_threads=num_threads, only=set(files))
         if bad:
             raise ChecksumMismatchError(bad, f"copying {src_dir}")
     _write_state(local_checkpoint_dir, version, chain_id)
@@ -253,11 +305,12 @@ def _index_metadata(ckpt_dir: str) -> dict:
         raise DeltaError(f"{path}: damaged index ({e})") from None
 
 
-def tensor_locations(ckpt_dir: str) -> dict[str, tuple[str, int, int]]:
-    """name -> (safetensors file, byte offset of its data, byte length), from every shard's header."""
+def tensor_locations(ckpt_dir: str, only: set[str] | None = None) -> dict[str, tuple[str, int, int]]:
+    """name -> (safetensors file, byte offset of its data, byte length), from every shard's header (of the
+    files named in `only`, when given)."""
     out: dict[str, tuple[str, int, int]] = {}
     for fname in sorted(os.listdir(ckpt_dir)):
-        if not fname.endswith(".safetensors") or fname.startswith("."):
+        if not fname.endswith(".safetensors") or fname.startswith(".") or (only is not None and fname not in only):
             continue
         path = os.path.join(ckpt_dir, fname)
         n, header = read_safetensors_header(path)
@@ -271,13 +324,13 @@ def tensor_locations(ckpt_dir: str) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def verify_checkpoint(ckpt_dir: str, checksum_format: str, *,
-                      num_threads: int | None = None) -> list[tuple[str, str]]:
+def verify_checkpoint(ckpt_dir: str, checksum_format: str, *, num_threads: int | None = None,
+                      only: set[str] | None = None) -> list[tuple[str, str]]:
     """(tensor, file) for every tensor whose bytes do not match the checksum in its shard's `__metadata__`
-    (a tensor without a recorded checksum counts as a mismatch)."""
+    (a tensor without a recorded checksum counts as a mismatch); only the files named in `only`, when given."""
     check_checksum_format(checksum_format)
     items = []
-    for path in sorted({p for p, _, _ in tensor_locations(ckpt_dir).values()}):
+    for path in sorted({p for p, _, _ in tensor_locations(ckpt_dir, only).values()}):
         n, header = read_safetensors_header(path)
         sums = header.get("__metadata__") or {}
         items += [(name, path, 8 + n + m["data_offsets"][0], m["data_offsets"][1] - m["data_offsets"][0],
@@ -378,7 +431,7 @@ def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_
                                    f"{local_checkpoint_dir} (a restarted run); pull its newest full version first")
     items, read = delta_payloads(info)
     if items:
-        locations = tensor_locations(local_checkpoint_dir)
+        locations = tensor_locations(local_checkpoint_dir, written_files(local_checkpoint_dir))
         missing = [name for name, *_ in items if name not in locations]
         if missing:
             raise DeltaError(f"{delta_dir} changes tensor(s) {missing[:5]} that {local_checkpoint_dir} does not hold")
@@ -386,7 +439,7 @@ def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_
         fds: dict[str, int] = {}
         try:
             for path in sorted({locations[name][0] for name, *_ in items}):
-                fds[path] = os.open(path, os.O_RDWR)
+                fds[path] = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # only the file a pull wrote, never a link
 
             def apply_one(item) -> tuple[str, str, str | None] | None:
                 name, dfile, payload, want = item
