@@ -308,3 +308,19 @@ def test_load_plain_names_the_damage(tmp_path, content, message):
     with pytest.raises(UnreadableFile) as e:
         load_plain(str(tmp_path / "x.pt"), "state")
     assert str(e.value).startswith(f"state {tmp_path / 'x.pt'}: ") and message in str(e.value)
+
+
+def test_checkpoint_without_trainer_state_or_critic_is_a_clear_error(tiny_ckpt, addition_data, tmp_path, copy,
+                                                                     capsys):
+    # GRPO checkpoints hold no critic.pt: resuming them under PPO names what is missing
+    assert main(resume_argv(tiny_ckpt, addition_data, tmp_path, copy) + ["--advantage-estimator", "ppo"]) == 2
+    err = capsys.readouterr().err
+    assert "has no critic.pt" in err and "Traceback" not in err
+    for i in (0, 1):  # what --debug-rollout-only saves: no hf/, no trainer_state.pt
+        d = ckpt.iter_dir(copy, i)
+        shutil.rmtree(os.path.join(d, "hf"))
+        os.remove(os.path.join(d, "trainer_state.pt"))
+        write_manifest(d)
+    assert main(resume_argv(tiny_ckpt, addition_data, tmp_path, copy)) == 2
+    err = capsys.readouterr().err
+    assert "--debug-rollout-only" in err and "Traceback" not in err

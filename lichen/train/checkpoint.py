@@ -35,8 +35,8 @@ import torch
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.torch_files import load_plain, save_plain
-from lichen.train.ckpt_integrity import (MANIFEST, NO_MANIFEST, CheckpointDamaged, remove_manifest, remove_stale_temps,
-                                         verify, write_manifest)
+from lichen.train.ckpt_integrity import (MANIFEST, NO_MANIFEST, CheckpointDamaged, atomic_write_text, remove_manifest,
+                                         remove_stale_temps, verify, write_manifest)
 from lichen.weights.hf_io import save_hf_checkpoint
 
 log = get_logger(__name__)
@@ -50,15 +50,6 @@ _ITER = re.compile(r"^iter_(\d{7,})$")
 
 def iter_dir(save_dir: str, rollout_id: int) -> str:
     return os.path.join(save_dir, f"iter_{rollout_id:07d}")
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict:
@@ -110,16 +101,16 @@ def save_trainer(save_dir: str, rollout_id: int, actor, hf_checkpoint: str) -> s
 
 def save_rollout_state(save_dir: str, rollout_id: int, state: dict) -> None:
     d = _begin_save(save_dir, rollout_id)
-    _atomic_write_text(os.path.join(d, ROLLOUT_STATE), json.dumps(state, sort_keys=True))
+    atomic_write_text(os.path.join(d, ROLLOUT_STATE), json.dumps(state, sort_keys=True))
 
 
 def mark_complete(save_dir: str, rollout_id: int) -> None:
     """Record `rollout_id` as the newest complete checkpoint (weights trained for rollout_id + 1 steps)."""
     d = iter_dir(save_dir, rollout_id)
     meta = {"rollout_id": rollout_id, "weight_version": str(rollout_id + 1)}
-    _atomic_write_text(os.path.join(d, "meta.json"), json.dumps(meta))
+    atomic_write_text(os.path.join(d, "meta.json"), json.dumps(meta))
     write_manifest(d)
-    _atomic_write_text(os.path.join(save_dir, LATEST), str(rollout_id))
+    atomic_write_text(os.path.join(save_dir, LATEST), str(rollout_id))
 
 
 def _checkpoint_ids(load_dir: str) -> list[int]:

@@ -63,10 +63,15 @@ def write_manifest(directory: str) -> None:
     """Hash every file of the checkpoint in `directory` and write `checksums.json` atomically (fsynced)."""
     files = {rel: {"size": os.path.getsize(os.path.join(directory, rel)),
                    ALGORITHM: file_digest(os.path.join(directory, rel))} for rel in checkpoint_files(directory)}
-    path = os.path.join(directory, MANIFEST)
+    atomic_write_text(os.path.join(directory, MANIFEST),
+                      json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1, sort_keys=True))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write `path` as a whole or not at all: a sibling `<path>.tmp-<pid>`, fsynced, renamed into place."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
