@@ -126,9 +126,9 @@ def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
         try:
             st = _state(eng, args)
             metrics.update(st["transport"].push(trainer.named_weights(), version, st["dtype"]))
+            versions = eng.weight_versions()
         except EngineError as e:  # the engine's own message, with what the run was doing when it came
             raise SyncError(f"weight sync to version {version} failed: engine {e}") from e
-        versions = eng.weight_versions()
         stale = [(url, v) for url, v in zip(eng.active_urls(), versions) if v != str(version)]
         if stale:
             raise StaleEngineError(f"engines {[u for u, _ in stale]} report weight versions {[v for _, v in stale]} "
