@@ -26,7 +26,7 @@ from lichen.engines.weight_endpoints import CHECKSUM_FORMAT, parse_dtype
 from lichen.errors import RunError
 
 
-class SyncError(RunError):
+class SyncError(RunError, RuntimeError):  # still a RuntimeError, as these errors were before
     """A weight sync failed: an engine refused or lost the update, or serves other weights afterwards."""
 
 
