@@ -84,3 +84,16 @@ def test_every_sample_fits_and_long_prompts_are_dropped(ckpt64, data, tmp_path, 
     # the budget is what stopped the samples that did not end themselves: they fill the context exactly
     cut = [s for s in samples if s["status"] == "truncated"]
     assert cut and all(len(s["tokens"]) == POSITIONS - 1 for s in cut)
+
+
+def test_in_process_engine_refuses_what_does_not_fit(ckpt64):
+    from lichen.engines.engine import Engine, GenRequest
+
+    engine = Engine.from_pretrained(ckpt64)
+    prompt = list(range(20, 30))
+    out = engine.generate([GenRequest(prompt, POSITIONS - 1 - len(prompt), temperature=0, ignore_eos=True)])[0]
+    assert len(prompt) + len(out.output_ids) == POSITIONS - 1
+    with pytest.raises(ValueError, match="exceeds the model's maximum context length of 64 tokens"):
+        engine.generate([GenRequest(prompt, POSITIONS - len(prompt))])
+    with pytest.raises(ValueError, match=r"The input \(64 tokens\) is longer"):
+        engine.generate([GenRequest(list(range(20, 20 + POSITIONS)), 0)])

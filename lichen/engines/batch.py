@@ -77,6 +77,21 @@ def stop_ids(ignore_eos: bool, eos_ids: Iterable[int], stop_token_ids: Iterable[
     return frozenset() if ignore_eos else frozenset(eos_ids) | frozenset(stop_token_ids)
 
 
+def context_error(prompt_tokens: int, max_new_tokens: int | None, context_length: int) -> str | None:
+    """SGLang's message when a request does not fit, else None. SGLang's rule (TokenizerManager.
+    _validate_one_request) leaves room below the context length: a prompt of `context_length` tokens, or prompt +
+    max_new_tokens == context_length, is refused (`>=`, not `>`)."""
+    n, ctx = prompt_tokens, context_length
+    if n >= ctx:
+        return f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+    if max_new_tokens is not None and n + max_new_tokens >= ctx:
+        return (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
+                f"total of {n + max_new_tokens} tokens: {n} tokens from the input messages and {max_new_tokens} "
+                "tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                "completion to fit within the limit.")
+    return None
+
+
 def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`sampling.uniform_noise` with a step per row: U[b, v] depends only on (seeds[b], steps[b], v).
 

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from lichen.engines.batch import DecodeBatch, Seq, stop_ids
+from lichen.engines.batch import DecodeBatch, Seq, context_error, stop_ids
 from lichen.models import CausalLM, ModelConfig, load_model
 
 
@@ -157,6 +157,11 @@ class Engine:
             return []
         if any(not r.input_ids for r in requests):
             raise ValueError("input_ids cannot be empty.")
+        ctx = self.model.cfg.max_position_embeddings
+        for r in requests:  # the rule lichen serve and SGLang apply: nothing generated past the model's positions
+            problem = context_error(len(r.input_ids), max(0, r.max_new_tokens), ctx)
+            if problem is not None:
+                raise ValueError(problem)
         seqs = [self.make_seq(r) for r in requests]
         limit = self.max_batch_size or len(seqs)
         batch = self.new_batch()
