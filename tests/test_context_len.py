@@ -97,3 +97,11 @@ def test_in_process_engine_refuses_what_does_not_fit(ckpt64):
         engine.generate([GenRequest(prompt, POSITIONS - len(prompt))])
     with pytest.raises(ValueError, match=r"The input \(64 tokens\) is longer"):
         engine.generate([GenRequest(list(range(20, 20 + POSITIONS)), 0)])
+
+
+def test_eval_sets_get_the_same_limit(ckpt64, data, tmp_path):
+    r = cli("eval", "--hf-checkpoint", ckpt64, "--eval-prompt-data", "long", data, "--rm-type", "math",
+            "--eval-max-response-len", "200", "--n-samples-per-eval-prompt", "2", "--output-dir", str(tmp_path),
+            "--num-threads", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval data set 'long': dropped 2 of 6 prompts longer than --rollout-max-prompt-len 62" in r.stderr
