@@ -1,4 +1,4 @@
-"""The RL driver: the only place that orders the phases (DESIGN §1).
+"""The RL driver: the only place that orders the phases (docs/architecture.md#the-loop).
 
     sync -> [eval] -> for each rollout step: generate -> train -> [save] -> sync -> [eval]
 

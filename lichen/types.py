@@ -1,4 +1,4 @@
-"""The data model shared by rollout and training (DESIGN §4).
+"""The data model shared by rollout and training (docs/architecture.md#sample-data-model).
 
 A `Sample` is one trajectory: prompt, the full token sequence (prompt + response), the response's per-token
 loss mask and rollout log-probs, reward, status and the weight versions that generated it. Rollout returns

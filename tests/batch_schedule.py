@@ -1,7 +1,7 @@
-"""Comparing generations made under different batch schedules (DESIGN: tokens are identical only for identical
-batch schedules). A matmul over 3 rows can round differently than over 64, and on another CPU kernel family
-(AVX-512 vs AVX2) differently again, so where two near-tied tokens meet, a sampled token can flip. These helpers
-accept rare flips and check everything up to them."""
+"""Comparing generations made under different batch schedules (docs/architecture.md#batch-schedules: tokens are
+identical only for identical batch schedules). A matmul over 3 rows can round differently than over 64, and on
+another CPU kernel family (AVX-512 vs AVX2) differently again, so where two near-tied tokens meet, a sampled token
+can flip. These helpers accept rare flips and check everything up to them."""
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -205,8 +205,9 @@ def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, additi
     remote = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", *common,
                            "--save-debug-rollout-data", dump.format("b"), "--rollout-num-engines", "2",
                            "--update-weight-transport", "disk", "--update-weight-disk-dir", str(wdir)))
-    # One engine batch of 16 vs two servers' batches: a near-tied token can flip (DESIGN: identical tokens only
-    # for identical batch schedules). Until a flip the runs are the same; after it they train on other data.
+    # One engine batch of 16 vs two servers' batches: a near-tied token can flip (docs/architecture.md#batch-schedules:
+    # identical tokens only for identical batch schedules). Until a flip the runs are the same; after it they train
+    # on other data.
     same_so_far = True
     for step in range(3):
         a = _samples(dump.format("a").format(rollout_id=step))

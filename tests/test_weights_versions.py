@@ -1,6 +1,6 @@
 """Tests for lichen.weights.versions (publisher, on-disk format) and lichen.weights.pull (engine-side apply).
 
-The format is checked against an independent reader written here from `sglang-api.md` §5.6 (struct + json +
+The format is checked against an independent reader written here from docs/weight-format.md#reader (struct + json +
 zstandard + numpy + the hash libraries), so a version lichen publishes is one a stock SGLang pull could read.
 """
 
@@ -115,8 +115,8 @@ def _flip_byte(path: str, offset: int) -> None:
 
 
 def _reference_pull(local: str, source: str, target: int) -> None:
-    """§5.6 written out plainly: seed from the newest full version, apply each delta (zstd, xor / overwrite),
-    check each tensor against its shard's __metadata__ checksum. No lichen code."""
+    """docs/weight-format.md#reader written out plainly: seed from the newest full version, apply each delta
+    (zstd, xor / overwrite), check each tensor against its shard's __metadata__ checksum. No lichen code."""
     start = target
     while "delta_encoding" in json.load(open(os.path.join(source, f"weight_v{start:06d}", INDEX)))["metadata"]:
         start -= 1

@@ -1,6 +1,7 @@
 """RL math as pure tensor functions: advantages, returns, KL estimators, losses, reducers.
 
-Imports nothing of lichen above it (DESIGN §5), so every function here can be tested and reused alone.
+Imports nothing of lichen above it (docs/architecture.md#import-directions), so every function here can be tested
+and reused alone.
 """
 
 from lichen.algo.advantages import (

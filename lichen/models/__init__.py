@@ -1,4 +1,4 @@
-"""Per-architecture model code shared by trainer and engine (DESIGN §3)."""
+"""Per-architecture model code shared by trainer and engine (docs/architecture.md#shared-model-code)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by the trainer and the engine (llama, qwen2, qwen3).
 
 One implementation serves both sides so that, on one device and dtype, rollout log-probs and trainer log-probs
-agree up to floating-point rounding (DESIGN §3). Parameter names are Hugging Face's, so checkpoints load as is.
+agree up to floating-point rounding (docs/architecture.md#shared-model-code). Parameter names are Hugging Face's,
+so checkpoints load as is.
 
 Two call shapes:
 - training / scoring: `model(input_ids, position_ids)` over right-padded rows, causal attention. Pad tokens sit

@@ -6,8 +6,8 @@ A reward function has the `--custom-rm-path` signature `fn(args, sample) -> floa
 `BaseException`; only `KeyboardInterrupt` stops the run), runs past its timeout, or returns a number that is not
 finite or whose magnitude exceeds MAX_ABS_REWARD (for a dict: any such numeric value) marks that sample
 `Status.FAILED` with the cause in `sample.metadata["reward_error"]`; the trainer gives failed samples zero weight
-(DESIGN §4). Each failure is logged with its sample index and cause (the first MAX_LOGGED_FAILURES per batch one
-line each).
+(docs/architecture.md#failed-samples). Each failure is logged with its sample index and cause (the first
+MAX_LOGGED_FAILURES per batch one line each).
 
 Under `--group-rm` the function is `fn(args, samples) -> list[reward]` and is called once per prompt group
 (samples grouped by `group_index`): the timeout then applies per group, a raise or timeout fails the whole group,

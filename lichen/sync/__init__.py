@@ -1,4 +1,4 @@
-"""Weight sync: publishing the trainer's weights to the engines (DESIGN §1, §2).
+"""Weight sync: publishing the trainer's weights to the engines (docs/architecture.md#weight-sync).
 
 `push` is the only path from trainer to engines. The in-process engine gets a direct tensor copy; server
 engines (lichen serve / SGLang, `engine.is_remote`) get the transport chosen by --update-weight-transport and

@@ -1,7 +1,7 @@
 """Delta weight sync through the file system (`--update-weight-transport disk --update-weight-mode delta`).
 
 The trainer publishes versions with lichen.weights.VersionPublisher in the engine dtype under
-`--update-weight-disk-dir` (format: sglang-api.md §5.6): the first sync after a start or a resume is a full
+`--update-weight-disk-dir` (format: docs/weight-format.md): the first sync after a start or a resume is a full
 version that starts a chain; later ones hold only the changed tensors (xor or overwrite, zstd, per-tensor
 checksums); `--update-weight-full-interval N` makes every Nth a full one; versions older than the newest full one
 are deleted unless `--update-weight-disk-keep-files`.
@@ -13,7 +13,8 @@ One sync to version N (>= 1):
    checksum; a failure leaves the engine serving its last good weights and stops the run); lichen serve also
    decodes the deltas into a staged copy of its weights here;
 3. pause -> flush -> `/update_weights_from_disk {model_path: local dir, weight_version "N"}` -> continue
-   (time: apply): lichen serve moves its live weights by the deltas (swaps the staged copy in, DESIGN §8),
+   (time: apply): lichen serve moves its live weights by the deltas (swaps the staged copy in,
+   docs/architecture.md#live-delta-apply),
    SGLang reloads the local copy.
 
 Version 0 (the start of a fresh run) publishes nothing: `/pull_weights` target 0 seeds the local copy from the

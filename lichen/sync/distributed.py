@@ -1,6 +1,6 @@
 """Weight sync by torch.distributed broadcast (`--update-weight-transport nccl`; NCCL on GPU, gloo on CPU).
 
-The trainer is rank 0 of a group with the engines (sglang-api.md §5.2–§5.4); an engine with tensor parallelism
+The trainer is rank 0 of a group with the engines (docs/architecture.md#weight-sync); an engine with tensor parallelism
 k takes k ranks, so engine i gets `rank_offset = 1 + Σ_{j<i} k_j` and `world_size = 1 + Σ k_j`.
 
 Forming the group (the first sync, and again whenever the engines in rotation change, e.g. when a restarted engine

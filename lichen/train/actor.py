@@ -100,7 +100,7 @@ class TrainActor:
 
     def offload(self) -> None:
         if self.device.type == "cpu":
-            return  # DESIGN §7: a no-op on CPU (logged once by the loop)
+            return  # docs/architecture.md#offload: a no-op on CPU (logged once by the loop)
         from lichen.train.offload import offload_to_cpu
 
         offload_to_cpu(self.model, self.optimizer)
@@ -121,7 +121,8 @@ class TrainActor:
         return contextlib.nullcontext()
 
     def forward_log_probs(self, model, mb: MicroBatch, need_entropy: bool = False):
-        """log pi(token) = log_softmax(logits / T)[token] at each response position (DESIGN §3)."""
+        """log pi(token) = log_softmax(logits / T)[token] at each response position
+        (docs/architecture.md#log-prob-convention)."""
         with self._autocast():
             hidden = model(mb.input_ids, mb.position_ids, attn_mask=mb.attn_mask)
             logits = model.logits(mb.response_hidden(hidden))

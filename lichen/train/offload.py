@@ -1,4 +1,4 @@
-"""Moving the trainer's state off the accelerator while engines generate (DESIGN §7).
+"""Moving the trainer's state off the accelerator while engines generate (docs/architecture.md#offload).
 
 Parameters, gradients and optimizer state go to pinned CPU memory and come back before training. (When
 `torch_memory_saver` is installed on a CUDA machine it can pause the allocations instead; that path lands with

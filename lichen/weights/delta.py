@@ -1,4 +1,4 @@
-"""The per-tensor weight delta codec: encode, apply, verify (the payloads of `sglang-api.md` §5.6).
+"""The per-tensor weight delta codec: encode, apply, verify (the payloads of docs/weight-format.md#payloads).
 
 A tensor is treated as its raw bytes in the engine dtype (`tensor_bytes`). Between two versions `old` and `new`
 of those bytes, one tensor's delta payload is a single zstd frame (content size in the header) holding:

@@ -1,4 +1,4 @@
-"""Published weight versions on disk: the format of `sglang-api.md` §5.6, and the trainer-side publisher.
+"""Published weight versions on disk: the format of docs/weight-format.md#layout, and the trainer-side publisher.
 
 A disk dir holds one directory per published version, `weight_v{N:06d}/`, each an HF-style checkpoint with a
 `model.safetensors.index.json` (`{"metadata": {...}, "weight_map": {name: file}}`):

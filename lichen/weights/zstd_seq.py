@@ -5,7 +5,7 @@ pass of lichen.weights.diff_kernel through `Parser.diff`), only the entropy codi
 Why: zstd's own match finder spends ~90 ns per match on a xor delta of a bf16 model after one small optimizer
 step (a nonzero byte every ~50 bytes), 0.5 GB/s per core; the delta's structure is known, so the matches are too.
 The frame is an ordinary zstd frame (any zstd decoder reads it; content size in the header), so the on-disk
-format (sglang-api.md §5.6) does not change, and the frames decode faster (one simple match per zero run).
+format (docs/weight-format.md#xor) does not change, and the frames decode faster (one simple match per zero run).
 
 Parse, on the little-endian 8-byte words w[0..W) of the input x (n bytes, W = n // 8): every maximal run of zero
 words [lo, hi) becomes one zstd sequence (literals x[prev_me : ms], then a match of offset 1 and length me - ms):
