@@ -259,3 +259,22 @@ def test_server_info_tells_the_truth(server):
     # --max-batch-size 1e8: that many full-context sequences cannot fit in this machine's memory
     assert 0 < info["max_total_num_tokens"] < info["max_running_requests"] * ctx
     assert info["max_queued_sequences"] == 4 and info["max_sequences_per_request"] == 16
+
+
+def test_scheduler_state_read_elsewhere_never_touches_the_live_batch(tiny_ckpt):
+    """/v1/loads and /get_server_info read the scheduler's counts from the event loop thread while the scheduler
+    thread mutates the batch; len() of a batch mid-update once raised (a 500 under load). The counts are published
+    by the scheduler thread after each pass, so reading them never looks at the batch."""
+    from lichen.engines.engine import Engine
+    from lichen.engines.scheduler import Scheduler
+    from lichen.models import load_model
+
+    class Mutating:  # a batch caught between `rows` and `n_dead` being updated
+        cache_tokens = 0
+
+        def __len__(self):
+            raise ValueError("__len__() should return >= 0")
+
+    sch = Scheduler(Engine(load_model(tiny_ckpt), eos_token_ids=[0]), max_running=4, on_events=lambda p, d: None)
+    sch.batch = Mutating()
+    assert (sch.num_running, sch.num_waiting, sch.cache_tokens, sch.waiting_tokens) == (0, 0, 0, 0)
