@@ -336,8 +336,10 @@ MAX_LEN = 48
 def serve_pair(tiny_ckpt, tmp_path_factory):
     """Two servers decoding at most 2 sequences at once: a round of 12 requests runs in waves, so the requests
     running when the first 2 groups are decided are cut off mid-generation."""
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=[*THREADS, "--max-batch-size", "2"],
-                              log_dir=str(tmp_path_factory.mktemp("logs")))
+    # keyed=False: the runs below use them as external engines without a key (test_sync_training covers keys)
+    launcher = EngineLauncher(tiny_ckpt, 2, server_args=[*THREADS, "--max-batch-size", "2", "--weight-dir",
+                                                         str(tmp_path_factory.getbasetemp())],
+                              log_dir=str(tmp_path_factory.mktemp("logs")), keyed=False)
     urls = launcher.start()
     yield [u.split("//")[1] for u in urls]
     launcher.stop()

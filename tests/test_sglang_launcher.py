@@ -259,3 +259,25 @@ def test_stop_takes_the_servers_children_down(tmp_path):
     if not _gone(child):
         os.kill(child, signal.SIGKILL)
         pytest.fail("the server's child process outlived stop()")
+
+
+def test_keyed_launch_hands_the_key_over_off_the_command_line(tmp_path):
+    """SGLang reads its key from argv only: the launcher starts it through a wrapper that appends the key inside
+    the process, so `ps` (the exec'd argv) never shows it; the log, where SGLang prints its arguments, is 0600."""
+    env = write_fake_sglang(tmp_path)
+    launcher = SGLangLauncher(fake_sglang_command, 1, log_dir=str(tmp_path / "logs"), env=env, poll=0.05,
+                              ready_timeout=60, keyed=True)
+    other = SGLangLauncher(fake_sglang_command, 1, log_dir=str(tmp_path / "logs2"), keyed=True)
+    assert launcher.api_key and launcher.api_key != other.api_key and launcher.admin_api_key is None
+    try:
+        url = launcher.start()[0]
+        pid = launcher.pids[0]
+        with open(tmp_path / f"pid_{pid}") as f:
+            argv = json.load(f)
+        assert argv[-2:] == ["--api-key", launcher.api_key]  # what SGLang parses
+        assert argv[:-2] == fake_sglang_command(0, int(url.rsplit(":", 1)[1]))[3:]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert launcher.api_key.encode() not in f.read()
+        assert os.stat(tmp_path / "logs" / "engine_0.log").st_mode & 0o077 == 0
+    finally:
+        launcher.stop(grace=5)

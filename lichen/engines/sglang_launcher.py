@@ -36,6 +36,7 @@ import urllib.request
 import weakref
 from typing import Any, Sequence
 
+from lichen.engines.auth import SERVE_KEY_ENV, new_key
 from lichen.engines.server_process import ServerSet
 from lichen.errors import ConfigError, UserError
 
@@ -53,8 +54,8 @@ LICHEN_SETS: dict[str, str] = {
     "--base-gpu-id": "lichen (engine i starts at GPU i * --rollout-num-gpus-per-engine)",
     "--random-seed": "--seed",
     "--dtype": "--bf16 (bfloat16; float32 without it, the trainer's dtype)",
-    "--api-key": "lichen (launched engines bind 127.0.0.1 without a key)",
-    "--admin-api-key": "lichen (launched engines bind 127.0.0.1 without a key)",
+    "--api-key": "lichen (launched engines get a fresh random key per run)",
+    "--admin-api-key": "lichen (launched engines get a fresh random key per run)",
 }
 # Set only when the lichen flag is given; otherwise passed through like any other flag.
 LICHEN_SETS_WHEN_GIVEN: dict[str, tuple[str, str]] = {
@@ -120,6 +121,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# `python -c THIS ARGS...` runs `python -m sglang.launch_server ARGS... --api-key K` with the key taken from (and
+# removed from) its environment: SGLang reads its key only from argv, and the argv given to exec is what every
+# local user sees in `ps`; changing sys.argv inside the process is not. One key: without an admin key SGLang
+# takes it on every endpoint, which spares lichen knowing which paths each SGLang release counts as admin ones.
+_WITH_KEYS = (
+    "import os, runpy, sys\n"
+    f"sys.argv += ['--api-key', os.environ.pop({SERVE_KEY_ENV!r})]\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def keyed_command(cmd: list[str]) -> list[str]:
+    """`[python, -m, sglang.launch_server, ARGS...]` -> the same server started through _WITH_KEYS."""
+    if cmd[1:3] != ["-m", "sglang.launch_server"]:
+        raise ValueError(f"a keyed SGLang launch needs `python -m sglang.launch_server ...`, got {cmd[:3]}")
+    return [cmd[0], "-c", _WITH_KEYS, *cmd[3:]]
+
+
 # Runs in the child before SGLang: die with the parent (argv[1] = its pid), then become the server.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
@@ -143,15 +162,21 @@ class _Server:
 class SGLangLauncher(ServerSet):
     """K SGLang servers; `command_for(i, port) -> argv` builds engine i's command (build_sglang_command).
 
-    `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts)."""
+    `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts). `keyed`: give
+    the servers a fresh random API key, through their environment (see keyed_command), never on their command
+    line; `api_key` is what clients send (`admin_api_key` stays None: SGLang then takes the key everywhere)."""
 
     def __init__(self, command_for: Any, num_engines: int, *, log_dir: str, host: str = "127.0.0.1",
-                 ready_timeout: float = 1800.0, env: dict | None = None, poll: float = 1.0):
+                 ready_timeout: float = 1800.0, env: dict | None = None, poll: float = 1.0, keyed: bool = False):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.command_for, self.num_engines, self.host = command_for, num_engines, host
         self.log_dir, self.ready_timeout, self.poll = log_dir, ready_timeout, poll
         self.env = dict(env or {})
+        self.api_key = self.admin_api_key = None
+        if keyed:
+            self.api_key = new_key()
+            self.env[SERVE_KEY_ENV] = self.api_key
         self.servers: list[_Server] = []
         self._lock = threading.Lock()
         self._stopped = False
@@ -162,6 +187,7 @@ class SGLangLauncher(ServerSet):
         def command_for(i: int, port: int) -> list[str]:
             return build_sglang_command(args, engine_index=i, port=port)
 
+        kwargs.setdefault("keyed", True)
         return cls(command_for, args.rollout_num_engines, log_dir=os.path.join(args.output_dir, "engines"),
                    **kwargs)
 
@@ -183,10 +209,11 @@ class SGLangLauncher(ServerSet):
         cmd = self.command_for(i, port)
         os.makedirs(self.log_dir, exist_ok=True)
         log_path = os.path.join(self.log_dir, f"engine_{i}.log")
-        argv = cmd
+        argv = keyed_command(cmd) if self.api_key else cmd
         if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-            argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
-        with open(log_path, "ab") as out:
+            argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+        # SGLang logs its server_args, the key among them: the log is readable by this user only
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             out.write(f"\n[lichen] starting: {' '.join(cmd)}\n".encode())
             out.flush()
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
