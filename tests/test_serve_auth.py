@@ -120,3 +120,25 @@ def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
         engines.close()
     for name in os.listdir(tmp_path):
         assert launcher.api_key not in (tmp_path / name).read_text(errors="replace")
+
+
+def test_external_engine_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from lichen.engines.remote import external_keys
+
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(KEY)
+    os.chmod(key_file, 0o600)
+    monkeypatch.setenv("LICHEN_ENGINE_API_KEY", "from-env")
+    monkeypatch.setenv("LICHEN_ENGINE_ADMIN_API_KEY", ADMIN)
+    args = SimpleNamespace(rollout_external_engine_api_key_file=str(key_file),
+                           rollout_external_engine_admin_api_key_file=None)
+    assert external_keys(args) == (KEY, ADMIN)  # the file wins over the environment
+    args.rollout_external_engine_api_key_file = None
+    assert external_keys(args) == ("from-env", ADMIN)
+    # the old flag put the key on the command line: refused with one line saying where the key goes now
+    r = subprocess.run([sys.executable, "-m", "lichen.cli", "train", "--rollout-external-engine-api-key", KEY],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "was removed" in r.stderr and "--rollout-external-engine-api-key-file" in r.stderr
+    assert "Traceback" not in r.stderr
