@@ -97,9 +97,9 @@ def test_keys_from_a_file_or_the_environment_stay_off_the_command_line(tiny_ckpt
 
 
 def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
+    from lichen.engines.engine import GenRequest
     from lichen.engines.launcher import EngineLauncher
     from lichen.engines.remote import RemoteEngines
-    from lichen.engines.engine import GenRequest
 
     launcher = EngineLauncher(tiny_ckpt, 1, server_args=["--num-threads", "1"], log_dir=str(tmp_path))
     other = EngineLauncher(tiny_ckpt, 1)

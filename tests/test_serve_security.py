@@ -278,3 +278,20 @@ def test_scheduler_state_read_elsewhere_never_touches_the_live_batch(tiny_ckpt):
     sch = Scheduler(Engine(load_model(tiny_ckpt), eos_token_ids=[0]), max_running=4, on_events=lambda p, d: None)
     sch.batch = Mutating()
     assert (sch.num_running, sch.num_waiting, sch.cache_tokens, sch.waiting_tokens) == (0, 0, 0, 0)
+
+
+def test_launched_engines_get_the_runs_dirs_and_bounds(tmp_path):
+    from types import SimpleNamespace
+
+    from lichen.engines.remote import launch_server_args
+
+    args = SimpleNamespace(device="cpu", rollout_max_batch_size=None, num_threads=1, rollout_num_engines=2,
+                           update_weight_disk_dir=str(tmp_path / "w"),
+                           update_weight_local_checkpoint_dir=str(tmp_path / "local"),
+                           sglang_server_concurrency=3000, rollout_max_prompt_len=100, rollout_max_response_len=50,
+                           eval_max_response_len=200)
+    flags = launch_server_args(args)
+    opt = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
+    assert opt["--weight-dir"] == str(tmp_path / "w") and opt["--local-checkpoint-dir"] == str(tmp_path / "local")
+    assert opt["--max-queued-sequences"] == "6000"  # twice what the client keeps in flight per engine
+    assert opt["--max-queued-tokens"] == str(6000 * (100 + 200))  # the longest prompt + response of the run

@@ -281,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {shape} written in {time.perf_counter() - t0:.1f} s; training {args.steps} step(s)", flush=True)
     states = train_states(model_dir, args, dtype)
     model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
-    launcher = EngineLauncher(model_dir, 1, server_args=["--dtype", args.dtype, "--num-threads", str(args.threads)],
+    # every transport's versions and local copy are below `work`: the only dirs the engine may use for weights
+    launcher = EngineLauncher(model_dir, 1, server_args=["--dtype", args.dtype, "--num-threads", str(args.threads),
+                                                         "--weight-dir", work, "--local-checkpoint-dir", work],
                               log_dir=os.path.join(work, "logs"))
     results, raw = [], {}
     try:

@@ -25,8 +25,8 @@ from lichen.engines.limits import Limits, Overloaded, free_memory_bytes, job_tok
 from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputOptions, RequestError, Sampling,
                                      abort_status, error_body, expect, generate_output, loads, make_job,
                                      parse_generate)
-from lichen.engines.weight_paths import WeightDirs
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
+from lichen.engines.weight_paths import WeightDirs
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
