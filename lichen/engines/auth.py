@@ -68,7 +68,7 @@ def read_key_file(path: str, flag: str) -> str:
     """The key in `path` (surrounding whitespace stripped); ConfigError naming `flag` when it is missing, empty or
     readable by group or others."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY)  # links allowed (mounted secrets are links); the mode checked is the file's
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot read the key file ({e.strerror or e})") from None
     with os.fdopen(fd, encoding="utf-8", errors="strict") as f:
