@@ -1,5 +1,6 @@
 """`lichen serve` off loopback: it refuses to start without --api-key, and with one it checks keys as SGLang does
-(sglang-api.md §1.2): health endpoints open, 401 otherwise; an admin key guards the control endpoints."""
+(docs/architecture.md#engine-authentication): health endpoints open, 401 otherwise; an admin key guards the control
+endpoints."""
 
 import os
 import subprocess

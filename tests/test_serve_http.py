@@ -1,4 +1,5 @@
-"""`lichen serve` as a real process on a loopback port: SGLang's native protocol (sglang-api.md), checked against
+"""`lichen serve` as a real process on a loopback port: SGLang's native protocol
+(docs/architecture.md#engine-protocol), checked against
 an in-process full forward of the same checkpoint, plus the OpenAI-compatible endpoints and shutdown."""
 
 import threading

@@ -7,7 +7,8 @@ fresh random key per run that way, and reads an external engine's key from `--ro
 or `LICHEN_ENGINE_API_KEY` (`LICHEN_ENGINE_ADMIN_API_KEY` / `--rollout-external-engine-admin-api-key-file` for its
 admin key). A key file must not be readable by group or others (chmod 600).
 
-SGLang's rule for requests (sglang-api.md §1.2): a key is accepted from `Authorization: Bearer KEY` or from
+SGLang's rule for requests (docs/architecture.md#engine-authentication): a key is accepted from `Authorization:
+Bearer KEY` or from
 `x-api-key: KEY`; a request passes when either header carries the right key.
 """
 

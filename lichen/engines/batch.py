@@ -218,7 +218,7 @@ class DecodeBatch:
 
     def _score_prompt(self, s: Seq, h: torch.Tensor) -> None:
         """log p(prompt[j] | prompt[:j]) for j > start, under log_softmax(logits / T). Position `start` itself
-        gets None, whatever `start` is: SGLang's first input log-prob is always null (sglang-api.md §2.3), so
+        gets None, whatever `start` is: SGLang's first input log-prob is always null (docs/serve-protocol.md), so
         len(input_token_logprobs) == prompt_tokens - logprob_start_len."""
         start = s.input_logprob_start
         n = len(s.input_ids)

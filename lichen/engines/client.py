@@ -10,10 +10,11 @@ that request was not taken, so it is sent again after a growing pause (0.25 s do
 `overload_timeout` s, without using up `max_retries`.
 
 A retried `/generate` carries the same `sampling_seed`, so it draws the same tokens as the lost attempt would
-have (sglang-api.md §2.2; lichen serve always honours the seed, SGLang with deterministic inference).
+have (docs/architecture.md#sampling-seeds; lichen serve always honours the seed, SGLang with deterministic inference).
 
 `generate_payload` / `result_from_output` translate between lichen's `GenRequest` / `GenResult` and the
-`/generate` JSON (sglang-api.md §2): tokens and log-probs are read from `meta_info.output_token_logprobs`
+`/generate` JSON (docs/architecture.md#generate-requests): tokens and log-probs are read from
+`meta_info.output_token_logprobs`
 (`[logprob, token_id, text]` triples), the finish reason from `meta_info.finish_reason.type`.
 """
 
@@ -266,12 +267,13 @@ class EngineClient:
         return info
 
     async def weight_version(self) -> str | None:
-        """The version the server reports in /model_info (sglang-api.md §3.3: the portable place)."""
+        """The version the server reports in /model_info (the portable place: docs/architecture.md#weight-versions)."""
         v = (await self.model_info()).get("weight_version")
         return None if v is None else str(v)
 
     async def flush_cache(self, *, attempts: int = 60, delay: float = 0.5) -> None:
-        """GET /flush_cache until 200: it answers 400 while requests still run (sglang-api.md §3.6)."""
+        """GET /flush_cache until 200: it answers 400 while requests still run
+        (docs/architecture.md#weight-update-sequence)."""
         for i in range(attempts):
             status, body = await self.request("GET", "/flush_cache")
             if status == 200:

@@ -126,7 +126,8 @@ class Engine:
             p.copy_(state[name])
 
     def offload(self, tags: list[str] | None = None) -> None:
-        """Release device memory. On CPU there is nothing to release (DESIGN §7); on an accelerator the
+        """Release device memory. On CPU there is nothing to release (docs/architecture.md#offload); on an
+        accelerator the
         `weights` tag moves the parameters to host memory (the KV cache only lives during generation)."""
         if self.device.type == "cpu":
             return

@@ -4,7 +4,8 @@ Every engine is watched by its own task on the engines' event loop. After `first
 compile on their first requests) it calls `GET /health_generate` every `interval` seconds; an answer other than
 200 within `timeout` seconds, or no connection, means the engine is dead or hung. Probes are suspended while the
 engines are paused, syncing weights or offloaded (`suspend()` / `resume()`, and `RemoteEngines.released`): a
-paused engine does not answer `/health_generate` (sglang-api.md §1.4), and must not be restarted for it. A probe
+paused engine does not answer `/health_generate` (docs/architecture.md#pause-semantics), and must not be restarted
+for it. A probe
 that overlapped a suspension is discarded (`epoch` counts suspensions).
 
 An engine found dead — by a probe, or by the router when its requests cannot connect — goes through
@@ -18,7 +19,8 @@ An engine found dead — by a probe, or by the router when its requests cannot c
 - restart (launched engines only): the process is killed (a hung one too) and started again on a new port;
   external engines are probed until they answer again;
 - re-joining: a pending engine stays out of rotation until the next weight sync, which waits for restarts in
-  progress and brings every engine to the current version (DESIGN §5). Two exceptions keep a run from stalling:
+  progress and brings every engine to the current version (docs/architecture.md#engine-rejoin). Two exceptions keep a
+  run from stalling:
   before any sync (the engines serve the launch checkpoint, which is current) an engine re-joins at once, and
   when no engine at all is in rotation a pending one loads the last synced version and re-joins.
 """

@@ -1,8 +1,9 @@
-"""The HTTP side of `lichen serve`: SGLang's native endpoints (sglang-api.md §1–§5) over aiohttp.
+"""The HTTP side of `lichen serve`: SGLang's native endpoints (docs/architecture.md#engine-protocol) over aiohttp.
 
 The event loop owns the request registry (rid -> job) and the pause gate; the scheduler thread owns the engine.
 Jobs go to the scheduler after the gate; results come back through `_on_events`, which hops onto the loop.
-A request that arrives while generation is paused waits at the gate (SGLang §1.4) and never reaches the
+A request that arrives while generation is paused waits at the gate (docs/architecture.md#pause-semantics) and never
+reaches the
 scheduler until `/continue_generation`; `/abort_request` still answers it at once.
 """
 

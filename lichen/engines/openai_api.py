@@ -1,4 +1,4 @@
-"""OpenAI-compatible endpoints of `lichen serve` (sglang-api.md §6): /v1/models, /v1/completions,
+"""OpenAI-compatible endpoints of `lichen serve` (docs/architecture.md#openai-endpoints): /v1/models, /v1/completions,
 /v1/chat/completions, with log-probs and streaming, so agent frameworks can drive rollouts.
 
 Both completion endpoints map onto the same jobs as `/generate`; log-probs follow lichen's convention

@@ -1,4 +1,5 @@
-"""SGLang's native `/generate` protocol (sglang-api.md §1.3, §2): parsing, validation and response objects.
+"""SGLang's native `/generate` protocol (docs/architecture.md#generate-requests): parsing, validation and response
+objects.
 
 Every field of SGLang's request schema is accepted. Fields that only tune SGLang internals (for example
 `spaces_between_special_tokens`, `custom_params`, `priority`) are ignored; fields that would change what is
@@ -498,7 +499,8 @@ def abort_status(job: Job) -> int | None:
 
 
 async def stream_error(resp: Any, e: Exception) -> None:
-    """An error after the stream started: one error event, then [DONE] (SGLang's shape, §1.3)."""
+    """An error after the stream started: one error event, then [DONE] (SGLang's shape,
+    docs/architecture.md#engine-errors)."""
     err = {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request_error", "code": 400,
                      "retryable": False}}
     try:

@@ -2,7 +2,8 @@
 
 The rollout code calls `generate(list[GenRequest]) -> list[GenResult]` the same way for the in-process `Engine`
 and for N servers (lichen serve or SGLang, launched by lichen or given by address). Each request becomes one
-`/generate` call (sglang-api.md §2) routed by `Router` (least outstanding requests, sticky sessions) and capped
+`/generate` call (docs/architecture.md#generate-requests) routed by `Router` (least outstanding requests, sticky
+sessions) and capped
 per engine by `--sglang-server-concurrency`; results come back in request order. The HTTP side runs on an
 event loop in a background thread, so callers stay synchronous; async code (custom generate functions) may
 run coroutines on that loop with `run()` and use `agenerate`.
@@ -10,11 +11,12 @@ run coroutines on that loop with `run()` and use `agenerate`.
 Control calls go to every engine in rotation, in parallel:
 - `update_weights_from_disk(path, version)`: pause_generation -> flush_cache (until 200) ->
   update_weights_from_disk {model_path, weight_version} -> /model_info must report `version` ->
-  continue_generation (also after a failure; sglang-api.md §7.5). A failed update leaves the engine serving
+  continue_generation (also after a failure; docs/architecture.md#weight-update-sequence). A failed update leaves the
+  engine serving
   its old weights and raises.
 - `offload()`: flush_cache -> release_memory_occupation {} (all memory); `onload(tags)`:
   resume_memory_occupation {"tags": ...}; resuming "kv_cache" also resumes "cuda_graph", as SGLang expects
-  (sglang-api.md §7.6).
+  (docs/architecture.md#weight-update-sequence).
 - `weight_version`: the version every engine reports in /model_info (None when they disagree).
 - `pause_generation(mode)` / `continue_generation()`: every engine in rotation.
 
@@ -414,7 +416,8 @@ class RemoteEngines:
 
     def paused(self):
         """Context manager: every engine in rotation paused and flushed inside; continued on exit, also after a
-        failure (sglang-api.md §7.5). Used for transports that must reach all engines at once."""
+        failure (docs/architecture.md#weight-update-sequence). Used for transports that must reach all engines at
+        once."""
         import contextlib
 
         @contextlib.contextmanager

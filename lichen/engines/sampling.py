@@ -1,13 +1,15 @@
 """Per-sample seeded sampling, vectorized over the batch.
 
-Each sample carries its own 32-bit seed (DESIGN §3). The random number for (seed, step, token) comes from a
+Each sample carries its own 32-bit seed (docs/architecture.md#sampling-seeds). The random number for (seed, step,
+token) comes from a
 counter-based hash rather than a stateful generator, so a sample's draws do not depend on which other samples
 share its batch, on the engine it was routed to, or on retries — and the whole batch is sampled in a few
 tensor ops on any device.
 
 Sampling uses the exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as p, i.e.
 token = argmax_i (log p_i - log E_i) with E_i = -log U_i. Top-p / top-k remove tokens from the race (log p = -inf);
-the returned log-prob is always read from the untruncated log_softmax(logits / T) (DESIGN's convention).
+the returned log-prob is always read from the untruncated log_softmax(logits / T)
+(docs/architecture.md#log-prob-convention).
 """
 
 from __future__ import annotations

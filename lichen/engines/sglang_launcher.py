@@ -15,7 +15,8 @@ Engine i runs
   `--sglang-mem-fraction-static 0.7`, `--sglang-enable-deterministic-inference`, which makes SGLang honour the
   per-sample `sampling_seed`). lichen does not check them: SGLang does, and its error is in the engine's log.
 
-A server is ready when `GET /health_generate` answers 200 (sglang-api.md §7.1). Each server runs in its own process
+A server is ready when `GET /health_generate` answers 200 (docs/architecture.md#engine-endpoints). Each server runs
+in its own process
 group, so stopping it also stops the scheduler and detokenizer processes SGLang forks; `stop()` (also at exit)
 sends SIGTERM to the group and SIGKILL after a grace period. `restart(i)` kills engine i's group and starts it
 again on a new port (the fault-tolerance monitor uses it).

@@ -1,4 +1,4 @@
-"""The weight-update endpoints of `lichen serve` (sglang-api.md §5.1–§5.4, §5.6, §5.8).
+"""The weight-update endpoints of `lichen serve` (docs/architecture.md#weight-sync, docs/weight-format.md#pull-weights).
 
 - `/init_weights_update_group`: join a torch.distributed group with the trainer (rank 0) as rank `rank_offset`
   (lichen serve is one rank per engine); `nccl` on an accelerator, `gloo` on CPU. The call returns once the group
@@ -13,7 +13,8 @@
   file lock, deltas checked against their checksums); the served weights do not change here. When the served
   weights are the version the local copy held, each delta is also decoded into staging buffers (lichen.weights.
   staging: a second copy of the CPU weights, verified by the same checksums), so it is decompressed only once.
-- `/update_weights_from_disk` (replaces the server's route, DESIGN §8): when `model_path` is a local checkpoint
+- `/update_weights_from_disk` (replaces the server's route, docs/architecture.md#live-delta-apply): when `model_path`
+is a local checkpoint
   dir this server pulled into, and the served weights are an earlier version of the same publishing chain, the
   served weights move by the deltas instead of reloading the whole checkpoint: the staged tensors are swapped in
   (no copy) when the last pull staged exactly this version, else the deltas in the pulled source dir are applied
