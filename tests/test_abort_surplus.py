@@ -15,8 +15,8 @@ from lichen.rollout import generate as generate_module
 from lichen.rollout.generate import generate_rollout
 from lichen.rollout.manager import RolloutManager
 
-from test_loop_invariants import base_args
-from test_sglang_launcher import fake_sglang_command, write_fake_sglang
+from helpers.runs import base_args
+from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 
 def odd_prompts(args, group) -> bool:

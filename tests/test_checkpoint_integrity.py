@@ -19,7 +19,7 @@ from lichen.errors import ConfigError, UserError
 from lichen.train import checkpoint as ckpt
 from lichen.train.ckpt_integrity import MANIFEST, remove_stale_temps, verify, write_manifest
 
-from test_loop_invariants import base_args, run
+from helpers.runs import base_args, run
 
 COMMON = ["--micro-batch-size", "2", "--save-interval", "1"]
 

@@ -19,7 +19,7 @@ from lichen.engines.router import NoEngineAvailable, Router
 from lichen.engines.sampling import derive_seed
 from lichen.engines.server_process import launch
 
-from batch_schedule import assert_mostly_same_generations
+from helpers.batch_schedule import assert_mostly_same_generations
 
 KEY = "sekrit-key"
 

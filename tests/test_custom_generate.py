@@ -22,8 +22,8 @@ from lichen.rollout.examples.calculator_agent import calculate, find_call, gener
 from lichen.rollout.generate import build_samples
 from lichen.types import Sample, Status
 
-from test_loop_invariants import base_args, run
-from test_sglang_launcher import fake_sglang_command, write_fake_sglang
+from helpers.runs import base_args, run
+from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 
 # ---- plug-ins used below ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from test_loop_invariants import base_args, run
+from helpers.runs import base_args, run
 
 
 def groups_of(samples):

@@ -1,6 +1,6 @@
 """Fault tolerance (--use-fault-tolerance): health monitor, re-sent requests, restarts, re-joining at the next sync.
 
-- Stand-in engines (tests/test_sglang_launcher.py FAKE_LAUNCH_SERVER, started by the SGLang launcher; no torch,
+- Stand-in engines (tests/helpers/fake_sglang.py FAKE_LAUNCH_SERVER, started by the SGLang launcher; no torch,
   so they start in a blink): a hung engine (SIGSTOP) holding requests, a pause held far longer than the health
   timeout, and the same pause done behind lichen's back (which must count as a hang).
 - Real `lichen serve` engines in a training run: SIGKILL one while it has requests in flight; the step completes
@@ -27,8 +27,8 @@ from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 
-from test_loop_invariants import base_args, run
-from test_sglang_launcher import fake_sglang_command, write_fake_sglang
+from helpers.runs import base_args, run
+from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 TIMEOUT = 2.0  # health-check timeout for the stand-in engines: generous, so a loaded machine is no hang
 

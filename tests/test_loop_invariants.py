@@ -3,22 +3,8 @@
 import pytest
 
 from lichen.cli import main
-from lichen.observe.metrics import read_metrics
-from lichen.weights.hf_io import load_hf_state_dict
 
-
-def base_args(ckpt, data, out, *extra):
-    return [
-        "train", "--hf-checkpoint", ckpt, "--prompt-data", data, "--custom-rm-path", "loop_plugins.digit_fraction",
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
-        "--lr", "1e-3", "--output-dir", str(out), "--no-progress", *extra,
-    ]
-
-
-def run(argv) -> list[dict]:
-    assert main(argv) == 0
-    out = argv[argv.index("--output-dir") + 1]
-    return read_metrics(out)
+from helpers.runs import base_args, final_weights, run
 
 
 def test_first_step_ppo_kl_is_zero_and_second_is_not(tiny_ckpt, addition_data, tmp_path):
@@ -42,11 +28,6 @@ def test_train_rollout_logprob_abs_diff(tiny_ckpt, addition_data, tmp_path, samp
     for m in rows:
         assert m["train/train_rollout_logprob_abs_diff"] <= 1e-5
         assert m["train/train_rollout_logprob_abs_diff_max"] <= 1e-4
-
-
-def final_weights(save_dir) -> dict:
-    last = int(open(f"{save_dir}/latest_checkpointed_iteration.txt").read())
-    return load_hf_state_dict(f"{save_dir}/iter_{last:07d}/hf")
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "ppo"])

@@ -8,7 +8,7 @@ import torch
 from lichen.cli import main
 from lichen.weights.hf_io import load_hf_state_dict
 
-from test_loop_invariants import base_args, final_weights, run
+from helpers.runs import base_args, final_weights, run
 
 
 def test_debug_rollout_only_generates_without_trainer(tiny_ckpt, addition_data, tmp_path):

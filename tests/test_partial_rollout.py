@@ -34,8 +34,8 @@ from lichen.rollout.partial import (SEGMENTS_KEY, PartialBuffer, continuation_re
 from lichen.train import checkpoint as ckpt
 from lichen.types import Sample, Status
 
-from test_loop_invariants import base_args, run
-from test_remote_rollout import THREADS
+from helpers.runs import base_args, run
+from helpers.runs import THREADS
 
 SEED = 1234  # --seed default
 

@@ -26,11 +26,9 @@ from lichen.rollout.generate import generate_rollout
 from lichen.sync.disk import push_full, version_dir, write_version
 from lichen.weights.hf_io import load_hf_state_dict
 
-from batch_schedule import assert_mostly_same_generations
+from helpers.batch_schedule import assert_mostly_same_generations
+from helpers.runs import THREADS, base_args, run
 
-from test_loop_invariants import base_args, run
-
-THREADS = ["--num-threads", "1"]  # 2 loaded cores: more threads per process only oversubscribe them
 
 
 def requests(n: int = 10) -> list[GenRequest]:

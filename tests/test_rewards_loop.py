@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from test_loop_invariants import base_args, run
+from helpers.runs import base_args, run
 
 
 def raise_on_tenth(args, sample):

@@ -16,7 +16,7 @@ import torch
 from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.launcher import EngineLauncher
 
-from test_loop_invariants import base_args, run
+from helpers.runs import base_args, run
 
 THREADS = ["--num-threads", "1"]
 

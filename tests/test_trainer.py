@@ -8,8 +8,8 @@ import torch
 from lichen.train.batch import split_by_tokens
 from lichen.weights.hf_io import load_hf_state_dict
 
-from test_loop_invariants import base_args, final_weights, run
-from test_perf_trainer import make_actor, ragged_samples
+from helpers.runs import base_args, final_weights, run
+from helpers.trainer import make_actor, ragged_samples
 
 
 def weights_after(tiny_ckpt, data, tmp_path, name, *extra):

@@ -1,0 +1,28 @@
+"""Running `lichen train` in process from tests: the common flags, the run itself, the weights it saved."""
+
+from __future__ import annotations
+
+from lichen.cli import main
+from lichen.observe.metrics import read_metrics
+from lichen.weights.hf_io import load_hf_state_dict
+
+THREADS = ["--num-threads", "1"]  # for launched servers: 2 loaded cores, more threads per process only oversubscribe
+
+
+def base_args(ckpt, data, out, *extra):
+    return [
+        "train", "--hf-checkpoint", ckpt, "--prompt-data", data, "--custom-rm-path", "loop_plugins.digit_fraction",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
+        "--lr", "1e-3", "--output-dir", str(out), "--no-progress", *extra,
+    ]
+
+
+def run(argv) -> list[dict]:
+    assert main(argv) == 0
+    out = argv[argv.index("--output-dir") + 1]
+    return read_metrics(out)
+
+
+def final_weights(save_dir) -> dict:
+    last = int(open(f"{save_dir}/latest_checkpointed_iteration.txt").read())
+    return load_hf_state_dict(f"{save_dir}/iter_{last:07d}/hf")
