@@ -384,10 +384,11 @@ async def _run_launcher(payload: bytes, limits: SandboxLimits, pass_fds: tuple[i
     except asyncio.TimeoutError:
         timed_out = True
         kill_all()
-        await proc.wait()
         code = None
-        try:  # what it printed before the kill still counts (e.g. test cases that finished)
-            await asyncio.wait_for(readers, timeout=2.0)
+        # what it printed before the kill still counts (e.g. test cases that finished); bounded, since asyncio's
+        # wait() returns only once the pipes close, which a process that survived the kill could prevent
+        try:
+            await asyncio.wait_for(asyncio.gather(proc.wait(), readers), timeout=2.0)
         except asyncio.TimeoutError:
             readers.cancel()
     except BaseException:  # cancelled by the reward runner's own timeout: leave nothing running
