@@ -51,7 +51,7 @@ def addition_data(tmp_path_factory) -> str:
 def pair(tiny_ckpt, tmp_path_factory):
     """Two `lichen serve` engines on the tiny checkpoint behind one RemoteEngines, shared by a test module."""
     from lichen.engines.launcher import EngineLauncher
-    from lichen.engines.remote import RemoteEngines
+    from lichen.engines.remote_engines import RemoteEngines
 
     tmp = str(tmp_path_factory.getbasetemp())  # the tests' weight dirs and local copies are all below it
     launcher = EngineLauncher(tiny_ckpt, 2, server_args=["--num-threads", "1", "--weight-dir", tmp,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from lichen.config import parse_train_args
-from lichen.engines.remote import RemoteEngines
+from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.server_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.rollout import generate as generate_module

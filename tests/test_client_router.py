@@ -16,7 +16,7 @@ from lichen.engines.client import (EngineClient, EngineError, EngineRequestError
                                    generate_payload, normalize_url, result_from_output)
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.router import NoEngineAvailable, Router
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.engines.server_process import launch
 
 from helpers.batch_schedule import assert_mostly_same_generations

@@ -11,8 +11,8 @@ import torch
 
 from lichen.data.dataset import PromptRecord
 from lichen.engines.engine import Engine, GenResult
-from lichen.engines.remote import RemoteEngines
-from lichen.engines.sampling import derive_seed
+from lichen.engines.remote_engines import RemoteEngines
+from lichen.engines.sampler import derive_seed
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.errors import UserError
 from lichen.models.tokenizer import load_tokenizer

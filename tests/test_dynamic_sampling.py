@@ -11,7 +11,7 @@ import torch
 import ds_plugins
 from lichen.cli import main
 from lichen.config import parse_train_args, sampling
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError, UserError
 from lichen.rollout.filters import (
     check_reward_nonzero_std,

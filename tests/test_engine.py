@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampling import derive_seed, sample_next, truncate_logprobs, uniform_noise
+from lichen.engines.sampler import derive_seed, sample_next, truncate_logprobs, uniform_noise
 from lichen.models.tiny import make_tiny_model
 
 

@@ -24,8 +24,8 @@ import torch
 from lichen.config import parse_train_args
 from lichen.engines.engine import Engine, GenRequest, GenResult
 from lichen.engines.launcher import EngineLauncher
-from lichen.engines.remote import RemoteEngines
-from lichen.engines.sampling import derive_seed
+from lichen.engines.remote_engines import RemoteEngines
+from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import SEED_ROUND_STRIDE
 from lichen.rollout.manager import RolloutManager

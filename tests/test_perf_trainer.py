@@ -17,7 +17,7 @@ import torch
 import lichen.train.actor as actor_mod
 from lichen.models import load_model
 from lichen.train.actor import TrainActor
-from lichen.train.batch import StepBatch, first_fit, plan_micro_batches
+from lichen.train.micro_batches import StepBatch, first_fit, plan_micro_batches
 from lichen.train.optim import adamw_implementation, make_adamw
 from lichen.types import Status
 

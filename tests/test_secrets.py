@@ -181,7 +181,7 @@ def test_planted_keys_appear_in_no_output_of_a_run(tiny_ckpt, addition_data, tmp
 
 
 def test_remote_rm_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from lichen.rewards.remote import RM_KEY_ENV, RemoteRM, rm_api_key
+    from lichen.rewards.remote_rm import RM_KEY_ENV, RemoteRM, rm_api_key
 
     monkeypatch.delenv(RM_KEY_ENV, raising=False)
     assert rm_api_key(None) is None

@@ -1,4 +1,4 @@
-"""Continuous batching (lichen/engines/batch.py, scheduler.py) in process: sequences that join a running batch,
+"""Continuous batching (lichen/engines/decode_batch.py, scheduler.py) in process: sequences that join a running batch,
 leave it, are retracted or aborted still get the tokens and log-probs they would get alone."""
 
 import threading
@@ -6,10 +6,10 @@ import threading
 import pytest
 import torch
 
-from lichen.engines import batch as batch_mod
-from lichen.engines.batch import Seq, row_noise, sample_rows
+from lichen.engines import decode_batch as batch_mod
+from lichen.engines.decode_batch import Seq, row_noise, sample_rows
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampling import derive_seed, sample_next, uniform_noise
+from lichen.engines.sampler import derive_seed, sample_next, uniform_noise
 from lichen.engines.scheduler import Scheduler
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.engines.server_process import call, launch, stream
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model, token_strings

@@ -283,7 +283,7 @@ def test_scheduler_state_read_elsewhere_never_touches_the_live_batch(tiny_ckpt):
 def test_launched_engines_get_the_runs_dirs_and_bounds(tmp_path):
     from types import SimpleNamespace
 
-    from lichen.engines.remote import launch_server_args
+    from lichen.engines.remote_engines import launch_server_args
 
     args = SimpleNamespace(device="cpu", rollout_max_batch_size=None, num_threads=1, rollout_num_engines=2,
                            update_weight_disk_dir=str(tmp_path / "w"),

@@ -17,10 +17,10 @@ import xxhash
 
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine
-from lichen.engines.remote import RemoteEngines
+from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.server_process import call as plain_call
 from lichen.models import load_model
-from lichen.sync.delta import DeltaSync
+from lichen.sync.disk_delta import DeltaSync
 from lichen.sync.disk import FullDiskSync
 from lichen.sync.distributed import BroadcastSync, buckets
 from lichen.sync.verify import WeightMismatchError, verify_engines, verify_in_process

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from lichen.train.batch import split_by_tokens
+from lichen.train.micro_batches import split_by_tokens
 from lichen.weights.hf_io import load_hf_state_dict
 
 from helpers.runs import base_args, final_weights, run

@@ -1,4 +1,4 @@
-"""Tests for lichen.weights.delta: the xor / overwrite payloads, zstd framing, checksums and bench_delta.
+"""Tests for lichen.weights.delta_codec: the xor / overwrite payloads, zstd framing, checksums and bench_delta.
 
 References are independent of the codec: payload contents are rebuilt with struct / plain numpy, checksums
 are checked against published test vectors, expected bytes come from numpy integer views of the tensors.
@@ -14,7 +14,7 @@ import pytest
 import torch
 import zstandard
 
-from lichen.weights import delta as D
+from lichen.weights import delta_codec as D
 from lichen.weights import (
     DeltaError,
     apply_tensor,

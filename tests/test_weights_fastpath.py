@@ -18,7 +18,7 @@ import zstandard
 
 import lichen.weights
 from lichen.weights import VersionPublisher, pull_weights, read_version_info, version_dir
-from lichen.weights import delta as D
+from lichen.weights import delta_codec as D
 from lichen.weights import diff_kernel
 from lichen.weights.native import Native, Unavailable
 from lichen.weights import zstd_seq as Z

@@ -37,7 +37,7 @@ from lichen.weights import (
     read_version_info,
     version_dir,
 )
-from lichen.weights import delta as D
+from lichen.weights import delta_codec as D
 
 INDEX = "model.safetensors.index.json"
 

@@ -118,7 +118,7 @@ def train_states(model_dir: str, args: argparse.Namespace, dtype: torch.dtype) -
 
 
 def _transport(name: str, engines, work: str, model_dir: str):
-    from lichen.sync.delta import DeltaSync
+    from lichen.sync.disk_delta import DeltaSync
     from lichen.sync.disk import FullDiskSync
     from lichen.sync.distributed import BroadcastSync
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from lichen.engines.launcher import EngineLauncher
-    from lichen.engines.remote import RemoteEngines
+    from lichen.engines.remote_engines import RemoteEngines
     from lichen.models.tiny import make_tiny_model
 
     dtype = getattr(torch, args.dtype)

@@ -4,7 +4,7 @@
 token ids and sampling parameters and returns token ids, log-probs and a finish reason, tagged with the weight
 version it served.
 
-Batching (lichen/engines/batch.py): sequences decode together in one batch; a finished one leaves it and a
+Batching (lichen/engines/decode_batch.py): sequences decode together in one batch; a finished one leaves it and a
 waiting one joins at the next step, so long, ragged answers do not hold back the short ones.
 """
 
@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from lichen.engines.batch import DecodeBatch, Seq, context_error, stop_ids
+from lichen.engines.decode_batch import DecodeBatch, Seq, context_error, stop_ids
 from lichen.models import CausalLM, ModelConfig, load_model
 
 

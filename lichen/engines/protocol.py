@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lichen.engines.batch import Seq, context_error, stop_ids
-from lichen.engines.sampling import derive_seed
+from lichen.engines.decode_batch import Seq, context_error, stop_ids
+from lichen.engines.sampler import derive_seed
 
 DEFAULT_MAX_NEW_TOKENS = 128
 _INT64 = (-(2**63), 2**63 - 1)

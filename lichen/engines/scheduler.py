@@ -19,7 +19,7 @@ import traceback
 from collections import deque
 from typing import Any, Callable
 
-from lichen.engines.batch import Seq
+from lichen.engines.decode_batch import Seq
 from lichen.engines.engine import Engine
 from lichen.observe.metrics import get_logger
 

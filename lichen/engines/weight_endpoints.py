@@ -142,7 +142,7 @@ def unflatten_tensors(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: lis
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """xxh3-128 hex digest of a tensor's raw bytes in its own dtype (what `/weights_checker` reports)."""
-    from lichen.weights.delta import checksum, tensor_bytes
+    from lichen.weights.delta_codec import checksum, tensor_bytes
 
     return checksum(CHECKSUM_FORMAT, tensor_bytes(t.detach().to("cpu")))
 

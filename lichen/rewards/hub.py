@@ -150,7 +150,7 @@ class RewardHub:
     def _remote_rm(self) -> Any:
         with self._lock:
             if self._remote is None:
-                from lichen.rewards.remote import RemoteRM, rm_api_key
+                from lichen.rewards.remote_rm import RemoteRM, rm_api_key
 
                 a = self.args
                 url = _opt(a, "rm_url", None)

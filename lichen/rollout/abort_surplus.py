@@ -30,7 +30,7 @@ from typing import Any
 
 from lichen.engines.client import EngineError
 from lichen.engines.engine import GenResult
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.observe.metrics import get_logger
 from lichen.rewards import score_samples
 from lichen.rollout.filters import run_group_filter

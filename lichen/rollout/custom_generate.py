@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 
 from lichen.aio import gather_or_cancel
 from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.errors import UserError
 from lichen.plugins import load_function
 from lichen.types import Sample, Status

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 
 from lichen.engines.engine import GenRequest
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.observe.metrics import get_logger
 from lichen.rewards import score_samples
 from lichen.rollout.abort_surplus import can_abort

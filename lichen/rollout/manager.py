@@ -79,7 +79,7 @@ class RolloutManager:
                           for name, (cfg, recs) in load_eval_sets(args).items()}
         servers = getattr(args, "rollout_num_engines", None) or getattr(args, "rollout_external_engine_addrs", None)
         if engine is None and servers:
-            from lichen.engines.remote import RemoteEngines
+            from lichen.engines.remote_engines import RemoteEngines
 
             engine = RemoteEngines.from_args(args)  # launched or external servers; close() stops launched ones
         if engine is None:

@@ -6,7 +6,7 @@ engines (lichen serve / SGLang, `engine.is_remote`) get the transport chosen by 
 
 - `nccl`: torch.distributed broadcast in buckets (lichen.sync.distributed; NCCL on GPU, gloo on CPU);
 - `disk` + `full`: an HF checkpoint per version that the engines reload (lichen.sync.disk);
-- `disk` + `delta`: versions holding only what changed, pulled into a host-local copy (lichen.sync.delta).
+- `disk` + `delta`: versions holding only what changed, pulled into a host-local copy (lichen.sync.disk_delta).
 
 Every sync pauses generation, flushes caches, updates, records the new weight version and continues (inside the
 transports). Then every engine must report the version just published (else StaleEngineError) and serve exactly
@@ -103,7 +103,7 @@ def _make_transport(engines: Any, args: Any) -> Any:
 
         return BroadcastSync(engines, buffer_size=args.update_weight_buffer_size)
     if mode == "delta":
-        from lichen.sync.delta import DeltaSync
+        from lichen.sync.disk_delta import DeltaSync
 
         return DeltaSync(engines, disk_dir=args.update_weight_disk_dir,
                          local_dir=args.update_weight_local_checkpoint_dir, hf_checkpoint=args.hf_checkpoint,

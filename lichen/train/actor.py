@@ -6,7 +6,7 @@ aggregated as "this micro-batch's share of the global-batch loss" (lichen.algo.a
 does not depend on how samples are split into micro-batches.
 
 That freedom is what the fast paths use, each exact up to floating-point rounding: micro-batches are planned over
-samples sorted by length and packed several to a model row (lichen.train.batch); samples whose loss share is
+samples sorted by length and packed several to a model row (lichen.train.micro_batches); samples whose loss share is
 exactly zero get no backward (_skipped_rows); old log-probs are not recomputed when one optimizer step per
 rollout makes them equal to the training forward's (unless --force-recompute-old-log-probs); AdamW is torch's
 fused kernel where the device has one (lichen.train.optim).
@@ -24,7 +24,7 @@ from lichen.models import load_model
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.train.advantage import compute_advantages
-from lichen.train.batch import MicroBatch, StepBatch, plan_micro_batches
+from lichen.train.micro_batches import MicroBatch, StepBatch, plan_micro_batches
 from lichen.train.optim import make_adamw
 from lichen.train.schedule import lr_at
 from lichen.types import Sample, Status

@@ -22,7 +22,7 @@ from lichen import algo
 from lichen.errors import ConfigError
 from lichen.models import CausalLM, load_model
 from lichen.torch_files import load_plain, save_plain
-from lichen.train.batch import StepBatch
+from lichen.train.micro_batches import StepBatch
 from lichen.train.optim import make_adamw
 
 CRITIC_FILE = "critic.pt"

@@ -4,7 +4,7 @@ A leaf: imports torch, safetensors, numpy, zstandard, xxhash, blake3 and the sta
 system's libzstd when present), nothing of lichen outside this package.
 """
 
-from lichen.weights.delta import (
+from lichen.weights.delta_codec import (
     CHECKSUM_FORMATS,
     COMPRESSION_FORMAT,
     ENCODINGS,

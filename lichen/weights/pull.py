@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lichen.weights.delta import (
+from lichen.weights.delta_codec import (
     COMPRESSION_FORMAT,
     ChecksumMismatchError,
     DeltaError,

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from lichen.weights.delta import tensor_bytes
+from lichen.weights.delta_codec import tensor_bytes
 
 
 class LiveStage:

@@ -10,7 +10,7 @@ A disk dir holds one directory per published version, `weight_v{N:06d}/`, each a
 - **delta** (index metadata has `delta_encoding`): index metadata `version`, `base_version` (= version - 1;
   both 6-digit strings), `delta_encoding` (`xor`|`overwrite`), `compression_format` (`zstd`),
   `checksum_format` (`xxh3-128`|`blake3`|`adler32`), `chain_id`; the weight_map names only the changed
-  tensors; each shard stores one 1-D uint8 tensor per changed name holding its zstd payload (lichen.weights.delta)
+  tensors; each shard stores one 1-D uint8 tensor per changed name holding its zstd payload (lichen.weights.delta_codec)
   and its `__metadata__` maps each name to the checksum of the tensor's new bytes. An unchanged model publishes
   an empty delta (no shards, empty weight_map).
 
@@ -40,7 +40,7 @@ import safetensors.torch
 import torch
 
 from lichen.weights import diff_kernel
-from lichen.weights.delta import (
+from lichen.weights.delta_codec import (
     COMPRESSION_FORMAT,
     DeltaError,
     check_checksum_format,

@@ -23,7 +23,7 @@ import ast
 import math
 import operator
 
-from lichen.engines.sampling import derive_seed
+from lichen.engines.sampler import derive_seed
 from lichen.rollout.custom_generate import current
 from lichen.types import Sample, Status
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.engines.sampling import _M32, _fmix32, _mul32, sample_with_noise
+from lichen.engines.sampler import _M32, _fmix32, _mul32, sample_with_noise
 from lichen.models import CausalLM, KVCache
 
 # Extra cache slots allocated per rebuild beyond the current length (grown again when used up): a long
