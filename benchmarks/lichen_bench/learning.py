@@ -1,6 +1,6 @@
 """`lichen bench learning`: does lichen learn as well as TRL's GRPOTrainer from the same SFT warm start?
 
-The issue's target: on W1 (lichen_bench.workloads), from one SFT warm start, over seeds s = 1..n,
+The target: on W1 (lichen_bench.workloads), from one SFT warm start, over seeds s = 1..n,
   1. the 95% confidence interval of the mean per-seed difference d_s = L_s - T_s has a lower bound >= -0.05,
      where L_s / T_s are lichen's / TRL's mean reward over steps 11-20 of seed s;
   2. lichen's mean reward over steps 11-20 (averaged over seeds) exceeds its mean over steps 1-2.
@@ -38,7 +38,7 @@ from lichen_bench.workloads import LICHEN_REWARD_PATHS, WORKLOADS, Workload, ens
     model_shape, write_prompts
 from lichen.errors import ConfigError
 
-CI_LOWER_TARGET = -0.05  # the issue's bound on the CI's lower end
+CI_LOWER_TARGET = -0.05  # the bound on the CI's lower end (docs/performance.md)
 OPERANDS = (10, 49)  # the operand range of the W1 prompts (lichen_bench.workloads.make_prompts)
 
 
@@ -310,9 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lichen bench learning",
         description="SFT-warm-start the W1 model with lichen, then run lichen and TRL's GRPOTrainer from it on the "
                     "same prompts for each seed; print per-seed mean rewards, the 95%% CI of lichen - TRL over the "
-                    "late steps and PASS/MISS for the issue's learning targets. TRL comes from the `bench` extra.")
+                    "late steps and PASS/MISS for the learning targets (docs/performance.md). TRL comes from the `bench` extra.")
     p.add_argument("--workload", choices=["w1", "smoke"], default="w1",
-                   help="w1: the issue's task; smoke: a tiny model and batch to check the plumbing (default: w1)")
+                   help="w1: the W1 addition task; smoke: a tiny model and batch to check the plumbing (default: w1)")
     p.add_argument("--seeds", type=int, default=5, help="run seeds 1..N, at least 2 (default: 5)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the workload's, w1 20)")
     p.add_argument("--early-steps", type=int, default=2, help="the early window is steps 1..N (default: 2)")

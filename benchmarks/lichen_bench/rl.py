@@ -34,7 +34,7 @@ from lichen_bench.workloads import (
 )
 from lichen.errors import ConfigError
 
-# lichen's side of the settings the issue fixes for both frameworks. --micro-batch-size is lichen's choice of
+# lichen's side of the settings the benchmark fixes for both frameworks. --micro-batch-size is lichen's choice of
 # how to run its trainer and may be overridden with --lichen-arg.
 LICHEN_TRAINER_FLAGS = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096")
 

@@ -39,7 +39,7 @@ def _current() -> dict:
 
 
 def trl_config_kwargs(wl, *, steps: int, seed: int, output_dir: str) -> dict:
-    """GRPOConfig arguments for workload `wl`: the issue's settings, each named explicitly."""
+    """GRPOConfig arguments for workload `wl`: the workload's settings, each named explicitly."""
     return dict(
         output_dir=output_dir,
         use_cpu=True,

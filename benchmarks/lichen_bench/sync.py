@@ -206,7 +206,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def checks(results: list[dict]) -> list[tuple[str, bool]]:
-    """(target, met) for each target of the issue that the transports run allow to check."""
+    """(target, met) for each speed target (docs/performance.md) that the transports run allow to check."""
     full = next((r for r in results if r["transport"] == "full"), None)
     xor = next((r for r in results if r["transport"] == "xor"), None)
     if not (full and xor):
