@@ -272,7 +272,10 @@ async def run_sandboxed(source: str, *, config: SandboxConfig, stdin: str = "", 
     try:
         if config.cgroup is not None:
             RunCgroup.sweep_stale()
-            cgroup = RunCgroup(config.cgroup, config.limits.memory_mb << 20, config.limits.max_procs)
+            try:
+                cgroup = RunCgroup(config.cgroup, config.limits.memory_mb << 20, config.limits.max_procs)
+            except OSError as e:  # never run without the limit the sandbox was checked with
+                raise SandboxError(f"cannot make this run's cgroup under {config.cgroup.path}: {e}") from None
         request = {
             "files": {"solution.py": source, **(files or {})},
             "argv": argv or ["solution.py"],
