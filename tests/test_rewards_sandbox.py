@@ -23,7 +23,7 @@ from lichen.rewards.sandbox import (
     run_sandboxed_sync,
 )
 from lichen.types import Sample, Status
-from sandbox_as_user import CAN_DROP, run_as_nobody
+from helpers.sandbox_as_user import CAN_DROP, run_as_nobody
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces")
 

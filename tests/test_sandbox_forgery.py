@@ -1,5 +1,5 @@
 """Assert and call-based verdicts are computed by the trainer: a program that forges its report, patches the
-harness, or returns objects that claim to equal anything scores nothing (issue 12, item 4)."""
+harness, or returns objects that claim to equal anything scores nothing."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def add(a, b):
     return Anything(0)
 """
 
-# the exploit from the issue: find the harness's frame, take its report channel and nonce, and print a pass
+# the known exploit of the old harness: find the harness's frame, take its report channel and nonce, and print a pass
 # marker for every case (old format), plus a forged value for every probe (new format)
 FRAME_FORGERY = """
 import json, sys

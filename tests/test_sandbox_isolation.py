@@ -1,4 +1,4 @@
-"""The sandbox holds against the attacks of issue 12 (items 5-7), with the trainer as root and as nobody:
+"""The sandbox holds against these attacks, with the trainer as root and as nobody:
 - an escaped process (no parent-death signal, its own session) dies with its run;
 - the memory limit holds for all of a run's processes together;
 - the program sees a minimal root: no data file, no checkout, no unix socket of the host."""
@@ -14,7 +14,7 @@ import tempfile
 import time
 
 import pytest
-from sandbox_as_user import CAN_DROP, run_as_nobody
+from helpers.sandbox_as_user import CAN_DROP, run_as_nobody
 
 from lichen.rewards.sandbox import SandboxLimits, resolve_sandbox, run_sandboxed_sync, split_memory
 
@@ -32,7 +32,7 @@ def sandbox():
                                                                     max_procs=16))
 
 
-# the issue's escape: clear the parent-death signal, leave the session, fork more of the same, sleep
+# an escape: clear the parent-death signal, leave the session, fork more of the same, sleep
 ESCAPE = """
 import ctypes, os, sys, time
 libc = ctypes.CDLL(None)
@@ -129,7 +129,7 @@ def namespace_members(ns: str) -> list[str]:
 
 def assert_namespace_gone(ns: str) -> None:
     assert ns.startswith("pid:["), ns
-    time.sleep(1.0)  # the issue's criterion: nothing of that namespace 1 s after the run returned
+    time.sleep(1.0)  # nothing of that namespace may be left 1 s after the run returned
     left = namespace_members(ns)
     for pid in left:  # do not leave them running if the test fails
         try:

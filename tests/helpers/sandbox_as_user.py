@@ -16,7 +16,7 @@ def readable_package() -> str:
     """A world-readable copy of the lichen package (a checkout, e.g. a `mktemp -d` clone, may be 0700). Its
     lichen/rewards/__init__.py is emptied: the sandbox modules need nothing else, and the system python3 that
     nobody runs has none of the venv's packages."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readable = tempfile.mkdtemp(prefix="lichen-sandbox-pkg-")
     shutil.copytree(os.path.join(root, "lichen"), os.path.join(readable, "lichen"),
                     ignore=shutil.ignore_patterns("__pycache__"))
