@@ -130,3 +130,20 @@ def test_values_decode_to_plain_builtins():
         with pytest.raises(ValueError):
             decode(bad)
     assert lenient_equal((1, 2.0000000001), [1, 2]) and lenient_equal(7, [7]) and not lenient_equal(7, [8])
+
+
+def test_forgeries_score_nothing_through_the_reward_runner():
+    # the path `lichen train --rm-type code` takes: the reward hub builds the sandbox, the runner scores samples
+    from lichen.rewards import build_reward_fn, score_samples
+    from lichen.types import Sample
+
+    args = type("Args", (), {"code_timeout": 5.0, "code_memory_mb": 256, "code_max_procs": 16,
+                             "code_sandbox_uid_base": UID_BASE})()
+    fn = build_reward_fn("code", None, args)
+    honest = "def add(a, b):\n    return a + b"
+    samples = [Sample(response=f"```python\n{program}\n```", label=label, index=i)
+               for i, (program, label) in enumerate([(ALWAYS_EQUAL, ASSERTS), (FRAME_FORGERY, ASSERTS),
+                                                     (ALWAYS_EQUAL, CALLS), (honest, ASSERTS), (honest, CALLS)])]
+    stats = score_samples(samples, fn, args)
+    assert stats["num_failed"] == 0
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 1.0, 1.0]
