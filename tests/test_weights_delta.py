@@ -1,4 +1,5 @@
-"""Tests for lichen.weights.delta_codec: the xor / overwrite payloads, zstd framing, checksums and bench_delta.
+"""Tests for lichen.weights.delta_codec: the xor / overwrite payloads, zstd framing, checksums, and the
+delta benchmark (lichen_bench.codec).
 
 References are independent of the codec: payload contents are rebuilt with struct / plain numpy, checksums
 are checked against published test vectors, expected bytes come from numpy integer views of the tensors.
@@ -15,10 +16,10 @@ import torch
 import zstandard
 
 from lichen.weights import delta_codec as D
+from lichen_bench.codec import bench_delta, perturb
 from lichen.weights import (
     DeltaError,
     apply_tensor,
-    bench_delta,
     checksum,
     decode_tensor,
     encode_tensor,
@@ -194,7 +195,7 @@ def test_corrupted_payload_byte_is_caught_by_checksum_or_frame():
 def test_compression_shrinks_a_sparse_change():
     g = torch.Generator().manual_seed(3)
     old = (torch.randn(1 << 20, generator=g) * 0.02).to(torch.bfloat16)
-    new = D._perturb(old, 0.01, g)
+    new = perturb(old, 0.01, g)
     full = old.numel() * old.element_size()
     sizes = {enc: len(encode_tensor(enc, _np_bytes(new), _np_bytes(old)).payload) for enc in D.ENCODINGS}
     print(f"\n1%-changed bf16 tensor: full {full} B, xor {sizes['xor']} B, overwrite {sizes['overwrite']} B")

@@ -22,6 +22,7 @@ from lichen.weights import delta_codec as D
 from lichen.weights import diff_kernel
 from lichen.weights.native import Native, Unavailable
 from lichen.weights import zstd_seq as Z
+from lichen.weights.parallel import parallel_map, serial_torch
 from lichen.weights.staging import LiveStage, reserve
 
 needs_seq = pytest.mark.skipif(not Z.available(), reason=f"libzstd sequence encoder: {Z.status()}")
@@ -319,10 +320,10 @@ def test_serial_torch_is_per_call_and_restores():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with D.serial_torch():
+        with serial_torch():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        assert D.parallel_map(lambda _: torch.get_num_threads(), range(4), 2) == [1, 1, 1, 1]
+        assert parallel_map(lambda _: torch.get_num_threads(), range(4), 2) == [1, 1, 1, 1]
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

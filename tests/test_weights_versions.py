@@ -38,6 +38,7 @@ from lichen.weights import (
     version_dir,
 )
 from lichen.weights import delta_codec as D
+from lichen_bench.codec import perturb
 
 INDEX = "model.safetensors.index.json"
 
@@ -309,7 +310,7 @@ def test_sparse_change_delta_is_much_smaller(tmp_path):
     sd = {"w": (torch.randn(512, 1024, generator=g) * 0.02).to(torch.bfloat16)}
     pub = VersionPublisher(str(tmp_path / "d"))
     full = pub.publish(sd, 1)
-    sd["w"] = D._perturb(sd["w"], 0.01, g)  # 1% of elements move by one ulp
+    sd["w"] = perturb(sd["w"], 0.01, g)  # 1% of elements move by one ulp
     delta = pub.publish(sd, 2)
     print(f"\nfull version {full.wire_bytes} B, 1%-changed delta {delta.wire_bytes} B, "
           f"changed bytes {delta.changed_bytes}")

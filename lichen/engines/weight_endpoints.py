@@ -26,147 +26,27 @@ is a local checkpoint
   `"checksum_format": "xxh3-128"` so a trainer knows it can recompute them. `snapshot`, `reset_tensors` and
   `compare` follow SGLang (compare answers 400 naming the tensors that differ from the snapshot).
 
-The group, bucket-layout and checksum helpers here are shared with the trainer's side (lichen.sync).
+The group, bucket-layout and checksum helpers both sides use live in lichen.weights.wire.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import hashlib
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from aiohttp import web
 
 from lichen.engines.protocol import RequestError, expect
 from lichen.observe.metrics import get_logger
+from lichen.weights.wire import (BACKENDS, DEFAULT_GROUP, WeightGroup, checksum_body, nbytes, open_group,
+                                 parse_dtype, unflatten_tensors)
 
 log = get_logger(__name__)
 
-DEFAULT_GROUP = "weight_update_group"
-CHECKSUM_FORMAT = "xxh3-128"
-GROUP_TIMEOUT_S = float(os.environ.get("LICHEN_WEIGHT_GROUP_TIMEOUT", 300))
-BACKENDS = ("nccl", "gloo")
-
-
-# ---- shared with the trainer side ---------------------------------------------------------------------------
-class WeightGroup:
-    """One rank of a standalone torch.distributed group (not the default group, so a trainer that already runs
-    its own torch.distributed world can hold it too). Rank 0 owns the TCPStore."""
-
-    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, backend: str):
-        self.pg, self.store, self.rank, self.world_size, self.backend = pg, store, rank, world_size, backend
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Broadcast `tensor` in place from rank 0 (rank 0 sends it, the others receive into it)."""
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
-
-    def close(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception as e:  # a peer already gone: nothing left to release
-                log.debug("process group shutdown: %s", e)
-        self.pg = self.store = None
-
-
-def master_store(host: str, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Any:
-    """The rank-0 TCPStore on a free port (read it back from `.port`): no port is picked in advance."""
-    return torch.distributed.TCPStore(host, 0, world_size, True, datetime.timedelta(seconds=timeout_s),
-                                      wait_for_workers=False)
-
-
-def open_group(*, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-               group_name: str, timeout_s: float = GROUP_TIMEOUT_S, store: Any = None) -> WeightGroup:
-    """Join (rank > 0) or create (rank 0, with its `master_store`) the group; returns once every rank joined."""
-    dist = torch.distributed
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout)
-    prefixed = dist.PrefixStore(f"lichen/{group_name}", store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        if hasattr(opts, "_timeout"):
-            opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    else:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return WeightGroup(pg, store, rank, world_size, backend)
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """A torch dtype from its name without the `torch.` prefix ("bfloat16"), as SGLang's requests carry it."""
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; expected a torch dtype name such as 'bfloat16' or 'float32'")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
-def flatten_tensors(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One uint8 tensor holding each tensor's raw bytes back to back (SGLang's flattened bucket)."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def unflatten_tensors(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
-    """Views into `flat` (from flatten_tensors) with the given dtypes and shapes, in order."""
-    out, offset = [], 0
-    for dtype, shape in zip(dtypes, shapes):
-        size = nbytes(dtype, shape)
-        out.append(flat[offset: offset + size].view(dtype).reshape(shape))
-        offset += size
-    if offset != flat.numel():
-        raise ValueError(f"the bucket holds {flat.numel()} bytes but its tensors need {offset}")
-    return out
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """xxh3-128 hex digest of a tensor's raw bytes in its own dtype (what `/weights_checker` reports)."""
-    from lichen.weights.delta_codec import checksum, tensor_bytes
-
-    return checksum(CHECKSUM_FORMAT, tensor_bytes(t.detach().to("cpu")))
-
-
-def overall_checksum(checksums: dict[str, str]) -> str:
-    """sha256 over (name, checksum) in name order: SGLang's per_gpu_checksum."""
-    h = hashlib.sha256()
-    for name in sorted(checksums):
-        h.update(name.encode())
-        h.update(checksums[name].encode())
-    return h.hexdigest()
-
-
-def checksum_body(named: Iterable[tuple[str, torch.Tensor]]) -> dict:
-    """The `/weights_checker {"action": "checksum"}` answer for one rank holding `named` parameters."""
-    sums = {name: tensor_checksum(t) for name, t in named}
-    per_gpu = overall_checksum(sums)
-    info = {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
-    return {"success": True, "message": f"Checksums of {len(sums)} tensors.", "checksum_format": CHECKSUM_FORMAT,
-            "ranks": [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": info}],
-            "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()}
-
-
-# ---- the server side ------------------------------------------------------------------------------------------
 def apply_delta_live(params: dict[str, torch.Tensor], delta_dir: str, *, held_version: int,
                      chain_id: str | None, num_threads: int | None = None) -> int:
     """Move served parameters from `held_version` to the delta version in `delta_dir` (lichen.weights.pull.

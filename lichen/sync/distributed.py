@@ -30,9 +30,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from lichen.engines.weight_endpoints import (GROUP_TIMEOUT_S, dtype_name, flatten_tensors, master_store,
-                                             open_group)
 from lichen.observe.metrics import get_logger
+from lichen.weights.wire import GROUP_TIMEOUT_S, dtype_name, flatten_tensors, master_store, open_group
 
 log = get_logger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.engines.weight_endpoints import CHECKSUM_FORMAT, parse_dtype
 from lichen.errors import RunError
+from lichen.weights.wire import CHECKSUM_FORMAT, parse_dtype
 
 
 class SyncError(RunError, RuntimeError):  # still a RuntimeError, as these errors were before
@@ -44,7 +44,8 @@ def engine_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def expected_checksums(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, str]:
     """name -> xxh3-128 of the tensor's bytes in the engine dtype (cast chunk by chunk, tensors in parallel)."""
-    from lichen.weights.delta_codec import cast_checksum, parallel_map
+    from lichen.weights.delta_codec import cast_checksum
+    from lichen.weights.parallel import parallel_map
 
     items = list(named)
     sums = parallel_map(lambda item: cast_checksum(CHECKSUM_FORMAT, item[1], dtype), items)

@@ -42,11 +42,11 @@ from lichen.weights.delta_codec import (
     check_encoding,
     checksum,
     decode_tensor,
-    parallel_map,
     tensor_bytes,
     write_at,
 )
 from lichen.weights.hf_io import INDEX_FILE
+from lichen.weights.parallel import parallel_map
 from lichen.weights.staging import LiveStage
 from lichen.weights.versions import VersionInfo, read_safetensors_header, read_version_info, version_dir
 

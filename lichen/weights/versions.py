@@ -46,12 +46,11 @@ from lichen.weights.delta_codec import (
     check_checksum_format,
     check_encoding,
     checksum,
-    default_threads,
     encode_tensor_cast,
-    parallel_map,
     tensor_bytes,
 )
 from lichen.weights.hf_io import INDEX_FILE, SINGLE_FILE, _copy_side_files, _fsync_dir, _fsync_file, _write_json
+from lichen.weights.parallel import default_threads, parallel_map
 
 VERSION_PREFIX = "weight_v"
 _VERSION_RE = re.compile(r"^weight_v(\d{6,})$")
