@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 
+from lichen.devices import resolve_device
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, resolve_key
 from lichen.errors import ConfigError
 
@@ -151,20 +152,6 @@ def check_model_limits(args: argparse.Namespace) -> None:
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         shown = os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") if source[0] == "$" else timeout
         raise ConfigError(f"{source} {shown}: must be a positive number of seconds")
-
-
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"--device {name!r} is not a device torch knows ({e}); use cpu, cuda or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: CUDA is not available here; use --device cpu")
-    return dev
 
 
 def load_server(args: argparse.Namespace):

@@ -59,7 +59,7 @@ def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]
 class RolloutManager:
     def __init__(self, args, engine=None):
         from lichen.engines.engine import Engine
-        from lichen.train.actor import resolve_device
+        from lichen.devices import resolve_device
 
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)

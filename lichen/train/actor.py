@@ -20,6 +20,7 @@ import time
 import torch
 
 from lichen import algo
+from lichen.devices import resolve_device
 from lichen.models import load_model
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -30,12 +31,6 @@ from lichen.train.schedule import lr_at
 from lichen.types import Sample, Status
 
 log = get_logger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class TrainActor:
