@@ -23,7 +23,8 @@ from lichen.engines.remote_engines import required_endpoints
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
-from lichen.sync.disk import push_full, version_dir, write_version
+from lichen.sync.disk import push_full, write_version
+from lichen.weights.versions import version_dir
 from lichen.weights.hf_io import load_hf_state_dict
 
 from helpers.batch_schedule import assert_mostly_same_generations

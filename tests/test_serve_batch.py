@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lichen.engines import decode_batch as batch_mod
-from lichen.engines.decode_batch import Seq, row_noise, sample_rows
+from lichen.engines.decode_batch import Seq, sample_rows
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed, sample_next, uniform_noise
+from lichen.engines.sampler import derive_seed, row_noise, sample_next, uniform_noise
 from lichen.engines.scheduler import Scheduler
 
 

@@ -10,6 +10,9 @@ from typing import Any
 
 from lichen.errors import ConfigError
 from lichen.config.parser import flag_of
+# config.json's reader lives with the model code (lichen.models imports torch only on use); re-exported for
+# config/rollout.py's checks
+from lichen.models.config import model_config_value  # noqa: F401
 
 _SLICE_SUFFIX = re.compile(r"^(?P<path>.+)@\[[^\]]*\]$")
 
@@ -77,24 +80,6 @@ def check_hf_dir(path: str, flag: str) -> None:
         fail(f"{flag} {path!r}: no such directory; give a Hugging Face checkpoint directory (with config.json)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"{flag} {path!r}: no config.json in this directory; give a Hugging Face checkpoint directory")
-
-
-def model_config_value(model_dir: str, key: str, default: Any = None) -> Any:
-    """`key` of `model_dir`/config.json (checked to exist by check_hf_dir), or `default` when it is absent or not
-    a positive integer; a config.json that is not JSON is left for the model loader to report."""
-    import json
-
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            value = json.load(f).get(key, default)
-    except (OSError, ValueError, AttributeError):
-        return default
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
-
-
-def model_positions(model_dir: str) -> int:
-    """The model's max_position_embeddings (4096 when config.json has none, as lichen.models.ModelConfig)."""
-    return model_config_value(model_dir, "max_position_embeddings", 4096)
 
 
 def check_dotted_path(args: argparse.Namespace, dest: str) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from lichen.errors import ConfigError
-from lichen.config.checks import check_data_file, check_int_at_least, model_positions
+from lichen.config.checks import check_data_file, check_int_at_least
+from lichen.models.config import model_positions
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.engines.sampler import _M32, _fmix32, _mul32, sample_with_noise
+from lichen.engines.sampler import _M32, row_noise, sample_with_noise
 from lichen.models import CausalLM, KVCache
 
 # Extra cache slots allocated per rebuild beyond the current length (grown again when used up): a long
@@ -90,20 +90,6 @@ def context_error(prompt_tokens: int, max_new_tokens: int | None, context_length
                 "tokens for the completion. Please reduce the number of tokens in the input messages or the "
                 "completion to fit within the limit.")
     return None
-
-
-def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """`sampling.uniform_noise` with a step per row: U[b, v] depends only on (seeds[b], steps[b], v).
-
-    Rows of a continuous batch are at different steps; row b here equals `uniform_noise(seeds[b:b+1],
-    steps[b], V)`, so a sample draws the same numbers whether it decodes alone, in a batch or after a retry.
-    """
-    device = seeds.device
-    step_key = _fmix32((_mul32(steps.to(torch.int64) & _M32, 0x9E3779B9) + 0x632BE5AB) & _M32)
-    base = _fmix32((seeds.to(torch.int64) & _M32) ^ step_key)
-    cols = _mul32(torch.arange(vocab_size, dtype=torch.int64, device=device), 0x27D4EB2F)
-    h = _fmix32(_fmix32(base[:, None] ^ cols[None, :]) ^ base[:, None])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def sample_rows(logits, temperature, top_p, top_k, seeds, steps):

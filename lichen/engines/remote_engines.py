@@ -43,12 +43,13 @@ import weakref
 from typing import Any, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
-from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, resolve_key
+from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.client import (EngineClient, EngineError, EngineRequestError, EngineUnavailable,
                                    generate_payload, normalize_url, result_from_output)
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.router import Router
 from lichen.errors import ConfigError
+from lichen.key_files import resolve_key
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)

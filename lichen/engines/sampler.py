@@ -37,14 +37,23 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
-    """U[b, v] in (0, 1), a pure function of (seeds[b], step, v)."""
+def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """U[b, v] in (0, 1), a pure function of (seeds[b], steps[b], v): the one sampling-noise hash.
+
+    Rows of a continuous batch are at different steps; a sample draws the same numbers whether it decodes alone,
+    in a batch or after a retry.
+    """
     device = seeds.device
-    step_key = _fmix32(torch.tensor([(step * 0x9E3779B9 + 0x632BE5AB) & _M32], dtype=torch.int64, device=device))
+    step_key = _fmix32((_mul32(steps.to(torch.int64) & _M32, 0x9E3779B9) + 0x632BE5AB) & _M32)  # [B]
     base = _fmix32((seeds.to(torch.int64) & _M32) ^ step_key)  # [B]
     cols = _mul32(torch.arange(vocab_size, dtype=torch.int64, device=device), 0x27D4EB2F)  # [V]
     h = _fmix32(_fmix32(base[:, None] ^ cols[None, :]) ^ base[:, None])
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def uniform_noise(seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """`row_noise` with every row at `step`."""
+    return row_noise(seeds, torch.full(seeds.shape, int(step), dtype=torch.int64, device=seeds.device), vocab_size)
 
 
 def derive_seed(*parts: int) -> int:

@@ -26,8 +26,9 @@ import signal
 import sys
 
 from lichen.devices import resolve_device
-from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, resolve_key
+from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
 from lichen.errors import ConfigError
+from lichen.key_files import resolve_key
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Work bounds (lichen.engines.limits), sized from what a training step asks of one engine: slime's scripts send up
@@ -136,7 +137,7 @@ def check_model_limits(args: argparse.Namespace) -> None:
     end), and a health-check timeout (flag or $SGLANG_HEALTH_CHECK_TIMEOUT) that is a positive number."""
     import math
 
-    from lichen.config.checks import model_positions
+    from lichen.models.config import model_positions
 
     positions = model_positions(args.model)
     if args.context_length is not None and args.context_length > positions:

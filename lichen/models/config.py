@@ -5,10 +5,28 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from lichen.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DEFAULT_POSITIONS = 4096  # max_position_embeddings when config.json has none
+
+
+def model_config_value(model_dir: str, key: str, default: Any = None) -> Any:
+    """`key` of `model_dir`/config.json, or `default` when it is absent or not a positive integer; a missing or
+    non-JSON config.json also gives `default`, and is left for the model loader to report."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            value = json.load(f).get(key, default)
+    except (OSError, ValueError, AttributeError):
+        return default
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def model_positions(model_dir: str) -> int:
+    """The model's max_position_embeddings (DEFAULT_POSITIONS when config.json has none, as ModelConfig)."""
+    return model_config_value(model_dir, "max_position_embeddings", DEFAULT_POSITIONS)
 
 
 @dataclass
@@ -63,7 +81,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=d.get("max_position_embeddings", DEFAULT_POSITIONS),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_bias=o_bias,

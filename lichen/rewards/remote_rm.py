@@ -104,7 +104,7 @@ class RemoteRM:
 
 def rm_api_key(key_file: str | None) -> str | None:
     """The remote RM's key: from `--rm-api-key-file`, else LICHEN_RM_API_KEY, else None (no key sent)."""
-    from lichen.engines.auth import resolve_key
+    from lichen.key_files import resolve_key
 
     return resolve_key(flag_value=None, file_path=key_file, env=RM_KEY_ENV, flag=RM_KEY_ENV,
                        file_flag="--rm-api-key-file")

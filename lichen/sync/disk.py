@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from typing import Any, Callable, Iterable
@@ -24,17 +23,11 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lichen.weights.hf_io import save_hf_checkpoint
-
-_VERSION_DIR = re.compile(r"^weight_v(\d{6,})$")
-
-
-def version_dir(root: str, version: int) -> str:
-    return os.path.join(os.path.abspath(root), f"weight_v{int(version):06d}")
-
+from lichen.weights.versions import list_versions, version_dir
 
 def write_version(named_weights: Iterable, root: str, version: int, hf_checkpoint: str) -> str:
     """Write the weights as `root/weight_v{version:06d}` (atomically); returns that path."""
-    path = version_dir(root, version)
+    path = version_dir(os.path.abspath(root), int(version))
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
     state = {name: tensor for name, tensor in named_weights}
@@ -47,12 +40,9 @@ def remove_other_versions(root: str, keep: int) -> list[str]:
     """Delete the `weight_v*` directories in `root` other than version `keep`; returns what was deleted.
     Only directories named exactly like a version are touched."""
     removed = []
-    if not os.path.isdir(root):
-        return removed
-    for name in sorted(os.listdir(root)):
-        m = _VERSION_DIR.match(name)
-        path = os.path.join(root, name)
-        if m and int(m.group(1)) != int(keep) and os.path.isdir(path):
+    for version in list_versions(root):
+        if version != int(keep):
+            path = version_dir(root, version)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
