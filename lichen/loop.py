@@ -36,9 +36,12 @@ class NullTrainer:
 
 
 def build_rollout(args):
+    from lichen.config.rollout_config import RolloutConfig
     from lichen.rollout.manager import ReplayRollout, RolloutManager
 
-    return ReplayRollout(args) if args.load_debug_rollout_data else RolloutManager(args)
+    cfg = RolloutConfig.from_args(args)
+    # the full namespace goes along only for the user plug-ins the rollout calls
+    return ReplayRollout(cfg) if cfg.load_debug_rollout_data else RolloutManager(cfg, args)
 
 
 def build_trainer(args):

@@ -12,11 +12,10 @@ from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.server_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.rollout import generate as generate_module
-from lichen.rollout.generate import generate_rollout
-from lichen.rollout.manager import RolloutManager
 
 from helpers.runs import base_args
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
+from helpers.rollout import rollout_worker
 
 
 def odd_prompts(args, group) -> bool:
@@ -42,9 +41,7 @@ def one_step(tiny_ckpt, addition_data, tmp_path, engines):
                      "--dynamic-sampling-filter-path", "test_abort_surplus.odd_prompts", "--debug-rollout-only",
                      "--rollout-external-engine-addrs", *[u.split("//")[1] for u in engines.urls])
     args = parse_train_args(argv[1:])
-    manager = RolloutManager(args, engine=engines)
-    groups = generate_rollout(args, 0, manager.source.next_batch(), manager)
-    return groups, manager.last_rollout_extra
+    return rollout_worker(args, engine=engines).generate(0)
 
 
 def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(tiny_ckpt, addition_data, tmp_path,
@@ -58,7 +55,7 @@ def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(tiny_ckp
     assert extra["rollout/dynamic_sampling_kept_groups"] == 2
     assert extra["rollout/dynamic_sampling_generated_groups"] == 4
 
-    monkeypatch.setattr(generate_module, "can_abort", lambda args, manager: False)
+    monkeypatch.setattr(generate_module, "can_abort", lambda cfg, engine: False)
     full, full_extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
     assert sum(c["generate_requests"] for c in counts(engines)) == sent + 16  # everything generated this time
     assert full_extra["rollout/dynamic_sampling_generated_groups"] == 8

@@ -5,10 +5,13 @@ and the calculator tool-use example, whose tool output tokens must carry loss ma
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lichen.config.rollout_config import SamplingConfig
 from lichen.data.dataset import PromptRecord
 from lichen.engines.engine import Engine, GenResult
 from lichen.engines.remote_engines import RemoteEngines
@@ -19,7 +22,8 @@ from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout import custom_generate
 from lichen.rollout.custom_generate import CustomGenerateError, build_custom_samples, run_custom_generate
 from lichen.rollout.examples.calculator_agent import calculate, find_call, generate as calculator
-from lichen.rollout.generate import build_samples
+from lichen.rollout.context import RolloutContext
+from lichen.rollout.samples import build_samples
 from lichen.types import Sample, Status
 
 from helpers.runs import base_args, run
@@ -62,15 +66,24 @@ async def unknown_param(args, sample, sampling_params):
     await custom_generate.generate(sample.tokens, {**sampling_params, "stop": ["\n"]})
 
 
-class Manager:
-    """What build_samples reads of a RolloutManager."""
+class Rollout:
+    """A RolloutContext over the in-process engine with a stand-in config: what build_samples reads."""
 
     def __init__(self, ckpt: str, engine):
         self.tokenizer = load_tokenizer(ckpt)
         self.engine = engine
 
+    def context(self, path: str | None) -> RolloutContext:
+        return RolloutContext(args=_args(path), config=SimpleNamespace(custom_generate_function_path=path),
+                              engine=self.engine, tokenizer=self.tokenizer)
+
     def encode(self, i, record):
         return self.tokenizer.encode(record.prompt, add_special_tokens=False)
+
+    def build(self, path: str | None, prompts=None, custom_only: bool = False) -> list:
+        build = build_custom_samples if custom_only else build_samples
+        return build(self.context(path), PROMPTS if prompts is None else prompts, SAMPLING, seed_key=3,
+                     encode=self.encode)
 
 
 def _args(path: str | None, **kw) -> argparse.Namespace:
@@ -78,23 +91,24 @@ def _args(path: str | None, **kw) -> argparse.Namespace:
 
 
 PROMPTS = [(i, PromptRecord(prompt=f"{i}+{i + 2}=", label=str(2 * i + 2))) for i in range(3)]
-SAMPLING = dict(n=2, temperature=1.0, top_p=0.9, top_k=-1, max_new_tokens=6, seed_key=3)
+SAMPLING = SamplingConfig(n_samples_per_prompt=2, temperature=1.0, top_p=0.9, top_k=-1, max_response_len=6,
+                          max_context_len=None, stop_token_ids=(), seed=5)
 
 
 @pytest.fixture(scope="module")
 def manager(tiny_ckpt):
-    return Manager(tiny_ckpt, Engine.from_pretrained(tiny_ckpt))
+    return Rollout(tiny_ckpt, Engine.from_pretrained(tiny_ckpt))
 
 
 # ---- the contract ---------------------------------------------------------------------------------------------
 def test_a_one_call_function_gives_the_default_rollouts_samples(manager):
-    default = build_samples(_args(None), manager, PROMPTS, **SAMPLING)
-    custom = build_samples(_args("test_custom_generate.one_call"), manager, PROMPTS, **SAMPLING)
+    default = manager.build(None)
+    custom = manager.build("test_custom_generate.one_call")
     assert [[s.to_dict() for s in g] for g in custom] == [[s.to_dict() for s in g] for g in default]
     assert [s.index for g in custom for s in g] == list(range(6)) and custom[2][1].group_index == 2
     assert custom[0][0].loss_mask == [1] * custom[0][0].response_length and custom[0][0].response  # filled in
 
-    pairs = build_samples(_args("test_custom_generate.two_per_sample"), manager, PROMPTS, **SAMPLING)
+    pairs = manager.build("test_custom_generate.two_per_sample")
     assert [len(g) for g in pairs] == [4, 4, 4]
     assert [s.index for g in pairs for s in g] == list(range(12))  # a list return renumbers the batch in order
     assert pairs[1][0].tokens == default[1][0].tokens and pairs[1][0].group_index == 1
@@ -108,7 +122,7 @@ def test_a_one_call_function_gives_the_default_rollouts_samples(manager):
 ])
 def test_contract_violations_are_user_errors(manager, fn, text):
     with pytest.raises(CustomGenerateError) as info:
-        build_custom_samples(_args(f"test_custom_generate.{fn}"), manager, PROMPTS[:1], **SAMPLING)
+        manager.build(f"test_custom_generate.{fn}", PROMPTS[:1], custom_only=True)
     assert isinstance(info.value, UserError) and "--custom-generate-function-path" in str(info.value)
     assert text in str(info.value)
     with pytest.raises(RuntimeError, match="only available inside a custom generate function"):
@@ -207,8 +221,9 @@ def test_over_engine_servers(tiny_ckpt, tmp_path):
 
     launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
     with RemoteEngines(launcher.start(), launcher=launcher) as engines:
-        groups = build_custom_samples(_args("lichen.rollout.examples.calculator_agent.generate"),
-                                      Manager(tiny_ckpt, engines), PROMPTS, **{**SAMPLING, "max_new_tokens": 4})
+        rollout = Rollout(tiny_ckpt, engines)
+        groups = build_custom_samples(rollout.context("lichen.rollout.examples.calculator_agent.generate"), PROMPTS,
+                                      replace(SAMPLING, max_response_len=4), seed_key=3, encode=rollout.encode)
         for pos, group in enumerate(groups):
             for j, s in enumerate(group):
                 prompt = s.tokens[: len(s.tokens) - 4]

@@ -149,11 +149,11 @@ def engine(tiny_ckpt):
 
 @pytest.fixture
 def make_manager(tiny_ckpt, addition_data, engine):
-    from lichen.rollout.manager import RolloutManager
+    from helpers.rollout import rollout_worker
 
     def make(*extra, **kw):
         args = _parse(_argv(tiny_ckpt, addition_data, *extra, **kw))
-        return RolloutManager(args, engine=engine)
+        return rollout_worker(args, engine=engine)
 
     return make
 
@@ -178,7 +178,7 @@ def _record_seeds(manager):
         calls.append([r.seed for r in requests])
         return orig(requests)
 
-    manager.engine = type("Wrapped", (), {"generate": staticmethod(generate),
+    manager.context.engine = type("Wrapped", (), {"generate": staticmethod(generate),
                                           "weight_version": manager.engine.weight_version})()
     return calls
 
@@ -187,7 +187,7 @@ def test_keeps_only_groups_with_reward_spread_renumbers_and_reseeds(make_manager
     m = make_manager("--dynamic-sampling-filter-path", BUILTIN, "--over-sampling-batch-size", "8",
                      reward="ds_plugins.varies_every_fourth")
     calls = _record_seeds(m)
-    groups, _ = m.generate(3)
+    groups, extra = m.generate(3)
     # rounds of 8 prompts (no shuffle: data indices 0..7, then 8..15); only multiples of 4 have reward spread
     assert [g[0].metadata["prompt_index"] for g in groups] == [0, 4, 8, 12]
     assert [g[0].metadata["dynamic_sampling_round"] for g in groups] == [0, 0, 1, 1]
@@ -202,25 +202,24 @@ def test_keeps_only_groups_with_reward_spread_renumbers_and_reseeds(make_manager
         key = 3 * SEED_ROUND_STRIDE + r
         assert seeds == [derive_seed(m.args.seed, key, pos, j) for pos in range(8) for j in range(2)]
     assert not set(calls[0]) & set(calls[1])
-    extra = m.last_rollout_extra
     assert extra["rollout/dynamic_sampling_rounds"] == 2
     assert extra["rollout/dynamic_sampling_generated_groups"] == 16
     assert extra["rollout/dynamic_sampling_dropped_groups"] == 12
     assert extra["rollout/dynamic_sampling_kept_groups"] == 4
     assert extra["rollout/dynamic_sampling_pass_rate"] == 0.25
     # every prompt taken from the source was generated: the saved position is exactly 16 prompts on
-    assert (m.source.epoch, m.source.offset) == (0, 16)
-    assert m.source.batch_size == 4
+    assert (m.data_source.source.epoch, m.data_source.source.offset) == (0, 16)
+    assert m.data_source.source.batch_size == 4
 
 
 def test_surplus_passing_groups_are_discarded_and_position_stays_exact(make_manager, lichen_log):
     m = make_manager("--dynamic-sampling-filter-path", "ds_plugins.contract_probe", "--over-sampling-batch-size", "6")
     ds_plugins.CALLS.clear()
-    groups, metrics = m.generate(0)
+    groups, extra = m.generate(0)
     assert [g[0].metadata["prompt_index"] for g in groups] == [0, 1, 2, 3]
-    assert m.last_rollout_extra["rollout/dynamic_sampling_discarded_groups"] == 2
-    assert m.source.offset == 6
-    assert metrics["rollout/num_samples"] == 8
+    assert extra["rollout/dynamic_sampling_discarded_groups"] == 2
+    assert m.data_source.source.offset == 6
+    assert extra["rollout/num_samples"] == 8
     assert any("beyond --rollout-batch-size 4" in r.getMessage() for r in lichen_log)
     # the filter contract: (args, one prompt's group of n scored samples)
     assert len(ds_plugins.CALLS) == 6
@@ -242,18 +241,17 @@ def test_resume_from_saved_source_position_reproduces_next_step(make_manager):
     got, _ = b.generate(1)
     assert [[(s.tokens, s.reward, s.group_index, s.index) for s in g] for g in got] == \
         [[(s.tokens, s.reward, s.group_index, s.index) for s in g] for g in expected]
-    assert b.source.state_dict() == a.source.state_dict()
+    assert b.data_source.source.state_dict() == a.data_source.source.state_dict()
 
 
 @pytest.mark.parametrize("n, steps, fillers", [(2, 1, 1), (1, 4, 4)])
 def test_max_rounds_reached_with_nothing_kept(make_manager, lichen_log, n, steps, fillers):
     m = make_manager("--dynamic-sampling-filter-path", "ds_plugins.reject_all", "--dynamic-sampling-max-rounds", "3",
                      "--num-steps-per-rollout", str(steps), n=n)
-    groups, _ = m.generate(0)
-    extra = m.last_rollout_extra
+    groups, extra = m.generate(0)
     assert extra["rollout/dynamic_sampling_rounds"] == 3
     assert extra["rollout/dynamic_sampling_passed_groups"] == 0
-    assert m.source.offset == 12  # 3 rounds of 4 prompts
+    assert m.data_source.source.offset == 12  # 3 rounds of 4 prompts
     # nothing passed: the smallest batch the trainer can split, filled from rejected groups and marked so
     assert len(groups) == fillers == extra["rollout/dynamic_sampling_filler_groups"]
     assert len(groups) * n % steps == 0
@@ -267,10 +265,10 @@ def test_fewer_groups_cut_to_what_the_trainer_splits_evenly(make_manager, lichen
     # passes data indices 0, 3 (round 0) and 6 (round 1): 3 groups of 1 sample, 2 optimizer steps -> train on 2
     m = make_manager("--dynamic-sampling-filter-path", "ds_plugins.keep_multiple_of_3", "--dynamic-sampling-max-rounds",
                      "2", "--num-steps-per-rollout", "2", n=1)
-    groups, _ = m.generate(0)
+    groups, extra = m.generate(0)
     assert [g[0].metadata["prompt_index"] for g in groups] == [0, 3]
     assert [s.group_index for g in groups for s in g] == [0, 1]
-    assert m.last_rollout_extra["rollout/dynamic_sampling_discarded_groups"] == 1
+    assert extra["rollout/dynamic_sampling_discarded_groups"] == 1
     assert any("cut by 1" in r.getMessage() for r in lichen_log if r.levelno == logging.WARNING)
 
 
@@ -283,11 +281,10 @@ def test_filter_returning_non_bool_is_a_user_error(make_manager):
 def test_overlong_penalty_in_rollout(make_manager):
     # B = L = 6: penalty = -l / 6 for every response length l (hand formula, independent of shaping.py)
     m = make_manager("--overlong-buffer-len", "6", "--overlong-penalty-factor", "0.5", reward="ds_plugins.constant_one")
-    groups, _ = m.generate(0)
+    groups, extra = m.generate(0)
     samples = [s for g in groups for s in g]
     for s in samples:
         assert s.reward == pytest.approx(1.0 - 0.5 * s.response_length / 6, abs=1e-12)
-    extra = m.last_rollout_extra
     assert extra["rollout/overlong_penalty_mean"] == pytest.approx(
         np.mean([-0.5 * s.response_length / 6 for s in samples]))
 

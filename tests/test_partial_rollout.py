@@ -22,18 +22,19 @@ import pytest
 import torch
 
 from lichen.config import parse_train_args
+from lichen.config.rollout_config import SamplingConfig
 from lichen.engines.engine import Engine, GenRequest, GenResult
 from lichen.engines.launcher import EngineLauncher
 from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import SEED_ROUND_STRIDE
-from lichen.rollout.manager import RolloutManager
 from lichen.rollout.partial import (SEGMENTS_KEY, PartialBuffer, continuation_request, extend_sample,
                                     offpolicy_loss_mask, to_buffered)
 from lichen.train import checkpoint as ckpt
 from lichen.types import Sample, Status
 
+from helpers.rollout import rollout_worker
 from helpers.runs import base_args, run
 from helpers.runs import THREADS
 
@@ -52,10 +53,9 @@ def _sample(prompt_ids, response, *, status, versions, segments, logprobs=None) 
     return s
 
 
-def _args(**kw):
-    base = dict(rollout_max_response_len=8, rollout_temperature=0.7, rollout_top_p=0.9, rollout_top_k=5,
-                rollout_stop_token_ids=[4], seed=SEED)
-    return types.SimpleNamespace(**{**base, **kw})
+def _sampling() -> SamplingConfig:
+    return SamplingConfig(n_samples_per_prompt=2, temperature=0.7, top_p=0.9, top_k=5, max_response_len=8,
+                          max_context_len=None, stop_token_ids=(4,), seed=SEED)
 
 
 def test_buffer_state_round_trips_through_json():
@@ -79,15 +79,15 @@ def test_buffer_state_round_trips_through_json():
 
 def test_continuation_request_reduces_the_budget_and_keeps_sampling_settings():
     s = _sample([11, 12, 13], [20, 21], status=Status.ABORTED, versions=["0"], segments=[2])
-    req = continuation_request(_args(), s, seed=99)
+    req = continuation_request(_sampling(), s, seed=99)
     assert req == GenRequest(input_ids=[11, 12, 13, 20, 21], max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=5,
                              stop_token_ids=[4], seed=99)
     never_sent = _sample([11, 12, 13], [], status=Status.PENDING, versions=[], segments=[])
-    assert continuation_request(_args(), never_sent, seed=1).max_new_tokens == 8
+    assert continuation_request(_sampling(), never_sent, seed=1).max_new_tokens == 8
     done = _sample([11], [20, 4], status=Status.COMPLETED, versions=["0"], segments=[2])
-    assert continuation_request(_args(), done, seed=1) is None
+    assert continuation_request(_sampling(), done, seed=1) is None
     full = _sample([11], [20] * 8, status=Status.ABORTED, versions=["0"], segments=[8])
-    assert continuation_request(_args(), full, seed=1) is None and full.status is Status.TRUNCATED
+    assert continuation_request(_sampling(), full, seed=1) is None and full.status is Status.TRUNCATED
 
 
 def test_offpolicy_mask_per_segment():
@@ -193,7 +193,7 @@ def scripted(tiny_ckpt, addition_data, tmp_path):
                          "--dynamic-sampling-filter-path", "test_partial_rollout.keep_all", "--debug-rollout-only",
                          "--rollout-external-engine-addrs", "127.0.0.1:9", "--partial-rollout", *extra)
         engine = ScriptedEngines()
-        manager = RolloutManager(parse_train_args(argv[1:]), engine=engine)
+        manager = rollout_worker(parse_train_args(argv[1:]), engine=engine)
         made.append(engine)
         return manager, engine
 
@@ -203,7 +203,7 @@ def scripted(tiny_ckpt, addition_data, tmp_path):
 
 
 def _prompt_ids(manager, data_index):
-    return manager.encode(data_index, manager.source.records[data_index])
+    return manager.encode(data_index, manager.data_source.source.records[data_index])
 
 
 @pytest.mark.parametrize("mask", [True, False])
@@ -216,10 +216,10 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
     assert len(engine.received) == 7 and engine.aborts >= 1
     assert [[s.metadata["prompt_index"] for s in g] for g in groups] == [[0, 0], [1, 1]]
     assert all(SEGMENTS_KEY not in s.metadata and s.weight_versions == ["0"] for g in groups for s in g)
-    assert manager.source.offset == 4
+    assert manager.data_source.source.offset == 4
     assert metrics["rollout/partial_buffer_groups"] == 2 and metrics["rollout/partial_resumed_groups"] == 0
     assert metrics["rollout/dynamic_sampling_aborted_groups"] == 2
-    buffered = manager.partial.groups
+    buffered = manager.data_source.buffer.groups
     (b20, b21), (b30, b31) = buffered
     key0 = 0 * SEED_ROUND_STRIDE
     p2, p3 = _prompt_ids(manager, 2), _prompt_ids(manager, 3)
@@ -264,12 +264,12 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
         assert s.response_tokens == scripted_tokens(expected_requests[1 + j]) and s.weight_versions == ["1"]
         assert s.metadata[SEGMENTS_KEY] == [8] and s.loss_mask == [1] * 8
     assert all(isinstance(s.reward, float) for g in groups for s in g)
-    assert manager.source.offset == 6  # 4 + the 2 new prompts of this step
+    assert manager.data_source.source.offset == 6  # 4 + the 2 new prompts of this step
     assert metrics["rollout/partial_resumed_groups"] == 2
     assert metrics["rollout/partial_resumed_tokens"] == 8 + 3
     assert metrics["rollout/partial_buffer_groups"] == 2
-    assert [[s.metadata["prompt_index"] for s in g] for g in manager.partial.groups] == [[4, 4], [5, 5]]
-    assert [s.response_length for g in manager.partial.groups for s in g] == [8, 2, 0, 0]
+    assert [[s.metadata["prompt_index"] for s in g] for g in manager.data_source.buffer.groups] == [[4, 4], [5, 5]]
+    assert [s.response_length for g in manager.data_source.buffer.groups for s in g] == [8, 2, 0, 0]
 
     # exact resume: a manager loaded from the step-0 state makes the same requests and the same groups
     other, engine2 = scripted(*(["--mask-offpolicy-in-partial-rollout"] if mask else []))
@@ -279,8 +279,8 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
     again, _ = other.generate(1)
     assert [r.seed for r in engine2.received] == [r.seed for r in engine.received]
     assert [[s.to_dict() for s in g] for g in again] == [[s.to_dict() for s in g] for g in groups]
-    assert other.partial.state_dict() == manager.partial.state_dict()
-    assert other.source.state_dict() == manager.source.state_dict()
+    assert other.data_source.buffer.state_dict() == manager.data_source.buffer.state_dict()
+    assert other.data_source.source.state_dict() == manager.data_source.source.state_dict()
 
 
 def test_buffered_groups_beyond_the_round_shrink_the_new_prompts(scripted):
@@ -289,24 +289,24 @@ def test_buffered_groups_beyond_the_round_shrink_the_new_prompts(scripted):
     manager, engine = scripted()
     for i in range(3):
         ids = _prompt_ids(manager, 10 + i)
-        manager.partial.put([to_buffered(Sample(prompt="q", tokens=list(ids), metadata={"prompt_index": 10 + i}),
+        manager.data_source.buffer.put([to_buffered(Sample(prompt="q", tokens=list(ids), metadata={"prompt_index": 10 + i}),
                                          None) for _ in range(2)])
     engine.new_step({})
     groups, metrics = manager.generate(0)
-    assert manager.source.offset == 1  # 4 per round - 3 buffered groups
+    assert manager.data_source.source.offset == 1  # 4 per round - 3 buffered groups
     assert [g[0].metadata["prompt_index"] for g in groups] == [10, 11]
-    assert [g[0].metadata["prompt_index"] for g in manager.partial.groups] == [12, 0]
+    assert [g[0].metadata["prompt_index"] for g in manager.data_source.buffer.groups] == [12, 0]
     assert metrics["rollout/partial_resumed_groups"] == 3 and metrics["rollout/partial_resumed_tokens"] == 0
 
 
 def test_old_checkpoint_and_flag_off_loads(scripted, tiny_ckpt, addition_data, tmp_path):
     manager, _ = scripted()
-    manager.load_state_dict({"source": manager.source.state_dict()})  # written before partial rollout existed
-    assert len(manager.partial) == 0 and "partial_rollout" in manager.state_dict()
-    manager.partial.put([to_buffered(Sample(tokens=[1, 2]), None)])
+    manager.load_state_dict({"source": manager.data_source.source.state_dict()})  # written before partial rollout existed
+    assert len(manager.data_source.buffer) == 0 and "partial_rollout" in manager.state_dict()
+    manager.data_source.buffer.put([to_buffered(Sample(tokens=[1, 2]), None)])
     state = manager.state_dict()
     argv = base_args(tiny_ckpt, addition_data, tmp_path / "o2", "--num-rollout", "1", "--debug-rollout-only")
-    plain = RolloutManager(parse_train_args(argv[1:]), engine=ScriptedEngines())
+    plain = rollout_worker(parse_train_args(argv[1:]), engine=ScriptedEngines())
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -316,7 +316,7 @@ def test_old_checkpoint_and_flag_off_loads(scripted, tiny_ckpt, addition_data, t
     finally:
         logging.getLogger("lichen").removeHandler(handler)
         plain.engine.close()
-    assert len(plain.partial) == 0
+    assert len(plain.data_source.buffer) == 0
     assert any("--partial-rollout is off" in r.getMessage() for r in records)
 
 
@@ -325,7 +325,7 @@ def test_manager_refuses_an_engine_that_cannot_abort(tiny_ckpt, addition_data, t
                      "--dynamic-sampling-filter-path", "test_partial_rollout.keep_all", "--partial-rollout",
                      "--rollout-external-engine-addrs", "127.0.0.1:9")
     with pytest.raises(ConfigError, match="--partial-rollout needs engine servers that can abort"):
-        RolloutManager(parse_train_args(argv[1:]), engine=Engine.from_pretrained(tiny_ckpt))
+        rollout_worker(parse_train_args(argv[1:]), engine=Engine.from_pretrained(tiny_ckpt))
 
 
 # ---- over real `lichen serve` engines -------------------------------------------------------------------------

@@ -348,8 +348,8 @@ def grouped(n_groups: int, n: int, **metadata_by_group) -> list[Sample]:
 
 def test_group_rm_is_called_once_per_group():
     CALLS.clear()
-    args = SimpleNamespace(group_rm=True)
-    fn = build_reward_fn(None, "test_rewards.group_len_rm", args)
+    args = SimpleNamespace()
+    fn = build_reward_fn(None, "test_rewards.group_len_rm", args, group=True)
     assert isinstance(fn, GroupReward)
     samples = grouped(3, 4)
     samples = samples[4:] + samples[:4]  # groups need not arrive in order
@@ -360,8 +360,8 @@ def test_group_rm_is_called_once_per_group():
 
 
 def test_group_rm_failures():
-    args = SimpleNamespace(group_rm=True)
-    fn = build_reward_fn(None, "test_rewards.async_group_rm", args)
+    args = SimpleNamespace()
+    fn = build_reward_fn(None, "test_rewards.async_group_rm", args, group=True)
     samples = grouped(5, 2, g1={"mode": "raise"}, g2={"mode": "short"}, g3={"nan_at": 1}, g4={"mode": "hang"})
     stats = score_samples(samples, fn, args, timeout=0.3)
     failed = dict(stats["failed"])
@@ -378,7 +378,7 @@ def test_group_rm_failures():
 
 def test_group_rm_needs_custom_path():
     with pytest.raises(ConfigError, match="--group-rm"):
-        build_reward_fn("math", None, SimpleNamespace(group_rm=True))
+        build_reward_fn("math", None, None, group=True)
 
 
 def test_limits_come_from_args_when_not_given():

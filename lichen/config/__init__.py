@@ -19,6 +19,7 @@ from lichen.config import algo, checkpoint, data, debug, eval, model, observe, p
 from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, option_actions
 from lichen.config.removed import REMOVED_FLAGS, check_removed
 from lichen.config.rollout import SGLANG_CONSUMED_FLAGS, collect_sglang_passthrough
+from lichen.config.rollout_config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
 from lichen.config.validate import resolve_and_validate
 from lichen.config.yaml_config import find_config_path, load_yaml_config
 
@@ -26,8 +27,12 @@ from lichen.config.yaml_config import find_config_path, load_yaml_config
 HELP_ORDER = (model, data, rollout, rewards, sampling, train, algo, placement, sync, debug, checkpoint, eval, observe)
 
 __all__ = [
+    "DataConfig",
     "REMOVED_FLAGS",
+    "RewardConfig",
+    "RolloutConfig",
     "SGLANG_CONSUMED_FLAGS",
+    "SamplingConfig",
     "build_train_parser",
     "parse_train_args",
     "resolve_and_validate",

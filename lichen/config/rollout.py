@@ -69,7 +69,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-function-path",
         metavar="MODULE.FUNCTION",
         default=None,
-        help="replace the whole rollout step with module.function (default: lichen's own rollout)",
+        help="replace the whole rollout step with module.function: fn(args, rollout_id, data_source, "
+        "evaluation=False) -> RolloutFnTrainOutput (lichen.rollout.base_types; default: lichen's own rollout)",
+    )
+    g.add_argument(
+        "--eval-function-path",
+        metavar="MODULE.FUNCTION",
+        default=None,
+        help="replace the eval pass with module.function, called as the rollout function with evaluation=True "
+        "and returning RolloutFnEvalOutput (default: lichen's own eval)",
     )
     g.add_argument(
         "--custom-generate-function-path",
@@ -242,7 +250,7 @@ def check(args: argparse.Namespace) -> None:
             "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path "
             "module.function"
         )
-    for dest in ("custom_rm_path", "rollout_function_path", "custom_generate_function_path"):
+    for dest in ("custom_rm_path", "rollout_function_path", "eval_function_path", "custom_generate_function_path"):
         check_dotted_path(args, dest)
     if args.custom_generate_function_path is not None:
         import inspect

@@ -18,16 +18,6 @@ from lichen.config.checks import check_dotted_path, given
 BUILTIN_NONZERO_STD = "lichen.rollout.filters.check_reward_nonzero_std"
 # seed keys are rollout_id * 1000 + round (lichen.rollout.generate.SEED_ROUND_STRIDE): rounds must stay below it
 MAX_ROUNDS_LIMIT = 1000
-# also raised by the rollout manager, which sees the engine itself (lichen.rollout.partial.require_abortable)
-PARTIAL_NEEDS_SERVERS = (
-    "--partial-rollout needs engine servers that can abort requests (--rollout-num-engines K or "
-    "--rollout-external-engine-addrs HOST:PORT ...): the in-process engine generates a round in one call, so "
-    "nothing is cut off to continue; add one of those flags or drop --partial-rollout"
-)
-PARTIAL_WITH_CUSTOM_GENERATE = (
-    "--partial-rollout with --custom-generate-function-path: a custom generate function makes its own engine "
-    "calls, which lichen cannot abort and continue; drop one of the two"
-)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +141,9 @@ def _check_partial_rollout(args: argparse.Namespace) -> None:
             f"{BUILTIN_NONZERO_STD}) and engine servers: it continues the groups dynamic sampling aborts once "
             "--rollout-batch-size groups are kept, and without dynamic sampling nothing is aborted"
         )
+    # the messages live with the rollout, which raises them too once it sees the engine itself
+    from lichen.rollout.messages import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
+
     if getattr(args, "custom_generate_function_path", None):
         raise ConfigError(PARTIAL_WITH_CUSTOM_GENERATE)
     if not (getattr(args, "rollout_num_engines", None) or getattr(args, "rollout_external_engine_addrs", None)):

@@ -10,6 +10,7 @@ that reaches the end of an epoch is filled from the start of the next one.
 
 from __future__ import annotations
 
+import abc
 import logging
 from typing import Any
 
@@ -20,6 +21,30 @@ from lichen.errors import ConfigError, DataError
 
 _STATE_VERSION = 1
 logger = logging.getLogger(__name__)
+
+
+class DataSource(abc.ABC):
+    """What a rollout function receives as `data_source` (slime's interface; groups are list[list[Sample]])."""
+
+    @abc.abstractmethod
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        """The next `num_samples` groups of samples to generate."""
+
+    @abc.abstractmethod
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        """Groups handed back, to be returned first by a later `get_samples`."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The position (and held groups), saved in every checkpoint."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()`."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Prompts in the data set."""
 
 
 class PromptSource:
@@ -85,6 +110,17 @@ class PromptSource:
             if self._offset == n:
                 self._epoch, self._offset = self._epoch + 1, 0
         return out
+
+    def take(self, count: int) -> list[tuple[int, PromptRecord]]:
+        """Exactly the next `count` prompts (none for count <= 0), advancing the position by `count`."""
+        if count <= 0:
+            return []
+        saved = self.batch_size
+        self.batch_size = count
+        try:
+            return self.next_batch()
+        finally:
+            self.batch_size = saved
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -68,10 +68,10 @@ class GroupReward:
         return f"GroupReward({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
-def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, args: Any = None) -> RewardFn:
+def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, args: Any = None, *,
+                    group: bool = False) -> RewardFn:
     """`--custom-rm-path` (taking precedence) loaded as `fn(args, sample)` (as `fn(args, samples)` of one group
-    under `--group-rm`), else the hub's `--rm-type` grader."""
-    group = bool(getattr(args, "group_rm", False))
+    when `group`, --group-rm), else the hub's `--rm-type` grader."""
     if custom_rm_path:
         fn = load_function(custom_rm_path, "--custom-rm-path")
         return GroupReward(fn) if group else fn

@@ -11,7 +11,7 @@ generated (counted as aborted). Deciding in prompt order, not in completion orde
 reproducible and its resume exact.
 
 With --partial-rollout (lichen.rollout.partial) the groups after the cut are not thrown away: round 0 may start
-with groups resumed from the manager's PartialBuffer (only their unfinished samples are sent, as continuations),
+with groups resumed from the data source's PartialBuffer (only their unfinished samples are sent, as continuations),
 and at the cut the requests still queued are not sent (a gate of our own holds every request beyond the
 engines' concurrency caps), the running ones are aborted (`abort_all`, repeated until each has answered, so a
 request that reached a server just after an abort is aborted too) and every group after the cut, with what it
@@ -25,49 +25,44 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 from typing import Any
 
 from lichen.engines.client import EngineError
 from lichen.engines.engine import GenResult
 from lichen.engines.sampler import derive_seed
 from lichen.observe.metrics import get_logger
-from lichen.rewards import score_samples
+from lichen.rollout.context import RolloutContext
 from lichen.rollout.filters import run_group_filter
 from lichen.rollout.partial import PartialBuffer, continuation_request, extend_sample, to_buffered
-from lichen.rollout.shaping import apply_overlong_penalty
+from lichen.rollout.samples import make_sample, sample_requests, score, shape
 from lichen.types import Sample
 
 log = get_logger(__name__)
 
 
-def can_abort(args: Any, manager: Any) -> bool:
-    engine = manager.engine
+def can_abort(cfg: Any, engine: Any) -> bool:
+    """Rounds stop early only over engines lichen can abort, and only for requests lichen itself makes."""
     return (all(hasattr(engine, a) for a in ("agenerate", "submit", "abort_all"))
-            and not getattr(args, "custom_generate_function_path", None))
+            and not cfg.custom_generate_function_path)
 
 
-def generate_round(args: Any, manager: Any, prompts: list, *, seed_key: int, group_filter: Any, path: str,
-                   need: int, resumed: list[list[Sample]] = (), buffer: PartialBuffer | None = None,
+def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_filter: Any, need: int,
+                   resumed: list[list[Sample]] = (), buffer: PartialBuffer | None = None,
                    ) -> tuple[list[list[Sample]], list[bool], dict]:
     """One round: (groups decided, keep flag per group, stats). Stats: reward_time_s, failed, aborted_groups,
     aborted_requests, buffered_groups. Groups after the `need`-th kept one are aborted and not returned; with a
     `buffer` (--partial-rollout) they are put into it. `resumed` groups (from the buffer) take positions
     0..len(resumed)-1 of the round, before `prompts`."""
-    from lichen.rollout.generate import make_sample, sample_requests
-
-    n = args.n_samples_per_prompt
+    cfg, sampling = ctx.config, ctx.config.sampling
+    n = sampling.n_samples_per_prompt
     resumed = list(resumed)
-    fresh, owners = sample_requests(args, manager, prompts, n=n, temperature=args.rollout_temperature,
-                                    top_p=args.rollout_top_p, top_k=args.rollout_top_k,
-                                    max_new_tokens=args.rollout_max_response_len, seed_key=seed_key,
-                                    first_pos=len(resumed))
+    fresh, owners = sample_requests(sampling, prompts, ctx.encode, seed_key=seed_key, first_pos=len(resumed))
     # plan[pos] = per sample (request index or None, ("resumed", Sample) or ("fresh", owner))
     requests, plan = [], []
     for pos, group in enumerate(resumed):
         members = []
         for j, s in enumerate(group):
-            req = continuation_request(args, s, seed=derive_seed(args.seed, seed_key, pos, j))
+            req = continuation_request(sampling, s, seed=derive_seed(sampling.seed, seed_key, pos, j))
             if req is not None:
                 requests.append(req)
             members.append((len(requests) - 1 if req is not None else None, ("resumed", s)))
@@ -78,18 +73,18 @@ def generate_round(args: Any, manager: Any, prompts: list, *, seed_key: int, gro
         requests.append(fresh[k])
         plan[-1].append((len(requests) - 1, ("fresh", owner)))
 
-    mask = bool(getattr(args, "mask_offpolicy_in_partial_rollout", False))
+    mask = cfg.mask_offpolicy_in_partial_rollout
 
     def build(base: tuple, res: GenResult | None, cut: bool) -> Sample:
         kind, what = base
         if kind == "resumed":
-            return what if res is None else extend_sample(what, res, _decoder(manager), mask_offpolicy=mask)
+            return what if res is None else extend_sample(what, res, _decoder(ctx.tokenizer), mask_offpolicy=mask)
         if res is None:  # cut off before it was sent: a sample with no response yet
-            return to_buffered(make_sample(manager, what, GenResult([], [], "abort", len(what[4]), ""), n), None)
-        s = make_sample(manager, what, res, n)
+            return to_buffered(make_sample(ctx.tokenizer, what, GenResult([], [], "abort", len(what[4]), ""), n), None)
+        s = make_sample(ctx.tokenizer, what, res, n)
         return to_buffered(s, res.finish_reason) if cut else s
 
-    engine = manager.engine
+    engine = ctx.engine
     gate = _Gate(engine) if buffer is not None else None
     futures = [engine.submit(gate.generate(r) if gate else engine.agenerate(r, allow_abort=True)) for r in requests]
     groups: list[list[Sample]] = []
@@ -106,16 +101,12 @@ def generate_round(args: Any, manager: Any, prompts: list, *, seed_key: int, gro
                 # not by us: as the default path, an error
                 raise EngineError("an engine aborted a rollout request of a group being kept")
             group = [build(base, res, False) for (_, base), res in zip(members, results)]
-            t0 = time.perf_counter()
-            scored = score_samples(group, manager.reward_fn, args)
-            stats["reward_time_s"] += scored.get("reward_time_s", time.perf_counter() - t0)
+            scored = score(ctx, group)
+            stats["reward_time_s"] += scored["reward_time_s"]
             stats["failed"] += scored.get("failed", [])
-            buffer_len = getattr(args, "overlong_buffer_len", None)
-            if buffer_len is not None:
-                apply_overlong_penalty(group, max_response_len=args.rollout_max_response_len, buffer_len=buffer_len,
-                                       factor=args.overlong_penalty_factor, reward_key=args.reward_key)
+            shape(cfg, group)
             groups.append(group)
-            keep += run_group_filter(group_filter, args, [group], path)
+            keep += run_group_filter(group_filter, ctx.args, [group], cfg.dynamic_sampling_filter_path)
     except BaseException:
         _cancel_surplus(engine, futures)
         raise
@@ -135,8 +126,8 @@ def generate_round(args: Any, manager: Any, prompts: list, *, seed_key: int, gro
     return groups, keep, stats
 
 
-def _decoder(manager: Any):
-    return lambda ids: manager.tokenizer.decode(ids, skip_special_tokens=True)
+def _decoder(tokenizer: Any):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _cancel_surplus(engine: Any, futures: list) -> int:

@@ -178,25 +178,26 @@ def run_custom_generate(fn: Callable[..., Awaitable], args: Any, samples: list[S
     return out["value"]
 
 
-def build_custom_samples(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
-                         max_new_tokens: int, seed_key: int) -> list[list[Sample]]:
-    """The default rollout's `build_samples` with the custom generate function making each sample."""
-    from lichen.rollout.generate import response_budget
-
-    fn = load_custom_generate(args.custom_generate_function_path)
+def build_custom_samples(ctx: Any, prompts: list, sampling: Any, *, seed_key: int,
+                         encode: Callable[[int, Any], list[int]]) -> list[list[Sample]]:
+    """lichen.rollout.samples.build_samples with the custom generate function making each sample (`ctx`: the
+    rollout's RolloutContext, `sampling`: a SamplingConfig)."""
+    fn = load_custom_generate(ctx.config.custom_generate_function_path)
+    n = sampling.n_samples_per_prompt
     samples, params = [], []
     for pos, (data_index, record) in enumerate(prompts):
-        ids = list(manager.encode(data_index, record))
+        ids = list(encode(data_index, record))
         for j in range(n):
             samples.append(Sample(prompt=record.prompt, tokens=list(ids), label=record.label,
                                   status=Status.PENDING,
                                   metadata={**(record.metadata or {}), "prompt_index": data_index},
                                   group_index=pos, index=pos * n + j))
-            budget = response_budget(args, len(ids), max_new_tokens)  # the same per-sample budget as build_samples
-            params.append({"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
-                           "top_k": top_k, "stop_token_ids": list(args.rollout_stop_token_ids or []),
-                           "sampling_seed": derive_seed(args.seed, seed_key, pos, j)})
-    outputs = run_custom_generate(fn, args, samples, params, engine=manager.engine, tokenizer=manager.tokenizer)
+            # the same per-sample budget as lichen's own requests
+            budget = sampling.response_budget(len(ids), sampling.max_response_len)
+            params.append({"max_new_tokens": budget, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                           "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
+                           "sampling_seed": derive_seed(sampling.seed, seed_key, pos, j)})
+    outputs = run_custom_generate(fn, ctx.args, samples, params, engine=ctx.engine, tokenizer=ctx.tokenizer)
     groups: list[list[Sample]] = [[] for _ in prompts]
     renumber = False
     for given, out in zip(samples, outputs):
@@ -205,7 +206,7 @@ def build_custom_samples(args, manager, prompts, *, n: int, temperature: float, 
         if not got:
             raise CustomGenerateError(f"{FLAG}: returned an empty list for sample {given.index}")
         for s in got:
-            _check_sample(s, given.index, manager.tokenizer)
+            _check_sample(s, given.index, ctx.tokenizer)
             s.group_index = given.group_index
             groups[given.group_index].append(s)
     if renumber:

@@ -1,4 +1,4 @@
-"""Evaluation: per-data-set metrics (mean reward, unbiased pass@k, truncation ratio) and the eval pass itself.
+"""Evaluation: per-data-set metrics (mean reward, unbiased pass@k, truncation ratio) and lichen's eval function.
 
 Metrics of one data set (groups = the samples of each prompt), logged as `eval/<name>/<metric>`:
 - reward_mean: mean scalar reward over samples whose verifier did not fail;
@@ -11,10 +11,14 @@ Metrics of one data set (groups = the samples of each prompt), logged as `eval/<
 
 from __future__ import annotations
 
-import time
 from math import comb
 from typing import Any
 
+from lichen.data import load_prompt_dataset
+from lichen.rewards import build_reward_fn
+from lichen.rollout.base_types import RolloutFnEvalOutput
+from lichen.rollout.context import current
+from lichen.rollout.samples import build_samples, score
 from lichen.types import Sample, Status
 
 
@@ -59,12 +63,10 @@ def eval_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
     return out
 
 
-def load_eval_sets(args: Any) -> dict:
-    """name -> (resolved data-set config, prompt records), for every eval data set of `args`."""
-    from lichen.data import load_prompt_dataset
-
+def load_eval_sets(configs: tuple[dict, ...] | list[dict]) -> dict:
+    """name -> (resolved data-set config, prompt records), for every resolved eval data set config."""
     out = {}
-    for cfg in _dataset_configs(args):
+    for cfg in configs:
         records = load_prompt_dataset(
             cfg["path"], input_key=cfg["input_key"], label_key=cfg["label_key"],
             metadata_key=cfg["metadata_key"], tool_key=cfg["tool_key"], flag=f"eval data set {cfg['name']!r}",
@@ -73,63 +75,51 @@ def load_eval_sets(args: Any) -> dict:
     return out
 
 
-def _dataset_configs(args: Any) -> list[dict]:
-    configs = getattr(args, "eval_dataset_configs", None)
-    if configs is not None:
-        return configs
-    # args that did not pass through config validation (e.g. built by hand): the flags alone
-    from lichen.config.eval import flag_level
-
-    base = flag_level(args)
-    return [{**base, "name": name, "path": path} for name, path in (getattr(args, "eval_datasets", None) or [])]
-
-
-def build_eval_reward_fns(args: Any, eval_sets: dict, default_fn: Any) -> dict:
-    """name -> reward function; data sets with the training reward share `default_fn`, others share by type."""
-    from lichen.rewards import build_reward_fn
-
-    cache: dict = {(getattr(args, "rm_type", None), getattr(args, "custom_rm_path", None)): default_fn}
+def build_eval_reward_fns(reward: Any, args: Any, eval_sets: dict, default_fn: Any) -> dict:
+    """name -> reward function; data sets with the training reward (`reward`: a RewardConfig) share `default_fn`,
+    others share by type. `args` is handed to the reward plug-ins."""
+    cache: dict = {(reward.rm_type, reward.custom_rm_path): default_fn}
     out = {}
     for name, (cfg, _) in eval_sets.items():
         key = (cfg["rm_type"], cfg["custom_rm_path"])
         if key not in cache:
-            cache[key] = build_reward_fn(cfg["rm_type"], cfg["custom_rm_path"], args)
+            cache[key] = build_reward_fn(cfg["rm_type"], cfg["custom_rm_path"], args, group=reward.group_rm)
         out[name] = cache[key]
     return out
 
 
-def run_eval(manager: Any, version: int) -> dict:
-    """Generate and score every eval data set with its own settings; returns `eval/<name>/<metric>` metrics."""
-    from lichen.models.tokenizer import encode_prompt
-    from lichen.rewards import score_samples
-    from lichen.rollout.generate import build_samples
-
-    args = manager.args
-    out: dict = {}
-    t0 = time.perf_counter()
+def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalOutput:
+    """lichen's eval function (`generate_rollout(..., evaluation=True)`): every eval data set generated with its own
+    sampling settings and scored with its own reward. `rollout_id` is the weight version evaluated; the training
+    `data_source` is not used (the eval sets come from lichen.rollout.context.current())."""
+    ctx = current()
+    data: dict = {}
     reward_time = 0.0
-    cache = manager.__dict__.setdefault("_eval_encoded", {})
-    for name, (cfg, records) in manager.eval_sets.items():
+    for name, (cfg, records) in ctx.eval_sets.items():
+        groups = build_samples(ctx, list(enumerate(records)), ctx.config.sampling.for_eval(cfg), seed_key=-1,
+                               encode=lambda i, record, _name=name: ctx.encode(i, record, dataset=_name))
+        samples = [s for g in groups for s in g]
+        reward_time += score(ctx, samples, ctx.eval_reward_fns[name])["reward_time_s"]
+        data[name] = {"samples": groups, "rewards": [s.scalar_reward(cfg["reward_key"]) for s in samples],
+                      "truncated": [s.status == Status.TRUNCATED for s in samples]}
+    return RolloutFnEvalOutput(data, {"time/eval_reward": reward_time})
 
-        class _View:  # what build_samples reads of a manager, with this data set's prompt encoding
-            tokenizer, engine = manager.tokenizer, manager.engine
 
-            @staticmethod
-            def encode(i: int, record: Any, _name: str = name, _chat: bool = cfg["apply_chat_template"]) -> list:
-                key = (_name, i)
-                if key not in cache:
-                    cache[key] = encode_prompt(manager.tokenizer, record.prompt, _chat, record.tools)
-                return cache[key]
-
-        groups = build_samples(
-            args, _View, list(enumerate(records)), n=cfg["n_samples_per_eval_prompt"],
-            temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"],
-            max_new_tokens=cfg["max_response_len"], seed_key=-1,
-        )
-        stats = score_samples([s for g in groups for s in g], manager.eval_reward_fns[name], args)
-        reward_time += stats["reward_time_s"]
-        for key, value in eval_metrics(groups, cfg["reward_key"]).items():
+def eval_output_metrics(data: dict, reward_keys: dict) -> dict:
+    """`eval/<name>/<metric>` for every data set of an eval output's `data` (`reward_keys`: name -> reward key).
+    A data set's samples may come flat: they are grouped by group_index."""
+    out = {}
+    for name, entry in data.items():
+        groups = _as_groups(entry["samples"])
+        for key, value in eval_metrics(groups, reward_keys.get(name)).items():
             out[f"eval/{name}/{key}"] = value
-    out["time/eval"] = time.perf_counter() - t0
-    out["time/eval_reward"] = reward_time
     return out
+
+
+def _as_groups(samples: list) -> list[list[Sample]]:
+    if not samples or isinstance(samples[0], list):
+        return samples
+    groups: dict = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())

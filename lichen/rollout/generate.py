@@ -1,21 +1,23 @@
 """The default rollout: n samples per prompt from the engine, scored, shaped and (optionally) filtered.
 
-A plug-in given by --rollout-function-path replaces `generate_rollout` with the same signature:
-    fn(args, rollout_id: int, prompts: list[tuple[int, PromptRecord]], manager) -> list[list[Sample]]
-where `manager` is the RolloutManager (it holds .engine, .tokenizer, .reward_fn, .encode(record), .source).
+`generate_rollout` is lichen's rollout function under the contract of lichen.rollout.base_types:
+    generate_rollout(args, rollout_id, data_source, evaluation=False) -> RolloutFnTrainOutput(samples, metrics)
+(with evaluation=True it is lichen's eval, lichen.rollout.eval.eval_rollout). A --rollout-function-path plug-in
+replaces it and may call it. It reads lichen's RolloutConfig and engine from lichen.rollout.context.current() and
+hands `args` only to the plug-ins it calls (reward, group filter, custom generate function).
 
 One step: generate --n-samples-per-prompt samples per prompt, score them (lichen.rewards), add the DAPO overlong
 penalty when --overlong-buffer-len is set (lichen.rollout.shaping). With --dynamic-sampling-filter-path the step
 runs DAPO dynamic sampling, in rounds r = 0, 1, ...:
-  - round 0 takes the manager's batch plus (--over-sampling-batch-size - --rollout-batch-size) further prompts
-    from `manager.source`; later rounds take --over-sampling-batch-size prompts each;
+  - round 0 takes --rollout-batch-size prompts plus (--over-sampling-batch-size - --rollout-batch-size) further prompts
+    from the data source; later rounds take --over-sampling-batch-size prompts each;
   - round r samples with seed key rollout_id * SEED_ROUND_STRIDE + r, so no two rounds share sampling seeds;
   - groups the filter keeps are collected until --rollout-batch-size are kept or --dynamic-sampling-max-rounds
     rounds ran.
 Every prompt taken from the source is generated (the source hands out exactly the prompts asked for), so the
 saved source position is exactly what an uninterrupted run would have reached. Over engine servers a round stops
 once it has the groups the step lacks: later groups' requests are aborted (lichen.rollout.abort_surplus; the kept
-groups are the same). With --partial-rollout the aborted groups go to the manager's PartialBuffer and are
+groups are the same). With --partial-rollout the aborted groups go to the data source's buffer (PartialBuffer) and are
 continued first next step (lichen.rollout.partial): round 0 then holds the buffered groups followed by
 --over-sampling-batch-size minus that many new prompts. Kept groups beyond
 --rollout-batch-size are discarded (counted and logged); their prompts are spent until the next epoch.
@@ -24,19 +26,20 @@ the trainer can split into --num-steps-per-rollout equal global batches (filters
 leaves none, the first rejected groups fill up to the smallest splittable count (marked
 metadata["dynamic_sampling_filler"] = True; under GRPO a group with equal rewards has zero advantage). Both cases
 log a warning. The returned groups are renumbered: group_index = 0..k-1, index = group_index * n + j.
-Metrics for the step are left in `manager.last_rollout_extra`.
+The step's metrics (dynamic sampling, overlong penalty, time/reward) are the output's `metrics`.
 """
 
 from __future__ import annotations
 
-import time
+import warnings
+from typing import Any
 
-from lichen.engines.engine import GenRequest
-from lichen.engines.sampler import derive_seed
 from lichen.observe.metrics import get_logger
-from lichen.rewards import score_samples
 from lichen.rollout.abort_surplus import can_abort
 from lichen.rollout.abort_surplus import generate_round as abort_surplus_round
+from lichen.rollout.base_types import RolloutFnTrainOutput
+from lichen.rollout.context import RolloutContext, current
+from lichen.rollout.eval import eval_rollout
 from lichen.rollout.filters import (
     load_group_filter,
     min_trainable_groups,
@@ -45,8 +48,9 @@ from lichen.rollout.filters import (
     trainable_group_count,
 )
 from lichen.rollout.partial import require_abortable
-from lichen.rollout.shaping import apply_overlong_penalty, overlong_metrics
-from lichen.types import Sample, Status
+from lichen.rollout.samples import build_samples, score, shape
+from lichen.rollout.shaping import overlong_metrics
+from lichen.types import Sample
 
 log = get_logger(__name__)
 
@@ -55,138 +59,61 @@ log = get_logger(__name__)
 SEED_ROUND_STRIDE = 1000
 
 
-def response_budget(args, num_tokens: int, max_new_tokens: int) -> int:
-    """Tokens a sample holding `num_tokens` may still generate: min(max_new_tokens, --rollout-max-context-len -
-    num_tokens), slime's rule. The request carries it, so the in-process engine, lichen serve and SGLang all
-    generate within the same budget; prompts with no room were dropped when the data loaded (lichen.data.fit)."""
-    context = getattr(args, "rollout_max_context_len", None)  # None: args built by hand, without validation
-    return max_new_tokens if context is None else min(max_new_tokens, context - num_tokens)
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """lichen's rollout function (see the module docstring and lichen.rollout.base_types)."""
+    if isinstance(data_source, list):  # called the old way, generate_rollout(args, rollout_id, prompts, manager)
+        warnings.warn("generate_rollout(args, rollout_id, prompts, manager) is deprecated; call "
+                      "generate_rollout(args, rollout_id, data_source)", DeprecationWarning, stacklevel=2)
+        manager, prompts = evaluation, data_source
+        ctx = current()
+        out = train_rollout(ctx, rollout_id, manager.data_source, prompts)
+        ctx.metrics.update(out.metrics)
+        return out.samples
+    if evaluation:
+        return eval_rollout(args, rollout_id, data_source)
+    ctx = current()
+    cfg = ctx.config
+    reserved = len(data_source.buffer) if cfg.partial_rollout else 0
+    # buffered groups take their places first: the data position moves by that many fewer
+    prompts = data_source.get_prompts(cfg.data.batch_size - reserved)
+    return train_rollout(ctx, rollout_id, data_source, prompts)
 
 
-def build_samples(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
-                  max_new_tokens: int, seed_key: int) -> list[list[Sample]]:
-    """Generate `n` samples for each prompt; a sample's seed is derive_seed(--seed, seed_key, prompt pos, j)."""
-    if getattr(args, "custom_generate_function_path", None):  # each sample made by the user's async function
-        from lichen.rollout.custom_generate import build_custom_samples
-
-        return build_custom_samples(args, manager, prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    max_new_tokens=max_new_tokens, seed_key=seed_key)
-    requests, owners = sample_requests(args, manager, prompts, n=n, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, max_new_tokens=max_new_tokens, seed_key=seed_key)
-    results = manager.engine.generate(requests)
-    groups: list[list[Sample]] = [[] for _ in prompts]
-    for owner, res in zip(owners, results):
-        groups[owner[0]].append(make_sample(manager, owner, res, n))
-    return groups
+def train_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any, prompts: list) -> RolloutFnTrainOutput:
+    """One rollout step from `prompts` (--rollout-batch-size of them, fewer by the buffered groups)."""
+    if ctx.config.dynamic_sampling_filter_path:
+        return _dynamic_sampling_rollout(ctx, rollout_id, data_source, prompts)
+    groups, stats = _generate_scored(ctx, prompts, seed_key=rollout_id)
+    metrics = {**overlong_metrics(s for g in groups for s in g), "time/reward": stats["reward_time_s"]}
+    return RolloutFnTrainOutput(groups, metrics)
 
 
-def sample_requests(args, manager, prompts, *, n: int, temperature: float, top_p: float, top_k: int,
-                    max_new_tokens: int, seed_key: int, first_pos: int = 0) -> tuple[list[GenRequest], list[tuple]]:
-    """The engine requests of `build_samples`, and per request its owner (pos, j, data_index, record, ids); the
-    prompts take round positions first_pos, first_pos + 1, ... (resumed partial groups come before them)."""
-    requests, owners = [], []
-    for pos, (data_index, record) in enumerate(prompts, start=first_pos):
-        ids = manager.encode(data_index, record)
-        for j in range(n):
-            requests.append(
-                GenRequest(
-                    input_ids=ids,
-                    max_new_tokens=response_budget(args, len(ids), max_new_tokens),
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    stop_token_ids=list(args.rollout_stop_token_ids or []),
-                    seed=derive_seed(args.seed, seed_key, pos, j),
-                )
-            )
-            owners.append((pos, j, data_index, record, ids))
-    return requests, owners
-
-
-def make_sample(manager, owner: tuple, res, n: int) -> Sample:
-    """The Sample for one engine result of `sample_requests`."""
-    pos, j, data_index, record, ids = owner
-    return Sample(
-        prompt=record.prompt,
-        tokens=list(ids) + list(res.output_ids),
-        response=manager.tokenizer.decode(res.output_ids, skip_special_tokens=True),
-        response_length=len(res.output_ids),
-        label=record.label,
-        loss_mask=[1] * len(res.output_ids),
-        rollout_log_probs=list(res.output_logprobs),
-        status=Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED,
-        weight_versions=[res.weight_version],
-        metadata={**(record.metadata or {}), "prompt_index": data_index},
-        group_index=pos,
-        index=pos * n + j,
-    )
-
-
-def generate_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sample]]:
-    """One rollout step: `prompts` (the manager's batch) -> scored, shaped groups; see the module docstring."""
-    if getattr(args, "dynamic_sampling_filter_path", None):
-        return _dynamic_sampling_rollout(args, rollout_id, prompts, manager)
-    groups, stats = _generate_scored(args, manager, prompts, seed_key=rollout_id)
-    manager.last_reward_stats = stats
-    manager.last_rollout_extra = overlong_metrics(s for g in groups for s in g)
-    return groups
-
-
-def _generate_scored(args, manager, prompts, *, seed_key: int) -> tuple[list[list[Sample]], dict]:
+def _generate_scored(ctx: RolloutContext, prompts: list, *, seed_key: int) -> tuple[list[list[Sample]], dict]:
     """build_samples + score_samples + the overlong penalty; returns (groups, reward stats)."""
-    groups = build_samples(
-        args,
-        manager,
-        prompts,
-        n=args.n_samples_per_prompt,
-        temperature=args.rollout_temperature,
-        top_p=args.rollout_top_p,
-        top_k=args.rollout_top_k,
-        max_new_tokens=args.rollout_max_response_len,
-        seed_key=seed_key,
-    )
+    groups = build_samples(ctx, prompts, ctx.config.sampling, seed_key=seed_key)
     samples = [s for g in groups for s in g]
-    t0 = time.perf_counter()
-    stats = score_samples(samples, manager.reward_fn, args)
-    stats = {**stats, "reward_time_s": stats.get("reward_time_s", time.perf_counter() - t0)}
-    buffer_len = getattr(args, "overlong_buffer_len", None)
-    if buffer_len is not None:
-        # after scoring, before any filter: the filter sees the reward the trainer will see
-        apply_overlong_penalty(samples, max_response_len=args.rollout_max_response_len, buffer_len=buffer_len,
-                               factor=args.overlong_penalty_factor, reward_key=args.reward_key)
+    stats = score(ctx, samples)
+    shape(ctx.config, samples)
     return groups, stats
 
 
-def take_prompts(source, count: int) -> list:
-    """Exactly the next `count` prompts of a PromptSource, advancing its position by `count`.
-
-    PromptSource.next_batch hands out `source.batch_size` prompts; it is set to `count` for one call, so the
-    position moves by exactly the prompts that will be generated (and a resumed run continues from there).
-    """
-    if count <= 0:
-        return []
-    saved = source.batch_size
-    source.batch_size = count
-    try:
-        return source.next_batch()
-    finally:
-        source.batch_size = saved
-
-
-def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[list[Sample]]:
-    path = args.dynamic_sampling_filter_path
+def _dynamic_sampling_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any,
+                              prompts: list) -> RolloutFnTrainOutput:
+    cfg = ctx.config
+    args = ctx.args
+    path = cfg.dynamic_sampling_filter_path
     group_filter = load_group_filter(path)
-    target = args.rollout_batch_size
-    per_round = getattr(args, "over_sampling_batch_size", None) or target
-    max_rounds = args.dynamic_sampling_max_rounds
-    n = args.n_samples_per_prompt
-    steps = getattr(args, "num_steps_per_rollout", None) or 1
+    target = cfg.data.batch_size
+    per_round = cfg.over_sampling_batch_size
+    max_rounds = cfg.dynamic_sampling_max_rounds
+    n = cfg.sampling.n_samples_per_prompt
+    steps = cfg.num_steps_per_rollout
 
-    abortable = can_abort(args, manager)
+    abortable = can_abort(cfg, ctx.engine)
     partial = None
-    if getattr(args, "partial_rollout", False):
-        require_abortable(args, abortable)
-        partial = manager.partial
+    if cfg.partial_rollout:
+        require_abortable(cfg, abortable)
+        partial = data_source.buffer
     resumed = partial.take_all() if partial is not None else []
     resumed_tokens = sum(s.response_length for g in resumed for s in g)
     num_resumed = len(resumed)
@@ -196,19 +123,18 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
     reward_time, failed = 0.0, []
     generated = consumed = rounds = aborted = 0
     batch = list(prompts)
-    batch += take_prompts(manager.source, per_round - len(resumed) - len(batch))
+    batch += data_source.get_prompts(per_round - len(resumed) - len(batch))
     for r in range(max_rounds):
         if r > 0:
-            batch, resumed = take_prompts(manager.source, per_round), []
+            batch, resumed = data_source.get_prompts(per_round), []
         consumed += len(batch)
         seed_key = rollout_id * SEED_ROUND_STRIDE + r
         if abortable:  # server engines: stop generating once enough groups are kept
-            groups, keep, stats = abort_surplus_round(args, manager, batch, seed_key=seed_key,
-                                                      group_filter=group_filter, path=path, need=target - len(passed),
-                                                      resumed=resumed, buffer=partial)
+            groups, keep, stats = abort_surplus_round(ctx, batch, seed_key=seed_key, group_filter=group_filter,
+                                                      need=target - len(passed), resumed=resumed, buffer=partial)
             aborted += stats["aborted_groups"]
         else:
-            groups, stats = _generate_scored(args, manager, batch, seed_key=seed_key)
+            groups, stats = _generate_scored(ctx, batch, seed_key=seed_key)
             keep = run_group_filter(group_filter, args, groups, path)
         reward_time += stats["reward_time_s"]
         failed += stats.get("failed", [])
@@ -251,8 +177,7 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
         )
     renumber_groups(selected)
 
-    manager.last_reward_stats = {"reward_time_s": reward_time, "num_failed": len(failed), "failed": failed}
-    manager.last_rollout_extra = {
+    metrics = {
         "rollout/dynamic_sampling_rounds": rounds,
         "rollout/dynamic_sampling_prompts": consumed,
         "rollout/dynamic_sampling_generated_groups": generated,
@@ -266,5 +191,6 @@ def _dynamic_sampling_rollout(args, rollout_id: int, prompts, manager) -> list[l
         **({"rollout/partial_buffer_groups": len(partial), "rollout/partial_resumed_groups": num_resumed,
             "rollout/partial_resumed_tokens": resumed_tokens} if partial is not None else {}),
         **overlong_metrics(s for g in selected for s in g),
+        "time/reward": reward_time,
     }
-    return selected
+    return RolloutFnTrainOutput(selected, metrics)

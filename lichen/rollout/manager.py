@@ -1,28 +1,38 @@
-"""The rollout manager: prompts from the data source -> engine samples -> rewards -> `list[list[Sample]]`.
+"""The rollout worker: each step runs the rollout function on the data source and returns `list[list[Sample]]`.
 
-It owns the engines (the trainer reaches them only through `lichen.sync`), the prompt data source (whose
-position is part of every checkpoint), the partial-rollout buffer (--partial-rollout: groups cut off by an abort,
-continued first next step; also part of every checkpoint) and the evaluation data sets.
+`RolloutManager` is long-lived: it owns the engines (the trainer reaches them only through `lichen.sync`), the
+tokenizer, the reward functions, the evaluation data sets and the data source (prompt position and the
+partial-rollout buffer, both in every checkpoint). Each step it calls the rollout function under the contract of
+lichen.rollout.base_types, with lichen.rollout.context.current() set to its RolloutContext; results come back as
+the function's return value, never through attributes of the worker. `state_dict()` / `load_state_dict()` /
+`close()` are the whole lifecycle, so an asynchronous rollout can sit behind the same interface.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from lichen.data import PromptSource, load_prompt_dataset, parse_spec
 from lichen.data.fit import fit_prompts
 from lichen.errors import DataError
-from lichen.models.tokenizer import encode_prompt, load_tokenizer
+from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.plugins import load_function
 from lichen.rewards import build_reward_fn
-from lichen.rollout.eval import build_eval_reward_fns, load_eval_sets, run_eval
 from lichen.rollout.abort_surplus import can_abort
-from lichen.rollout.generate import generate_rollout, take_prompts
-from lichen.rollout.partial import PartialBuffer, require_abortable
+from lichen.rollout.base_types import RolloutFn
+from lichen.rollout.context import RolloutContext, active
+from lichen.rollout.data_source import RolloutDataSource
+from lichen.rollout.eval import build_eval_reward_fns, eval_output_metrics, load_eval_sets
+from lichen.rollout.generate import generate_rollout
+from lichen.rollout.partial import require_abortable
 from lichen.torch_files import load_plain, save_plain, to_plain
 from lichen.types import Sample, Status
+
+if TYPE_CHECKING:  # rollout does not import lichen.config at run time (docs/architecture.md#import-directions)
+    from lichen.config.rollout_config import RolloutConfig
 
 log = get_logger(__name__)
 
@@ -57,105 +67,98 @@ def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]
 
 
 class RolloutManager:
-    def __init__(self, args, engine=None):
-        from lichen.engines.engine import Engine
-        from lichen.devices import resolve_device
+    """The rollout worker (see the module docstring). `cfg` is lichen's RolloutConfig; `args`, the full flag
+    namespace, is only handed to user plug-ins."""
 
+    def __init__(self, cfg: "RolloutConfig", args: Any, engine: Any = None) -> None:
+        from lichen.devices import resolve_device
+        from lichen.engines.engine import Engine
+
+        self.cfg = cfg
         self.args = args
-        self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        keys = dict(input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-                    tool_key=args.tool_key)
-        skip = getattr(args, "skip_bad_rows", False)
-        records = load_prompt_dataset(args.prompt_data, **keys, skip_bad_rows=skip)
-        self._encoded: dict[tuple[str, int], list[int]] = {}
+        ctx = RolloutContext(args=args, config=cfg, engine=None, tokenizer=load_tokenizer(cfg.hf_checkpoint))
+        d = cfg.data
+        records = load_prompt_dataset(d.prompt_data, **d.record_keys, skip_bad_rows=d.skip_bad_rows)
         # checked at load, not mid-run: a prompt with no room under the context is never sent (lichen.data.fit)
-        max_prompt = getattr(args, "rollout_max_prompt_len", None)
-        kept = fit_prompts(records, lambda i, r: self._encode_record(r), path=parse_spec(args.prompt_data)[0],
-                           max_prompt_len=max_prompt, skip_bad_rows=skip)
+        kept = fit_prompts(records, lambda i, r: ctx.encode_record(r), path=parse_spec(d.prompt_data)[0],
+                           max_prompt_len=d.max_prompt_len, skip_bad_rows=d.skip_bad_rows)
         self.num_filtered_prompts = len(records) - len(kept)
-        self.source = PromptSource(kept, batch_size=args.rollout_batch_size, shuffle=args.rollout_shuffle,
-                                   seed=args.rollout_seed)
-        self.eval_sets = {name: (cfg, self._fit_eval(name, cfg, recs, max_prompt))  # name -> (config, records)
-                          for name, (cfg, recs) in load_eval_sets(args).items()}
-        servers = getattr(args, "rollout_num_engines", None) or getattr(args, "rollout_external_engine_addrs", None)
-        if engine is None and servers:
+        source = PromptSource(kept, batch_size=d.batch_size, shuffle=d.shuffle, seed=d.seed)
+        self.data_source = RolloutDataSource(source, n_samples_per_prompt=cfg.sampling.n_samples_per_prompt,
+                                             encode=ctx.encode)
+        ctx.eval_sets = load_eval_sets(cfg.eval_datasets)  # name -> (config, records); fitted below
+        ctx.eval_sets = {name: (c, self._fit_eval(ctx, name, c, recs)) for name, (c, recs) in ctx.eval_sets.items()}
+        if engine is None and cfg.use_engine_servers:
             from lichen.engines.remote_engines import RemoteEngines
 
             engine = RemoteEngines.from_args(args)  # launched or external servers; close() stops launched ones
         if engine is None:
-            engine = Engine.from_pretrained(args.hf_checkpoint, device=resolve_device(args.device),
-                                            max_batch_size=args.rollout_max_batch_size)
-        self.engine = engine
-        self.reward_fn = build_reward_fn(args.rm_type, args.custom_rm_path, args)
-        self.eval_reward_fns = build_eval_reward_fns(args, self.eval_sets, self.reward_fn)
-        self.generate_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
-                            if args.rollout_function_path else generate_rollout)
-        self.last_reward_stats: dict = {}
-        self.partial = PartialBuffer()
+            engine = Engine.from_pretrained(cfg.hf_checkpoint, device=resolve_device(cfg.device),
+                                            max_batch_size=cfg.engine_max_batch_size)
+        ctx.engine = engine
+        ctx.reward_fn = build_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path, args, group=cfg.reward.group_rm)
+        ctx.eval_reward_fns = build_eval_reward_fns(cfg.reward, args, ctx.eval_sets, ctx.reward_fn)
+        self.context = ctx
+        self.rollout_fn = _rollout_fn(cfg.rollout_function_path, "--rollout-function-path")
+        self.eval_fn = _rollout_fn(cfg.eval_function_path, "--eval-function-path")
         try:
-            require_abortable(args, can_abort(args, self))
+            require_abortable(cfg, can_abort(cfg, engine))
         except BaseException:
             self.close()
             raise
 
-    def _fit_eval(self, name: str, cfg: dict, records: list, max_prompt: int | None) -> list:
-        """The eval set's prompts that fit the context, encoded as run_eval encodes them (its own chat setting)."""
-        def encode(_: int, r) -> list[int]:
-            return encode_prompt(self.tokenizer, r.prompt, cfg["apply_chat_template"], r.tools)
-
-        return fit_prompts(records, encode, path=parse_spec(cfg["path"])[0], max_prompt_len=max_prompt,
-                           skip_bad_rows=False, what=f"eval data set {name!r}")
+    def _fit_eval(self, ctx: RolloutContext, name: str, cfg: dict, records: list) -> list:
+        """The eval set's prompts that fit the context, encoded as eval encodes them (its own chat setting)."""
+        return fit_prompts(records, lambda _, r: ctx.encode_record(r, name), path=parse_spec(cfg["path"])[0],
+                           max_prompt_len=self.cfg.data.max_prompt_len, skip_bad_rows=False,
+                           what=f"eval data set {name!r}")
 
     @property
     def engines(self) -> list:
-        return [self.engine]
-
-    def _encode_record(self, record) -> list[int]:
-        return encode_prompt(self.tokenizer, record.prompt, self.args.apply_chat_template, record.tools)
-
-    def encode(self, data_index: int, record, dataset: str = "train") -> list[int]:
-        key = (dataset, data_index)
-        if key not in self._encoded:
-            self._encoded[key] = self._encode_record(record)
-        return self._encoded[key]
+        return [self.context.engine]
 
     @property
     def num_rollout_per_epoch(self) -> int:
-        return self.source.num_batches_per_epoch
+        return self.data_source.num_rollout_per_epoch
 
     def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict]:
         t0 = time.perf_counter()
-        reserved = len(self.partial) if getattr(self.args, "partial_rollout", False) else 0
-        if reserved:  # buffered groups take their places first: the data position moves by that many fewer
-            prompts = take_prompts(self.source, self.args.rollout_batch_size - reserved)
-        else:
-            prompts = self.source.next_batch()
-        self.last_rollout_extra = {}  # filled by the default rollout (dynamic sampling, shaping); plug-ins may not
-        groups = self.generate_fn(self.args, rollout_id, prompts, self)
-        metrics = rollout_metrics(groups, self.args.reward_key)
-        metrics.update(self.last_rollout_extra)
-        stats = self.last_reward_stats
-        if stats:
-            metrics["time/reward"] = stats.get("reward_time_s", 0.0)
+        self.context.metrics = {}
+        with active(self.context):
+            out = self.rollout_fn.call(self.args, rollout_id, self.data_source, evaluation=False,
+                                       legacy_call=lambda: self.rollout_fn.fn(self.args, rollout_id,
+                                                                              self._legacy_prompts(), self))
+        groups = out.samples
+        metrics = rollout_metrics(groups, self.cfg.reward.reward_key)
+        metrics.update(self.context.metrics)
+        metrics.update(out.metrics or {})
         metrics["time/generate"] = time.perf_counter() - t0
-        if self.args.save_debug_rollout_data:
-            dump_rollout(self.args.save_debug_rollout_data, rollout_id, groups)
+        if self.cfg.save_debug_rollout_data:
+            dump_rollout(self.cfg.save_debug_rollout_data, rollout_id, groups)
         return groups, metrics
 
     def eval(self, version: int) -> dict:
-        return run_eval(self, version)
+        """Run the eval function (evaluation=True) and turn its data into `eval/<name>/<metric>` metrics."""
+        t0 = time.perf_counter()
+        with active(self.context):
+            out = self.eval_fn.call(self.args, version, self.data_source, evaluation=True)
+        reward_keys = {name: c["reward_key"] for name, (c, _) in self.context.eval_sets.items()}
+        metrics = eval_output_metrics(out.data, reward_keys)
+        metrics["time/eval"] = time.perf_counter() - t0
+        metrics.update(out.metrics or {})
+        return metrics
 
     def state_dict(self) -> dict:
-        return {"source": self.source.state_dict(), "partial_rollout": self.partial.state_dict()}
+        return self.data_source.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.source.load_state_dict(state["source"])
-        self.partial.load_state_dict(state.get("partial_rollout"))  # absent in older checkpoints: empty
-        if len(self.partial) and not getattr(self.args, "partial_rollout", False):
+        self.data_source.load_state_dict(state)
+        held = self.data_source.buffer
+        if len(held) and not self.cfg.partial_rollout:
             log.warning("the checkpoint holds %d partially generated groups but --partial-rollout is off: they are "
                         "dropped (their prompts stay spent); resume with --partial-rollout to continue them",
-                        len(self.partial))
-            self.partial.clear()
+                        len(held))
+            held.clear()
 
     def offload(self) -> None:
         for e in self.engines:
@@ -167,9 +170,39 @@ class RolloutManager:
 
     def close(self) -> None:
         """Release the engines: close server connections and stop launched servers (idempotent)."""
-        close = getattr(self.engine, "close", None)
+        close = getattr(self.context.engine, "close", None)
         if close is not None:
             close()
+
+    # What a rollout function with the deprecated signature fn(args, rollout_id, prompts, manager) reads of the
+    # manager; new rollout functions use lichen.rollout.context.current() instead.
+    def _legacy_prompts(self) -> list:
+        reserved = len(self.data_source.buffer) if self.cfg.partial_rollout else 0
+        return self.data_source.get_prompts(self.cfg.data.batch_size - reserved)
+
+    @property
+    def engine(self) -> Any:
+        return self.context.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.context.tokenizer
+
+    @property
+    def reward_fn(self) -> Any:
+        return self.context.reward_fn
+
+    @property
+    def source(self) -> PromptSource:
+        return self.data_source.source
+
+    def encode(self, data_index: int, record: Any) -> list[int]:
+        return self.context.encode(data_index, record)
+
+
+def _rollout_fn(path: str | None, flag: str) -> RolloutFn:
+    """The plug-in at `path` (lichen's generate_rollout when none) under the rollout function contract."""
+    return RolloutFn(load_function(path, flag), flag=flag, path=path) if path else RolloutFn(generate_rollout, flag=flag)
 
 
 class ReplayRollout:
@@ -177,18 +210,18 @@ class ReplayRollout:
 
     engines: list = []
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, cfg: "RolloutConfig") -> None:
+        self.cfg = cfg
 
     def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict]:
-        path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
+        path = self.cfg.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.isfile(path):
             raise DataError(f"--load-debug-rollout-data: no dump for rollout {rollout_id} at {path!r}")
         data = load_plain(path, "--load-debug-rollout-data")
         if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
             raise DataError(f"--load-debug-rollout-data {path}: not a rollout dump (no 'samples' list)")
         groups = [[Sample.from_dict(d) for d in g] for g in data["samples"]]
-        return groups, rollout_metrics(groups, self.args.reward_key)
+        return groups, rollout_metrics(groups, self.cfg.reward.reward_key)
 
     def eval(self, version: int) -> dict:
         return {}

@@ -2,12 +2,12 @@
 
 With dynamic sampling over engine servers, a round stops once it has kept the groups the step lacks, and the
 requests of the later groups are aborted (lichen.rollout.abort_surplus). With --partial-rollout each such group
-goes, in prompt order, into the `PartialBuffer` of the rollout manager:
+goes, in prompt order, into the `PartialBuffer` of the rollout data source (lichen.rollout.data_source):
   - a sample that had already finished (stop / length) is kept as it is;
   - an aborted sample keeps its partial response, its rollout log-probs and the weight version it was made with;
   - a request that was never sent leaves a sample with no response tokens (status pending).
 
-Next step the buffered groups come first in round 0, before new prompts (the manager takes that many fewer
+Next step the buffered groups come first in round 0, before new prompts (the rollout takes that many fewer
 prompts from the data source, so its position stays exact), and only their unfinished samples are continued:
 
     input_ids      = prompt ids + response tokens so far
@@ -22,7 +22,7 @@ segment lengths sum to response_length). A group then is scored and filtered lik
 version differs from the last segment's (the version that finished the sample), else 1. Without it, every
 response token has loss_mask 1.
 
-The buffer is saved in every checkpoint (`RolloutManager.state_dict`), Samples as plain dicts, so a resumed run
+The buffer is saved in every checkpoint (`RolloutDataSource.state_dict`), Samples as plain dicts, so a resumed run
 continues the same groups with the same requests and seeds.
 """
 
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lichen.config.sampling import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.errors import ConfigError
+from lichen.rollout.messages import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
 from lichen.types import Sample, Status
 
 SEGMENTS_KEY = "partial_rollout_segments"  # metadata: response tokens per weight_versions entry
@@ -79,11 +79,11 @@ class PartialBuffer:
         self._groups = [[Sample.from_dict(d) for d in g] for g in state.get("groups", [])]
 
 
-def require_abortable(args: Any, can_abort: bool) -> None:
-    """--partial-rollout needs dynamic sampling over engines whose requests lichen can abort."""
-    if not getattr(args, "partial_rollout", False):
+def require_abortable(cfg: Any, can_abort: bool) -> None:
+    """--partial-rollout needs dynamic sampling over engines whose requests lichen can abort (cfg: RolloutConfig)."""
+    if not cfg.partial_rollout:
         return
-    if getattr(args, "custom_generate_function_path", None):
+    if cfg.custom_generate_function_path:
         raise ConfigError(PARTIAL_WITH_CUSTOM_GENERATE)
     if not can_abort:
         raise ConfigError(PARTIAL_NEEDS_SERVERS)
@@ -111,25 +111,23 @@ def is_unfinished(sample: Sample) -> bool:
     return sample.status in (Status.PENDING, Status.ABORTED)
 
 
-def continuation_request(args: Any, sample: Sample, *, seed: int) -> GenRequest | None:
-    """The request that continues `sample` (None: it is finished, nothing to send).
+def continuation_request(sampling: Any, sample: Sample, *, seed: int) -> GenRequest | None:
+    """The request that continues `sample` under `sampling` (a SamplingConfig; None: it is finished).
 
     A sample whose response already fills --rollout-max-response-len is marked truncated instead."""
     if not is_unfinished(sample):
         return None
-    from lichen.rollout.generate import response_budget
-
-    budget = response_budget(args, len(sample.tokens), args.rollout_max_response_len - sample.response_length)
+    budget = sampling.response_budget(len(sample.tokens), sampling.max_response_len - sample.response_length)
     if budget <= 0:
         sample.status = Status.TRUNCATED
         return None
     return GenRequest(
         input_ids=list(sample.tokens),
         max_new_tokens=budget,
-        temperature=args.rollout_temperature,
-        top_p=args.rollout_top_p,
-        top_k=args.rollout_top_k,
-        stop_token_ids=list(args.rollout_stop_token_ids or []),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop_token_ids=list(sampling.stop_token_ids),
         seed=seed,
     )
 

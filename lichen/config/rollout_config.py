@@ -1,0 +1,154 @@
+"""The rollout side's typed configs, resolved once from the validated flags.
+
+lichen's rollout components (the rollout worker, the default rollout and eval functions, the partial-rollout and
+abort-surplus rounds) read these; user plug-ins keep receiving the full `args` namespace. Defaults live in
+argparse: `from_args` reads the resolved namespace as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How one batch of samples is drawn from the engines."""
+
+    n_samples_per_prompt: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_response_len: int
+    max_context_len: int | None  # None: no context ceiling (the response length alone bounds a request)
+    stop_token_ids: tuple[int, ...]
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "SamplingConfig":
+        return cls(
+            n_samples_per_prompt=args.n_samples_per_prompt,
+            temperature=args.rollout_temperature,
+            top_p=args.rollout_top_p,
+            top_k=args.rollout_top_k,
+            max_response_len=args.rollout_max_response_len,
+            max_context_len=args.rollout_max_context_len,
+            stop_token_ids=tuple(args.rollout_stop_token_ids or ()),
+            seed=args.seed,
+        )
+
+    def for_eval(self, dataset: dict) -> "SamplingConfig":
+        """This sampling with an eval data set's own settings (an entry of RolloutConfig.eval_datasets)."""
+        return replace(self, n_samples_per_prompt=dataset["n_samples_per_eval_prompt"],
+                       temperature=dataset["temperature"], top_p=dataset["top_p"], top_k=dataset["top_k"],
+                       max_response_len=dataset["max_response_len"])
+
+    def response_budget(self, num_tokens: int, max_new_tokens: int) -> int:
+        """Tokens a sample holding `num_tokens` may still generate: min(max_new_tokens, --rollout-max-context-len -
+        num_tokens), slime's rule. The request carries it, so the in-process engine, lichen serve and SGLang all
+        generate within the same budget; prompts with no room were dropped when the data loaded (lichen.data.fit)."""
+        if self.max_context_len is None:
+            return max_new_tokens
+        return min(max_new_tokens, self.max_context_len - num_tokens)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How rewards are computed (lichen.rewards)."""
+
+    rm_type: str | None
+    custom_rm_path: str | None
+    group_rm: bool
+    reward_key: str | None
+    concurrency: int
+    timeout: float | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
+        return cls(rm_type=args.rm_type, custom_rm_path=args.custom_rm_path, group_rm=bool(args.group_rm),
+                   reward_key=args.reward_key, concurrency=args.reward_concurrency, timeout=args.reward_timeout)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the prompts come from and how they are walked."""
+
+    prompt_data: str
+    input_key: str
+    label_key: str | None
+    metadata_key: str | None
+    tool_key: str | None
+    skip_bad_rows: bool
+    apply_chat_template: bool
+    max_prompt_len: int | None
+    batch_size: int
+    shuffle: bool
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DataConfig":
+        return cls(prompt_data=args.prompt_data, input_key=args.input_key, label_key=args.label_key,
+                   metadata_key=args.metadata_key, tool_key=args.tool_key, skip_bad_rows=bool(args.skip_bad_rows),
+                   apply_chat_template=bool(args.apply_chat_template), max_prompt_len=args.rollout_max_prompt_len,
+                   batch_size=args.rollout_batch_size, shuffle=bool(args.rollout_shuffle), seed=args.rollout_seed)
+
+    @property
+    def record_keys(self) -> dict:
+        """The keyword arguments of lichen.data.load_prompt_dataset naming the record's fields."""
+        return dict(input_key=self.input_key, label_key=self.label_key, metadata_key=self.metadata_key,
+                    tool_key=self.tool_key)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Everything lichen's rollout side reads (see the module docstring)."""
+
+    hf_checkpoint: str
+    device: str
+    engine_max_batch_size: int
+    use_engine_servers: bool  # --rollout-num-engines or --rollout-external-engine-addrs
+    data: DataConfig
+    sampling: SamplingConfig
+    reward: RewardConfig
+    rollout_function_path: str | None
+    eval_function_path: str | None
+    custom_generate_function_path: str | None
+    # DAPO: dynamic sampling, partial rollout, overlong penalty
+    dynamic_sampling_filter_path: str | None
+    over_sampling_batch_size: int
+    dynamic_sampling_max_rounds: int
+    num_steps_per_rollout: int
+    partial_rollout: bool
+    mask_offpolicy_in_partial_rollout: bool
+    overlong_buffer_len: int | None
+    overlong_penalty_factor: float
+    # debug dumps and evaluation
+    save_debug_rollout_data: str | None
+    load_debug_rollout_data: str | None
+    eval_datasets: tuple[dict, ...]  # one resolved config per eval data set (lichen.config.eval)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RolloutConfig":
+        return cls(
+            hf_checkpoint=args.hf_checkpoint,
+            device=args.device,
+            engine_max_batch_size=args.rollout_max_batch_size,
+            use_engine_servers=bool(args.rollout_num_engines or args.rollout_external_engine_addrs),
+            data=DataConfig.from_args(args),
+            sampling=SamplingConfig.from_args(args),
+            reward=RewardConfig.from_args(args),
+            rollout_function_path=args.rollout_function_path,
+            eval_function_path=args.eval_function_path,
+            custom_generate_function_path=args.custom_generate_function_path,
+            dynamic_sampling_filter_path=args.dynamic_sampling_filter_path,
+            over_sampling_batch_size=args.over_sampling_batch_size or args.rollout_batch_size,
+            dynamic_sampling_max_rounds=args.dynamic_sampling_max_rounds,
+            num_steps_per_rollout=args.num_steps_per_rollout or 1,
+            partial_rollout=bool(args.partial_rollout),
+            mask_offpolicy_in_partial_rollout=bool(args.mask_offpolicy_in_partial_rollout),
+            overlong_buffer_len=args.overlong_buffer_len,
+            overlong_penalty_factor=args.overlong_penalty_factor,
+            save_debug_rollout_data=args.save_debug_rollout_data,
+            load_debug_rollout_data=args.load_debug_rollout_data,
+            eval_datasets=tuple(args.eval_dataset_configs),
+        )
