@@ -47,9 +47,12 @@ def build_rollout(args):
 def build_trainer(args):
     if args.debug_rollout_only:
         return NullTrainer()
+    from lichen.config.train_config import TrainerConfig
     from lichen.train.actor import TrainActor
 
-    return TrainActor(args)
+    # args.num_rollout is resolved by now (resolve_num_rollout), so the config carries the run's optimizer steps;
+    # the full namespace goes along only for the user plug-ins the trainer calls.
+    return TrainActor(TrainerConfig.from_args(args), plugin_args=args)
 
 
 def resolve_num_rollout(args, rollout) -> None:
@@ -60,7 +63,6 @@ def resolve_num_rollout(args, rollout) -> None:
 
             raise ConfigError("--num-epoch needs a prompt data set; give --num-rollout with --load-debug-rollout-data")
         args.num_rollout = args.num_epoch * per_epoch
-    args.total_optimizer_steps = args.num_rollout * args.num_steps_per_rollout
 
 
 def resume(args, trainer, rollout) -> int:

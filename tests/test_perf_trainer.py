@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-import lichen.train.actor as actor_mod
+import lichen.train.advantage as advantage_mod
 from lichen.models import load_model
 from lichen.train.actor import TrainActor
 from lichen.train.micro_batches import StepBatch, first_fit, plan_micro_batches
@@ -28,7 +28,8 @@ from helpers.trainer import make_actor, ragged_samples
 def fixed_advantages(monkeypatch, values: list[float]) -> torch.Tensor:
     """Replace the estimator: sample i gets advantage values[i] on every response token."""
     adv = torch.tensor(values, dtype=torch.float32)
-    monkeypatch.setattr(actor_mod, "compute_advantages", lambda args, samples, mask, kl=None: (adv[:, None] * mask, {}))
+    monkeypatch.setattr(advantage_mod, "compute_advantages", lambda cfg, samples, mask, kl=None, **plugin: (
+        adv[:, None] * mask, {}))
     return adv
 
 

@@ -1,6 +1,7 @@
 """Trainer-level properties: micro-batch split invariance, token-budget packing, bf16, checkpointing, epochs."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def float64_reference(actor, samples, **switches) -> tuple[dict, dict]:
     """The same step in float64, all samples in one micro-batch, sample order, no packing, no skipping."""
     ref = copy.deepcopy(actor)
     ref.model.double()
-    ref.args.micro_batch_size, ref.args.use_dynamic_batch_size = len(samples), False
+    ref.cfg = dataclasses.replace(ref.cfg, micro_batch_size=len(samples), use_dynamic_batch_size=False)
     ref.sort_by_length = ref.pack_sequences = ref.skip_zero_advantage = False
     for k, v in switches.items():
         setattr(ref, k, v)
@@ -114,10 +115,34 @@ def test_bf16_and_gradient_checkpointing_run(tiny_ckpt, addition_data, tmp_path)
     assert 0 < max_diff(ref, bf) < 1e-2  # bf16 compute: close to fp32, not identical
 
 
-def test_num_epoch_sets_the_number_of_steps(tiny_ckpt, addition_data, tmp_path):
+def test_num_epoch_sets_the_number_of_steps_and_the_lr_decay(tiny_ckpt, addition_data, tmp_path):
+    """The trainer's config carries the run's optimizer steps, known only once the epoch is resolved against the
+    data set: a linear decay reaches --min-lr after exactly that many steps."""
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-epoch", "1", "--rollout-batch-size", "16",
-                         "--micro-batch-size", "16"))
+                         "--micro-batch-size", "16", "--lr-decay-style", "linear", "--min-lr", "0"))
     assert len(rows) == 64 // 16
+    assert [r["train/lr"] for r in rows] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: DCP says so, rightly
+def test_trainer_state_dict_round_trips_through_torch_distributed_checkpoint(tiny_ckpt, addition_data, tmp_path):
+    """state_dict()/load_state_dict() hold everything a resume needs, in a layout torch.distributed.checkpoint
+    saves and loads in place: a trainer restored from it takes the same next step as the one that saved it."""
+    import torch.distributed.checkpoint as dcp
+
+    a = make_actor(tiny_ckpt, addition_data, tmp_path, "--micro-batch-size", "4")
+    b = copy.deepcopy(a)
+    first, second = scored_samples(a, seed=11), scored_samples(a, seed=12)
+    a.train(0, [first])
+    b.train(0, [second])  # another first step: the optimizer state has a's shape, not its values
+    dcp.save(a.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+    state = b.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    b.load_state_dict(state)
+    assert b.opt_step == a.opt_step == 1
+    a.train(1, [second])
+    b.train(1, [second])
+    assert max_diff(dict(a.model.named_parameters()), dict(b.model.named_parameters())) == 0.0
 
 
 def test_split_by_tokens_respects_budget_and_order():
@@ -129,19 +154,14 @@ def test_split_by_tokens_respects_budget_and_order():
 
 
 def test_tis_weights_truncate_and_icepop():
-    from types import SimpleNamespace
+    from lichen.train.loss import tis_weights
 
-    from lichen.train.actor import TrainActor
-
-    actor = TrainActor.__new__(TrainActor)
-    actor.tis_fn = None
     old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     rollout = torch.log(torch.tensor([[0.1, 0.4, 0.9]]))  # ratios 5, 0.5, 1
-    m = torch.ones(1, 3)
-    actor.args = SimpleNamespace(tis_mode="truncate", tis_clip=2.0, tis_clip_low=0.6)
-    assert torch.allclose(actor._tis_weights(old, rollout, m), torch.tensor([[2.0, 0.6, 1.0]]))
-    actor.args.tis_mode = "icepop"
-    assert torch.allclose(actor._tis_weights(old, rollout, m), torch.tensor([[0.0, 0.0, 1.0]]))
+    assert torch.allclose(tis_weights(old, rollout, mode="truncate", clip_low=0.6, clip=2.0),
+                          torch.tensor([[2.0, 0.6, 1.0]]))
+    assert torch.allclose(tis_weights(old, rollout, mode="icepop", clip_low=0.6, clip=2.0),
+                          torch.tensor([[0.0, 0.0, 1.0]]))
 
 
 def test_tis_in_the_loop_and_custom_tis_contract(tiny_ckpt, addition_data, tmp_path):

@@ -20,6 +20,7 @@ from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, opti
 from lichen.config.removed import REMOVED_FLAGS, check_removed
 from lichen.config.rollout import SGLANG_CONSUMED_FLAGS, collect_sglang_passthrough
 from lichen.config.rollout_config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
+from lichen.config.train_config import OptimizerConfig, TrainerConfig
 from lichen.config.validate import resolve_and_validate
 from lichen.config.yaml_config import find_config_path, load_yaml_config
 
@@ -31,8 +32,10 @@ __all__ = [
     "REMOVED_FLAGS",
     "RewardConfig",
     "RolloutConfig",
+    "OptimizerConfig",
     "SGLANG_CONSUMED_FLAGS",
     "SamplingConfig",
+    "TrainerConfig",
     "build_train_parser",
     "parse_train_args",
     "resolve_and_validate",

@@ -43,6 +43,7 @@ log = get_logger(__name__)
 
 LATEST = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.pt"
+CRITIC_FILE = "critic.pt"
 ROLLOUT_STATE = "rollout_state.json"
 STATE_FORMAT = 2  # 2: plain data only (weights_only=True); 1 (no "format" key) pickled numpy's RNG state
 _ITER = re.compile(r"^iter_(\d{7,})$")
@@ -86,16 +87,18 @@ def _begin_save(save_dir: str, rollout_id: int) -> str:
     return d
 
 
-def save_trainer(save_dir: str, rollout_id: int, actor, hf_checkpoint: str) -> str:
+def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) -> str:
+    """Write `trainer.state_dict()` (lichen.train.actor.TrainActor) as hf/, trainer_state.pt and critic.pt."""
     d = _begin_save(save_dir, rollout_id)
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
-    state = {k: v.detach() for k, v in actor.model.state_dict().items()}
-    save_hf_checkpoint(state, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
-    save_plain({"format": STATE_FORMAT, "optimizer": actor.optimizer.state_dict(), "opt_step": actor.opt_step,
+    state = trainer.state_dict()
+    weights = {k: v.detach() for k, v in state["model"].items()}
+    save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
+    save_plain({"format": STATE_FORMAT, "optimizer": state["optimizer"], "opt_step": state["opt_step"],
                 "rng": rng_state()}, os.path.join(d, TRAINER_STATE))
-    if getattr(actor, "critic", None) is not None:
-        actor.critic.save(d)
+    if "critic" in state:
+        save_plain(state["critic"], os.path.join(d, CRITIC_FILE))
     return d
 
 
@@ -189,24 +192,34 @@ def _summary(problems: list[str], most: int = 3) -> str:
     return "; ".join(problems[:most]) + more
 
 
-def load_trainer(load_dir: str, rollout_id: int, actor) -> None:
+def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
+    """Restore `trainer` (its load_state_dict) and the RNG states from checkpoint `rollout_id` in `load_dir`."""
     from lichen.weights.hf_io import load_hf_state_dict
 
     d = iter_dir(load_dir, rollout_id)
     if not os.path.isdir(os.path.join(d, "hf")) or not os.path.isfile(os.path.join(d, TRAINER_STATE)):
         raise ConfigError(f"checkpoint {d} has no trainer state (hf/, {TRAINER_STATE}): it was saved with "
                           "--debug-rollout-only; resume it with --debug-rollout-only, or start without --load")
-    weights = load_hf_state_dict(os.path.join(d, "hf"), device=str(actor.device))
-    actor.model.load_state_dict(weights, strict=True)
     state = load_plain(os.path.join(d, TRAINER_STATE), "checkpoint file")
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ConfigError(f"checkpoint {d}/{TRAINER_STATE}: not format {STATE_FORMAT} (written by another version "
                           f"of lichen?); start from its weights with --hf-checkpoint {d}/hf")
-    actor.optimizer.load_state_dict(state["optimizer"])
-    actor.opt_step = state["opt_step"]
-    if getattr(actor, "critic", None) is not None:
-        actor.critic.load(d)
+    restored = {"model": load_hf_state_dict(os.path.join(d, "hf"), device=str(trainer.device)),
+                "optimizer": state["optimizer"], "opt_step": state["opt_step"]}
+    if "critic" in trainer.state_dict():
+        restored["critic"] = read_critic_state(d)
+    trainer.load_state_dict(restored)
     set_rng_state(state["rng"])
+
+
+def read_critic_state(directory: str) -> dict:
+    """The critic's state from `directory`/critic.pt, read with weights_only=True (tensors land on the CPU; the
+    critic's load_state_dict copies them onto its device)."""
+    path = os.path.join(directory, CRITIC_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint {directory} has no {CRITIC_FILE}: it was saved without "
+                          "--advantage-estimator ppo; resume it with the estimator it was saved with")
+    return load_plain(path, "checkpoint file")
 
 
 def load_rollout_state(load_dir: str, rollout_id: int) -> dict:

@@ -13,19 +13,15 @@ The policy is not updated during the first --num-critic-only-steps rollout steps
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from lichen import algo
-from lichen.errors import ConfigError
+from lichen.config.train_config import TrainerConfig
 from lichen.models import CausalLM, load_model
-from lichen.torch_files import load_plain, save_plain
-from lichen.train.micro_batches import StepBatch
-from lichen.train.optim import make_adamw
-
-CRITIC_FILE = "critic.pt"
+from lichen.train.micro_batches import Plan, StepBatch
+from lichen.train.optim import clip_and_step, make_adamw
+from lichen.train.train_batch import TrainBatch
 
 
 class ValueModel(nn.Module):
@@ -43,46 +39,49 @@ class ValueModel(nn.Module):
 
 
 class Critic:
-    def __init__(self, args, device, pad_id: int):
-        self.args, self.device, self.pad_id = args, device, pad_id
-        backbone = load_model(args.critic_load or args.hf_checkpoint, device=device, dtype=torch.float32)
-        backbone.gradient_checkpointing = bool(args.gradient_checkpointing)
+    """The value model and its optimizer; `cfg.critic_optimizer` is --critic-lr (default --lr) with the policy's
+    AdamW settings."""
+
+    def __init__(self, cfg: TrainerConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+        backbone = load_model(cfg.critic_load or cfg.hf_checkpoint, device=device, dtype=torch.float32)
+        backbone.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = ValueModel(backbone).to(device)
         self.model.train()
         # The LM head is unused by the critic; leaving it out of the optimizer keeps AdamW from decaying it.
         params = [p for n, p in self.model.named_parameters() if "lm_head" not in n]
-        self.optimizer = make_adamw(params, lr=args.critic_lr or args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                    eps=args.adam_eps, weight_decay=args.weight_decay)
+        opt = cfg.critic_optimizer
+        self.optimizer = make_adamw(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
 
     @torch.no_grad()
-    def values(self, sb: StepBatch, splits, R: int) -> torch.Tensor:
-        out = torch.zeros((len(sb.samples), R), device=self.device)
-        for plan in splits:
+    def values(self, sb: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:
+        out = torch.zeros((len(sb.samples), width), device=self.device)
+        for plan in plans:
             mb = sb.micro(plan, self.device)
             v = self.model(mb)
             out[mb.indices, : v.shape[1]] = v
         return out
 
-    def train_step(self, sb: StepBatch, splits, mask, old_values, returns, counts: dict) -> dict:
-        args = self.args
+    def train_step(self, tb: TrainBatch, plans: list[Plan], counts: dict) -> dict:
+        """One AdamW step on the global batch cut into `plans`, toward the GAE returns of `tb`."""
+        cfg = self.cfg
+        agg = lambda x, m: algo.aggregate_loss(x, m, cfg.loss_agg_mode, **counts)  # noqa: E731
         self.optimizer.zero_grad(set_to_none=True)
         total, clipfrac = 0.0, 0.0
-        for plan in splits:
-            mb = sb.micro(plan, self.device)
+        for plan in plans:
+            mb = tb.host.micro(plan, self.device)
             rows = mb.indices
             r = mb.resp_mask.shape[1]
-            m = mask[rows, :r]
+            m = tb.mask[rows, :r]
+            old = tb.values[rows, :r]
             v = self.model(mb)
-            per_tok = algo.value_loss(v, old_values[rows, :r], returns[rows, :r], m, value_clip=args.value_clip)
-            loss = algo.aggregate_loss(per_tok, m, args.loss_agg_mode, **counts)
+            loss = agg(algo.value_loss(v, old, tb.returns[rows, :r], m, value_clip=cfg.value_clip), m)
             loss.backward()
             total += float(loss.detach())
-            if args.value_clip is not None:
-                moved = ((v.detach() - old_values[rows, :r]).abs() > args.value_clip).float()
-                clipfrac += float(algo.aggregate_loss(moved, m, args.loss_agg_mode, **counts))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
-        if counts["global_num_samples"] > 0 and torch.isfinite(grad_norm):
-            self.optimizer.step()
+            if cfg.value_clip is not None:
+                clipfrac += float(agg(((v.detach() - old).abs() > cfg.value_clip).float(), m))
+        grad_norm, _ = clip_and_step(self.optimizer, self.model.parameters(), clip_grad=cfg.critic_optimizer.clip_grad,
+                                     has_samples=counts["global_num_samples"] > 0)
         return {"critic/value_loss": total, "critic/value_clipfrac": clipfrac, "critic/grad_norm": float(grad_norm)}
 
     def state_dict(self) -> dict:
@@ -91,15 +90,3 @@ class Critic:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-    def save(self, directory: str) -> None:
-        save_plain(self.state_dict(), os.path.join(directory, CRITIC_FILE))
-
-    def load(self, directory: str) -> None:
-        """Restore from `directory`/critic.pt, read with weights_only=True (tensors land on the CPU; load_state_dict
-        copies them onto the critic's device)."""
-        path = os.path.join(directory, CRITIC_FILE)
-        if not os.path.isfile(path):
-            raise ConfigError(f"checkpoint {directory} has no {CRITIC_FILE}: it was saved without "
-                              "--advantage-estimator ppo; resume it with the estimator it was saved with")
-        self.load_state_dict(load_plain(path, "checkpoint file"))

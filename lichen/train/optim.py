@@ -36,3 +36,19 @@ def make_adamw(params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float,
         raise ValueError(f"unknown AdamW implementation {kind!r}; choose fused, foreach or single")
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[kind]
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], *, clip_grad: float,
+                  has_samples: bool) -> tuple[torch.Tensor, bool]:
+    """Clip the global gradient norm to `clip_grad` (0: measure only) and step, unless the global batch had no
+    trainable sample or the norm is not finite. Returns (grad norm, whether the optimizer stepped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
+    stepped = has_samples and bool(torch.isfinite(grad_norm))
+    if stepped:
+        optimizer.step()
+    return grad_norm, stepped
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

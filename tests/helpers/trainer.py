@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from lichen.config import parse_train_args
+from lichen.config import TrainerConfig, parse_train_args
 from lichen.train.actor import TrainActor
 from lichen.types import Sample, Status
 
@@ -27,5 +27,4 @@ def make_actor(tiny_ckpt, addition_data, tmp_path, *extra) -> TrainActor:
         "--lr", "1e-3", "--clip-grad", "0", "--num-rollout", "1", "--output-dir", str(tmp_path / "out"), "--no-progress",
         *extra,
     ])
-    args.total_optimizer_steps = 10
-    return TrainActor(args)
+    return TrainActor(TrainerConfig.from_args(args), plugin_args=args)

@@ -1,0 +1,135 @@
+"""The trainer's own configuration, resolved once from the parsed flags.
+
+`TrainerConfig.from_args(args)` reads the resolved argparse namespace (defaults live in argparse only) after the
+run length is known (`--num-epoch` needs the data set size), so the learning-rate decay length is a value of the
+config rather than a field the loop writes into `args`. lichen's trainer components take these dataclasses; only
+user plug-ins (custom loss, advantage and TIS functions) receive the full `args` namespace.
+
+Nothing here imports torch: `lichen train --dry-run` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, gradient clipping and the learning-rate schedule (lichen.train.lr_schedule)."""
+
+    lr: float
+    min_lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    clip_grad: float  # 0: no clipping (the norm is still measured)
+    warmup_iters: int
+    decay_iters: int  # --lr-decay-iters, else every optimizer step of the run
+    decay_style: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, lr: float | None = None) -> "OptimizerConfig":
+        """`lr` overrides --lr (the critic's --critic-lr); the decay length needs args.num_rollout resolved."""
+        return cls(
+            lr=args.lr if lr is None else lr,
+            min_lr=args.min_lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+            clip_grad=args.clip_grad,
+            warmup_iters=args.lr_warmup_iters,
+            decay_iters=args.lr_decay_iters or total_optimizer_steps(args),
+            decay_style=args.lr_decay_style,
+        )
+
+
+def total_optimizer_steps(args: argparse.Namespace) -> int:
+    """Optimizer steps of the whole run: one per global batch, num_steps_per_rollout per rollout step."""
+    return args.num_rollout * args.num_steps_per_rollout
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything lichen.train.TrainActor and its phases read: models, batching, loss, advantages, critic.
+
+    Fields are named as their flags' dests, except the few given explicitly in `from_args`."""
+
+    # models and numerics
+    hf_checkpoint: str
+    ref_load: str | None
+    critic_load: str | None
+    opd_teacher_load: str | None
+    device: str
+    seed: int
+    bf16: bool
+    gradient_checkpointing: bool
+    temperature: float  # --rollout-temperature: log-probs are of the sampling distribution
+    # batching (lichen.train.step_schedule)
+    num_steps_per_rollout: int
+    micro_batch_size: int
+    use_dynamic_batch_size: bool
+    max_tokens_per_gpu: int | None
+    max_response_len: int  # --rollout-max-response-len, the "seq-mean-token-sum-norm" denominator
+    # old log-probs
+    use_rollout_logprobs: bool
+    force_recompute_old_log_probs: bool
+    # advantages (lichen.train.advantage)
+    advantage_estimator: str
+    reward_key: str | None
+    normalize_advantages: bool
+    disable_rewards_normalization: bool
+    disable_grpo_std_normalization: bool
+    gamma: float
+    lambd: float
+    kl_coef: float
+    use_opd: bool
+    opd_kl_coef: float
+    custom_advantage_function_path: str | None
+    # loss (lichen.train.loss)
+    loss_type: str
+    loss_agg_mode: str
+    eps_clip: float
+    eps_clip_high: float | None
+    eps_clip_c: float | None
+    entropy_coef: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    use_unbiased_kl: bool
+    use_opsm: bool
+    opsm_delta: float
+    use_tis: bool
+    tis_mode: str
+    tis_clip: float
+    tis_clip_low: float
+    custom_loss_function_path: str | None
+    custom_pg_loss_reducer_function_path: str | None
+    custom_tis_function_path: str | None
+    # critic (--advantage-estimator ppo)
+    value_clip: float | None
+    num_critic_only_steps: int
+    # debugging
+    save_debug_train_data: str | None
+    optimizer: OptimizerConfig
+    critic_optimizer: OptimizerConfig
+
+    @property
+    def needs_ref_model(self) -> bool:
+        return self.use_kl_loss or self.kl_coef != 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
+        return from_same_named_flags(
+            cls, args,
+            temperature=args.rollout_temperature,
+            max_response_len=args.rollout_max_response_len,
+            optimizer=OptimizerConfig.from_args(args),
+            critic_optimizer=OptimizerConfig.from_args(args, lr=args.critic_lr or args.lr),
+        )
+
+
+def from_same_named_flags(cls, args: argparse.Namespace, **given):
+    """`cls(**given)`, every other field read from the flag of the same name (dest) in the resolved `args`."""
+    names = [f.name for f in fields(cls) if f.name not in given]
+    return cls(**{name: getattr(args, name) for name in names}, **given)
