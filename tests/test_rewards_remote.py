@@ -6,13 +6,15 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import pytest
 
 from lichen.errors import ConfigError
 from lichen.rewards import build_reward_fn, score_samples
+from lichen.config.rollout_config import RewardConfig
 from lichen.types import Sample, Status
+
+from helpers.rollout import reward_config
 
 
 class RewardServer:
@@ -66,9 +68,9 @@ class RewardServer:
         self.httpd.server_close()
 
 
-def rm_args(url: str, **kw) -> SimpleNamespace:
-    base = dict(rm_url=url, rm_max_retries=3, rm_retry_backoff=0.01, reward_concurrency=16, reward_timeout=10.0)
-    return SimpleNamespace(**{**base, **kw})
+def rm_args(url: str, **kw) -> RewardConfig:
+    """The reward settings of a run against the RM at `url` (RewardConfig field names)."""
+    return reward_config(**{**dict(rm_url=url, rm_retry_backoff=0.01, timeout=10.0), **kw})
 
 
 def sample(i: int, response: str, label: str, **metadata) -> Sample:
@@ -125,7 +127,7 @@ def test_dict_answer_is_a_dict_reward():
 
 def test_concurrency_is_bounded():
     with RewardServer(delay_s=0.05) as server:
-        args = rm_args(server.url, reward_concurrency=3)
+        args = rm_args(server.url, concurrency=3)
         samples = [sample(i, "1", "1") for i in range(9)]
         stats = score_samples(samples, build_reward_fn("remote_rm", None, args), args)
     assert stats["num_failed"] == 0 and all(s.reward == 1.0 for s in samples)
@@ -147,6 +149,6 @@ def test_unreachable_server_fails_after_retries():
 
 def test_needs_url():
     with pytest.raises(ConfigError, match="--rm-url"):
-        build_reward_fn("remote_rm", None, SimpleNamespace(rm_url=None))
+        build_reward_fn("remote_rm", None, reward_config(rm_url=None))
     with pytest.raises(ConfigError, match="--rm-url"):
-        build_reward_fn("remote_rm", None, SimpleNamespace(rm_url="localhost:9"))
+        build_reward_fn("remote_rm", None, reward_config(rm_url="localhost:9"))

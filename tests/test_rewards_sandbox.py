@@ -23,6 +23,7 @@ from lichen.rewards.sandbox import (
     run_sandboxed_sync,
 )
 from lichen.types import Sample, Status
+from helpers.rollout import reward_config
 from helpers.sandbox_as_user import CAN_DROP, run_as_nobody
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces")
@@ -278,8 +279,7 @@ def test_code_reward_results_cannot_be_forged(sandbox):
 
 
 def test_code_rm_type_through_the_runner(sandbox):
-    args = type("Args", (), {"code_timeout": TIMEOUT, "code_memory_mb": 256, "code_max_procs": 16,
-                             "code_sandbox_uid_base": UID_BASE})()
+    args = reward_config(code_timeout=TIMEOUT, code_memory_mb=256, code_max_procs=16, code_sandbox_uid_base=UID_BASE)
     fn = build_reward_fn("code", None, args)
     solve = fenced("print(int(input()) * 2)")
     samples = [
@@ -353,7 +353,7 @@ def test_non_root_trainer_gets_a_user_namespace_sandbox():
 
 
 def test_code_samples_in_a_math_run_build_the_sandbox_on_first_use():
-    args = type("Args", (), {"code_timeout": TIMEOUT, "code_sandbox_uid_base": UID_BASE})()
+    args = reward_config(code_timeout=TIMEOUT, code_sandbox_uid_base=UID_BASE)
     fn = build_reward_fn("math", None, args)
     assert fn._code is None
     samples = [Sample(response=r"\boxed{2}", label="2", index=0),

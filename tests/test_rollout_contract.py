@@ -9,6 +9,8 @@ DeprecationWarning. The rollout worker is long-lived: state_dict() / load_state_
 
 from __future__ import annotations
 
+import asyncio
+import time
 import warnings
 
 import pytest
@@ -78,6 +80,20 @@ def evaluates(args, rollout_id, data_source, evaluation=False):
 
 def returns_none(args, rollout_id, data_source, evaluation=False):
     return None
+
+
+IN_FLIGHT = {"now": 0, "max": 0}
+
+
+async def slow_or_hanging_reward(args, sample) -> float:
+    """Counts the calls in flight; sample 0's call never ends."""
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["max"] = max(IN_FLIGHT["max"], IN_FLIGHT["now"])
+    try:
+        await asyncio.sleep(600 if sample.index == 0 else 0.05)
+    finally:
+        IN_FLIGHT["now"] -= 1
+    return 1.0
 
 
 def record_reward(args, sample) -> float:
@@ -230,3 +246,15 @@ def test_data_source_get_and_add_samples_round_trip(worker):
     other = worker().data_source
     other.load_state_dict(state)
     assert _dicts(other.get_samples(3)) == _dicts(again)
+
+
+def test_the_rollout_scores_with_the_reward_flags(worker):
+    w = worker("--custom-rm-path", "test_rollout_contract.slow_or_hanging_reward", "--reward-concurrency", "2",
+               "--reward-timeout", "0.5")
+    IN_FLIGHT.update(now=0, max=0)
+    t0 = time.perf_counter()
+    groups, metrics = w.generate(0)
+    assert time.perf_counter() - t0 < 300  # the hanging call was cut (it sleeps 600 s)
+    first = groups[0][0]
+    assert first.status is Status.FAILED and "timeout after 0.5 s" in first.metadata["reward_error"]
+    assert metrics["rollout/num_failed"] == 1 and IN_FLIGHT["max"] == 2

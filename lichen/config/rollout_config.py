@@ -54,7 +54,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How rewards are computed (lichen.rewards)."""
+    """How rewards are computed (lichen.rewards): the reward, the runner's limits, the code sandbox, the remote RM."""
 
     rm_type: str | None
     custom_rm_path: str | None
@@ -62,11 +62,26 @@ class RewardConfig:
     reward_key: str | None
     concurrency: int
     timeout: float | None
+    code_timeout: float
+    code_memory_mb: int
+    code_max_procs: int
+    code_max_file_mb: int
+    code_sandbox_python: str | None
+    code_sandbox_uid_base: int
+    rm_url: str | None
+    rm_max_retries: int
+    rm_retry_backoff: float
+    rm_api_key_file: str | None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
         return cls(rm_type=args.rm_type, custom_rm_path=args.custom_rm_path, group_rm=bool(args.group_rm),
-                   reward_key=args.reward_key, concurrency=args.reward_concurrency, timeout=args.reward_timeout)
+                   reward_key=args.reward_key, concurrency=args.reward_concurrency, timeout=args.reward_timeout,
+                   code_timeout=args.code_timeout, code_memory_mb=args.code_memory_mb,
+                   code_max_procs=args.code_max_procs, code_max_file_mb=args.code_max_file_mb,
+                   code_sandbox_python=args.code_sandbox_python, code_sandbox_uid_base=args.code_sandbox_uid_base,
+                   rm_url=args.rm_url, rm_max_retries=args.rm_max_retries, rm_retry_backoff=args.rm_retry_backoff,
+                   rm_api_key_file=args.rm_api_key_file)
 
 
 @dataclass(frozen=True)

@@ -106,12 +106,13 @@ def grade(rm_type: str, response: str, label: Any, metadata: dict | None = None)
 
 
 class RewardHub:
-    """`fn(args, sample)` for the built-in rm types; `args` supplies the code sandbox and remote RM settings."""
+    """`fn(args, sample)` for the built-in rm types. `cfg` (lichen's RewardConfig: --code-*, --rm-*, --reward-*)
+    sets up the code sandbox and the remote RM; rule types need none."""
 
-    def __init__(self, rm_type: str, args: Any = None) -> None:
+    def __init__(self, rm_type: str, cfg: Any = None) -> None:
         check_rm_type(rm_type)
         self.rm_type = rm_type
-        self.args = args
+        self.cfg = cfg
         self._lock = threading.Lock()
         self._code: Any = None
         self._remote: Any = None
@@ -131,20 +132,22 @@ class RewardHub:
             self._rules[rm_type] = get_rule_reward(rm_type, flag="metadata rm_type")
         return self._rules[rm_type]
 
+    def _settings(self, rm_type: str) -> Any:
+        if self.cfg is None:
+            raise ConfigError(f"rm type {rm_type} needs its settings: build the hub with lichen's RewardConfig")
+        return self.cfg
+
     def _code_grader(self) -> Any:
         with self._lock:
             if self._code is None:
                 from lichen.rewards.code_reward import CodeReward
                 from lichen.rewards.sandbox import SandboxLimits, resolve_sandbox
 
-                a = self.args
-                limits = SandboxLimits(
-                    memory_mb=_opt(a, "code_memory_mb", 1024), max_procs=_opt(a, "code_max_procs", 32),
-                    max_file_mb=_opt(a, "code_max_file_mb", 16),
-                )
-                sandbox = resolve_sandbox(_opt(a, "code_sandbox_python", None),
-                                          uid_base=_opt(a, "code_sandbox_uid_base", 2_100_000_000), limits=limits)
-                self._code = CodeReward(sandbox, case_timeout_s=_opt(a, "code_timeout", 5.0))
+                c = self._settings("code")
+                limits = SandboxLimits(memory_mb=c.code_memory_mb, max_procs=c.code_max_procs,
+                                       max_file_mb=c.code_max_file_mb)
+                sandbox = resolve_sandbox(c.code_sandbox_python, uid_base=c.code_sandbox_uid_base, limits=limits)
+                self._code = CodeReward(sandbox, case_timeout_s=c.code_timeout)
             return self._code
 
     def _remote_rm(self) -> Any:
@@ -152,15 +155,13 @@ class RewardHub:
             if self._remote is None:
                 from lichen.rewards.remote_rm import RemoteRM, rm_api_key
 
-                a = self.args
-                url = _opt(a, "rm_url", None)
-                if not url:
+                c = self._settings("remote_rm")
+                if not c.rm_url:
                     raise ConfigError("rm type remote_rm needs --rm-url http(s)://host:port/path")
-                self._remote = RemoteRM(url, max_retries=_opt(a, "rm_max_retries", 3),
-                                        backoff_s=_opt(a, "rm_retry_backoff", 0.5),
-                                        request_timeout_s=_opt(a, "reward_timeout", 60.0) or 60.0,
-                                        max_concurrency=_opt(a, "reward_concurrency", 16),
-                                        api_key=rm_api_key(_opt(a, "rm_api_key_file", None)))
+                # no --reward-timeout (0 or none) still bounds each HTTP request
+                self._remote = RemoteRM(c.rm_url, max_retries=c.rm_max_retries, backoff_s=c.rm_retry_backoff,
+                                        request_timeout_s=c.timeout or 60.0, max_concurrency=c.concurrency,
+                                        api_key=rm_api_key(c.rm_api_key_file))
             return self._remote
 
     @contextlib.asynccontextmanager
@@ -186,9 +187,4 @@ class RewardHub:
         except ConfigError as e:  # a per-sample type: this sample fails, the run goes on
             raise ValueError(str(e)) from None
         return rule(sample.response, sample.label, metadata)
-
-
-def _opt(args: Any, name: str, default: Any) -> Any:
-    value = getattr(args, name, None) if args is not None else None
-    return default if value is None else value
 

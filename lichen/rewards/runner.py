@@ -68,32 +68,21 @@ class GroupReward:
         return f"GroupReward({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
-def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, args: Any = None, *,
+def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, cfg: Any = None, *,
                     group: bool = False) -> RewardFn:
     """`--custom-rm-path` (taking precedence) loaded as `fn(args, sample)` (as `fn(args, samples)` of one group
-    when `group`, --group-rm), else the hub's `--rm-type` grader."""
+    when `group`, --group-rm), else the hub's `--rm-type` grader set up with `cfg` (lichen's RewardConfig)."""
     if custom_rm_path:
         fn = load_function(custom_rm_path, "--custom-rm-path")
         return GroupReward(fn) if group else fn
     if group:
         raise ConfigError("--group-rm scores whole groups with your function: it needs --custom-rm-path")
     if rm_type:
-        return RewardHub(rm_type, args)
+        return RewardHub(rm_type, cfg)
     raise ConfigError(
         f"no reward function: give --rm-type (one of {', '.join(known_rm_types())}) or --custom-rm-path "
         f"module.function"
     )
-
-
-_FROM_ARGS: Any = object()  # "not given": read --reward-timeout from args
-
-
-def _resolve_limits(args: Any, concurrency: int | None, timeout: Any) -> tuple[int, float | None]:
-    if concurrency is None:
-        concurrency = getattr(args, "reward_concurrency", None) or DEFAULT_CONCURRENCY
-    if timeout is _FROM_ARGS:
-        timeout = getattr(args, "reward_timeout", None) or DEFAULT_TIMEOUT_S
-    return concurrency, timeout
 
 
 def score_samples(
@@ -101,13 +90,13 @@ def score_samples(
     reward_fn: RewardFn,
     args: Any,
     *,
-    concurrency: int | None = None,
-    timeout: Any = _FROM_ARGS,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> dict:
     """Score `samples` in place; returns {"reward_time_s", "num_failed", "failed": [(sample.index, cause), ...]}.
 
-    `concurrency` and `timeout` (seconds per call; None: unbounded) default to `args.reward_concurrency` and
-    `args.reward_timeout` (--reward-concurrency, --reward-timeout), else 16 and 60 s.
+    `concurrency` and `timeout` (seconds per call; None: unbounded) are --reward-concurrency and --reward-timeout
+    in lichen's rollout (RewardConfig); `args` is only handed to the reward functions.
 
     For synchronous callers only: it runs its own event loop with `asyncio.run`, so it must not be called from
     inside a running loop (await `score_samples_async` there instead).
@@ -128,11 +117,10 @@ async def score_samples_async(
     reward_fn: RewardFn,
     args: Any,
     *,
-    concurrency: int | None = None,
-    timeout: Any = _FROM_ARGS,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> dict:
     """The coroutine behind `score_samples`, for callers that already run an event loop."""
-    concurrency, timeout = _resolve_limits(args, concurrency, timeout)
     if concurrency < 1:
         raise ValueError(f"reward concurrency must be at least 1, got {concurrency}")
     if timeout is not None and timeout <= 0:

@@ -75,15 +75,15 @@ def load_eval_sets(configs: tuple[dict, ...] | list[dict]) -> dict:
     return out
 
 
-def build_eval_reward_fns(reward: Any, args: Any, eval_sets: dict, default_fn: Any) -> dict:
+def build_eval_reward_fns(reward: Any, eval_sets: dict, default_fn: Any) -> dict:
     """name -> reward function; data sets with the training reward (`reward`: a RewardConfig) share `default_fn`,
-    others share by type. `args` is handed to the reward plug-ins."""
+    others share by type."""
     cache: dict = {(reward.rm_type, reward.custom_rm_path): default_fn}
     out = {}
     for name, (cfg, _) in eval_sets.items():
         key = (cfg["rm_type"], cfg["custom_rm_path"])
         if key not in cache:
-            cache[key] = build_reward_fn(cfg["rm_type"], cfg["custom_rm_path"], args, group=reward.group_rm)
+            cache[key] = build_reward_fn(cfg["rm_type"], cfg["custom_rm_path"], reward, group=reward.group_rm)
         out[name] = cache[key]
     return out
 

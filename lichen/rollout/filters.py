@@ -31,7 +31,7 @@ def check_reward_nonzero_std(args, group: list[Sample]) -> bool:
     A group whose rewards are all equal gets zero GRPO advantage for every sample, so it carries no policy-gradient
     signal (DAPO's dynamic sampling drops it). A group with fewer than 2 valid samples has no std and is dropped.
     """
-    rewards = [s.scalar_reward(getattr(args, "reward_key", None)) for s in group if s.status != Status.FAILED]
+    rewards = [s.scalar_reward(args.reward_key) for s in group if s.status != Status.FAILED]
     return len(rewards) >= 2 and max(rewards) > min(rewards)
 
 

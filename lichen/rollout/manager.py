@@ -96,8 +96,9 @@ class RolloutManager:
             engine = Engine.from_pretrained(cfg.hf_checkpoint, device=resolve_device(cfg.device),
                                             max_batch_size=cfg.engine_max_batch_size)
         ctx.engine = engine
-        ctx.reward_fn = build_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path, args, group=cfg.reward.group_rm)
-        ctx.eval_reward_fns = build_eval_reward_fns(cfg.reward, args, ctx.eval_sets, ctx.reward_fn)
+        ctx.reward_fn = build_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward,
+                                        group=cfg.reward.group_rm)
+        ctx.eval_reward_fns = build_eval_reward_fns(cfg.reward, ctx.eval_sets, ctx.reward_fn)
         self.context = ctx
         self.rollout_fn = _rollout_fn(cfg.rollout_function_path, "--rollout-function-path")
         self.eval_fn = _rollout_fn(cfg.eval_function_path, "--eval-function-path")

@@ -1,13 +1,21 @@
-"""Building lichen's rollout worker in tests the way the loop does: its RolloutConfig from the resolved flags,
-the namespace handed along for plug-ins."""
+"""Building lichen's rollout side in tests the way the loop does: configs from the flags, the namespace handed
+along for plug-ins."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from lichen.config.rollout_config import RolloutConfig
+from lichen.config import build_train_parser
+from lichen.config.rollout_config import RewardConfig, RolloutConfig
 from lichen.rollout.manager import RolloutManager
 
 
 def rollout_worker(args: Any, engine: Any = None) -> RolloutManager:
     return RolloutManager(RolloutConfig.from_args(args), args, engine=engine)
+
+
+def reward_config(**overrides: Any) -> RewardConfig:
+    """lichen's RewardConfig with the flags' defaults, `overrides` (field names) applied."""
+    defaults = build_train_parser().parse_args([])
+    return replace(RewardConfig.from_args(defaults), **overrides)
