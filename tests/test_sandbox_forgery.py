@@ -137,8 +137,9 @@ def test_forgeries_score_nothing_through_the_reward_runner():
     from lichen.rewards import build_reward_fn, score_samples
     from lichen.types import Sample
 
-    args = type("Args", (), {"code_timeout": 5.0, "code_memory_mb": 256, "code_max_procs": 16,
-                             "code_sandbox_uid_base": UID_BASE})()
+    from helpers.rollout import reward_config
+
+    args = reward_config(code_timeout=5.0, code_memory_mb=256, code_max_procs=16, code_sandbox_uid_base=UID_BASE)
     fn = build_reward_fn("code", None, args)
     honest = "def add(a, b):\n    return a + b"
     samples = [Sample(response=f"```python\n{program}\n```", label=label, index=i)
