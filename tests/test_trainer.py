@@ -134,14 +134,15 @@ def test_trainer_state_dict_round_trips_through_torch_distributed_checkpoint(tin
     b = copy.deepcopy(a)
     first, second = scored_samples(a, seed=11), scored_samples(a, seed=12)
     a.train(0, [first])
-    b.train(0, [second])  # another first step: the optimizer state has a's shape, not its values
+    b.train(0, [second])  # other steps: the optimizer state has a's shape, not its values or step count
+    b.train(1, [first])
     dcp.save(a.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
     state = b.state_dict()
     dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     b.load_state_dict(state)
     assert b.opt_step == a.opt_step == 1
     a.train(1, [second])
-    b.train(1, [second])
+    b.train(1, [second])  # the same step: the same learning rate, moments and bias correction
     assert max_diff(dict(a.model.named_parameters()), dict(b.model.named_parameters())) == 0.0
 
 
