@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lichen.config.train_config import TrainerConfig
+from lichen.devices import resolve_device
 from lichen.models import load_model
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -44,12 +45,6 @@ from lichen.train.train_batch import TrainBatch, global_counts
 from lichen.types import Sample
 
 log = get_logger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _frozen_model(path: str, device: torch.device):
