@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from lichen.data import PromptSource, load_prompt_dataset, parse_spec
 from lichen.data.fit import fit_prompts
+from lichen.devices import resolve_device
+from lichen.engines.engine import Engine
 from lichen.errors import DataError
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -71,9 +73,6 @@ class RolloutManager:
     namespace, is only handed to user plug-ins."""
 
     def __init__(self, cfg: "RolloutConfig", args: Any, engine: Any = None) -> None:
-        from lichen.devices import resolve_device
-        from lichen.engines.engine import Engine
-
         self.cfg = cfg
         self.args = args
         ctx = RolloutContext(args=args, config=cfg, engine=None, tokenizer=load_tokenizer(cfg.hf_checkpoint))
