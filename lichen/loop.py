@@ -13,6 +13,7 @@ import os
 import time
 
 from lichen import sync
+from lichen.config.engine_config import ObserveConfig, SyncConfig
 from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import MetricsLogger, format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
@@ -108,7 +109,7 @@ def run(args) -> dict:
     try:
         resolve_num_rollout(args, rollout)
         trainer = build_trainer(args)
-        with MetricsLogger.for_run(args) as logger:
+        with MetricsLogger.from_config(ObserveConfig.from_args(args)) as logger:
             return train_loop(args, trainer, rollout, logger)
     finally:
         sync.close(rollout)  # leaves broadcast groups while the engines still answer
@@ -121,7 +122,8 @@ def train_loop(args, trainer, rollout, logger) -> dict:
     last: dict = {}
     all_failed = FailedStepGuard(args.max_consecutive_failed_steps)  # stops a run whose verifier fails every sample
     start = resume(args, trainer, rollout)
-    sync.push(trainer, rollout, version=start)  # engines start from the trainer's weights
+    sync_cfg = SyncConfig.from_args(args)
+    sync.push(trainer, rollout, version=start, cfg=sync_cfg)  # engines start from the trainer's weights
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
         last = rollout.eval(version=0)
         logger.log(0, last)
@@ -142,7 +144,7 @@ def train_loop(args, trainer, rollout, logger) -> dict:
             trainer.offload()
         if args.offload_rollout:
             rollout.onload(["weights"])
-        metrics.update(sync.push(trainer, rollout, version=rollout_id + 1))
+        metrics.update(sync.push(trainer, rollout, version=rollout_id + 1, cfg=sync_cfg))
         if args.offload_rollout:
             rollout.onload(["kv_cache"])
         if is_due(args.eval_interval, rollout_id, args.num_rollout):

@@ -218,3 +218,21 @@ def test_test_modules_do_not_import_each_other():
                 if stem in modules and (parts[0] == "tests" or len(parts) == 1):
                     bad.append(f"tests/{path.name}:{node.lineno}: imports {name}; move shared code to tests/helpers/")
     assert bad == []
+
+
+def getattr_args_calls(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """file:line of each `getattr(args, ...)` under the given packages of `root`/lichen."""
+    hits = []
+    for package in packages:
+        for path in sorted((root / "lichen" / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                        and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"):
+                    hits.append(f"{path.relative_to(root)}:{node.lineno}")
+    return hits
+
+
+def test_engines_sync_and_observe_take_their_configs():
+    """Flag defaults live in argparse and the typed configs of lichen/config/ are resolved from them once; the
+    engines, weight sync and the metrics sinks read their config, never the flag namespace."""
+    assert getattr_args_calls(REPO, ("engines", "sync", "observe", "weights", "models")) == []

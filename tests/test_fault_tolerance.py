@@ -20,7 +20,8 @@ import torch
 
 from lichen.config import parse_train_args
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.remote_engines import RemoteEngines, required_endpoints
+from lichen.config.engine_config import required_endpoints
+from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.sampler import derive_seed
 from lichen.engines.server_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher

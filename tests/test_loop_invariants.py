@@ -46,8 +46,8 @@ def test_exact_resume(tiny_ckpt, addition_data, tmp_path, estimator):
 
     orig_push = loop.sync.push
 
-    def push_then_stop(trainer, rollout, version):
-        out = orig_push(trainer, rollout, version)
+    def push_then_stop(trainer, rollout, version, cfg=None):
+        out = orig_push(trainer, rollout, version, cfg)
         if version == 2:
             raise Stop
         return out

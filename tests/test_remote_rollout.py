@@ -19,7 +19,7 @@ from lichen.cli import main
 from lichen.config import parse_train_args
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.remote_engines import required_endpoints
+from lichen.config.engine_config import required_endpoints
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout

@@ -133,11 +133,10 @@ def test_external_engine_keys_come_from_a_file_or_the_environment(tmp_path, monk
     os.chmod(key_file, 0o600)
     monkeypatch.setenv("LICHEN_ENGINE_API_KEY", "from-env")
     monkeypatch.setenv("LICHEN_ENGINE_ADMIN_API_KEY", ADMIN)
-    args = SimpleNamespace(rollout_external_engine_api_key_file=str(key_file),
-                           rollout_external_engine_admin_api_key_file=None)
-    assert external_keys(args) == (KEY, ADMIN)  # the file wins over the environment
-    args.rollout_external_engine_api_key_file = None
-    assert external_keys(args) == ("from-env", ADMIN)
+    cfg = SimpleNamespace(api_key_file=str(key_file), admin_api_key_file=None)
+    assert external_keys(cfg) == (KEY, ADMIN)  # the file wins over the environment
+    cfg.api_key_file = None
+    assert external_keys(cfg) == ("from-env", ADMIN)
     # the old flag put the key on the command line: refused with one line saying where the key goes now
     r = subprocess.run([sys.executable, "-m", "lichen.cli", "train", "--rollout-external-engine-api-key", KEY],
                        capture_output=True, text=True, timeout=60)

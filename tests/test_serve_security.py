@@ -285,12 +285,10 @@ def test_launched_engines_get_the_runs_dirs_and_bounds(tmp_path):
 
     from lichen.engines.remote_engines import launch_server_args
 
-    args = SimpleNamespace(device="cpu", rollout_max_batch_size=None, num_threads=1, rollout_num_engines=2,
-                           update_weight_disk_dir=str(tmp_path / "w"),
-                           update_weight_local_checkpoint_dir=str(tmp_path / "local"),
-                           sglang_server_concurrency=3000, rollout_max_prompt_len=100, rollout_max_response_len=50,
-                           eval_max_response_len=200)
-    flags = launch_server_args(args)
+    cfg = SimpleNamespace(device="cpu", max_batch_size=None, num_threads=1, num_engines=2,
+                          weight_dir=str(tmp_path / "w"), local_checkpoint_dir=str(tmp_path / "local"),
+                          concurrency=3000, max_prompt_len=100, max_response_len=200)
+    flags = launch_server_args(cfg)
     opt = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
     assert opt["--weight-dir"] == str(tmp_path / "w") and opt["--local-checkpoint-dir"] == str(tmp_path / "local")
     assert opt["--max-queued-sequences"] == "6000"  # twice what the client keeps in flight per engine

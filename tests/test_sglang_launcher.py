@@ -19,6 +19,7 @@ import time
 import pytest
 
 from lichen.config import parse_train_args
+from lichen.config.engine_config import EngineConfig
 from lichen.engines.sglang_launcher import (LICHEN_SETS, SGLangLauncher, build_sglang_command, check_passthrough,
                                             translate_passthrough)
 from lichen.engines.server_process import call
@@ -42,7 +43,7 @@ def test_exact_command_from_lichen_flags_and_passthrough(tiny_ckpt, addition_dat
                  "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-attention-backend=fa3",
                  "--sglang-server-concurrency", "8")
     assert args.sglang_server_concurrency == 8  # consumed by lichen, not passed on
-    cmd = build_sglang_command(args, engine_index=1, port=31001, python="PY")
+    cmd = build_sglang_command(EngineConfig.from_args(args), engine_index=1, port=31001, python="PY")
     assert cmd == ["PY", "-m", "sglang.launch_server", "--model-path", tiny_ckpt, "--host", "127.0.0.1",
                    "--port", "31001", "--tp-size", "2", "--base-gpu-id", "2", "--random-seed", "7",
                    "--dtype", "bfloat16", "--enable-memory-saver",
@@ -52,12 +53,12 @@ def test_exact_command_from_lichen_flags_and_passthrough(tiny_ckpt, addition_dat
     # through is not added twice
     args = _args(tiny_ckpt, addition_data, tmp_path, "--rollout-engine-backend", "sglang",
                  "--rollout-max-batch-size", "16")
-    assert build_sglang_command(args, engine_index=0, port=5, python="PY") == [
+    assert build_sglang_command(EngineConfig.from_args(args), engine_index=0, port=5, python="PY") == [
         "PY", "-m", "sglang.launch_server", "--model-path", tiny_ckpt, "--host", "127.0.0.1", "--port", "5",
         "--tp-size", "1", "--base-gpu-id", "0", "--random-seed", "1234", "--dtype", "float32",
         "--max-running-requests", "16"]
     args.offload_rollout, args.sglang_passthrough = True, ["--sglang-enable-memory-saver"]
-    assert build_sglang_command(args, engine_index=0, port=5, python="PY").count("--enable-memory-saver") == 1
+    assert build_sglang_command(EngineConfig.from_args(args), engine_index=0, port=5, python="PY").count("--enable-memory-saver") == 1
     assert translate_passthrough(["--sglang-a", "x", "--sglang-b=1", "-3"]) == ["--a", "x", "--b=1", "-3"]
 
 

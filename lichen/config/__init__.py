@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rewards, rollout, sampling, sync, train  # noqa: E501
+from lichen.config.engine_config import EngineConfig, ObserveConfig, SyncConfig
 from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, option_actions
 from lichen.config.removed import REMOVED_FLAGS, check_removed
 from lichen.config.rollout import SGLANG_CONSUMED_FLAGS, collect_sglang_passthrough
@@ -29,12 +30,15 @@ HELP_ORDER = (model, data, rollout, rewards, sampling, train, algo, placement, s
 
 __all__ = [
     "DataConfig",
+    "EngineConfig",
+    "ObserveConfig",
     "REMOVED_FLAGS",
     "RewardConfig",
     "RolloutConfig",
     "OptimizerConfig",
     "SGLANG_CONSUMED_FLAGS",
     "SamplingConfig",
+    "SyncConfig",
     "TrainerConfig",
     "build_train_parser",
     "parse_train_args",

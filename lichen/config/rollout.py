@@ -321,7 +321,7 @@ def _check_sglang_launch(args: argparse.Namespace) -> None:
                 "which this run does not configure: add --rollout-engine-backend sglang --rollout-num-engines K, "
                 "or drop them"
             )
-        check_passthrough(args.sglang_passthrough, args)
+        check_passthrough(args.sglang_passthrough, args.rollout_max_batch_size)
 
 
 def _check_fault_tolerance(args: argparse.Namespace) -> None:

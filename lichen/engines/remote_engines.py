@@ -26,9 +26,9 @@ leaves rotation, the requests it held go to the others, a launched one is restar
 calls then tolerate an unreachable engine (it is taken out like a failed one) as long as one engine answers;
 the health probes are suspended while the engines are paused, syncing weights or offloaded.
 
-`RemoteEngines.from_args(args)` is the one place that reads `lichen train` flags: it launches
-`--rollout-num-engines` servers (stopped by `close()`) or connects to `--rollout-external-engine-addrs`, waits
-for them, and checks that each routes the endpoints the configured features need (`required_endpoints`).
+`RemoteEngines.from_config(cfg)` takes an EngineConfig (lichen.config.engine_config, resolved from the flags
+once; `from_args(args)` does that first): it launches `cfg.num_engines` servers (stopped by `close()`) or
+connects to `cfg.addresses`, waits for them, and checks that each routes the endpoints `cfg.required` names.
 """
 
 from __future__ import annotations
@@ -57,58 +57,42 @@ log = get_logger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-def required_endpoints(args: Any) -> dict[str, str]:
-    """path -> the feature (flag) that needs it, for the configured run."""
-    need = {"/generate": "rollout", "/model_info": "weight-version checks", "/health": "health checks"}
-    if getattr(args, "update_weight_transport", None) == "disk" and not getattr(args, "debug_rollout_only", False):
-        for path in ("/pause_generation", "/flush_cache", "/update_weights_from_disk", "/continue_generation"):
-            need[path] = "--update-weight-transport disk"
-    if getattr(args, "offload_rollout", False):
-        for path in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
-            need.setdefault(path, "--offload-rollout")
-    if getattr(args, "use_fault_tolerance", False):
-        need["/health_generate"] = "--use-fault-tolerance"
-    return need
-
-
-def launch_server_args(args: Any) -> list[str]:
-    """`lichen serve` flags for launched engines: the trainer's device and dtype (float32, as the in-process
-    engine), --rollout-max-batch-size, the CPU threads split between the engines, the run's weight directories
-    (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
-    out = ["--device", str(getattr(args, "device", "auto") or "auto"), "--dtype", "float32"]
-    if getattr(args, "rollout_max_batch_size", None):
-        out += ["--max-batch-size", str(args.rollout_max_batch_size)]
-    threads = getattr(args, "num_threads", None) or max(1, (os.cpu_count() or 1) // args.rollout_num_engines)
+def launch_server_args(cfg: Any) -> list[str]:
+    """`lichen serve` flags for launched engines (`cfg` an EngineConfig): the trainer's device and dtype (float32,
+    as the in-process engine), the batch cap, the CPU threads split between the engines, the run's weight
+    directories (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
+    out = ["--device", str(cfg.device or "auto"), "--dtype", "float32"]
+    if cfg.max_batch_size:
+        out += ["--max-batch-size", str(cfg.max_batch_size)]
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_engines)
     out += ["--num-threads", str(threads)]
-    if getattr(args, "update_weight_disk_dir", None):
-        out += ["--weight-dir", os.path.abspath(args.update_weight_disk_dir)]
-    if getattr(args, "update_weight_local_checkpoint_dir", None):
-        out += ["--local-checkpoint-dir", os.path.abspath(args.update_weight_local_checkpoint_dir)]
-    return out + launch_limits(args)
+    if cfg.weight_dir:
+        out += ["--weight-dir", os.path.abspath(cfg.weight_dir)]
+    if cfg.local_checkpoint_dir:
+        out += ["--local-checkpoint-dir", os.path.abspath(cfg.local_checkpoint_dir)]
+    return out + launch_limits(cfg)
 
 
-def launch_limits(args: Any) -> list[str]:
-    """Queue bounds for launched engines: the client keeps at most --sglang-server-concurrency requests of one
-    sequence each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and
-    control traffic; tokens: that many sequences of the run's longest prompt + response, when both are set."""
+def launch_limits(cfg: Any) -> list[str]:
+    """Queue bounds for launched engines: the client keeps at most `cfg.concurrency` requests of one sequence
+    each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and control
+    traffic; tokens: that many sequences of the run's longest prompt + response, when both are set."""
     from lichen.engines.serve import DEFAULT_MAX_QUEUED_SEQUENCES
 
-    seqs = max(DEFAULT_MAX_QUEUED_SEQUENCES, 2 * int(getattr(args, "sglang_server_concurrency", 512) or 512))
+    seqs = max(DEFAULT_MAX_QUEUED_SEQUENCES, 2 * int(cfg.concurrency))
     out = ["--max-queued-sequences", str(seqs)]
-    prompt = getattr(args, "rollout_max_prompt_len", None)
-    response = max(getattr(args, "rollout_max_response_len", None) or 0, getattr(args, "eval_max_response_len", None) or 0)
-    if prompt and response:
-        out += ["--max-queued-tokens", str(seqs * (int(prompt) + int(response)))]
+    if cfg.max_prompt_len and cfg.max_response_len:
+        out += ["--max-queued-tokens", str(seqs * (int(cfg.max_prompt_len) + int(cfg.max_response_len)))]
     return out
 
 
-def external_keys(args: Any) -> tuple[str | None, str | None]:
-    """(API key, admin key) of --rollout-external-engine-addrs servers: from the key file flags or the environment
-    (LICHEN_ENGINE_API_KEY, LICHEN_ENGINE_ADMIN_API_KEY), never from the command line."""
-    api = resolve_key(flag_value=None, file_path=getattr(args, "rollout_external_engine_api_key_file", None),
-                      env=ENGINE_KEY_ENV, flag="", file_flag="--rollout-external-engine-api-key-file")
-    admin = resolve_key(flag_value=None, file_path=getattr(args, "rollout_external_engine_admin_api_key_file", None),
-                        env=ENGINE_ADMIN_KEY_ENV, flag="", file_flag="--rollout-external-engine-admin-api-key-file")
+def external_keys(cfg: Any) -> tuple[str | None, str | None]:
+    """(API key, admin key) of external servers: from the key files (`cfg.api_key_file`, `cfg.admin_api_key_file`)
+    or the environment (LICHEN_ENGINE_API_KEY, LICHEN_ENGINE_ADMIN_API_KEY), never from the command line."""
+    api = resolve_key(flag_value=None, file_path=cfg.api_key_file, env=ENGINE_KEY_ENV, flag="",
+                      file_flag="--rollout-external-engine-api-key-file")
+    admin = resolve_key(flag_value=None, file_path=cfg.admin_api_key_file, env=ENGINE_ADMIN_KEY_ENV, flag="",
+                        file_flag="--rollout-external-engine-admin-api-key-file")
     return api, admin
 
 
@@ -494,30 +478,38 @@ class RemoteEngines:
             raise ConfigError("engine server endpoints missing: " + "; ".join(parts) + ". Use lichen serve or an "
                               "SGLang release that has them")
 
-    # ---- construction from `lichen train` flags -------------------------------------------------------------
+    # ---- construction from an EngineConfig -----------------------------------------------------------------
     @classmethod
     def from_args(cls, args: Any) -> "RemoteEngines":
+        """`from_config` with the EngineConfig of `lichen train`'s resolved flags."""
+        from lichen.config.engine_config import EngineConfig
+
+        return cls.from_config(EngineConfig.from_args(args))
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "RemoteEngines":
+        """Launch `cfg.num_engines` servers (or connect to `cfg.addresses`), wait until they answer, check that
+        each routes `cfg.required`, and start the health monitor with `cfg.failover`. `cfg` is an EngineConfig."""
         from lichen.engines.launcher import EngineLauncher
 
         launcher = None
-        if args.rollout_num_engines:
-            if getattr(args, "rollout_engine_backend", "lichen") == "sglang":
+        if cfg.num_engines:
+            if cfg.backend == "sglang":
                 from lichen.engines.sglang_launcher import SGLangLauncher
 
-                launcher = SGLangLauncher.from_args(args)
+                launcher = SGLangLauncher.from_config(cfg)
             else:
-                launcher = EngineLauncher(args.hf_checkpoint, args.rollout_num_engines,
-                                          server_args=launch_server_args(args),
-                                          log_dir=os.path.join(args.output_dir, "engines"))
+                launcher = EngineLauncher(cfg.model_path, cfg.num_engines, server_args=launch_server_args(cfg),
+                                          log_dir=cfg.log_dir)
             urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-engines"
         else:
-            urls = [normalize_url(a) for a in args.rollout_external_engine_addrs]
-            api_key, admin_key = external_keys(args)
+            urls = [normalize_url(a) for a in cfg.addresses]
+            api_key, admin_key = external_keys(cfg)
             flag = "--rollout-external-engine-addrs"
         engines = None
         try:
-            engines = cls(urls, api_key=api_key, admin_api_key=admin_key, concurrency=args.sglang_server_concurrency,
-                          launcher=launcher, failover=bool(getattr(args, "use_fault_tolerance", False)))
+            engines = cls(urls, api_key=api_key, admin_api_key=admin_key, concurrency=cfg.concurrency,
+                          launcher=launcher, failover=cfg.failover)
             try:
                 engines.wait_healthy(timeout=120.0, reachable=True)
                 infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
@@ -528,7 +520,7 @@ class RemoteEngines:
                 raise
             except EngineUnavailable as e:
                 raise ConfigError(f"{flag}: cannot reach an engine server: {e}") from None
-            engines.require_endpoints(required_endpoints(args))
+            engines.require_endpoints(dict(cfg.required))
         except BaseException:
             if engines is not None:
                 engines.close()
@@ -537,10 +529,9 @@ class RemoteEngines:
             raise
         for url, info in zip(urls, infos):
             log.info("engine %s: model %s, weight version %s", url, info.get("model_path"), info.get("weight_version"))
-        if getattr(args, "use_fault_tolerance", False):
-            engines.start_health_monitor(interval=args.rollout_health_check_interval,
-                                         timeout=args.rollout_health_check_timeout,
-                                         first_wait=args.rollout_health_check_first_wait)
+        if cfg.failover:
+            engines.start_health_monitor(interval=cfg.health_interval, timeout=cfg.health_timeout,
+                                         first_wait=cfg.health_first_wait)
         return engines
 
     # ---- shutdown -----------------------------------------------------------------------------------------

@@ -59,8 +59,8 @@ LICHEN_SETS: dict[str, str] = {
     "--admin-api-key": "lichen (launched engines get a fresh random key per run)",
 }
 # Set only when the lichen flag is given; otherwise passed through like any other flag.
-LICHEN_SETS_WHEN_GIVEN: dict[str, tuple[str, str]] = {
-    "--max-running-requests": ("rollout_max_batch_size", "--rollout-max-batch-size"),
+LICHEN_SETS_WHEN_GIVEN: dict[str, str] = {
+    "--max-running-requests": "--rollout-max-batch-size",
 }
 
 
@@ -73,8 +73,10 @@ def sglang_flag(token: str) -> str:
     return "--" + token.split("=", 1)[0][len(SGLANG_PREFIX):]
 
 
-def check_passthrough(tokens: Sequence[str], args: Any = None) -> None:
-    """Raise ConfigError for a pass-through flag that sets what lichen sets (see LICHEN_SETS)."""
+def check_passthrough(tokens: Sequence[str], max_batch_size: int | None = None) -> None:
+    """Raise ConfigError for a pass-through flag that sets what lichen sets (see LICHEN_SETS); `max_batch_size`
+    is --rollout-max-batch-size, which sets --max-running-requests when given."""
+    given_by_lichen = {"--max-running-requests": max_batch_size}
     for token in tokens:
         if not token.startswith(SGLANG_PREFIX):
             continue
@@ -84,10 +86,8 @@ def check_passthrough(tokens: Sequence[str], args: Any = None) -> None:
         given = token.split("=", 1)[0]
         if name in LICHEN_SETS:
             raise ConfigError(f"{given}: lichen sets SGLang's {name} itself from {LICHEN_SETS[name]}; drop {given}")
-        if name in LICHEN_SETS_WHEN_GIVEN and args is not None:
-            dest, flag = LICHEN_SETS_WHEN_GIVEN[name]
-            if getattr(args, dest, None) is not None:
-                raise ConfigError(f"{given} and {flag} both set SGLang's {name}; give only one")
+        if name in LICHEN_SETS_WHEN_GIVEN and given_by_lichen[name] is not None:
+            raise ConfigError(f"{given} and {LICHEN_SETS_WHEN_GIVEN[name]} both set SGLang's {name}; give only one")
 
 
 def translate_passthrough(tokens: Sequence[str]) -> list[str]:
@@ -95,23 +95,23 @@ def translate_passthrough(tokens: Sequence[str]) -> list[str]:
     return ["--" + t[len(SGLANG_PREFIX):] if t.startswith(SGLANG_PREFIX) else t for t in tokens]
 
 
-def build_sglang_command(args: Any, *, engine_index: int, port: int, host: str = "127.0.0.1",
+def build_sglang_command(cfg: Any, *, engine_index: int, port: int, host: str = "127.0.0.1",
                          python: str | None = None) -> list[str]:
-    """The exact command that starts engine `engine_index` (see the module docstring)."""
-    passthrough = list(getattr(args, "sglang_passthrough", None) or [])
-    check_passthrough(passthrough, args)
-    tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    """The exact command that starts engine `engine_index` of EngineConfig `cfg` (see the module docstring)."""
+    passthrough = list(cfg.passthrough)
+    check_passthrough(passthrough, cfg.max_batch_size)
+    tp = int(cfg.gpus_per_engine)
     cmd = [python or sys.executable, "-m", "sglang.launch_server",
-           "--model-path", str(args.hf_checkpoint),
+           "--model-path", str(cfg.model_path),
            "--host", host, "--port", str(port),
            "--tp-size", str(tp), "--base-gpu-id", str(engine_index * tp),
-           "--random-seed", str(args.seed),
-           "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
+           "--random-seed", str(cfg.seed),
+           "--dtype", cfg.sglang_dtype]
     given = {sglang_flag(t) for t in passthrough if t.startswith(SGLANG_PREFIX)}
-    if getattr(args, "offload_rollout", False) and "--enable-memory-saver" not in given:
+    if cfg.memory_saver and "--enable-memory-saver" not in given:
         cmd.append("--enable-memory-saver")
-    if getattr(args, "rollout_max_batch_size", None) is not None:
-        cmd += ["--max-running-requests", str(args.rollout_max_batch_size)]
+    if cfg.max_batch_size is not None:
+        cmd += ["--max-running-requests", str(cfg.max_batch_size)]
     return cmd + translate_passthrough(passthrough)
 
 
@@ -184,13 +184,13 @@ class SGLangLauncher(ServerSet):
         atexit.register(_stop_if_alive, weakref.ref(self))
 
     @classmethod
-    def from_args(cls, args: Any, **kwargs: Any) -> "SGLangLauncher":
+    def from_config(cls, cfg: Any, **kwargs: Any) -> "SGLangLauncher":
+        """The launcher of `cfg.num_engines` SGLang servers of EngineConfig `cfg`, keyed per run."""
         def command_for(i: int, port: int) -> list[str]:
-            return build_sglang_command(args, engine_index=i, port=port)
+            return build_sglang_command(cfg, engine_index=i, port=port)
 
         kwargs.setdefault("keyed", True)
-        return cls(command_for, args.rollout_num_engines, log_dir=os.path.join(args.output_dir, "engines"),
-                   **kwargs)
+        return cls(command_for, cfg.num_engines, log_dir=cfg.log_dir, **kwargs)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> list[str]:

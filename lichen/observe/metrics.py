@@ -99,10 +99,17 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, args: Any) -> MetricsLogger:
-        """The sinks the parsed flags of `lichen train` / `lichen eval` ask for, under `args.output_dir`."""
-        return cls(args.output_dir, use_tensorboard=args.use_tensorboard, use_wandb=args.use_wandb,
-                   wandb_mode=args.wandb_mode, wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
-                   wandb_key=getattr(args, "wandb_key", None), config=vars(args))
+        """`from_config` with the ObserveConfig of the parsed flags of `lichen train` / `lichen eval`."""
+        from lichen.config.engine_config import ObserveConfig
+
+        return cls.from_config(ObserveConfig.from_args(args))
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MetricsLogger:
+        """The sinks ObserveConfig `cfg` asks for, under `cfg.output_dir`."""
+        return cls(cfg.output_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
+                   wandb_mode=cfg.wandb_mode, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
+                   wandb_key=cfg.wandb_key, config=dict(cfg.run_config))
 
     def log(self, step: int, metrics: dict[str, float | int], prefix: str | None = None) -> None:
         """Record `metrics` at `step`; with `prefix`, key "k" is recorded as "prefix/k"."""

@@ -47,8 +47,9 @@ _ENDPOINTS = {
 }
 
 
-def push(trainer, rollout, version: int) -> dict:
-    """Publish the trainer's current weights as weight version `version` to every engine of `rollout`.
+def push(trainer, rollout, version: int, cfg: Any = None) -> dict:
+    """Publish the trainer's current weights as weight version `version` to every engine of `rollout`, as the
+    SyncConfig `cfg` says (lichen.config.engine_config; when None, resolved from the rollout's `args`).
 
     A trainer without weights (the null trainer of --debug-rollout-only) or a rollout without engines (the
     replay of --debug-train-only) makes this a no-op.
@@ -58,7 +59,11 @@ def push(trainer, rollout, version: int) -> dict:
     if not engines or named is None:
         return {}
     if any(getattr(e, "is_remote", False) for e in engines):
-        return _push_to_servers(trainer, rollout.args, engines, version)
+        if cfg is None:
+            from lichen.config.engine_config import SyncConfig
+
+            cfg = SyncConfig.from_args(rollout.args)
+        return _push_to_servers(trainer, cfg, engines, version)
     t0 = time.perf_counter()
     for engine in engines:
         engine.update_weights_from_tensors(named(), str(version))
@@ -73,22 +78,22 @@ def push(trainer, rollout, version: int) -> dict:
             "sync/weight_version": version}
 
 
-def _state(engines: Any, args: Any) -> dict:
+def _state(engines: Any, cfg: Any) -> dict:
     """Per-RemoteEngines state: the engine dtype, the transport object, the endpoint check done once."""
     st = getattr(engines, _STATE_ATTR, None)
     if st is None:
-        transport, mode = args.update_weight_transport, args.update_weight_mode
+        transport, mode = cfg.transport, cfg.mode
         need = _ENDPOINTS.get("nccl" if transport == "nccl" else mode, ())
         if need:
             engines.require_endpoints({p: f"--update-weight-transport {transport} --update-weight-mode {mode}"
                                        for p in need})
-        st = {"dtype": engine_dtype(engines.server_infos()), "transport": _make_transport(engines, args)}
+        st = {"dtype": engine_dtype(engines.server_infos()), "transport": _make_transport(engines, cfg)}
         setattr(engines, _STATE_ATTR, st)
     return st
 
 
-def _post_write_hook(args: Any):
-    path = getattr(args, "custom_update_weight_post_write_path", None)
+def _post_write_hook(cfg: Any):
+    path = cfg.post_write_path
     if not path:
         return None
     from lichen.plugins import load_function
@@ -96,35 +101,34 @@ def _post_write_hook(args: Any):
     return load_function(path, "--custom-update-weight-post-write-path")
 
 
-def _make_transport(engines: Any, args: Any) -> Any:
-    transport, mode = args.update_weight_transport, args.update_weight_mode
+def _make_transport(engines: Any, cfg: Any) -> Any:
+    transport, mode = cfg.transport, cfg.mode
     if transport == "nccl":
         from lichen.sync.distributed import BroadcastSync
 
-        return BroadcastSync(engines, buffer_size=args.update_weight_buffer_size)
+        return BroadcastSync(engines, buffer_size=cfg.buffer_size)
     if mode == "delta":
         from lichen.sync.disk_delta import DeltaSync
 
-        return DeltaSync(engines, disk_dir=args.update_weight_disk_dir,
-                         local_dir=args.update_weight_local_checkpoint_dir, hf_checkpoint=args.hf_checkpoint,
-                         encoding=args.update_weight_delta_encoding, checksum_format=args.update_weight_delta_checksum,
-                         full_interval=args.update_weight_full_interval or 0,
-                         keep_files=args.update_weight_disk_keep_files, post_write_hook=_post_write_hook(args))
+        return DeltaSync(engines, disk_dir=cfg.disk_dir, local_dir=cfg.local_dir, hf_checkpoint=cfg.hf_checkpoint,
+                         encoding=cfg.delta_encoding, checksum_format=cfg.delta_checksum,
+                         full_interval=cfg.full_interval, keep_files=cfg.keep_files,
+                         post_write_hook=_post_write_hook(cfg))
     if mode == "full":
         from lichen.sync.disk import FullDiskSync
 
-        return FullDiskSync(engines, disk_dir=args.update_weight_disk_dir, hf_checkpoint=args.hf_checkpoint,
-                            keep_files=args.update_weight_disk_keep_files, post_write_hook=_post_write_hook(args))
+        return FullDiskSync(engines, disk_dir=cfg.disk_dir, hf_checkpoint=cfg.hf_checkpoint,
+                            keep_files=cfg.keep_files, post_write_hook=_post_write_hook(cfg))
     raise NotAvailableYet(f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is "
                           "not available")
 
 
-def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
+def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
     t0 = time.perf_counter()
-    metrics: dict[str, Any] = {"sync/weight_version": version, f"sync/transport_{args.update_weight_transport}": 1}
+    metrics: dict[str, Any] = {"sync/weight_version": version, f"sync/transport_{cfg.transport}": 1}
     for eng in engines:
         try:
-            st = _state(eng, args)
+            st = _state(eng, cfg)
             metrics.update(st["transport"].push(trainer.named_weights(), version, st["dtype"]))
             versions = eng.weight_versions()
         except EngineError as e:  # the engine's own message, with what the run was doing when it came
@@ -134,10 +138,10 @@ def _push_to_servers(trainer, args, engines: list, version: int) -> dict:
             raise StaleEngineError(f"engines {[u for u, _ in stale]} report weight versions {[v for _, v in stale]} "
                                    f"after the sync to version {version}")
         metrics.update(verify_engines(eng, trainer.named_weights, st["dtype"], version=version,
-                                      full=bool(getattr(args, "check_weight_update_equal", False))))
+                                      full=cfg.check_all_weights))
     metrics["time/sync"] = time.perf_counter() - t0
     log.debug("weight sync to version %d over %s/%s: %s bytes on the wire, %.3f s", version,
-             args.update_weight_transport, args.update_weight_mode, metrics.get("sync/bytes"), metrics["time/sync"])
+             cfg.transport, cfg.mode, metrics.get("sync/bytes"), metrics["time/sync"])
     return metrics
 
 
