@@ -246,7 +246,7 @@ def test_debug_rollout_dump_of_non_plain_metadata_loads_with_weights_only(tmp_pa
                                                  "status": "failed"}
     assert "metadata.when (date)" in capsys.readouterr().err
     replay = ReplayRollout(SimpleNamespace(load_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"),
-                                           reward_key=None))
+                                           reward=SimpleNamespace(reward_key=None)))  # what it reads of RolloutConfig
     groups, _ = replay.generate(0)
     assert groups[0][0].tokens == [1, 2, 3] and groups[0][0].status == Status.COMPLETED
 
