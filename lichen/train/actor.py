@@ -36,7 +36,7 @@ from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.train import advantage
 from lichen.train.log_probs import LogProbs
-from lichen.train.loss import LossPlugins, micro_batch_loss, new_sums
+from lichen.train.loss import LossPlugins, StepLoss
 from lichen.train.lr_schedule import lr_at
 from lichen.train.optim import clip_and_step, make_adamw, set_lr
 from lichen.train.step_metrics import step_metrics
@@ -98,6 +98,7 @@ class TrainActor:
             tis_fn=_plugin(cfg.custom_tis_function_path, "--custom-tis-function-path") if cfg.use_tis else None,
             args=plugin_args,
         )
+        self.loss = StepLoss(cfg, self.plugins)
         self.custom_advantage = _plugin(cfg.custom_advantage_function_path, "--custom-advantage-function-path")
         self.critic = None
         if cfg.advantage_estimator == "ppo":
@@ -232,15 +233,15 @@ class TrainActor:
         and one AdamW step. `trainer_lp`, when given, receives the training forward's log-probs."""
         cfg = self.cfg
         counts = global_counts(tb.mask[plan.indices], cfg.max_response_len)
-        sums = new_sums(cfg, self.plugins, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis,
-                        device=self.device)
+        terms = self.loss.begin_step(counts, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis,
+                                     device=self.device)
 
         def loss_of(mb_plan) -> torch.Tensor:
             mb = tb.host.micro(mb_plan, self.device)
             logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
             if trainer_lp is not None:
                 trainer_lp[mb.indices, : logp.shape[1]] = logp.detach()
-            return micro_batch_loss(cfg, self.plugins, tb, mb.indices, logp, entropy, counts, sums, use_tis)
+            return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms)
 
         self.optimizer.zero_grad(set_to_none=True)
         for mb_plan in plan.trained:
@@ -253,7 +254,7 @@ class TrainActor:
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        totals = {key: float(value) for key, value in sums.items()}
+        totals = {key: float(value) for key, value in terms.sums.items()}
         opt = cfg.optimizer
         lr = lr_at(self.opt_step, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_iters, decay_iters=opt.decay_iters,
                    style=opt.decay_style)

@@ -41,23 +41,6 @@ def tis_weights(old: torch.Tensor, rollout_lp: torch.Tensor, *, mode: str, clip_
     return w.clamp(clip_low, clip)
 
 
-def new_sums(cfg: TrainerConfig, plugins: LossPlugins, *, kl_loss: bool, use_tis: bool,
-             device: torch.device) -> dict[str, torch.Tensor]:
-    """The metric accumulators of one optimizer step (float64, on the device)."""
-    keys = ["loss", "pg_loss"]
-    if cfg.loss_type != "sft_loss":  # SFT has no old policy: no ratio, no clipping, no KL to it
-        keys.append("ppo_kl")
-        if plugins.custom_loss is None:
-            keys.append("pg_clipfrac")
-    if cfg.entropy_coef != 0:
-        keys.append("entropy")
-    if kl_loss:
-        keys.append("kl_loss")
-    if use_tis:
-        keys += ["tis_weight_mean", "tis_changed_frac"]
-    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}
-
-
 def _policy_terms(cfg: TrainerConfig, logp, old, adv, mask):
     est = cfg.advantage_estimator
     kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high)
@@ -73,51 +56,82 @@ def _policy_terms(cfg: TrainerConfig, logp, old, adv, mask):
     return out, mask
 
 
-def micro_batch_loss(cfg: TrainerConfig, plugins: LossPlugins, tb: TrainBatch, rows: list[int],
-                     logp: torch.Tensor, entropy: torch.Tensor | None, counts: dict, sums: dict[str, torch.Tensor],
-                     use_tis: bool) -> torch.Tensor:
-    """This micro-batch's share of the global-batch loss from its training log-probs `logp` [b, r] (rows `rows`
-    of the step); adds its metric shares to `sums`."""
-    agg = lambda x, m: algo.aggregate_loss(x, m, cfg.loss_agg_mode, **counts)  # noqa: E731
-    r = logp.shape[1]
-    m = tb.mask[rows, :r]
-    adv = tb.advantages[rows, :r]
-    old = tb.old_log_probs[rows, :r] if tb.old_log_probs is not None else logp.detach()
-    if cfg.loss_type == "sft_loss":
-        per_tok, pg = algo.sft_loss(logp), None
-    elif plugins.custom_loss is not None:
-        # lichen aggregates a custom per-token loss with --loss-agg-mode like every built-in loss.
-        samples: list[Sample] = [tb.samples[i] for i in rows]
-        per_tok, pg = plugins.custom_loss(plugins.args, log_probs=logp, old_log_probs=old, advantages=adv, mask=m,
-                                          samples=samples), None
-    else:
-        pg, m = _policy_terms(cfg, logp, old, adv, m)
-        per_tok = pg["loss"]
+@dataclass
+class StepTerms:
+    """What the micro-batches of one optimizer step share: the global batch's loss denominators
+    (lichen.train.train_batch.global_counts), whether TIS weights apply, and the metric sums they add to."""
+
+    counts: dict
+    use_tis: bool
+    sums: dict[str, torch.Tensor]
+
+
+class StepLoss:
+    """The loss of a train step (--loss-type, the estimator's policy loss, entropy, KL, TIS, plug-ins)."""
+
+    def __init__(self, cfg: TrainerConfig, plugins: LossPlugins):
+        self.cfg, self.plugins = cfg, plugins
+
+    def begin_step(self, counts: dict, *, kl_loss: bool, use_tis: bool, device: torch.device) -> StepTerms:
+        """The terms of a new optimizer step, its metric sums at 0 (float64, on the device)."""
+        keys = ["loss", "pg_loss"]
+        if self.cfg.loss_type != "sft_loss":  # SFT has no old policy: no ratio, no clipping, no KL to it
+            keys.append("ppo_kl")
+            if self.plugins.custom_loss is None:
+                keys.append("pg_clipfrac")
+        if self.cfg.entropy_coef != 0:
+            keys.append("entropy")
+        if kl_loss:
+            keys.append("kl_loss")
         if use_tis:
-            rollout = tb.rollout_log_probs[rows, :r]
-            if plugins.tis_fn is not None:
-                w = plugins.tis_fn(plugins.args, old_log_probs=old, rollout_log_probs=rollout, mask=m).detach()
-            else:
-                w = tis_weights(old, rollout, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip=cfg.tis_clip)
-            raw = torch.exp((old - rollout).clamp(-20, 20))
-            per_tok = per_tok * w
-            sums["tis_weight_mean"] += agg(w, m).detach()
-            sums["tis_changed_frac"] += agg((w != raw).float(), m).detach()
-    loss = plugins.pg_reducer(per_tok, m, **counts) if plugins.pg_reducer is not None else agg(per_tok, m)
-    sums["pg_loss"] += loss.detach()
-    if pg is not None:
-        sums["pg_clipfrac"] += agg(pg["clipfrac"].detach(), m)
-        sums["ppo_kl"] += agg(pg["ppo_kl"].detach(), m)
-    elif "ppo_kl" in sums:  # a custom loss: the KL to the old policy is still measured (first-step check)
-        sums["ppo_kl"] += agg((old - logp).detach(), m)
-    if entropy is not None:
-        ent = agg(entropy, m)
-        loss = loss - cfg.entropy_coef * ent
-        sums["entropy"] += ent.detach()
-    if "kl_loss" in sums:
-        imp = (logp - old) if cfg.use_unbiased_kl else None
-        kl = agg(algo.approx_kl(logp, tb.ref_log_probs[rows, :r], cfg.kl_loss_type, importance_log_ratio=imp), m)
-        loss = loss + cfg.kl_loss_coef * kl
-        sums["kl_loss"] += kl.detach()
-    sums["loss"] += loss.detach()
-    return loss
+            keys += ["tis_weight_mean", "tis_changed_frac"]
+        return StepTerms(counts, use_tis, {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys})
+
+    def micro_batch(self, tb: TrainBatch, rows: list[int], logp: torch.Tensor, entropy: torch.Tensor | None,
+                    step: StepTerms) -> torch.Tensor:
+        """This micro-batch's share of the global-batch loss from its training log-probs `logp` [b, r] (rows
+        `rows` of the step); adds its metric shares to `step.sums`."""
+        cfg, plugins, counts, sums = self.cfg, self.plugins, step.counts, step.sums
+        agg = lambda x, m: algo.aggregate_loss(x, m, cfg.loss_agg_mode, **counts)  # noqa: E731
+        r = logp.shape[1]
+        m = tb.mask[rows, :r]
+        adv = tb.advantages[rows, :r]
+        old = tb.old_log_probs[rows, :r] if tb.old_log_probs is not None else logp.detach()
+        if cfg.loss_type == "sft_loss":
+            per_tok, pg = algo.sft_loss(logp), None
+        elif plugins.custom_loss is not None:
+            # lichen aggregates a custom per-token loss with --loss-agg-mode like every built-in loss.
+            samples: list[Sample] = [tb.samples[i] for i in rows]
+            per_tok, pg = plugins.custom_loss(plugins.args, log_probs=logp, old_log_probs=old, advantages=adv, mask=m,
+                                              samples=samples), None
+        else:
+            pg, m = _policy_terms(cfg, logp, old, adv, m)
+            per_tok = pg["loss"]
+            if step.use_tis:
+                rollout = tb.rollout_log_probs[rows, :r]
+                if plugins.tis_fn is not None:
+                    w = plugins.tis_fn(plugins.args, old_log_probs=old, rollout_log_probs=rollout, mask=m).detach()
+                else:
+                    w = tis_weights(old, rollout, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip=cfg.tis_clip)
+                raw = torch.exp((old - rollout).clamp(-20, 20))
+                per_tok = per_tok * w
+                sums["tis_weight_mean"] += agg(w, m).detach()
+                sums["tis_changed_frac"] += agg((w != raw).float(), m).detach()
+        loss = plugins.pg_reducer(per_tok, m, **counts) if plugins.pg_reducer is not None else agg(per_tok, m)
+        sums["pg_loss"] += loss.detach()
+        if pg is not None:
+            sums["pg_clipfrac"] += agg(pg["clipfrac"].detach(), m)
+            sums["ppo_kl"] += agg(pg["ppo_kl"].detach(), m)
+        elif "ppo_kl" in sums:  # a custom loss: the KL to the old policy is still measured (first-step check)
+            sums["ppo_kl"] += agg((old - logp).detach(), m)
+        if entropy is not None:
+            ent = agg(entropy, m)
+            loss = loss - cfg.entropy_coef * ent
+            sums["entropy"] += ent.detach()
+        if "kl_loss" in sums:
+            imp = (logp - old) if cfg.use_unbiased_kl else None
+            kl = agg(algo.approx_kl(logp, tb.ref_log_probs[rows, :r], cfg.kl_loss_type, importance_log_ratio=imp), m)
+            loss = loss + cfg.kl_loss_coef * kl
+            sums["kl_loss"] += kl.detach()
+        sums["loss"] += loss.detach()
+        return loss
