@@ -172,3 +172,28 @@ def test_tis_in_the_loop_and_custom_tis_contract(tiny_ckpt, addition_data, tmp_p
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "z", "--num-rollout", "1", "--micro-batch-size", "4",
                          "--use-tis", "--custom-tis-function-path", "loop_plugins.zero_tis"))
     assert rows[0]["train/grad_norm"] == 0.0  # the plug-in's zero weights really reached the loss
+
+
+@pytest.mark.parametrize("max_tokens", [None, 30])
+def test_step_schedule_places_every_sample_once_per_optimizer_step(max_tokens):
+    """The schedule of a whole train step, made before any optimizer step: each global batch's samples are
+    either trained (in exactly one micro-batch) or skipped; observed ones are skipped ones given a no-grad forward;
+    the critic sees the whole global batch."""
+    from lichen.train.step_schedule import MicroBatchPlanner, schedule_steps
+
+    lengths = [5, 9, 3, 12, 4, 4, 30, 7, 8, 2, 6, 11]
+    mask = torch.ones(12, 4)
+    mask[3] = 0  # masked out: skipped whatever its advantage
+    adv = torch.tensor([0.0, 1.0, 0.0, 2.0, -1.0, 0.0, 0.5, 0.0, 0.0, 3.0, 0.0, 1.0])[:, None] * torch.ones(12, 4)
+    planner = MicroBatchPlanner(micro_batch_size=2, max_tokens=max_tokens)
+    steps = schedule_steps(planner, lengths, mask, adv, num_steps=3, skip=True, zero_advantage_is_zero_loss=True,
+                           needs_log_probs=False, record_first_log_probs=True, with_critic=True)
+    assert [s.indices for s in steps] == [list(range(k * 4, k * 4 + 4)) for k in range(3)]
+    for s in steps:
+        trained = [i for mb in s.trained for row in mb for i in row]
+        observed = [i for mb in s.observed for row in mb for i in row]
+        assert sorted(trained + s.skipped) == s.indices and len(set(trained)) == len(trained)
+        assert set(observed) <= set(s.skipped) and 3 not in observed
+        assert sorted(i for mb in s.critic for row in mb for i in row) == s.indices
+    assert steps[0].skipped == [0, 2, 3] and sorted(i for mb in steps[0].observed for row in mb for i in row) == [0, 2]
+    assert steps[1].observed == [] and steps[1].skipped == [5, 7]  # the mismatch metric reads the first step only
