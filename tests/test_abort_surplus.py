@@ -9,7 +9,7 @@ import pytest
 
 from lichen.config import parse_train_args
 from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.server_process import call
+from helpers.serve_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.rollout import generate as generate_module
 

@@ -17,7 +17,7 @@ from lichen.engines.client import (EngineClient, EngineError, EngineRequestError
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.router import NoEngineAvailable, Router
 from lichen.engines.sampler import derive_seed
-from lichen.engines.server_process import launch
+from helpers.serve_process import launch
 
 from helpers.batch_schedule import assert_mostly_same_generations
 

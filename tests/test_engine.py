@@ -5,7 +5,17 @@ import pytest
 import torch
 
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed, row_noise, sample_next, truncate_logprobs, uniform_noise
+from lichen.engines.sampler import derive_seed, row_noise, sample_rows, truncate_logprobs
+
+
+def uniform_noise(seeds, step, vocab_size):
+    """Every row at the same step."""
+    return row_noise(seeds, torch.full(seeds.shape, step), vocab_size)
+
+
+def sample_next(logits, temperature, top_p, top_k, seeds, step):
+    """(tokens, log-probs) with every row at the same step."""
+    return sample_rows(logits, temperature, top_p, top_k, seeds, torch.full(seeds.shape, step))[:2]
 from lichen.models.tiny import make_tiny_model
 
 
@@ -42,8 +52,8 @@ def test_noise_hash_values_are_pinned():
     seeds = torch.tensor([0, 1, 123456789, 4294967295])
     want = [[13517522, 1355535, 1761401, 6007711, 2960402], [12812900, 4213020, 1573081, 5063907, 412380],
             [7359111, 7229529, 11551754, 13147546, 9489042], [11507382, 275762, 4928164, 3538661, 14178988]]
-    for u in (uniform_noise(seeds, 7, 5), row_noise(seeds, torch.full((4,), 7), 5)):
-        assert (u * (1 << 24) - 0.5).round().long().tolist() == want
+    u = row_noise(seeds, torch.full((4,), 7), 5)
+    assert (u * (1 << 24) - 0.5).round().long().tolist() == want
 
 
 def test_sampling_frequencies_follow_the_distribution():

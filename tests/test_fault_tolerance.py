@@ -23,7 +23,7 @@ from lichen.engines.engine import Engine, GenRequest
 from lichen.config.engine_config import required_endpoints
 from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.sampler import derive_seed
-from lichen.engines.server_process import call
+from helpers.serve_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lichen.engines.server_process import call, launch
+from helpers.serve_process import call, launch
 
 KEY, ADMIN = "s3cret-key", "admin-key"
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lichen.engines import decode_batch as batch_mod
-from lichen.engines.decode_batch import Seq, sample_rows
+from lichen.engines.decode_batch import Seq
 from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed, row_noise, sample_next, uniform_noise
+from lichen.engines.sampler import derive_seed, row_noise, sample_rows
 from lichen.engines.scheduler import Scheduler
 
 
@@ -40,17 +40,20 @@ def seq(ids, n, seed, t=0.8, **kw):
     return Seq(input_ids=list(ids), max_new_tokens=n, temperature=t, seed=seed, **kw)
 
 
-def test_row_noise_matches_uniform_noise_per_row():
+def test_a_rows_noise_and_token_do_not_depend_on_its_batch():
     seeds = torch.tensor([5, 9, 5, 123456789])
-    steps = torch.tensor([0, 3, 7, 2**33 + 5])  # steps wrap mod 2^32, as the scalar version's int arithmetic
+    steps = torch.tensor([0, 3, 7, 2**33 + 5])  # steps wrap mod 2^32
     u = row_noise(seeds, steps, 40)
     for b in range(4):
-        assert torch.equal(u[b], uniform_noise(seeds[b:b + 1], int(steps[b]), 40)[0])
+        assert torch.equal(u[b], row_noise(seeds[b:b + 1], steps[b:b + 1], 40)[0])
+    assert torch.equal(u[3], row_noise(seeds[3:], torch.tensor([5]), 40)[0])
+    assert not torch.equal(u[0], u[2])  # same seed, another step
     logits = torch.randn(4, 40)
     args = (torch.full((4,), 0.9), torch.full((4,), 0.95), torch.full((4,), -1), seeds)
-    tok, lp, _ = sample_rows(logits, *args, torch.full((4,), 6))
-    ref_tok, ref_lp = sample_next(logits, *args, step=6)
-    assert torch.equal(tok, ref_tok) and torch.equal(lp, ref_lp)
+    tok, lp, _ = sample_rows(logits, *args, steps)
+    for b in range(4):
+        one = sample_rows(logits[b:b + 1], *(a[b:b + 1] for a in args), steps[b:b + 1])
+        assert torch.equal(tok[b:b + 1], one[0]) and torch.equal(lp[b:b + 1], one[1])
 
 
 def run_staggered(engine, seqs, joins):

@@ -10,7 +10,7 @@ import torch
 
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.sampler import derive_seed
-from lichen.engines.server_process import call, launch, stream
+from helpers.serve_process import call, launch, stream
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model, token_strings
 from lichen.models.tokenizer import eos_token_ids, load_tokenizer

@@ -3,7 +3,7 @@
 
 import pytest
 
-from lichen.engines.server_process import call, launch
+from helpers.serve_process import call, launch
 
 CTX = 72
 

@@ -14,10 +14,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from lichen.engines.server_process import call, launch
+from helpers.serve_process import call, launch
 from lichen.models.tiny import make_tiny_model
 
 NOBODY = 65534
@@ -173,7 +174,8 @@ def test_a_full_queue_answers_503_and_the_client_backs_off(server):
 
     assert call(server.url + "/pause_generation", {"mode": "abort"})[0] == 200
     outs: dict[int, list[str]] = {}
-    code = ("import sys, json\nfrom lichen.engines.server_process import call\n"
+    code = (f"import sys, json\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from helpers.serve_process import call\n"
             "st, out = call(sys.argv[1] + '/generate', json.loads(sys.argv[2]))\nprint(st, json.dumps(out))")
     # 6 requests while generation is paused: 4 wait at the gate (--max-queued-sequences 4), 2 are turned away
     held = [subprocess.Popen([sys.executable, "-c", code, server.url, json.dumps(GEN)], stdout=subprocess.PIPE,

@@ -22,7 +22,7 @@ from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig
 from lichen.engines.sglang_launcher import (LICHEN_SETS, SGLangLauncher, build_sglang_command, check_passthrough,
                                             translate_passthrough)
-from lichen.engines.server_process import call
+from helpers.serve_process import call
 from lichen.errors import ConfigError, NotAvailableYet
 
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang

@@ -18,7 +18,7 @@ import xxhash
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine
 from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.server_process import call as plain_call
+from helpers.serve_process import call as plain_call
 from lichen.models import load_model
 from lichen.sync.disk_delta import DeltaSync
 from lichen.sync.disk import FullDiskSync

@@ -67,7 +67,7 @@ def test_parse_matches_a_byte_by_byte_reference(chunk_words, monkeypatch):
     for seed, (n, density) in enumerate([(0, 0.0), (5, 0.5), (8, 0.0), (64, 0.0), (203, 0.05), (1000, 0.02),
                                           (2048, 0.3), (4099, 0.9), (777, 1.0)]):
         x = _sparse(n, density, seed)
-        got = [tuple(int(v) for v in row[:3]) for row in Z.sequences(x)]
+        got = [tuple(int(v) for v in row[:3]) for row in Z.Parser(x).finish()]
         assert got == _naive_sequences(x), (n, density)
 
 

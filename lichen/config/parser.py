@@ -8,7 +8,7 @@ the same exit path as every other user mistake, so `error()` raises `ConfigError
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from lichen.errors import ConfigError
 
@@ -45,11 +45,6 @@ class LichenHelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def dest_of(flag: str) -> str:
-    """`--rollout-batch-size` -> `rollout_batch_size` (argparse's own dest rule)."""
-    return flag.lstrip("-").replace("-", "_")
-
-
 def flag_of(dest: str) -> str:
     """`rollout_batch_size` -> `--rollout-batch-size`."""
     return "--" + dest.replace("_", "-")
@@ -58,12 +53,3 @@ def flag_of(dest: str) -> str:
 def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Every option string of `parser` (`--x`, `--no-x`, `-h`) mapped to its action."""
     return dict(parser._option_string_actions)  # argparse keeps no public accessor for this map
-
-
-def defaults_of(parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """dest -> default for every flag (help excluded)."""
-    return {
-        a.dest: a.default
-        for a in parser._actions
-        if a.option_strings and a.dest != "help" and a.default is not argparse.SUPPRESS
-    }

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.engines.sampler import _M32, row_noise, sample_with_noise
+from lichen.engines.sampler import _M32, sample_rows
 from lichen.models import CausalLM, KVCache
 
 # Extra cache slots allocated per rebuild beyond the current length (grown again when used up): a long
@@ -90,12 +90,6 @@ def context_error(prompt_tokens: int, max_new_tokens: int | None, context_length
                 "tokens for the completion. Please reduce the number of tokens in the input messages or the "
                 "completion to fit within the limit.")
     return None
-
-
-def sample_rows(logits, temperature, top_p, top_k, seeds, steps):
-    """`sampling.sample_next` with per-row steps. Returns (tokens [B], log-probs [B], logp [B, V]) where
-    logp = log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows)."""
-    return sample_with_noise(logits, temperature, top_p, top_k, lambda v: row_noise(seeds, steps, v))
 
 
 def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:

@@ -84,11 +84,6 @@ class Engine:
             params[name].copy_(tensor)
         self.weight_version = str(version)
 
-    def load_weights_from_disk(self, model_dir: str) -> None:
-        """Replace the weights with those of the HF checkpoint `model_dir` (same architecture and shapes).
-        On any error the old weights stay and ValueError says why (see `read_checkpoint`)."""
-        self.apply_state(self.read_checkpoint(model_dir))
-
     def read_checkpoint(self, model_dir: str) -> dict[str, torch.Tensor]:
         """Read `model_dir`'s weights and check them against the served model without touching it.
 

@@ -51,11 +51,6 @@ def row_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torc
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def uniform_noise(seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
-    """`row_noise` with every row at `step`."""
-    return row_noise(seeds, torch.full(seeds.shape, int(step), dtype=torch.int64, device=seeds.device), vocab_size)
-
-
 def derive_seed(*parts: int) -> int:
     """A 32-bit seed from integers, e.g. (--seed, rollout_id, prompt_index, sample_index)."""
     data = ",".join(str(int(p)) for p in parts).encode()
@@ -90,17 +85,8 @@ def sample_with_noise(logits, temperature, top_p, top_k, noise) -> tuple[torch.T
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), logp
 
 
-def sample_next(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    step: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row. Returns (tokens [B], log-probs [B] under log_softmax(logits / T)).
-
-    Rows with temperature <= 0 are greedy (argmax); their log-prob is read at T = 1.
-    """
-    tokens, lps, _ = sample_with_noise(logits, temperature, top_p, top_k, lambda v: uniform_noise(seeds, step, v))
-    return tokens, lps
+def sample_rows(logits, temperature, top_p, top_k, seeds, steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one token per row, row b at its own step `steps[b]`. Returns (tokens [B], log-probs [B], logp [B, V])
+    where logp = log_softmax(logits / T) over the full vocabulary. Rows with temperature <= 0 are greedy (argmax);
+    their log-prob is read at T = 1."""
+    return sample_with_noise(logits, temperature, top_p, top_k, lambda v: row_noise(seeds, steps, v))

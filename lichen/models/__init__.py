@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lichen.models.config import ModelConfig, model_config_value, model_positions
+from lichen.models.config import ModelConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +20,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lichen.models' has no attribute {name!r}")
 
 
-__all__ = ["CausalLM", "KVCache", "ModelConfig", "load_model", "model_config_value", "model_positions"]
+__all__ = ["CausalLM", "KVCache", "ModelConfig", "load_model"]

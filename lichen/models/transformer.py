@@ -71,15 +71,6 @@ class KVCache:
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.length = 0  # positions filled (the same for every row: prompts are left-padded)
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows so they stop costing compute (copies only the filled part)."""
-        n = self.length
-        for i in range(len(self.k)):
-            k = self.k[i].index_select(0, rows)
-            v = self.v[i].index_select(0, rows)
-            self.k[i], self.v[i] = k, v
-        self.length = n
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):

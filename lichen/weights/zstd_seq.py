@@ -307,11 +307,6 @@ def _new_rows(n: int) -> np.ndarray:
     return rows
 
 
-def sequences(x: np.ndarray) -> np.ndarray:
-    """The ZSTD_Sequence array of the parse of `x` (a copy: the parser's array is reused by the next parse)."""
-    return Parser(x).finish().copy()
-
-
 def _compress(x: np.ndarray, level: int, parser: Parser | None = None) -> bytes:
     ctx = _context(level)
     seqs = (parser or Parser(x)).finish()
