@@ -150,12 +150,15 @@ class TrainActor:
                                  sort=self.sort_by_length, pack=self.pack_sequences)
 
     def train(self, rollout_id: int, batch: list[list[Sample]]) -> dict:
+        """One train step on a rollout step's groups of samples; returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
         tb = TrainBatch.from_samples([s for group in batch for s in group], self.pad_id, self.device)
         planner = self.planner()
         no_grad_plans = planner.no_grad(list(range(tb.num_samples)), tb.host.input_lengths)
+        # 1. log-probs (and critic values)
         recomputed_old = self._log_probs_phase(tb, no_grad_plans)
+        # 2. advantages
         tb.advantages, tb.returns, metrics = advantage.step_advantages(cfg, tb, self.custom_advantage,
                                                                        self.plugins.args)
         if cfg.save_debug_train_data:
@@ -164,6 +167,7 @@ class TrainActor:
         # The first step's training forward gives the trainer's log-probs for the mismatch metric, unless
         # separately computed old log-probs serve as those.
         record = tb.rollout_log_probs is not None and (tb.old_log_probs is None or tb.old_is_rollout)
+        # 3. the schedule of every optimizer step, before any of them runs
         steps = schedule_steps(
             planner, tb.host.input_lengths, tb.mask, tb.advantages, num_steps=cfg.num_steps_per_rollout,
             skip=self.skip_zero_advantage and self.plugins.pg_reducer is None,
@@ -175,7 +179,7 @@ class TrainActor:
         trainer_lp = torch.zeros_like(tb.mask) if record else None
         critic_only = self.critic is not None and rollout_id < cfg.num_critic_only_steps
         per_step: list[dict] = []
-        for plan in steps:
+        for plan in steps:  # 4. per optimizer step: the critic's step, then loss/backward per micro-batch + step
             if self.critic is not None:
                 for key, value in self.critic.train_step(tb, plan.critic, global_counts(tb.mask[plan.indices],
                                                                                         cfg.max_response_len)).items():
@@ -183,6 +187,7 @@ class TrainActor:
             if critic_only:
                 continue
             per_step.append(self._optimizer_step(tb, plan, use_tis, trainer_lp if plan.record_log_probs else None))
+        # 5. metrics
         if critic_only:
             per_step = [{"ppo_kl": 0.0}]
         if tb.old_log_probs is not None and not tb.old_is_rollout:
