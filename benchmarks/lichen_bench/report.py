@@ -77,7 +77,7 @@ def lichen_steps(child: dict, metrics: list[dict]) -> list[dict]:
             "engine_tokens": inst.get("engine_tokens"),
             "train_tokens": (inst.get("train_grad_tokens", 0) + inst.get("train_nograd_tokens", 0)) if inst else None,
             "response_length_mean": m.get("rollout/response_length_mean"),
-            # samples with zero advantage get a forward but no backward (lichen/train/actor.py)
+            # samples with zero advantage get a forward but no backward (lichen/train/step_schedule.py)
             "skipped_frac": (m.get("train/skipped_samples") or 0) / max(len(inst.get("lengths") or []), 1),
         })
     return steps
