@@ -10,9 +10,6 @@ from typing import Any
 
 from lichen.errors import ConfigError
 from lichen.config.parser import flag_of
-# config.json's reader lives with the model code (lichen.models imports torch only on use); re-exported for
-# config/rollout.py's checks
-from lichen.models.config import model_config_value  # noqa: F401
 
 _SLICE_SUFFIX = re.compile(r"^(?P<path>.+)@\[[^\]]*\]$")
 

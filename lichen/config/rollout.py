@@ -14,7 +14,8 @@ import difflib
 import re
 
 from lichen.errors import ConfigError, NotAvailableYet
-from lichen.config.checks import check_dotted_path, check_float, check_int_at_least, model_config_value
+from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
+from lichen.models.config import model_config_value
 
 SGLANG_PREFIX = "--sglang-"
 SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port")
