@@ -19,6 +19,7 @@ COMMANDS = {
     "make-tiny-model": ("lichen.models.tiny", "write a small random-init HF checkpoint with a character tokenizer"),
     "eval": ("lichen.eval_cli", "evaluate a checkpoint on eval data sets (pass@k, mean reward), no training"),
     "serve": ("lichen.engines.serve", "serve a model over SGLang's HTTP protocol"),
+    "report": ("lichen.observe.report.cli", "write a run directory as one self-contained HTML page (curves, samples)"),
     "bench": ("lichen_bench", "benchmarks that print ratios against a baseline measured in the same run"),
 }
 

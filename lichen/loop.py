@@ -17,6 +17,7 @@ from lichen.config.engine_config import ObserveConfig, SyncConfig
 from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import MetricsLogger, format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
+from lichen.observe.run_observer import RunObserver, engine_stacks_of
 from lichen.observe.secrets import redact_config
 from lichen.train import checkpoint as ckpt
 
@@ -109,47 +110,66 @@ def run(args) -> dict:
     try:
         resolve_num_rollout(args, rollout)
         trainer = build_trainer(args)
-        with MetricsLogger.from_config(ObserveConfig.from_args(args)) as logger:
-            return train_loop(args, trainer, rollout, logger)
+        obs_cfg = ObserveConfig.from_args(args)
+        with MetricsLogger.from_config(obs_cfg) as logger:
+            tokenizer = getattr(getattr(rollout, "context", None), "tokenizer", None)
+            observer = RunObserver(obs_cfg, engine_stacks=engine_stacks_of(getattr(rollout, "engines", [])),
+                                   decode=tokenizer.decode if tokenizer is not None else None)
+            try:
+                return train_loop(args, trainer, rollout, logger, observer)
+            finally:
+                observer.close()
     finally:
         sync.close(rollout)  # leaves broadcast groups while the engines still answer
         rollout.close()  # stops engine servers lichen launched, also when the run raises
 
 
-def train_loop(args, trainer, rollout, logger) -> dict:
+def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = None) -> dict:
+    obs = observer or RunObserver(ObserveConfig.from_args(args))
     if (args.offload_train or args.offload_rollout) and not _on_accelerator(args):
         log.info("offload requested on CPU: nothing to release, offload is a no-op")
     last: dict = {}
     all_failed = FailedStepGuard(args.max_consecutive_failed_steps)  # stops a run whose verifier fails every sample
     start = resume(args, trainer, rollout)
     sync_cfg = SyncConfig.from_args(args)
-    sync.push(trainer, rollout, version=start, cfg=sync_cfg)  # engines start from the trainer's weights
+    with obs.phase("sync", start - 1):
+        sync.push(trainer, rollout, version=start, cfg=sync_cfg)  # engines start from the trainer's weights
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
-        last = rollout.eval(version=0)
+        with obs.phase("eval", -1):
+            last = rollout.eval(version=0)
+        obs.step_done(0, None, last)
         logger.log(0, last)
         print_line(format_step_line(-1, {**last, "num_rollout": args.num_rollout}))
 
     for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
         t0 = time.perf_counter()
-        batch, metrics = rollout.generate(rollout_id)
+        with obs.phase("generate", rollout_id):
+            batch, metrics = rollout.generate(rollout_id)
         all_failed.check(rollout_id, batch)
         if args.offload_rollout:
             rollout.offload()
         if args.offload_train:
             trainer.onload()
-        metrics.update(trainer.train(rollout_id, batch))
+        with obs.phase("train", rollout_id):
+            metrics.update(trainer.train(rollout_id, batch))
         if args.save and (is_due(args.save_interval, rollout_id, args.num_rollout) or rollout_id + 1 == args.num_rollout):
-            save_checkpoint(args, trainer, rollout, rollout_id)
+            with obs.phase("save", rollout_id) as rec:
+                save_checkpoint(args, trainer, rollout, rollout_id)
+            metrics["time/save"] = rec.elapsed()
         if args.offload_train:
             trainer.offload()
         if args.offload_rollout:
             rollout.onload(["weights"])
-        metrics.update(sync.push(trainer, rollout, version=rollout_id + 1, cfg=sync_cfg))
+        with obs.phase("sync", rollout_id):
+            metrics.update(sync.push(trainer, rollout, version=rollout_id + 1, cfg=sync_cfg))
         if args.offload_rollout:
             rollout.onload(["kv_cache"])
         if is_due(args.eval_interval, rollout_id, args.num_rollout):
-            metrics.update(rollout.eval(version=rollout_id + 1))
+            with obs.phase("eval", rollout_id):
+                metrics.update(rollout.eval(version=rollout_id + 1))
         metrics["time/step"] = time.perf_counter() - t0
+        # the trainer's per-token advantages and log-probs of this step, for the sample log
+        obs.step_done(rollout_id + 1, batch, metrics, getattr(trainer, "last_token_values", None))
         logger.log(rollout_id + 1, metrics)
         print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
         last = metrics

@@ -132,7 +132,7 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    """Where metrics go: metrics.jsonl under `output_dir`, TensorBoard, W&B."""
+    """Where metrics go: metrics.jsonl under `output_dir`, TensorBoard, W&B; and what else the run records."""
 
     output_dir: str
     use_tensorboard: bool
@@ -142,9 +142,20 @@ class ObserveConfig:
     wandb_run_name: str | None
     wandb_key: str | None
     run_config: Mapping[str, Any]  # the resolved flags, recorded with the run
+    # lichen.observe.run_observer: the sample log, the trace, the hang watchdog (lichen train only: `lichen eval`
+    # has no such flags, so they are off there)
+    log_samples: int = 0
+    trace: bool = False
+    watchdog_timeout: float = 0.0  # seconds; 0: off
+    watchdog_wait: bool = False
+    reward_key: str | None = None  # which entry of a dict reward the sample log shows
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ObserveConfig":
         return cls(output_dir=args.output_dir, use_tensorboard=bool(args.use_tensorboard),
                    use_wandb=bool(args.use_wandb), wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
-                   wandb_run_name=args.wandb_run_name, wandb_key=args.wandb_key, run_config=dict(vars(args)))
+                   wandb_run_name=args.wandb_run_name, wandb_key=args.wandb_key, run_config=dict(vars(args)),
+                   log_samples=int(getattr(args, "log_samples", 0) or 0), trace=bool(getattr(args, "trace", False)),
+                   watchdog_timeout=float(getattr(args, "watchdog_timeout", 0) or 0),
+                   watchdog_wait=bool(getattr(args, "watchdog_wait", False)),
+                   reward_key=getattr(args, "reward_key", None))

@@ -32,6 +32,7 @@ import time
 from typing import Any, Awaitable, Callable, Union
 
 from lichen.errors import ConfigError
+from lichen.observe.phases import phase
 from lichen.observe.secrets import redact_text
 from lichen.plugins import load_function
 from lichen.rewards.hub import RewardHub, known_rm_types
@@ -192,8 +193,10 @@ async def score_samples_async(
     else:
         ordered, jobs = list(samples), [score_one(s) for s in samples]
     context = getattr(reward_fn, "batch_context", None)
-    async with (context() if context is not None else contextlib.nullcontext()):
-        causes = [c for part in await asyncio.gather(*jobs) for c in part]
+    # a named phase, so the hang watchdog and the trace can tell the verifier's time from the engines'
+    with phase("reward", num_samples=len(samples)):
+        async with (context() if context is not None else contextlib.nullcontext()):
+            causes = [c for part in await asyncio.gather(*jobs) for c in part]
     failed = sorted(((s.index, c) for s, c in zip(ordered, causes) if c is not None), key=lambda f: f[0])
     _log_failures(failed, len(samples))
     return {"reward_time_s": time.perf_counter() - start, "num_failed": len(failed), "failed": failed}

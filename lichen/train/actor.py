@@ -197,6 +197,8 @@ class TrainActor:
         metrics.update(step_metrics(tb, per_step, trainer_lp, recomputed_old))
         metrics["time/train"] = time.perf_counter() - t0
         self.last_step_metrics = per_step
+        # the step's per-token values, [n, R] in batch order (None: not computed), for the loop's sample log
+        self.last_token_values = {"advantages": tb.advantages, "trainer_log_probs": trainer_lp}
         return metrics
 
     def _log_probs_phase(self, tb: TrainBatch, plans) -> bool:

@@ -1,0 +1,152 @@
+"""Named phases of a run (generate, reward, train, sync, eval, save): who is in which phase since when, how long
+each took, and the memory each used.
+
+One process-wide `PhaseTracker` (`tracker()`) is fed by `with phase("train", step=3):` blocks. It keeps
+
+- the phases running now, for the hang watchdog (lichen.observe.watchdog), which names them in its dump;
+- the finished ones, as slices for the trace (lichen.observe.trace);
+- for phases opened with `memory=True` (the loop's top-level ones), the peak resident memory (CPU) and the
+  peak CUDA allocation during the phase, as `memory/<phase>_peak_rss_gb` and
+  `memory/<phase>_cuda_max_allocated_gb` in the step's metrics.
+
+A phase may be entered from any thread and concurrently (rewards run many calls at once); each entry is its own
+record. Nested memory phases are not supported (the peak counters are process-wide), so only the loop's
+non-overlapping phases measure memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import resource
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+_GB = 1024**3
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+@dataclass
+class PhaseRecord:
+    """One entry into a phase. `end` is None while it runs."""
+
+    name: str
+    step: int | None  # the rollout id the phase works for (-1: before the first step), None: not known
+    start: float  # time.time() seconds
+    thread_id: int
+    thread_name: str
+    args: dict = field(default_factory=dict)
+    end: float | None = None
+
+    def elapsed(self, now: float | None = None) -> float:
+        return (self.end if self.end is not None else (now or time.time())) - self.start
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: writing 5 to clear_refs resets the process' peak RSS (VmHWM) to its current RSS."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident set size: VmHWM since its last reset on Linux, else the process' lifetime peak."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def _cuda() -> Any:
+    """torch.cuda when torch is loaded and CUDA was initialised by the run; never imports torch itself."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    except Exception:  # a broken driver must not break the run's bookkeeping
+        return None
+
+
+class PhaseTracker:
+    """Thread-safe record of the phases of this process (see the module docstring)."""
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._active: dict[int, PhaseRecord] = {}
+        self._done: list[PhaseRecord] = []
+        self._keep = keep  # finished records kept for the trace; the oldest go first
+        self.memory: dict[str, float] = {}  # metrics of the memory phases since the last take_memory()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None, *, memory: bool = False, **args: Any) -> Iterator[PhaseRecord]:
+        t = threading.current_thread()
+        if step is None:  # a phase inside another (a reward call inside generate) works for the same rollout
+            step = next((r.step for r in self.active() if r.step is not None), None)
+        rec = PhaseRecord(name, step, time.time(), t.ident or 0, t.name, dict(args))
+        key = next(self._ids)
+        cuda = _cuda() if memory else None
+        if memory:
+            rss_reset = _reset_peak_rss()
+            if cuda is not None:
+                cuda.reset_peak_memory_stats()
+        with self._lock:
+            self._active[key] = rec
+        try:
+            yield rec
+        finally:
+            rec.end = time.time()
+            with self._lock:
+                del self._active[key]
+                self._done.append(rec)
+                if len(self._done) > self._keep:
+                    del self._done[: len(self._done) - self._keep]
+                if memory:
+                    # without a reset the peak is the process' lifetime peak, which still bounds the phase's
+                    self.memory[f"memory/{name}_peak_rss_gb"] = peak_rss_bytes() / _GB
+                    if not rss_reset:
+                        self.memory[f"memory/{name}_peak_rss_is_lifetime"] = 1
+                    cuda = cuda or _cuda()  # the phase may have initialised CUDA
+                    if cuda is not None:
+                        self.memory[f"memory/{name}_cuda_max_allocated_gb"] = cuda.max_memory_allocated() / _GB
+
+    def active(self) -> list[PhaseRecord]:
+        """The phases running now, oldest first."""
+        with self._lock:
+            return sorted(self._active.values(), key=lambda r: r.start)
+
+    def finished(self) -> list[PhaseRecord]:
+        with self._lock:
+            return list(self._done)
+
+    def take_memory(self) -> dict[str, float]:
+        """The memory metrics gathered since the last call (the loop adds them to the step's metrics)."""
+        with self._lock:
+            out, self.memory = self.memory, {}
+        return out
+
+
+_TRACKER = PhaseTracker()
+
+
+def tracker() -> PhaseTracker:
+    return _TRACKER
+
+
+def phase(name: str, step: int | None = None, *, memory: bool = False, **args: Any):
+    """`with phase("reward"):` on the process-wide tracker."""
+    return _TRACKER.phase(name, step, memory=memory, **args)
+

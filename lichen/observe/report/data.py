@@ -1,0 +1,82 @@
+"""What `lichen report` reads from a run directory, as one JSON-ready dict for the page."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+from lichen.errors import ConfigError
+from lichen.observe.metrics import METRICS_FILE, read_metrics
+from lichen.observe.sample_log import read_samples
+from lichen.observe.trace import TRACE_FILE
+from lichen.observe.watchdog import WATCHDOG_DIR
+
+_ITER = re.compile(r"^iter_(\d+)$")
+
+
+def _checkpoints(save_dir: str | None) -> list[dict]:
+    """The iter_* directories under --save: rollout id, weight version, size, time, whether marked complete."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    latest = None
+    try:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+            latest = int(f.read().strip())
+    except (OSError, ValueError):
+        pass
+    out = []
+    for name in sorted(os.listdir(save_dir)):
+        m = _ITER.match(name)
+        path = os.path.join(save_dir, name)
+        if not m or not os.path.isdir(path):
+            continue
+        meta: dict = {}
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            pass
+        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+        out.append({"name": name, "path": path, "rollout_id": int(m.group(1)),
+                    "weight_version": meta.get("weight_version"), "bytes": size,
+                    "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path))),
+                    "latest": latest == int(m.group(1))})
+    return out
+
+
+def _hangs(run_dir: str) -> list[dict]:
+    folder = os.path.join(run_dir, WATCHDOG_DIR)
+    if not os.path.isdir(folder):
+        return []
+    out = []
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            out.append({"name": name, "text": f.read(20000)})
+    return out
+
+
+def collect(run_dir: str) -> dict[str, Any]:
+    """Everything the page shows. A run directory needs metrics.jsonl; the rest is shown when present."""
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"lichen report: RUN_DIR {run_dir!r} is not a directory; give the --output-dir of a run")
+    if not os.path.isfile(os.path.join(run_dir, METRICS_FILE)):
+        raise ConfigError(f"lichen report: {run_dir!r} holds no {METRICS_FILE}; give the --output-dir of a run")
+    config: dict = {}
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)  # written with its secrets redacted (lichen.loop.prepare_output_dir)
+    except (OSError, ValueError):
+        pass
+    return {
+        "run_dir": os.path.abspath(run_dir),
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "metrics": read_metrics(run_dir),
+        "samples": read_samples(run_dir),
+        "config": config,
+        "checkpoints": _checkpoints(config.get("save")),
+        "hangs": _hangs(run_dir),
+        "has_trace": os.path.isfile(os.path.join(run_dir, TRACE_FILE)),
+    }
