@@ -29,6 +29,7 @@ from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputO
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.engines.weight_paths import WeightDirs
 from lichen.observe.metrics import get_logger
+from lichen.observe.watchdog import thread_stacks
 
 log = get_logger(__name__)
 
@@ -214,9 +215,15 @@ class LichenServer:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_get("/debug/stacks", self.debug_stacks)  # for the trainer's hang watchdog (lichen.observe.watchdog)
         openai_api.add_routes(app, self)
         weight_endpoints.add_routes(app, self)  # also /update_weights_from_disk, which can apply deltas live
         return app
+
+    async def debug_stacks(self, request: web.Request) -> web.Response:
+        """Every thread's stack of this server as text; answered on the event loop, so a stuck scheduler thread
+        shows where it is stuck."""
+        return web.Response(text=thread_stacks(), content_type="text/plain")
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:

@@ -179,6 +179,24 @@ class RemoteEngines:
             raise EngineError("; ".join(str(r) if str(r).startswith(c.url) else f"{c.url}: {r}" for c, r in errors))
         return results
 
+    def debug_stacks(self, timeout: float = 10.0) -> dict[str, str]:
+        """{url: every thread's stack} of each server (`GET /debug/stacks`), or why it gave none; for the hang
+        watchdog, so it never raises and waits at most `timeout` seconds."""
+        async def ask(c: EngineClient) -> str:
+            try:
+                status, body = await c.request("GET", "/debug/stacks", timeout=timeout, retry=False)
+            except Exception as e:
+                return f"no answer: {type(e).__name__}: {e}"
+            return body if status == 200 and isinstance(body, str) else f"HTTP {status}: {body}"
+
+        async def ask_all() -> list[str]:
+            return list(await asyncio.gather(*[ask(c) for c in self.clients]))
+
+        try:
+            return dict(zip(self.urls, self.run(ask_all(), timeout=timeout + 5)))
+        except Exception as e:
+            return {url: f"no answer: {type(e).__name__}: {e}" for url in self.urls}
+
     def engine_failed(self, index: int, reason: str) -> None:
         """Engine `index` is dead or hung (on the engines' loop): out of rotation, its requests re-sent, and
         the health monitor (if any) restarts it."""

@@ -1,7 +1,7 @@
 """`--watchdog-timeout S`: notice a phase that hangs, and leave the evidence in the run directory.
 
 A daemon thread looks at the phases running now (lichen.observe.phases). When the oldest has run longer than the
-timeout it writes `<output_dir>/watchdog/hang_<time>_<phase>.txt`:
+timeout it writes `<output_dir>/watchdog/hang_<time>_<k>_<phase>.txt` (k: timeouts passed):
 
 - the phases running, innermost last, with rollout id, process rank, thread and how long each has run
   (e.g. `generate > reward`), and the engines serving the rollout;
@@ -17,8 +17,10 @@ from __future__ import annotations
 import faulthandler
 import os
 import re
+import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 from lichen.observe.metrics import get_logger
@@ -28,6 +30,15 @@ log = get_logger(__name__)
 
 WATCHDOG_DIR = "watchdog"
 EXIT_CODE = 3  # distinct from user errors (2) and run errors (1): the run hung
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, by thread name (what `lichen serve` answers at GET /debug/stacks)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, '?')!r} ({ident}):\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
 
 
 def describe(active: list[PhaseRecord], now: float, rank: int = 0) -> list[str]:
@@ -85,21 +96,21 @@ class Watchdog:
         if timeouts < 1 or self._last_dump.get(id(oldest), 0) >= timeouts:
             return None
         self._last_dump = {id(oldest): timeouts}
-        path = self.dump(active, now)
+        path = self.dump(active, now, timeouts)
         if timeouts >= 2 and not self.wait:
             log.error("watchdog: phase %s still running after %.0f s (2 x --watchdog-timeout): exiting with code "
-                      "%d; stacks in %s (--watchdog-wait keeps waiting instead)", oldest.name, now - oldest.start,
-                      EXIT_CODE, path)
+                      "%d; stacks in %s (--watchdog-wait keeps waiting instead)", " > ".join(r.name for r in active),
+                      now - oldest.start, EXIT_CODE, path)
             self.exit_fn(EXIT_CODE)
         return path
 
-    def dump(self, active: list[PhaseRecord], now: float) -> str:
+    def dump(self, active: list[PhaseRecord], now: float, timeouts: int = 1) -> str:
         inner = active[-1]
         chain = " > ".join(r.name for r in active)
         folder = os.path.join(self.output_dir, WATCHDOG_DIR)
         os.makedirs(folder, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
-        path = os.path.join(folder, f"hang_{stamp}_{re.sub(r'[^A-Za-z0-9_.-]', '_', inner.name)}.txt")
+        path = os.path.join(folder, f"hang_{stamp}_{timeouts}_{re.sub(r'[^A-Za-z0-9_.-]', '_', inner.name)}.txt")
         engines = self._engine_stacks()
         with open(path, "w", encoding="utf-8") as f:
             f.write(f"lichen watchdog: phase {chain} has run longer than --watchdog-timeout {self.timeout:g} s "

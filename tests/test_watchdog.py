@@ -1,0 +1,115 @@
+"""The hang watchdog (--watchdog-timeout): a reward that hangs gets a stack dump naming the reward phase; the run
+exits with code 3 after a second timeout unless --watchdog-wait."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from helpers.runs import base_args, run
+
+DEADLINE_S = 120  # generous: the machine's cores are shared; the hang ends as soon as the dump exists
+
+
+def wait_for_dump(args, sample) -> float:
+    """A reward that hangs (sample 0 of the first step only) until the watchdog has dumped it."""
+    folder = os.path.join(args.output_dir, "watchdog")
+    if sample.index == 0 and not os.path.isdir(folder):
+        deadline = time.monotonic() + DEADLINE_S
+        while not _reward_dumps(folder) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return 0.5
+
+
+def _reward_dumps(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith("_reward.txt")) if os.path.isdir(folder) else []
+
+
+def hang_forever(args, sample) -> float:
+    while True:
+        time.sleep(1)
+
+
+def test_a_hanging_reward_is_dumped_naming_the_reward_phase(tiny_ckpt, addition_data, tmp_path):
+    out = tmp_path / "run"
+    argv = base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--watchdog-timeout", "0.5",
+                     "--watchdog-wait")
+    argv[argv.index("loop_plugins.digit_fraction")] = "test_watchdog.wait_for_dump"
+    assert len(run(argv)) == 2  # --watchdog-wait: the run goes on once the reward returns
+    dumps = _reward_dumps(out / "watchdog")
+    assert dumps
+    text = (out / "watchdog" / dumps[0]).read_text()
+    first = text.splitlines()[0]
+    assert first.startswith("lichen watchdog: phase generate > reward has run longer than --watchdog-timeout 0.5 s"), first
+    assert "rank 0" in first
+    assert "  generate (rollout 0): rank 0, thread 'MainThread'" in text
+    assert "  reward (rollout 0): rank 0" in text
+    assert "stacks of every thread of this process (faulthandler)" in text
+    assert 'in wait_for_dump' in text  # the hanging verifier's frame is in the dump
+
+
+def test_without_wait_a_hang_exits_with_code_3(tiny_ckpt, addition_data, tmp_path):
+    out = tmp_path / "run"
+    argv = base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--watchdog-timeout", "2")
+    argv[argv.index("loop_plugins.digit_fraction")] = "test_watchdog.hang_forever"
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "lichen.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "watchdog: phase generate > reward still running" in proc.stderr
+    dumps = sorted(os.listdir(out / "watchdog"))
+    assert len(dumps) == 2 and dumps[-1].endswith("_2_reward.txt")  # one dump per timeout passed
+
+
+def test_check_dumps_once_per_timeout_and_exits_after_the_second():
+    from lichen.observe.phases import PhaseTracker
+    from lichen.observe.watchdog import EXIT_CODE, Watchdog
+
+    def fresh(tmp, wait):
+        exits = []
+        return Watchdog(tmp, 10, wait=wait, phases=phases, exit_fn=exits.append), exits
+
+    import tempfile
+
+    phases = PhaseTracker()
+    with tempfile.TemporaryDirectory() as tmp, phases.phase("train", 4) as rec:
+        wd, exits = fresh(tmp, wait=False)
+        assert wd.check(now=rec.start + 9) is None
+        first = wd.check(now=rec.start + 11)
+        assert first and "train" in os.path.basename(first) and wd.check(now=rec.start + 15) is None
+        assert exits == []
+        wd.check(now=rec.start + 21)
+        assert exits == [EXIT_CODE] and len(wd.dumps) == 2
+        wd, exits = fresh(tmp, wait=True)
+        for t in (11, 21, 31):
+            wd.check(now=rec.start + t)
+        assert exits == [] and len(wd.dumps) == 3  # waiting: one dump per further timeout
+
+
+def test_the_dump_holds_the_engine_servers_stacks(pair, tmp_path):
+    """`lichen serve` answers GET /debug/stacks (admin key) with its threads' stacks; the dump carries them."""
+    import urllib.error
+    import urllib.request
+
+    from lichen.observe.phases import PhaseTracker
+    from lichen.observe.run_observer import engine_stacks_of
+    from lichen.observe.watchdog import Watchdog
+
+    try:
+        urllib.request.urlopen(pair.urls[0] + "/debug/stacks", timeout=30)
+        status = 200
+    except urllib.error.HTTPError as e:
+        status = e.code
+    assert status == 401  # the stacks show the server's code paths: admin key only
+    phases = PhaseTracker()
+    wd = Watchdog(str(tmp_path), 5, phases=phases, engine_stacks=engine_stacks_of([pair]), exit_fn=lambda c: None)
+    with phases.phase("generate", 0) as rec:
+        path = wd.check(now=rec.start + 6)
+    text = open(path).read()
+    assert "engines: " + ", ".join(pair.urls) in text
+    for url in pair.urls:
+        section = text.split(f"---- engine {url}: stacks ----\n")[1]
+        assert section.startswith("Thread ") and "debug_stacks" in section.split("---- engine")[0]
