@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
     hide_secrets(args)
     import os
 
+    from lichen.config.engine_config import EngineConfig
     from lichen.config.rollout_config import RolloutConfig
     from lichen.observe.metrics import MetricsLogger
     from lichen.rollout.manager import RolloutManager
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(args.num_threads)
     os.makedirs(args.output_dir, exist_ok=True)
-    manager = RolloutManager(RolloutConfig.from_args(args), args)
+    manager = RolloutManager(RolloutConfig.from_args(args), args, engine_cfg=EngineConfig.from_args(args))
     metrics = manager.eval(version=0)
     logger = MetricsLogger.for_run(args)
     logger.log(0, metrics)

@@ -38,12 +38,15 @@ class NullTrainer:
 
 
 def build_rollout(args):
+    from lichen.config.engine_config import EngineConfig
     from lichen.config.rollout_config import RolloutConfig
     from lichen.rollout.manager import ReplayRollout, RolloutManager
 
     cfg = RolloutConfig.from_args(args)
+    if cfg.load_debug_rollout_data:
+        return ReplayRollout(cfg)
     # the full namespace goes along only for the user plug-ins the rollout calls
-    return ReplayRollout(cfg) if cfg.load_debug_rollout_data else RolloutManager(cfg, args)
+    return RolloutManager(cfg, args, engine_cfg=EngineConfig.from_args(args))
 
 
 def build_trainer(args):

@@ -34,6 +34,7 @@ from lichen.torch_files import load_plain, save_plain, to_plain
 from lichen.types import Sample, Status
 
 if TYPE_CHECKING:  # rollout does not import lichen.config at run time (docs/architecture.md#import-directions)
+    from lichen.config.engine_config import EngineConfig
     from lichen.config.rollout_config import RolloutConfig
 
 log = get_logger(__name__)
@@ -70,9 +71,11 @@ def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]
 
 class RolloutManager:
     """The rollout worker (see the module docstring). `cfg` is lichen's RolloutConfig; `args`, the full flag
-    namespace, is only handed to user plug-ins."""
+    namespace, is only handed to user plug-ins; `engine_cfg` (an EngineConfig) launches or connects the engine
+    servers when the flags ask for them, unless `engine` is given."""
 
-    def __init__(self, cfg: "RolloutConfig", args: Any, engine: Any = None) -> None:
+    def __init__(self, cfg: "RolloutConfig", args: Any, engine: Any = None, *,
+                 engine_cfg: "EngineConfig | None" = None) -> None:
         self.cfg = cfg
         self.args = args
         ctx = RolloutContext(args=args, config=cfg, engine=None, tokenizer=load_tokenizer(cfg.hf_checkpoint))
@@ -90,7 +93,10 @@ class RolloutManager:
         if engine is None and cfg.use_engine_servers:
             from lichen.engines.remote_engines import RemoteEngines
 
-            engine = RemoteEngines.from_args(args)  # launched or external servers; close() stops launched ones
+            if engine_cfg is None:
+                raise TypeError("RolloutManager: engine servers are configured but no engine_cfg (EngineConfig) "
+                                "was given")
+            engine = RemoteEngines.from_config(engine_cfg)  # launched or external servers; close() stops launched
         if engine is None:
             engine = Engine.from_pretrained(cfg.hf_checkpoint, device=resolve_device(cfg.device),
                                             max_batch_size=cfg.engine_max_batch_size)

@@ -7,12 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 from lichen.config import build_train_parser
+from lichen.config.engine_config import EngineConfig
 from lichen.config.rollout_config import RewardConfig, RolloutConfig
 from lichen.rollout.manager import RolloutManager
 
 
 def rollout_worker(args: Any, engine: Any = None) -> RolloutManager:
-    return RolloutManager(RolloutConfig.from_args(args), args, engine=engine)
+    return RolloutManager(RolloutConfig.from_args(args), args, engine=engine, engine_cfg=EngineConfig.from_args(args))
 
 
 def reward_config(**overrides: Any) -> RewardConfig:
