@@ -100,3 +100,27 @@ def schedule_steps(planner: MicroBatchPlanner, lengths: list[int], mask: torch.T
             indices=idx, trained=planner.train(trained, lengths), observed=planner.no_grad(observed, lengths),
             skipped=skipped, critic=planner.train(idx, lengths) if with_critic else [], record_log_probs=record))
     return steps
+
+
+def plan_cost(plan: Plan, lengths: list[int]) -> int:
+    """The padded token count a micro-batch computes: rows x its widest row."""
+    return len(plan) * max(sum(lengths[i] for i in row) for row in plan)
+
+
+def split_across_ranks(plans: list[Plan], lengths: list[int], world_size: int) -> list[list[Plan | None]]:
+    """The micro-batches of ONE global-batch schedule dealt to `world_size` ranks, balanced by padded tokens.
+
+    Longest-processing-time first: each micro-batch (largest first, ties in schedule order) goes to the rank with
+    the fewest tokens so far (ties: the lowest rank). Every rank then gets the same number of entries, padded at the
+    end with None: a rank runs an empty micro-batch there so FSDP's collectives stay matched (uneven counts hang
+    them until the timeout). Every rank computes the same answer from the same inputs, so no rank has to send it.
+    """
+    shares: list[list[Plan | None]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    order = sorted(range(len(plans)), key=lambda k: -plan_cost(plans[k], lengths))
+    for k in order:
+        r = min(range(world_size), key=lambda q: (load[q], q))
+        shares[r].append(plans[k])
+        load[r] += plan_cost(plans[k], lengths)
+    most = max(len(s) for s in shares)
+    return [s + [None] * (most - len(s)) for s in shares]

@@ -1,0 +1,204 @@
+"""DistTrainer: one rank of a multi-rank trainer (FSDP2 over torch.distributed; gloo on CPU, nccl on CUDA).
+
+The same code runs in a torch.multiprocessing child (tests/test_dist_trainer.py) or in a Ray actor (the ray
+runtime). Every rank receives the SAME global batch and computes the same things from it, so no decision is ever
+sent between ranks, only tensors:
+  - the step's schedule (lichen.train.step_schedule.schedule_steps: micro-batches, skip decisions, global loss
+    denominators) is the single-rank trainer's, computed identically on every rank;
+  - its micro-batches are dealt to ranks balanced by padded tokens (split_across_ranks); a rank with fewer pads
+    with empty micro-batches (a forward, and a zero backward when training) so the collectives stay matched;
+  - no-grad passes (old / reference / teacher log-probs) fill disjoint rows of the [n, R] result on each rank and
+    are summed across ranks, so advantages and metrics are identical on every rank;
+  - gradients are summed across ranks (lichen.train.fsdp), giving the global batch's gradient.
+So 2 ranks compute the single-rank TrainActor's update up to floating-point summation order.
+
+Checkpoints: `save` writes the sharded state with torch.distributed.checkpoint (DCP), which reshards on load, so
+a checkpoint loads on any number of ranks; rank 0 also exports the weights as an HF checkpoint (hf/).
+Layout: DIR/iter_{rollout_id:07d}/{dist/, hf/, meta.json} and DIR/latest_checkpointed_iteration.txt.
+
+Not yet on several ranks: the PPO critic (--advantage-estimator ppo) is refused with a ConfigError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from lichen.config.train_config import TrainerConfig
+from lichen.devices import resolve_device
+from lichen.errors import ConfigError
+from lichen.train import fsdp
+from lichen.train.actor import TrainActor
+from lichen.train.checkpoint import LATEST, iter_dir
+from lichen.train.ckpt_integrity import atomic_write_text
+from lichen.train.log_probs import LogProbs
+from lichen.train.lr_schedule import lr_at
+from lichen.train.micro_batches import Plan, StepBatch
+from lichen.train.optim import clip_and_step, make_adamw, set_lr
+from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
+from lichen.train.train_batch import TrainBatch, global_counts
+from lichen.types import Sample
+from lichen.weights.hf_io import save_hf_checkpoint
+
+DIST_DIR = "dist"  # the DCP files of a checkpoint
+
+
+class RankLogProbs(LogProbs):
+    """No-grad log-prob passes split across ranks: each rank computes its share of the micro-batches, the [n, R]
+    results (disjoint rows, zeros elsewhere) are summed across ranks."""
+
+    def __init__(self, device: torch.device, temperature: float, bf16: bool, *, rank: int, world_size: int):
+        super().__init__(device, temperature, bf16)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_size", world_size)
+
+    @torch.no_grad()
+    def of_batch(self, model, batch: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:
+        mine = split_across_ranks(plans, batch.input_lengths, self.world_size)[self.rank]
+        out = super().of_batch(model, batch, [p for p in mine if p is not None], width)
+        for _ in range(mine.count(None)):  # empty micro-batches: the same collectives, nothing kept
+            self.forward(model, batch.micro([[0]], self.device))
+        return fsdp.all_reduce_sum(out)
+
+
+class _RankActor(TrainActor):
+    """TrainActor whose models are FSDP2-sharded and whose micro-batches are this rank's share."""
+
+    def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int):
+        if cfg.advantage_estimator == "ppo":
+            raise ConfigError("--advantage-estimator ppo: the critic is not available on several trainer ranks "
+                              "yet; use --actor-num-gpus-per-node 1 or another estimator")
+        super().__init__(cfg, plugin_args)
+        self.rank, self.world_size = rank, world_size
+        fsdp.shard(self.model, bf16=cfg.bf16)
+        for frozen in (self.ref_model, self.teacher_model):
+            if frozen is not None:
+                fsdp.shard(frozen, bf16=cfg.bf16)
+        opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
+        self.optimizer = make_adamw(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                    weight_decay=opt.weight_decay)
+        self.log_probs = RankLogProbs(self.device, cfg.temperature, cfg.bf16, rank=rank, world_size=world_size)
+
+    def _optimizer_step(self, tb: TrainBatch, plan: OptimizerStepPlan, use_tis: bool,
+                        trainer_lp: torch.Tensor | None) -> dict:
+        """TrainActor._optimizer_step over this rank's share of the micro-batches (see the module docstring)."""
+        cfg = self.cfg
+        counts = global_counts(tb.mask[plan.indices], cfg.max_response_len)
+        terms = self.loss.begin_step(counts, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis,
+                                     device=self.device)
+        lengths = tb.host.input_lengths
+
+        def loss_of(mb_plan: Plan | None) -> torch.Tensor:
+            mb = tb.host.micro(mb_plan or [[plan.indices[0]]], self.device)
+            logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
+            if mb_plan is None:
+                return logp.sum() * 0.0  # an empty micro-batch: it only keeps the collectives matched
+            if trainer_lp is not None:
+                trainer_lp[mb.indices, : logp.shape[1]] = logp.detach()
+            return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size)[self.rank]:
+            loss_of(mb_plan).backward()
+        with torch.no_grad():
+            for mb_plan in split_across_ranks(plan.observed, lengths, self.world_size)[self.rank]:
+                loss_of(mb_plan)
+        if not plan.trained:  # the same on every rank: the schedule is global
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        keys = list(terms.sums)
+        summed = fsdp.all_reduce_sum(torch.stack([terms.sums[k] for k in keys])) if keys else None
+        totals = {k: float(summed[i]) for i, k in enumerate(keys)}
+        if trainer_lp is not None:
+            fsdp.all_reduce_sum(trainer_lp)
+        opt = cfg.optimizer
+        lr = lr_at(self.opt_step, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_iters, decay_iters=opt.decay_iters,
+                   style=opt.decay_style)
+        set_lr(self.optimizer, lr)
+        # clip_grad_norm_ reduces the norm over the DTensor shards of every rank
+        grad_norm, _ = clip_and_step(self.optimizer, self.model.parameters(), clip_grad=opt.clip_grad,
+                                     has_samples=counts["global_num_samples"] > 0)
+        self.opt_step += 1
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        return {**totals, "grad_norm": float(grad_norm), "lr": lr, "skipped_samples": float(len(plan.skipped))}
+
+
+class DistTrainer:
+    """One trainer rank; every rank gets the same global batch and returns the same metrics."""
+
+    def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int, master_addr: str,
+                 master_port: int, backend: str | None = None):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        backend = backend or fsdp.default_backend(resolve_device(cfg.device))
+        fsdp.init_process_group(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                                backend=backend)
+        self.actor = _RankActor(cfg, plugin_args, rank=rank, world_size=world_size)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.actor.model
+
+    def train(self, rollout_id: int, batch: list[list[Sample]]) -> dict:
+        return self.actor.train(rollout_id, batch)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the full weights under their HF names, on CPU (weight sync, HF export); other ranks: None.
+        Every rank must call it: it gathers the shards."""
+        return fsdp.full_weights(self.actor.model)
+
+    def _sharded_state(self) -> dict:
+        a = self.actor
+        return {"model": get_model_state_dict(a.model), "optimizer": get_optimizer_state_dict(a.model, a.optimizer),
+                "opt_step": torch.tensor(a.opt_step, dtype=torch.int64)}
+
+    def save(self, ckpt_dir: str, rollout_id: int) -> None:
+        """Write checkpoint `rollout_id` under `ckpt_dir` (every rank calls it): the sharded state, then rank 0's
+        HF export, then, after every rank is done, the `latest` file that makes it the one a resume loads."""
+        d = iter_dir(ckpt_dir, rollout_id)
+        dcp.save(self._sharded_state(), checkpoint_id=os.path.join(d, DIST_DIR))
+        weights = self.full_state_dict()
+        if self.rank == 0:
+            with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
+                config = json.load(f)
+            save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=self.cfg.hf_checkpoint)
+            atomic_write_text(os.path.join(d, "meta.json"),
+                              json.dumps({"rollout_id": rollout_id, "world_size": self.world_size}))
+        dist.barrier()  # every rank's shards are written before `latest` names the checkpoint
+        if self.rank == 0:
+            atomic_write_text(os.path.join(ckpt_dir, LATEST), f"{rollout_id}\n")
+        dist.barrier()
+
+    def load(self, ckpt_dir: str) -> int:
+        """Restore the newest checkpoint in `ckpt_dir`, saved on any number of ranks; returns its rollout id."""
+        latest = os.path.join(ckpt_dir, LATEST)
+        try:
+            with open(latest) as f:
+                rollout_id = int(f.read().strip())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{latest}: no readable checkpoint id ({e}); point --load at a directory that "
+                              "a distributed run saved into") from None
+        d = os.path.join(iter_dir(ckpt_dir, rollout_id), DIST_DIR)
+        if not os.path.isdir(d):
+            raise ConfigError(f"{d}: missing; this checkpoint was not saved by a multi-rank trainer")
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=d)
+        a = self.actor
+        set_model_state_dict(a.model, state["model"])
+        set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"])
+        a.opt_step = int(state["opt_step"])
+        return rollout_id
+
+    def close(self) -> None:
+        """Barrier, then leave the process group (without the barrier, a rank that exits first can abort another
+        still finishing a collective)."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""torch.distributed plumbing of the multi-rank trainer: the process group, FSDP2 sharding, sums across ranks.
+
+Sharding is FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer is one unit, the root holds the
+embeddings, the final norm and the LM head. Gradients are SUMMED across ranks, not averaged: every micro-batch's
+loss is already its share of the global batch's loss (lichen.algo.aggregate_loss with global counts), so the sum
+of the ranks' gradients is the global batch's gradient, as one rank would compute it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
+                       timeout_s: float = 600.0) -> None:
+    """Join the trainer's process group over TCP at master_addr:master_port (rank 0 hosts the store)."""
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def shard(model: nn.Module, *, bf16: bool) -> nn.Module:
+    """FSDP2 over every rank of the default group, in place; returns `model`.
+
+    bf16: parameters are all-gathered and computed in bfloat16 (MixedPrecisionPolicy; gloo carries bf16 on CPU),
+    gradients reduced in float32 into the float32 master shards. `logits` (the LM head, called outside `forward`
+    so it runs only where a caller needs logits) is registered as a forward method, so FSDP gathers the root's
+    parameters for it too.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if hasattr(model, "logits"):
+        register_fsdp_forward_method(model, "logits")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum, see the module docstring
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In place: the sum of `t` over all ranks (each rank filled a disjoint part, or a partial sum)."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights on CPU on rank 0, None on the others. Every rank must call it (it gathers)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if dist.get_rank() == 0 else None

@@ -1,0 +1,106 @@
+"""The multi-rank trainer (lichen.train.dist_trainer): 2 FSDP2 ranks over gloo against the single-rank TrainActor,
+exact resume per rank count, and resume across rank counts. Ranks run in torch.multiprocessing children."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lichen.train.actor import TrainActor
+from lichen.train.step_schedule import plan_cost, split_across_ranks
+
+from helpers.dist_ranks import (config, free_port, grads_worker, load_worker, resume_worker, run_ranks, step_batch,
+                                trainer_argv)
+
+STEPS = 4
+
+
+def _rank_files(out, world_size: int) -> list[dict]:
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def test_split_across_ranks_balances_tokens_and_pads_to_equal_counts():
+    lengths = [10, 9, 3, 2, 1]
+    plans = [[[0]], [[1]], [[2, 3]], [[4]]]
+    shares = split_across_ranks(plans, lengths, 2)
+    assert [len(s) for s in shares] == [2, 2]
+    assert shares == [[[[0]], [[4]]], [[[1]], [[2, 3]]]]  # 10 + 1 tokens vs 9 + 5
+    # every micro-batch once; a third rank gets an empty (None) slot where it has nothing
+    shares = split_across_ranks(plans, lengths, 3)
+    assert sorted(str(p) for s in shares for p in s if p is not None) == sorted(str(p) for p in plans)
+    assert [len(s) for s in shares] == [2, 2, 2] and sum(p is None for s in shares for p in s) == 2
+    assert plan_cost([[2, 3], [4]], lengths) == 10
+    assert split_across_ranks([], lengths, 2) == [[], []]
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1"],
+                                   ["--num-steps-per-rollout", "2", "--kl-coef", "0.05"]],
+                         ids=["grpo", "grpo_kl_loss", "two_steps_ref_kl_reward"])
+def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
+    run_ranks(grads_worker, 2, argv, free_port(), str(tmp_path), 3)
+    ranks = _rank_files(tmp_path, 2)
+    same = [[{k: v for k, v in m.items() if not k.startswith("time/")} for m in r["metrics"]] for r in ranks]
+    assert same[0] == same[1]  # every rank reports the same metrics (timings aside)
+    assert ranks[1]["weights"] is None and ranks[0]["weights"] is not None
+
+    cfg, args = config(argv)
+    local = TrainActor(cfg, plugin_args=args)
+    vocab = local.model.cfg.vocab_size
+    metrics = [local.train(0, step_batch(vocab, 0))]
+    grads = {n: p.grad for n, p in local.model.named_parameters()}
+    metrics += [local.train(k, step_batch(vocab, k)) for k in range(1, 3)]
+    assert grads.keys() == ranks[0]["grads"].keys()
+    worst = max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items())
+    assert worst <= 1e-6, worst
+    for mine, ref in zip(ranks[0]["metrics"], metrics):
+        assert abs(mine["train/loss"] - ref["train/loss"]) <= 1e-5, (mine["train/loss"], ref["train/loss"])
+        assert mine["train/skipped_samples"] == ref["train/skipped_samples"]
+    for name, w in local.model.state_dict().items():
+        assert torch.allclose(ranks[0]["weights"][name], w, rtol=0, atol=1e-5), name
+
+
+@pytest.fixture(scope="module")
+def resumed(tiny_ckpt, addition_data, tmp_path_factory):
+    """Per rank count: N steps straight vs N/2 + save + load + N/2, and the checkpoint it saved."""
+    runs = {}
+    for world in (1, 2):
+        d = tmp_path_factory.mktemp(f"resume_w{world}")
+        argv = trainer_argv(tiny_ckpt, addition_data, str(d / "o"))
+        run_ranks(resume_worker, world, argv, [free_port() for _ in range(3)], str(d), str(d / "ckpt"), STEPS)
+        runs[world] = {"files": _rank_files(d, world), "ckpt": str(d / "ckpt"), "argv": argv}
+    return runs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_exact_resume_per_rank_count(resumed, world):
+    files = resumed[world]["files"]
+    assert all(f["start"] == STEPS // 2 for f in files)
+    r0 = files[0]
+    for name, w in r0["straight"].items():
+        assert torch.equal(r0["loaded"][name], r0["at_save"][name]), name
+        assert torch.equal(r0["resumed"][name], w), name
+    assert all(f["straight"] is None for f in files[1:])
+    hf = os.path.join(resumed[world]["ckpt"], f"iter_{STEPS // 2 - 1:07d}", "hf")
+    from lichen.weights.hf_io import load_hf_state_dict
+
+    exported = load_hf_state_dict(hf, device="cpu")
+    assert all(torch.equal(exported[n], w) for n, w in r0["at_save"].items())
+
+
+@pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2)])
+def test_resume_across_rank_counts(resumed, tmp_path, saved_on, loaded_on):
+    src = resumed[saved_on]
+    run_ranks(load_worker, loaded_on, src["argv"], free_port(), str(tmp_path), src["ckpt"], STEPS)
+    files = _rank_files(tmp_path, loaded_on)
+    r0, ref = files[0], src["files"][0]
+    for name, w in ref["at_save"].items():
+        assert torch.equal(r0["loaded"][name], w), name
+        # the optimizer state resharded too: the continued run matches the saving rank count's, up to rounding
+        assert torch.allclose(r0["resumed"][name], ref["resumed"][name], rtol=0, atol=1e-5), name
