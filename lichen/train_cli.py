@@ -38,10 +38,18 @@ def hide_secrets(args: argparse.Namespace) -> None:
     sys.argv[:] = redact_argv(sys.argv)
 
 
+def show_table(text: str) -> None:
+    """The slime flag table goes to stderr: it is printed before any error, and --dry-run's stdout stays YAML."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str]) -> int:
-    args = parse_train_args(argv)
+    args = parse_train_args(argv, show_table=show_table)
     hide_secrets(args)
-    os.environ.update(args.train_env_vars)
+    if args.runtime == "local":
+        # the trainer runs in this process; with --runtime ray they go into the trainer actors' runtime_env only
+        # (lichen.cluster.actor_group), and a Ray started from here must not pass them on to the engines
+        os.environ.update(args.train_env_vars)
     if args.dry_run:
         import yaml
 

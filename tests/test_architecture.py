@@ -23,7 +23,7 @@ SHARED = {"errors", "plugins", "aio", "torch_files", "observe", "devices", "key_
 ANYTHING = None
 # package -> the lichen packages it may import besides itself and SHARED (docs/architecture.md section 4)
 ALLOWED: dict[str, set[str] | None] = {
-    "cli": ANYTHING, "train_cli": ANYTHING, "eval_cli": ANYTHING,
+    "cli": ANYTHING, "train_cli": ANYTHING, "eval_cli": ANYTHING, "port_slime": ANYTHING,
     "loop": {"rollout", "train", "sync"},
     "rollout": {"engines", "rewards", "data", "models", "types"},
     "train": {"algo", "models", "weights", "types"},

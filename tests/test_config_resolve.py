@@ -30,7 +30,7 @@ def parse(*extra: str, rbs: int = 4, n: int = 2, base: bool = True) -> argparse.
 # The documented defaults are a contract other modules read by dest name.
 DEFAULTS = {
     "seed": 1234, "runtime": "local", "train_backend": "torch", "qwen_gdn_backend": None,
-    "megatron_to_hf_mode": None, "train_env_vars": {}, "ref_load": None, "device": "auto", "bf16": False,
+    "train_env_vars": {}, "ref_load": None, "device": "auto", "bf16": False,
     "gradient_checkpointing": False, "num_threads": None, "dry_run": False, "config": None,
     "input_key": "prompt", "label_key": "label", "metadata_key": "metadata", "tool_key": None,
     "apply_chat_template": False, "rollout_shuffle": False, "rollout_seed": 42,
@@ -79,7 +79,7 @@ DEFAULTS = {
     "n_samples_per_eval_prompt": 1, "eval_temperature": 1.0, "eval_top_p": 1.0, "eval_max_response_len": 1024,
     "eval_rm_type": "math",
     "use_tensorboard": False, "use_wandb": False, "wandb_mode": "online", "wandb_project": "lichen",
-    "wandb_run_name": None, "wandb_key": None, "no_progress": False,
+    "wandb_run_name": None, "wandb_group": None, "wandb_key": None, "no_progress": False,
 }
 
 

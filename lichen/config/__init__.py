@@ -14,8 +14,10 @@ Nothing here imports torch: `lichen train --dry-run` stays fast.
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rewards, rollout, sampling, sync, train  # noqa: E501
+from lichen.config import slime_compat
 from lichen.config.engine_config import EngineConfig, ObserveConfig, SyncConfig
 from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, option_actions
 from lichen.config.removed import REMOVED_FLAGS, check_removed
@@ -24,6 +26,7 @@ from lichen.config.rollout_config import DataConfig, RewardConfig, RolloutConfig
 from lichen.config.train_config import OptimizerConfig, TrainerConfig
 from lichen.config.validate import resolve_and_validate
 from lichen.config.yaml_config import find_config_path, load_yaml_config
+from lichen.errors import ConfigError
 
 # The order of the sections in --help.
 HELP_ORDER = (model, data, rollout, rewards, sampling, train, algo, placement, sync, debug, checkpoint, eval, observe)
@@ -62,23 +65,45 @@ def build_train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_train_args(argv: list[str]) -> argparse.Namespace:
-    """Parse, resolve and validate `lichen train` arguments; a user mistake raises ConfigError."""
+def parse_train_args(
+    argv: list[str],
+    show_table: Callable[[str], None] | None = None,
+    extra_rows: list[slime_compat.Row] | None = None,
+) -> argparse.Namespace:
+    """Parse, resolve and validate `lichen train` arguments; a user mistake raises ConfigError.
+
+    Every flag is classified first (slime_compat): when slime/Megatron flags are present, `show_table` gets the
+    class table before any error, and all flags that stop the run are named in one ConfigError, together with the
+    first rule the remaining flags break. `extra_rows` (from `lichen port-slime`) join the table."""
     argv = [str(a) for a in argv]
     parser = build_train_parser()
     if any(token in ("-h", "--help") for token in _before_double_dash(argv)):
         parser.parse_known_args(["--help"])  # prints help, exits 0
-    check_removed(argv)
+    known_flags = [s for s in option_actions(parser) if s.startswith("--")]
+    found = slime_compat.scan(argv, set(known_flags), extra_rows)
+    if not found.slime:
+        check_removed(argv)  # a lichen invocation keeps the one-message path
+    argv = found.kept
     config_path = find_config_path(argv)
     yaml_values: dict = {}
     yaml_passthrough: list[str] = []
     if config_path is not None:
         yaml_values, yaml_passthrough = load_yaml_config(config_path, parser)
     args, extras = parser.parse_known_args(argv, namespace=argparse.Namespace(**yaml_values))
-    known_flags = [s for s in option_actions(parser) if s.startswith("--")]
     args.sglang_passthrough = yaml_passthrough + collect_sglang_passthrough(extras, known_flags)
     args._explicit = set(yaml_values) | _explicit_dests(argv)
-    return resolve_and_validate(args)
+    args._slime_rows = found.rows if found.slime else []
+    slime_compat.finish(found, args)
+    stops = slime_compat.blocking_message(found.rows)
+    if found.slime and show_table is not None:
+        show_table(slime_compat.table(found.rows))
+    if stops is None:
+        return resolve_and_validate(args)
+    try:
+        resolve_and_validate(args)
+    except ConfigError as e:  # one run says everything: the flags that stop it and the first other problem
+        stops += f"; also: {e}"
+    raise ConfigError(stops)
 
 
 def _before_double_dash(argv: list[str]) -> list[str]:

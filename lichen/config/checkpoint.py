@@ -13,7 +13,7 @@ import argparse
 import os
 
 from lichen.errors import ConfigError
-from lichen.config.checks import check_int_at_least
+from lichen.config.checks import check_int_at_least, check_not_torch_dist
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,8 @@ def check(args: argparse.Namespace) -> None:
         path = getattr(args, dest)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r}: exists and is not a directory; give a directory")
+    if args.load is not None:
+        check_not_torch_dist(args.load, "--load")
     if args.load is not None and not os.path.isdir(args.load):
         same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
         if not same_as_save:

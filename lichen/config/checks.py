@@ -71,10 +71,40 @@ def check_data_file(spec: str, flag: str) -> None:
         fail(f"{flag} {spec!r}: {path!r} {what}; give a .jsonl or .parquet file (optionally PATH@[start:stop])")
 
 
+def _dcp_shards(path: str) -> bool:
+    names = os.listdir(path)
+    return ".metadata" in names or any(n.endswith(".distcp") for n in names)
+
+
+def is_torch_dist(path: str) -> bool:
+    """A Megatron `torch_dist` checkpoint: torch.distributed.checkpoint shards (`.metadata`, `*.distcp`) in `path`
+    or in its `iter_*` directories. lichen's own checkpoints share the `iter_*` / latest-file layout but hold
+    meta.json and an `hf/` directory instead of shards."""
+    if not os.path.isdir(path):
+        return False
+    if _dcp_shards(path):
+        return True
+    for name in os.listdir(path):
+        sub = os.path.join(path, name)
+        if name.startswith("iter_") and os.path.isdir(sub) and _dcp_shards(sub):
+            return not os.path.isfile(os.path.join(sub, "meta.json"))
+    return False
+
+
+def check_not_torch_dist(path: str, flag: str) -> None:
+    """slime scripts point --load / --ref-load at Megatron checkpoints; lichen reads Hugging Face ones."""
+    if is_torch_dist(path):
+        fail(f"{flag} {path!r}: a Megatron torch_dist checkpoint (distributed shards, no config.json); lichen "
+             "loads Hugging Face checkpoints: give the HF directory it was converted from (for a reference model, "
+             "the --hf-checkpoint directory, or drop --ref-load), or convert it with slime's "
+             "tools/convert_torch_dist_to_hf.py")
+
+
 def check_hf_dir(path: str, flag: str) -> None:
     """An HF checkpoint is a directory holding config.json."""
     if not os.path.isdir(path):
         fail(f"{flag} {path!r}: no such directory; give a Hugging Face checkpoint directory (with config.json)")
+    check_not_torch_dist(path, flag)
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"{flag} {path!r}: no config.json in this directory; give a Hugging Face checkpoint directory")
 

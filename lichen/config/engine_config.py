@@ -148,13 +148,15 @@ class ObserveConfig:
     trace: bool = False
     watchdog_timeout: float = 0.0  # seconds; 0: off
     watchdog_wait: bool = False
+    wandb_group: str | None = None  # lichen eval has no --wandb-group
     reward_key: str | None = None  # which entry of a dict reward the sample log shows
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ObserveConfig":
         return cls(output_dir=args.output_dir, use_tensorboard=bool(args.use_tensorboard),
                    use_wandb=bool(args.use_wandb), wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
-                   wandb_run_name=args.wandb_run_name, wandb_key=args.wandb_key, run_config=dict(vars(args)),
+                   wandb_run_name=args.wandb_run_name, wandb_key=args.wandb_key,
+                   wandb_group=getattr(args, "wandb_group", None), run_config=dict(vars(args)),
                    log_samples=int(getattr(args, "log_samples", 0) or 0), trace=bool(getattr(args, "trace", False)),
                    watchdog_timeout=float(getattr(args, "watchdog_timeout", 0) or 0),
                    watchdog_wait=bool(getattr(args, "watchdog_wait", False)),

@@ -35,25 +35,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--runtime",
         choices=["local", "ray"],
         default="local",
-        help="local: trainer and engine in this process; ray: Ray actors (not available yet)",
+        help="local: trainer and engine in this process; ray: trainer ranks and engines as Ray actors "
+        "(docs/runtimes.md)",
     )
     g.add_argument(
         "--train-backend",
         choices=["torch", "megatron"],
         default="torch",
-        help="training backend: torch (PyTorch, FSDP2 when distributed) or megatron (not available yet)",
+        help="training backend: torch (PyTorch in this process; FSDP2 sharding comes with the distributed runtime, "
+        "not built yet; slime's fsdp means this one) or megatron (not available yet)",
     )
     g.add_argument(
         "--qwen-gdn-backend",
         choices=["fla", "flashqla"],
         default=None,
         help="kernel for Qwen GatedDeltaNet linear attention (not available yet; default: not used)",
-    )
-    g.add_argument(
-        "--megatron-to-hf-mode",
-        choices=["raw", "bridge"],
-        default=None,
-        help="how Megatron weights convert to HF (not available yet; default: not used)",
     )
     g.add_argument(
         "--train-env-vars",
@@ -82,7 +78,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="device for the trainer and the in-process engine; auto picks cuda when available",
     )
-    g.add_argument("--bf16", action="store_true", help="train and generate in bfloat16 (default: off, float32)")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="train under bfloat16 autocast (float32 master weights); SGLang servers lichen launches get "
+        "--dtype bfloat16, lichen's own engines still generate in float32 (default: off, float32)",
+    )
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -136,8 +137,6 @@ def parse_env_vars(text: str | dict) -> dict[str, str]:
 
 
 def check(args: argparse.Namespace) -> None:
-    if args.runtime == "ray":
-        raise NotAvailableYet("--runtime ray is not available yet: use --runtime local")
     if args.train_backend == "megatron":
         raise NotAvailableYet(
             "--train-backend megatron is not available yet: lichen has no Megatron backend yet; use --train-backend "
@@ -147,11 +146,6 @@ def check(args: argparse.Namespace) -> None:
         raise NotAvailableYet(
             f"--qwen-gdn-backend {args.qwen_gdn_backend} is not available yet: lichen has no Qwen linear-attention "
             "(GatedDeltaNet) model support yet; drop this flag"
-        )
-    if args.megatron_to_hf_mode is not None:
-        raise NotAvailableYet(
-            f"--megatron-to-hf-mode {args.megatron_to_hf_mode} is not available yet: lichen has no Megatron backend "
-            "yet; drop this flag"
         )
     args.train_env_vars = parse_env_vars(args.train_env_vars)
     if args.hf_checkpoint is None:

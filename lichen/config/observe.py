@@ -24,6 +24,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--wandb-project", metavar="NAME", default="lichen", help="W&B project")
     g.add_argument("--wandb-run-name", metavar="NAME", default=None, help="W&B run name (default: chosen by W&B)")
+    g.add_argument("--wandb-group", metavar="NAME", default=None, help="W&B run group (default: none)")
     g.add_argument(
         "--wandb-key",
         metavar="KEY",

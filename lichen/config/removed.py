@@ -13,6 +13,8 @@ REMOVED_FLAGS: dict[str, str] = {
     "--rollout-external-engine-api-key": "was removed: a key on the command line is visible to every local user in "
     "`ps`; put it in a file (chmod 600) given with --rollout-external-engine-api-key-file, or in "
     "$LICHEN_ENGINE_API_KEY",
+    "--megatron-to-hf-mode": "was removed: slime itself removed it after its PR #2249, and lichen loads and saves "
+    "Hugging Face checkpoints directly; drop this flag",
 }
 
 

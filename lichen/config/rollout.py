@@ -90,8 +90,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-num-engines",
         type=int,
         default=None,
-        help="launch this many `lichen serve` engine servers on free loopback ports and stop them at exit "
-        "(needs --update-weight-transport disk for now; default: the in-process engine)",
+        help="launch this many engine servers (`lichen serve`, or SGLang with --rollout-engine-backend sglang) on "
+        "free loopback ports and stop them at exit; weights reach them by --update-weight-transport (default: the "
+        "in-process engine)",
     )
     g.add_argument(
         "--rollout-external-engine-addrs",

@@ -74,7 +74,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, *, use_tensorboard: bool = False, use_wandb: bool = False,
                  wandb_mode: str = "offline", wandb_project: str = "lichen", wandb_run_name: str | None = None,
-                 wandb_key: str | None = None, config: dict | None = None) -> None:
+                 wandb_key: str | None = None, config: dict | None = None, wandb_group: str | None = None) -> None:
         if use_wandb and wandb_mode not in WANDB_MODES:
             raise ConfigError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}; got {wandb_mode!r}")
         self.output_dir = output_dir
@@ -91,7 +91,8 @@ class MetricsLogger:
                 self._tb = _tensorboard_writer(os.path.join(output_dir, "tensorboard"))
             if wandb is not None:
                 extra = {"settings": wandb.Settings(api_key=wandb_key)} if wandb_key else {}
-                self._wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, mode=wandb_mode,
+                self._wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, group=wandb_group,
+                                             mode=wandb_mode,
                                              dir=output_dir, config=redact_config(_public(config or {})), **extra)
         except BaseException:
             self.close()
@@ -109,7 +110,7 @@ class MetricsLogger:
         """The sinks ObserveConfig `cfg` asks for, under `cfg.output_dir`."""
         return cls(cfg.output_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
                    wandb_mode=cfg.wandb_mode, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
-                   wandb_key=cfg.wandb_key, config=dict(cfg.run_config))
+                   wandb_key=cfg.wandb_key, config=dict(cfg.run_config), wandb_group=cfg.wandb_group)
 
     def log(self, step: int, metrics: dict[str, float | int], prefix: str | None = None) -> None:
         """Record `metrics` at `step`; with `prefix`, key "k" is recorded as "prefix/k"."""

@@ -1,0 +1,135 @@
+"""What lichen does with each slime / Megatron-LM flag it does not define itself: one table, data only.
+
+A slime launch script mixes slime's own flags (most of which lichen defines with the same name and meaning) with
+Megatron-LM's model, parallelism, fusion and optimizer flags. Every such flag lichen knows of has one row here;
+`lichen.config.slime_compat` reads the table, `docs/slime-compat.md` explains the classes. The lichen flags that
+keep slime's name but differ in meaning or default are listed in `DIFFERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SAME = "same"
+MAPPED = "mapped"
+CHECKED = "checked"
+NA_SHARDING = "not applicable (FSDP2 sharding)"
+NA_NO_EFFECT = "not applicable (no effect on results)"
+NOT_YET = "not available yet"
+REMOVED = "removed"
+UNKNOWN = "unknown"
+# The classes in the order the table prints them; the last four stop the run (exit code 2).
+CLASSES = (SAME, MAPPED, CHECKED, NA_SHARDING, NA_NO_EFFECT, NOT_YET, REMOVED, UNKNOWN)
+BLOCKING = (NOT_YET, REMOVED, UNKNOWN)
+
+
+@dataclass(frozen=True)
+class FlagRule:
+    """One slime/Megatron flag: its class, what lichen does instead, and why."""
+
+    cls: str
+    lichen: str
+    reason: str
+
+
+def _rules(cls: str, lichen: str, reason: str, *flags: str) -> dict[str, FlagRule]:
+    return {flag: FlagRule(cls, lichen, reason) for flag in flags}
+
+
+_SHARDING_INSTEAD = "FSDP2 over all trainer ranks (one rank in the local runtime)"
+_SHAPE = "memory layout only: lichen shards with FSDP2, the numbers do not change"
+
+# Megatron model-architecture flags: compared with the --hf-checkpoint config.json (lichen.config.megatron_model).
+CHECKED_FLAGS = (
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+    "--kv-channels", "--vocab-size", "--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mtp-num-layers",
+    "--moe-router-topk", "--max-position-embeddings", "--rotary-base", "--norm-epsilon", "--rotary-percent",
+    "--untie-embeddings-and-output-weights", "--add-qkv-bias", "--qk-layernorm", "--swiglu", "--normalization",
+    "--moe-layer-freq", "--group-query-attention", "--use-rotary-position-embeddings", "--position-embedding-type",
+    "--disable-bias-linear", "--post-self-attn-layernorm", "--post-mlp-layernorm", "--rotary-interleaved", "--spec",
+    "--multi-latent-attention", "--moe-router-score-function", "--moe-router-pre-softmax",
+    "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
+    "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--init-method-std",
+)
+
+SLIME_FLAGS: dict[str, FlagRule] = {
+    **_rules(CHECKED, "config.json of --hf-checkpoint", "Megatron builds the model from flags; lichen reads "
+             "config.json, so the flag is compared with it", *CHECKED_FLAGS),
+    **_rules(NA_SHARDING, _SHARDING_INSTEAD, _SHAPE,
+             "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+             "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
+             "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+             "--num-layers-per-virtual-pipeline-stage", "--use-distributed-optimizer", "--overlap-grad-reduce",
+             "--overlap-param-gather", "--seq-length"),
+    **_rules(NA_SHARDING, "gradient checkpointing of every layer (--gradient-checkpointing)",
+             "which layers Megatron recomputes changes memory, not the result",
+             "--recompute-method", "--recompute-num-layers"),
+    **_rules(NA_SHARDING, "the local runtime: one process, engines by --colocate / --rollout-num-engines",
+             "Ray placement of slime's actors", "--num-gpus-per-node", "--critic-num-nodes",
+             "--critic-num-gpus-per-node"),
+    **_rules(NA_NO_EFFECT, "ignored", "a Megatron kernel choice or fusion switch; the math is the same",
+             "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--use-mcore-models",
+             "--attention-backend", "--transformer-impl", "--moe-grouped-gemm", "--moe-permute-fusion",
+             "--moe-token-dispatcher-type", "--moe-enable-deepep", "--moe-router-dtype", "--moe-token-drop-policy",
+             "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--cross-entropy-loss-fusion",
+             "--cross-entropy-fusion-impl", "--log-interval", "--timing-log-level", "--log-throughput"),
+    **_rules(NA_NO_EFFECT, "no dropout (lichen's models have none)", "0.0 is the only value lichen runs; "
+             "another value is refused", "--attention-dropout", "--hidden-dropout"),
+    **_rules(MAPPED, "--gradient-checkpointing", "Megatron's activation recompute", "--recompute-granularity"),
+    **_rules(MAPPED, "--lr-warmup-iters = round(fraction x optimizer steps of the run)",
+             "Megatron gives warm-up as a fraction of the decay length", "--lr-warmup-fraction"),
+    **_rules(MAPPED, "AdamW (lichen's only optimizer); adam is accepted, others refused",
+             "Megatron's adam is AdamW with decoupled weight decay", "--optimizer"),
+    **_rules(MAPPED, "--wandb-run-name", "slime's name for the W&B run name", "--wandb-exp-name"),
+    **_rules(MAPPED, "lichen's one attention implementation (torch scaled_dot_product_attention)",
+             "the FSDP backend's HF attention choice; the result is the same", "--attn-implementation"),
+    **_rules(MAPPED, "nothing to balance: one trainer rank holds the whole global batch",
+             "balances tokens across data-parallel ranks", "--balance-data"),
+    **_rules(MAPPED, "weights sync after every rollout step (only 1 is accepted)",
+             "slime syncs every N rollouts", "--update-weights-interval"),
+    **_rules(NOT_YET, "--offload-train (optimizer state leaves the device between steps)",
+             "Megatron's CPU optimizer step is not built", "--optimizer-cpu-offload",
+             "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"),
+    **_rules(NOT_YET, "train without the MTP head", "multi-token-prediction training is not built",
+             "--enable-mtp-training", "--mtp-loss-scaling-factor"),
+    **_rules(NOT_YET, "--bf16", "fp8 / int4 training paths are not built", "--fp8-format", "--fp8-recipe",
+             "--fp8-param-gather"),
+}
+
+# slime's Ray placement flags are lichen's too, for --runtime ray; with the local runtime (one process) they
+# place nothing, so a slime script keeps running there with them listed as not applicable.
+RAY_PLACEMENT = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus")
+RAY_PLACEMENT_LOCAL = FlagRule(NA_SHARDING, "the local runtime: one process, engines by --colocate / "
+                               "--rollout-num-engines", "Ray placement of slime's actors; with --runtime ray they "
+                               "place lichen's actors the same way")
+
+# Values of a lichen flag that slime spells differently: flag -> {slime value: lichen value}.
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    # slime's FSDP backend (removed in its PR #1664) is what lichen's torch backend is
+    "--train-backend": {"fsdp": "torch"},
+}
+
+# slime's entry points: train.py is lichen train; train_async.py overlaps rollout and training.
+ENTRY_POINTS: dict[str, FlagRule] = {
+    "train.py": FlagRule(SAME, "lichen train", "the synchronous RL loop"),
+    "train_async.py": FlagRule(NOT_YET, "train.py (lichen train)", "asynchronous rollout/training is not built "
+                               "yet (its own issue); the synchronous loop runs the same flags"),
+}
+
+# lichen flags with slime's name whose meaning or default differs from slime's (the "differs" column).
+DIFFERS: dict[str, str] = {
+    "--weight-decay": "default 0.0 (slime 0.01 via Megatron); decays every parameter, norm weights and biases too "
+    "(Megatron excludes them)",
+    "--lr-decay-style": "default constant (slime linear)",
+    "--offload": "--offload --no-offload-train keeps the rollout offload only (the explicit --no-x wins)",
+    "--no-offload-train": "wins over --offload and --colocate; slime forces --offload-train for PPO",
+    "--rm-type": "math/deepscaler also grade an unboxed last number and ignore ###Response (slime: \\boxed only); "
+    "gpqa letters A-D by default (slime A-J)",
+    "--eval-prompt-data": "pass@k counts reward > 0 (slime == 1) and also reports k = n",
+    "--advantage-estimator": "whitening uses the population variance; the PPO value loss has a 0.5 factor",
+    "--rollout-function-path": "slime's signature; the old lichen signature is deprecated",
+    "--train-env-vars": "also reaches the engines lichen launches (slime: training actors only)",
+    "--colocate": "the only layout on one device until the distributed runtime",
+}

@@ -1,0 +1,136 @@
+"""`lichen port-slime SCRIPT.sh`: a slime launch script -> a lichen YAML config, the flag table, and a dry run.
+
+The script is read, not run (lichen.config.slime_script): its train.py flags, after bash expansion, are
+classified (lichen.config.slime_compat). The YAML holds lichen's flags only: slime's own flags with lichen's
+spelling, the tokens a mapped flag stands for, and the Ray runtime env vars as `train-env-vars`; every flag left
+out is in the table, written as comments at the top of the file, so nothing is dropped silently. Then the same
+flags are dry-run in this process (`lichen train --dry-run`, the Megatron model flags compared with config.json),
+and the exit code is the dry run's: 0, or 2 naming every flag that stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+from lichen.config import build_train_parser, parse_train_args, slime_compat
+from lichen.config.parser import option_actions
+from lichen.config.slime_flags import ENTRY_POINTS, MAPPED
+from lichen.config.slime_script import SlimeCommand, read_script
+from lichen.errors import ConfigError
+from lichen.observe.secrets import is_secret_name
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lichen port-slime",
+        description="Convert a slime launch script (scripts/run-*.sh) into a lichen YAML config plus a table of what "
+        "lichen does with each flag, then dry-run it. Variables the script does not set come from the environment.",
+    )
+    parser.add_argument("script", metavar="SCRIPT.sh", help="the slime launch script")
+    parser.add_argument("-o", "--output", metavar="FILE.yaml", default=None,
+                        help="where the config goes (default: SCRIPT's name with .yaml, in the current directory)")
+    parser.add_argument("--no-dry-run", action="store_true", help="write the config and the table only")
+    opts = parser.parse_args(argv)
+    command = read_script(opts.script)
+    output = opts.output or os.path.splitext(os.path.basename(opts.script))[0] + ".yaml"
+    train_argv = command.argv + _env_tokens(command)
+    rows = extra_rows(command)
+    found = slime_compat.scan(train_argv, _known_flags(), rows)
+    text = render_yaml(command, found)
+    with open(output, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {output} from {command.script} ({command.entry})")
+    if opts.no_dry_run:
+        print(slime_compat.table(found.rows))
+        return 0
+    parse_train_args(train_argv + ["--dry-run"], show_table=print, extra_rows=rows)
+    print(f"dry run: every flag resolves; run it with: lichen train --config {output}")
+    return 0
+
+
+def _known_flags() -> set[str]:
+    return {s for s in option_actions(build_train_parser()) if s.startswith("--")}
+
+
+def _env_tokens(command: SlimeCommand) -> list[str]:
+    """Ray's runtime env vars (`ray job submit --runtime-env-json`) become --train-env-vars, whose row in the
+    table shows them, unless the script already sets that flag."""
+    if not command.env_vars or "--train-env-vars" in command.argv:
+        return []
+    return ["--train-env-vars", json.dumps(command.env_vars)]
+
+
+def extra_rows(command: SlimeCommand) -> list[slime_compat.Row]:
+    """Rows for what is not a train.py flag: the entry point, the runtime env, unset variables."""
+    rule = ENTRY_POINTS[command.entry]
+    rows = [slime_compat.Row(command.entry, [], rule.cls, rule.lichen, rule.reason)]
+    for name in command.unset_vars:
+        rows.append(slime_compat.Row(f"${name}", [], MAPPED, "(empty)", f"{name} is set neither in the script nor "
+                                     "in the environment: it expanded to nothing, as in bash"))
+    return rows
+
+
+def render_yaml(command: SlimeCommand, found: slime_compat.Scan) -> str:
+    """The YAML config of the lichen tokens of `found`, the table above it as comments."""
+    actions = option_actions(build_train_parser())
+    config: dict = {}
+    dropped: list[str] = []
+    for flag, values in _flags(found.kept):
+        key = flag[2:]
+        if is_secret_name(key):  # a secret never goes into a file: the environment holds it
+            dropped.append(f"{flag}: a secret; set it in the environment (WANDB_API_KEY for --wandb-key)")
+            continue
+        config[key] = _yaml_value(actions.get(flag), flag, values)
+        if flag.startswith("--no-") and key in config and flag in actions and config[key] is False:
+            config[key[3:]] = config.pop(key)
+    header = [f"lichen config ported from {command.script} ({command.entry}) by `lichen port-slime`", ""]
+    header += slime_compat.table(found.rows).splitlines()
+    header += [f"left out: {d}" for d in dropped]
+    return "".join(f"# {line}\n" if line else "#\n" for line in header) + yaml.safe_dump(
+        config, sort_keys=False, default_flow_style=False)
+
+
+def _flags(tokens: list[str]) -> list[tuple[str, list[str]]]:
+    out: list[tuple[str, list[str]]] = []
+    for token in tokens:
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            out.append((name, [value] if eq else []))
+        elif out:
+            out[-1][1].append(token)
+        else:
+            raise ConfigError(f"unexpected word {token!r} before the first flag of the train.py command")
+    return out
+
+
+def _yaml_value(action: argparse.Action | None, flag: str, values: list[str]):
+    if flag == "--train-env-vars" and values:
+        return json.loads(values[0])
+    if action is None:  # an --sglang-* pass-through flag
+        return True if not values else values[0] if len(values) == 1 else values
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not flag.startswith("--no-")
+    if action.nargs == 0:
+        return True
+    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
+        return [_number_or_text(v) for v in values]
+    return _number_or_text(values[0]) if values else None
+
+
+def _number_or_text(text: str):
+    """Numbers as YAML numbers (readable; each value is parsed by its flag's own type when the config loads)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

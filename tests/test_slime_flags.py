@@ -1,0 +1,207 @@
+"""slime / Megatron flags on `lichen train`: every flag classified in one run (one test per class), the checked
+comparison with config.json, Megatron torch_dist checkpoints, help texts, and the documented differences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+import lichen.cli
+from lichen.config import build_train_parser, parse_train_args, slime_compat
+from lichen.config.slime_flags import (
+    CHECKED, CLASSES, DIFFERS, MAPPED, NA_NO_EFFECT, NA_SHARDING, NOT_YET, REMOVED, SAME, SLIME_FLAGS, UNKNOWN,
+)
+from lichen.errors import ConfigError
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 102, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": True}
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", "hf", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "2", "--rm-type", "math", "--num-rollout", "100"]
+
+
+def parse(argv):
+    tables: list[str] = []
+    args = parse_train_args(argv, show_table=tables.append)
+    return args, tables
+
+
+def rows_of(args):
+    return {r.flag: r for r in args._slime_rows}
+
+
+def failure(argv) -> tuple[str, list[str]]:
+    tables: list[str] = []
+    with pytest.raises(ConfigError) as info:
+        parse_train_args(argv, show_table=tables.append)
+    return str(info.value), tables
+
+
+def test_every_class_is_used_by_the_table():
+    used = {rule.cls for rule in SLIME_FLAGS.values()}
+    assert used | {SAME, REMOVED, UNKNOWN} == set(CLASSES)
+
+
+def test_same_class_keeps_lichens_flag(base):
+    args, tables = parse(base + ["--lr", "2e-6", "--tensor-model-parallel-size", "2"])
+    assert args.lr == 2e-6 and rows_of(args)["--lr"].cls == SAME
+    assert len(tables) == 1 and "same | --lr 2e-6" in tables[0]
+
+
+def test_mapped_flags_are_translated(base):
+    args, _ = parse(base + ["--recompute-granularity", "full", "--lr-warmup-fraction", "0.05", "--optimizer",
+                            "adam", "--wandb-exp-name", "run7", "--train-backend", "fsdp", "--balance-data",
+                            "--attn-implementation", "flash_attention_2", "--update-weights-interval", "1"])
+    rows = rows_of(args)
+    assert args.gradient_checkpointing is True
+    assert args.lr_warmup_iters == 5  # 5% of 100 rollout steps x 1 optimizer step each
+    assert args.wandb_run_name == "run7"
+    assert args.train_backend == "torch"  # slime's FSDP backend is lichen's torch backend
+    assert {rows[f].cls for f in ("--recompute-granularity", "--lr-warmup-fraction", "--optimizer",
+                                  "--wandb-exp-name", "--train-backend", "--balance-data",
+                                  "--attn-implementation", "--update-weights-interval")} == {MAPPED}
+
+
+def test_mapped_flag_with_a_value_lichen_cannot_run_stops(base):
+    message, tables = failure(base + ["--optimizer", "sgd", "--update-weights-interval", "2"])
+    assert "--optimizer sgd" in message and "--update-weights-interval 2" in message
+    assert NOT_YET in tables[0]
+
+
+def test_checked_shape_mismatch_stops_naming_both_values(base):
+    message, tables = failure(base + ["--num-layers", "3", "--hidden-size", "64"])
+    assert "--num-layers 3 but hf/config.json num_hidden_layers = 2" in message
+    assert "matches hf/config.json hidden_size = 64" in tables[0]
+
+
+def test_checked_non_shape_mismatch_only_warns(base):
+    args, tables = parse(base + ["--num-layers", "2", "--rotary-base", "1000000", "--num-query-groups", "2"])
+    rows = rows_of(args)
+    assert rows["--rotary-base"].cls == CHECKED and rows["--rotary-base"].note.startswith("warning:")
+    assert "rope_theta = 10000.0" in rows["--rotary-base"].note
+    assert not any(r.stops for r in args._slime_rows)
+
+
+def test_checked_unsupported_model_type_stops(base, tmp_path):
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**TINY, "model_type": "gpt_oss"}))
+    message, _ = failure(base + ["--num-layers", "2"])
+    assert "model_type 'gpt_oss' is not implemented by lichen yet" in message
+
+
+def test_not_applicable_sharding_and_no_effect_are_accepted(base):
+    args, tables = parse(base + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+                                 "--sequence-parallel", "--no-rope-fusion", "--use-mcore-models",
+                                 "--attention-dropout", "0.0"])
+    rows = rows_of(args)
+    assert rows["--tensor-model-parallel-size"].cls == NA_SHARDING
+    assert rows["--no-rope-fusion"].cls == NA_NO_EFFECT and rows["--attention-dropout"].cls == NA_NO_EFFECT
+    assert "FSDP2" in rows["--sequence-parallel"].lichen
+
+
+def test_dropout_other_than_zero_is_not_available(base):
+    message, _ = failure(base + ["--hidden-dropout", "0.1"])
+    assert "dropout 0.1" in message
+
+
+def test_not_available_yet_and_removed_and_unknown_are_all_named_in_one_run(base):
+    message, tables = failure(base + ["--optimizer-cpu-offload", "--megatron-to-hf-mode", "bridge",
+                                      "--train-memory-margin-bytes", "5", "--frobnicate", "3", "--num-layers", "2",
+                                      "--rollout-batch-size", "0"])
+    for needle in ("4 flags stop this run", "--optimizer-cpu-offload", "--megatron-to-hf-mode was removed",
+                   "--train-memory-margin-bytes was removed", "unrecognized argument --frobnicate",
+                   "also: --rollout-batch-size 0"):  # and the first rule the remaining flags break
+        assert needle in message, needle
+    table = tables[0]
+    assert f"{NOT_YET} | --optimizer-cpu-offload" in table and f"{REMOVED} | --megatron-to-hf-mode bridge" in table
+    assert f"{UNKNOWN} | --frobnicate 3" in table
+
+
+def test_megatron_names_get_no_misleading_hint(base):
+    # argparse's fuzzy match once suggested --num-threads for --num-layers and --num-rollout for --hidden-dropout
+    args, tables = parse(base + ["--num-layers", "2", "--hidden-dropout", "0.0", "--optimizer", "adam"])
+    assert "did you mean" not in tables[0]
+
+
+def test_lichen_typo_keeps_its_hint(base):
+    message, tables = failure(base + ["--rollout-batch-sise", "4"])
+    assert "unrecognized argument --rollout-batch-sise; did you mean --rollout-batch-size?" in message
+    assert tables == []  # no slime flags: no table
+
+
+def test_dry_run_prints_the_table_on_stderr_and_yaml_on_stdout(base, capsys):
+    rc = lichen.cli.main(["train", *base, "--dry-run", "--num-layers", "2", "--context-parallel-size", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "checked | --num-layers 2" in err and "counts: " in err
+    assert yaml.safe_load(out)["rollout_batch_size"] == 4
+
+
+def test_blocking_flags_exit_2_after_the_table(base, capsys):
+    rc = lichen.cli.main(["train", *base, "--dry-run", "--num-layers", "9"])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert err.index("slime/Megatron flags") < err.index("lichen train: error: --num-layers 9")
+
+
+def test_secret_values_are_redacted_in_the_table(base):
+    args, tables = parse(base + ["--wandb-key", "s3cr3t-key-value", "--num-layers", "2"])
+    assert "s3cr3t-key-value" not in tables[0] and "--wandb-key <redacted>" in tables[0]
+
+
+def _torch_dist(path):
+    (path / "iter_0000010").mkdir(parents=True)
+    (path / "latest_checkpointed_iteration.txt").write_text("10")
+    (path / "iter_0000010" / ".metadata").write_bytes(b"")
+    (path / "iter_0000010" / "__0_0.distcp").write_bytes(b"")
+
+
+@pytest.mark.parametrize("flag", ["--ref-load", "--load"])
+def test_megatron_torch_dist_checkpoint_is_named(base, tmp_path, flag):
+    _torch_dist(tmp_path / "ckpt_torch_dist")
+    with pytest.raises(ConfigError) as info:
+        parse_train_args(base + [flag, "ckpt_torch_dist"])
+    assert f"{flag} 'ckpt_torch_dist': a Megatron torch_dist checkpoint" in str(info.value)
+    assert "convert_torch_dist_to_hf" in str(info.value)
+
+
+def test_lichen_checkpoint_dir_and_hf_ref_load_are_accepted(base, tmp_path):
+    step = tmp_path / "run" / "iter_0000002"
+    (step / "hf").mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("2")
+    args = parse_train_args(base + ["--load", "run", "--ref-load", "hf"])
+    assert args.load == "run" and args.ref_load == "hf"
+
+
+def test_help_texts_tell_the_truth():
+    helps = {a.option_strings[0]: a.help for a in build_train_parser()._actions if a.option_strings}
+    assert "not built yet" in helps["--train-backend"] and "fsdp" in helps["--train-backend"]
+    assert "needs --update-weight-transport disk" not in helps["--rollout-num-engines"]
+    assert "float32" in helps["--bf16"] and "lichen's own engines" in helps["--bf16"]
+
+
+def test_differences_from_slime_are_listed_and_pinned():
+    """The "differs" column: lichen's behaviour where it keeps slime's name with another default or meaning."""
+    parser = build_train_parser()
+    defaults = {a.dest: a.default for a in parser._actions}
+    assert defaults["weight_decay"] == 0.0 and "slime 0.01" in DIFFERS["--weight-decay"]
+    assert defaults["lr_decay_style"] == "constant" and "slime linear" in DIFFERS["--lr-decay-style"]
+    for flag in ("--offload", "--no-offload-train", "--rm-type", "--eval-prompt-data", "--advantage-estimator",
+                 "--rollout-function-path", "--train-env-vars", "--colocate"):
+        assert flag in DIFFERS
+
+
+def test_counts_follow_the_class_order():
+    rows = [slime_compat.Row("--a", [], CHECKED, "", ""), slime_compat.Row("--b", [], SAME, "", ""),
+            slime_compat.Row("--c", [], CHECKED, "", "")]
+    assert slime_compat.counts(rows) == {SAME: 1, CHECKED: 2}
