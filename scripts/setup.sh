@@ -24,4 +24,12 @@ if [ -n "$EXTRAS" ]; then
 else
   "$VPY" -m pip install -q -e .
 fi
+# The test extra also wants a browser for the report page test (tests/test_report.py): Debian's chromium, where
+# this runs as root with apt-get. Never fatal: without it that one test skips and says why.
+if [[ ",$EXTRAS," == *",test,"* ]] && [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium (Debian package) for the report page test ..."
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+    >/dev/null 2>&1 || echo "could not install chromium: tests/test_report.py's browser test will skip"
+fi
 "$VPY" -c "import torch, lichen; print(f'lichen ready: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"

@@ -36,7 +36,7 @@
   const match = (re) => [...keys].filter((k) => re.test(k)).sort();
   const CHARTS = [
     ["Reward", ["rollout/reward_mean"]],
-    ["Response length (mean / max)", ["rollout/response_length_mean", "rollout/response_length_max"]],
+    ["Response length", ["rollout/response_length_mean", "rollout/response_length_max"]],
     ["Loss", ["train/loss"]],
     ["PPO KL", ["train/ppo_kl"]],
     ["Clip fraction", ["train/pg_clipfrac"]],
@@ -106,7 +106,8 @@
       return [...p, Math.max(0, m["time/step"] - p.reduce((a, b) => a + b, 0))];
     });
     const ymax = Math.max(...rows.map((m, i) => Math.max(m["time/step"], parts[i].reduce((a, b) => a + b, 0))));
-    const bw = Math.max(1, (W - L - R) / rows.length - 1);
+    const bw = Math.min(40, Math.max(1, (W - L - R) / rows.length - 1));
+    const every = Math.ceil(rows.length / 12);  // at most a dozen step labels
     const root = svg("svg", { class: "chart phases", viewBox: `0 0 ${W} ${H}`, "data-title": "step time" });
     for (const [v, y] of [[0, H - B], [ymax, T]]) {
       root.append(svg("line", { x1: L, x2: W - R, y1: y, y2: y, class: "grid" }));
@@ -118,6 +119,11 @@
     rows.forEach((m, i) => {
       let y = H - B;
       const x = L + i * (bw + 1);
+      if (i % every === 0 || i === rows.length - 1) {
+        const t = svg("text", { x: x + bw / 2, y: H - 8, class: "tick", "text-anchor": "middle" });
+        t.textContent = m.step;
+        root.append(t);
+      }
       parts[i].forEach((v, j) => {
         const h = (v / (ymax || 1)) * (H - T - B);
         if (h <= 0) return;
