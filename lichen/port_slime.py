@@ -19,10 +19,13 @@ import yaml
 
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.parser import option_actions
-from lichen.config.slime_flags import ENTRY_POINTS, MAPPED
+from lichen.config.slime_flags import ENTRY_POINTS, MAPPED, FlagRule
 from lichen.config.slime_script import SlimeCommand, read_script
 from lichen.errors import ConfigError
 from lichen.observe.secrets import is_secret_name
+
+
+ASYNC_FLAG = "--async-train"  # lichen's asynchronous loop, slime's train_async.py
 
 
 def main(argv: list[str]) -> int:
@@ -38,9 +41,12 @@ def main(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
     command = read_script(opts.script)
     output = opts.output or os.path.splitext(os.path.basename(opts.script))[0] + ".yaml"
+    known = _known_flags()
     train_argv = command.argv + _env_tokens(command)
-    rows = extra_rows(command)
-    found = slime_compat.scan(train_argv, _known_flags(), rows)
+    rows = extra_rows(command, known)
+    if command.entry == "train_async.py" and ASYNC_FLAG in known:
+        train_argv.append(ASYNC_FLAG)
+    found = slime_compat.scan(train_argv, known, rows)
     text = render_yaml(command, found)
     with open(output, "w", encoding="utf-8") as f:
         f.write(text)
@@ -65,9 +71,11 @@ def _env_tokens(command: SlimeCommand) -> list[str]:
     return ["--train-env-vars", json.dumps(command.env_vars)]
 
 
-def extra_rows(command: SlimeCommand) -> list[slime_compat.Row]:
-    """Rows for what is not a train.py flag: the entry point, the runtime env, unset variables."""
+def extra_rows(command: SlimeCommand, known: set[str]) -> list[slime_compat.Row]:
+    """Rows for what is not a train.py flag: the entry point, unset variables."""
     rule = ENTRY_POINTS[command.entry]
+    if command.entry == "train_async.py" and ASYNC_FLAG in known:  # once lichen has the async loop
+        rule = FlagRule(MAPPED, f"lichen train {ASYNC_FLAG}", "rollout of step k+1 overlaps training on step k")
     rows = [slime_compat.Row(command.entry, [], rule.cls, rule.lichen, rule.reason)]
     for name in command.unset_vars:
         rows.append(slime_compat.Row(f"${name}", [], MAPPED, "(empty)", f"{name} is set neither in the script nor "

@@ -61,7 +61,7 @@ def test_same_class_keeps_lichens_flag(base):
 def test_mapped_flags_are_translated(base):
     args, _ = parse(base + ["--recompute-granularity", "full", "--lr-warmup-fraction", "0.05", "--optimizer",
                             "adam", "--wandb-exp-name", "run7", "--train-backend", "fsdp", "--balance-data",
-                            "--attn-implementation", "flash_attention_2", "--update-weights-interval", "1"])
+                            "--attn-implementation", "flash_attention_2"])
     rows = rows_of(args)
     assert args.gradient_checkpointing is True
     assert args.lr_warmup_iters == 5  # 5% of 100 rollout steps x 1 optimizer step each
@@ -69,13 +69,25 @@ def test_mapped_flags_are_translated(base):
     assert args.train_backend == "torch"  # slime's FSDP backend is lichen's torch backend
     assert {rows[f].cls for f in ("--recompute-granularity", "--lr-warmup-fraction", "--optimizer",
                                   "--wandb-exp-name", "--train-backend", "--balance-data",
-                                  "--attn-implementation", "--update-weights-interval")} == {MAPPED}
+                                  "--attn-implementation")} == {MAPPED}
 
 
 def test_mapped_flag_with_a_value_lichen_cannot_run_stops(base):
-    message, tables = failure(base + ["--optimizer", "sgd", "--update-weights-interval", "2"])
-    assert "--optimizer sgd" in message and "--update-weights-interval 2" in message
+    message, tables = failure(base + ["--optimizer", "sgd", "--hidden-dropout", "0.1"])
+    assert "--optimizer sgd" in message and "dropout 0.1" in message
     assert NOT_YET in tables[0]
+
+
+def test_update_weights_interval_is_mapped_or_lichens_own(base):
+    """slime's --update-weights-interval: lichen's own flag once the async loop defines it, else only 1 maps."""
+    if "--update-weights-interval" in build_train_parser()._option_string_actions:
+        args, _ = parse(base + ["--update-weights-interval", "1", "--num-layers", "2"])
+        assert rows_of(args)["--update-weights-interval"].cls == SAME
+    else:
+        args, _ = parse(base + ["--update-weights-interval", "1"])
+        assert rows_of(args)["--update-weights-interval"].cls == MAPPED
+        message, _ = failure(base + ["--update-weights-interval", "2"])
+        assert "--update-weights-interval 2" in message
 
 
 def test_checked_shape_mismatch_stops_naming_both_values(base):
@@ -205,3 +217,28 @@ def test_counts_follow_the_class_order():
     rows = [slime_compat.Row("--a", [], CHECKED, "", ""), slime_compat.Row("--b", [], SAME, "", ""),
             slime_compat.Row("--c", [], CHECKED, "", "")]
     assert slime_compat.counts(rows) == {SAME: 1, CHECKED: 2}
+
+
+def test_wandb_group_reaches_wandb(base, tmp_path, monkeypatch):
+    """--wandb-group keeps slime's name and meaning: the W&B run group."""
+    import sys
+    import types
+
+    from lichen.config.engine_config import ObserveConfig
+    from lichen.observe.metrics import MetricsLogger
+
+    calls: list[dict] = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = parse_train_args(base + ["--use-wandb", "--wandb-mode", "offline", "--wandb-group", "grp",
+                                    "--output-dir", str(tmp_path / "run")])
+    MetricsLogger.from_config(ObserveConfig.from_args(args)).close()
+    assert calls[0]["group"] == "grp"
+
+
+def test_yaml_key_of_a_megatron_flag_gets_no_fuzzy_hint(base, tmp_path):
+    (tmp_path / "c.yaml").write_text("num-layers: 2\n")
+    message, _ = failure(base + ["--config", "c.yaml"])
+    assert "c.yaml:1: key 'num-layers': --num-layers is a slime/Megatron flag (checked" in message
+    assert "did you mean" not in message

@@ -26,6 +26,7 @@ from lichen.errors import ConfigError
 from lichen.config.parser import option_actions
 from lichen.config.removed import removed_message
 from lichen.config.rollout import SGLANG_PREFIX
+from lichen.config.slime_flags import SLIME_FLAGS
 
 
 def find_config_path(argv: list[str]) -> str | None:
@@ -97,6 +98,11 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[s
             if flag.startswith(SGLANG_PREFIX):
                 passthrough += _sglang_tokens(flag, value)
                 continue
+            rule = SLIME_FLAGS.get(flag)
+            if rule is not None:  # no fuzzy hint: --num-layers is not --num-threads
+                raise ConfigError(f"{where}: {flag} is a slime/Megatron flag ({rule.cls}: {rule.lichen}); a config "
+                                  "file takes lichen flags only: give it on the command line, where the flag table "
+                                  "classifies it, or convert the script with lichen port-slime")
             close = difflib.get_close_matches(flag, known_flags, n=1)
             hint = f"; did you mean {close[0].lstrip('-')}?" if close else "; see lichen train --help"
             raise ConfigError(f"{where}: unknown flag {flag}{hint}")
