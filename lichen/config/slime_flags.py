@@ -126,7 +126,7 @@ DIFFERS: dict[str, str] = {
     "--offload": "--offload --no-offload-train keeps the rollout offload only (the explicit --no-x wins)",
     "--no-offload-train": "wins over --offload and --colocate; slime forces --offload-train for PPO",
     "--rm-type": "math/deepscaler also grade an unboxed last number and ignore ###Response (slime: \\boxed only); "
-    "gpqa letters A-D by default (slime A-J)",
+    "gpqa letters A-D by default (slime A-J); dapo reads the last Answer: anywhere (slime: last 300 characters)",
     "--eval-prompt-data": "pass@k counts reward > 0 (slime == 1) and also reports k = n",
     "--advantage-estimator": "whitening uses the population variance; the PPO value loss has a 0.5 factor",
     "--rollout-function-path": "slime's signature; the old lichen signature is deprecated",
