@@ -29,8 +29,7 @@ def run_dir(tiny_ckpt, addition_data, tmp_path_factory) -> str:
 def report(run_dir) -> str:
     from lichen.cli import main
 
-    page = os.path.join(run_dir, "page", "report.html")
-    os.makedirs(os.path.dirname(page))
+    page = os.path.join(run_dir, "page", "report.html")  # -o into a directory that does not exist yet
     assert main(["report", run_dir, "-o", page]) == 0
     return page
 
@@ -117,6 +116,16 @@ def test_report_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("lichen report: error: ") and "is not a directory" in err and "\n" not in err
     assert main(["report", str(tmp_path)]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_negative_observe_flags_are_one_line_errors(tiny_ckpt, addition_data, tmp_path, capsys):
+    from lichen.cli import main
+
+    for flag, value, says in (("--log-samples", "-1", "--log-samples: must be 0 (off) or a positive number"),
+                              ("--watchdog-timeout", "-5", "--watchdog-timeout: must be 0 (off) or a positive")):
+        assert main(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", flag, value)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("lichen train: error: " + says) and "\n" not in err, err
 
 
 def test_report_is_self_contained(report, run_dir):

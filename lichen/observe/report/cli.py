@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     out = args.output or os.path.join(args.run_dir, "report.html")
     page = render(collect(args.run_dir))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(page)
