@@ -91,8 +91,9 @@ class MetricsLogger:
                 self._tb = _tensorboard_writer(os.path.join(output_dir, "tensorboard"))
             if wandb is not None:
                 extra = {"settings": wandb.Settings(api_key=wandb_key)} if wandb_key else {}
-                self._wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, group=wandb_group,
-                                             mode=wandb_mode,
+                if wandb_group:
+                    extra["group"] = wandb_group
+                self._wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, mode=wandb_mode,
                                              dir=output_dir, config=redact_config(_public(config or {})), **extra)
         except BaseException:
             self.close()
