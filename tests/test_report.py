@@ -158,6 +158,9 @@ async def _check_page(report: str, run_dir: str) -> None:
             assert counts[key] == STEPS, (key, counts)
         assert counts["eval/held/reward_mean"] == 4  # before training and at steps 2, 4, 5
         assert await page.js("document.querySelectorAll('svg.phases rect.bar.generate').length") == STEPS
+        # the timeline (from trace.json): one generate slice per step, plus the eval before training
+        assert await page.js("document.querySelectorAll('svg.timeline rect.slice.generate').length") == STEPS
+        assert await page.js("document.querySelectorAll('svg.timeline rect.slice.eval').length") == 4
         # the sample browser's filters change the visible rows
         visible = "[...document.querySelectorAll('tr.sample-row')].filter(r => !r.hidden).length"
         assert await page.js(visible) == len(samples)

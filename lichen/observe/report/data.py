@@ -15,6 +15,7 @@ from lichen.observe.trace import TRACE_FILE
 from lichen.observe.watchdog import WATCHDOG_DIR
 
 _ITER = re.compile(r"^iter_(\d+)$")
+TIMELINE_STEPS = 20  # the timeline shows the trace's last rollouts, so the page stays small for long runs
 
 
 def _checkpoints(save_dir: str | None) -> list[dict]:
@@ -58,6 +59,25 @@ def _hangs(run_dir: str) -> list[dict]:
     return out
 
 
+def _timeline(run_dir: str, last_steps: int = TIMELINE_STEPS) -> dict | None:
+    """The trace's slices of the last `last_steps` rollouts (and their threads' names), for the timeline chart."""
+    try:
+        with open(os.path.join(run_dir, TRACE_FILE), encoding="utf-8") as f:
+            events = json.load(f)["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    slices = [e for e in events if e.get("ph") == "X"]
+    steps = sorted({e.get("args", {}).get("rollout_id") for e in slices} - {None})
+    keep = set(steps[-last_steps:])
+    slices = [e for e in slices if e.get("args", {}).get("rollout_id") in keep]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    lanes = sorted({(e["pid"], e["tid"]) for e in slices})
+    return {"lanes": [names.get(lane, f"thread {lane[1]}") for lane in lanes],
+            "slices": [{"lane": lanes.index((e["pid"], e["tid"])), "name": e["name"], "ts": e["ts"], "dur": e["dur"],
+                        "rollout_id": e["args"].get("rollout_id")} for e in slices]}
+
+
 def collect(run_dir: str) -> dict[str, Any]:
     """Everything the page shows. A run directory needs metrics.jsonl; the rest is shown when present."""
     if not os.path.isdir(run_dir):
@@ -79,4 +99,5 @@ def collect(run_dir: str) -> dict[str, Any]:
         "checkpoints": _checkpoints(config.get("save")),
         "hangs": _hangs(run_dir),
         "has_trace": os.path.isfile(os.path.join(run_dir, TRACE_FILE)),
+        "timeline": _timeline(run_dir),
     }

@@ -100,7 +100,7 @@
   function phaseChart() {
     const rows = metrics.filter((m) => typeof m["time/step"] === "number");
     if (!rows.length) return null;
-    const W = 740, H = 220, L = 52, R = 10, T = 10, B = 26;
+    const W = 740, H = 220, L = 64, R = 10, T = 10, B = 26;
     const parts = rows.map((m) => {
       const p = PHASES.map((ph) => (typeof m[`time/${ph}`] === "number" ? m[`time/${ph}`] : 0));
       return [...p, Math.max(0, m["time/step"] - p.reduce((a, b) => a + b, 0))];
@@ -141,6 +141,44 @@
     return el("figure", { class: "card wide" },
       el("figcaption", {}, "Step time by phase (the loop runs them one after another; 'other' is the rest)"),
       root, legend);
+  }
+
+  function timelineChart() {
+    const tl = DATA.timeline;
+    if (!tl || !tl.slices.length) return null;
+    const lanesH = 22, L = 150, R = 10, T = 6, B = 24, W = 1100;
+    const H = T + B + lanesH * tl.lanes.length;
+    const t0 = Math.min(...tl.slices.map((s) => s.ts));
+    const t1 = Math.max(...tl.slices.map((s) => s.ts + s.dur));
+    const sx = (t) => L + ((t - t0) / (t1 - t0 || 1)) * (W - L - R);
+    const root = svg("svg", { class: "chart timeline", viewBox: `0 0 ${W} ${H}`, "data-title": "timeline" });
+    tl.lanes.forEach((name, i) => {
+      const t = svg("text", { x: L - 6, y: T + i * lanesH + 15, class: "tick", "text-anchor": "end" });
+      t.textContent = name.length > 24 ? name.slice(0, 23) + "…" : name;
+      root.append(t);
+    });
+    const names = [...PHASES, "reward"];
+    // outer phases first, so a phase nested in another (reward in generate) is drawn on top of it
+    [...tl.slices].sort((a, b) => b.dur - a.dur).forEach((s) => {
+      const j = names.indexOf(s.name);
+      const nested = s.name === "reward";
+      const r = svg("rect", { x: sx(s.ts), y: T + s.lane * lanesH + (nested ? 9 : 2),
+        width: Math.max(0.5, sx(s.ts + s.dur) - sx(s.ts)), height: nested ? 9 : 16,
+        fill: j >= 0 ? COLORS[j] : "#6b7280", class: `slice ${s.name}` });
+      const tip = svg("title", {});
+      tip.textContent = `${s.name} (rollout ${s.rollout_id}): ${fmt(s.dur / 1e6)} s`;
+      r.append(tip);
+      root.append(r);
+    });
+    const ax = svg("text", { x: W - R, y: H - 6, class: "tick", "text-anchor": "end" });
+    ax.textContent = `${fmt((t1 - t0) / 1e6)} s`;
+    root.append(ax);
+    const legend = el("div", { class: "legend" });
+    names.forEach((n, j) => legend.append(el("span", { class: "key" }, el("i", { style: `background:${COLORS[j]}` }),
+      n)));
+    return el("figure", { class: "card wide" }, el("figcaption", {}, "Timeline of the last rollouts (from trace.json; " +
+      "one lane per thread: slices that overlap in time on different lanes ran at once, e.g. with --async)"),
+    root, legend);
   }
 
   // ---- sample browser ------------------------------------------------------------------------------------
@@ -282,6 +320,8 @@
   const curves = el("section", { id: "curves", class: "grid" });
   const phases = phaseChart();
   if (phases) curves.append(phases);
+  const timeline = timelineChart();
+  if (timeline) curves.append(timeline);
   for (const [title, ks] of CHARTS) {
     const c = lineChart(title, ks);
     if (c) curves.append(c);
