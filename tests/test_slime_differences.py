@@ -59,3 +59,16 @@ def test_offload_with_no_offload_train_keeps_the_rollout_offload(tmp_path, monke
                              "--rm-type", "math", "--num-rollout", "1", "--offload", "--no-offload-train",
                              "--advantage-estimator", "ppo"])
     assert args.offload_train is False and args.offload_rollout is True  # slime forces --offload-train for PPO
+
+
+def test_weight_decay_defaults_to_zero_and_decays_one_dimensional_weights_too():
+    from lichen.config import build_train_parser
+    from lichen.train.optim import make_adamw
+
+    assert "norm weights and biases too" in DIFFERS["--weight-decay"] and "slime 0.01" in DIFFERS["--weight-decay"]
+    assert {a.dest: a.default for a in build_train_parser()._actions}["weight_decay"] == 0.0
+    norm_weight = torch.nn.Parameter(torch.ones(3))  # 1-D like a norm weight or a bias: Megatron does not decay it
+    opt = make_adamw([norm_weight], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5)
+    norm_weight.grad = torch.zeros(3)
+    opt.step()
+    assert torch.allclose(norm_weight.detach(), torch.full((3,), 0.95))  # decayed by lr * wd
