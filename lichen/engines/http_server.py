@@ -49,7 +49,7 @@ class LichenServer:
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  admin_api_key: str | None = None, max_running: int = 256, context_length: int | None = None,
                  health_timeout: float = 20.0, architectures: list[str] | None = None,
-                 limits: Limits | None = None, weight_dirs: WeightDirs | None = None):
+                 limits: Limits | None = None, weight_dirs: WeightDirs | None = None, tool_parser: Any = None):
         cfg = engine.model.cfg
         tokenizer = LockedTokenizer(tokenizer)
         self.engine = engine
@@ -61,6 +61,7 @@ class LichenServer:
         self.host, self.port = host, port
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.health_timeout = health_timeout
+        self.tool_parser = tool_parser  # lichen.engines.tool_parsers; None: requests with tools are refused
         self.architectures = architectures or []
         self.facts = Facts(tokenizer, cfg.vocab_size, context_length or cfg.max_position_embeddings,
                            list(engine.eos_token_ids), max_request_sequences=self.limits.max_request_sequences)

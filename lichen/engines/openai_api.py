@@ -3,7 +3,9 @@
 
 Both completion endpoints map onto the same jobs as `/generate`; log-probs follow lichen's convention
 (log_softmax(logits / T) over the full vocabulary). Chat prompts are rendered with the tokenizer's chat
-template (`chat_template_kwargs` passed through). No tool-call parsing: `tool_calls` is always null.
+template (`chat_template_kwargs` passed through). `tools` reach the template and calls in the output are parsed
+into `tool_calls` by the server's --tool-call-parser (lichen/engines/tool_parsers.py; `tool_choice` in
+lichen/engines/chat_tools.py, docs/agentic.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from lichen.engines.chat_tools import refuse_ignored_tools, template_messages, tool_mode
 from lichen.engines.protocol import (Job, OutputOptions, RequestError, abort_status, bool_field, error_body,
                                      expect, int_field, int_list, loads, make_job, output_text, parse_sampling,
                                      stream_error)
@@ -126,6 +129,7 @@ class _Delta:
 
     def __init__(self):
         self.text, self.tokens, self.started = "", 0, False
+        self.lp_sent = 0  # tokens whose log-probs were sent (chat streams)
 
     def step(self, job: Job, server: "LichenServer", n: int | None, prefix: str = "") -> tuple[str, int, int]:
         final = n is None
@@ -277,7 +281,7 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
-def _render_chat(server: "LichenServer", body: dict) -> list[int]:
+def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -> list[int]:
     messages = body.get("messages")
     expect(messages, (list,), "messages", "a list of messages")
     if not messages:
@@ -307,16 +311,22 @@ def _render_chat(server: "LichenServer", body: dict) -> list[int]:
         raise RequestError("the served tokenizer has no chat template; use /v1/completions", shape="object")
     kwargs = body.get("chat_template_kwargs") or {}
     expect(kwargs, (dict,), "chat_template_kwargs", "a JSON object")
-    if body.get("tools"):
-        kwargs = {**kwargs, "tools": body["tools"]}
+    norm = template_messages(norm)
+    text = _apply_template(tok, norm, {**kwargs, "tools": tools} if tools else kwargs)
+    if tools:
+        refuse_ignored_tools(text, _apply_template(tok, norm, kwargs), f"{server.tokenizer_path} (tokenizer_config.json)")
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def _apply_template(tok, messages: list[dict], kwargs: dict) -> str:
     try:
-        text = tok.apply_chat_template(norm, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # a template error is the request's fault
         raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                            shape="object") from None
     if isinstance(text, list):
         (text,) = text
-    return list(tok.encode(text, add_special_tokens=False))
+    return text
 
 
 def _chat_logprobs(server, job: Job, start: int, end: int, top: int) -> dict:
@@ -346,10 +356,16 @@ def _refuse_response_format(body: dict) -> None:
                            "decoding); leave it out or use {\"type\": \"text\"}", shape="object")
 
 
+def _tool_finish(reason: str | None, calls: int) -> str | None:
+    """OpenAI's finish_reason for a reply that ends in tool calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     _refuse_response_format(body)
-    ids = _render_chat(server, body)
+    tools, parse = tool_mode(body, server.tool_parser, "--tool-call-parser")
+    ids = _render_chat(server, body, tools)
     want_lp = bool_field(body, "logprobs", False, "")
     top = int_field(body, "top_logprobs", 0, "")
     if not 0 <= top <= 20:
@@ -364,6 +380,8 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
     if stream:
         state = {j.index: _Delta() for j in jobs}
+        parsers = {j.index: server.tool_parser.stream() for j in jobs} if parse else {}
+        calls_sent = {j.index: 0 for j in jobs}
 
         def chunks(job, k):
             base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -376,13 +394,23 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
                 st.started = True
                 yield {**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]}
-            delta, a, b = st.step(job, server, k)
+            delta, _, b = st.step(job, server, k)
             reason, matched = _finish(job) if k is None else (None, None)
-            if not delta and reason is None:
+            msg: dict = {}
+            if parse:  # text goes through the parser: content once it cannot start a call, calls once complete
+                delta, calls = parsers[job.index].feed(st.text, k is None)
+                if calls:
+                    msg["tool_calls"] = [c.openai(calls_sent[job.index] + i) for i, c in enumerate(calls)]
+                    calls_sent[job.index] += len(calls)
+                reason = _tool_finish(reason, calls_sent[job.index])
+            if delta:
+                msg = {"content": delta, **msg}
+            if not msg and reason is None:
                 return
-            choice = {"index": job.index, "delta": {"content": delta} if delta else {},
-                      "logprobs": _chat_logprobs(server, job, a, b, top) if want_lp else None,
-                      "finish_reason": reason}
+            # log-probs of every token since the last chunk, also of tokens whose text was held back
+            logprobs = _chat_logprobs(server, job, st.lp_sent, b, top) if want_lp else None
+            st.lp_sent = b
+            choice = {"index": job.index, "delta": msg, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["matched_stop"] = matched
             yield {**base, "choices": [choice]}
@@ -396,9 +424,14 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
     for job in jobs:
         reason, matched = _finish(job)
         n = len(job.seq.output_ids)
+        content, calls = output_text(job, server.detok, n, True), None
+        if parse:
+            parsed = server.tool_parser.parse(content)
+            content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
+            reason = _tool_finish(reason, len(parsed.calls))
         choices.append({"index": job.index,
-                        "message": {"role": "assistant", "content": output_text(job, server.detok, n, True),
-                                    "reasoning_content": None, "tool_calls": None},
+                        "message": {"role": "assistant", "content": content, "reasoning_content": None,
+                                    "tool_calls": calls},
                         "logprobs": _chat_logprobs(server, job, 0, n, top) if want_lp else None,
                         "finish_reason": reason, "matched_stop": matched})
     return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,

@@ -27,6 +27,7 @@ import sys
 
 from lichen.devices import resolve_device
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
+from lichen.engines.tool_parsers import load_parser
 from lichen.errors import ConfigError
 from lichen.key_files import resolve_key
 
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-timeout", type=float, default=None,
                    help="seconds /health_generate waits for a generation before answering 503 "
                         "(default: $SGLANG_HEALTH_CHECK_TIMEOUT or 20)")
+    p.add_argument("--tool-call-parser", default="hermes", metavar="NAME|PATH",
+                   help="how tool calls are read from chat output: hermes (= qwen, qwen25, qwen3: "
+                        "<tool_call>{json}</tool_call>), none (requests with tools are refused), or a dotted path to "
+                        "a parser factory (docs/agentic.md; default hermes)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
@@ -130,6 +135,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--model {args.model!r}: no such directory; pass a Hugging Face checkpoint directory "
                           "(`lichen make-tiny-model DIR` writes a small one)")
     check_model_limits(args)
+    args.tool_parser = load_parser(args.tool_call_parser)
 
 
 def check_model_limits(args: argparse.Namespace) -> None:
@@ -185,7 +191,8 @@ def load_server(args: argparse.Namespace):
     return LichenServer(engine, tok, model_path=args.model, served_model_name=args.served_model_name,
                         host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
                         max_running=args.max_batch_size, context_length=args.context_length,
-                        health_timeout=timeout, architectures=architectures, limits=limits, weight_dirs=dirs)
+                        health_timeout=timeout, architectures=architectures, limits=limits, weight_dirs=dirs,
+                        tool_parser=args.tool_parser)
 
 
 async def serve(server, host: str, port: int) -> None:

@@ -1,0 +1,280 @@
+"""Tool calls on `lichen serve`'s OpenAI endpoints (docs/agentic.md): the Hermes/Qwen parser (valid, malformed and
+partial-stream calls), parser plug-ins by dotted path, `tool_choice`, the refusal of a template that ignores
+`tools`, and the official `openai` SDK against the server: in process with scripted engine output (so the model
+"calls" a tool), and against a real `lichen serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+
+import openai
+import pytest
+
+from lichen.engines.tool_parsers import TaggedJsonParser, ToolCall, load_parser
+from lichen.errors import ConfigError
+
+from helpers.serve_process import launch
+
+P = TaggedJsonParser()
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b",
+                                           "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}]
+
+
+# ---- parsing ------------------------------------------------------------------------------------------------------
+def test_valid_calls_and_content_around_them():
+    out = P.parse("Let me add.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 5'))
+    assert out.content == "Let me add."
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
+    assert len({c.id for c in out.calls}) == 2
+    only = P.parse(CALL)
+    assert only.content is None and len(only.calls) == 1
+    # arguments given as a JSON string are read as the object they encode
+    assert json.loads(P.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+                      .calls[0].arguments) == {"x": 1}
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": "add", "arguments": {</tool_call>',  # bad JSON
+                                  '<tool_call>{"arguments": {}}</tool_call>',  # no name
+                                  '<tool_call>[1, 2]</tool_call>',  # not an object
+                                  '<tool_call>{"name": "f", "arguments": 3}</tool_call>',  # arguments not an object
+                                  'answer <tool_call>{"name": "add", "arguments": {}}'])  # never closed
+def test_malformed_calls_stay_in_the_content(text):
+    out = P.parse(text)
+    assert out.calls == [] and out.content == text.strip()
+
+
+def stream_all(parser, text: str, step: int = 1) -> tuple[str, list[ToolCall], list[str]]:
+    st = parser.stream()
+    content, calls, deltas = "", [], []
+    for end in list(range(step, len(text), step)) + [len(text)]:
+        delta, new = st.feed(text[:end], end == len(text))
+        content += delta
+        calls += new
+        deltas.append(delta)
+    return content, calls, deltas
+
+
+@pytest.mark.parametrize("text", ["Let me add.\n" + CALL + "\nDone, it is 3.", CALL, "no call here at all",
+                                  "x <tool_call>{broken}</tool_call> y", "tail <tool_call>{\"name\": \"add\"",
+                                  "  spaced  \n" + CALL + "\n\n" + CALL + "\n"])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streaming_joins_to_the_parse_and_never_leaks_a_partial_tag(text, step):
+    content, calls, deltas = stream_all(P, text, step)
+    whole = P.parse(text)
+    assert (content or None) == whole.content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+    if whole.calls:  # no piece of a call that parsed was ever sent as content
+        assert not any("<tool" in d or "\"name\"" in d for d in deltas)
+
+
+class UpperParser:
+    """A plug-in parser: the whole reply is one call `upper` with the text as its argument."""
+
+    def parse(self, text):
+        from lichen.engines.tool_parsers import ParsedOutput
+        return ParsedOutput(None, [ToolCall("upper", json.dumps({"text": text}))])
+
+    def stream(self):
+        raise NotImplementedError
+
+
+def test_parser_flag_names_builtins_plugins_and_refuses_the_rest():
+    assert isinstance(load_parser("qwen25"), TaggedJsonParser)
+    assert load_parser("none") is None
+    assert isinstance(load_parser("test_tool_calls.UpperParser"), UpperParser)
+    for bad, words in (("mistral", "unknown parser"), ("test_tool_calls.nothing", "no attribute"),
+                       ("json.JSONDecoder", "needs parse(text) and stream()")):
+        with pytest.raises(ConfigError) as e:
+            load_parser(bad)
+        assert str(e.value).startswith(f"--tool-call-parser {bad!r}") and words in str(e.value)
+
+
+# ---- the OpenAI endpoint with scripted engine output --------------------------------------------------------------
+class ScriptedServer:
+    """A real LichenServer on a loopback port whose jobs produce `reply` (tokens + EOS) instead of sampling, so the
+    route, the SDK and the parser see a model that calls tools."""
+
+    def __init__(self, ckpt: str, reply: str, parser: str = "hermes", template: str | None = None):
+        import torch
+
+        from lichen.engines.engine import Engine
+        from lichen.engines.http_server import LichenServer
+        from lichen.models import load_model
+        from lichen.models.tokenizer import eos_token_ids, load_tokenizer
+
+        tok = load_tokenizer(ckpt)
+        if template is not None:
+            tok.chat_template = template
+        eos = eos_token_ids(tok, ckpt)
+        engine = Engine(load_model(ckpt, dtype=torch.float32), eos_token_ids=eos, pad_token_id=0)
+        self.ids = list(tok.encode(reply, add_special_tokens=False)) + [eos[0]]
+        self.prompts: list[list[int]] = []
+        outer = self
+
+        class Server(LichenServer):
+            def _fill(self, job, n):
+                job.seq.append(outer.ids[n], -0.01 * (n + 1), "v0")
+
+            async def run_jobs(self, jobs, *, bounded=True):
+                for job in jobs:
+                    outer.prompts.append(list(job.seq.input_ids))
+                    for n in range(len(outer.ids)):
+                        self._fill(job, n)
+                    job.seq.finish = ("stop", eos[0])
+
+            async def stream_jobs(self, jobs):
+                for job in jobs:
+                    for n in range(len(outer.ids)):
+                        self._fill(job, n)
+                        yield job, n + 1
+                    job.seq.finish = ("stop", eos[0])
+                    yield job, None
+
+        self.server = Server(engine, tok, model_path=ckpt, served_model_name="tiny", tool_parser=load_parser(parser))
+        self.tok = tok
+        started = threading.Event()
+        self.loop = asyncio.new_event_loop()
+
+        async def up():
+            from aiohttp import web
+            await self.server.start()
+            self.runner = web.AppRunner(self.server.app())
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]
+            started.set()
+
+        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(up()), self.loop.run_forever()),
+                                       daemon=True)
+        self.thread.start()
+        assert started.wait(60)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
+
+    def close(self):
+        async def down():
+            await self.runner.cleanup()
+            await self.server.stop()
+        asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture
+def scripted(tiny_ckpt):
+    servers = []
+
+    def make(reply, **kw):
+        servers.append(ScriptedServer(tiny_ckpt, reply, **kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+MSGS = [{"role": "user", "content": "what is 1+2?"}]
+
+
+def test_sdk_gets_tool_calls_and_sends_them_back(scripted):
+    s = scripted("Let me add.\n" + CALL)
+    r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, logprobs=True)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me add."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    assert len(choice.logprobs.content) == len(s.ids)  # every generated token (EOS too) keeps its log-prob
+    # the tools reached the template
+    assert '"name": "add"' in s.tok.decode(s.prompts[-1])
+    # the SDK's assistant message with tool_calls, and a tool result, render as the next prompt
+    s.client.chat.completions.create(model="tiny", tools=TOOLS, messages=[
+        *MSGS, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "3"}])
+    assert s.tok.decode(s.prompts[-1]).endswith("<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sdk_streams_tool_call_deltas(scripted):
+    s = scripted("Sure.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 7'))
+    chunks = list(s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, stream=True,
+                                                   logprobs=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert content == "Sure."
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)["a"]) for tc in calls] == \
+        [(0, "add", 1), (1, "add", 7)]
+    assert all(tc.id and tc.type == "function" for tc in calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # log-probs of the tokens whose text was held (the calls) are sent too, each once
+    lps = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert lps == pytest.approx([-0.01 * (n + 1) for n in range(len(s.ids))])
+
+
+def test_without_tools_nothing_is_parsed(scripted):
+    s = scripted(CALL)
+    r = s.client.chat.completions.create(model="tiny", messages=MSGS)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == CALL
+    r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert "# Tools" not in s.tok.decode(s.prompts[-1])  # "none": the model is not shown the tools
+
+
+@pytest.mark.parametrize("choice, words", [("required", "tool_choice \"required\" is not supported"),
+                                           ({"type": "function", "function": {"name": "add"}}, "constrained")])
+def test_tool_choice_that_forces_a_call_is_refused(scripted, choice, words):
+    s = scripted(CALL)
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice)
+    assert words in str(e.value)
+
+
+def test_template_that_ignores_tools_is_a_400_naming_it(scripted):
+    plain = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+             "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+             "{%- endif %}")
+    s = scripted(CALL, template=plain)
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS)
+    assert "ignores `tools`" in str(e.value) and "tokenizer_config.json" in str(e.value)
+    assert s.client.chat.completions.create(model="tiny", messages=MSGS).choices[0].message.content == CALL
+
+
+def test_parser_none_refuses_tools(scripted):
+    s = scripted(CALL, parser="none")
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS)
+    assert "--tool-call-parser none" in str(e.value)
+
+
+# ---- a real `lichen serve` process --------------------------------------------------------------------------------
+def test_real_server_with_the_sdk(tiny_ckpt, tmp_path):
+    """The flag reaches the process (a plug-in parser by dotted path), and a template without tool support is
+    refused by the real server too."""
+    no_tools = tmp_path / "no_tools"
+    shutil.copytree(tiny_ckpt, no_tools)
+    cfg_path = no_tools / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("{%- if tools %}", "{%- if false %}")
+    cfg_path.write_text(json.dumps(cfg))
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = launch(tiny_ckpt, "--num-threads", "1", "--tool-call-parser", "test_tool_calls.UpperParser", env=env)
+    bare = launch(str(no_tools), "--num-threads", "1")
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=tiny_ckpt, messages=MSGS, tools=TOOLS, max_tokens=5,
+                                           temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "upper" and r.usage.completion_tokens <= 5
+        bare_client = openai.OpenAI(base_url=bare.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            bare_client.chat.completions.create(model=str(no_tools), messages=MSGS, tools=TOOLS, max_tokens=2)
+        assert "ignores `tools`" in str(e.value)
+    finally:
+        proc.stop()
+        bare.stop()
