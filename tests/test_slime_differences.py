@@ -72,3 +72,23 @@ def test_weight_decay_defaults_to_zero_and_decays_one_dimensional_weights_too():
     norm_weight.grad = torch.zeros(3)
     opt.step()
     assert torch.allclose(norm_weight.detach(), torch.full((3,), 0.95))  # decayed by lr * wd
+
+
+def test_train_env_vars_are_set_in_lichens_own_process(tmp_path, monkeypatch, capsys):
+    """lichen sets --train-env-vars in its process, so the engine servers it launches inherit them (slime: the
+    training actors only)."""
+    import os
+
+    import lichen.cli
+
+    assert "engines lichen launches" in DIFFERS["--train-env-vars"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LICHEN_TEST_ENV_X", raising=False)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the test's own copy, restored afterwards
+    rc = lichen.cli.main(["train", "--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
+                          "--n-samples-per-prompt", "2", "--rm-type", "math", "--num-rollout", "1", "--train-env-vars",
+                          '{"LICHEN_TEST_ENV_X": "1"}', "--dry-run"])
+    assert rc == 0 and os.environ["LICHEN_TEST_ENV_X"] == "1"
