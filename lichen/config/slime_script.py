@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from lichen.errors import ConfigError
 
-_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}"
+                  r"|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
 _ARRAY_REF = re.compile(r"^\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}$")
 _ARITH = re.compile(r"\$\(\((?P<expr>[^()]*)\)\)")
 _ASSIGN = re.compile(r"^(?:export\s+)?(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<rest>.*)$", re.S)
