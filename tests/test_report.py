@@ -189,3 +189,22 @@ async def _check_page(report: str, run_dir: str) -> None:
               done(seen.size); }};
             img.src = 'data:image/png;base64,{__import__("base64").b64encode(png).decode()}'; }})""")
         assert colours > 20, colours
+
+
+def test_report_of_a_run_still_writing(run_dir, tmp_path):
+    """A torn last metrics line and a sample file half written are what a run leaves mid-step: the page is made
+    from what is complete."""
+    import shutil
+
+    from lichen.cli import main
+    from lichen.observe.report.data import collect
+
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live)
+    with open(live / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rollout/rew')
+    (live / "samples" / "step_000006.jsonl.gz").write_bytes(gzip.compress(b'{"step": 6}\n')[:12])
+    data = collect(str(live))
+    assert [m["step"] for m in data["metrics"]][-1] == STEPS
+    assert max(s["step"] for s in data["samples"]) == STEPS
+    assert main(["report", str(live)]) == 0 and (live / "report.html").stat().st_size > 10_000
