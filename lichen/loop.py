@@ -107,7 +107,8 @@ def prepare_output_dir(args) -> None:
                   default=str)
 
 
-def run(args) -> dict:
+def run(args, driver=None) -> dict:
+    """One run: `driver` orders the phases (train_loop here; --async: lichen.loop_async.train_loop_async)."""
     prepare_output_dir(args)
     rollout = build_rollout(args)
     try:
@@ -119,7 +120,7 @@ def run(args) -> dict:
             observer = RunObserver(obs_cfg, engine_stacks=engine_stacks_of(getattr(rollout, "engines", [])),
                                    decode=tokenizer.decode if tokenizer is not None else None)
             try:
-                return train_loop(args, trainer, rollout, logger, observer)
+                return (driver or train_loop)(args, trainer, rollout, logger, observer)
             finally:
                 observer.close()
     finally:

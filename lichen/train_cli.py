@@ -58,5 +58,10 @@ def main(argv: list[str]) -> int:
         return 0
     from lichen.loop import run  # imported only now: it pulls in torch and the models
 
-    run(args)
+    if args.async_train:  # one-step off-policy: generation of step k+1 overlaps training on step k
+        from lichen.loop_async import train_loop_async
+
+        run(args, driver=train_loop_async)
+    else:
+        run(args)
     return 0

@@ -25,6 +25,7 @@ ANYTHING = None
 ALLOWED: dict[str, set[str] | None] = {
     "cli": ANYTHING, "train_cli": ANYTHING, "eval_cli": ANYTHING, "port_slime": ANYTHING,
     "loop": {"rollout", "train", "sync"},
+    "loop_async": {"loop", "sync", "types"},
     "rollout": {"engines", "rewards", "data", "models", "types"},
     "train": {"algo", "models", "weights", "types"},
     "sync": {"engines", "weights"},

@@ -2,9 +2,7 @@
 
 import pytest
 
-from lichen.cli import main
-
-from helpers.runs import base_args, final_weights, run
+from helpers.runs import base_args, final_weights, run, run_stopped_after_sync
 
 
 def test_first_step_ppo_kl_is_zero_and_second_is_not(tiny_ckpt, addition_data, tmp_path):
@@ -39,25 +37,7 @@ def test_exact_resume(tiny_ckpt, addition_data, tmp_path, estimator):
     straight = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--save", str(tmp_path / "ca"), *common))
     # First half: the same command, stopped right after the step-2 checkpoint (as a crash would).
     half = base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"), *common)
-    import lichen.loop as loop
-
-    class Stop(Exception):
-        pass
-
-    orig_push = loop.sync.push
-
-    def push_then_stop(trainer, rollout, version, cfg=None):
-        out = orig_push(trainer, rollout, version, cfg)
-        if version == 2:
-            raise Stop
-        return out
-
-    loop.sync.push = push_then_stop
-    try:
-        with pytest.raises(Stop):
-            main(half)
-    finally:
-        loop.sync.push = orig_push
+    run_stopped_after_sync(half, stop_at=2)
     resumed = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"),
                             "--load", str(tmp_path / "cb"), *common))
     wa, wb = final_weights(tmp_path / "ca"), final_weights(tmp_path / "cb")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lichen.errors import ConfigError
+from lichen.config import async_mode
 from lichen.config.checks import check_int_at_least, given
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
@@ -86,6 +87,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="disk transport: fn(version_dir) runs after each version's files are written (e.g. to flush a shared "
         "file system) and before the engines read them (default: none)",
     )
+    async_mode.add_args(parser)  # when the syncs happen: after every step, or overlapped with generation (--async)
 
 
 def _uses_server_engines(args: argparse.Namespace) -> bool:
@@ -139,3 +141,4 @@ def check(args: argparse.Namespace) -> None:
                     f"{flag} applies to server engines (--rollout-num-engines / --rollout-external-engine-addrs); "
                     "the in-process engine gets a direct tensor copy of the weights; drop this flag"
                 )
+    async_mode.check(args)

@@ -26,3 +26,29 @@ def run(argv) -> list[dict]:
 def final_weights(save_dir) -> dict:
     last = int(open(f"{save_dir}/latest_checkpointed_iteration.txt").read())
     return load_hf_state_dict(f"{save_dir}/iter_{last:07d}/hf")
+
+
+def run_stopped_after_sync(argv, stop_at: int) -> None:
+    """Run `lichen train argv` and stop it right after the sync of weight version `stop_at` (as a crash would:
+    the checkpoint of that step is complete, nothing after it runs)."""
+    import pytest
+
+    from lichen import sync
+
+    class Stop(Exception):
+        pass
+
+    orig_push = sync.push
+
+    def push_then_stop(trainer, rollout, version, cfg=None):
+        out = orig_push(trainer, rollout, version, cfg)
+        if version == stop_at:
+            raise Stop
+        return out
+
+    sync.push = push_then_stop  # the drivers call sync.push through the module, so both see this one
+    try:
+        with pytest.raises(Stop):
+            main(argv)
+    finally:
+        sync.push = orig_push
