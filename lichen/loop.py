@@ -37,7 +37,7 @@ class NullTrainer:
         pass
 
 
-def build_rollout(args):
+def build_rollout(args, cluster=None):
     from lichen.config.engine_config import EngineConfig
     from lichen.config.rollout_config import RolloutConfig
     from lichen.rollout.manager import ReplayRollout, RolloutManager
@@ -45,14 +45,24 @@ def build_rollout(args):
     cfg = RolloutConfig.from_args(args)
     if cfg.load_debug_rollout_data:
         return ReplayRollout(cfg)
+    engine_cfg, engine = EngineConfig.from_args(args), None
+    if cluster is not None and cluster.placement.engines:
+        from lichen.cluster.engine_actors import ray_remote_engines
+
+        engine = ray_remote_engines(cluster, engine_cfg)  # servers started by Ray actors on their bundles
     # the full namespace goes along only for the user plug-ins the rollout calls
-    return RolloutManager(cfg, args, engine_cfg=EngineConfig.from_args(args))
+    return RolloutManager(cfg, args, engine, engine_cfg=engine_cfg)
 
 
-def build_trainer(args):
+def build_trainer(args, cluster=None):
     if args.debug_rollout_only:
         return NullTrainer()
     from lichen.config.train_config import TrainerConfig
+
+    if cluster is not None:  # --runtime ray: the ranks of lichen.train.dist_trainer as Ray actors
+        from lichen.cluster.actor_group import RayTrainGroup
+
+        return RayTrainGroup(cluster, TrainerConfig.from_args(args), args)
     from lichen.train.actor import TrainActor
 
     # args.num_rollout is resolved by now (resolve_num_rollout), so the config carries the run's optimizer steps;
@@ -78,7 +88,9 @@ def resume(args, trainer, rollout) -> int:
     if last is None:
         log.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", args.load)
         return 0
-    if not isinstance(trainer, NullTrainer):
+    if hasattr(trainer, "load_checkpoint"):  # the Ray runtime's ranks read their sharded state themselves
+        trainer.load_checkpoint(args.load)
+    elif not isinstance(trainer, NullTrainer):
         ckpt.load_trainer(args.load, last, trainer)
     rollout.load_state_dict(ckpt.load_rollout_state(args.load, last))
     log.info("resumed from %s at rollout %d (weight version %d)", ckpt.iter_dir(args.load, last), last, last + 1)
@@ -90,7 +102,9 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
 
 
 def save_checkpoint(args, trainer, rollout, rollout_id: int) -> None:
-    if not isinstance(trainer, NullTrainer):
+    if hasattr(trainer, "save_checkpoint"):  # the Ray runtime's ranks write sharded state + rank 0's HF export
+        trainer.save_checkpoint(args.save, rollout_id)
+    elif not isinstance(trainer, NullTrainer):
         ckpt.save_trainer(args.save, rollout_id, trainer, args.hf_checkpoint)
     ckpt.save_rollout_state(args.save, rollout_id, rollout.state_dict())
     ckpt.mark_complete(args.save, rollout_id)
@@ -107,25 +121,47 @@ def prepare_output_dir(args) -> None:
                   default=str)
 
 
+def start_cluster(args):
+    """--runtime ray: join or start Ray and reserve the run's placement group; None for the local runtime."""
+    if args.runtime != "ray":
+        return None
+    from lichen.cluster.runtime import RayCluster
+    from lichen.config.cluster_config import ClusterConfig
+
+    return RayCluster(ClusterConfig.from_args(args))
+
+
 def run(args, driver=None) -> dict:
     """One run: `driver` orders the phases (train_loop here; --async: lichen.loop_async.train_loop_async)."""
     prepare_output_dir(args)
-    rollout = build_rollout(args)
+    cluster = start_cluster(args)
+    try:
+        return _run(args, cluster, driver or train_loop)
+    finally:
+        if cluster is not None:
+            cluster.close()  # after the rollout and trainer closed: removes the placement group, stops our Ray
+
+
+def _run(args, cluster, driver) -> dict:
+    rollout = build_rollout(args, cluster)
+    trainer = None
     try:
         resolve_num_rollout(args, rollout)
-        trainer = build_trainer(args)
+        trainer = build_trainer(args, cluster)
         obs_cfg = ObserveConfig.from_args(args)
         with MetricsLogger.from_config(obs_cfg) as logger:
             tokenizer = getattr(getattr(rollout, "context", None), "tokenizer", None)
             observer = RunObserver(obs_cfg, engine_stacks=engine_stacks_of(getattr(rollout, "engines", [])),
                                    decode=tokenizer.decode if tokenizer is not None else None)
             try:
-                return (driver or train_loop)(args, trainer, rollout, logger, observer)
+                return driver(args, trainer, rollout, logger, observer)
             finally:
                 observer.close()
     finally:
         sync.close(rollout)  # leaves broadcast groups while the engines still answer
         rollout.close()  # stops engine servers lichen launched, also when the run raises
+        if hasattr(trainer, "close"):
+            trainer.close()  # the Ray runtime's ranks: barrier, then leave the process group
 
 
 def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = None) -> dict:
@@ -138,6 +174,8 @@ def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = No
     sync_cfg = SyncConfig.from_args(args)
     with obs.phase("sync", start - 1):
         sync.push(trainer, rollout, version=start, cfg=sync_cfg)  # engines start from the trainer's weights
+    if args.offload_train:
+        trainer.offload()  # the first rollout (and eval) needs the devices the trainer would otherwise hold
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
         with obs.phase("eval", -1):
             last = rollout.eval(version=0)

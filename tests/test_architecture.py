@@ -24,7 +24,8 @@ ANYTHING = None
 # package -> the lichen packages it may import besides itself and SHARED (docs/architecture.md section 4)
 ALLOWED: dict[str, set[str] | None] = {
     "cli": ANYTHING, "train_cli": ANYTHING, "eval_cli": ANYTHING, "port_slime": ANYTHING,
-    "loop": {"rollout", "train", "sync"},
+    "loop": {"rollout", "train", "sync", "cluster"},
+    "cluster": {"engines", "train"},
     "loop_async": {"loop", "sync", "types"},
     "rollout": {"engines", "rewards", "data", "models", "types"},
     "train": {"algo", "models", "weights", "types"},
@@ -45,7 +46,7 @@ CONFIG_IN_FUNCTIONS = {"rewards", "engines", "rollout"}
 SERVER_MODULES = ("serve", "http_server", "weight_endpoints", "openai_api", "scheduler", "limits", "weight_paths")
 SERVER = re.compile(r"^lichen\.engines\.(" + "|".join(SERVER_MODULES) + r")\b")
 # the typed configs: every part may import its own; they import nothing of lichen but `errors`
-TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config")
+TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config", "cluster_config")
 CONFIG_TYPES = re.compile(r"^lichen\.config\.(" + "|".join(TYPED_CONFIGS) + ")$")
 
 

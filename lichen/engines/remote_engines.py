@@ -505,13 +505,15 @@ class RemoteEngines:
         return cls.from_config(EngineConfig.from_args(args))
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RemoteEngines":
+    def from_config(cls, cfg: Any, launcher: Any = None) -> "RemoteEngines":
         """Launch `cfg.num_engines` servers (or connect to `cfg.addresses`), wait until they answer, check that
-        each routes `cfg.required`, and start the health monitor with `cfg.failover`. `cfg` is an EngineConfig."""
+        each routes `cfg.required`, and start the health monitor with `cfg.failover`. `cfg` is an EngineConfig.
+        `launcher`: servers started elsewhere (the Ray runtime's engine actors) with the launcher interface."""
         from lichen.engines.launcher import EngineLauncher
 
-        launcher = None
-        if cfg.num_engines:
+        if launcher is not None:
+            urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-gpus"
+        elif cfg.num_engines:
             if cfg.backend == "sglang":
                 from lichen.engines.sglang_launcher import SGLangLauncher
 

@@ -1,0 +1,138 @@
+"""The trainer as Ray actors: one `TrainRank` per rank, each running lichen.train.dist_trainer.DistTrainer on its
+placement bundle; `RayTrainGroup` offers the loop the calls it makes on the local TrainActor.
+
+Every rank gets the same global batch and runs the same code (the micro-batch schedule is made for the global
+batch inside DistTrainer); the group returns rank 0's metrics, which are the same on every rank. The ranks meet
+under torch.distributed at rank 0's node (127.0.0.1 when every rank is on the driver's node) on a port rank 0
+picks. `--train-env-vars` go into these actors' runtime_env only; the engines never see them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Iterator
+
+from lichen.cluster.runtime import RayCluster
+from lichen.observe.metrics import get_logger
+
+log = get_logger(__name__)
+
+TRAINER = "lichen.train.dist_trainer.DistTrainer"
+# slime's shares of a bundle: a trainer rank takes 0.4 of its GPU, an engine 0.2, so both fit when colocated
+RANK_GPU_SHARE = 0.4
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainRankImpl:
+    """The body of one rank's actor (wrapped by ray.remote in `rank_actor_cls`)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+
+    def where(self) -> dict:
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "port": _free_port(), "pid": os.getpid(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "env": {k: v for k, v in os.environ.items() if k.startswith("LICHEN_TEST_")}}
+
+    def setup(self, cfg: Any, plugin_args: Any, rank: int, world_size: int, master_addr: str, master_port: int,
+              backend: str | None, trainer_path: str = TRAINER) -> None:
+        from lichen.plugins import load_function
+
+        cls = load_function(trainer_path, "trainer class")
+        self.trainer = cls(cfg, plugin_args, rank=rank, world_size=world_size, master_addr=master_addr,
+                           master_port=master_port, backend=backend)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        fn = getattr(self.trainer, method, None)
+        if fn is None:  # offload/onload on a trainer without them: nothing to release
+            return None
+        return fn(*args, **kwargs)
+
+
+def rank_actor_cls():
+    import ray
+
+    return ray.remote(TrainRankImpl)
+
+
+class RayTrainGroup:
+    """N x G trainer ranks as Ray actors, behind the calls the loop makes on TrainActor."""
+
+    def __init__(self, cluster: RayCluster, cfg: Any, plugin_args: Any, *, trainer_path: str = TRAINER,
+                 setup: bool = True):
+        import ray
+
+        self.cluster = cluster
+        ccfg = cluster.cfg
+        env = {"env_vars": dict(ccfg.train_env_vars)} if ccfg.train_env_vars else {}
+        cls = rank_actor_cls()
+        self.actors = [cls.options(num_cpus=0, num_gpus=RANK_GPU_SHARE, runtime_env=env,
+                                   scheduling_strategy=cluster.strategy(b)).remote()
+                       for b in cluster.placement.actor]
+        self.where = ray.get([a.where.remote() for a in self.actors])
+        self._full: dict | None = None  # rank 0's gathered weights, until the next train step or load
+        if setup:
+            self._setup(cfg, plugin_args, trainer_path)
+
+    def _setup(self, cfg: Any, plugin_args: Any, trainer_path: str) -> None:
+        import ray
+
+        ips = {w["ip"] for w in self.where}
+        master = "127.0.0.1" if ips == {self.cluster.driver_ip} else self.where[0]["ip"]
+        backend = "nccl" if self.cluster.cfg.device == "cuda" else None  # None: DistTrainer picks by device
+        n = len(self.actors)
+        # all at once: each rank's init_process_group waits for the others
+        ray.get([a.setup.remote(cfg, plugin_args, rank, n, master, self.where[0]["port"], backend, trainer_path)
+                 for rank, a in enumerate(self.actors)])
+        log.info("trainer: %d rank(s) on %s, process group at %s:%d", n, sorted(ips), master, self.where[0]["port"])
+
+    def _all(self, method: str, *args: Any) -> list:
+        import ray
+
+        return ray.get([a.call.remote(method, *args) for a in self.actors])
+
+    # ---- what the loop calls ------------------------------------------------------------------------------
+    def train(self, rollout_id: int, batch: list) -> dict:
+        self._full = None
+        return self._all("train", rollout_id, batch)[0] or {}
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        """The full weights, gathered on rank 0 (every rank takes part in the gather), for sync.push; gathered
+        once per weight version (sync.push reads them for the transfer and again to verify)."""
+        if self._full is None:
+            self._full = self._all("full_state_dict")[0]
+        return iter(self._full.items())
+
+    def save_checkpoint(self, save_dir: str, rollout_id: int) -> None:
+        """Sharded (torch.distributed.checkpoint) state of every rank, and rank 0's HF export."""
+        self._all("save", save_dir, rollout_id)
+
+    def load_checkpoint(self, load_dir: str) -> int:
+        """Restore the newest checkpoint under `load_dir` (saved on any number of ranks); its rollout id."""
+        self._full = None
+        return self._all("load", load_dir)[0]
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.call.remote("close") for a in self.actors], timeout=60)
+        except Exception as e:  # a rank already gone: nothing left to shut down cleanly
+            log.warning("closing trainer ranks: %s", e)
+        for a in self.actors:
+            ray.kill(a)

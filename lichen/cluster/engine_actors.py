@@ -1,0 +1,126 @@
+"""`lichen serve` engines started by Ray actors on their placement bundles.
+
+Each `EngineHost` actor sits on its engine's first bundle and runs one server through lichen.engines.launcher
+(so the server dies with its actor, logs under <output>/engines/engine_<i>/, gets its keys through the
+environment). The server sees the GPUs of all its bundles (CUDA_VISIBLE_DEVICES; on a CPU host these are Ray's
+declared GPUs, which CPU torch ignores). It binds 127.0.0.1 when it runs on the driver's node, else its node's
+address.
+
+`RayEngineSet` is the driver's handle on them with the launcher interface RemoteEngines and the health monitor
+use (`start`, `stop`, `restart(i)`, `api_key`, `admin_api_key`, `ready_timeout`): fault tolerance works as with
+local launches, and an engine whose actor died is started again in a new actor on the same bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lichen.cluster.runtime import RayCluster
+from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
+from lichen.observe.metrics import get_logger
+
+log = get_logger(__name__)
+
+ENGINE_GPU_SHARE = 0.2  # slime's share: fits next to a trainer rank (0.4) on a colocated bundle
+READY_TIMEOUT_S = 300.0
+
+class EngineHostImpl:
+    """The body of one engine's actor (wrapped by ray.remote in `EngineHost`)."""
+
+    def __init__(self, cfg: Any, index: int, gpu_ids: list[int], driver_ip: str, keys: dict[str, str]):
+        self.cfg, self.index, self.gpu_ids, self.driver_ip, self.keys = cfg, index, gpu_ids, driver_ip, keys
+        self.launcher: Any = None
+
+    def where(self) -> dict:
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "env": {k: v for k, v in os.environ.items() if k.startswith("LICHEN_TEST_")}}
+
+    def start(self) -> str:
+        import ray
+
+        from lichen.engines.launcher import EngineLauncher
+        from lichen.engines.remote_engines import launch_server_args
+
+        cfg = self.cfg
+        ip = ray.util.get_node_ip_address()
+        log_dir = os.path.join(cfg.log_dir, f"engine_{self.index}") if cfg.log_dir else None
+        env = {**self.keys, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpu_ids)}
+        self.launcher = EngineLauncher(cfg.model_path, 1, host="127.0.0.1" if ip == self.driver_ip else ip,
+                                       server_args=launch_server_args(cfg), log_dir=log_dir,
+                                       ready_timeout=READY_TIMEOUT_S, env=env, keyed=False)
+        return self.launcher.start()[0]
+
+    def restart(self) -> str:
+        return self.launcher.restart(0)
+
+    def server_pid(self) -> int:
+        return self.launcher.pids[0]
+
+    def stop(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop()
+
+class RayEngineSet:
+    """The engine actors of a run, with the launcher interface of lichen.engines (see the module doc)."""
+
+    def __init__(self, cluster: RayCluster, cfg: Any):
+        import ray
+
+        self.cluster, self.cfg = cluster, cfg
+        self.api_key, self.admin_api_key = new_key(), new_key()
+        self.ready_timeout = READY_TIMEOUT_S
+        self._host_cls = ray.remote(EngineHostImpl)
+        self.actors: list[Any] = [self._make(i) for i in range(len(cluster.placement.engines))]
+
+    def _make(self, i: int) -> Any:
+        bundles = self.cluster.placement.engines[i]
+        keys = {SERVE_KEY_ENV: self.api_key, SERVE_ADMIN_KEY_ENV: self.admin_api_key}
+        # no runtime_env: --train-env-vars are the trainer's only
+        return self._host_cls.options(num_cpus=0, num_gpus=ENGINE_GPU_SHARE,
+                                      scheduling_strategy=self.cluster.strategy(bundles[0])).remote(
+            self.cfg, i, self.cluster.gpu_ids(bundles), self.cluster.driver_ip, keys)
+
+    def start(self) -> list[str]:
+        import ray
+
+        urls = ray.get([a.start.remote() for a in self.actors])
+        log.info("started %d lichen serve engine(s) on Ray: %s", len(urls), ", ".join(urls))
+        return urls
+
+    def restart(self, index: int) -> str:
+        """Restart engine `index`'s server; if its actor is gone, start a new actor on the same bundle."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(self.actors[index].restart.remote())
+        except RayActorError:
+            log.warning("engine %d: its Ray actor died; starting a new one on the same bundle", index)
+            self.actors[index] = self._make(index)
+            return ray.get(self.actors[index].start.remote())
+
+    def call_each(self, method: str) -> list:
+        import ray
+
+        return ray.get([getattr(a, method).remote() for a in self.actors])
+
+    def stop(self, grace: float = 10.0) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.get(a.stop.remote(), timeout=grace + 20)
+            except Exception as e:  # the actor is gone (its server died with it) or hung
+                log.warning("stopping an engine actor: %s", e)
+            ray.kill(a)
+
+
+def ray_remote_engines(cluster: RayCluster, cfg: Any) -> Any:
+    """The run's engines (`cfg` an EngineConfig) as Ray actors behind one RemoteEngines, which stops them on close."""
+    from lichen.engines.remote_engines import RemoteEngines
+
+    return RemoteEngines.from_config(cfg, launcher=RayEngineSet(cluster, cfg))

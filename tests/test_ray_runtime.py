@@ -1,0 +1,111 @@
+"""--runtime ray (lichen.cluster): what each actor sees on 8 declared GPUs, the flags, and a 3-step run with 2
+trainer ranks + 2 engines against the same run's local structure.
+
+One small Ray instance for the module (2 CPUs' worth of work, 8 declared GPUs, no dashboard, a small object store);
+tests that need Ray skip only when it cannot be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
+
+from helpers.runs import base_args, run  # noqa: E402
+from lichen.cli import main  # noqa: E402
+from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
+from lichen.cluster.engine_actors import RayEngineSet  # noqa: E402
+from lichen.cluster.runtime import RayCluster  # noqa: E402
+from lichen.config.cluster_config import ClusterConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_8_gpus():
+    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(**kw) -> ClusterConfig:
+    base = dict(ray_address=None, actor_num_nodes=1, actor_num_gpus_per_node=4, rollout_num_gpus=4,
+                rollout_num_gpus_per_engine=1, colocate=False, debug_rollout_only=False, debug_train_only=False,
+                external_engines=False, device="cpu", train_env_vars={"LICHEN_TEST_TRAIN": "1"})
+    return ClusterConfig(**{**base, **kw})
+
+
+def _seen(cluster: RayCluster) -> tuple[list[dict], list[dict]]:
+    trainers = RayTrainGroup(cluster, None, None, setup=False)
+    engines = RayEngineSet(cluster, None)
+    try:
+        return trainers.where, engines.call_each("where")
+    finally:
+        for a in trainers.actors + engines.actors:
+            ray.kill(a)
+
+
+def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_8_gpus):
+    cluster = RayCluster(_cfg())
+    try:
+        ranks, engines = _seen(cluster)
+    finally:
+        cluster.close()
+    rank_gpus = [r["cuda_visible_devices"] for r in ranks]
+    engine_gpus = [e["cuda_visible_devices"] for e in engines]
+    assert sorted(rank_gpus + engine_gpus) == [str(i) for i in range(8)]  # one GPU each, none shared
+    assert rank_gpus == [str(g) for g in cluster.gpu_ids((0, 1, 2, 3))]  # rank r on logical bundle r
+    assert all(r["env"] == {"LICHEN_TEST_TRAIN": "1"} for r in ranks)  # --train-env-vars: trainer actors only
+    assert all(e["env"] == {} for e in engines)
+
+
+def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_8_gpus):
+    cluster = RayCluster(_cfg(actor_num_gpus_per_node=8, rollout_num_gpus=8, rollout_num_gpus_per_engine=2,
+                              colocate=True))
+    try:
+        ranks, engines = _seen(cluster)
+    finally:
+        cluster.close()
+    assert sorted(r["cuda_visible_devices"] for r in ranks) == sorted(str(i) for i in range(8))
+    assert cluster.placement.engines == ((0, 1), (2, 3), (4, 5), (6, 7))
+    for i, e in enumerate(engines):  # the engine's actor sits on its first bundle, next to that bundle's rank
+        assert e["cuda_visible_devices"] == ranks[2 * i]["cuda_visible_devices"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ray-address", "127.0.0.1:6379"], "--ray-address places Ray actors; add --runtime ray"),
+    (["--runtime", "ray"], "--runtime ray: give --rollout-num-gpus R"),
+    (["--runtime", "ray", "--rollout-num-gpus", "3", "--rollout-num-engines", "2"], "disagrees with"),
+])
+def test_ray_flags_are_checked(tiny_ckpt, addition_data, tmp_path, capsys, argv, message):
+    assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1", *argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ray_layout_resolves_engine_count(tiny_ckpt, addition_data, tmp_path, capsys):
+    assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1", "--runtime", "ray",
+                          "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2")) == 0
+    out = capsys.readouterr().out
+    assert "rollout_num_engines: 2" in out and "actor_num_gpus_per_node: 2" in out
+
+
+@pytest.mark.slow
+def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
+    common = ["--num-rollout", "3", "--device", "cpu", "--num-threads", "1"]
+    local = run(base_args(tiny_ckpt, addition_data, tmp_path / "local", *common, "--rollout-num-engines", "2",
+                          "--save", str(tmp_path / "local_ckpt")))
+    rayrun = run(base_args(tiny_ckpt, addition_data, tmp_path / "ray", *common, "--runtime", "ray",
+                           "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
+                           "--save", str(tmp_path / "ray_ckpt")))
+    steps = [m for m in rayrun if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert {k for m in local if "train/loss" in m for k in m} == {k for m in steps for k in m}
+    assert [m["sync/weight_version"] for m in steps] == [1, 2, 3]
+    mean_diff = sum(m["train/train_rollout_logprob_abs_diff"] for m in steps) / len(steps)
+    assert mean_diff <= 1e-5
+    assert os.path.isdir(tmp_path / "ray_ckpt" / "iter_0000002" / "hf")
+    with open(tmp_path / "ray_ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read().strip() == "2"
+    assert json.load(open(tmp_path / "ray" / "config.json"))["runtime"] == "ray"
