@@ -65,6 +65,7 @@ class RankLogProbs(LogProbs):
         out = super().of_batch(model, batch, [p for p in mine if p is not None], width)
         for _ in range(mine.count(None)):  # empty micro-batches: the same collectives, nothing kept
             self.forward(model, batch.micro([[0]], self.device))
+        fsdp.reshard(model)
         return fsdp.all_reduce_sum(out)
 
 
@@ -110,6 +111,7 @@ class _RankActor(TrainActor):
         with torch.no_grad():
             for mb_plan in split_across_ranks(plan.observed, lengths, self.world_size)[self.rank]:
                 loss_of(mb_plan)
+        fsdp.reshard(self.model)  # parameters() are the sharded ones again, with their gradients
         if not plan.trained:  # the same on every rank: the schedule is global
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def default_backend(device: torch.device) -> str:
@@ -32,21 +32,30 @@ def shard(model: nn.Module, *, bf16: bool) -> nn.Module:
     """FSDP2 over every rank of the default group, in place; returns `model`.
 
     bf16: parameters are all-gathered and computed in bfloat16 (MixedPrecisionPolicy; gloo carries bf16 on CPU),
-    gradients reduced in float32 into the float32 master shards. `logits` (the LM head, called outside `forward`
-    so it runs only where a caller needs logits) is registered as a forward method, so FSDP gathers the root's
-    parameters for it too.
+    gradients reduced in float32 into the float32 master shards.
+
+    The root unit keeps its parameters gathered after `forward` (reshard_after_forward=False), so `logits` (the LM
+    head, called after `forward`, only where a caller needs logits) reads the full embeddings / LM head, and their
+    gradients from both calls are reduced once, when the whole backward is done. A no-grad forward therefore
+    leaves the root's module parameters as the gathered tensors (which carry no gradient): call `reshard` after
+    it, before anything reads `model.parameters()` (gradient clipping does).
     """
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if hasattr(model, "logits"):
-        register_fsdp_forward_method(model, "logits")
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP unit of `model`: its parameters are the sharded ones again."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -58,4 +67,6 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) weights on CPU on rank 0, None on the others. Every rank must call it (it gathers)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_world_size() == 1:  # one CPU rank: the "gathered" tensors are the parameters themselves
+        state = {k: v.clone() for k, v in state.items()}
     return state if dist.get_rank() == 0 else None

@@ -44,11 +44,12 @@ def config(argv: list[str]):
 
 
 def step_batch(vocab: int, step: int) -> list[list[Sample]]:
-    """Rollout step `step`'s groups: ragged lengths, rewards that give nonzero advantages."""
+    """Rollout step `step`'s groups: ragged lengths, random rewards, except the first group's, all equal (zero
+    advantages: its samples are skipped, a decision taken on the global batch)."""
     samples = ragged_samples(vocab, seed=100 + step)
     rng = random.Random(step)
     for s in samples:
-        s.reward = rng.random()
+        s.reward = 0.5 if s.group_index == 0 else rng.random()
     return [samples[i : i + 4] for i in range(0, len(samples), 4)]
 
 
