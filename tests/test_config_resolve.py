@@ -37,7 +37,9 @@ DEFAULTS = {
     "rollout_max_context_len": 4095, "rollout_max_prompt_len": 4094, "skip_bad_rows": False,  # 4096 positions
     "rollout_max_response_len": 1024, "rollout_temperature": 1.0, "rollout_top_p": 1.0, "rollout_top_k": -1,
     "rollout_stop_token_ids": None, "custom_rm_path": None, "reward_key": None, "rollout_function_path": None,
-    "eval_function_path": None, "custom_generate_function_path": None, "rollout_num_engines": None,
+    "eval_function_path": None, "custom_generate_function_path": None,
+    "tool_paths": None, "max_turns": 8, "tool_timeout": 30.0, "tool_call_parser": "hermes",
+    "check_token_fidelity": False, "rollout_num_engines": None,
     "rollout_external_engine_addrs": None,
     "sglang_server_concurrency": 512, "sglang_router_ip": None, "sglang_router_port": None,
     "rollout_max_batch_size": None, "sglang_passthrough": [],

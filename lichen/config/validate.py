@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rollout, sampling, sync, train
+from lichen.config import (algo, checkpoint, data, debug, eval, model, observe, placement, rollout, sampling, sync, tools,
+                           train)
 
-CHECK_ORDER = (model, debug, placement, data, rollout, sampling, train, algo, sync, checkpoint, eval, observe)
+CHECK_ORDER = (model, debug, placement, data, rollout, tools, sampling, train, algo, sync, checkpoint, eval, observe)
 
 
 def resolve_and_validate(args: argparse.Namespace) -> argparse.Namespace:

@@ -1,0 +1,60 @@
+"""Tool-use flags: the built-in multi-turn tool rollout (lichen/rollout/tool_rollout.py, docs/agentic.md)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from lichen.errors import ConfigError
+
+TOOL_ROLLOUT = "lichen.rollout.tool_rollout.generate"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tool use")
+    g.add_argument(
+        "--tool-paths",
+        nargs="+",
+        metavar="MODULE.FUNCTION",
+        default=None,
+        help="the tools the policy may call, as Python callables (plain or async; their JSON schema is the "
+        "callable's `schema` attribute or is read from its signature and docstring); selects the built-in "
+        f"multi-turn tool rollout {TOOL_ROLLOUT} unless --custom-generate-function-path names another "
+        "(default: none)",
+    )
+    g.add_argument("--max-turns", type=int, default=8,
+                   help="most assistant turns per trajectory in the tool rollout (default 8)")
+    g.add_argument("--tool-timeout", type=float, default=30.0,
+                   help="seconds one tool call may take; past it the policy gets 'error: timed out' (default 30)")
+    g.add_argument(
+        "--tool-call-parser",
+        metavar="NAME|PATH",
+        default="hermes",
+        help="how the tool rollout reads calls from the policy's text: hermes (= qwen, qwen25, qwen3: "
+        "<tool_call>{json}</tool_call>) or a dotted path to a parser factory (default hermes)",
+    )
+    g.add_argument(
+        "--check-token-fidelity",
+        action="store_true",
+        help="compare each tool-rollout trajectory with apply_chat_template of its conversation and log the first "
+        "mismatching token (metadata token_fidelity, metric rollout/token_fidelity_mismatch; default: off)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.max_turns < 1:
+        raise ConfigError(f"--max-turns must be at least 1, got {args.max_turns}")
+    if not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):
+        raise ConfigError(f"--tool-timeout must be a positive number of seconds, got {args.tool_timeout:g}")
+    from lichen.engines.tool_parsers import load_parser
+    from lichen.plugins import load_function
+
+    load_parser(args.tool_call_parser, "--tool-call-parser")
+    if not args.tool_paths:
+        return
+    for path in args.tool_paths:
+        load_function(path, "--tool-paths")
+    if not args.apply_chat_template:
+        raise ConfigError("--tool-paths: tools are shown to the policy by the chat template; pass "
+                          "--apply-chat-template")
+    if args.custom_generate_function_path is None:
+        args.custom_generate_function_path = TOOL_ROLLOUT

@@ -1,0 +1,161 @@
+"""The built-in multi-turn tool rollout: `--tool-paths MODULE.FN ...` (which selects it) or
+`--custom-generate-function-path lichen.rollout.tool_rollout.generate` (docs/agentic.md).
+
+One trajectory, turn by turn:
+1. the prompt is rendered by the chat template with the tools' schemas (so the policy sees them);
+2. the engine continues the exact token history (prompt + every earlier turn's tokens) with the response budget
+   left; the policy's tokens are kept as the engine returned them, with their rollout log-probs and loss mask 1;
+3. the turn's text is parsed for calls (--tool-call-parser); without a complete call, or when the engine stopped on
+   the length limit, the trajectory ends (completed on a stop token, truncated on the budget);
+4. each call runs (async or in a thread, --tool-timeout; failures become 'error: ...' text the policy reads),
+   and the tool messages are appended as the chat template's tokens for them (the text between the end of an
+   assistant message and the next assistant generation prompt), with loss mask 0 and log-prob 0.0: fed to the
+   model, never trained on. The response budget (--rollout-max-response-len) counts them too.
+At most --max-turns engine calls. Turn t samples with the sample's seed (t = 0) or derive_seed(seed, t).
+The generated text is decoded only to parse calls and to fill the conversation: no turn is re-encoded.
+
+Rewards see the whole trajectory: `sample.response` (every turn's and tool's text), and in `sample.metadata`:
+`messages` (the conversation: prompt messages, assistant turns, tool messages), `tool_calls` (name, arguments,
+result per call), `turns`, `stop` ("answer", "max_turns" or "budget"). With --check-token-fidelity each turn's
+input is compared with apply_chat_template of the same conversation; `metadata["token_fidelity"]` is None when all
+agree, else the first mismatching position and tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from lichen.config.tool_config import ToolConfig
+from lichen.engines.sampler import derive_seed
+from lichen.engines.tool_parsers import load_parser
+from lichen.models.tokenizer import encode_prompt
+from lichen.rollout.custom_generate import current
+from lichen.rollout.tools import Tool, load_tools, run_tool
+from lichen.types import Sample, Status
+
+log = logging.getLogger(__name__)
+_ANCHOR = [{"role": "user", "content": "u"}]
+_CACHE: dict[ToolConfig, tuple[dict[str, Tool], Any]] = {}
+
+
+def _setup(cfg: ToolConfig) -> tuple[dict[str, Tool], Any]:
+    if cfg not in _CACHE:
+        _CACHE[cfg] = (load_tools(cfg.tool_paths), load_parser(cfg.parser, "--tool-call-parser"))
+    return _CACHE[cfg]
+
+
+def _render(tok, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    kwargs = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+    return text[0] if isinstance(text, list) else text
+
+
+def tool_turn_ids(tok, tool_messages: list[dict], ended_with: str | None) -> list[int]:
+    """The template's tokens from the end of an assistant message's content to the next assistant generation
+    prompt, with `tool_messages` between. `ended_with` is the text of the stop token the engine ended the turn
+    with (it is in the trajectory already, so not added twice when the template closes the turn with it)."""
+    head = _render(tok, _ANCHOR, None, True) + "a"
+    full = _render(tok, [*_ANCHOR, {"role": "assistant", "content": "a"}, *tool_messages], None, True)
+    if not full.startswith(head):
+        raise ValueError("the chat template renders an assistant message differently from its generation prompt "
+                         "followed by the content; the tool rollout cannot place tool messages after a turn")
+    suffix = full[len(head):]
+    if ended_with and suffix.startswith(ended_with):
+        suffix = suffix[len(ended_with):]
+    return list(tok.encode(suffix, add_special_tokens=False))
+
+
+def first_mismatch(trained: list[int], reference: list[int]) -> dict | None:
+    """None when `trained` == `reference`, else the first position where they differ (and the tokens there)."""
+    for k, (a, b) in enumerate(zip(trained, reference)):
+        if a != b:
+            return {"position": k, "trained": a, "template": b}
+    if len(trained) != len(reference):
+        k = min(len(trained), len(reference))
+        return {"position": k, "trained": trained[k] if k < len(trained) else None,
+                "template": reference[k] if k < len(reference) else None}
+    return None
+
+
+def check_turn(tok, messages: list[dict], tools: list[dict] | None, trained: list[int]) -> dict | None:
+    """Compare the token history a turn starts from with apply_chat_template of the same conversation."""
+    reference = list(tok.encode(_render(tok, messages, tools, True), add_special_tokens=False))
+    return first_mismatch(trained, reference)
+
+
+def _prompt_messages(prompt: Any) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
+    """The custom generate function (see the module docstring)."""
+    cfg = ToolConfig.from_args(args)
+    tools, parser = _setup(cfg)
+    ctx = current()
+    tok = ctx.tokenizer
+    schemas = [t.schema for t in tools.values()] or None
+    messages = _prompt_messages(sample.prompt)
+    prompt = encode_prompt(tok, sample.prompt, True, tools=schemas)
+    budget = int(sampling_params["max_new_tokens"])
+    seed = int(sampling_params["sampling_seed"])
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    mask: list[int] = []
+    versions: list[str] = []
+    calls_made: list[dict] = []
+    status, stop, fidelity, turns = Status.TRUNCATED, "max_turns", None, 0
+    for turn in range(cfg.max_turns):
+        if budget <= 0:
+            stop = "budget"
+            break
+        if cfg.check_fidelity and fidelity is None:
+            fidelity = check_turn(tok, messages, schemas, prompt + tokens)
+        params = {**sampling_params, "max_new_tokens": budget,
+                  "sampling_seed": seed if turn == 0 else derive_seed(seed, turn)}
+        res = await ctx.generate(prompt + tokens, params, session_id=f"tools-{seed}")
+        turns += 1
+        if res.weight_version not in versions:
+            versions.append(res.weight_version)
+        tokens += res.output_ids
+        logprobs += res.output_logprobs
+        mask += [1] * len(res.output_ids)
+        budget -= len(res.output_ids)
+        text = tok.decode(res.output_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        parsed = parser.parse(text)
+        if not parsed.calls or res.finish_reason != "stop":
+            status = Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED
+            stop = "answer" if res.finish_reason == "stop" else "budget"
+            break
+        results = await asyncio.gather(*(run_tool(tools, c.name, c.arguments, cfg.timeout) for c in parsed.calls))
+        tool_messages = []
+        for c, r in zip(parsed.calls, results):
+            calls_made.append({"turn": turn, "name": c.name, "arguments": c.arguments, "result": r})
+            tool_messages.append({"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r})
+        messages += tool_messages
+        ended = tok.decode(res.output_ids[-1:], skip_special_tokens=False) if res.output_ids else None
+        tool_ids = tool_turn_ids(tok, tool_messages, ended)[:max(budget, 0)]
+        tokens += tool_ids
+        logprobs += [0.0] * len(tool_ids)
+        mask += [0] * len(tool_ids)
+        budget -= len(tool_ids)
+        if budget <= 0:
+            stop = "budget"
+            break
+    if fidelity is not None:
+        log.warning("tool rollout: sample %d differs from apply_chat_template of its conversation at token %d "
+                    "(trained %s, template %s)", sample.index, fidelity["position"], fidelity["trained"],
+                    fidelity["template"])
+    sample.tokens = prompt + tokens
+    sample.response_length = len(tokens)
+    sample.response = tok.decode(tokens, skip_special_tokens=True)
+    sample.loss_mask = mask
+    sample.rollout_log_probs = logprobs
+    sample.weight_versions = versions
+    sample.status = status
+    sample.metadata.update(messages=messages, tool_calls=calls_made, turns=turns, stop=stop)
+    if cfg.check_fidelity:
+        sample.metadata["token_fidelity"] = fidelity
+    return sample

@@ -1,0 +1,229 @@
+"""The built-in multi-turn tool rollout (lichen/rollout/tool_rollout.py, docs/agentic.md): the trajectory is the
+engine's tokens plus the template's tokens for tool messages (loss mask 0, log-prob 0.0), tools by dotted path
+(async, timeouts, errors), the token-fidelity check, the flags, and a training step through the loop whose
+trained tokens, loss mask and log-probs are exactly the rollout's."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+import torch
+
+from lichen.engines.engine import Engine, GenResult
+from lichen.engines.sampler import derive_seed
+from lichen.errors import ConfigError
+from lichen.models.tokenizer import encode_prompt, load_tokenizer
+from lichen.rollout.custom_generate import run_custom_generate
+from lichen.rollout.tool_rollout import check_turn, first_mismatch, generate, tool_turn_ids
+from lichen.rollout.tools import load_tools, run_tool, schema_of
+from lichen.types import Sample, Status
+
+from helpers.runs import base_args, run
+
+
+# ---- tools the tests name by dotted path ---------------------------------------------------------------------------
+def add(a: int, b: int = 0) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def slow(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "woke"
+
+
+def boom() -> str:
+    raise RuntimeError("tool broke")
+
+
+boom.schema = {"name": "boom", "description": "always fails", "parameters": {"type": "object", "properties": {}}}
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(tool_paths=["test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"], max_turns=4,
+                tool_timeout=5.0, tool_call_parser="hermes", check_token_fidelity=True, seed=5,
+                rollout_stop_token_ids=None, custom_generate_function_path="lichen.rollout.tool_rollout.generate")
+    return argparse.Namespace(**{**base, **kw})
+
+
+class ScriptedEngine:
+    """An async engine whose turns are given token lists; records every request."""
+
+    def __init__(self, turns: list[list[int]], stop_id: int):
+        self.turns, self.stop_id, self.requests = list(turns), stop_id, []
+
+    async def agenerate(self, r, session_id=None):
+        self.requests.append(r)
+        ids = self.turns.pop(0)[: r.max_new_tokens]
+        reason = "stop" if ids and ids[-1] == self.stop_id else "length"
+        return GenResult(ids, [-0.1 * (k + 1) for k in range(len(ids))], reason, len(r.input_ids), "7")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_ckpt):
+    return load_tokenizer(tiny_ckpt)
+
+
+def enc(tok, s):
+    return list(tok.encode(s, add_special_tokens=False))
+
+
+def rollout(tok, turns, budget=400, **kw):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    engine = ScriptedEngine(turns, im_end)
+    sample = Sample(prompt="what is 1+2?", tokens=[1], index=0)
+    [out] = run_custom_generate(generate, _args(**kw), [sample], [{"max_new_tokens": budget, "sampling_seed": 11}],
+                                engine=engine, tokenizer=tok)
+    return out, engine
+
+
+def test_trajectory_is_the_engines_tokens_plus_the_templates_tool_turns(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn1 = enc(tok, "Let me add." + CALL) + [im_end]
+    turn2 = enc(tok, "It is 3.") + [im_end]
+    out, engine = rollout(tok, [turn1, turn2])
+    schemas = [t.schema for t in load_tools(tuple(_args().tool_paths)).values()]
+    prompt = encode_prompt(tok, "what is 1+2?", True, tools=schemas)  # the prompt shows the tools
+    assert '"name": "add"' in tok.decode(prompt)
+    tool = tool_turn_ids(tok, [{"role": "tool", "name": "add", "content": "3"}], "<|im_end|>")
+    assert tok.decode(tool) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
+    assert out.tokens == prompt + turn1 + tool + turn2  # no turn re-encoded
+    assert out.response_length == len(turn1 + tool + turn2)
+    assert out.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+    assert out.rollout_log_probs == pytest.approx([-0.1 * (k + 1) for k in range(len(turn1))] + [0.0] * len(tool)
+                                                  + [-0.1 * (k + 1) for k in range(len(turn2))])
+    assert out.status == Status.COMPLETED and out.weight_versions == ["7"]
+    # each turn continues the exact history with the budget left and its own seed
+    r1, r2 = engine.requests
+    assert r1.input_ids == prompt and r1.seed == 11 and r1.max_new_tokens == 400
+    assert r2.input_ids == prompt + turn1 + tool and r2.seed == derive_seed(11, 1)
+    assert r2.max_new_tokens == 400 - len(turn1) - len(tool)
+    # rewards see the whole trajectory
+    md = out.metadata
+    assert md["turns"] == 2 and md["stop"] == "answer" and md["token_fidelity"] is None
+    assert [(c["name"], json.loads(c["arguments"]), c["result"]) for c in md["tool_calls"]] == \
+        [("add", {"a": 1, "b": 2}, "3")]
+    assert [m["role"] for m in md["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert "It is 3." in out.response and "<tool_call>" in out.response
+
+
+def test_fidelity_check_catches_a_retokenized_turn(tok):
+    """The same text as other tokens: `<|im_end|>` spelled out in characters instead of its special token. The
+    trajectory keeps the engine's tokens; the check reports where they differ from the template's."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    spelled = [tok.convert_tokens_to_ids(c) for c in "<|im_end|>"]
+    turn1 = enc(tok, "ok ") + spelled + enc(tok, CALL) + [im_end]
+    out, _ = rollout(tok, [turn1, enc(tok, "3") + [im_end]])
+    prompt_len = len(out.tokens) - out.response_length
+    bad = out.metadata["token_fidelity"]
+    assert bad == {"position": prompt_len + 3, "trained": spelled[0], "template": im_end}
+    assert out.tokens[prompt_len:prompt_len + len(turn1)] == turn1
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2], [1, 2, 3]) == {"position": 2, "trained": None, "template": 3}
+    assert check_turn(tok, [{"role": "user", "content": "x"}], None,
+                      encode_prompt(tok, "x", True)) is None
+
+
+def test_turns_and_budget_end_the_trajectory(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    call = enc(tok, CALL) + [im_end]
+    out, engine = rollout(tok, [call, call], max_turns=2)
+    assert out.status == Status.TRUNCATED and out.metadata["stop"] == "max_turns" and len(engine.requests) == 2
+    assert out.loss_mask[-1] == 0  # the last tool turn is in, unanswered
+    out, engine = rollout(tok, [call], budget=len(call) + 4)
+    assert out.response_length == len(call) + 4 and out.loss_mask == [1] * len(call) + [0] * 4
+    assert out.status == Status.TRUNCATED and out.metadata["stop"] == "budget" and len(engine.requests) == 1
+    # a call cut off by the length limit is not run
+    out, engine = rollout(tok, [enc(tok, CALL)], budget=len(enc(tok, CALL)))
+    assert out.metadata["tool_calls"] == [] and out.metadata["stop"] == "budget"
+
+
+def test_tools_async_timeouts_and_errors(tok):
+    tools = load_tools(("test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"))
+    assert schema_of(add, "add")["function"] == {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a"]}}
+    assert tools["boom"].schema == {"type": "function", "function": boom.schema}
+
+    async def go():
+        return await asyncio.gather(run_tool(tools, "add", '{"a": 2, "b": 5}', 5),
+                                    run_tool(tools, "slow", '{"seconds": 0}', 5),
+                                    run_tool(tools, "slow", '{"seconds": 30}', 0.2),
+                                    run_tool(tools, "boom", "{}", 5), run_tool(tools, "nope", "{}", 5),
+                                    run_tool(tools, "add", '{"c": 1}', 5))
+
+    ok, woke, late, broke, unknown, bad = asyncio.run(go())
+    assert (ok, woke) == ("7", "woke")
+    assert late == "error: slow timed out after 0.2s"
+    assert broke == "error: RuntimeError: tool broke"
+    assert unknown.startswith("error: unknown tool 'nope'; available: add, boom, slow")
+    assert bad.startswith("error: TypeError")
+
+
+# ---- flags ---------------------------------------------------------------------------------------------------------
+def _parse(tiny_ckpt, data, tmp_path, *extra):
+    from lichen.config import parse_train_args
+    return parse_train_args(base_args(tiny_ckpt, data, tmp_path / "o", "--num-rollout", "1", *extra)[1:])
+
+
+def test_flags_select_the_rollout_and_are_checked(tiny_ckpt, addition_data, tmp_path):
+    args = _parse(tiny_ckpt, addition_data, tmp_path, "--apply-chat-template", "--tool-paths", "test_tool_rollout.add")
+    assert args.custom_generate_function_path == "lichen.rollout.tool_rollout.generate"
+    for extra, words in ((["--tool-paths", "test_tool_rollout.nothing"], "--tool-paths 'test_tool_rollout.nothing'"),
+                         (["--tool-paths", "test_tool_rollout.add"], "pass --apply-chat-template"),
+                         (["--max-turns", "0"], "--max-turns must be at least 1"),
+                         (["--tool-timeout", "0"], "--tool-timeout must be a positive"),
+                         (["--tool-call-parser", "mistral"], "--tool-call-parser 'mistral': unknown parser")):
+        with pytest.raises(ConfigError, match=words):
+            _parse(tiny_ckpt, addition_data, tmp_path, *extra)
+
+
+# ---- a training step through the loop ------------------------------------------------------------------------------
+def test_training_step_trains_exactly_the_rollouts_tokens(tiny_ckpt, addition_data, tmp_path, monkeypatch):
+    """The in-process engine is scripted (every sample calls `add`, then answers), with the model's true
+    log-probs of the scripted tokens; the trainer must see the same tokens, mask and log-probs."""
+    tok = load_tokenizer(tiny_ckpt)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    returned: list[tuple[list[int], list[int]]] = []
+
+    def scripted_generate(self, requests):
+        out = []
+        for r in requests:
+            second = "<|im_start|>tool" in tok.decode(r.input_ids)
+            ids = (enc(tok, "3") if second else enc(tok, CALL)) + [im_end]
+            full = list(r.input_ids) + ids
+            with torch.no_grad():
+                h = self.model(torch.tensor([full]), torch.arange(len(full))[None])
+                lp = torch.log_softmax(self.model.logits(h)[0].double() / r.temperature, -1)
+            lps = [lp[len(r.input_ids) + k - 1, t].item() for k, t in enumerate(ids)]
+            returned.append((list(r.input_ids), ids))
+            out.append(GenResult(ids, lps, "stop", len(r.input_ids), self.weight_version))
+        return out
+
+    monkeypatch.setattr(Engine, "generate", scripted_generate)
+    dump = str(tmp_path / "r_{rollout_id}.pt")
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
+                         "--apply-chat-template", "--rollout-max-response-len", "200",
+                         "--tool-paths", "test_tool_rollout.add", "--check-token-fidelity",
+                         "--save-debug-rollout-data", dump))
+    samples = [s for g in torch.load(dump.format(rollout_id=0), weights_only=False)["samples"] for s in g]
+    assert len(samples) == 16 and len(returned) == 32
+    calls = {tuple(inp): ids for inp, ids in returned}
+    for s in samples:
+        prompt = s["tokens"][: len(s["tokens"]) - s["response_length"]]
+        turn1 = calls[tuple(prompt)]
+        rest = s["tokens"][len(prompt) + len(turn1):]
+        second_input = [inp for inp in calls if len(inp) > len(prompt) and list(inp[:len(prompt)]) == prompt]
+        (inp2,) = second_input
+        turn2 = calls[inp2]
+        tool = list(inp2[len(prompt) + len(turn1):])
+        assert rest == tool + turn2  # the trained tokens are the engine's plus the template's tool turn
+        assert s["loss_mask"] == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+        assert s["metadata"]["token_fidelity"] is None and s["metadata"]["tool_calls"][0]["result"] == "3"
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5
