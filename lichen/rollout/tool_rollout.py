@@ -33,6 +33,7 @@ from lichen.engines.tool_parsers import load_parser
 from lichen.models.tokenizer import encode_prompt
 from lichen.rollout.custom_generate import current
 from lichen.rollout.tools import Tool, load_tools, run_tool
+from lichen.rollout.trajectory import Trajectory
 from lichen.types import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -100,10 +101,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
     prompt = encode_prompt(tok, sample.prompt, True, tools=schemas)
     budget = int(sampling_params["max_new_tokens"])
     seed = int(sampling_params["sampling_seed"])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    mask: list[int] = []
-    versions: list[str] = []
+    traj = Trajectory()
     calls_made: list[dict] = []
     status, stop, fidelity, turns = Status.TRUNCATED, "max_turns", None, 0
     for turn in range(cfg.max_turns):
@@ -111,16 +109,12 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
             stop = "budget"
             break
         if cfg.check_fidelity and fidelity is None:
-            fidelity = check_turn(tok, messages, schemas, prompt + tokens)
+            fidelity = check_turn(tok, messages, schemas, prompt + traj.tokens)
         params = {**sampling_params, "max_new_tokens": budget,
                   "sampling_seed": seed if turn == 0 else derive_seed(seed, turn)}
-        res = await ctx.generate(prompt + tokens, params, session_id=f"tools-{seed}")
+        res = await ctx.generate(prompt + traj.tokens, params, session_id=f"tools-{seed}")
         turns += 1
-        if res.weight_version not in versions:
-            versions.append(res.weight_version)
-        tokens += res.output_ids
-        logprobs += res.output_logprobs
-        mask += [1] * len(res.output_ids)
+        traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version)
         budget -= len(res.output_ids)
         text = tok.decode(res.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
@@ -137,9 +131,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
         messages += tool_messages
         ended = tok.decode(res.output_ids[-1:], skip_special_tokens=False) if res.output_ids else None
         tool_ids = tool_turn_ids(tok, tool_messages, ended)[:max(budget, 0)]
-        tokens += tool_ids
-        logprobs += [0.0] * len(tool_ids)
-        mask += [0] * len(tool_ids)
+        traj.add_context(tool_ids)
         budget -= len(tool_ids)
         if budget <= 0:
             stop = "budget"
@@ -148,13 +140,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
         log.warning("tool rollout: sample %d differs from apply_chat_template of its conversation at token %d "
                     "(trained %s, template %s)", sample.index, fidelity["position"], fidelity["trained"],
                     fidelity["template"])
-    sample.tokens = prompt + tokens
-    sample.response_length = len(tokens)
-    sample.response = tok.decode(tokens, skip_special_tokens=True)
-    sample.loss_mask = mask
-    sample.rollout_log_probs = logprobs
-    sample.weight_versions = versions
-    sample.status = status
+    traj.fill(sample, tok, prompt, status)
     sample.metadata.update(messages=messages, tool_calls=calls_made, turns=turns, stop=stop)
     if cfg.check_fidelity:
         sample.metadata["token_fidelity"] = fidelity

@@ -25,6 +25,7 @@ import operator
 
 from lichen.engines.sampler import derive_seed
 from lichen.rollout.custom_generate import current
+from lichen.rollout.trajectory import Trajectory
 from lichen.types import Sample, Status
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
@@ -89,10 +90,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     prompt = list(sample.tokens)
     budget = int(sampling_params["max_new_tokens"])
     seed = int(sampling_params["sampling_seed"])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    mask: list[int] = []
-    versions: list[str] = []
+    traj = Trajectory()
     calls = 0
     status = Status.TRUNCATED
     for turn in range(MAX_TURNS):
@@ -100,33 +98,19 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
             break
         params = {**sampling_params, "max_new_tokens": budget,
                   "sampling_seed": seed if turn == 0 else derive_seed(seed, turn)}
-        res = await ctx.generate(prompt + tokens, params, session_id=f"calc-{seed}")
-        if res.weight_version not in versions:
-            versions.append(res.weight_version)
+        res = await ctx.generate(prompt + traj.tokens, params, session_id=f"calc-{seed}")
         call = find_call(tok, res.output_ids)
         if call is None:
-            tokens += res.output_ids
-            logprobs += res.output_logprobs
-            mask += [1] * len(res.output_ids)
+            traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version)
             status = Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED
             break
         k, expr = call
         calls += 1
-        tokens += res.output_ids[:k]
-        logprobs += res.output_logprobs[:k]
-        mask += [1] * k
+        traj.add_policy(res.output_ids[:k], res.output_logprobs[:k], res.weight_version)
         budget -= k
         tool = tok.encode(f"{RESULT_OPEN}{calculate(expr)}{RESULT_CLOSE}", add_special_tokens=False)[:max(budget, 0)]
-        tokens += tool
-        logprobs += [0.0] * len(tool)
-        mask += [0] * len(tool)
+        traj.add_context(tool)
         budget -= len(tool)
-    sample.tokens = prompt + tokens
-    sample.response_length = len(tokens)
-    sample.response = tok.decode(tokens, skip_special_tokens=True)
-    sample.loss_mask = mask
-    sample.rollout_log_probs = logprobs
-    sample.weight_versions = versions
-    sample.status = status
+    traj.fill(sample, tok, prompt, status)
     sample.metadata["tool_calls"] = calls
     return sample
