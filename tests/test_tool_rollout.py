@@ -227,3 +227,19 @@ def test_training_step_trains_exactly_the_rollouts_tokens(tiny_ckpt, addition_da
         assert s["loss_mask"] == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
         assert s["metadata"]["token_fidelity"] is None and s["metadata"]["tool_calls"][0]["result"] == "3"
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5
+
+
+def test_code_tool_runs_in_the_sandbox():
+    """`lichen.rollout.tools.python`: model-written code runs sandboxed (no network), its output is the result."""
+    tools = load_tools(("lichen.rollout.tools.python",))
+    assert tools["python"].schema["function"]["parameters"]["required"] == ["code"]
+    code = ("import socket\nprint(6 * 7)\ntry:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+            "except OSError as e:\n    print('no network')\nraise SystemExit(3)")
+
+    async def go():
+        return await asyncio.gather(run_tool(tools, "python", json.dumps({"code": code}), 60),
+                                    run_tool(tools, "python", json.dumps({"code": "1/0"}), 60))
+
+    ran, failed = asyncio.run(go())
+    assert ran == "42\nno network\nexit code 3"
+    assert "ZeroDivisionError" in failed and failed.endswith("exit code 1")

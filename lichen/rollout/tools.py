@@ -73,3 +73,25 @@ async def run_tool(tools: dict[str, Tool], name: str, arguments: str, timeout: f
     except Exception as e:  # noqa: BLE001 - the policy sees what went wrong
         return f"error: {type(e).__name__}: {e}"
     return _text(result)
+
+
+_SANDBOX: list = []  # the resolved code sandbox, checked once per process
+
+
+async def python(code: str) -> str:
+    """Run a Python program and return what it prints (stdout, then stderr)."""
+    # Model-written code runs only in the code sandbox (lichen/rewards/sandbox.py: no network, its own uid,
+    # memory/CPU/process limits, killed on timeout or when this coroutine is cancelled by --tool-timeout).
+    from lichen.rewards.sandbox import resolve_sandbox, run_sandboxed
+
+    if not _SANDBOX:
+        _SANDBOX.append(await asyncio.to_thread(resolve_sandbox))
+    res = await run_sandboxed(code, config=_SANDBOX[0])
+    out = "\n".join(x.strip("\n") for x in (res.stdout, res.stderr) if x.strip())
+    if res.timed_out:
+        out += f"\nerror: timed out after {_SANDBOX[0].limits.timeout_s:g}s"
+    elif res.output_limited:
+        out += "\nerror: output limit exceeded"
+    elif res.returncode not in (0, None):
+        out += f"\nexit code {res.returncode}"
+    return out.strip()
