@@ -17,7 +17,7 @@ from lichen.config.engine_config import ObserveConfig, SyncConfig
 from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import MetricsLogger, format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
-from lichen.observe.run_observer import RunObserver, engine_stacks_of
+from lichen.observe.run_observer import RunObserver
 from lichen.observe.secrets import redact_config
 from lichen.train import checkpoint as ckpt
 
@@ -151,7 +151,7 @@ def _run(args, cluster, driver) -> dict:
         obs_cfg = ObserveConfig.from_args(args)
         with MetricsLogger.from_config(obs_cfg) as logger:
             tokenizer = getattr(getattr(rollout, "context", None), "tokenizer", None)
-            observer = RunObserver(obs_cfg, engine_stacks=engine_stacks_of(getattr(rollout, "engines", [])),
+            observer = RunObserver(obs_cfg, engines=getattr(rollout, "engines", []),
                                    decode=tokenizer.decode if tokenizer is not None else None)
             try:
                 return driver(args, trainer, rollout, logger, observer)

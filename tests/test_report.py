@@ -208,3 +208,24 @@ def test_report_of_a_run_still_writing(run_dir, tmp_path):
     assert [m["step"] for m in data["metrics"]][-1] == STEPS
     assert max(s["step"] for s in data["samples"]) == STEPS
     assert main(["report", str(live)]) == 0 and (live / "report.html").stat().st_size > 10_000
+
+
+def test_trace_holds_the_engine_servers_phases(tiny_ckpt, addition_data, tmp_path):
+    """With launched `lichen serve` engines the trace has a process per server: its busy periods (labelled with
+    the rollout they served) and its weight updates."""
+    out = tmp_path / "r"
+    run(base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--trace", "--rollout-num-engines", "1"))
+    with open(out / "trace.json") as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    (driver,) = [p for p, n in names.items() if n.startswith("lichen train")]
+    (engine,) = [p for p, n in names.items() if n.startswith("lichen serve http://127.0.0.1:")]
+    assert engine != driver == os.getpid()
+    served = [e for e in events if e["pid"] == engine and e["ph"] == "X"]
+    assert {e["args"].get("rollout_id") for e in served if e["name"] == "generate"} >= {0, 1}
+    assert sum(e["name"] == "update weights" for e in served) >= 2  # the syncs after steps 0 and 1
+    gen = {e["args"]["rollout_id"]: e for e in events if e["pid"] == driver and e["name"] == "generate"}
+    for e in served:  # the engine's busy periods lie inside the driver's generate of the same rollout
+        if e["name"] == "generate":
+            g = gen[e["args"]["rollout_id"]]
+            assert g["ts"] <= e["ts"] and e["ts"] + e["dur"] <= g["ts"] + g["dur"] + 1e5  # 0.1 s for the answer

@@ -29,6 +29,7 @@ from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputO
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.engines.weight_paths import WeightDirs
 from lichen.observe.metrics import get_logger
+from lichen.observe.trace import trace_payload
 from lichen.observe.watchdog import thread_stacks
 
 log = get_logger(__name__)
@@ -217,6 +218,7 @@ class LichenServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_get("/debug/stacks", self.debug_stacks)  # for the trainer's hang watchdog (lichen.observe.watchdog)
+        r.add_get("/debug/trace", self.debug_trace)  # for the trainer's --trace (lichen.observe.trace)
         openai_api.add_routes(app, self)
         weight_endpoints.add_routes(app, self)  # also /update_weights_from_disk, which can apply deltas live
         return app
@@ -225,6 +227,15 @@ class LichenServer:
         """Every thread's stack of this server as text; answered on the event loop, so a stuck scheduler thread
         shows where it is stuck."""
         return web.Response(text=thread_stacks(), content_type="text/plain")
+
+    async def debug_trace(self, request: web.Request) -> web.Response:
+        """This server's finished phases (busy periods of the scheduler, weight updates) that ended after
+        `?since=` (seconds since the epoch), with its pid and clock, for the trainer's trace."""
+        try:
+            since = float(request.query.get("since", 0))
+        except ValueError:
+            raise RequestError("since must be a number of seconds since the epoch", shape="object") from None
+        return json_response(trace_payload(since))
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:

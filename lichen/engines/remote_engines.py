@@ -197,6 +197,25 @@ class RemoteEngines:
         except Exception as e:
             return {url: f"no answer: {type(e).__name__}: {e}" for url in self.urls}
 
+    def debug_trace(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
+        """{url: its `GET /debug/trace?since=` answer} of the servers that gave one (lichen serve), for --trace."""
+        async def ask(c: EngineClient) -> dict | None:
+            try:
+                status, body = await c.request("GET", "/debug/trace", params={"since": repr(since)}, timeout=timeout,
+                                               retry=False)
+            except Exception:
+                return None
+            return body if status == 200 and isinstance(body, dict) else None
+
+        async def ask_all() -> list:
+            return list(await asyncio.gather(*[ask(c) for c in self.clients]))
+
+        try:
+            answers = self.run(ask_all(), timeout=timeout + 5)
+        except Exception:  # the trace must never cost the run
+            return {}
+        return {url: a for url, a in zip(self.urls, answers) if a is not None}
+
     def engine_failed(self, index: int, reason: str) -> None:
         """Engine `index` is dead or hung (on the engines' loop): out of rotation, its requests re-sent, and
         the health monitor (if any) restarts it."""

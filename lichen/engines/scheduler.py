@@ -22,6 +22,7 @@ from typing import Any, Callable
 from lichen.engines.decode_batch import Seq
 from lichen.engines.engine import Engine
 from lichen.observe.metrics import get_logger
+from lichen.observe.phases import phase, tracker
 
 log = get_logger(__name__)
 
@@ -51,6 +52,7 @@ class Scheduler:
         self._skipped = 0
         self._progress: list[tuple[Seq, int]] = []
         self._done: list[Seq] = []
+        self._busy: int | None = None  # the phase record of the current busy period (lichen.observe.phases)
         self._thread = threading.Thread(target=self._run, name="lichen-scheduler", daemon=True)
 
     # ---- called from other threads ------------------------------------------------------------------------
@@ -184,14 +186,20 @@ class Scheduler:
                 self._emit()
                 return
             while self._exclusive and (self.paused or not len(self.batch)):
-                self._call(*self._exclusive.pop(0))
+                with phase("update weights"):  # exclusive calls are the weight updates; a slice of the trace
+                    self._call(*self._exclusive.pop(0))
             if self._can_generate() and (self.waiting or len(self.batch)):
+                if self._busy is None:  # one trace slice per busy period, from the first request to idle
+                    self._busy = tracker().begin("generate")
                 try:
                     self._iterate()
                 except Exception as e:  # never leave callers hanging: fail what was running, keep serving
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self.abort([s for s in self.batch.live()], f"engine error: {type(e).__name__}: {e}", 500)
                     self.batch = self.engine.new_batch(self.batch.stop_text)
+            if self._busy is not None and not (self._can_generate() and (self.waiting or len(self.batch))):
+                tracker().end(self._busy)
+                self._busy = None
             self._emit()
 
     def _call(self, fn: Callable, fut: concurrent.futures.Future) -> None:

@@ -91,46 +91,58 @@ class PhaseTracker:
         self._keep = keep  # finished records kept for the trace; the oldest go first
         self.memory: dict[str, float] = {}  # metrics of the memory phases since the last take_memory()
 
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int | None = None, *, memory: bool = False, **args: Any) -> Iterator[PhaseRecord]:
+    def begin(self, name: str, step: int | None = None, **args: Any) -> int:
+        """Start a phase that does not fit a `with` block (e.g. a scheduler's busy period); `end(key)` ends it."""
         t = threading.current_thread()
         if step is None:  # a phase inside another (a reward call inside generate) works for the same rollout
             step = next((r.step for r in self.active() if r.step is not None), None)
         rec = PhaseRecord(name, step, time.time(), t.ident or 0, t.name, dict(args))
-        key = next(self._ids)
+        with self._lock:
+            key = next(self._ids)
+            self._active[key] = rec
+        return key
+
+    def end(self, key: int) -> PhaseRecord:
+        with self._lock:
+            rec = self._active.pop(key)
+            rec.end = time.time()
+            self._done.append(rec)
+            if len(self._done) > self._keep:
+                del self._done[: len(self._done) - self._keep]
+        return rec
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None, *, memory: bool = False, **args: Any) -> Iterator[PhaseRecord]:
         cuda = _cuda() if memory else None
         if memory:
             rss_reset = _reset_peak_rss()
             if cuda is not None:
                 cuda.reset_peak_memory_stats()
-        with self._lock:
-            self._active[key] = rec
+        key = self.begin(name, step, **args)
         try:
-            yield rec
+            yield self._active[key]
         finally:
-            rec.end = time.time()
-            with self._lock:
-                del self._active[key]
-                self._done.append(rec)
-                if len(self._done) > self._keep:
-                    del self._done[: len(self._done) - self._keep]
-                if memory:
-                    # without a reset the peak is the process' lifetime peak, which still bounds the phase's
-                    self.memory[f"memory/{name}_peak_rss_gb"] = peak_rss_bytes() / _GB
-                    if not rss_reset:
-                        self.memory[f"memory/{name}_peak_rss_is_lifetime"] = 1
-                    cuda = cuda or _cuda()  # the phase may have initialised CUDA
-                    if cuda is not None:
-                        self.memory[f"memory/{name}_cuda_max_allocated_gb"] = cuda.max_memory_allocated() / _GB
+            self.end(key)
+            if memory:
+                # without a reset the peak is the process' lifetime peak, which still bounds the phase's
+                found = {f"memory/{name}_peak_rss_gb": peak_rss_bytes() / _GB}
+                if not rss_reset:
+                    found[f"memory/{name}_peak_rss_is_lifetime"] = 1
+                cuda = cuda or _cuda()  # the phase may have initialised CUDA
+                if cuda is not None:
+                    found[f"memory/{name}_cuda_max_allocated_gb"] = cuda.max_memory_allocated() / _GB
+                with self._lock:
+                    self.memory.update(found)
 
     def active(self) -> list[PhaseRecord]:
         """The phases running now, oldest first."""
         with self._lock:
             return sorted(self._active.values(), key=lambda r: r.start)
 
-    def finished(self) -> list[PhaseRecord]:
+    def finished(self, since: float | None = None) -> list[PhaseRecord]:
+        """The finished phases kept (the newest `keep`); with `since`, those that ended after it."""
         with self._lock:
-            return list(self._done)
+            return [r for r in self._done if since is None or (r.end or 0) > since]
 
     def take_memory(self) -> dict[str, float]:
         """The memory metrics gathered since the last call (the loop adds them to the step's metrics)."""

@@ -1,11 +1,14 @@
 """What a `lichen train` run records besides its metrics: phases with their memory, the sample log, the trace and
 the hang watchdog, behind one object the loop calls.
 
-    obs = RunObserver(cfg, engine_stacks=..., decode=...)   # cfg: ObserveConfig
+    obs = RunObserver(cfg, engines=rollout.engines, decode=tokenizer.decode)   # cfg: ObserveConfig
     with obs.phase("train", rollout_id):                    # every top-level phase of the loop
         ...
-    obs.step_done(rollout_id, batch, metrics, token_values) # adds memory/* metrics, writes samples and trace
+    obs.step_done(step, batch, metrics, token_values)       # adds memory/* metrics, writes samples and trace
     obs.close()
+
+Engine servers that can (lichen serve, through RemoteEngines) give their stacks to the watchdog and their own
+phases to the trace.
 """
 
 from __future__ import annotations
@@ -14,22 +17,28 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from lichen.observe.phases import PhaseTracker, tracker
+from lichen.observe.phases import PhaseRecord, PhaseTracker, tracker
 from lichen.observe.sample_log import SampleLog
-from lichen.observe.trace import TRACE_FILE, trace_events, write_trace
+from lichen.observe.trace import TRACE_FILE, records_from_payload, trace_events, write_trace
 from lichen.observe.watchdog import Watchdog
 from lichen.types import Sample
 
+MAX_ENGINE_RECORDS = 100_000  # per engine, the oldest go first
+
 
 class RunObserver:
-    def __init__(self, cfg: Any, *, engine_stacks: Callable[[], dict[str, str]] | None = None,
-                 decode: Callable[[list[int]], str] | None = None, phases: PhaseTracker | None = None) -> None:
+    def __init__(self, cfg: Any, *, engines: Sequence[Any] = (), decode: Callable[[list[int]], str] | None = None,
+                 phases: PhaseTracker | None = None) -> None:
         self.cfg = cfg
         self.phases = phases or tracker()
         self.t0 = time.time()
         self.samples = SampleLog(cfg.output_dir, cfg.log_samples, reward_key=cfg.reward_key, decode=decode)
+        self.engine_trace = _callables(engines, "debug_trace")
+        self.engine_records: dict[str, list[PhaseRecord]] = {}
+        self.engine_pids: dict[str, int] = {}
+        self._engine_since = self.t0
         self.watchdog = (Watchdog(cfg.output_dir, cfg.watchdog_timeout, wait=cfg.watchdog_wait,
-                                  engine_stacks=engine_stacks, phases=self.phases).start()
+                                  engine_stacks=engine_stacks_of(engines), phases=self.phases).start()
                          if cfg.watchdog_timeout > 0 else None)
 
     def phase(self, name: str, step: int | None = None):
@@ -45,12 +54,38 @@ class RunObserver:
             self.samples.write(step, batch, token_values)
         self.write_trace()
 
+    def _fetch_engine_records(self) -> None:
+        """The engines' phases finished since the last fetch; each gets the rollout id of the driver's phase it
+        started in (the engines do not know rollout ids)."""
+        mine = [r for r in self.phases.finished(self._engine_since - 60) if r.step is not None]
+        newest = self._engine_since
+        for ask in self.engine_trace:
+            for url, payload in ask(self._engine_since).items():
+                records = self.engine_records.setdefault(url, [])
+                seen = {(r.start, r.thread_id, r.name) for r in records[-1000:]}
+                for r in records_from_payload(payload):
+                    if (r.start, r.thread_id, r.name) in seen:
+                        continue
+                    if r.step is None:  # the driver's generate (or eval) it served
+                        r.step = next((m.step for m in mine if m.name in ("generate", "eval")
+                                       and m.start <= r.start <= (m.end or r.start)), None)
+                    records.append(r)
+                del records[:-MAX_ENGINE_RECORDS]
+                self.engine_pids[url] = int(payload.get("pid", 0))
+                newest = max(newest, float(payload.get("now", newest)))
+        self._engine_since = newest
+
     def write_trace(self) -> None:
-        if self.cfg.trace:
-            events = trace_events(self.phases.finished(), t0=self.t0, pid=os.getpid(),
-                                  process_name="lichen train (driver, rank 0)")
-            write_trace(os.path.join(self.cfg.output_dir, TRACE_FILE),
-                        [e for e in events if e.get("ph") == "M" or e["ts"] >= 0])
+        if not self.cfg.trace:
+            return
+        if self.engine_trace:
+            self._fetch_engine_records()
+        events = trace_events([r for r in self.phases.finished() if r.start >= self.t0], t0=self.t0,
+                              pid=os.getpid(), process_name="lichen train (driver, rank 0)")
+        for url, records in self.engine_records.items():
+            events += trace_events([r for r in records if r.start >= self.t0], t0=self.t0,
+                                   pid=self.engine_pids[url], process_name=f"lichen serve {url}")
+        write_trace(os.path.join(self.cfg.output_dir, TRACE_FILE), events)
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -58,10 +93,14 @@ class RunObserver:
         self.write_trace()
 
 
+def _callables(engines: Sequence[Any], method: str) -> list[Callable]:
+    return [getattr(e, method) for e in engines if callable(getattr(e, method, None))]
+
+
 def engine_stacks_of(engines: Sequence[Any]) -> Callable[[], dict[str, str]] | None:
     """For the watchdog: the stacks of engine servers, from engines that can ask theirs (RemoteEngines'
     `debug_stacks`); None when the engines run in this process (their threads are in this process' dump)."""
-    askers = [e.debug_stacks for e in engines if callable(getattr(e, "debug_stacks", None))]
+    askers = _callables(engines, "debug_stacks")
     if not askers:
         return None
 

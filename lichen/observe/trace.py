@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Iterable
 
-from lichen.observe.phases import PhaseRecord
+from lichen.observe.phases import PhaseRecord, tracker
 
 TRACE_FILE = "trace.json"
 
@@ -33,6 +34,19 @@ def trace_events(records: Iterable[PhaseRecord], *, t0: float, pid: int, process
     events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
                for tid, name in threads.items()]
     return events
+
+
+def trace_payload(since: float) -> dict:
+    """This process' finished phases that ended after `since`, as plain data (lichen serve's GET /debug/trace):
+    {"pid", "now", "records": [{name, step, start, end, thread_id, thread_name, args}]}."""
+    records = [{"name": r.name, "step": r.step, "start": r.start, "end": r.end, "thread_id": r.thread_id,
+                "thread_name": r.thread_name, "args": r.args} for r in tracker().finished(since)]
+    return {"pid": os.getpid(), "now": time.time(), "records": records}
+
+
+def records_from_payload(payload: dict) -> list[PhaseRecord]:
+    return [PhaseRecord(r["name"], r.get("step"), float(r["start"]), int(r["thread_id"]), str(r["thread_name"]),
+                        dict(r.get("args") or {}), float(r["end"])) for r in payload.get("records", [])]
 
 
 def write_trace(path: str, events: list[dict]) -> None:
