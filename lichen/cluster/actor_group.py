@@ -93,7 +93,8 @@ class RayTrainGroup:
         # all at once: each rank's init_process_group waits for the others
         ray.get([a.setup.remote(cfg, plugin_args, rank, n, master, self.where[0]["port"], backend, trainer_path)
                  for rank, a in enumerate(self.actors)])
-        log.info("trainer: %d rank(s) on %s, process group at %s:%d", n, sorted(ips), master, self.where[0]["port"])
+        log.info("trainer: %d rank(s), on Ray nodes %s, process group at %s:%d", n,
+                 " ".join(w["node_id"][:8] for w in self.where), master, self.where[0]["port"])
 
     def _all(self, method: str, *args: Any) -> list:
         import ray
