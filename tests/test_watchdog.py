@@ -113,3 +113,25 @@ def test_the_dump_holds_the_engine_servers_stacks(pair, tmp_path):
     for url in pair.urls:
         section = text.split(f"---- engine {url}: stacks ----\n")[1]
         assert section.startswith("Thread ") and "debug_stacks" in section.split("---- engine")[0]
+
+
+def test_memory_phase_reads_cuda_peaks_when_cuda_is_in_use(monkeypatch):
+    """No GPU here: torch.cuda's counters stubbed, the phase resets the peak at its start and reports it at the end."""
+    import torch
+
+    from lichen.observe.phases import PhaseTracker
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: calls.append("read") or 3 * 1024**3)
+    phases = PhaseTracker()
+    with phases.phase("train", 0, memory=True):
+        assert calls == ["reset"]
+    with phases.phase("reward", 0):  # not a memory phase: no counters touched
+        pass
+    got = phases.take_memory()
+    assert calls == ["reset", "read"] and got["memory/train_cuda_max_allocated_gb"] == 3.0
+    assert got["memory/train_peak_rss_gb"] > 0.01 and "memory/reward_peak_rss_gb" not in got
+    assert phases.take_memory() == {}  # taken once
