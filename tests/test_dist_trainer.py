@@ -39,25 +39,31 @@ def test_split_across_ranks_balances_tokens_and_pads_to_equal_counts():
     assert split_across_ranks([], lengths, 2) == [[], []]
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1"],
-                                   ["--num-steps-per-rollout", "2", "--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages", "--kl-coef", "0.05"],
-                                   ["--micro-batch-size", "3", "--use-rollout-logprobs"]],
-                         ids=["grpo", "grpo_kl_loss", "two_steps_ref_kl_in_reward", "uneven_counts_observed_rows"])
-def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
-    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
+def _two_ranks_and_local(argv: list[str], tmp_path) -> tuple[list[dict], TrainActor, list[dict], dict]:
+    """3 steps on 2 ranks (each rank's file) and on the single-rank TrainActor (its metrics, first-step grads)."""
     cfg, args = config(argv)  # a flag mistake shows here, not in a child
     run_ranks(grads_worker, 2, argv, free_port(), str(tmp_path), 3)
     ranks = _rank_files(tmp_path, 2)
     same = [[{k: v for k, v in m.items() if not k.startswith("time/")} for m in r["metrics"]] for r in ranks]
     assert same[0] == same[1]  # every rank reports the same metrics (timings aside)
     assert ranks[1]["weights"] is None and ranks[0]["weights"] is not None
-
     local = TrainActor(cfg, plugin_args=args)
     vocab = local.model.cfg.vocab_size
     metrics = [local.train(0, step_batch(vocab, 0))]
     grads = {n: p.grad for n, p in local.model.named_parameters()}
     metrics += [local.train(k, step_batch(vocab, k)) for k in range(1, 3)]
     assert grads.keys() == ranks[0]["grads"].keys()
+    return ranks, local, metrics, grads
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1"],
+                                   ["--num-steps-per-rollout", "2", "--advantage-estimator", "reinforce_plus_plus",
+                                    "--normalize-advantages", "--kl-coef", "0.05"],
+                                   ["--micro-batch-size", "3", "--use-rollout-logprobs"]],
+                         ids=["grpo", "grpo_kl_loss", "two_steps_ref_kl_in_reward", "uneven_counts_observed_rows"])
+def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
+    ranks, local, metrics, grads = _two_ranks_and_local(argv, tmp_path)
     worst = max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items())
     print(f"first-step gradients: worst relative difference {worst:.3g}")
     assert worst <= 1e-6, worst
@@ -67,6 +73,19 @@ def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path,
         assert mine["train/skipped_samples"] == ref["train/skipped_samples"]
     for name, w in local.model.state_dict().items():
         assert torch.allclose(ranks[0]["weights"][name], w, rtol=0, atol=1e-5), name
+
+
+def test_two_ranks_bf16_mixed_precision(tiny_ckpt, addition_data, tmp_path):
+    """--bf16: parameters gathered and computed in bf16 over gloo, float32 master weights and gradients; the
+    single rank runs bf16 autocast over float32 weights, so the two agree to bf16 rounding only (measured: grad
+    norms within 0.7%)."""
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--bf16")
+    ranks, _, metrics, grads = _two_ranks_and_local(argv, tmp_path)
+    assert all(g.dtype == torch.float32 for g in ranks[0]["grads"].values())
+    assert all(w.dtype == torch.float32 for w in ranks[0]["weights"].values())
+    for mine, ref in zip(ranks[0]["metrics"], metrics):
+        assert mine["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=0.03)
+    assert max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items()) < 0.1
 
 
 @pytest.fixture(scope="module")
