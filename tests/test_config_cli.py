@@ -45,7 +45,7 @@ def run_cli(argv, capsys):
         (["stray"], "unrecognized argument 'stray'"),
         (["--train-memory-margin-bytes", "5"], "--train-memory-margin-bytes was removed: the memory saver's own "
                                                "default margin is used now; drop this flag"),
-        (["--runtime", "ray"], "--runtime ray is not available yet"),
+        (["--runtime", "ray"], "--runtime ray: give --rollout-num-gpus R"),
     ],
 )
 def test_cli_error_is_one_line_exit_2(base, capsys, extra, needle):

@@ -50,8 +50,9 @@ PARTIAL_FILTER = "lichen.rollout.filters.check_reward_nonzero_std"
 # (id, extra args, dropped base flags, substrings the message must contain, exception class)
 REJECTIONS = [
     # general / model
-    ("runtime-ray", ["--runtime", "ray"], (), ["--runtime ray", "not available yet", "--runtime local"],
-     NotAvailableYet),
+    ("runtime-ray", ["--runtime", "ray"], (), ["--runtime ray", "--rollout-num-gpus R"], ConfigError),
+    ("runtime-ray-sglang", ["--runtime", "ray", "--rollout-engine-backend", "sglang", "--rollout-num-engines", "1"],
+     (), ["--runtime ray with --rollout-engine-backend sglang", "not available yet"], NotAvailableYet),
     ("megatron", ["--train-backend", "megatron"], (), ["--train-backend megatron", "Megatron"], NotAvailableYet),
     ("qwen-gdn", ["--qwen-gdn-backend", "fla"], (), ["--qwen-gdn-backend", "GatedDeltaNet"], NotAvailableYet),
     ("megatron-to-hf", ["--megatron-to-hf-mode", "raw"], (), ["--megatron-to-hf-mode was removed", "PR #2249"],
