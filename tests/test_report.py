@@ -229,3 +229,22 @@ def test_trace_holds_the_engine_servers_phases(tiny_ckpt, addition_data, tmp_pat
         if e["name"] == "generate":
             g = gen[e["args"]["rollout_id"]]
             assert g["ts"] <= e["ts"] and e["ts"] + e["dur"] <= g["ts"] + g["dur"] + 1e5  # 0.1 s for the answer
+
+
+def test_timeline_keeps_the_last_rollouts_and_unlabelled_slices_among_them(tmp_path):
+    from lichen.observe.report.data import _timeline
+    from lichen.observe.trace import write_trace
+
+    def x(name, rid, ts, dur, pid=1):
+        return {"name": name, "ph": "X", "pid": pid, "tid": 7, "ts": ts, "dur": dur,
+                "args": {} if rid is None else {"rollout_id": rid}}
+
+    events = [x("generate", r, r * 100, 40) for r in range(30)] + [
+        x("generate", None, 2920, 30, pid=2),  # an engine busy within the window, no rollout label
+        x("generate", None, 50, 30, pid=2),  # one long before the window
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 7, "args": {"name": "MainThread"}}]
+    write_trace(str(tmp_path / "trace.json"), events)
+    tl = _timeline(str(tmp_path), last_steps=20)
+    assert sorted({s["rollout_id"] for s in tl["slices"]} - {None}) == list(range(10, 30))
+    assert [s["ts"] for s in tl["slices"] if s["rollout_id"] is None] == [2920]
+    assert tl["lanes"] == ["MainThread", "thread 7"]

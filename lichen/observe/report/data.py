@@ -69,7 +69,12 @@ def _timeline(run_dir: str, last_steps: int = TIMELINE_STEPS) -> dict | None:
     slices = [e for e in events if e.get("ph") == "X"]
     steps = sorted({e.get("args", {}).get("rollout_id") for e in slices} - {None})
     keep = set(steps[-last_steps:])
-    slices = [e for e in slices if e.get("args", {}).get("rollout_id") in keep]
+    kept = [e for e in slices if e.get("args", {}).get("rollout_id") in keep]
+    if not kept:
+        return None
+    # slices of no known rollout (an engine busy while the driver trains, with --async) within the same window
+    lo, hi = min(e["ts"] for e in kept), max(e["ts"] + e["dur"] for e in kept)
+    slices = kept + [e for e in slices if e.get("args", {}).get("rollout_id") is None and lo <= e["ts"] <= hi]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     lanes = sorted({(e["pid"], e["tid"]) for e in slices})
