@@ -1,0 +1,173 @@
+"""The agent proxy: an OpenAI-compatible `/v1/chat/completions` in front of lichen's engines that external agent
+code (anything built on the `openai` SDK) drives during a rollout, while lichen records every request's prompt
+tokens, output tokens and log-probs per session and turns them into Samples (docs/agentic.md#agent-proxy).
+
+Sessions are keyed by a per-trajectory base URL `http://HOST:PORT/sessions/<id>/v1` or by the header
+`X-Session-Id` on `http://HOST:PORT/v1`; each session's requests are recorded apart. Token fidelity across turns:
+an assistant message the proxy itself returned is rendered back as the raw text it generated, and a prompt whose
+text extends the session's last prompt + output reuses those tokens (only the new suffix is encoded), so a
+multi-turn conversation becomes one Sample whose policy tokens are exactly the engine's (loss mask 1, their
+log-probs) and whose other tokens (tool results, templates) have loss mask 0.
+
+    proxy = AgentProxy(engine, tokenizer)        # engine: async agenerate(GenRequest, session_id) -> GenResult
+    await proxy.start()                          # on the loop the engine's agenerate runs on; proxy.url
+    ... the agent calls OpenAI(base_url=proxy.session_url("traj-0"), api_key="none") ...
+    samples = proxy.samples("traj-0")            # one Sample per token-continuous chain of requests
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from lichen.engines.engine import GenRequest
+from lichen.engines.tool_parsers import ToolCallParser, load_parser
+from lichen.rollout.trajectory import Trajectory
+from lichen.types import Sample, Status
+
+
+@dataclass
+class Turn:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: str
+
+
+@dataclass
+class Session:
+    turns: list[Turn] = field(default_factory=list)
+    raw: dict[str, str] = field(default_factory=dict)  # key of a returned assistant message -> generated text
+
+
+def _message_key(content: Any, calls: Any) -> str:
+    ids = [c.get("id") for c in calls or [] if isinstance(c, dict)]
+    return json.dumps([content or "", ids])
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
+                             status=status)
+
+
+class AgentProxy:
+    def __init__(self, engine: Any, tokenizer: Any, *, parser: ToolCallParser | None = None,
+                 max_new_tokens: int = 1024, model_name: str = "lichen-policy"):
+        self.engine, self.tok = engine, tokenizer
+        self.parser = parser or load_parser("hermes")
+        self.max_new_tokens, self.model_name = max_new_tokens, model_name
+        self.sessions: dict[str, Session] = {}
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ---- server ----------------------------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.url = f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def session_url(self, session_id: str) -> str:
+        """The OpenAI base URL of one trajectory."""
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    # ---- one request -----------------------------------------------------------------------------------------
+    def _prompt_ids(self, session: Session, body: dict) -> list[int]:
+        messages = []
+        for m in body["messages"]:
+            if m.get("role") == "assistant":
+                raw = session.raw.get(_message_key(m.get("content"), m.get("tool_calls")))
+                if raw is not None:  # ours: render the text the engine generated, not the parsed fields
+                    m = {"role": "assistant", "content": raw}
+            messages.append(m)
+        kwargs = {"tools": body["tools"]} if body.get("tools") else {}
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        if session.turns:  # continue the last turn's exact tokens when the text extends it
+            last = session.turns[-1]
+            history = last.prompt_ids + last.output_ids
+            done = self.tok.decode(history, skip_special_tokens=False)
+            if text.startswith(done):
+                return history + list(self.tok.encode(text[len(done):], add_special_tokens=False))
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        sid = request.match_info.get("sid") or request.headers.get("X-Session-Id")
+        if not sid:
+            return _error("no session: use the base URL /sessions/<id>/v1 or send the X-Session-Id header")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error("the request body is not JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _error("messages: a non-empty list is required")
+        if body.get("stream"):
+            return _error("stream is not supported by the agent proxy; leave it out")
+        session = self.sessions.setdefault(sid, Session())
+        ids = self._prompt_ids(session, body)
+        req = GenRequest(input_ids=ids, max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
+                         temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                         seed=int(body.get("seed") or uuid.uuid4().int % 2**31))
+        res = await self.engine.agenerate(req, sid)
+        session.turns.append(Turn(ids, list(res.output_ids), list(res.output_logprobs), res.finish_reason,
+                                  res.weight_version))
+        text = self.tok.decode(res.output_ids, skip_special_tokens=True)
+        content, calls = text, None
+        if body.get("tools") and body.get("tool_choice", "auto") != "none":
+            parsed = self.parser.parse(text)
+            content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
+        session.raw[_message_key(content, calls)] = text
+        reason = "tool_calls" if calls and res.finish_reason == "stop" else res.finish_reason
+        lps = None
+        if body.get("logprobs"):
+            lps = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                               for t, lp in zip(res.output_ids, res.output_logprobs)]}
+        n = len(res.output_ids)
+        return web.json_response({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 0, "model": self.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                         "logprobs": lps, "finish_reason": reason}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}})
+
+    # ---- samples ---------------------------------------------------------------------------------------------
+    def samples(self, session_id: str) -> list[Sample]:
+        """The session's requests as Samples: a request whose prompt extends the current chain's tokens continues
+        it (the new prompt tokens with loss mask 0, the output with mask 1), any other starts a new Sample."""
+        out: list[Sample] = []
+        chain: tuple[list[int], Trajectory, Turn] | None = None
+        for turn in self.sessions.get(session_id, Session()).turns:
+            if chain is not None:
+                prompt, traj, _ = chain
+                have = prompt + traj.tokens
+                if turn.prompt_ids[:len(have)] == have:
+                    traj.add_context(turn.prompt_ids[len(have):])
+                    traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version)
+                    chain = (prompt, traj, turn)
+                    continue
+                out.append(self._sample(session_id, chain, len(out)))
+            traj = Trajectory()
+            traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version)
+            chain = (list(turn.prompt_ids), traj, turn)
+        if chain is not None:
+            out.append(self._sample(session_id, chain, len(out)))
+        return out
+
+    def _sample(self, session_id: str, chain: tuple[list[int], Trajectory, Turn], k: int) -> Sample:
+        prompt, traj, last = chain
+        status = Status.COMPLETED if last.finish_reason == "stop" else Status.TRUNCATED
+        sample = traj.fill(Sample(prompt=self.tok.decode(prompt)), self.tok, prompt, status)
+        sample.metadata.update(session=session_id, chain=k)
+        return sample

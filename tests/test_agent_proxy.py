@@ -1,0 +1,107 @@
+"""The agent proxy (lichen/rollout/agent_proxy.py): two concurrent `openai`-SDK agents, one keyed by its base URL
+and one by a header, each calling a tool and answering; each session becomes one Sample whose policy tokens are
+exactly the engine's, with the tool turn masked, and the sessions stay apart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import openai
+import pytest
+
+from lichen.engines.engine import GenResult
+from lichen.models.tokenizer import load_tokenizer
+from lichen.rollout.agent_proxy import AgentProxy
+from lichen.types import Status
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+
+class ScriptedEngine:
+    """Calls `add` with the number the user gave, then answers with the tool's result. The call is preceded by
+    `<|endoftext|>` spelled out in characters: text that re-encodes to other tokens (one special token), so only
+    a proxy that keeps the engine's tokens continues the trajectory exactly."""
+
+    def __init__(self, tok):
+        self.tok, self.im_end = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.calls: list[tuple[str, list[int], list[int]]] = []
+
+    async def agenerate(self, r, session_id=None):
+        await asyncio.sleep(0.01)  # let the other session's request in between
+        text = self.tok.decode(r.input_ids)
+        n = 1 if "one" in text else 2
+        if "<|im_start|>tool" in text:
+            reply = "it is " + text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+        else:
+            reply = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": 10}}</tool_call>' % n
+        ids = list(self.tok.encode(reply, add_special_tokens=False)) + [self.im_end]
+        if not reply.startswith("it is"):
+            ids = [self.tok.convert_tokens_to_ids(c) for c in "<|endoftext|>"] + ids
+        self.calls.append((session_id, list(r.input_ids), ids))
+        return GenResult(ids, [-0.5 - 0.01 * k for k in range(len(ids))], "stop", len(r.input_ids), "3")
+
+
+@pytest.fixture
+def proxy(tiny_ckpt):
+    tok = load_tokenizer(tiny_ckpt)
+    engine = ScriptedEngine(tok)
+    p = AgentProxy(engine, tok)
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    asyncio.run_coroutine_threadsafe(p.start(), loop).result(30)
+    yield p, engine, tok
+    asyncio.run_coroutine_threadsafe(p.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    th.join(30)
+
+
+def agent(client: openai.OpenAI, number: str, out: dict) -> None:
+    messages = [{"role": "user", "content": f"add {number} and ten"}]
+    r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    (call,) = r1.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    out[number] = (r1.choices[0].finish_reason, r2.choices[0].message.content)
+
+
+def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
+    p, engine, tok = proxy
+    by_url = openai.OpenAI(base_url=p.session_url("A"), api_key="none", max_retries=0)
+    by_header = openai.OpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0,
+                              default_headers={"X-Session-Id": "B"})
+    out: dict = {}
+    threads = [threading.Thread(target=agent, args=(by_url, "one", out)),
+               threading.Thread(target=agent, args=(by_header, "two", out))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == {"one": ("tool_calls", "it is 11"), "two": ("tool_calls", "it is 12")}
+    for sid, result in (("A", "11"), ("B", "12")):
+        (sample,) = p.samples(sid)
+        (s1, in1, out1), (s2, in2, out2) = [c for c in engine.calls if c[0] == sid]
+        # the second request continued the first one's exact tokens; only the tool turn is new
+        assert in2[:len(in1) + len(out1)] == in1 + out1
+        tool = in2[len(in1) + len(out1):]
+        assert tok.decode(tool) == f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
+        assert sample.tokens == in1 + out1 + tool + out2
+        assert sample.response_length == len(out1 + tool + out2)
+        assert sample.loss_mask == [1] * len(out1) + [0] * len(tool) + [1] * len(out2)
+        assert sample.rollout_log_probs == pytest.approx([-0.5 - 0.01 * k for k in range(len(out1))]
+                                                         + [0.0] * len(tool)
+                                                         + [-0.5 - 0.01 * k for k in range(len(out2))])
+        assert sample.status == Status.COMPLETED and sample.weight_versions == ["3"]
+        assert sample.metadata["session"] == sid and f"it is {result}" in sample.response
+
+
+def test_a_request_without_a_session_is_refused(proxy):
+    p, _, _ = proxy
+    client = openai.OpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="X-Session-Id"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert p.samples("nobody") == []
