@@ -278,3 +278,14 @@ def test_real_server_with_the_sdk(tiny_ckpt, tmp_path):
     finally:
         proc.stop()
         bare.stop()
+
+
+def test_serve_flag_is_checked_before_the_model_loads(tiny_ckpt):
+    from lichen.engines.serve import build_parser, check_args
+
+    args = build_parser().parse_args(["--model", tiny_ckpt, "--tool-call-parser", "mistral"])
+    with pytest.raises(ConfigError, match="^--tool-call-parser 'mistral': unknown parser"):
+        check_args(args)
+    args = build_parser().parse_args(["--model", tiny_ckpt])
+    check_args(args)
+    assert isinstance(args.tool_parser, TaggedJsonParser)

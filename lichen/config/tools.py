@@ -35,8 +35,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--check-token-fidelity",
         action="store_true",
-        help="compare each tool-rollout trajectory with apply_chat_template of its conversation and log the first "
-        "mismatching token (metadata token_fidelity, metric rollout/token_fidelity_mismatch; default: off)",
+        help="compare each turn of a tool-rollout trajectory with apply_chat_template of its conversation; the first "
+        "mismatching token goes to the sample's metadata['token_fidelity'] and the log (default: off)",
     )
 
 
