@@ -105,3 +105,60 @@ def test_a_request_without_a_session_is_refused(proxy):
     with pytest.raises(openai.BadRequestError, match="X-Session-Id"):
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert p.samples("nobody") == []
+
+
+# ---- --agent-function-path: the proxy as the rollout's generate function ------------------------------------------
+async def sdk_agent(base_url, sample):
+    """An agent on the async SDK: asks, runs the tool itself, answers."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": sample.prompt}]
+    r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=0.0)
+    (call,) = r1.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=10**6)
+
+
+async def silent_agent(base_url, sample):
+    return None
+
+
+def test_agent_function_is_a_generate_function(tiny_ckpt):
+    import argparse
+
+    from lichen.engines.sampler import derive_seed
+    from lichen.rollout import agent_rollout
+    from lichen.rollout.custom_generate import run_custom_generate
+    from lichen.types import Sample
+
+    tok = load_tokenizer(tiny_ckpt)
+    engine = ScriptedEngine(tok)
+    requests = []
+    inner = engine.agenerate
+
+    async def spy(r, session_id=None):
+        requests.append(r)
+        return await inner(r, session_id)
+
+    engine.agenerate = spy
+    args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
+                              check_token_fidelity=False, agent_function_path="test_agent_proxy.sdk_agent")
+    samples = [Sample(prompt=f"add {w} and ten", tokens=[1], label=w, index=i, metadata={"k": i})
+               for i, w in enumerate(("one", "two"))]
+    params = [{"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 40 + i}
+              for i in range(2)]
+    outs = run_custom_generate(agent_rollout.generate, args, samples, params, engine=engine, tokenizer=tok)
+    for i, (out, result) in enumerate(zip(outs, ("11", "12"))):
+        (s,) = out
+        assert s.status == Status.COMPLETED and f"it is {result}" in s.response
+        assert s.label == ("one", "two")[i] and s.metadata["k"] == i and s.index == i
+        assert s.loss_mask.count(0) == len(tok.encode(f"\n<|im_start|>tool\n{result}<|im_end|>\n"
+                                                      "<|im_start|>assistant\n", add_special_tokens=False))
+    # the rollout's sampling settings, one seed per request, the budget capped: not what the agent asked for
+    mine = sorted((r for r in requests), key=lambda r: r.seed)
+    assert {r.seed for r in mine} == {40, 41, derive_seed(40, 1), derive_seed(41, 1)}
+    assert all(r.temperature == 0.7 and r.top_p == 0.9 and r.max_new_tokens == 300 for r in mine)
+    args.agent_function_path = "test_agent_proxy.silent_agent"
+    (out,) = run_custom_generate(agent_rollout.generate, args, samples[:1], params[:1], engine=engine, tokenizer=tok)
+    assert out[0].status == Status.FAILED and out[0].metadata["agent"] == "no request"

@@ -39,7 +39,7 @@ DEFAULTS = {
     "rollout_stop_token_ids": None, "custom_rm_path": None, "reward_key": None, "rollout_function_path": None,
     "eval_function_path": None, "custom_generate_function_path": None,
     "tool_paths": None, "max_turns": 8, "tool_timeout": 30.0, "tool_call_parser": "hermes",
-    "check_token_fidelity": False, "rollout_num_engines": None,
+    "check_token_fidelity": False, "agent_function_path": None, "rollout_num_engines": None,
     "rollout_external_engine_addrs": None,
     "sglang_server_concurrency": 512, "sglang_router_ip": None, "sglang_router_port": None,
     "rollout_max_batch_size": None, "sglang_passthrough": [],

@@ -7,6 +7,7 @@ import math
 from lichen.errors import ConfigError
 
 TOOL_ROLLOUT = "lichen.rollout.tool_rollout.generate"
+AGENT_ROLLOUT = "lichen.rollout.agent_rollout.generate"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "callable's `schema` attribute or is read from its signature and docstring); selects the built-in "
         f"multi-turn tool rollout {TOOL_ROLLOUT} unless --custom-generate-function-path names another "
         "(default: none)",
+    )
+    g.add_argument(
+        "--agent-function-path",
+        metavar="MODULE.FUNCTION",
+        default=None,
+        help="an external agent as the generate function: `async def fn(base_url, sample)` drives the policy "
+        "through an OpenAI-compatible base URL of its own (the agent proxy) and each of its sessions becomes "
+        f"training samples; selects {AGENT_ROLLOUT} (default: none)",
     )
     g.add_argument("--max-turns", type=int, default=8,
                    help="most assistant turns per trajectory in the tool rollout (default 8)")
@@ -49,6 +58,8 @@ def check(args: argparse.Namespace) -> None:
     from lichen.plugins import load_function
 
     load_parser(args.tool_call_parser, "--tool-call-parser")
+    if args.agent_function_path is not None:
+        _check_agent(args)
     if not args.tool_paths:
         return
     for path in args.tool_paths:
@@ -58,3 +69,21 @@ def check(args: argparse.Namespace) -> None:
                           "--apply-chat-template")
     if args.custom_generate_function_path is None:
         args.custom_generate_function_path = TOOL_ROLLOUT
+
+
+def _check_agent(args: argparse.Namespace) -> None:
+    import inspect
+
+    from lichen.plugins import load_function
+
+    if args.tool_paths:
+        raise ConfigError("--agent-function-path and --tool-paths exclude each other: an external agent runs its "
+                          "own tools; give one of them")
+    if not inspect.iscoroutinefunction(load_function(args.agent_function_path, "--agent-function-path")):
+        raise ConfigError(f"--agent-function-path {args.agent_function_path!r}: must be an async function "
+                          "`async def fn(base_url: str, sample) -> None`")
+    if not args.apply_chat_template:
+        raise ConfigError("--agent-function-path: the agent's messages are rendered by the chat template; pass "
+                          "--apply-chat-template")
+    if args.custom_generate_function_path is None:
+        args.custom_generate_function_path = AGENT_ROLLOUT

@@ -1,0 +1,69 @@
+"""`--agent-function-path MODULE.FN`: an external agent, written against the `openai` SDK, as the rollout's
+generate function (docs/agentic.md#agent-rollout).
+
+    async def my_agent(base_url: str, sample: Sample) -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none")
+        ...   # any number of chat.completions.create calls, tools run by the agent itself
+
+For each sample lichen serves an agent proxy (lichen/rollout/agent_proxy.py) on loopback, hands the agent a
+base URL of its own session, and returns the session's requests as Samples (one per token-continuous chain;
+several chains all join the prompt's group). The agent's requests are sampled with the rollout's settings
+(--rollout-temperature, top-p, top-k, and a seed derived from the sample's, one per request), whatever the agent
+asks for, so log-probs follow the training convention; each request generates at most the sample's response
+budget (--rollout-max-response-len). Use the async client: a blocking call would stall every other trajectory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lichen.config.tool_config import ToolConfig
+from lichen.engines.sampler import derive_seed
+from lichen.engines.tool_parsers import load_parser
+from lichen.plugins import load_function
+from lichen.rollout.agent_proxy import AgentProxy
+from lichen.rollout.custom_generate import GenerateContext, current
+from lichen.types import Sample, Status
+
+FLAG = "--agent-function-path"
+
+
+class _RolloutEngine:
+    """The proxy's engine: the rollout's engine, with the rollout's sampling settings for every request."""
+
+    def __init__(self, ctx: GenerateContext):
+        self.ctx = ctx
+        self.params: dict[str, dict] = {}  # session -> the sample's sampling_params
+        self.count: dict[str, int] = {}
+
+    async def agenerate(self, request, session_id=None):
+        params = self.params[session_id]
+        k = self.count[session_id] = self.count.get(session_id, 0) + 1
+        seed = int(params["sampling_seed"])
+        return await self.ctx.generate(request.input_ids, {
+            **params, "max_new_tokens": max(1, min(request.max_new_tokens, int(params["max_new_tokens"]))),
+            "sampling_seed": seed if k == 1 else derive_seed(seed, k - 1)}, session_id=session_id)
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sample]:
+    """The custom generate function (see the module docstring)."""
+    cfg = ToolConfig.from_args(args)
+    agent = load_function(cfg.agent_path, FLAG)
+    proxy = AgentProxy(_RolloutEngine(current()), current().tokenizer,
+                       parser=load_parser(cfg.parser, "--tool-call-parser"))
+    await proxy.start()  # one per trajectory: its sessions and sockets end with it
+    sid = f"sample{sample.index}"
+    proxy.engine.params[sid] = sampling_params
+    try:
+        await agent(proxy.session_url(sid), sample)
+    finally:
+        await proxy.stop()
+    out = proxy.samples(sid)
+    if not out:  # the agent never called the model: nothing to train on
+        sample.status, sample.response_length = Status.FAILED, 0
+        sample.metadata["agent"] = "no request"
+        return [sample]
+    for s in out:
+        s.prompt, s.label, s.index = sample.prompt, sample.label, sample.index
+        s.metadata = {**sample.metadata, **s.metadata}
+    return out
