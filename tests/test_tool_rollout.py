@@ -186,7 +186,9 @@ def test_flags_select_the_rollout_and_are_checked(tiny_ckpt, addition_data, tmp_
                          (["--apply-chat-template", "--agent-function-path", "test_agent_proxy.sdk_agent",
                            "--tool-paths", "test_tool_rollout.add"], "exclude each other"),
                          (["--apply-chat-template", "--agent-function-path", "test_tool_rollout.add"],
-                          "must be an async function")):
+                          "must be an async function"),
+                         (["--apply-chat-template", "--tool-paths", "test_tool_rollout.add", "--tool-call-parser",
+                           "none"], "--tool-call-parser none: the tool rollout")):
         with pytest.raises(ConfigError, match=words):
             _parse(tiny_ckpt, addition_data, tmp_path, *extra)
 

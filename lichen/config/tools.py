@@ -57,7 +57,10 @@ def check(args: argparse.Namespace) -> None:
     from lichen.engines.tool_parsers import load_parser
     from lichen.plugins import load_function
 
-    load_parser(args.tool_call_parser, "--tool-call-parser")
+    parser = load_parser(args.tool_call_parser, "--tool-call-parser")
+    if parser is None and (args.tool_paths or args.agent_function_path):
+        raise ConfigError("--tool-call-parser none: the tool rollout and the agent proxy read tool calls; give "
+                          "hermes or a parser's dotted path")
     if args.agent_function_path is not None:
         _check_agent(args)
     if not args.tool_paths:
