@@ -109,3 +109,61 @@ def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, additio
     with open(tmp_path / "ray_ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert f.read().strip() == "2"
     assert json.load(open(tmp_path / "ray" / "config.json"))["runtime"] == "ray"
+
+
+# ---- an engine actor killed mid-rollout ------------------------------------------------------------------------
+SEEN: dict = {}
+
+
+def killing_actor_rollout(args, rollout_id, data_source, evaluation=False):
+    """Step 0: kill engine 0's Ray actor (its server dies with it) while it has a request in flight. Step 1: record
+    the engines' state."""
+    import threading
+    import time
+
+    from lichen.rollout.context import current
+    from lichen.rollout.generate import generate_rollout
+
+    engines = current().engine
+    if rollout_id == 0:
+        def kill() -> None:
+            end = time.monotonic() + 60
+            while engines.clients[0].in_flight == 0 and time.monotonic() < end:
+                time.sleep(0.0005)
+            SEEN["in_flight_at_kill"] = engines.clients[0].in_flight
+            ray.kill(engines.launcher.actors[0], no_restart=True)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        groups = generate_rollout(args, rollout_id, data_source)
+        killer.join()
+        SEEN["reissued_from"] = list(engines.router.reissued_from)
+    else:
+        SEEN["step1"] = {"in_rotation": engines.router.in_rotation(), "versions": engines.weight_versions(),
+                         "restarts": list(engines.monitor.restarts)}
+        groups = generate_rollout(args, rollout_id, data_source)
+    return groups
+
+
+@pytest.mark.slow
+def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(ray_8_gpus, tiny_ckpt, addition_data,
+                                                                            tmp_path):
+    import torch
+
+    SEEN.clear()
+    dump = str(tmp_path / "r_{rollout_id}.pt")
+    run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "2", "--device", "cpu",
+                  "--num-threads", "1", "--runtime", "ray", "--rollout-num-gpus", "2",
+                  "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w"),
+                  "--sglang-server-concurrency", "1", "--use-fault-tolerance",
+                  "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "5",
+                  "--rollout-health-check-first-wait", "0",
+                  "--rollout-function-path", "test_ray_runtime.killing_actor_rollout",
+                  "--save-debug-rollout-data", dump))
+    assert SEEN["in_flight_at_kill"] >= 1 and SEEN["reissued_from"][0] >= 1  # engine 0's requests were re-sent
+    for k in range(2):  # every group whole, no index twice
+        groups = torch.load(dump.format(rollout_id=k), weights_only=False)["samples"]
+        assert [len(g) for g in groups] == [4, 4, 4, 4]
+        assert sorted(s["index"] for g in groups for s in g) == list(range(16))
+    step1 = SEEN["step1"]  # a new actor on the same bundle, back in rotation at the current version
+    assert step1["in_rotation"] == [0, 1] and step1["versions"] == ["1", "1"] and step1["restarts"] == [1, 0]
