@@ -35,7 +35,7 @@ class ScriptedEngine:
         if "<|im_start|>tool" in text:
             reply = "it is " + text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
         else:
-            reply = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": 10}}</tool_call>' % n
+            reply = '<tool_call>{"name": "add", "arguments": {"a": ' + str(n) + ', "b": 10}}</tool_call>'
         ids = list(self.tok.encode(reply, add_special_tokens=False)) + [self.im_end]
         if not reply.startswith("it is"):
             ids = [self.tok.convert_tokens_to_ids(c) for c in "<|endoftext|>"] + ids
@@ -84,7 +84,7 @@ def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
     assert out == {"one": ("tool_calls", "it is 11"), "two": ("tool_calls", "it is 12")}
     for sid, result in (("A", "11"), ("B", "12")):
         (sample,) = p.samples(sid)
-        (s1, in1, out1), (s2, in2, out2) = [c for c in engine.calls if c[0] == sid]
+        (_, in1, out1), (_, in2, out2) = [c for c in engine.calls if c[0] == sid]
         # the second request continued the first one's exact tokens; only the tool turn is new
         assert in2[:len(in1) + len(out1)] == in1 + out1
         tool = in2[len(in1) + len(out1):]

@@ -29,7 +29,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b",
 def test_valid_calls_and_content_around_them():
     out = P.parse("Let me add.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 5'))
     assert out.content == "Let me add."
-    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("add", {"a": 1, "b": 2}),
+                                                                      ("add", {"a": 5, "b": 2})]
     assert len({c.id for c in out.calls}) == 2
     only = P.parse(CALL)
     assert only.content is None and len(only.calls) == 1

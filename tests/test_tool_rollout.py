@@ -46,7 +46,8 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(tool_paths=["test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"], max_turns=4,
-                tool_timeout=5.0, tool_call_parser="hermes", check_token_fidelity=True, seed=5,
+                tool_timeout=5.0, tool_call_parser="hermes", check_token_fidelity=True, agent_function_path=None,
+                seed=5,
                 rollout_stop_token_ids=None, custom_generate_function_path="lichen.rollout.tool_rollout.generate")
     return argparse.Namespace(**{**base, **kw})
 

@@ -314,7 +314,8 @@ def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -
     norm = template_messages(norm)
     text = _apply_template(tok, norm, {**kwargs, "tools": tools} if tools else kwargs)
     if tools:
-        refuse_ignored_tools(text, _apply_template(tok, norm, kwargs), f"{server.tokenizer_path} (tokenizer_config.json)")
+        source = f"{server.tokenizer_path} (tokenizer_config.json)"
+        refuse_ignored_tools(text, _apply_template(tok, norm, kwargs), source)
     return list(tok.encode(text, add_special_tokens=False))
 
 
