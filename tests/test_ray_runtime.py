@@ -167,3 +167,18 @@ def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(ray_8
         assert sorted(s["index"] for g in groups for s in g) == list(range(16))
     step1 = SEEN["step1"]  # a new actor on the same bundle, back in rotation at the current version
     assert step1["in_rotation"] == [0, 1] and step1["versions"] == ["1", "1"] and step1["restarts"] == [1, 0]
+
+
+@pytest.mark.slow
+def test_ray_run_saved_on_two_ranks_resumes_on_one(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
+    common = ["--device", "cpu", "--num-threads", "1", "--runtime", "ray", "--rollout-num-gpus", "1",
+              "--save", str(tmp_path / "ckpt")]
+    run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "2", "--actor-num-gpus-per-node", "2",
+                  *common))
+    resumed = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "3", *common,
+                            "--load", str(tmp_path / "ckpt")))
+    steps = [m for m in resumed if "train/loss" in m]
+    assert [m["step"] for m in steps] == [3]  # only the step after the checkpoint of step 2
+    assert steps[0]["sync/weight_version"] == 3
+    with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read().strip() == "2"
