@@ -56,11 +56,12 @@ def _two_ranks_and_local(argv: list[str], tmp_path) -> tuple[list[dict], TrainAc
     return ranks, local, metrics, grads
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1"],
+@pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1", "--clip-grad", "0.5"],
                                    ["--num-steps-per-rollout", "2", "--advantage-estimator", "reinforce_plus_plus",
                                     "--normalize-advantages", "--kl-coef", "0.05"],
                                    ["--micro-batch-size", "3", "--use-rollout-logprobs"]],
-                         ids=["grpo", "grpo_kl_loss", "two_steps_ref_kl_in_reward", "uneven_counts_observed_rows"])
+                         ids=["grpo", "grpo_kl_loss_clipped", "two_steps_ref_kl_in_reward",
+                              "uneven_counts_observed_rows"])
 def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
     ranks, local, metrics, grads = _two_ranks_and_local(argv, tmp_path)

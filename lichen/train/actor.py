@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,8 +36,9 @@ from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.train import advantage
 from lichen.train.log_probs import LogProbs
-from lichen.train.loss import LossPlugins, StepLoss
+from lichen.train.loss import LossPlugins, StepLoss, StepTerms
 from lichen.train.lr_schedule import lr_at
+from lichen.train.micro_batches import Plan
 from lichen.train.optim import clip_and_step, make_adamw, set_lr
 from lichen.train.step_metrics import step_metrics
 from lichen.train.step_schedule import MicroBatchPlanner, OptimizerStepPlan, schedule_steps
@@ -251,17 +252,13 @@ class TrainActor:
             return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms)
 
         self.optimizer.zero_grad(set_to_none=True)
-        for mb_plan in plan.trained:
-            loss_of(mb_plan).backward()
-        with torch.no_grad():
-            for mb_plan in plan.observed:
-                loss_of(mb_plan)
+        self._run_micro_batches(tb, plan, loss_of)
         if not plan.trained:
             # A backward of exactly-zero losses would have left zero gradients: AdamW must see the same.
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        totals = {key: float(value) for key, value in terms.sums.items()}
+        totals = self._step_totals(terms, trainer_lp)
         opt = cfg.optimizer
         lr = lr_at(self.opt_step, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_iters, decay_iters=opt.decay_iters,
                    style=opt.decay_style)
@@ -276,6 +273,21 @@ class TrainActor:
         totals["lr"] = lr
         totals["skipped_samples"] = float(len(plan.skipped))
         return totals
+
+    def _run_micro_batches(self, tb: TrainBatch, plan: OptimizerStepPlan,
+                           loss_of: Callable[[Plan], torch.Tensor]) -> None:
+        """The backward of every trained micro-batch, then the no-grad forward of every observed one. (A rank of
+        the multi-rank trainer, lichen.train.dist_trainer, runs its share of them.)"""
+        for mb_plan in plan.trained:
+            loss_of(mb_plan).backward()
+        with torch.no_grad():
+            for mb_plan in plan.observed:
+                loss_of(mb_plan)
+
+    def _step_totals(self, terms: StepTerms, trainer_lp: torch.Tensor | None) -> dict[str, float]:
+        """The optimizer step's metric sums as numbers. (The multi-rank trainer first sums them, and the rows of
+        `trainer_lp` each rank filled, over the ranks.)"""
+        return {key: float(value) for key, value in terms.sums.items()}
 
     def _dump(self, rollout_id: int, tb: TrainBatch) -> None:
         """--save-debug-train-data: what this step trained on, for checking it against reference math."""

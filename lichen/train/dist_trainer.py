@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,11 @@ from lichen.train.actor import TrainActor
 from lichen.train.checkpoint import LATEST, iter_dir
 from lichen.train.ckpt_integrity import atomic_write_text
 from lichen.train.log_probs import LogProbs
-from lichen.train.lr_schedule import lr_at
+from lichen.train.loss import StepTerms
 from lichen.train.micro_batches import Plan, StepBatch
-from lichen.train.optim import clip_and_step, make_adamw, set_lr
+from lichen.train.optim import make_adamw
 from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
-from lichen.train.train_batch import TrainBatch, global_counts
+from lichen.train.train_batch import TrainBatch
 from lichen.types import Sample
 from lichen.weights.hf_io import save_hf_checkpoint
 
@@ -87,50 +87,28 @@ class _RankActor(TrainActor):
                                     weight_decay=opt.weight_decay)
         self.log_probs = RankLogProbs(self.device, cfg.temperature, cfg.bf16, rank=rank, world_size=world_size)
 
-    def _optimizer_step(self, tb: TrainBatch, plan: OptimizerStepPlan, use_tis: bool,
-                        trainer_lp: torch.Tensor | None) -> dict:
-        """TrainActor._optimizer_step over this rank's share of the micro-batches (see the module docstring)."""
-        cfg = self.cfg
-        counts = global_counts(tb.mask[plan.indices], cfg.max_response_len)
-        terms = self.loss.begin_step(counts, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis,
-                                     device=self.device)
+    def _run_micro_batches(self, tb: TrainBatch, plan: OptimizerStepPlan,
+                           loss_of: Callable[[Plan], torch.Tensor]) -> None:
+        """This rank's share of the step's micro-batches, padded with empty ones to every rank's count."""
         lengths = tb.host.input_lengths
-
-        def loss_of(mb_plan: Plan | None) -> torch.Tensor:
-            mb = tb.host.micro(mb_plan or [[plan.indices[0]]], self.device)
-            logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
-            if mb_plan is None:
-                return logp.sum() * 0.0  # an empty micro-batch: it only keeps the collectives matched
-            if trainer_lp is not None:
-                trainer_lp[mb.indices, : logp.shape[1]] = logp.detach()
-            return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms)
-
-        self.optimizer.zero_grad(set_to_none=True)
         for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size)[self.rank]:
-            loss_of(mb_plan).backward()
+            (loss_of(mb_plan) if mb_plan is not None else self._empty_micro_batch(tb, plan)).backward()
         with torch.no_grad():
             for mb_plan in split_across_ranks(plan.observed, lengths, self.world_size)[self.rank]:
-                loss_of(mb_plan)
+                loss_of(mb_plan) if mb_plan is not None else self._empty_micro_batch(tb, plan)
         fsdp.reshard(self.model)  # parameters() are the sharded ones again, with their gradients
-        if not plan.trained:  # the same on every rank: the schedule is global
-            for p in self.model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+
+    def _empty_micro_batch(self, tb: TrainBatch, plan: OptimizerStepPlan) -> torch.Tensor:
+        """A forward whose loss is 0: it only keeps the collectives matched (its backward adds zero gradients)."""
+        logp, _ = self.log_probs.forward(self.model, tb.host.micro([[plan.indices[0]]], self.device))
+        return logp.sum() * 0.0
+
+    def _step_totals(self, terms: StepTerms, trainer_lp: torch.Tensor | None) -> dict[str, float]:
         keys = list(terms.sums)
         summed = fsdp.all_reduce_sum(torch.stack([terms.sums[k] for k in keys])) if keys else None
-        totals = {k: float(summed[i]) for i, k in enumerate(keys)}
         if trainer_lp is not None:
             fsdp.all_reduce_sum(trainer_lp)
-        opt = cfg.optimizer
-        lr = lr_at(self.opt_step, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_iters, decay_iters=opt.decay_iters,
-                   style=opt.decay_style)
-        set_lr(self.optimizer, lr)
-        # clip_grad_norm_ reduces the norm over the DTensor shards of every rank
-        grad_norm, _ = clip_and_step(self.optimizer, self.model.parameters(), clip_grad=opt.clip_grad,
-                                     has_samples=counts["global_num_samples"] > 0)
-        self.opt_step += 1
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        return {**totals, "grad_norm": float(grad_norm), "lr": lr, "skipped_samples": float(len(plan.skipped))}
+        return {k: float(summed[i]) for i, k in enumerate(keys)}
 
 
 class DistTrainer:

@@ -40,7 +40,9 @@ def shard(model: nn.Module, *, bf16: bool) -> nn.Module:
     leaves the root's module parameters as the gathered tensors (which carry no gradient): call `reshard` after
     it, before anything reads `model.parameters()` (gradient clipping does).
     """
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy()
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)

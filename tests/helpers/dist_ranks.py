@@ -69,7 +69,8 @@ def grads_worker(rank: int, world_size: int, argv: list[str], port: int, out: st
     metrics = [t.train(0, step_batch(_vocab(t), 0))]
     grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters()}
     metrics += [t.train(k, step_batch(_vocab(t), k)) for k in range(1, steps)]
-    torch.save({"grads": grads, "metrics": metrics, "weights": t.full_state_dict()}, os.path.join(out, f"rank{rank}.pt"))
+    weights = t.full_state_dict()
+    torch.save({"grads": grads, "metrics": metrics, "weights": weights}, os.path.join(out, f"rank{rank}.pt"))
     t.close()
 
 
