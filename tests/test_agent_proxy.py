@@ -162,3 +162,46 @@ def test_agent_function_is_a_generate_function(tiny_ckpt):
     args.agent_function_path = "test_agent_proxy.silent_agent"
     (out,) = run_custom_generate(agent_rollout.generate, args, samples[:1], params[:1], engine=engine, tokenizer=tok)
     assert out[0].status == Status.FAILED and out[0].metadata["agent"] == "no request"
+
+
+async def add_agent(base_url, sample):
+    """The agent of the training test: calls `add` through the proxy, runs it, answers."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": sample.prompt}]
+    r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    (call,) = r1.choices[0].message.tool_calls
+    messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+
+
+def test_training_step_through_the_agent_proxy(tiny_ckpt, addition_data, tmp_path, monkeypatch):
+    """A training step whose samples come from an openai-SDK agent: the trained tokens are the engine's plus the
+    template's tool turn, the mask is exact and the rollout log-probs match the trainer's."""
+    import torch
+
+    from helpers.runs import base_args, run
+    from helpers.scripted_policy import scripted_generate
+    from lichen.engines.engine import Engine
+
+    tok = load_tokenizer(tiny_ckpt)
+    returned: list = []
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    monkeypatch.setattr(Engine, "generate", scripted_generate(
+        tok, lambda text: "3" if "<|im_start|>tool" in text else call, returned))
+    dump = str(tmp_path / "r_{rollout_id}.pt")
+    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
+                         "--apply-chat-template", "--rollout-max-response-len", "120",
+                         "--agent-function-path", "test_agent_proxy.add_agent", "--save-debug-rollout-data", dump))
+    samples = [s for g in torch.load(dump.format(rollout_id=0), weights_only=False)["samples"] for s in g]
+    assert len(samples) == 16 and len(returned) == 32
+    outputs = {tuple(inp): ids for inp, ids in returned}
+    for s in samples:
+        prompt = s["tokens"][: len(s["tokens"]) - s["response_length"]]
+        turn1 = outputs[tuple(prompt)]
+        (inp2,) = [inp for inp in outputs if len(inp) > len(prompt) and list(inp[:len(prompt)]) == prompt]
+        tool = list(inp2[len(prompt) + len(turn1):])
+        assert list(inp2[:len(prompt) + len(turn1)]) == prompt + turn1
+        assert s["tokens"] == prompt + turn1 + tool + outputs[inp2]
+        assert s["loss_mask"] == [1] * len(turn1) + [0] * len(tool) + [1] * len(outputs[inp2])
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5

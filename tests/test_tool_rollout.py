@@ -22,6 +22,7 @@ from lichen.rollout.tools import load_tools, run_tool, schema_of
 from lichen.types import Sample, Status
 
 from helpers.runs import base_args, run
+from helpers.scripted_policy import scripted_generate
 
 
 # ---- tools the tests name by dotted path ---------------------------------------------------------------------------
@@ -199,24 +200,9 @@ def test_training_step_trains_exactly_the_rollouts_tokens(tiny_ckpt, addition_da
     """The in-process engine is scripted (every sample calls `add`, then answers), with the model's true
     log-probs of the scripted tokens; the trainer must see the same tokens, mask and log-probs."""
     tok = load_tokenizer(tiny_ckpt)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
     returned: list[tuple[list[int], list[int]]] = []
-
-    def scripted_generate(self, requests):
-        out = []
-        for r in requests:
-            second = "<|im_start|>tool" in tok.decode(r.input_ids)
-            ids = (enc(tok, "3") if second else enc(tok, CALL)) + [im_end]
-            full = list(r.input_ids) + ids
-            with torch.no_grad():
-                h = self.model(torch.tensor([full]), torch.arange(len(full))[None])
-                lp = torch.log_softmax(self.model.logits(h)[0].double() / r.temperature, -1)
-            lps = [lp[len(r.input_ids) + k - 1, t].item() for k, t in enumerate(ids)]
-            returned.append((list(r.input_ids), ids))
-            out.append(GenResult(ids, lps, "stop", len(r.input_ids), self.weight_version))
-        return out
-
-    monkeypatch.setattr(Engine, "generate", scripted_generate)
+    reply = scripted_generate(tok, lambda text: "3" if "<|im_start|>tool" in text else CALL, returned)
+    monkeypatch.setattr(Engine, "generate", reply)
     dump = str(tmp_path / "r_{rollout_id}.pt")
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
                          "--apply-chat-template", "--rollout-max-response-len", "200",
