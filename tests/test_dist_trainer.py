@@ -89,6 +89,16 @@ def test_two_ranks_bf16_mixed_precision(tiny_ckpt, addition_data, tmp_path):
     assert max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items()) < 0.1
 
 
+def test_ppo_critic_is_refused_before_joining_the_group(tiny_ckpt, addition_data, tmp_path):
+    from lichen.errors import ConfigError
+    from lichen.train.dist_trainer import DistTrainer
+
+    cfg, args = config(trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--advantage-estimator", "ppo"))
+    # world_size 2 with no second rank: a trainer that joined the group first would wait for it, not raise
+    with pytest.raises(ConfigError, match="--advantage-estimator ppo"):
+        DistTrainer(cfg, args, rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port())
+
+
 @pytest.fixture(scope="module")
 def resumed(tiny_ckpt, addition_data, tmp_path_factory):
     """Per rank count: N steps straight vs N/2 + save + load + N/2, and the checkpoint it saved."""
