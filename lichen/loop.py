@@ -1,4 +1,5 @@
-"""The RL driver: the only place that orders the phases (docs/architecture.md#the-loop).
+"""The RL driver: with lichen/loop_async.py (`--async`), the only place that orders the phases
+(docs/architecture.md#the-loop).
 
     sync -> [eval] -> for each rollout step: generate -> train -> [save] -> sync -> [eval]
 

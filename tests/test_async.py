@@ -225,3 +225,27 @@ def test_rollout_side_error_stops_the_servers(tiny_ckpt, addition_data, tmp_path
     err = capsys.readouterr().err
     assert "the rollout side failed at rollout step 1" in err and "rollout plug-in failed" in err
     assert len(launched) == 1 and not any(launched[0].alive())
+
+
+def test_trainer_side_error_stops_the_servers_and_the_generation(tiny_ckpt, addition_data, tmp_path, launched,
+                                                                   monkeypatch, capsys):
+    from lichen.train.actor import TrainActor
+
+    train = TrainActor.train
+
+    def failing_train(self, rollout_id, batch):
+        if rollout_id == 1:  # rollout 2 is being generated on the background thread meanwhile
+            raise RuntimeError("optimizer blew up")
+        return train(self, rollout_id, batch)
+
+    monkeypatch.setattr(TrainActor, "train", failing_train)
+    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "4", "--async", *THREADS,
+                     "--rollout-num-engines", "1")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "the trainer side failed at rollout step 1" in err and "optimizer blew up" in err
+    assert len(launched) == 1 and not any(launched[0].alive())
+    for t in threading.enumerate():
+        if t.name.startswith("lichen-async-rollout"):
+            t.join(WAIT)
+            assert not t.is_alive(), f"{t.name} still running after the servers stopped"
