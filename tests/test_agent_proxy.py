@@ -58,25 +58,32 @@ def proxy(tiny_ckpt):
     th.join(30)
 
 
-def agent(client: openai.OpenAI, number: str, out: dict) -> None:
+def agent(client: openai.OpenAI, number: str, out: dict, stream: bool = False) -> None:
     messages = [{"role": "user", "content": f"add {number} and ten"}]
-    r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    if stream:  # the SDK's streaming helper puts the chunks back together
+        with client.chat.completions.stream(model="policy", messages=messages, tools=TOOLS) as events:
+            r1 = events.get_final_completion()
+    else:
+        r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     (call,) = r1.choices[0].message.tool_calls
     args = json.loads(call.function.arguments)
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    msg = r1.choices[0].message
+    assistant = {"role": "assistant", "content": msg.content,
+                 "tool_calls": [c.model_dump(include={"id", "type", "function"}) for c in msg.tool_calls]}
+    messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
     r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     out[number] = (r1.choices[0].finish_reason, r2.choices[0].message.content)
 
 
 def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
+    """Session A by its base URL, B by the header and streaming."""
     p, engine, tok = proxy
     by_url = openai.OpenAI(base_url=p.session_url("A"), api_key="none", max_retries=0)
     by_header = openai.OpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0,
                               default_headers={"X-Session-Id": "B"})
     out: dict = {}
     threads = [threading.Thread(target=agent, args=(by_url, "one", out)),
-               threading.Thread(target=agent, args=(by_header, "two", out))]
+               threading.Thread(target=agent, args=(by_header, "two", out, True))]
     for t in threads:
         t.start()
     for t in threads:

@@ -2,7 +2,8 @@
 code (anything built on the `openai` SDK) drives during a rollout, while lichen records every request's prompt
 tokens, output tokens and log-probs per session and turns them into Samples (docs/agentic.md#agent-proxy).
 
-Sessions are keyed by a per-trajectory base URL `http://HOST:PORT/sessions/<id>/v1` or by the header
+Non-streaming and streaming requests are served (a stream sends the finished reply as chunks). Sessions are
+keyed by a per-trajectory base URL `http://HOST:PORT/sessions/<id>/v1` or by the header
 `X-Session-Id` on `http://HOST:PORT/v1`; each session's requests are recorded apart. Token fidelity across turns:
 an assistant message the proxy itself returned is rendered back as the raw text it generated, and a prompt whose
 text extends the session's last prompt + output reuses those tokens (only the new suffix is encoded), so a
@@ -114,8 +115,6 @@ class AgentProxy:
             return _error("the request body is not JSON")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error("messages: a non-empty list is required")
-        if body.get("stream"):
-            return _error("stream is not supported by the agent proxy; leave it out")
         session = self.sessions.setdefault(sid, Session())
         ids = self._prompt_ids(session, body)
         req = GenRequest(input_ids=ids, max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
@@ -136,11 +135,33 @@ class AgentProxy:
             lps = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                                for t, lp in zip(res.output_ids, res.output_logprobs)]}
         n = len(res.output_ids)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.get("stream"):
+            return await self._stream(request, cid, content, calls, lps, reason)
         return web.json_response({
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 0, "model": self.model_name,
+            "id": cid, "object": "chat.completion", "created": 0, "model": self.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                          "logprobs": lps, "finish_reason": reason}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}})
+
+    async def _stream(self, request: web.Request, cid: str, content: str | None, calls: list | None,
+                      lps: dict | None, reason: str) -> web.StreamResponse:
+        """The finished reply as SSE chunks (the engine call is not incremental): role, content with the log-probs,
+        one delta per tool call, the finish reason, [DONE]."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        deltas = [{"role": "assistant", "content": ""}]
+        if content:
+            deltas.append({"content": content})
+        deltas += [{"tool_calls": [{"index": k, **c}]} for k, c in enumerate(calls or [])]
+        for k, delta in enumerate(deltas + [{}]):
+            last = k == len(deltas)
+            chunk = {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": self.model_name,
+                     "choices": [{"index": 0, "delta": delta, "logprobs": lps if k == 1 else None,
+                                  "finish_reason": reason if last else None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     # ---- samples ---------------------------------------------------------------------------------------------
     def samples(self, session_id: str) -> list[Sample]:
