@@ -74,6 +74,7 @@ DEFAULTS = {
     "update_weight_disk_keep_files": False, "update_weight_full_interval": None,
     "update_weight_delta_encoding": "xor", "update_weight_delta_checksum": "xxh3-128",
     "check_weight_update_equal": False, "custom_update_weight_post_write_path": None,
+    "async_train": False, "update_weights_interval": 1,
     "debug_rollout_only": False, "debug_train_only": False, "save_debug_rollout_data": None,
     "load_debug_rollout_data": None,
     "save": None, "load": None, "save_interval": None,

@@ -19,7 +19,8 @@ from lichen.errors import ConfigError
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("asynchronous training (docs/async.md)")
     g.add_argument(
-        "--async",
+        "--async-train",
+        "--async",  # the short name; the first one is the dest's (args.async would be a syntax error)
         dest="async_train",
         action="store_true",
         help="one-step off-policy: engines generate rollout k+1 with the weights of version k while the trainer "
