@@ -59,9 +59,10 @@ def _two_ranks_and_local(argv: list[str], tmp_path) -> tuple[list[dict], TrainAc
 @pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1", "--clip-grad", "0.5"],
                                    ["--num-steps-per-rollout", "2", "--advantage-estimator", "reinforce_plus_plus",
                                     "--normalize-advantages", "--kl-coef", "0.05"],
-                                   ["--micro-batch-size", "3", "--use-rollout-logprobs"]],
+                                   ["--micro-batch-size", "3", "--use-rollout-logprobs"],
+                                   ["--advantage-estimator", "ppo", "--micro-batch-size", "3"]],
                          ids=["grpo", "grpo_kl_loss_clipped", "two_steps_ref_kl_in_reward",
-                              "uneven_counts_observed_rows"])
+                              "uneven_counts_observed_rows", "ppo_critic"])
 def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
     ranks, local, metrics, grads = _two_ranks_and_local(argv, tmp_path)
@@ -72,6 +73,8 @@ def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path,
         print(f"loss: 2 ranks {mine['train/loss']:.9g}, 1 rank {ref['train/loss']:.9g}")
         assert abs(mine["train/loss"] - ref["train/loss"]) <= 1e-5, (mine["train/loss"], ref["train/loss"])
         assert mine["train/skipped_samples"] == ref["train/skipped_samples"]
+        for key in (k for k in ref if k.startswith("critic/")):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
     for name, w in local.model.state_dict().items():
         assert torch.allclose(ranks[0]["weights"][name], w, rtol=0, atol=1e-5), name
 
@@ -87,16 +90,6 @@ def test_two_ranks_bf16_mixed_precision(tiny_ckpt, addition_data, tmp_path):
     for mine, ref in zip(ranks[0]["metrics"], metrics):
         assert mine["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=0.03)
     assert max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items()) < 0.1
-
-
-def test_ppo_critic_is_refused_before_joining_the_group(tiny_ckpt, addition_data, tmp_path):
-    from lichen.errors import ConfigError
-    from lichen.train.dist_trainer import DistTrainer
-
-    cfg, args = config(trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--advantage-estimator", "ppo"))
-    # world_size 2 with no second rank: a trainer that joined the group first would wait for it, not raise
-    with pytest.raises(ConfigError, match="--advantage-estimator ppo"):
-        DistTrainer(cfg, args, rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port())
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +118,15 @@ def test_exact_resume_per_rank_count(resumed, world):
 
     exported = load_hf_state_dict(hf, device="cpu")
     assert all(torch.equal(exported[n], w) for n, w in r0["at_save"].items())
+
+
+def test_exact_resume_with_ppo_critic(tiny_ckpt, addition_data, tmp_path):
+    """The critic's sharded weights and optimizer resume too: the policy's next advantages read its values."""
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--advantage-estimator", "ppo")
+    config(argv)
+    run_ranks(resume_worker, 2, argv, [free_port() for _ in range(3)], str(tmp_path), str(tmp_path / "ckpt"), STEPS)
+    r0 = _rank_files(tmp_path, 2)[0]
+    assert all(torch.equal(r0["resumed"][n], w) for n, w in r0["straight"].items())
 
 
 @pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2)])

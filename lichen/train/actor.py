@@ -101,11 +101,12 @@ class TrainActor:
         )
         self.loss = StepLoss(cfg, self.plugins)
         self.custom_advantage = _plugin(cfg.custom_advantage_function_path, "--custom-advantage-function-path")
-        self.critic = None
-        if cfg.advantage_estimator == "ppo":
-            from lichen.train.critic import Critic
+        self.critic = self._make_critic() if cfg.advantage_estimator == "ppo" else None
 
-            self.critic = Critic(cfg, self.device)
+    def _make_critic(self):
+        from lichen.train.critic import Critic
+
+        return Critic(cfg=self.cfg, device=self.device)
 
     # ---- weights, state, placement ------------------------------------------------------------------------
     def named_weights(self):

@@ -13,6 +13,8 @@ The policy is not updated during the first --num-critic-only-steps rollout steps
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -48,10 +50,13 @@ class Critic:
         backbone.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = ValueModel(backbone).to(device)
         self.model.train()
+        self.optimizer = self.make_optimizer()
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
         # The LM head is unused by the critic; leaving it out of the optimizer keeps AdamW from decaying it.
         params = [p for n, p in self.model.named_parameters() if "lm_head" not in n]
-        opt = cfg.critic_optimizer
-        self.optimizer = make_adamw(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        opt = self.cfg.critic_optimizer
+        return make_adamw(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
 
     @torch.no_grad()
     def values(self, sb: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:
@@ -67,8 +72,9 @@ class Critic:
         cfg = self.cfg
         agg = lambda x, m: algo.aggregate_loss(x, m, cfg.loss_agg_mode, **counts)  # noqa: E731
         self.optimizer.zero_grad(set_to_none=True)
-        total, clipfrac = 0.0, 0.0
-        for plan in plans:
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # value loss, clip fraction
+
+        def loss_of(plan: Plan) -> torch.Tensor:
             mb = tb.host.micro(plan, self.device)
             rows = mb.indices
             r = mb.resp_mask.shape[1]
@@ -76,13 +82,23 @@ class Critic:
             old = tb.values[rows, :r]
             v = self.model(mb)
             loss = agg(algo.value_loss(v, old, tb.returns[rows, :r], m, value_clip=cfg.value_clip), m)
-            loss.backward()
-            total += float(loss.detach())
+            sums[0] += loss.detach()
             if cfg.value_clip is not None:
-                clipfrac += float(agg(((v.detach() - old).abs() > cfg.value_clip).float(), m))
+                sums[1] += agg(((v.detach() - old).abs() > cfg.value_clip).float(), m)
+            return loss
+
+        total, clipfrac = self._backward(tb, plans, loss_of, sums).tolist()
         grad_norm, _ = clip_and_step(self.optimizer, self.model.parameters(), clip_grad=cfg.critic_optimizer.clip_grad,
                                      has_samples=counts["global_num_samples"] > 0)
         return {"critic/value_loss": total, "critic/value_clipfrac": clipfrac, "critic/grad_norm": float(grad_norm)}
+
+    def _backward(self, tb: TrainBatch, plans: list[Plan], loss_of: Callable[[Plan], torch.Tensor],
+                  sums: torch.Tensor) -> torch.Tensor:
+        """The backward of every micro-batch; returns `sums` (the multi-rank critic runs its share and sums them
+        over the ranks, lichen.train.dist_critic)."""
+        for plan in plans:
+            loss_of(plan).backward()
+        return sums
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}

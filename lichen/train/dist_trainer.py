@@ -16,7 +16,7 @@ Checkpoints: `save` writes the sharded state with torch.distributed.checkpoint (
 a checkpoint loads on any number of ranks; rank 0 also exports the weights as an HF checkpoint (hf/).
 Layout: DIR/iter_{rollout_id:07d}/{dist/, hf/, meta.json} and DIR/latest_checkpointed_iteration.txt.
 
-Not yet on several ranks: the PPO critic (--advantage-estimator ppo) is refused with a ConfigError.
+The PPO critic (--advantage-estimator ppo) is sharded and split the same way (lichen.train.dist_critic).
 """
 
 from __future__ import annotations
@@ -73,16 +73,20 @@ class _RankActor(TrainActor):
     """TrainActor whose models are FSDP2-sharded and whose micro-batches are this rank's share."""
 
     def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int):
-        super().__init__(cfg, plugin_args)
         self.rank, self.world_size = rank, world_size
-        fsdp.shard(self.model, bf16=cfg.bf16)
-        for frozen in (self.ref_model, self.teacher_model):
-            if frozen is not None:
-                fsdp.shard(frozen, bf16=cfg.bf16)
+        super().__init__(cfg, plugin_args)
+        for model in (self.model, self.ref_model, self.teacher_model):
+            if model is not None:
+                fsdp.shard(model, layers=model.model.layers, bf16=cfg.bf16)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
         self.optimizer = make_adamw(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                     weight_decay=opt.weight_decay)
         self.log_probs = RankLogProbs(self.device, cfg.temperature, cfg.bf16, rank=rank, world_size=world_size)
+
+    def _make_critic(self):
+        from lichen.train.dist_critic import RankCritic
+
+        return RankCritic(self.cfg, self.device, rank=self.rank, world_size=self.world_size)
 
     def _run_micro_batches(self, tb: TrainBatch, plan: OptimizerStepPlan,
                            loss_of: Callable[[Plan], torch.Tensor]) -> None:
@@ -113,9 +117,6 @@ class DistTrainer:
 
     def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int, master_addr: str,
                  master_port: int, backend: str | None = None):
-        if cfg.advantage_estimator == "ppo":  # refused before any rank waits for the others
-            raise ConfigError("--advantage-estimator ppo: the critic is not available with --runtime ray yet; use "
-                              "--runtime local or another --advantage-estimator")
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         backend = backend or fsdp.default_backend(resolve_device(cfg.device))
         fsdp.init_process_group(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
@@ -143,8 +144,13 @@ class DistTrainer:
 
     def _sharded_state(self) -> dict:
         a = self.actor
-        return {"model": get_model_state_dict(a.model), "optimizer": get_optimizer_state_dict(a.model, a.optimizer),
-                "opt_step": torch.tensor(a.opt_step, dtype=torch.int64)}
+        state = {"model": get_model_state_dict(a.model), "optimizer": get_optimizer_state_dict(a.model, a.optimizer),
+                 "opt_step": torch.tensor(a.opt_step, dtype=torch.int64)}
+        if a.critic is not None:
+            c = a.critic
+            state["critic"] = {"model": get_model_state_dict(c.model),
+                               "optimizer": get_optimizer_state_dict(c.model, c.optimizer)}
+        return state
 
     def save(self, ckpt_dir: str, rollout_id: int) -> None:
         """Write checkpoint `rollout_id` under `ckpt_dir` (every rank calls it): the sharded state, then rank 0's
@@ -181,6 +187,9 @@ class DistTrainer:
         set_model_state_dict(a.model, state["model"])
         set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"])
         a.opt_step = int(state["opt_step"])
+        if a.critic is not None:
+            set_model_state_dict(a.critic.model, state["critic"]["model"])
+            set_optimizer_state_dict(a.critic.model, a.critic.optimizer, state["critic"]["optimizer"])
         return rollout_id
 
     def close(self) -> None:

@@ -28,8 +28,9 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def shard(model: nn.Module, *, bf16: bool) -> nn.Module:
-    """FSDP2 over every rank of the default group, in place; returns `model`.
+def shard(model: nn.Module, *, layers: nn.ModuleList, bf16: bool) -> nn.Module:
+    """FSDP2 over every rank of the default group, in place, one unit per module of `layers` plus the root;
+    returns `model`.
 
     bf16: parameters are all-gathered and computed in bfloat16 (MixedPrecisionPolicy; gloo carries bf16 on CPU),
     gradients reduced in float32 into the float32 master shards.
@@ -43,7 +44,7 @@ def shard(model: nn.Module, *, bf16: bool) -> nn.Module:
     mp = MixedPrecisionPolicy()
     if bf16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     for m in model.modules():
