@@ -37,7 +37,8 @@ class ValueModel(nn.Module):
 
     def forward(self, mb) -> torch.Tensor:
         hidden = self.backbone(mb.input_ids, mb.position_ids, attn_mask=mb.attn_mask)
-        return self.value_head(mb.response_hidden(hidden)).squeeze(-1).float()  # [b, R]
+        # A new tensor, not a view: FSDP2 (the multi-rank critic) warns about views returned by a sharded module.
+        return self.value_head(mb.response_hidden(hidden)).squeeze(-1).to(torch.float32, copy=True)  # [b, R]
 
 
 class Critic:
