@@ -83,6 +83,8 @@ DEFAULTS = {
     "eval_rm_type": "math",
     "use_tensorboard": False, "use_wandb": False, "wandb_mode": "online", "wandb_project": "lichen",
     "wandb_run_name": None, "wandb_group": None, "wandb_key": None, "no_progress": False,
+    "log_samples": 8, "trace": False, "watchdog_timeout": 3600.0, "watchdog_wait": False,
+    "ray_address": None, "actor_num_nodes": None, "actor_num_gpus_per_node": None, "rollout_num_gpus": None,
 }
 
 
