@@ -134,10 +134,11 @@ def test_run_closes_the_transports_before_the_rollout(monkeypatch):
     order: list = []
     rollout = SimpleNamespace(close=lambda: order.append("rollout.close"))
     monkeypatch.setattr(loop, "prepare_output_dir", lambda args: None)
-    monkeypatch.setattr(loop, "build_rollout", lambda args: rollout)
+    monkeypatch.setattr(loop, "start_cluster", lambda args: None)
+    monkeypatch.setattr(loop, "build_rollout", lambda args, cluster: rollout)
     monkeypatch.setattr(loop, "resolve_num_rollout", lambda args, r: None)
 
-    def no_trainer(args):
+    def no_trainer(args, cluster):
         raise RuntimeError("trainer failed to build")
 
     monkeypatch.setattr(loop, "build_trainer", no_trainer)
