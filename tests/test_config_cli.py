@@ -139,7 +139,8 @@ def test_explicit_flags_recorded(base):
 
 
 def test_dry_run_prints_resolved_yaml(base, capsys, monkeypatch):
-    monkeypatch.delenv("LICHEN_TEST_ENV", raising=False)
+    monkeypatch.setenv("LICHEN_TEST_ENV", "")  # recorded as absent before: the run's setting is undone after the test
+    monkeypatch.delenv("LICHEN_TEST_ENV")
     monkeypatch.setitem(sys.modules, "lichen.loop", None)  # importing the loop would fail: dry run must not
     rc, out, err = run_cli(base + ["--dry-run", "--train-env-vars", '{"LICHEN_TEST_ENV": "on"}',
                                    "--eval-prompt-data", "ev", "prompts.jsonl"], capsys)
@@ -160,7 +161,8 @@ def test_without_dry_run_the_loop_runs(base, monkeypatch):
     fake = types.ModuleType("lichen.loop")
     fake.run = calls.append
     monkeypatch.setitem(sys.modules, "lichen.loop", fake)
-    monkeypatch.delenv("LICHEN_TEST_ENV2", raising=False)
+    monkeypatch.setenv("LICHEN_TEST_ENV2", "")  # recorded as absent before: the run's setting is undone after the test
+    monkeypatch.delenv("LICHEN_TEST_ENV2")
     from lichen.train_cli import main
 
     assert main(base + ["--train-env-vars", '{"LICHEN_TEST_ENV2": "1"}']) == 0

@@ -24,6 +24,10 @@ from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ray_8_gpus():
+    # Ray's workers inherit this process's environment: a LICHEN_TEST_* variable that another test's local run put
+    # there (--train-env-vars applies to the trainer's own process) would show up in every actor.
+    for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:
+        del os.environ[key]
     ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     yield

@@ -83,7 +83,8 @@ def test_train_env_vars_are_set_in_lichens_own_process(tmp_path, monkeypatch, ca
 
     assert "engines lichen launches" in DIFFERS["--train-env-vars"]
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("LICHEN_TEST_ENV_X", raising=False)
+    monkeypatch.setenv("LICHEN_TEST_ENV_X", "")  # recorded as absent before: the run's setting is undone after the test
+    monkeypatch.delenv("LICHEN_TEST_ENV_X")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
