@@ -130,6 +130,8 @@ DIFFERS: dict[str, str] = {
     "--eval-prompt-data": "pass@k counts reward > 0 (slime == 1) and also reports k = n",
     "--advantage-estimator": "whitening uses the population variance; the PPO value loss has a 0.5 factor",
     "--rollout-function-path": "slime's signature; the old lichen signature is deprecated",
-    "--train-env-vars": "also reaches the engines lichen launches (slime: training actors only)",
-    "--colocate": "the only layout on one device until the distributed runtime",
+    "--train-env-vars": "with --runtime local also reaches the engines lichen launches (slime: training actors "
+    "only, as lichen's --runtime ray)",
+    "--colocate": "with --runtime local: trainer and engines share the one device; --runtime ray lays bundles out "
+    "as slime",
 }
