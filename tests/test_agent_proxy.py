@@ -16,6 +16,8 @@ from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.types import Status
 
+from helpers.runs import dumped_samples
+
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -185,7 +187,6 @@ async def add_agent(base_url, sample):
 def test_training_step_through_the_agent_proxy(tiny_ckpt, addition_data, tmp_path, monkeypatch):
     """A training step whose samples come from an openai-SDK agent: the trained tokens are the engine's plus the
     template's tool turn, the mask is exact and the rollout log-probs match the trainer's."""
-    import torch
 
     from helpers.runs import base_args, run
     from helpers.scripted_policy import scripted_generate
@@ -200,7 +201,7 @@ def test_training_step_through_the_agent_proxy(tiny_ckpt, addition_data, tmp_pat
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
                          "--apply-chat-template", "--rollout-max-response-len", "120",
                          "--agent-function-path", "test_agent_proxy.add_agent", "--save-debug-rollout-data", dump))
-    samples = [s for g in torch.load(dump.format(rollout_id=0), weights_only=False)["samples"] for s in g]
+    samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and len(returned) == 32
     outputs = {tuple(inp): ids for inp, ids in returned}
     for s in samples:

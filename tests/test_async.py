@@ -20,7 +20,7 @@ from lichen.observe.run_observer import RunObserver
 from lichen.rollout.generate import generate_rollout
 from lichen.types import Sample, Status
 
-from helpers.runs import THREADS, base_args, final_weights, run, run_stopped_after_sync
+from helpers.runs import THREADS, base_args, dumped_samples, final_weights, run, run_stopped_after_sync
 
 WAIT = 120  # seconds: a generous bound for an event that must happen, never a timing window
 
@@ -176,8 +176,7 @@ def test_an_error_on_one_side_is_named_and_stops_both(tiny_ckpt, addition_data, 
 
 # ---- runs over a launched server -------------------------------------------------------------------------------
 def _dump(path_template: str, rollout_id: int) -> list[dict]:
-    return [s for g in torch.load(path_template.format(rollout_id=rollout_id), weights_only=False)["samples"]
-            for s in g]
+    return dumped_samples(path_template.format(rollout_id=rollout_id))
 
 
 def test_async_run_over_a_server(tiny_ckpt, addition_data, tmp_path, launched):

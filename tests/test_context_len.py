@@ -10,11 +10,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from lichen.config import parse_train_args
 from lichen.errors import ConfigError
 from lichen.models.tiny import make_tiny_model
+
+from helpers.runs import dumped_samples
 
 POSITIONS = 64
 LENGTHS = [10, 30, 50, 62, 63, 70]  # prompt tokens (one per character); 63 and 70 leave no room under 63
@@ -66,7 +67,7 @@ def test_too_large_context_is_one_line_exit_2(ckpt64, data, tmp_path):
 
 
 def _samples(path) -> list[dict]:
-    return [s for g in torch.load(path, weights_only=False)["samples"] for s in g]
+    return dumped_samples(path)
 
 
 @pytest.mark.parametrize("engines", [[], ["--rollout-num-engines", "1"]], ids=["in-process", "lichen-serve"])

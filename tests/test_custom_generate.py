@@ -9,7 +9,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from lichen.config.rollout_config import SamplingConfig
 from lichen.data.dataset import PromptRecord
@@ -26,7 +25,7 @@ from lichen.rollout.context import RolloutContext
 from lichen.rollout.samples import build_samples
 from lichen.types import Sample, Status
 
-from helpers.runs import base_args, run
+from helpers.runs import base_args, dumped_samples, run
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 
@@ -238,7 +237,7 @@ def test_training_run_with_the_calculator_agent(tiny_ckpt, addition_data, tmp_pa
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
                          "--custom-generate-function-path", "lichen.rollout.examples.calculator_agent.generate",
                          "--save-debug-rollout-data", dump))
-    samples = [s for g in torch.load(dump.format(rollout_id=0), weights_only=False)["samples"] for s in g]
+    samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and all(s["metadata"]["tool_calls"] == 0 for s in samples)
     assert all(len(s["loss_mask"]) == s["response_length"] for s in samples)
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5

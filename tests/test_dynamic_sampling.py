@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 import ds_plugins
 from lichen.cli import main
@@ -22,6 +21,8 @@ from lichen.rollout.filters import (
 from lichen.rollout.generate import SEED_ROUND_STRIDE
 from lichen.rollout.shaping import add_to_reward, apply_overlong_penalty, overlong_metrics, overlong_penalty
 from lichen.types import Sample, Status
+
+from helpers.runs import read_dump
 
 BUILTIN = "lichen.rollout.filters.check_reward_nonzero_std"
 
@@ -312,7 +313,7 @@ def test_end_to_end_train_with_dynamic_sampling(tiny_ckpt, addition_data, tmp_pa
     files = sorted(glob.glob(str(tmp_path / "dump_*.pt")))
     assert len(files) == 2
     for path in files:
-        groups = torch.load(path, weights_only=False)["samples"]
+        groups = read_dump(path)["samples"]
         assert len(groups) == 4
         for gi, group in enumerate(groups):
             rewards = [d["reward"] for d in group]

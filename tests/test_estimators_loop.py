@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers.runs import base_args, run
+from helpers.runs import base_args, read_dump, run
 
 
 def groups_of(samples):
@@ -66,7 +66,7 @@ def test_estimator_advantages_match_reference(est, tiny_ckpt, addition_data, tmp
                          "--micro-batch-size", "4", "--force-recompute-old-log-probs",
                          "--save-debug-train-data", dump, *ESTIMATORS[est]))
     assert len(rows) == 3 and all(abs(m["train/ppo_kl_first_step"]) <= 1e-6 for m in rows)
-    d = torch.load(dump.format(rollout_id=2), weights_only=False)
+    d = read_dump(dump.format(rollout_id=2))
     want = reference_advantages(est, d, kl_coef=0.1 if est == "reinforce_plus_plus" else 0.0)
     got = d["advantages"]
     assert any(abs(v) > 1e-3 for row in want for v in row), "degenerate step: no signal to compare"
@@ -84,10 +84,10 @@ def test_opd_subtracts_teacher_reverse_kl(tiny_ckpt, addition_data, tmp_path):
     common = ["--num-rollout", "1", "--micro-batch-size", "4", "--force-recompute-old-log-probs",
               "--save-debug-train-data", dump]
     run(base_args(tiny_ckpt, addition_data, tmp_path / "a", *common))
-    plain = torch.load(dump.format(rollout_id=0), weights_only=False)
+    plain = read_dump(dump.format(rollout_id=0))
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", *common, "--use-opd", "--opd-kl-coef", "0.5",
                          "--opd-teacher-load", teacher))
-    opd = torch.load(dump.format(rollout_id=0), weights_only=False)
+    opd = read_dump(dump.format(rollout_id=0))
     from lichen.models import load_model
 
     t = load_model(teacher)
@@ -107,7 +107,7 @@ def test_custom_advantage_and_reducer_contracts(tiny_ckpt, addition_data, tmp_pa
     run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "1", "--micro-batch-size", "4",
                   "--custom-advantage-function-path", "loop_plugins.constant_advantage",
                   "--save-debug-train-data", dump))
-    d = torch.load(dump.format(rollout_id=0), weights_only=False)
+    d = read_dump(dump.format(rollout_id=0))
     assert torch.equal(d["advantages"], 0.25 * d["mask"])
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "1", "--micro-batch-size", "4",
                          "--custom-pg-loss-reducer-function-path", "loop_plugins.zero_reducer"))
@@ -124,8 +124,8 @@ def test_ppo_critic_gae_matches_reference_and_critic_learns(tiny_ckpt, addition_
     assert "train/grad_norm" not in rows[0]  # step 1: critic only, the policy did not step
     assert rows[1]["train/grad_norm"] > 0
     assert all(m["critic/value_loss"] > 0 for m in rows)
-    first = torch.load(dump.format(rollout_id=0), weights_only=False)
-    d = torch.load(dump.format(rollout_id=2), weights_only=False)
+    first = read_dump(dump.format(rollout_id=0))
+    d = read_dump(dump.format(rollout_id=2))
     assert first["values"].abs().max() == 0  # zero-initialized value head
     assert d["values"].abs().max() > 0  # the critic was trained
     r, V = d["rewards"].double().tolist(), d["values"].double()

@@ -16,7 +16,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from lichen.config import parse_train_args
 from lichen.engines.engine import Engine, GenRequest
@@ -28,7 +27,7 @@ from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 
-from helpers.runs import base_args, run
+from helpers.runs import base_args, read_dump, run
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 TIMEOUT = 2.0  # health-check timeout for the stand-in engines: generous, so a loaded machine is no hang
@@ -204,7 +203,7 @@ def test_sigkill_an_engine_mid_step(tiny_ckpt, addition_data, tmp_path, launched
                   "--save-debug-rollout-data", dump))
     assert SEEN["in_flight_at_kill"] >= 1 and SEEN["reissued_from"][0] >= 1  # engine 0's requests were re-sent
 
-    steps = [torch.load(dump.format(rollout_id=k), weights_only=False)["samples"] for k in range(2)]
+    steps = [read_dump(dump.format(rollout_id=k))["samples"] for k in range(2)]
     for groups in steps:  # every group whole, no index twice
         assert [len(g) for g in groups] == [4, 4, 4, 4]
         assert sorted(s["index"] for g in groups for s in g) == list(range(16))

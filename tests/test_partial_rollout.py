@@ -19,7 +19,6 @@ import threading
 import types
 
 import pytest
-import torch
 
 from lichen.config import parse_train_args
 from lichen.config.rollout_config import SamplingConfig
@@ -35,7 +34,7 @@ from lichen.train import checkpoint as ckpt
 from lichen.types import Sample, Status
 
 from helpers.rollout import rollout_worker
-from helpers.runs import base_args, run
+from helpers.runs import base_args, read_dump, run
 from helpers.runs import THREADS
 
 SEED = 1234  # --seed default
@@ -346,7 +345,7 @@ def serve_pair(tiny_ckpt, tmp_path_factory):
 
 
 def _dump(template: str, rollout_id: int) -> list[list[dict]]:
-    return torch.load(template.format(rollout_id=rollout_id), weights_only=False)["samples"]
+    return read_dump(template.format(rollout_id=rollout_id))["samples"]
 
 
 def _rollout_state(save_dir: str, rollout_id: int) -> dict:

@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
-from helpers.runs import base_args, run  # noqa: E402
+from helpers.runs import base_args, read_dump, run  # noqa: E402
 from lichen.cli import main  # noqa: E402
 from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
 from lichen.cluster.engine_actors import RayEngineSet  # noqa: E402
@@ -152,7 +152,6 @@ def killing_actor_rollout(args, rollout_id, data_source, evaluation=False):
 @pytest.mark.slow
 def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(ray_8_gpus, tiny_ckpt, addition_data,
                                                                             tmp_path):
-    import torch
 
     SEEN.clear()
     dump = str(tmp_path / "r_{rollout_id}.pt")
@@ -166,7 +165,7 @@ def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(ray_8
                   "--save-debug-rollout-data", dump))
     assert SEEN["in_flight_at_kill"] >= 1 and SEEN["reissued_from"][0] >= 1  # engine 0's requests were re-sent
     for k in range(2):  # every group whole, no index twice
-        groups = torch.load(dump.format(rollout_id=k), weights_only=False)["samples"]
+        groups = read_dump(dump.format(rollout_id=k))["samples"]
         assert [len(g) for g in groups] == [4, 4, 4, 4]
         assert sorted(s["index"] for g in groups for s in g) == list(range(16))
     step1 = SEEN["step1"]  # a new actor on the same bundle, back in rotation at the current version

@@ -28,7 +28,7 @@ from lichen.weights.versions import version_dir
 from lichen.weights.hf_io import load_hf_state_dict
 
 from helpers.batch_schedule import assert_mostly_same_generations
-from helpers.runs import THREADS, base_args, run
+from helpers.runs import THREADS, base_args, dumped_samples, run
 
 
 
@@ -192,7 +192,7 @@ def _response(sample: dict) -> list[int]:
 
 
 def _samples(path: str) -> list[dict]:
-    return [s for g in torch.load(path, weights_only=False)["samples"] for s in g]
+    return dumped_samples(path)
 
 
 def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, addition_data, tmp_path, launched):

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import textwrap
 
-import torch
 
-from helpers.runs import base_args, run
+from helpers.runs import base_args, read_dump, run
 
 
 def raise_on_tenth(args, sample):
@@ -59,7 +58,7 @@ def test_failing_verifier_samples_get_zero_weight(tiny_ckpt, addition_data, tmp_
     for step, m in enumerate(rows):
         assert m["rollout/num_failed"] == 2 and m["train/num_failed_samples"] == 2
         assert m["time/reward"] >= 0.0  # reward time per step is reported
-        d = torch.load(dump.format(rollout_id=step), weights_only=False)
+        d = read_dump(dump.format(rollout_id=step))
         failed = [i for i, s in enumerate(d["samples"]) if s["status"] == "failed"]
         assert [d["samples"][i]["index"] for i in failed] == [3, 13]
         for i, s in enumerate(d["samples"]):

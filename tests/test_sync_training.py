@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.launcher import EngineLauncher
 
-from helpers.runs import base_args, run
+from helpers.runs import base_args, dumped_samples, run
 
 THREADS = ["--num-threads", "1"]
 
@@ -59,7 +58,7 @@ def record_version(path: str) -> None:
 
 
 def _samples(path: str) -> list[dict]:
-    return [s for g in torch.load(path, weights_only=False)["samples"] for s in g]
+    return dumped_samples(path)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "disk-full", "disk-delta"])

@@ -10,7 +10,6 @@ import asyncio
 import json
 
 import pytest
-import torch
 
 from lichen.engines.engine import Engine, GenResult
 from lichen.engines.sampler import derive_seed
@@ -21,7 +20,7 @@ from lichen.rollout.tool_rollout import check_turn, first_mismatch, generate, to
 from lichen.rollout.tools import load_tools, run_tool, schema_of
 from lichen.types import Sample, Status
 
-from helpers.runs import base_args, run
+from helpers.runs import base_args, dumped_samples, run
 from helpers.scripted_policy import scripted_generate
 
 
@@ -208,7 +207,7 @@ def test_training_step_trains_exactly_the_rollouts_tokens(tiny_ckpt, addition_da
                          "--apply-chat-template", "--rollout-max-response-len", "200",
                          "--tool-paths", "test_tool_rollout.add", "--check-token-fidelity",
                          "--save-debug-rollout-data", dump))
-    samples = [s for g in torch.load(dump.format(rollout_id=0), weights_only=False)["samples"] for s in g]
+    samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and len(returned) == 32
     calls = {tuple(inp): ids for inp, ids in returned}
     for s in samples:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lichen.cli import main
 from lichen.observe.metrics import read_metrics
+from lichen.torch_files import load_plain
 from lichen.weights.hf_io import load_hf_state_dict
 
 THREADS = ["--num-threads", "1"]  # for launched servers: 2 loaded cores, more threads per process only oversubscribe
@@ -52,3 +53,13 @@ def run_stopped_after_sync(argv, stop_at: int) -> None:
             main(argv)
     finally:
         sync.push = orig_push
+
+
+def read_dump(path) -> dict:
+    """A --save-debug-rollout-data dump, read as lichen reads it: tensors and plain data only (weights_only)."""
+    return load_plain(str(path), "rollout dump")
+
+
+def dumped_samples(path) -> list[dict]:
+    """Every sample of a dump, groups flattened in order."""
+    return [s for g in read_dump(path)["samples"] for s in g]
