@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from lichen.config import EngineConfig, ObserveConfig, SyncConfig, build_train_parser, parse_train_args
-from lichen.engines.remote_engines import launch_server_args
+from lichen.engines.launch_args import launch_server_args
 
 from helpers.runs import base_args
 

@@ -126,7 +126,7 @@ def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
 def test_external_engine_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from lichen.engines.remote_engines import external_keys
+    from lichen.engines.launch_args import external_keys
 
     key_file = tmp_path / "engine.key"
     key_file.write_text(KEY)

@@ -192,20 +192,25 @@ def test_a_full_queue_answers_503_and_the_client_backs_off(server):
         st, out = call(server.url + "/generate", GEN)
         assert st == 503 and "server busy" in out["error"]["message"]
 
-        async def client_generate() -> tuple[dict, int]:
+        async def both():
             c = EngineClient(server.url, retry_delay=0.1)
-            try:
+
+            async def client_generate() -> tuple[dict, int]:
                 res = await c.generate(GEN)
                 return res, c.attempts
+
+            async def resume_later() -> None:
+                # resume only after the client was turned away 4 times (the old client gave up after 3 retries):
+                # a condition, so a slow machine cannot let the request through early
+                end = time.monotonic() + 60
+                while c.attempts < 4 and time.monotonic() < end:
+                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(call, server.url + "/continue_generation", {})
+
+            try:
+                return await asyncio.gather(client_generate(), resume_later())
             finally:
                 await c.close()
-
-        async def resume_later() -> None:
-            await asyncio.sleep(3.0)  # longer than the old client's 3 retries 0.5 s apart
-            await asyncio.to_thread(call, server.url + "/continue_generation", {})
-
-        async def both():
-            return await asyncio.gather(client_generate(), resume_later())
 
         (res, attempts), _ = asyncio.run(both())
         assert res["meta_info"]["completion_tokens"] == 2 and attempts > 4
@@ -285,7 +290,7 @@ def test_scheduler_state_read_elsewhere_never_touches_the_live_batch(tiny_ckpt):
 def test_launched_engines_get_the_runs_dirs_and_bounds(tmp_path):
     from types import SimpleNamespace
 
-    from lichen.engines.remote_engines import launch_server_args
+    from lichen.engines.launch_args import launch_server_args
 
     cfg = SimpleNamespace(device="cpu", max_batch_size=None, num_threads=1, num_engines=2,
                           weight_dir=str(tmp_path / "w"), local_checkpoint_dir=str(tmp_path / "local"),

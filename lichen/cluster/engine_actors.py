@@ -43,7 +43,7 @@ class EngineHostImpl:
         import ray
 
         from lichen.engines.launcher import EngineLauncher
-        from lichen.engines.remote_engines import launch_server_args
+        from lichen.engines.launch_args import launch_server_args
 
         cfg = self.cfg
         ip = ray.util.get_node_ip_address()

@@ -10,7 +10,7 @@
   byte (or of connecting), else it is closed (aiohttp itself has no such timeout: slow clients held sockets).
 
 The defaults are `lichen serve`'s flags (lichen.engines.serve); `lichen train` sets the bounds of the engines it
-launches from its own flags (remote.launch_server_args).
+launches from its own flags (lichen.engines.launch_args.launch_server_args).
 """
 
 from __future__ import annotations

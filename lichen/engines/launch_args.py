@@ -1,0 +1,53 @@
+"""What the engine servers lichen starts are told, and the keys of the ones it connects to.
+
+`launch_server_args` builds the `lichen serve` flags of launched engines from an EngineConfig (device, threads,
+the run's weight directories, queue bounds); `external_keys` reads the keys of external servers from key files
+or the environment, never from the command line (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
+from lichen.key_files import resolve_key
+
+
+def launch_server_args(cfg: Any) -> list[str]:
+    """`lichen serve` flags for launched engines (`cfg` an EngineConfig): the trainer's device and dtype (float32,
+    as the in-process engine), the batch cap, the CPU threads split between the engines, the run's weight
+    directories (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
+    out = ["--device", str(cfg.device or "auto"), "--dtype", "float32"]
+    if cfg.max_batch_size:
+        out += ["--max-batch-size", str(cfg.max_batch_size)]
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_engines)
+    out += ["--num-threads", str(threads)]
+    if cfg.weight_dir:
+        out += ["--weight-dir", os.path.abspath(cfg.weight_dir)]
+    if cfg.local_checkpoint_dir:
+        out += ["--local-checkpoint-dir", os.path.abspath(cfg.local_checkpoint_dir)]
+    return out + launch_limits(cfg)
+
+
+def launch_limits(cfg: Any) -> list[str]:
+    """Queue bounds for launched engines: the client keeps at most `cfg.concurrency` requests of one sequence
+    each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and control
+    traffic; tokens: that many sequences of the run's longest prompt + response, when both are set."""
+    from lichen.engines.serve import DEFAULT_MAX_QUEUED_SEQUENCES
+
+    seqs = max(DEFAULT_MAX_QUEUED_SEQUENCES, 2 * int(cfg.concurrency))
+    out = ["--max-queued-sequences", str(seqs)]
+    if cfg.max_prompt_len and cfg.max_response_len:
+        out += ["--max-queued-tokens", str(seqs * (int(cfg.max_prompt_len) + int(cfg.max_response_len)))]
+    return out
+
+
+def external_keys(cfg: Any) -> tuple[str | None, str | None]:
+    """(API key, admin key) of external servers: from the key files (`cfg.api_key_file`, `cfg.admin_api_key_file`)
+    or the environment (LICHEN_ENGINE_API_KEY, LICHEN_ENGINE_ADMIN_API_KEY), never from the command line."""
+    api = resolve_key(flag_value=None, file_path=cfg.api_key_file, env=ENGINE_KEY_ENV, flag="",
+                      file_flag="--rollout-external-engine-api-key-file")
+    admin = resolve_key(flag_value=None, file_path=cfg.admin_api_key_file, env=ENGINE_ADMIN_KEY_ENV, flag="",
+                        file_flag="--rollout-external-engine-admin-api-key-file")
+    return api, admin
