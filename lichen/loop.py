@@ -165,6 +165,16 @@ def _run(args, cluster, driver) -> dict:
             trainer.close()  # the Ray runtime's ranks: barrier, then leave the process group
 
 
+def eval_before_training(args, rollout, logger, obs: RunObserver) -> dict:
+    """The eval of version 0 (the checkpoint as loaded), logged as step 0; shared with the async driver."""
+    with obs.phase("eval", -1):
+        metrics = rollout.eval(version=0)
+    obs.step_done(0, None, metrics)
+    logger.log(0, metrics)
+    print_line(format_step_line(-1, {**metrics, "num_rollout": args.num_rollout}))
+    return metrics
+
+
 def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = None) -> dict:
     obs = observer or RunObserver(ObserveConfig.from_args(args))
     if (args.offload_train or args.offload_rollout) and not _on_accelerator(args):
@@ -178,11 +188,7 @@ def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = No
     if args.offload_train:
         trainer.offload()  # the first rollout (and eval) needs the devices the trainer would otherwise hold
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
-        with obs.phase("eval", -1):
-            last = rollout.eval(version=0)
-        obs.step_done(0, None, last)
-        logger.log(0, last)
-        print_line(format_step_line(-1, {**last, "num_rollout": args.num_rollout}))
+        last = eval_before_training(args, rollout, logger, obs)
 
     for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from lichen import sync
 from lichen.config.engine_config import ObserveConfig, SyncConfig
 from lichen.errors import RunError, UserError
-from lichen.loop import is_due, resume, save_checkpoint
+from lichen.loop import eval_before_training, is_due, resume, save_checkpoint
 from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
@@ -147,11 +147,7 @@ def train_loop_async(args, trainer, rollout, logger, observer: RunObserver | Non
         with obs.phase("sync", start - 1):
             sync.push(trainer, pipe, version=start, cfg=sync_cfg)
         if args.eval_interval and start == 0 and not args.skip_eval_before_train:
-            with obs.phase("eval", -1):
-                last = pipe.eval(version=0)
-            obs.step_done(0, None, last)
-            logger.log(0, last)
-            print_line(format_step_line(-1, {**last, "num_rollout": args.num_rollout}))
+            last = eval_before_training(args, pipe, logger, obs)
         for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
             t0 = time.perf_counter()
             with obs.phase("generate", rollout_id):  # how long the trainer waits for the rollout
