@@ -21,6 +21,7 @@ The PPO critic (--advantage-estimator ppo) is sharded and split the same way (li
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import Any, Callable
@@ -193,8 +194,16 @@ class DistTrainer:
         return rollout_id
 
     def close(self) -> None:
-        """Barrier, then leave the process group (without the barrier, a rank that exits first can abort another
-        still finishing a collective)."""
+        """Barrier, leave the process group, then free the model and optimizer now.
+
+        Without the barrier, a rank that exits first can abort another still finishing a collective. The FSDP
+        units keep the gloo group alive through their device mesh after `destroy_process_group`; left to the
+        interpreter's shutdown, the group's worker threads are torn down with the process and one rank in many
+        dies of SIGABRT ("terminate called without an active exception") after its work is done. Dropping the
+        last references and collecting here tears them down while the interpreter still runs.
+        """
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        self.actor = None
+        gc.collect()

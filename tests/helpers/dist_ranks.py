@@ -6,6 +6,7 @@ exit codes. Workers close their trainer (barrier, then destroy the process group
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import socket
@@ -26,9 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _with_faulthandler(rank: int, worker, world_size: int, *args) -> None:
+    # a rank killed by a signal (SIGABRT from C++, SIGSEGV) prints every thread's Python stack, so a failure
+    # that happens once in many runs says where it happened
+    faulthandler.enable(all_threads=True)
+    worker(rank, world_size, *args)
+
+
 def run_ranks(worker, world_size: int, *args) -> None:
     """`worker(rank, world_size, *args)` in `world_size` spawned children; raises if any of them fails."""
-    mp.spawn(worker, args=(world_size, *args), nprocs=world_size, join=True)
+    mp.spawn(_with_faulthandler, args=(worker, world_size, *args), nprocs=world_size, join=True)
 
 
 def trainer_argv(tiny_ckpt: str, data: str, out: str, *extra: str) -> list[str]:
