@@ -10,6 +10,7 @@ import faulthandler
 import os
 import random
 import socket
+import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -27,16 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _with_faulthandler(rank: int, worker, world_size: int, *args) -> None:
-    # a rank killed by a signal (SIGABRT from C++, SIGSEGV) prints every thread's Python stack, so a failure
-    # that happens once in many runs says where it happened
+def _rank_main(rank: int, worker, world_size: int, *args) -> None:
+    # A rank killed by a signal prints every thread's Python stack, so a rare failure says where it happened.
     faulthandler.enable(all_threads=True)
     worker(rank, world_size, *args)
+    # The gloo group outlives destroy_process_group under FSDP2 (DistTrainer.close); its threads torn down with
+    # the interpreter aborted a rank now and then ("terminate called without an active exception") after all its
+    # work was written. End the rank as Ray ends an actor: no teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(worker, world_size: int, *args) -> None:
     """`worker(rank, world_size, *args)` in `world_size` spawned children; raises if any of them fails."""
-    mp.spawn(_with_faulthandler, args=(worker, world_size, *args), nprocs=world_size, join=True)
+    mp.spawn(_rank_main, args=(worker, world_size, *args), nprocs=world_size, join=True)
 
 
 def trainer_argv(tiny_ckpt: str, data: str, out: str, *extra: str) -> list[str]:
