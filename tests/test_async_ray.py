@@ -1,0 +1,40 @@
+"""`--async` with `--runtime ray` (docs/async.md): the one-step off-policy driver over Ray's trainer ranks and
+engine actors. One run, since a Ray run is slow on this machine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
+
+from helpers.runs import base_args, dumped_samples, run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_4_gpus():
+    for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
+        del os.environ[key]
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_async_over_ray_two_ranks_one_engine(ray_4_gpus, tiny_ckpt, addition_data, tmp_path):
+    dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
+    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--device", "cpu",
+                            "--num-threads", "1", "--runtime", "ray", "--actor-num-gpus-per-node", "2",
+                            "--rollout-num-gpus", "1", "--async", "--save-debug-rollout-data", dump,
+                            "--save", str(tmp_path / "ckpt")))
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["train/staleness_max"] for m in steps] == [0, 1, 1]  # rollout k+1 made with version k
+    assert [m["sync/weight_version"] for m in steps] == [1, 2, 3]
+    for k in range(3):
+        versions = {v for s in dumped_samples(dump.format(rollout_id=k)) for v in s["weight_versions"]}
+        assert versions == {str(max(k - 1, 0))}
+    with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read().strip() == "2"
