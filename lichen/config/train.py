@@ -65,6 +65,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="token budget of one micro-batch; required with --use-dynamic-batch-size (default: none)",
     )
+    g.add_argument(
+        "--disable-zero-advantage-skip",
+        action="store_true",
+        help="run the backward of every sample, also of those whose loss terms are all exactly zero (zero "
+        "advantage, no entropy/KL term); by default lichen skips those backwards, which changes no gradient and "
+        "only saves time, and logs their count as train/skipped_samples. Turn it off to compare equal work with "
+        "a framework that computes them (default: off, the skip is on)",
+    )
     g.add_argument("--lr", type=float, default=1e-6, help="peak learning rate (Adam)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument(

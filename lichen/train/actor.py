@@ -89,7 +89,7 @@ class TrainActor:
         # would push SDPA off its flash kernels (a varlen kernel is the tool there), so GPUs get sorted,
         # one-sample-per-row micro-batches.
         self.pack_sequences = self.device.type == "cpu"
-        self.skip_zero_advantage = True
+        self.skip_zero_advantage = not cfg.disable_zero_advantage_skip
         self.opt_step = 0
         self._offloaded = False
         self.plugins = LossPlugins(
