@@ -7,6 +7,7 @@ runs launch their own (--rollout-num-engines) so the launcher's start and stop a
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,6 +215,11 @@ def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, additi
         assert len(a) == len(b) == 16
         assert {tuple(s["weight_versions"]) for s in b} == {(str(step),)}  # engines took every disk sync
         assert [(s["group_index"], s["index"]) for s in a] == [(s["group_index"], s["index"]) for s in b]
+        # which server made a sample is the one thing the runs cannot share: the in-process engine has no URL, and
+        # every remote sample names one of the two servers (both served)
+        assert not any("engine" in s["metadata"] for s in a)
+        engines = [s["metadata"].pop("engine") for s in b]
+        assert len(set(engines)) == 2 and all(re.fullmatch(r"http://127\.0\.0\.1:\d+", e) for e in engines)
         if not same_so_far:
             continue
         flips = assert_mostly_same_generations(

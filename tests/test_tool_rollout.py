@@ -15,6 +15,7 @@ from lichen.engines.engine import Engine, GenResult
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.models.tokenizer import encode_prompt, load_tokenizer
+from lichen.observe.sample_log import sample_record
 from lichen.rollout.custom_generate import run_custom_generate
 from lichen.rollout.tool_rollout import check_turn, first_mismatch, generate, tool_turn_ids
 from lichen.rollout.tools import load_tools, run_tool, schema_of
@@ -62,7 +63,8 @@ class ScriptedEngine:
         self.requests.append(r)
         ids = self.turns.pop(0)[: r.max_new_tokens]
         reason = "stop" if ids and ids[-1] == self.stop_id else "length"
-        return GenResult(ids, [-0.1 * (k + 1) for k in range(len(ids))], reason, len(r.input_ids), "7")
+        server = f"http://127.0.0.1:{9000 + len(self.requests) % 2}"  # turns alternate between two servers
+        return GenResult(ids, [-0.1 * (k + 1) for k in range(len(ids))], reason, len(r.input_ids), "7", server)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,9 @@ def test_trajectory_is_the_engines_tokens_plus_the_templates_tool_turns(tok):
         [("add", {"a": 1, "b": 2}, "3")]
     assert [m["role"] for m in md["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert "It is 3." in out.response and "<tool_call>" in out.response
+    # the sample log names the server of each turn
+    assert md["engine"] == ["http://127.0.0.1:9001", "http://127.0.0.1:9000"]
+    assert sample_record(out, 1)["engine"] == md["engine"]
 
 
 def test_fidelity_check_catches_a_retokenized_turn(tok):

@@ -39,6 +39,7 @@ class GenResult:
     finish_reason: str  # "stop" (EOS / stop token, which is included in output_ids) or "length"
     prompt_tokens: int
     weight_version: str
+    engine: str = ""  # the server that generated it (its URL; "" in process), for the sample log
 
 
 class Engine:

@@ -214,6 +214,7 @@ class RemoteEngines:
         index, out = await self.router.generate(generate_payload(request, rid=rid or uuid.uuid4().hex), session_id)
         url = self.clients[index].url
         result = result_from_output(out, url)
+        result.engine = url
         if result.finish_reason == "abort" and not allow_abort:
             reason = out["meta_info"].get("finish_reason") or {}
             raise EngineError(f"{url} aborted a rollout request: {reason.get('message', reason)}")

@@ -5,7 +5,8 @@ renamed, so a reader never sees half a file): at most N samples, whole prompt gr
 reward contrast), one JSON object each:
 
     step, group_index, index, prompt, response, label, reward (float; the dict as `reward_detail`), status,
-    weight_versions, engine (when the rollout recorded one), prompt_length, response_length, tokens (the response
+    weight_versions, engine (the engine server's URL; a list, one per engine call, for a sample made by several
+    calls: the turns of a multi-turn rollout, resumed partial segments; absent for the in-process engine), prompt_length, response_length, tokens (the response
     token ids), token_texts (decoded one by one, when a tokenizer is at hand), rollout_log_probs,
     trainer_log_probs, advantages (per response token, where the step computed them), reward_error
 
@@ -78,9 +79,11 @@ def sample_record(s: Sample, step: int, *, reward_key: str | None = None,
     }
     if isinstance(s.reward, dict):
         rec["reward_detail"] = json.loads(json.dumps(s.reward, default=str))
-    for key in ("engine", "reward_error"):
-        if key in meta:
-            rec[key] = _cut(str(meta[key]))
+    if "engine" in meta:  # a server URL, or one per engine call (turns of a multi-turn sample, resumed segments)
+        engine = meta["engine"]
+        rec["engine"] = [str(e) for e in engine] if isinstance(engine, (list, tuple)) else str(engine)
+    if "reward_error" in meta:
+        rec["reward_error"] = _cut(str(meta["reward_error"]))
     if decode is not None and tokens:
         try:
             rec["token_texts"] = [decode([t]) for t in tokens]

@@ -38,6 +38,7 @@ class Turn:
     logprobs: list[float]
     finish_reason: str
     weight_version: str
+    engine: str = ""  # the server that generated it
 
 
 @dataclass
@@ -122,7 +123,7 @@ class AgentProxy:
                          seed=int(body.get("seed") or uuid.uuid4().int % 2**31))
         res = await self.engine.agenerate(req, sid)
         session.turns.append(Turn(ids, list(res.output_ids), list(res.output_logprobs), res.finish_reason,
-                                  res.weight_version))
+                                  res.weight_version, res.engine))
         text = self.tok.decode(res.output_ids, skip_special_tokens=True)
         content, calls = text, None
         if body.get("tools") and body.get("tool_choice", "auto") != "none":
@@ -175,12 +176,12 @@ class AgentProxy:
                 have = prompt + traj.tokens
                 if turn.prompt_ids[:len(have)] == have:
                     traj.add_context(turn.prompt_ids[len(have):])
-                    traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version)
+                    traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version, turn.engine)
                     chain = (prompt, traj, turn)
                     continue
                 out.append(self._sample(session_id, chain, len(out)))
             traj = Trajectory()
-            traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version)
+            traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version, turn.engine)
             chain = (list(turn.prompt_ids), traj, turn)
         if chain is not None:
             out.append(self._sample(session_id, chain, len(out)))

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.errors import ConfigError
 from lichen.rollout.messages import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
+from lichen.rollout.trajectory import add_engine
 from lichen.types import Sample, Status
 
 SEGMENTS_KEY = "partial_rollout_segments"  # metadata: response tokens per weight_versions entry
@@ -155,6 +156,7 @@ def extend_sample(sample: Sample, res: GenResult, decode: Callable[[list[int]], 
         out.tokens = list(out.tokens) + new
         out.rollout_log_probs = list(out.rollout_log_probs or []) + list(res.output_logprobs)
         out.weight_versions = list(out.weight_versions) + [res.weight_version]
+        add_engine(out.metadata, res.engine)
         out.response_length += len(new)
         segments.append(len(new))
         out.response = decode(out.response_tokens)

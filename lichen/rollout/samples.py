@@ -56,10 +56,16 @@ def make_sample(tokenizer: Any, owner: tuple, res: GenResult, n: int) -> Sample:
         rollout_log_probs=list(res.output_logprobs),
         status=Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED,
         weight_versions=[res.weight_version],
-        metadata={**(record.metadata or {}), "prompt_index": data_index},
+        metadata={**(record.metadata or {}), "prompt_index": data_index, **engine_of(res)},
         group_index=pos,
         index=pos * n + j,
     )
+
+
+def engine_of(res: GenResult) -> dict:
+    """{"engine": the server's URL} for a sample's metadata, {} for the in-process engine; the sample log shows it.
+    A sample made by several engine calls (turns, resumed segments) lists one entry per call instead."""
+    return {"engine": res.engine} if res.engine else {}
 
 
 def build_samples(ctx: RolloutContext, prompts: list, sampling: Any, *, seed_key: int,

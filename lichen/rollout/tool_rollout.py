@@ -114,7 +114,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
                   "sampling_seed": seed if turn == 0 else derive_seed(seed, turn)}
         res = await ctx.generate(prompt + traj.tokens, params, session_id=f"tools-{seed}")
         turns += 1
-        traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version)
+        traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version, res.engine)
         budget -= len(res.output_ids)
         text = tok.decode(res.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})

@@ -190,6 +190,11 @@
   function text(v) {
     return typeof v === "string" ? v : JSON.stringify(v);
   }
+  // the engine server(s) of a sample: one URL, or one per engine call (turns, resumed segments); [] in process
+  function engines(s) {
+    return s.engine === undefined ? [] : Array.isArray(s.engine) ? s.engine : [s.engine];
+  }
+  const short = (url) => url.replace(/^https?:\/\//, "");
 
   function tokenView(s, mode) {
     const box = el("div", { class: "tokens" });
@@ -226,6 +231,9 @@
       ...steps.map((s) => el("option", { value: s }, `step ${s}`)));
     const statusSel = el("select", { id: "f-status" }, el("option", { value: "" }, "any status"),
       ...statuses.map((s) => el("option", { value: s }, s)));
+    const urls = [...new Set(samples.flatMap(engines))].sort();
+    const engineSel = el("select", { id: "f-engine" }, el("option", { value: "" }, "any engine"),
+      ...urls.map((u) => el("option", { value: u }, short(u))));
     const rmin = el("input", { id: "f-rmin", type: "number", step: "any", placeholder: "reward ≥" });
     const rmax = el("input", { id: "f-rmax", type: "number", step: "any", placeholder: "reward ≤" });
     const search = el("input", { id: "f-text", type: "search", placeholder: "search prompt / response / label" });
@@ -240,7 +248,8 @@
       detail.replaceChildren(
         el("div", { class: "meta" }, `step ${s.step} · group ${s.group_index} · sample ${s.index} · ${s.status} · ` +
           `reward ${fmt(s.reward)} · weight versions ${(s.weight_versions || []).join(", ") || "–"}` +
-          (s.engine ? ` · engine ${s.engine}` : "") + (s.reward_error ? ` · reward error: ${s.reward_error}` : "")),
+          (engines(s).length ? ` · engine${engines(s).length > 1 ? "s per call" : ""} ${engines(s).join(", ")}` :
+            " · in-process engine") + (s.reward_error ? ` · reward error: ${s.reward_error}` : "")),
         el("div", { class: "label" }, "prompt"), el("pre", {}, text(s.prompt)),
         el("div", { class: "label" }, `response (${s.response_length} tokens; red: positive, blue: negative)`),
         tokenView(s, mode.value), el("div", { class: "label" }, "label"), el("pre", {}, text(s.label)));
@@ -250,6 +259,7 @@
       const tr = el("tr", { class: "sample-row", onclick: () => show(s) },
         el("td", {}, s.step), el("td", {}, s.group_index), el("td", {}, s.index), el("td", {}, s.status),
         el("td", {}, fmt(s.reward)), el("td", {}, fmt(meanAdv(s))), el("td", {}, s.response_length),
+        el("td", { class: "engine" }, [...new Set(engines(s))].map(short).join(", ") || "–"),
         el("td", { class: "txt" }, text(s.prompt).slice(0, 80)), el("td", { class: "txt" }, text(s.response).slice(0, 120)));
       tbody.append(tr);
       return [s, tr];
@@ -263,6 +273,7 @@
         const r = s.reward === null ? NaN : s.reward;
         const ok = (stepSel.value === "" || String(s.step) === stepSel.value) &&
           (statusSel.value === "" || s.status === statusSel.value) &&
+          (engineSel.value === "" || engines(s).includes(engineSel.value)) &&
           (lo === -Infinity && hi === Infinity || (r >= lo && r <= hi)) &&
           (!q || [s.prompt, s.response, s.label].some((v) => text(v).toLowerCase().includes(q)));
         tr.hidden = !ok;
@@ -270,11 +281,11 @@
       }
       count.textContent = `${shown} of ${rows.length} samples`;
     };
-    for (const c of [stepSel, statusSel, rmin, rmax, search]) c.addEventListener("input", apply);
+    for (const c of [stepSel, statusSel, engineSel, rmin, rmax, search]) c.addEventListener("input", apply);
     apply();
-    section.append(el("div", { class: "filters" }, stepSel, statusSel, rmin, rmax, search, mode, count),
+    section.append(el("div", { class: "filters" }, stepSel, statusSel, engineSel, rmin, rmax, search, mode, count),
       el("div", { class: "scroll" }, el("table", { class: "samples" }, el("thead", {}, el("tr", {},
-        ...["step", "group", "sample", "status", "reward", "adv (mean)", "len", "prompt", "response"].map((h) =>
+        ...["step", "group", "sample", "status", "reward", "adv (mean)", "len", "engine", "prompt", "response"].map((h) =>
           el("th", {}, h)))), tbody)), detail);
     return section;
   }

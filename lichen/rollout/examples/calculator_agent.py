@@ -101,12 +101,12 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         res = await ctx.generate(prompt + traj.tokens, params, session_id=f"calc-{seed}")
         call = find_call(tok, res.output_ids)
         if call is None:
-            traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version)
+            traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version, res.engine)
             status = Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED
             break
         k, expr = call
         calls += 1
-        traj.add_policy(res.output_ids[:k], res.output_logprobs[:k], res.weight_version)
+        traj.add_policy(res.output_ids[:k], res.output_logprobs[:k], res.weight_version, res.engine)
         budget -= k
         tool = tok.encode(f"{RESULT_OPEN}{calculate(expr)}{RESULT_CLOSE}", add_special_tokens=False)[:max(budget, 0)]
         traj.add_context(tool)
