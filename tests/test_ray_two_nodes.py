@@ -1,5 +1,6 @@
 """--runtime ray across two Ray nodes simulated on this host (ray.cluster_utils.Cluster: two raylets, one IP, one
-filesystem): colocated, one trainer rank and one engine per node; weight sync with both transports."""
+filesystem): colocated, one trainer rank and one engine per node; weight sync with both transports, the disk one
+after every engine read the sync directory's probe file."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def test_colocated_across_two_nodes(two_nodes, tiny_ckpt, addition_data, tmp_pat
     assert [m["sync/weight_version"] for m in steps] == [1, 2]
     assert all(m["train/train_rollout_logprob_abs_diff"] <= 1e-5 for m in steps)
     # one rank on each node (the log line lists each rank's Ray node id)
-    line = next(x for x in capfd.readouterr().err.splitlines() if "rank(s), on Ray nodes" in x)
+    err = capfd.readouterr().err
+    line = next(x for x in err.splitlines() if "rank(s), on Ray nodes" in x)
     rank_nodes = line.split("on Ray nodes ")[1].split(",")[0].split()
     assert len(rank_nodes) == 2 and len(set(rank_nodes)) == 2
+    if disk:  # each engine's actor read the driver's probe file back from its own node (lichen.sync.visibility)
+        assert f"--update-weight-disk-dir {disk[1]}: visible to all 2 engines" in err

@@ -24,6 +24,8 @@ log = get_logger(__name__)
 
 ENGINE_GPU_SHARE = 0.2  # slime's share: fits next to a trainer rank (0.4) on a colocated bundle
 READY_TIMEOUT_S = 300.0
+PROBE_READ_BYTES = 256  # the sync directory's probe file holds a 32-character token
+
 
 class EngineHostImpl:
     """The body of one engine's actor (wrapped by ray.remote in `EngineHost`)."""
@@ -56,6 +58,17 @@ class EngineHostImpl:
 
     def restart(self) -> str:
         return self.launcher.restart(0)
+
+    def read_probe(self, path: str) -> dict:
+        """What this engine's node sees at `path` (lichen.sync.visibility), and where that is."""
+        import ray
+
+        where = f"Ray node {ray.get_runtime_context().get_node_id()[:8]} at {ray.util.get_node_ip_address()}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                return {"content": f.read(PROBE_READ_BYTES), "where": where}
+        except (OSError, UnicodeDecodeError) as e:
+            return {"error": f"{type(e).__name__}: {e}", "where": where}
 
     def server_pid(self) -> int:
         return self.launcher.pids[0]
@@ -102,6 +115,12 @@ class RayEngineSet:
             log.warning("engine %d: its Ray actor died; starting a new one on the same bundle", index)
             self.actors[index] = self._make(index)
             return ray.get(self.actors[index].start.remote())
+
+    def read_each(self, path: str) -> list[dict]:
+        """Each engine's actor reads `path` on its node: the disk transports' visibility check."""
+        import ray
+
+        return ray.get([a.read_probe.remote(path) for a in self.actors])
 
     def call_each(self, method: str) -> list:
         import ray

@@ -107,6 +107,10 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
         from lichen.sync.distributed import BroadcastSync
 
         return BroadcastSync(engines, buffer_size=cfg.buffer_size)
+    if mode in ("full", "delta"):  # before the first version is written: every engine must see the directory
+        from lichen.sync.visibility import check_dir_visible
+
+        check_dir_visible(engines, cfg.disk_dir)
     if mode == "delta":
         from lichen.sync.disk_delta import DeltaSync
 
