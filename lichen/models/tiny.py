@@ -23,6 +23,7 @@ import json
 import os
 
 from lichen.errors import ConfigError
+from lichen.models.hf_archs import HF_ARCHS
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -54,6 +55,11 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+def all_archs() -> list[str]:
+    """Every --arch: lichen's own implementations first, then those built through transformers."""
+    return [*ARCHS, *HF_ARCHS]
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -95,8 +101,8 @@ def build_tokenizer():
 
 def _validate(arch: str, sizes: dict[str, int], num_heads: int, num_kv_heads: int, hidden_size: int,
               rope_theta: float, rms_norm_eps: float, init_std: float) -> None:
-    if arch not in ARCHS:
-        raise ConfigError(f"--arch {arch!r} is not supported; choose one of {', '.join(ARCHS)}")
+    if arch not in ARCHS and arch not in HF_ARCHS:
+        raise ConfigError(f"--arch {arch!r} is not supported; choose one of {', '.join(all_archs())}")
     for flag, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
@@ -284,21 +290,23 @@ def make_tiny_model(
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"output path {out_dir!r} exists and is not a directory; pass a directory path")
 
-    cfg = _config(
-        arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, rope_theta=float(rope_theta), rms_norm_eps=float(rms_norm_eps),
-        init_std=float(init_std),
-    )
-    tensors = _init_weights(cfg, seed, float(init_std))
+    dims = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                tie_word_embeddings=tie_word_embeddings, rope_theta=float(rope_theta),
+                rms_norm_eps=float(rms_norm_eps), init_std=float(init_std))
+    if arch in HF_ARCHS:
+        _write_hf_arch(out_dir, arch, dims, seed)
+    else:
+        cfg = _config(arch, **dims)
+        tensors = _init_weights(cfg, seed, float(init_std))
 
-    from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
-    _write_json(os.path.join(out_dir, "config.json"), cfg)
-    weights_path = os.path.join(out_dir, "model.safetensors")
-    save_file(tensors, weights_path, metadata={"format": "pt"})
-    os.chmod(weights_path, 0o644)  # safetensors writes 0600; other users' engine processes must read it too
+        os.makedirs(out_dir, exist_ok=True)
+        _write_json(os.path.join(out_dir, "config.json"), cfg)
+        weights_path = os.path.join(out_dir, "model.safetensors")
+        save_file(tensors, weights_path, metadata={"format": "pt"})
+        os.chmod(weights_path, 0o644)  # safetensors writes 0600; other users' engine processes must read it too
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8", newline="\n") as f:
         f.write(build_tokenizer().to_str(pretty=True) + "\n")
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(max_position_embeddings))
@@ -316,6 +324,15 @@ def make_tiny_model(
         "pad_token_id": ids[PAD_TOKEN],
     })
     return out_dir
+
+
+def _write_hf_arch(out_dir: str, arch: str, dims: dict, seed: int) -> None:
+    """config.json + weights of an architecture built through transformers (lichen.models.hf_archs)."""
+    from lichen.models.hf_archs import hf_config, write_hf_weights
+
+    ids = {tok: i for i, tok in enumerate(token_strings())}
+    config = hf_config(arch, **dims, vocab_size=len(ids), pad_id=ids[PAD_TOKEN], eos_id=ids[EOS_TOKEN])
+    write_hf_weights(config, out_dir, seed)
 
 
 def count_parameters(cfg: dict) -> int:
@@ -336,8 +353,10 @@ def _parser() -> argparse.ArgumentParser:
         "tokenizer with a ChatML chat template) to OUT. The same arguments give byte-identical files.",
     )
     p.add_argument("out", metavar="OUT", help="output directory (created if missing; files in it are overwritten)")
-    p.add_argument("--arch", choices=list(ARCHS), default="llama",
-                   help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k RMSNorm) (default: llama)")
+    p.add_argument("--arch", choices=all_archs(), default="llama",
+                   help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k RMSNorm), implemented by lichen; "
+                   "qwen3_moe, glm4, glm4_moe, gpt_oss, qwen3_next, deepseek_v3 built through transformers (run "
+                   "with the generic HF path, docs/models.md) (default: llama)")
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default: 64)")
     p.add_argument("--num-layers", type=int, default=2, help="number of decoder layers (default: 2)")
     p.add_argument("--num-heads", type=int, default=4,
@@ -367,6 +386,14 @@ def main(argv: list[str]) -> int:
         rope_theta=args.rope_theta, rms_norm_eps=args.rms_norm_eps, seed=args.seed, init_std=args.init_std,
     )
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
-        n_params = count_parameters(json.load(f))
+        cfg = json.load(f)
+    if args.arch in HF_ARCHS:
+        from transformers import AutoConfig
+
+        from lichen.models.hf_archs import count_hf_parameters
+
+        n_params = count_hf_parameters(AutoConfig.from_pretrained(out))
+    else:
+        n_params = count_parameters(cfg)
     print(f"wrote {args.arch} checkpoint to {out} ({n_params:,} parameters)")
     return 0
