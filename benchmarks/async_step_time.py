@@ -71,7 +71,7 @@ def run_train(a: argparse.Namespace, model: str, data: str, addr: str, weights: 
     out = os.path.join(a.workdir, mode)
     shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: a rerun starts from an empty directory
     argv = ["taskset", "-c", str(a.trainer_core), *LICHEN, "train", "--hf-checkpoint", model, "--prompt-data", data,
-            "--rm-type", "math", "--rollout-batch-size", str(a.batch), "--n-samples-per-prompt", str(a.n),
+            "--rm-type", "math_lenient", "--rollout-batch-size", str(a.batch), "--n-samples-per-prompt", str(a.n),
             "--rollout-max-response-len", str(a.response_len), "--rollout-shuffle", "--lr", "1e-4",
             "--num-rollout", str(a.steps), "--num-steps-per-rollout", str(a.train_steps), "--num-threads", "1",
             "--no-progress", "--output-dir", out,

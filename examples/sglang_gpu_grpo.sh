@@ -58,7 +58,7 @@ fi
 ARGS=(
   --hf-checkpoint "$MODEL_DIR" --bf16 --device cuda --output-dir "$OUT"
   --prompt-data "$WORK/gsm8k_train.jsonl" --apply-chat-template --rollout-shuffle
-  --rm-type math
+  --rm-type math_lenient                  # the last number (GSM8K answers follow "####", not \boxed)
   --num-rollout 200 --rollout-batch-size 32 --n-samples-per-prompt 8
   --rollout-max-response-len 1024 --rollout-temperature 1.0
   --global-batch-size 256 --micro-batch-size 4 --gradient-checkpointing

@@ -287,8 +287,8 @@ def test_whiten_matches_reference():
     x[mask == 0] = float("nan")
     out = whiten(x, mask)
     sel = x[mask != 0].double()
-    ref = (sel - sel.mean()) / torch.sqrt(sel.var(unbiased=False) + 1e-8)
+    ref = (sel - sel.mean()) / torch.sqrt(sel.var(unbiased=True) + 1e-8)  # slime: Bessel-corrected variance
     torch.testing.assert_close(out[mask != 0].double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.all(out[mask == 0] == 0)
-    assert math.isclose(out[mask != 0].double().std(unbiased=False).item(), 1.0, rel_tol=1e-4)
+    assert math.isclose(out[mask != 0].double().std(unbiased=True).item(), 1.0, rel_tol=1e-4)
     assert torch.equal(whiten(torch.ones(2, 3), torch.zeros(2, 3)), torch.zeros(2, 3))

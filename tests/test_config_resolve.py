@@ -138,7 +138,7 @@ def test_micro_batch_divisibility_is_skipped_with_dynamic_batching(files):
         (["--colocate", "--no-offload-rollout"], True, False),
         (["--offload-rollout"], False, True),
         (["--offload-train"], True, False),
-        (["--offload", "--no-offload-rollout"], True, False),
+        (["--offload", "--no-offload-rollout"], True, True),  # --offload wins, as in slime
     ],
 )
 def test_placement_resolution(files, extra, train, rollout):

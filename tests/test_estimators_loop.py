@@ -19,7 +19,7 @@ def groups_of(samples):
 def whiten_ref(values, lengths):
     flat = [v for row, n in zip(values, lengths) for v in row[:n]]
     mean = sum(flat) / len(flat)
-    var = sum((v - mean) ** 2 for v in flat) / len(flat)
+    var = sum((v - mean) ** 2 for v in flat) / max(len(flat) - 1, 1)  # sample variance, as slime
     return [[(v - mean) / math.sqrt(var + 1e-8) for v in row[:n]] for row, n in zip(values, lengths)]
 
 

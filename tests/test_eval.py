@@ -44,7 +44,8 @@ def test_pass_at_k_hand_values():
 def test_pass_k_values():
     assert pass_k_values(1) == [1]
     assert pass_k_values(4) == [1, 2, 4]
-    assert pass_k_values(6) == [1, 2, 4, 6]
+    assert pass_k_values(6) == [1, 2, 4]  # powers of two only, as slime (no k = n = 6)
+    assert pass_k_values(8) == [1, 2, 4, 8]
     assert pass_k_values(0) == []
 
 
@@ -74,7 +75,7 @@ def test_eval_metrics_against_brute_force_random():
     groups = [[make(rng.choice([-1.0, 0.0, 1.0, 0.5])) for _ in range(n)] for _ in range(20)]
     m = eval_metrics(groups, None)
     for k in pass_k_values(n):
-        want = sum(brute_force_pass_at_k([s.reward > 0 for s in g], k) for g in groups) / len(groups)
+        want = sum(brute_force_pass_at_k([s.reward == 1 for s in g], k) for g in groups) / len(groups)  # slime
         assert m[f"pass@{k}"] == pytest.approx(want)
 
 

@@ -201,7 +201,7 @@ def adamw_float64(params, grads_per_step, lr, betas, eps, wd):
             g = g.double()
             m[i] = betas[0] * m[i] + (1 - betas[0]) * g
             v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
-            p[i] = p[i] * (1 - lr * wd)
+            p[i] = p[i] * (1 - lr * (wd if p[i].dim() >= 2 else 0.0))  # 1-D params do not decay (Megatron's rule)
             p[i] = p[i] - lr * (m[i] / (1 - betas[0] ** t)) / ((v[i] / (1 - betas[1] ** t)).sqrt() + eps)
     return p
 

@@ -104,8 +104,8 @@ def test_parse_number(text, want):
         (r"\boxed{\dfrac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}", 1.0),
         (r"\boxed{42}", "43", 0.0),
         (r"\boxed{42}", "42", 1.0),
-        ("so it is 42", 42, 1.0),  # no box: last number
-        ("so it is 42.", "42", 1.0),
+        ("so it is 42", 42, 0.0),  # no box: no answer (slime's rule; math_lenient takes the last number)
+        ("so it is 42.", "42", 0.0),
         (r"\boxed{41} wait, \boxed{42}", "42", 1.0),  # the last box counts
         (r"\boxed{42} wait, \boxed{41}", "42", 0.0),
         (r"$\boxed{\text{(B)}}$", "(B)", 1.0),

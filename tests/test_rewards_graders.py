@@ -1,4 +1,6 @@
-"""Built-in rm types on hand-checked cases: math (math-verify), dapo, deepscaler, f1, gpqa and boxed_<type>."""
+"""Built-in rm types on hand-checked cases: math / math_lenient (math-verify), dapo, deepscaler /
+deepscaler_lenient, f1, gpqa and boxed_<type>. The slime-named types' expectations were derived by hand from
+slime's graders (slime/rollout/rm_hub: math_utils, deepscaler, math_dapo_utils, gpqa)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,11 @@ import pytest
 from lichen.errors import ConfigError
 from lichen.rewards import check_rm_type, get_rule_reward, grade, known_rm_types
 from lichen.rewards.dapo import extract_dapo_answer, grade_dapo, normalize_final_answer
-from lichen.rewards.deepscaler import grade_deepscaler
+from lichen.rewards.deepscaler import grade_deepscaler, grade_deepscaler_lenient
 from lichen.rewards.f1 import grade_f1, normalize_squad, token_f1
 from lichen.rewards.gpqa import extract_choice, grade_gpqa, label_letter
-from lichen.rewards.math_grader import grade_math, math_equal, math_verify_available
-from lichen.rewards.rules import extract_answer, last_boxed, normalize_answer
+from lichen.rewards.math_grader import grade_math, grade_math_lenient, math_equal, math_verify_available
+from lichen.rewards.rules import extract_answer, last_boxed, normalize_answer, strict_last_boxed
 
 # --------------------------------------------------------------------------------------------------- math
 
@@ -70,8 +72,36 @@ def test_math_verify_is_installed():
         (r"\boxed{5}", None, 0.0),
     ],
 )
-def test_math(response, label, want):
+def test_math_lenient(response, label, want):
+    assert grade_math_lenient(response, label, {}) == want
+
+
+@pytest.mark.parametrize(
+    "response,label,want",
+    [
+        # slime's math (grade_answer_verl): only the last \boxed{...} is an answer
+        (r"so \boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"first \boxed{1} then \boxed{2}", "2", 1.0),
+        (r"\boxed{5}", r"\boxed{5}", 1.0),  # a boxed label is unwrapped
+        (r"\boxed{5}", 5, 1.0),
+        ("the total is 12 apples", "12", 0.0),  # no box: no answer (lenient: the last number)
+        (r"\fbox{7}", "7", 0.0),  # \fbox is not read
+        (r"\boxed 5", "5", 0.0),  # the unbraced form is not read
+        (r"\boxedx{5}", "5", 0.0),  # the last \boxed... must be \boxed{
+        (r"\boxed{3} and then \boxed{4", "3", 0.0),  # the last box is unbalanced: no look-back
+        (r"\boxed{12", "12", 0.0),
+        (r"\boxed{42}", "", 0.0),
+        (r"\boxed{5}", None, 0.0),
+    ],
+)
+def test_math_keeps_slimes_boxed_only_rule(response, label, want):
     assert grade_math(response, label, {}) == want
+    assert grade("math", response, label) == want
+
+
+def test_strict_last_boxed():
+    assert strict_last_boxed(r"a \boxed{x{y}} b \boxed{z}") == "z"
+    assert strict_last_boxed(r"\boxed{1} \boxed{") is None and strict_last_boxed("none") is None
 
 
 def test_math_equal_is_not_fooled_by_empty_strings():
@@ -124,6 +154,13 @@ def test_dapo_strips_chat_end_markers(marker):
     assert grade("boxed_dapo", f"\\boxed{{7}}{marker}", "7")["acc"] is True
 
 
+def test_dapo_reads_answer_in_the_last_300_characters_only():
+    # slime's compute_score grades solution_str[-300:]
+    assert grade_dapo("Answer: 5\n" + "x" * 290, "5", {})["acc"] is True  # 300 characters: all of it is read
+    assert grade_dapo("Answer: 5\n" + "x" * 291, "5", {})["acc"] is False  # 301: the "A" is cut off
+    assert grade_dapo("Answer: 5\n" + "x" * 400, "5", {}) == {"score": -1.0, "acc": False, "pred": ""}
+
+
 def test_dapo_helpers():
     assert extract_dapo_answer("a\nAnswer: 3 \nmore") == "3"
     assert extract_dapo_answer("none") is None
@@ -144,8 +181,24 @@ def test_dapo_helpers():
         (r"<think>x</think> \boxed{6}", "", 0.0),
     ],
 )
-def test_deepscaler(response, label, want):
+def test_deepscaler_boxed_cases_agree(response, label, want):
     assert grade_deepscaler(response, label, {}) == want
+    assert grade_deepscaler_lenient(response, label, {}) == want
+
+
+@pytest.mark.parametrize(
+    "response,label,strict,lenient",
+    [
+        ("<think>x</think> the total is 4", "4", 0.0, 1.0),  # no box: slime gives 0
+        (r"###Response the answer is \boxed{4}", "4", 1.0, 0.0),  # no </think>: slime grades after ###Response
+        (r"a ###Response \boxed{4} ###Response \boxed{5}", "4", 1.0, 0.0),  # up to the second ###Response
+        (r"a ###Response \boxed{4} ###Response \boxed{5}", "5", 0.0, 0.0),
+        (r"<think>\boxed{4}</think> \fbox{4}", "4", 0.0, 1.0),
+    ],
+)
+def test_deepscaler_slime_rule_and_lenient(response, label, strict, lenient):
+    assert grade_deepscaler(response, label, {}) == strict
+    assert grade_deepscaler_lenient(response, label, {}) == lenient
 
 
 # ------------------------------------------------------------------------------------------------------ f1
@@ -203,20 +256,33 @@ def test_gpqa_extraction(response, want):
 
 def test_gpqa_labels_and_choices():
     meta = {"choices": ["red", "green", "blue", "cyan", "pink"]}
-    assert label_letter("b", {}) == "B" and label_letter("(C)", {}) == "C" and label_letter(2, {}) == "C"
+    assert label_letter("b", {}) == "B" and label_letter(2, {}) == "C"
+    assert label_letter("(C)", {}) is None  # slime reads a one-letter label only
     assert label_letter("blue", meta) == "C"
     assert grade_gpqa("The answer is E", "pink", meta) == 1.0
-    assert grade_gpqa("The answer is E", "D", {}) == 0.0  # only A-D by default: E is not read as a choice
-    with pytest.raises(ValueError, match="not a choice letter"):
-        grade_gpqa("A", "Z", {})
+    assert grade_gpqa("The answer is E", "D", {}) == 0.0
+    assert grade_gpqa("The answer is J", "J", {}) == 1.0  # A-J by default, as slime
+    assert grade_gpqa("The answer is A", "Z", {}) == 0.0  # a label naming no choice scores 0, no error
 
 
-def test_gpqa_label_as_choice_text_ignores_case_and_whitespace():
+def test_gpqa_metadata_letters_and_correct_letter():
+    assert grade_gpqa("The answer is K", "x", {"valid_letters": ["j", "k"], "correct_letter": "k"}) == 1.0
+    assert grade_gpqa("The answer is B", "A", {"correct_letter": "B"}) == 1.0  # correct_letter wins over the label
+
+
+def test_gpqa_label_as_choice_text_folds_like_slime():
     meta = {"choices": ["red", "green", "Light  blue", "cyan"]}
     assert label_letter("light blue", meta) == "C"
-    assert label_letter("  LIGHT\tBlue \n", meta) == "C"
+    assert label_letter("  LIGHT-Blue \n", meta) == "C"  # non-alphanumerics fold to one space
     assert grade_gpqa("The answer is C", "LIGHT BLUE", meta) == 1.0
     assert grade_gpqa("The answer is B", "LIGHT BLUE", meta) == 0.0
+
+
+def test_gpqa_without_a_letter_looks_for_the_answer_text():
+    meta = {"choices": ["red", "green", "light blue", "cyan"]}
+    assert grade_gpqa("it must be light-blue.", "C", meta) == 1.0  # the correct choice's text
+    assert grade_gpqa("it must be green.", "C", meta) == 0.0
+    assert grade_gpqa("surely 42 kelvin", "42 kelvin", {}) == 1.0  # a label that is no letter, as text
 
 
 def test_gpqa_choices_as_dict():
@@ -227,16 +293,16 @@ def test_gpqa_choices_as_dict():
     assert grade_gpqa("The answer is E", "pink", five) == 1.0
 
 
-@pytest.mark.parametrize("label,want", [(2.0, "C"), (0.0, "A"), (3, "D")])
-def test_gpqa_float_index_labels(label, want):
-    assert label_letter(label, {}) == want
+@pytest.mark.parametrize("label,want", [(2.0, "C"), (0.0, "A"), (3, "D"), (7.0, "H"), (2.5, "C")])
+def test_gpqa_numeric_labels_are_indexes(label, want):
+    assert label_letter(label, {}) == want  # int() of the number, as slime
     assert grade_gpqa(f"The answer is {want}", label, {}) == 1.0
 
 
-@pytest.mark.parametrize("label", [2.5, float("nan"), float("inf"), 7.0, True])
-def test_gpqa_bad_numeric_labels_still_raise(label):
-    with pytest.raises(ValueError, match="not a choice letter"):
-        grade_gpqa("The answer is C", label, {})
+@pytest.mark.parametrize("label", [float("nan"), float("inf"), 10, True])
+def test_gpqa_numeric_labels_naming_no_choice_score_zero(label):
+    assert label_letter(label, {}) is None
+    assert grade_gpqa("The answer is C", label, {}) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------- boxed_
@@ -255,7 +321,8 @@ def test_boxed_prefix_grades_only_the_last_box():
 
 def test_rm_type_names():
     names = known_rm_types()
-    for name in ("math", "dapo", "deepscaler", "f1", "gpqa", "code", "remote_rm", "boxed_math", "boxed_gpqa"):
+    for name in ("math", "math_lenient", "dapo", "deepscaler", "deepscaler_lenient", "f1", "gpqa", "code",
+                 "remote_rm", "boxed_math", "boxed_gpqa"):
         assert name in names
         check_rm_type(name)
     for bad in ("boxed_code", "boxed_", "Math", "boxed_boxed_math"):

@@ -1,95 +1,157 @@
-"""Where lichen keeps slime's flag name but not slime's behaviour: each difference is listed in the flag table's
-"differs" column (lichen.config.slime_flags.DIFFERS, docs/slime-compat.md) and pinned here, so a change to either
-side is a decision, not an accident."""
+"""lichen's flags of slime's name against slime's meaning, one test per difference the slime-compatibility issue
+found. Aligned ones pin slime's meaning against a reference written from slime's code (expected values derived by
+hand, never by calling lichen); the ones kept are class "differs" in the flag table, with lichen's behaviour pinned,
+so a change to either side is a decision, not an accident."""
 
 from __future__ import annotations
 
+import math
+import os
+
+import pytest
 import torch
 
 from lichen.algo.advantages import whiten
 from lichen.algo.losses import value_loss
-from lichen.config import parse_train_args
-from lichen.config.slime_flags import DIFFERS
-from lichen.rewards.dapo import extract_dapo_answer
-from lichen.rewards.deepscaler import grade_deepscaler
+from lichen.config import build_train_parser, parse_train_args
+from lichen.config.engine_config import EngineConfig
+from lichen.config.slime_flags import DIFFERS_CLASS, SAME
+from lichen.rewards import grade
 from lichen.rewards.gpqa import choice_letters
-from lichen.rewards.math_grader import grade_math
-from lichen.rollout.eval import is_correct, pass_k_values
+from lichen.rollout.eval import eval_metrics, pass_k_values
+from lichen.train.optim import make_adamw
 from lichen.types import Sample, Status
 
 
-def test_math_and_deepscaler_grade_an_unboxed_last_number():
-    assert "unboxed" in DIFFERS["--rm-type"]
-    assert grade_math("so the total is 42", "42") == 1.0  # slime: 0 without \boxed
-    assert grade_deepscaler("<think>...</think> the total is 42", "42") == 1.0
-
-
-def test_gpqa_defaults_to_four_letters():
-    assert "A-D" in DIFFERS["--rm-type"]
-    assert choice_letters(None) == "ABCD"  # slime: A-J
-
-
-def test_dapo_reads_the_last_answer_anywhere():
-    assert "300 characters" in DIFFERS["--rm-type"]
-    assert extract_dapo_answer("Answer: 5\n" + "x" * 400) == "5"  # slime looks at the last 300 characters only
-
-
-def test_pass_at_k_counts_positive_rewards_and_adds_k_equal_n():
-    assert "reward > 0" in DIFFERS["--eval-prompt-data"]
-    sample = Sample(prompt="p", response="r", reward=0.5, status=Status.COMPLETED)
-    assert is_correct(sample, None)  # slime: only reward == 1
-    assert pass_k_values(3) == [1, 2, 3]  # k = n = 3 is reported too
-
-
-def test_value_loss_has_a_half_factor_and_whitening_the_population_variance():
-    assert "0.5 factor" in DIFFERS["--advantage-estimator"]
-    loss = value_loss(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([0.0]))
-    assert loss.item() == 2.0  # 0.5 * (2 - 0)^2
-    w = whiten(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0]), eps=0.0)
-    assert torch.allclose(w, torch.tensor([-1.0, 1.0]))  # var = 1 (population), not 2 (sample)
-
-
-def test_offload_with_no_offload_train_keeps_the_rollout_offload(tmp_path, monkeypatch):
-    assert "--no-offload-train" in DIFFERS and "--offload" in DIFFERS
+@pytest.fixture
+def base(tmp_path, monkeypatch) -> list[str]:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
-    args = parse_train_args(["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
-                             "--rm-type", "math", "--num-rollout", "1", "--offload", "--no-offload-train",
-                             "--advantage-estimator", "ppo"])
-    assert args.offload_train is False and args.offload_rollout is True  # slime forces --offload-train for PPO
+    return ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--num-rollout", "1"]
 
 
-def test_weight_decay_defaults_to_zero_and_decays_one_dimensional_weights_too():
-    from lichen.config import build_train_parser
-    from lichen.train.optim import make_adamw
+def row(base: list[str], *extra: str, flag: str):
+    """The table row of `flag` for `lichen train` with slime's table (a Megatron flag makes it print)."""
+    args = parse_train_args(base + ["--rm-type", "math", "--use-mcore-models", *extra], show_table=lambda _t: None)
+    return next(r for r in args._slime_rows if r.flag == flag)
 
-    assert "norm weights and biases too" in DIFFERS["--weight-decay"] and "slime 0.01" in DIFFERS["--weight-decay"]
-    assert {a.dest: a.default for a in build_train_parser()._actions}["weight_decay"] == 0.0
-    norm_weight = torch.nn.Parameter(torch.ones(3))  # 1-D like a norm weight or a bias: Megatron does not decay it
-    opt = make_adamw([norm_weight], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5)
-    norm_weight.grad = torch.zeros(3)
+
+# ------------------------------------------------------------------------------------------- aligned with slime
+
+
+def test_math_and_deepscaler_grade_the_last_boxed_answer_only(base):
+    # slime's grade_answer_verl / get_deepscaler_rule_based_reward: no \boxed, no answer
+    assert grade("math", "so the total is 42", "42") == 0.0
+    assert grade("math", r"so the total is \boxed{42}", "42") == 1.0
+    assert grade("deepscaler", "<think>hm</think> the total is 42", "42") == 0.0
+    assert grade("deepscaler", r"###Response the total is \boxed{42}", "42") == 1.0  # slime's ###Response fallback
+    # lichen's lenient grading keeps its own names
+    assert grade("math_lenient", "so the total is 42", "42") == 1.0
+    assert grade("deepscaler_lenient", "<think>hm</think> the total is 42", "42") == 1.0
+    math_row = row(base, flag="--rm-type")
+    assert math_row.cls == DIFFERS_CLASS and "math-verify" in math_row.note  # the equivalence engine is lichen's
+
+
+def test_gpqa_letters_and_labels_as_slime():
+    assert choice_letters(None) == "ABCDEFGHIJ"  # slime's DEFAULT_VALID_LETTERS
+    assert choice_letters({"valid_letters": ["a", "b", "c"]}) == "ABC"
+    meta = {"choices": ["red", "green", "light blue"]}
+    assert grade("gpqa", "The answer is C", "Light-Blue", meta) == 1.0  # labels fold [^a-z0-9]+ to a space
+    assert grade("gpqa", "The answer is C", 2.0, {}) == 1.0  # a numeric label is an index
+    assert grade("gpqa", "The answer is B", "x", {"correct_letter": "b"}) == 1.0
+
+
+def test_dapo_reads_only_the_last_300_characters():
+    # slime's compute_score: solution_str[-300:]
+    assert grade("dapo", "Answer: 5\n" + "x" * 400, "5")["score"] == -1.0
+    assert grade("dapo", "x" * 400 + "\nAnswer: 5", "5")["score"] == 1.0
+
+
+def test_pass_at_k_counts_reward_one_and_reports_powers_of_two():
+    # slime's compute_pass_rate: correct = (reward == 1); k = 2**i <= group size; unbiased estimator
+    assert pass_k_values(3) == [1, 2] and pass_k_values(4) == [1, 2, 4]
+    group = [Sample(reward=r, status=Status.COMPLETED) for r in (1.0, 0.5, 0.0)]
+    m = eval_metrics([group], None)
+    assert m["pass@1"] == pytest.approx(1 / 3)  # 0.5 is not a pass
+    assert m["pass@2"] == pytest.approx(1 - math.comb(2, 2) / math.comb(3, 2))
+    assert "pass@3" not in m
+
+
+def test_whitening_uses_the_sample_variance():
+    # slime's distributed_masked_whiten: var * n / (n - 1) for n >= 2
+    values = torch.tensor([1.0, 3.0, 8.0])
+    want = (values - values.mean()) / torch.sqrt(values.var(unbiased=True) + 1e-8)
+    torch.testing.assert_close(whiten(values, torch.ones(3)), want)
+    assert whiten(torch.tensor([5.0]), torch.ones(1)).item() == 0.0  # one entry: no correction, no division by 0
+
+
+def test_value_loss_has_no_half_factor():
+    # slime's value_loss_function: max((clip(v) - R)^2, (v - R)^2), no 0.5
+    loss = value_loss(torch.tensor([2.0]), torch.tensor([2.0]), torch.tensor([0.0]), value_clip=0.2)
+    assert loss.item() == 4.0
+
+
+def test_offload_turns_both_on_even_with_an_explicit_no(base):
+    # slime: `if args.offload: args.offload_train = args.offload_rollout = True`
+    args = parse_train_args(base + ["--rm-type", "math", "--offload", "--no-offload-train"])
+    assert args.offload_train is True and args.offload_rollout is True
+    assert row(base, "--offload", flag="--offload").cls == SAME
+
+
+def test_weight_decay_skips_biases_and_norm_weights():
+    # Megatron's default no_weight_decay_cond: name.endswith(".bias") or len(param.shape) == 1
+    matrix, vector = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3))
+    opt = make_adamw([matrix, vector], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5)
+    matrix.grad, vector.grad = torch.zeros(2, 2), torch.zeros(3)
     opt.step()
-    assert torch.allclose(norm_weight.detach(), torch.full((3,), 0.95))  # decayed by lr * wd
+    assert torch.allclose(matrix.detach(), torch.full((2, 2), 0.95))  # decayed by lr * wd
+    assert torch.equal(vector.detach(), torch.ones(3))  # not decayed
 
 
-def test_train_env_vars_are_set_in_lichens_own_process(tmp_path, monkeypatch, capsys):
-    """lichen sets --train-env-vars in its process, so the engine servers it launches inherit them (slime: the
-    training actors only)."""
-    import os
+# ----------------------------------------------------------------------------------- kept: class "differs"
 
+
+def test_weight_decay_and_lr_decay_style_defaults_are_lichens(base):
+    defaults = {a.dest: a.default for a in build_train_parser()._actions}
+    assert defaults["weight_decay"] == 0.0  # Megatron: 0.01
+    assert defaults["lr_decay_style"] == "constant"  # Megatron: linear
+    wd, style = row(base, "--weight-decay", "0.1", flag="--weight-decay"), row(base, "--lr-decay-style", "linear",
+                                                                               flag="--lr-decay-style")
+    assert wd.cls == style.cls == DIFFERS_CLASS
+    assert "slime 0.01" in wd.note and "slime linear" in style.note
+
+
+def test_ppo_does_not_force_offload_train(base):
+    # slime: `if args.use_critic: args.offload_train = True`
+    args = parse_train_args(base + ["--rm-type", "math", "--advantage-estimator", "ppo"])
+    assert args.offload_train is False
+    ppo = row(base, "--advantage-estimator", "ppo", flag="--advantage-estimator")
+    assert ppo.cls == DIFFERS_CLASS and "--offload-train" in ppo.note
+    assert row(base, "--advantage-estimator", "grpo", flag="--advantage-estimator").cls == SAME
+
+
+def test_train_env_vars_are_set_in_lichens_own_process(base, monkeypatch):
+    """With --runtime local lichen sets --train-env-vars in its own process, so the engine servers it launches
+    inherit them (slime: the training actors only)."""
     import lichen.cli
 
-    assert "engines lichen launches" in DIFFERS["--train-env-vars"]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("LICHEN_TEST_ENV_X", "")  # recorded as absent before: the run's setting is undone after the test
-    monkeypatch.delenv("LICHEN_TEST_ENV_X")
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the test's own copy, restored afterwards
-    rc = lichen.cli.main(["train", "--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
-                          "--n-samples-per-prompt", "2", "--rm-type", "math", "--num-rollout", "1", "--train-env-vars",
-                          '{"LICHEN_TEST_ENV_X": "1"}', "--dry-run"])
+    os.environ.pop("LICHEN_TEST_ENV_X", None)
+    rc = lichen.cli.main(["train", *base, "--rm-type", "math", "--train-env-vars", '{"LICHEN_TEST_ENV_X": "1"}',
+                          "--dry-run"])
     assert rc == 0 and os.environ["LICHEN_TEST_ENV_X"] == "1"
+    assert row(base, "--train-env-vars", "{}", flag="--train-env-vars").cls == DIFFERS_CLASS
+
+
+def test_colocate_in_the_local_runtime_only_turns_the_offloads_on(base):
+    """The table's note: with --runtime local the launched engines use the trainer's device whether or not
+    --colocate is given (slime places them on other GPUs without it); --colocate turns both offloads on."""
+    engines = ["--rm-type", "math", "--rollout-num-engines", "2", "--device", "cpu"]
+    apart, together = parse_train_args(base + engines), parse_train_args(base + engines + ["--colocate"])
+    assert EngineConfig.from_args(apart).device == EngineConfig.from_args(together).device == apart.device
+    assert (apart.offload_train, apart.offload_rollout) == (False, False)
+    assert (together.offload_train, together.offload_rollout) == (True, True)
+    assert row(base, "--colocate", flag="--colocate").cls == DIFFERS_CLASS

@@ -11,7 +11,8 @@ import yaml
 import lichen.cli
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.slime_flags import (
-    CHECKED, CLASSES, DIFFERS, MAPPED, NA_NO_EFFECT, NA_SHARDING, NOT_YET, REMOVED, SAME, SLIME_FLAGS, UNKNOWN,
+    CHECKED, CLASSES, DIFFERS, DIFFERS_CLASS, MAPPED, NA_NO_EFFECT, NA_SHARDING, NOT_YET, REMOVED, SAME, SLIME_FLAGS,
+    UNKNOWN, VALUE_DIFFERS,
 )
 from lichen.errors import ConfigError
 
@@ -49,7 +50,7 @@ def failure(argv) -> tuple[str, list[str]]:
 
 def test_every_class_is_used_by_the_table():
     used = {rule.cls for rule in SLIME_FLAGS.values()}
-    assert used | {SAME, REMOVED, UNKNOWN} == set(CLASSES)
+    assert used | {SAME, DIFFERS_CLASS, REMOVED, UNKNOWN} == set(CLASSES)
 
 
 def test_same_class_keeps_lichens_flag(base):
@@ -202,15 +203,18 @@ def test_help_texts_tell_the_truth():
     assert "float32" in helps["--bf16"] and "lichen's own engines" in helps["--bf16"]
 
 
-def test_differences_from_slime_are_listed_and_pinned():
-    """The "differs" column: lichen's behaviour where it keeps slime's name with another default or meaning."""
-    parser = build_train_parser()
-    defaults = {a.dest: a.default for a in parser._actions}
-    assert defaults["weight_decay"] == 0.0 and "slime 0.01" in DIFFERS["--weight-decay"]
-    assert defaults["lr_decay_style"] == "constant" and "slime linear" in DIFFERS["--lr-decay-style"]
-    for flag in ("--offload", "--no-offload-train", "--rm-type", "--eval-prompt-data", "--advantage-estimator",
-                 "--rollout-function-path", "--train-env-vars", "--colocate"):
-        assert flag in DIFFERS
+def test_differences_from_slime_are_their_own_class(base):
+    """A flag of slime's name with another default or meaning is class "differs" with its note, never "same"
+    (each difference is pinned in tests/test_slime_differences.py)."""
+    lichen_flags = {f for a in build_train_parser()._actions for f in a.option_strings}
+    assert set(DIFFERS) | set(VALUE_DIFFERS) <= lichen_flags
+    args, tables = parse(base + ["--weight-decay", "0.1", "--rm-type", "gpqa", "--colocate", "--use-mcore-models"])
+    rows = rows_of(args)
+    for flag in ("--weight-decay", "--colocate"):
+        assert rows[flag].cls == DIFFERS_CLASS and rows[flag].note == DIFFERS[flag]
+        assert f"differs | {flag}" in tables[0]
+    assert rows["--rm-type"].cls == DIFFERS_CLASS and rows["--rm-type"].note == VALUE_DIFFERS["--rm-type"]["gpqa"]
+    assert rows["--rollout-batch-size"].cls == SAME and rows["--rollout-batch-size"].note == ""
 
 
 def test_counts_follow_the_class_order():

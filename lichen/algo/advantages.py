@@ -218,8 +218,10 @@ def reinforce_plus_plus_token_rewards(
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """Masked whitening: (x - mu) / sqrt(var + eps) with mu and the population variance
-    var = sum m (x - mu)^2 / sum m taken over the masked entries only; 0 on unmasked entries.
+    """Masked whitening: (x - mu) / sqrt(var + eps) over the masked entries only; 0 on unmasked entries.
+
+    mu is their mean and var their sample variance sum m (x - mu)^2 / (sum m - 1), as slime's
+    distributed_masked_whiten (Bessel-corrected from two entries on; one entry has variance 0).
     """
     if values.shape != mask.shape:
         raise ValueError(f"values and mask must have one shape, got {tuple(values.shape)} and {tuple(mask.shape)}")
@@ -230,5 +232,5 @@ def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     n = valid.sum().to(dtype).clamp(min=1)
     mean = x.sum() / n
     centered = torch.where(valid, x - mean, zero)
-    var = centered.square().sum() / n
+    var = centered.square().sum() / (n - 1).clamp(min=1)
     return (centered * torch.rsqrt(var + eps)).to(_out_dtype(values))

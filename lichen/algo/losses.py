@@ -154,8 +154,9 @@ def value_loss(
 ) -> Tensor:
     """Per-token value loss.
 
-        unclipped: 0.5 * (v - R)^2
-        clipped:   0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)    (value_clip = c)
+        unclipped: (v - R)^2
+        clipped:   max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)    (value_clip = c)
+    with no 0.5 factor, as slime's value loss (scale the critic's step with --critic-lr if you want one).
     Zero at masked positions when `mask` is given.
     """
     loss = (values - returns).square()
@@ -164,7 +165,6 @@ def value_loss(
             raise ValueError(f"value clip must be >= 0, got {value_clip}")
         clipped = torch.maximum(torch.minimum(values, old_values + value_clip), old_values - value_clip)
         loss = torch.maximum(loss, (clipped - returns).square())
-    loss = 0.5 * loss
     if mask is not None:
         loss = torch.where(mask != 0, loss * mask, torch.zeros_like(loss))
     return loss

@@ -2,8 +2,9 @@
 
 Resolution (after the debug flags):
 - `--debug-rollout-only` forces colocate and both offloads off (there is no training phase to make room for);
-- otherwise each of offload_train / offload_rollout is its explicit --x / --no-x value when given, else on when
-  `--offload` or `--colocate` is given, else off.
+- `--offload` turns both on, an explicit --no-offload-train / --no-offload-rollout included (slime's rule);
+- otherwise each of offload_train / offload_rollout is its explicit --x / --no-x value when given, else on with
+  `--colocate`, else off.
 
 With `--runtime ray` (docs/runtimes.md): the trainer is --actor-num-nodes x --actor-num-gpus-per-node ranks and
 the engines take --rollout-num-gpus devices, --rollout-num-gpus-per-engine each; --rollout-num-gpus defaults to
@@ -31,7 +32,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--offload",
         action="store_true",
-        help="shorthand for --offload-train --offload-rollout",
+        help="--offload-train --offload-rollout, both on even when --no-offload-train / --no-offload-rollout is "
+        "given (as slime)",
     )
     g.add_argument(
         "--offload-train",
@@ -66,11 +68,12 @@ def check(args: argparse.Namespace) -> None:
         args.offload_train = False
         args.offload_rollout = False
         return
-    implied = bool(args.offload or args.colocate)
+    if args.offload:
+        args.offload_train = args.offload_rollout = True
     if args.offload_train is None:
-        args.offload_train = implied
+        args.offload_train = bool(args.colocate)
     if args.offload_rollout is None:
-        args.offload_rollout = implied
+        args.offload_rollout = bool(args.colocate)
 
 
 def _check_ray(args: argparse.Namespace) -> None:

@@ -20,8 +20,8 @@ from lichen.config.megatron_model import check_flag
 from lichen.observe.secrets import is_secret_name
 from lichen.config.removed import removed_message
 from lichen.config.slime_flags import (
-    BLOCKING, CHECKED, CLASSES, DIFFERS, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL, REMOVED, SAME,
-    SLIME_FLAGS, UNKNOWN, VALUE_ALIASES, FlagRule,
+    BLOCKING, CHECKED, CLASSES, DIFFERS_CLASS, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL, REMOVED, SAME,
+    SLIME_FLAGS, UNKNOWN, VALUE_ALIASES, FlagRule, differs_note,
 )
 
 SGLANG_PREFIX = "--sglang-"
@@ -149,7 +149,8 @@ def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan)
     if name.startswith(SGLANG_PREFIX):
         out.rows.append(Row(name, values, SAME, "passed to the SGLang servers lichen launches", ""))
     elif name not in _QUIET:
-        out.rows.append(Row(name, values, SAME, name, DIFFERS.get(name, "")))
+        note = differs_note(name, values)
+        out.rows.append(Row(name, values, DIFFERS_CLASS if note else SAME, name, note))
     return [token] if eq else [token] + values
 
 

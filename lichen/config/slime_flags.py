@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SAME = "same"
+DIFFERS_CLASS = "differs"
 MAPPED = "mapped"
 CHECKED = "checked"
 NA_SHARDING = "not applicable (FSDP2 sharding)"
@@ -18,8 +19,9 @@ NA_NO_EFFECT = "not applicable (no effect on results)"
 NOT_YET = "not available yet"
 REMOVED = "removed"
 UNKNOWN = "unknown"
-# The classes in the order the table prints them; the last four stop the run (exit code 2).
-CLASSES = (SAME, MAPPED, CHECKED, NA_SHARDING, NA_NO_EFFECT, NOT_YET, REMOVED, UNKNOWN)
+# The classes in the order the table prints them; the last three stop the run (exit code 2). "differs": lichen's
+# flag of slime's name whose default or meaning is not slime's (the note says how; DIFFERS / VALUE_DIFFERS).
+CLASSES = (SAME, DIFFERS_CLASS, MAPPED, CHECKED, NA_SHARDING, NA_NO_EFFECT, NOT_YET, REMOVED, UNKNOWN)
 BLOCKING = (NOT_YET, REMOVED, UNKNOWN)
 
 
@@ -118,20 +120,40 @@ ENTRY_POINTS: dict[str, FlagRule] = {
                                "yet (its own issue); the synchronous loop runs the same flags"),
 }
 
-# lichen flags with slime's name whose meaning or default differs from slime's (the "differs" column).
+# lichen flags with slime's name whose meaning or default differs from slime's (class "differs"); each is pinned
+# by tests/test_slime_differences.py. Aligned with slime since they were listed here: --offload (wins over an
+# explicit --no-offload-x), pass@k (reward == 1, k = 1, 2, 4, ... <= n), whitening (sample variance), the value
+# loss (no 0.5 factor), norm weights and biases (not decayed), math/deepscaler (\boxed only; lenient grading is
+# math_lenient / deepscaler_lenient), gpqa letters (A-J) and labels, dapo's 300-character window.
 DIFFERS: dict[str, str] = {
-    "--weight-decay": "default 0.0 (slime 0.01 via Megatron); decays every parameter, norm weights and biases too "
-    "(Megatron excludes them)",
-    "--lr-decay-style": "default constant (slime linear)",
-    "--offload": "--offload --no-offload-train keeps the rollout offload only (the explicit --no-x wins)",
-    "--no-offload-train": "wins over --offload and --colocate; slime forces --offload-train for PPO",
-    "--rm-type": "math/deepscaler also grade an unboxed last number and ignore ###Response (slime: \\boxed only); "
-    "gpqa letters A-D by default (slime A-J); dapo reads the last Answer: anywhere (slime: last 300 characters)",
-    "--eval-prompt-data": "pass@k counts reward > 0 (slime == 1) and also reports k = n",
-    "--advantage-estimator": "whitening uses the population variance; the PPO value loss has a 0.5 factor",
-    "--rollout-function-path": "slime's signature; the old lichen signature is deprecated",
+    "--weight-decay": "default 0.0 (slime 0.01 via Megatron); biases and norm weights are not decayed, as Megatron",
+    "--lr-decay-style": "default constant (slime linear via Megatron)",
     "--train-env-vars": "with --runtime local also reaches the engines lichen launches (slime: training actors "
     "only, as lichen's --runtime ray)",
-    "--colocate": "with --runtime local: trainer and engines share the one device; --runtime ray lays bundles out "
-    "as slime",
+    "--colocate": "with --runtime local the trainer and the engines share the one device with or without "
+    "--colocate, which only turns the offloads on; --runtime ray lays bundles out as slime",
 }
+
+# Differences that only some values of a flag have: flag -> {value: note}.
+_MATH_EQUIVALENCE = ("\\boxed only, as slime; equivalence by math-verify (slime: MATH normalisation + sympy), so an "
+                     "edge case such as an unreduced fraction can grade differently")
+VALUE_DIFFERS: dict[str, dict[str, str]] = {
+    "--rm-type": {
+        "math": _MATH_EQUIVALENCE,
+        "deepscaler": _MATH_EQUIVALENCE,
+        "dapo": "last 300 characters as slime; lichen's answer normalisation (numbers within 1e-6; slime compares "
+        "normalised strings with the integer label)",
+        "gpqa": "letters and labels as slime; the letter is the last answer statement or boxed letter (slime: the "
+        "first pattern that matches)",
+    },
+    "--advantage-estimator": {
+        "ppo": "does not force --offload-train (slime does for PPO); offloading moves memory, not results",
+    },
+}
+
+
+def differs_note(flag: str, values: list[str]) -> str:
+    """How lichen's flag of slime's name differs from slime's with these values ("" when it does not)."""
+    if flag in DIFFERS:
+        return DIFFERS[flag]
+    return VALUE_DIFFERS.get(flag, {}).get(values[0] if values else "", "")

@@ -1,4 +1,6 @@
-"""The `dapo` reward (DAPO-Math style): the answer is the text after the last `Answer:` in the response.
+"""The `dapo` reward (DAPO-Math style): the answer is the text after the last `Answer:` in the response's last
+300 characters (slime's window: the longest MATH-500 answer has 159 characters; an `Answer:` earlier than that
+does not count).
 
 Returns `{"score": +1.0 | -1.0, "acc": bool, "pred": str}`; train with `--reward-key score` (eval counts a
 sample correct when its score is > 0). `pred` is the normalised answer ("" when the response has no `Answer:`).
@@ -34,6 +36,7 @@ _TRAILING_UNITS = re.compile(r"(?:\s*(?:\\text\{\s*|\\mbox\{\s*|\\mathrm\{\s*)?(
 _FRAC_DIGITS = re.compile(r"\\frac(\d)(\d)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+ANSWER_WINDOW = 300  # characters at the end of the response searched for `Answer:`, as slime
 
 
 def extract_dapo_answer(response: str) -> str | None:
@@ -72,6 +75,6 @@ def dapo_equal(pred: str, ref: str) -> bool:
 
 
 def grade_dapo(response: str, label: Any, metadata: dict | None = None) -> dict:
-    pred = extract_dapo_answer(response)
+    pred = extract_dapo_answer(response[-ANSWER_WINDOW:])
     ok = pred is not None and label is not None and dapo_equal(pred, str(label))
     return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": normalize_final_answer(pred) if pred is not None else ""}

@@ -1,8 +1,12 @@
-"""The `deepscaler` reward: math grading of only the part of a reasoning model's response after its thinking.
+"""The `deepscaler` and `deepscaler_lenient` rewards: math grading of only the answer part of a reasoning model's
+response, which may also be graded against a list of accepted answers.
 
-The response must contain `</think>`; the text after the last one is graded like `math` (last boxed answer, or
-the last number when nothing is boxed) against the label, which may also be a list of accepted answers.
-A response without `</think>` never finished thinking and scores 0.0.
+`deepscaler` (slime's rule): the answer part is the text after the last `</think>`; a response without one is
+graded on the text after its first `###Response` (up to the next one), and a response with neither scores 0.0.
+Its last `\\boxed{...}` is graded like `math` (`rules.strict_last_boxed`: no box, no credit).
+
+`deepscaler_lenient` (lichen's): the response must contain `</think>` (no `###Response` fallback); the text after
+the last one is graded like `math_lenient` (last boxed answer, or the last number when nothing is boxed).
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from lichen.rewards.math_grader import label_answer, math_equal
-from lichen.rewards.rules import extract_answer
+from lichen.rewards.rules import extract_answer, strict_last_boxed
 
 THINK_END = "</think>"
+RESPONSE_MARK = "###Response"
 
 
 def after_thinking(response: str) -> str | None:
@@ -21,13 +26,27 @@ def after_thinking(response: str) -> str | None:
     return tail if sep else None
 
 
-def grade_deepscaler(response: str, label: Any, metadata: dict | None = None) -> float:
-    answer_text = after_thinking(response)
-    if answer_text is None:
-        return 0.0
-    pred = extract_answer(answer_text)
+def answer_part(response: str) -> str | None:
+    """slime's answer part: after the last `</think>`, else between the first and second `###Response`."""
+    tail = after_thinking(response)
+    if tail is None and RESPONSE_MARK in response:
+        tail = response.split(RESPONSE_MARK)[1]
+    return tail
+
+
+def _any_equal(pred: str | None, label: Any, strict: bool) -> float:
     if pred is None:
         return 0.0
     labels = label if isinstance(label, (list, tuple)) else [label]
-    refs = [r for r in (label_answer(x) for x in labels) if r is not None]
+    refs = [r for r in (label_answer(x, strict=strict) for x in labels) if r is not None]
     return 1.0 if any(math_equal(pred, ref) for ref in refs) else 0.0
+
+
+def grade_deepscaler(response: str, label: Any, metadata: dict | None = None) -> float:
+    text = answer_part(response)
+    return 0.0 if text is None else _any_equal(strict_last_boxed(text), label, strict=True)
+
+
+def grade_deepscaler_lenient(response: str, label: Any, metadata: dict | None = None) -> float:
+    text = after_thinking(response)
+    return 0.0 if text is None else _any_equal(extract_answer(text), label, strict=False)

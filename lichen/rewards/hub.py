@@ -2,9 +2,11 @@
 
 rm types (each module's docstring has the exact rule):
     exact, leading_number   rules.py          plain string rules
-    math                    math_grader.py    last \\boxed{} answer, math-verify equivalence
-    dapo                    dapo.py           last "Answer:" line; {"score": ±1, "acc", "pred"}
-    deepscaler              deepscaler.py     math on the text after the last </think>
+    math                    math_grader.py    last \\boxed{} answer (slime's rule), math-verify equivalence
+    math_lenient            math_grader.py    math, or the last number when nothing is boxed
+    dapo                    dapo.py           last "Answer:" line of the last 300 characters; {"score": ±1, ...}
+    deepscaler              deepscaler.py     math on the text after the last </think> (or ###Response)
+    deepscaler_lenient      deepscaler.py     math_lenient on the text after the last </think>
     f1                      f1.py             SQuAD token F1
     gpqa                    gpqa.py           multiple-choice letter
     code                    code_reward.py    pass fraction of test cases, run in sandbox.py
@@ -24,10 +26,10 @@ from typing import Any, AsyncIterator
 
 from lichen.errors import ConfigError
 from lichen.rewards.dapo import dapo_equal, grade_dapo, normalize_final_answer
-from lichen.rewards.deepscaler import grade_deepscaler
+from lichen.rewards.deepscaler import grade_deepscaler, grade_deepscaler_lenient
 from lichen.rewards.f1 import grade_f1
 from lichen.rewards.gpqa import grade_gpqa
-from lichen.rewards.math_grader import grade_math, label_answer, math_equal
+from lichen.rewards.math_grader import grade_math, grade_math_lenient, label_answer, math_equal
 from lichen.rewards.rules import RuleFn, exact, last_boxed, leading_number
 from lichen.types import Sample
 
@@ -37,8 +39,10 @@ RULES: dict[str, RuleFn] = {
     "exact": exact,
     "leading_number": leading_number,
     "math": grade_math,
+    "math_lenient": grade_math_lenient,
     "dapo": grade_dapo,
     "deepscaler": grade_deepscaler,
+    "deepscaler_lenient": grade_deepscaler_lenient,
     "f1": grade_f1,
     "gpqa": grade_gpqa,
 }

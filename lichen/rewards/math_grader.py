@@ -1,15 +1,20 @@
-"""The `math` reward: the last boxed answer of a response, judged equivalent to the label by math-verify.
+"""The `math` and `math_lenient` rewards: a response's final answer judged equivalent to the label by math-verify.
 
 Grading of one (response, label):
 1. label: `str(label)`, or the content of its own `\\boxed{}` when it has one; an empty label scores 0;
-2. prediction: `rules.extract_answer(response)` — the last balanced `\\boxed{}` (`\\fbox{}` when there is no
-   `\\boxed`), or the last number of a response with no box at all; none scores 0;
+2. prediction:
+   - `math` (slime's rule): the content of the response's last `\\boxed{...}` (`rules.strict_last_boxed`); a
+     response without one, or whose last `\\boxed` is not a balanced `\\boxed{...}`, scores 0;
+   - `math_lenient` (lichen's): `rules.extract_answer(response)` — the last balanced `\\boxed{}` (`\\fbox{}` when
+     there is no `\\boxed`), or the last number of a response with no box at all; none scores 0;
 3. equivalence, cheapest first:
    a. the two strings after `rules.normalize_answer` are equal (handles `\\dfrac`, `\\left(`, `\\text{}`, `.5`, …);
    b. both parse as plain numbers (fractions, `a/b`, `1,000`) and |a - b| <= 1e-6 * max(1, |b|);
    c. math-verify parses both as LaTeX/expressions and `verify(gold, pred)` holds (symbolic equality via sympy:
       `x+1` ≡ `1+x`, `\\frac{\\sqrt2}{2}` ≡ `\\sqrt{2}/2`, `50\\%` ≡ `0.5`, sets, intervals, equations
       `x=3` ≡ `3`).
+Step 3 is lichen's own: slime judges equivalence with Hendrycks' MATH normalisation and sympy, so an edge case
+(an unreduced fraction such as `2/4` for `1/2`, `50\\%` for `0.5`) can be judged differently there.
 
 math-verify bounds its own work with SIGALRM, which only the main thread may arm; on any other thread it runs
 without that bound (the reward runner's per-sample timeout still abandons the call). Without math-verify
@@ -22,7 +27,7 @@ import functools
 import threading
 from typing import Any
 
-from lichen.rewards.rules import answers_equal, extract_answer, last_boxed, normalize_answer
+from lichen.rewards.rules import answers_equal, extract_answer, last_boxed, normalize_answer, strict_last_boxed
 
 # seconds math-verify may spend parsing one answer and comparing two (its own SIGALRM bound)
 MATH_VERIFY_TIMEOUT_S = 5
@@ -77,21 +82,31 @@ def math_equal(pred: str, ref: str) -> bool:
     return _symbolic_equal(pred, ref)
 
 
-def label_answer(label: Any) -> str | None:
-    """The reference answer of a label: its own boxed content when it has one; None for an empty label."""
+def label_answer(label: Any, *, strict: bool = False) -> str | None:
+    """The reference answer of a label: its own boxed content when it has a box (read as `math` reads responses
+    when `strict`); None for an empty label."""
     if label is None:
         return None
     ref = str(label)
-    ref = last_boxed(ref) or ref
+    if strict:  # slime unwraps only a `\\boxed{...}` label (an `\\fbox` stays as written)
+        ref = (strict_last_boxed(ref) or "") if "\\boxed" in ref else ref
+    else:
+        ref = last_boxed(ref) or ref
     return ref if ref.strip() else None
 
 
-def grade_math(response: str, label: Any, metadata: dict | None = None) -> float:
-    """1.0 iff the last boxed answer (or last number) of `response` equals `label`; else 0.0."""
-    ref = label_answer(label)
-    if ref is None:
-        return 0.0
-    pred = extract_answer(response)
-    if pred is None:
+def _grade(pred: str | None, label: Any, strict: bool) -> float:
+    ref = label_answer(label, strict=strict)
+    if ref is None or pred is None:
         return 0.0
     return 1.0 if math_equal(pred, ref) else 0.0
+
+
+def grade_math(response: str, label: Any, metadata: dict | None = None) -> float:
+    """slime's `math`: 1.0 iff the content of the last `\\boxed{...}` of `response` equals `label`; else 0.0."""
+    return _grade(strict_last_boxed(response), label, strict=True)
+
+
+def grade_math_lenient(response: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 iff the last boxed answer (or, with no box, the last number) of `response` equals `label`; else 0.0."""
+    return _grade(extract_answer(response), label, strict=False)

@@ -73,6 +73,22 @@ def _last_box_of(text: str, command: str) -> str | None:
     return None
 
 
+def strict_last_boxed(text: str) -> str | None:
+    """The answer of the last `\\boxed` only, as slime's math graders read it: that occurrence must be the braced
+    form `\\boxed{...}` with balanced braces, else there is no answer (no look-back to an earlier box, no
+    `\\boxed 5`, no `\\fbox`)."""
+    start = text.rfind("\\boxed")
+    if start < 0 or not text.startswith("{", start + len("\\boxed")):
+        return None
+    open_at = start + len("\\boxed")
+    depth = 0
+    for j in range(open_at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[open_at + 1 : j]
+    return None
+
+
 # "1,000" as one number (thousands separators) before the plain form, so "(1,2)" still reads as 1 and 2
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
 

@@ -2,9 +2,10 @@
 
 Metrics of one data set (groups = the samples of each prompt), logged as `eval/<name>/<metric>`:
 - reward_mean: mean scalar reward over samples whose verifier did not fail;
-- pass@k for k = 1, 2, 4, ... < n and k = n, where n = the fewest samples any prompt has: the mean over prompts of
-  the unbiased estimator  pass@k = 1 - C(n - c, k) / C(n, k)  (c = correct samples of that prompt among its first
-  n; a sample is correct when it did not fail and its scalar reward is > 0);
+- pass@k for k = 1, 2, 4, ... <= n (powers of two, as slime), where n = the fewest samples any prompt has: the mean
+  over prompts of the unbiased estimator  pass@k = 1 - C(n - c, k) / C(n, k)  (c = correct samples of that prompt
+  among its first n; a sample is correct when it did not fail and its scalar reward is exactly 1, as slime:
+  partial credit such as a code pass fraction of 0.5 is not a pass);
 - truncated_ratio: share of samples cut by the response-length limit;
 - response_length_mean, num_failed, num_samples, num_prompts.
 """
@@ -32,16 +33,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_k_values(n: int) -> list[int]:
-    """1, 2, 4, ... below n, and n itself."""
+    """1, 2, 4, ... up to n (slime's rungs: n itself only when it is a power of two)."""
     ks, k = [], 1
-    while k < n:
+    while k <= n:
         ks.append(k)
         k *= 2
-    return ks + [n] if n >= 1 else []
+    return ks
 
 
 def is_correct(sample: Sample, reward_key: str | None) -> bool:
-    return sample.status != Status.FAILED and sample.scalar_reward(reward_key) > 0
+    return sample.status != Status.FAILED and sample.scalar_reward(reward_key) == 1
 
 
 def eval_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:

@@ -5,6 +5,9 @@ All three torch implementations (fused, foreach, single-tensor) compute the same
     p = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 and differ only in how many kernels they launch (fused: one per parameter group and dtype, including on CPU;
 single-tensor: about ten per parameter), hence in fp32 rounding only.
+
+Weight decay follows Megatron's rule (slime's optimizer): only parameters of two or more dimensions decay; biases
+and norm weights (the one-dimensional parameters) are not decayed.
 """
 
 from __future__ import annotations
@@ -35,7 +38,18 @@ def make_adamw(params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float,
     if kind not in ("fused", "foreach", "single"):
         raise ValueError(f"unknown AdamW implementation {kind!r}; choose fused, foreach or single")
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[kind]
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=betas, eps=eps,
+                             weight_decay=weight_decay, **flags)
+
+
+def decay_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
+    """Parameter groups: matrices (and higher) decay by `weight_decay`, 1-D parameters (biases, norm weights) do
+    not, as in Megatron. Without weight decay there is one group, as before the split (older checkpoints load)."""
+    decay = [p for p in params if p.ndim >= 2]
+    keep = [p for p in params if p.ndim < 2]
+    if weight_decay == 0 or not decay or not keep:
+        return [{"params": params, "weight_decay": weight_decay if decay else 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], *, clip_grad: float,
