@@ -153,7 +153,8 @@ def _run(args, cluster, driver) -> dict:
         with MetricsLogger.from_config(obs_cfg) as logger:
             tokenizer = getattr(getattr(rollout, "context", None), "tokenizer", None)
             observer = RunObserver(obs_cfg, engines=getattr(rollout, "engines", []),
-                                   decode=tokenizer.decode if tokenizer is not None else None)
+                                   decode=tokenizer.decode if tokenizer is not None else None,
+                                   sources=[trainer])  # the Ray runtime's ranks give the trace their phases
             try:
                 return driver(args, trainer, rollout, logger, observer)
             finally:

@@ -34,6 +34,7 @@ class TrainRankImpl:
 
     def __init__(self) -> None:
         self.trainer: Any = None
+        self.rank = 0
 
     def where(self) -> dict:
         import ray
@@ -48,6 +49,7 @@ class TrainRankImpl:
         from lichen.plugins import load_function
 
         cls = load_function(trainer_path, "trainer class")
+        self.rank = rank
         self.trainer = cls(cfg, plugin_args, rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port, backend=backend)
 
@@ -55,7 +57,22 @@ class TrainRankImpl:
         fn = getattr(self.trainer, method, None)
         if fn is None:  # offload/onload on a trainer without them: nothing to release
             return None
-        return fn(*args, **kwargs)
+        from lichen.observe.phases import phase
+
+        with phase(method, _rollout_id(method, args)):  # a slice in this rank's lane of the driver's --trace
+            return fn(*args, **kwargs)
+
+    def trace(self, since: float) -> dict:
+        """This rank's phases finished after `since`, for the driver's --trace (lichen.observe.trace)."""
+        from lichen.observe.trace import trace_payload
+
+        return trace_payload(since, f"trainer rank {self.rank} (Ray actor)")
+
+
+def _rollout_id(method: str, args: tuple) -> int | None:
+    """The rollout a call works for, where its arguments say: train(rollout_id, batch), save(dir, rollout_id)."""
+    where = {"train": 0, "save": 1}.get(method)
+    return args[where] if where is not None and len(args) > where else None
 
 
 def rank_actor_cls():
@@ -121,6 +138,17 @@ class RayTrainGroup:
         """Restore the newest checkpoint under `load_dir` (saved on any number of ranks); its rollout id."""
         self._full = None
         return self._all("load", load_dir)[0]
+
+    def debug_trace(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
+        """{"trainer rank R": its phases since `since`} for the driver's --trace; never raises (the trace must not
+        cost the run)."""
+        import ray
+
+        try:
+            payloads = ray.get([a.trace.remote(since) for a in self.actors], timeout=timeout)
+        except Exception:
+            return {}
+        return {f"trainer rank {r}": p for r, p in enumerate(payloads)}
 
     def offload(self) -> None:
         self._all("offload")

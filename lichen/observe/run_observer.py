@@ -1,14 +1,16 @@
 """What a `lichen train` run records besides its metrics: phases with their memory, the sample log, the trace and
 the hang watchdog, behind one object the loop calls.
 
-    obs = RunObserver(cfg, engines=rollout.engines, decode=tokenizer.decode)   # cfg: ObserveConfig
+    obs = RunObserver(cfg, engines=rollout.engines, decode=tokenizer.decode,   # cfg: ObserveConfig
+                      sources=[trainer])                                   # more processes for the trace
     with obs.phase("train", rollout_id):                    # every top-level phase of the loop
         ...
     obs.step_done(step, batch, metrics, token_values)       # adds memory/* metrics, writes samples and trace
     obs.close()
 
 Engine servers that can (lichen serve, through RemoteEngines) give their stacks to the watchdog and their own
-phases to the trace.
+phases to the trace; so do the other `sources` (the Ray runtime's trainer ranks): anything with
+`debug_trace(since) -> {key: trace_payload}` gives the trace one process per key.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 from lichen.observe.phases import PhaseRecord, PhaseTracker, tracker
 from lichen.observe.sample_log import SampleLog
-from lichen.observe.trace import TRACE_FILE, records_from_payload, trace_events, write_trace
+from lichen.observe.trace import (REMOTE_PID_BASE, TRACE_FILE, records_from_payload, remote_lanes, trace_events,
+                                  write_trace)
 from lichen.observe.watchdog import Watchdog
 from lichen.types import Sample
 
@@ -28,14 +31,15 @@ MAX_ENGINE_RECORDS = 100_000  # per engine, the oldest go first
 
 class RunObserver:
     def __init__(self, cfg: Any, *, engines: Sequence[Any] = (), decode: Callable[[list[int]], str] | None = None,
-                 phases: PhaseTracker | None = None) -> None:
+                 phases: PhaseTracker | None = None, sources: Sequence[Any] = ()) -> None:
         self.cfg = cfg
         self.phases = phases or tracker()
         self.t0 = time.time()
         self.samples = SampleLog(cfg.output_dir, cfg.log_samples, reward_key=cfg.reward_key, decode=decode)
-        self.engine_trace = _callables(engines, "debug_trace")
+        self.engine_trace = _callables([*engines, *sources], "debug_trace")
         self.engine_records: dict[str, list[PhaseRecord]] = {}
         self.engine_pids: dict[str, int] = {}
+        self.process_names: dict[str, str] = {}
         self._engine_since = self.t0
         self.watchdog = (Watchdog(cfg.output_dir, cfg.watchdog_timeout, wait=cfg.watchdog_wait,
                                   engine_stacks=engine_stacks_of(engines), phases=self.phases).start()
@@ -55,8 +59,8 @@ class RunObserver:
         self.write_trace()
 
     def _fetch_engine_records(self) -> None:
-        """The engines' phases finished since the last fetch; each gets the rollout id of the driver's phase it
-        started in (the engines do not know rollout ids)."""
+        """The other processes' phases finished since the last fetch; one without a rollout id (the engines do
+        not know them) gets the id of the innermost driver phase it started in."""
         mine = [r for r in self.phases.finished(self._engine_since - 60) if r.step is not None]
         newest = self._engine_since
         for ask in self.engine_trace:
@@ -66,12 +70,13 @@ class RunObserver:
                 for r in records_from_payload(payload):
                     if (r.start, r.thread_id, r.name) in seen:
                         continue
-                    if r.step is None:  # the driver's generate (or eval) it served
-                        r.step = next((m.step for m in mine if m.name in ("generate", "eval")
-                                       and m.start <= r.start <= (m.end or r.start)), None)
+                    if r.step is None:  # e.g. the driver's generate (or eval) a busy period served
+                        r.step = max(((m.start, m.step) for m in mine if m.start <= r.start <= (m.end or r.start)),
+                                     default=(0, None), key=lambda x: x[0])[1]
                     records.append(r)
                 del records[:-MAX_ENGINE_RECORDS]
                 self.engine_pids[url] = int(payload.get("pid", 0))
+                self.process_names[url] = str(payload.get("process_name") or f"lichen serve {url}")
                 newest = max(newest, float(payload.get("now", newest)))
         self._engine_since = newest
 
@@ -80,11 +85,16 @@ class RunObserver:
             return
         if self.engine_trace:
             self._fetch_engine_records()
-        events = trace_events([r for r in self.phases.finished() if r.start >= self.t0], t0=self.t0,
-                              pid=os.getpid(), process_name="lichen train (driver, rank 0)")
+        own, remote = remote_lanes(r for r in self.phases.finished() if r.start >= self.t0)
+        ranks_apart = any(n.startswith("trainer rank") for n in self.process_names.values())
+        events = trace_events(own, t0=self.t0, pid=os.getpid(),
+                              process_name="lichen train (driver)" if ranks_apart else "lichen train (driver, rank 0)")
         for url, records in self.engine_records.items():
             events += trace_events([r for r in records if r.start >= self.t0], t0=self.t0,
-                                   pid=self.engine_pids[url], process_name=f"lichen serve {url}")
+                                   pid=self.engine_pids[url], process_name=self.process_names[url])
+        for k, (name, records) in enumerate(sorted(remote.items())):
+            events += trace_events(records, t0=self.t0, pid=REMOTE_PID_BASE + k,
+                                   process_name=f"{name} (requests as the driver timed them)")
         write_trace(os.path.join(self.cfg.output_dir, TRACE_FILE), events)
 
     def close(self) -> None:

@@ -23,7 +23,9 @@ import random
 from typing import Any, AsyncIterator
 
 from lichen.errors import ConfigError
+from lichen.observe.phases import phase
 from lichen.observe.secrets import add_secrets
+from lichen.observe.trace import REMOTE_ARG
 from lichen.types import Sample
 
 RM_KEY_ENV = "LICHEN_RM_API_KEY"
@@ -87,8 +89,8 @@ class RemoteRM:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
-            try:
-                async with semaphore, session.post(self.url, json=body) as resp:
+            try:  # each attempt a slice in the reward server's lane of the trace (--trace)
+                async with semaphore, _timed(self.url, attempt), session.post(self.url, json=body) as resp:
                     if resp.status == 429 or resp.status >= 500:
                         last_error = f"HTTP {resp.status}"
                         continue
@@ -100,6 +102,13 @@ class RemoteRM:
                 continue
             return _parse_reward(text, self.url)
         raise RemoteRMError(f"{self.url}: no answer after {self.max_retries + 1} attempts (last: {last_error})")
+
+
+@contextlib.asynccontextmanager
+async def _timed(url: str, attempt: int) -> AsyncIterator[None]:
+    """A request to the reward server as a phase of this process that the trace draws in the server's lane."""
+    with phase("reward request", attempt=attempt, **{REMOTE_ARG: f"reward server {url}"}):
+        yield
 
 
 def rm_api_key(key_file: str | None) -> str | None:
