@@ -90,7 +90,7 @@ def resume(args, trainer, rollout) -> int:
         log.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", args.load)
         return 0
     if hasattr(trainer, "load_checkpoint"):  # the Ray runtime's ranks read their sharded state themselves
-        trainer.load_checkpoint(args.load)
+        trainer.load_checkpoint(args.load, last)  # the newest intact one, which `latest` may not name
     elif not isinstance(trainer, NullTrainer):
         ckpt.load_trainer(args.load, last, trainer)
     rollout.load_state_dict(ckpt.load_rollout_state(args.load, last))

@@ -1,9 +1,12 @@
 """The multi-rank trainer (lichen.train.dist_trainer): 2 FSDP2 ranks over gloo against the single-rank TrainActor,
-exact resume per rank count, and resume across rank counts. Ranks run in torch.multiprocessing children."""
+exact resume per rank count, resume across rank counts, and the sharded checkpoints' checksums. Ranks run in
+torch.multiprocessing children."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -11,8 +14,8 @@ import torch
 from lichen.train.actor import TrainActor
 from lichen.train.step_schedule import plan_cost, split_across_ranks
 
-from helpers.dist_ranks import (config, free_port, grads_worker, load_worker, resume_worker, run_ranks, step_batch,
-                                trainer_argv)
+from helpers.dist_ranks import (config, free_port, grads_worker, load_error_worker, load_worker, resume_worker,
+                                run_ranks, save_worker, step_batch, trainer_argv)
 
 STEPS = 4
 
@@ -156,3 +159,76 @@ def test_resume_across_rank_counts(resumed, tmp_path, saved_on, loaded_on):
         assert torch.equal(r0["loaded"][name], w), name
         # the optimizer state resharded too: the continued run matches the saving rank count's, up to rounding
         assert torch.allclose(r0["resumed"][name], ref["resumed"][name], rtol=0, atol=1e-5), name
+
+
+@pytest.fixture(scope="module")
+def sharded_ckpt(tiny_ckpt, addition_data, tmp_path_factory):
+    """A checkpoint saved on 2 ranks after one step (iter_0000000), and the argv that made it."""
+    d = tmp_path_factory.mktemp("sharded")
+    argv = trainer_argv(tiny_ckpt, addition_data, str(d / "o"))
+    run_ranks(save_worker, 2, argv, free_port(), str(d / "ckpt"), 0)
+    return str(d / "ckpt"), argv
+
+
+def test_sharded_checkpoint_has_a_manifest_of_every_shard(sharded_ckpt):
+    ckpt, _ = sharded_ckpt
+    d = os.path.join(ckpt, "iter_0000000")
+    with open(os.path.join(d, "checksums.json")) as f:
+        listed = set(json.load(f)["files"])
+    shards = {f"dist/{n}" for n in os.listdir(os.path.join(d, "dist"))}
+    assert {"dist/__0_0.distcp", "dist/__1_0.distcp", "dist/.metadata"} <= shards
+    assert shards <= listed and "hf/model.safetensors" in listed and "meta.json" in listed
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_shard_stops_the_load_on_every_rank_naming_the_file(sharded_ckpt, tmp_path, damage):
+    src, argv = sharded_ckpt
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(src, ckpt)
+    shard = os.path.join(ckpt, "iter_0000000", "dist", "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        if damage == "flip":  # one bit in the middle of the tensor data
+            f.seek(os.path.getsize(shard) // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 1]))
+        else:
+            f.truncate(os.path.getsize(shard) - 100)
+    run_ranks(load_error_worker, 2, argv, free_port(), str(tmp_path), ckpt)
+    errors = [f["error"] for f in _rank_files(tmp_path, 2)]
+    reason = "checksum mismatch" if damage == "flip" else "truncated or overwritten"
+    for e in errors:  # both ranks, though only one of them checked that file
+        assert e["type"] == "ConfigError" and e["message"].startswith(f"{os.path.dirname(os.path.dirname(shard))}"
+                                                                      f"/dist/__1_0.distcp: {reason}"), e
+    assert errors[0] == errors[1]
+
+
+def test_intact_sharded_checkpoint_loads(sharded_ckpt, tmp_path):
+    ckpt, argv = sharded_ckpt
+    run_ranks(load_error_worker, 2, argv, free_port(), str(tmp_path), ckpt)
+    assert [f["error"] for f in _rank_files(tmp_path, 2)] == [None, None]
+
+
+def test_resume_loads_the_newest_intact_checkpoint_not_the_one_latest_names(tmp_path):
+    """The loop verifies the checkpoints on the driver and falls back past a damaged newest one; the ranks must
+    load the one it chose (they read `latest` themselves when not told)."""
+    from types import SimpleNamespace
+
+    from lichen.loop import resume
+    from lichen.train import checkpoint as ckpt
+
+    save = str(tmp_path / "ckpt")
+    for rollout_id in (0, 1):
+        ckpt.save_rollout_state(save, rollout_id, {"epoch": 0, "sample_offset": rollout_id})
+        ckpt.mark_complete(save, rollout_id)
+    with open(os.path.join(ckpt.iter_dir(save, 1), ckpt.ROLLOUT_STATE), "a") as f:
+        f.write(" ")  # damaged after its save
+
+    class Group:  # the Ray runtime's trainer: the ranks load their sharded state themselves
+        def load_checkpoint(self, load_dir, rollout_id=None):
+            self.loaded = (load_dir, rollout_id)
+
+    group, states = Group(), []
+    rollout = SimpleNamespace(load_state_dict=states.append)
+    assert resume(SimpleNamespace(load=save), group, rollout) == 1
+    assert group.loaded == (save, 0) and states == [{"epoch": 0, "sample_offset": 0}]

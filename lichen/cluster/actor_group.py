@@ -5,6 +5,10 @@ Every rank gets the same global batch and runs the same code (the micro-batch sc
 batch inside DistTrainer); the group returns rank 0's metrics, which are the same on every rank. The ranks meet
 under torch.distributed at rank 0's node (127.0.0.1 when every rank is on the driver's node) on a port rank 0
 picks. `--train-env-vars` go into these actors' runtime_env only; the engines never see them.
+
+A rank that raises stops the group at once: the others would wait in their next collective until the process
+group's timeout (600 s), so the driver, which waits on every rank's call, kills every rank as soon as one fails
+and raises an error naming it (`RankFailed`, a RunError; a rank's UserError stays one, exit code 2).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import socket
 from typing import Any, Iterator
 
 from lichen.cluster.runtime import RayCluster
+from lichen.errors import ConfigError, RunError, UserError
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
@@ -21,6 +26,10 @@ log = get_logger(__name__)
 TRAINER = "lichen.train.dist_trainer.DistTrainer"
 # slime's shares of a bundle: a trainer rank takes 0.4 of its GPU, an engine 0.2, so both fit when colocated
 RANK_GPU_SHARE = 0.4
+
+
+class RankFailed(RunError):
+    """A trainer rank raised; the group was torn down."""
 
 
 def _free_port() -> int:
@@ -97,6 +106,7 @@ class RayTrainGroup:
                        for b in cluster.placement.actor]
         self.where = ray.get([a.where.remote() for a in self.actors])
         self._full: dict | None = None  # rank 0's gathered weights, until the next train step or load
+        self.failed = False  # a rank raised and every rank was killed
         if setup:
             self._setup(cfg, plugin_args, trainer_path)
 
@@ -108,15 +118,42 @@ class RayTrainGroup:
         backend = "nccl" if self.cluster.cfg.device == "cuda" else None  # None: DistTrainer picks by device
         n = len(self.actors)
         # all at once: each rank's init_process_group waits for the others
-        ray.get([a.setup.remote(cfg, plugin_args, rank, n, master, self.where[0]["port"], backend, trainer_path)
-                 for rank, a in enumerate(self.actors)])
+        self._gather("setup", [a.setup.remote(cfg, plugin_args, rank, n, master, self.where[0]["port"], backend,
+                                              trainer_path) for rank, a in enumerate(self.actors)])
         log.info("trainer: %d rank(s), on Ray nodes %s, process group at %s:%d", n,
                  " ".join(w["node_id"][:8] for w in self.where), master, self.where[0]["port"])
 
     def _all(self, method: str, *args: Any) -> list:
+        return self._gather(method, [a.call.remote(method, *args) for a in self.actors])
+
+    def _gather(self, method: str, refs: list) -> list:
+        """Every rank's result of `method`, in rank order; as soon as one rank raises, every rank is killed and
+        the error names that rank (see the module doc)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (RayTaskError, RayActorError) as e:
+                rank = refs.index(done[0])
+                self._tear_down()
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, UserError):
+                    raise ConfigError(f"trainer rank {rank}: {cause}") from None
+                log.error("trainer rank %d failed in %s; every rank was stopped:\n%s", rank, method, e)
+                what = f"{type(cause).__name__}: {cause}" if cause is not None else f"its actor died ({e})"
+                raise RankFailed(f"trainer rank {rank} failed in {method}: {what}".splitlines()[0]) from e
+        return ray.get(refs)
+
+    def _tear_down(self) -> None:
         import ray
 
-        return ray.get([a.call.remote(method, *args) for a in self.actors])
+        self.failed = True
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
 
     # ---- what the loop calls ------------------------------------------------------------------------------
     def train(self, rollout_id: int, batch: list) -> dict:
@@ -134,10 +171,11 @@ class RayTrainGroup:
         """Sharded (torch.distributed.checkpoint) state of every rank, and rank 0's HF export."""
         self._all("save", save_dir, rollout_id)
 
-    def load_checkpoint(self, load_dir: str) -> int:
-        """Restore the newest checkpoint under `load_dir` (saved on any number of ranks); its rollout id."""
+    def load_checkpoint(self, load_dir: str, rollout_id: int | None = None) -> int:
+        """Restore checkpoint `rollout_id` (default: the one `latest` names) under `load_dir`, saved on any number
+        of ranks, its checksums verified; its rollout id."""
         self._full = None
-        return self._all("load", load_dir)[0]
+        return self._all("load", load_dir, rollout_id)[0]
 
     def debug_trace(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
         """{"trainer rank R": its phases since `since`} for the driver's --trace; never raises (the trace must not
@@ -159,6 +197,8 @@ class RayTrainGroup:
     def close(self) -> None:
         import ray
 
+        if self.failed:  # already killed
+            return
         try:
             ray.get([a.call.remote("close") for a in self.actors], timeout=60)
         except Exception as e:  # a rank already gone: nothing left to shut down cleanly

@@ -59,10 +59,17 @@ def checkpoint_files(directory: str) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(directory: str) -> None:
-    """Hash every file of the checkpoint in `directory` and write `checksums.json` atomically (fsynced)."""
-    files = {rel: {"size": os.path.getsize(os.path.join(directory, rel)),
-                   ALGORITHM: file_digest(os.path.join(directory, rel))} for rel in checkpoint_files(directory)}
+def file_entries(directory: str, rels: list[str]) -> dict[str, dict]:
+    """The manifest entries (size, digest) of the files `rels` of the checkpoint in `directory`."""
+    return {rel: {"size": os.path.getsize(os.path.join(directory, rel)),
+                  ALGORITHM: file_digest(os.path.join(directory, rel))} for rel in rels}
+
+
+def write_manifest(directory: str, files: dict[str, dict] | None = None) -> None:
+    """Write `checksums.json` atomically (fsynced) listing `files` (file_entries; the ranks of a sharded save hash
+    their shares), by default every file of the checkpoint in `directory`, hashed here."""
+    if files is None:
+        files = file_entries(directory, checkpoint_files(directory))
     atomic_write_text(os.path.join(directory, MANIFEST),
                       json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1, sort_keys=True))
 
@@ -104,11 +111,14 @@ def _read_manifest(directory: str) -> dict:
     return files
 
 
-def verify(directory: str) -> None:
+def verify(directory: str, *, part: tuple[int, int] = (0, 1)) -> None:
     """Raise `CheckpointDamaged` naming the first file of the checkpoint in `directory` that does not match its
-    manifest (missing, wrong size, wrong digest), or a weight file under hf/ that the manifest does not list."""
+    manifest (missing, wrong size, wrong digest), or a weight file under hf/ that the manifest does not list.
+    `part` (k, n): check only every n-th listed file from the k-th, the unlisted files in part 0 (n ranks share
+    the work of one check)."""
     files = _read_manifest(directory)
-    for rel in sorted(files):
+    k, n = part
+    for rel in sorted(files)[k::n]:
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
             raise CheckpointDamaged(rel, "missing")
@@ -118,7 +128,7 @@ def verify(directory: str) -> None:
         if file_digest(path) != files[rel][ALGORITHM]:
             raise CheckpointDamaged(rel, "checksum mismatch: its contents changed after the save (disk error or edit)")
     # The weight loader reads whatever index/shards it finds in hf/: a file added there would be loaded unchecked.
-    extra = [rel for rel in checkpoint_files(directory) if rel.startswith("hf/") and rel not in files]
+    extra = [rel for rel in checkpoint_files(directory) if rel.startswith("hf/") and rel not in files] if k == 0 else []
     if extra:
         raise CheckpointDamaged(extra[0], "not in the checkpoint's checksums (added after the save)")
 

@@ -14,7 +14,10 @@ So 2 ranks compute the single-rank TrainActor's update up to floating-point summ
 
 Checkpoints: `save` writes the sharded state with torch.distributed.checkpoint (DCP), which reshards on load, so
 a checkpoint loads on any number of ranks; rank 0 also exports the weights as an HF checkpoint (hf/).
-Layout: DIR/iter_{rollout_id:07d}/{dist/, hf/, meta.json} and DIR/latest_checkpointed_iteration.txt.
+Layout: DIR/iter_{rollout_id:07d}/{dist/, hf/, meta.json, checksums.json} and DIR/latest_checkpointed_iteration.txt.
+checksums.json is the single-rank checkpoints' manifest (lichen.train.ckpt_integrity), every file's size and
+digest, the shards included; `load` verifies it before DCP reads anything, so a damaged shard stops the load with
+one error naming the file. Each rank hashes and verifies its share of the files.
 
 The PPO critic (--advantage-estimator ppo) is sharded and split the same way (lichen.train.dist_critic).
 """
@@ -37,7 +40,8 @@ from lichen.errors import ConfigError
 from lichen.train import fsdp
 from lichen.train.actor import TrainActor
 from lichen.train.checkpoint import LATEST, iter_dir
-from lichen.train.ckpt_integrity import atomic_write_text
+from lichen.train.ckpt_integrity import (CheckpointDamaged, atomic_write_text, checkpoint_files, file_entries,
+                                         remove_manifest, verify, write_manifest)
 from lichen.train.log_probs import LogProbs
 from lichen.train.loss import StepTerms
 from lichen.train.micro_batches import Plan, StepBatch
@@ -156,6 +160,8 @@ class DistTrainer:
         """Write checkpoint `rollout_id` under `ckpt_dir` (every rank calls it): the sharded state, then rank 0's
         HF export, then, after every rank is done, the `latest` file that makes it the one a resume loads."""
         d = iter_dir(ckpt_dir, rollout_id)
+        if self.rank == 0:
+            remove_manifest(d)  # unfinished until the new files are hashed (DCP's planning waits for rank 0)
         dcp.save(self._sharded_state(), checkpoint_id=os.path.join(d, DIST_DIR))
         weights = self.full_state_dict()
         if self.rank == 0:
@@ -164,23 +170,54 @@ class DistTrainer:
             save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=self.cfg.hf_checkpoint)
             atomic_write_text(os.path.join(d, "meta.json"),
                               json.dumps({"rollout_id": rollout_id, "world_size": self.world_size}))
-        dist.barrier()  # every rank's shards are written before `latest` names the checkpoint
+        dist.barrier()  # every rank's shards are written before they are hashed and `latest` names the checkpoint
+        self._write_manifest(d)
         if self.rank == 0:
             atomic_write_text(os.path.join(ckpt_dir, LATEST), f"{rollout_id}\n")
         dist.barrier()
 
-    def load(self, ckpt_dir: str) -> int:
-        """Restore the newest checkpoint in `ckpt_dir`, saved on any number of ranks; returns its rollout id."""
-        latest = os.path.join(ckpt_dir, LATEST)
+    def _from_rank0(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _write_manifest(self, d: str) -> None:
+        """Each rank hashes its share of the checkpoint's files (rank 0's listing); rank 0 writes checksums.json."""
+        rels = self._from_rank0(checkpoint_files(d) if self.rank == 0 else None)
+        parts: list[dict] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(parts, file_entries(d, rels[self.rank::self.world_size]))
+        if self.rank == 0:
+            write_manifest(d, {rel: e for part in parts for rel, e in part.items()})
+
+    def _verify(self, d: str) -> None:
+        """Every rank checks its share of the files against checksums.json, and every rank raises the same error
+        if any share failed (one rank raising alone would leave the others waiting in DCP's collectives)."""
         try:
-            with open(latest) as f:
-                rollout_id = int(f.read().strip())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{latest}: no readable checkpoint id ({e}); point --load at a directory that "
-                              "a distributed run saved into") from None
+            verify(d, part=(self.rank, self.world_size))
+            problem = None
+        except CheckpointDamaged as e:
+            problem = str(e)
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise ConfigError(f"{d}/{first}; restore that file, or resume from an older checkpoint")
+
+    def load(self, ckpt_dir: str, rollout_id: int | None = None) -> int:
+        """Restore checkpoint `rollout_id` in `ckpt_dir` (default: the one `latest` names), saved on any number of
+        ranks, after verifying its checksums; returns its rollout id."""
+        if rollout_id is None:
+            latest = os.path.join(ckpt_dir, LATEST)
+            try:
+                with open(latest) as f:
+                    rollout_id = int(f.read().strip())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{latest}: no readable checkpoint id ({e}); point --load at a directory that "
+                                  "a distributed run saved into") from None
         d = os.path.join(iter_dir(ckpt_dir, rollout_id), DIST_DIR)
         if not os.path.isdir(d):
             raise ConfigError(f"{d}: missing; this checkpoint was not saved by a multi-rank trainer")
+        self._verify(iter_dir(ckpt_dir, rollout_id))
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=d)
         a = self.actor

@@ -124,3 +124,25 @@ def load_worker(rank: int, world_size: int, argv: list[str], port: int, out: str
         t.train(k, step_batch(_vocab(t), k))
     torch.save({"loaded": loaded, "resumed": t.full_state_dict(), "start": start}, os.path.join(out, f"rank{rank}.pt"))
     t.close()
+
+
+def save_worker(rank: int, world_size: int, argv: list[str], port: int, ckpt: str, rollout_id: int) -> None:
+    """One step, then checkpoint `rollout_id` in `ckpt`."""
+    torch.set_num_threads(1)
+    t = _trainer(argv, rank, world_size, port)
+    t.train(0, step_batch(_vocab(t), 0))
+    t.save(ckpt, rollout_id)
+    t.close()
+
+
+def load_error_worker(rank: int, world_size: int, argv: list[str], port: int, out: str, ckpt: str) -> None:
+    """Load `ckpt`; write what the load raised (its type and message) or None, then leave the group."""
+    torch.set_num_threads(1)
+    t = _trainer(argv, rank, world_size, port)
+    try:
+        t.load(ckpt)
+        error = None
+    except Exception as e:  # recorded for the test to assert on, per rank
+        error = {"type": type(e).__name__, "message": str(e)}
+    torch.save({"error": error}, os.path.join(out, f"rank{rank}.pt"))
+    t.close()
