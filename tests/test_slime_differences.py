@@ -5,6 +5,7 @@ so a change to either side is a decision, not an accident."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -27,7 +28,9 @@ from lichen.types import Sample, Status
 def base(tmp_path, monkeypatch) -> list[str]:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 102, "max_position_embeddings": 512}))
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     return ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--num-rollout", "1"]
