@@ -116,6 +116,22 @@ def test_a_request_without_a_session_is_refused(proxy):
     assert p.samples("nobody") == []
 
 
+@pytest.mark.parametrize("choice, named", [("required", 'tool_choice "required"'),
+                                           ({"type": "function", "function": {"name": "add"}}, '"name": "add"')])
+def test_tool_choice_is_taken_as_lichen_serve_takes_it(proxy, choice, named):
+    """A forced call is refused with a 400 naming the value (never answered as "auto"), and nothing is recorded;
+    "none" does not show the model the tools and parses no call."""
+    p, engine, tok = proxy
+    client = openai.OpenAI(base_url=p.session_url("C"), api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "what is 5 + 10?"}]
+    with pytest.raises(openai.BadRequestError, match="is not supported") as e:
+        client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice=choice)
+    assert named in str(e.value) and p.samples("C") == []
+    r = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+    assert '"name": "add"' not in tok.decode(engine.calls[-1][1])  # the prompt showed no tools
+
+
 # ---- --agent-function-path: the proxy as the rollout's generate function ------------------------------------------
 async def sdk_agent(base_url, sample):
     """An agent on the async SDK: asks, runs the tool itself, answers."""

@@ -227,7 +227,8 @@ def test_without_tools_nothing_is_parsed(scripted):
 
 
 @pytest.mark.parametrize("choice, words", [("required", "tool_choice \"required\" is not supported"),
-                                           ({"type": "function", "function": {"name": "add"}}, "constrained")])
+                                           ({"type": "function", "function": {"name": "add"}},
+                                            'tool_choice {"type": "function", "function": {"name": "add"}} is not')])
 def test_tool_choice_that_forces_a_call_is_refused(scripted, choice, words):
     s = scripted(CALL)
     with pytest.raises(openai.BadRequestError) as e:

@@ -25,7 +25,9 @@ from typing import Any
 
 from aiohttp import web
 
+from lichen.engines.chat_tools import tool_mode
 from lichen.engines.engine import GenRequest
+from lichen.engines.protocol import RequestError
 from lichen.engines.tool_parsers import ToolCallParser, load_parser
 from lichen.rollout.trajectory import Trajectory
 from lichen.types import Sample, Status
@@ -88,7 +90,7 @@ class AgentProxy:
         return f"{self.url}/sessions/{session_id}/v1"
 
     # ---- one request -----------------------------------------------------------------------------------------
-    def _prompt_ids(self, session: Session, body: dict) -> list[int]:
+    def _prompt_ids(self, session: Session, body: dict, tools: list[dict] | None) -> list[int]:
         messages = []
         for m in body["messages"]:
             if m.get("role") == "assistant":
@@ -96,7 +98,7 @@ class AgentProxy:
                 if raw is not None:  # ours: render the text the engine generated, not the parsed fields
                     m = {"role": "assistant", "content": raw}
             messages.append(m)
-        kwargs = {"tools": body["tools"]} if body.get("tools") else {}
+        kwargs = {"tools": tools} if tools else {}
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         if session.turns:  # continue the last turn's exact tokens when the text extends it
             last = session.turns[-1]
@@ -116,8 +118,12 @@ class AgentProxy:
             return _error("the request body is not JSON")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error("messages: a non-empty list is required")
+        try:  # tool_choice as lichen serve takes it: "none" shows no tools, a forced call is refused (400)
+            tools, parse = tool_mode(body, self.parser, "--tool-call-parser")
+        except RequestError as e:
+            return _error(e.message, e.status)
         session = self.sessions.setdefault(sid, Session())
-        ids = self._prompt_ids(session, body)
+        ids = self._prompt_ids(session, body, tools)
         req = GenRequest(input_ids=ids, max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
                          temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                          seed=int(body.get("seed") or uuid.uuid4().int % 2**31))
@@ -126,7 +132,7 @@ class AgentProxy:
                                   res.weight_version, res.engine))
         text = self.tok.decode(res.output_ids, skip_special_tokens=True)
         content, calls = text, None
-        if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        if parse:
             parsed = self.parser.parse(text)
             content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
         session.raw[_message_key(content, calls)] = text
