@@ -16,10 +16,11 @@ from lichen.algo.advantages import whiten
 from lichen.algo.losses import value_loss
 from lichen.config import build_train_parser, parse_train_args
 from lichen.config.engine_config import EngineConfig
-from lichen.config.slime_flags import DIFFERS_CLASS, SAME
+from lichen.config.slime_flags import DIFFERS_CLASS, SAME, differs_note
 from lichen.rewards import grade
 from lichen.rewards.gpqa import choice_letters
 from lichen.rollout.eval import eval_metrics, pass_k_values
+from lichen.train.lr_schedule import lr_at
 from lichen.train.optim import make_adamw
 from lichen.types import Sample, Status
 
@@ -117,13 +118,21 @@ def test_weight_decay_skips_biases_and_norm_weights():
 # ----------------------------------------------------------------------------------- kept: class "differs"
 
 
-def test_weight_decay_and_lr_decay_style_defaults_are_lichens(base):
+def test_warm_up_ramps_as_megatron():
+    # Megatron's OptimizerParamScheduler: lr = max_lr * num_steps / warmup_steps while num_steps <= warmup_steps,
+    # num_steps counting the optimizer steps already taken (0 for the first)
+    assert [lr_at(k, lr=1.0, min_lr=0.0, warmup=4, decay_iters=8, style="linear") for k in range(6)] == \
+        [0.0, 0.25, 0.5, 0.75, 1.0, 0.75]
+
+
+def test_weight_decay_and_lr_decay_style_given_are_slimes_left_out_differ(base):
+    assert row(base, "--weight-decay", "0.1", flag="--weight-decay").cls == SAME
+    assert row(base, "--lr-decay-style", "cosine", flag="--lr-decay-style").cls == SAME
     defaults = {a.dest: a.default for a in build_train_parser()._actions}
     assert defaults["weight_decay"] == 0.0  # Megatron: 0.01
     assert defaults["lr_decay_style"] == "constant"  # Megatron: linear
-    wd, style = row(base, "--weight-decay", "0.1", flag="--weight-decay"), row(base, "--lr-decay-style", "linear",
-                                                                               flag="--lr-decay-style")
-    assert wd.cls == style.cls == DIFFERS_CLASS
+    wd, style = row(base, flag="--weight-decay"), row(base, flag="--lr-decay-style")  # a slime script without them
+    assert wd.cls == style.cls == DIFFERS_CLASS and wd.values == style.values == []
     assert "slime 0.01" in wd.note and "slime linear" in style.note
 
 
@@ -147,6 +156,7 @@ def test_train_env_vars_are_set_in_lichens_own_process(base, monkeypatch):
                           "--dry-run"])
     assert rc == 0 and os.environ["LICHEN_TEST_ENV_X"] == "1"
     assert row(base, "--train-env-vars", "{}", flag="--train-env-vars").cls == DIFFERS_CLASS
+    assert differs_note("--train-env-vars", ["{}"], local=False) == ""  # --runtime ray: slime's meaning
 
 
 def test_colocate_in_the_local_runtime_only_turns_the_offloads_on(base):
@@ -158,3 +168,4 @@ def test_colocate_in_the_local_runtime_only_turns_the_offloads_on(base):
     assert (apart.offload_train, apart.offload_rollout) == (False, False)
     assert (together.offload_train, together.offload_rollout) == (True, True)
     assert row(base, "--colocate", flag="--colocate").cls == DIFFERS_CLASS
+    assert differs_note("--colocate", [], local=False) == ""  # --runtime ray: slime's layout

@@ -11,7 +11,7 @@ import yaml
 import lichen.cli
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.slime_flags import (
-    CHECKED, CLASSES, DIFFERS, DIFFERS_CLASS, MAPPED, NA_NO_EFFECT, NA_SHARDING, NOT_YET, REMOVED, SAME, SLIME_FLAGS,
+    CHECKED, CLASSES, DEFAULT_DIFFERS, DIFFERS, DIFFERS_CLASS, MAPPED, NA_NO_EFFECT, NA_SHARDING, NOT_YET, REMOVED, SAME, SLIME_FLAGS,
     UNKNOWN, VALUE_DIFFERS,
 )
 from lichen.errors import ConfigError
@@ -207,12 +207,13 @@ def test_differences_from_slime_are_their_own_class(base):
     """A flag of slime's name with another default or meaning is class "differs" with its note, never "same"
     (each difference is pinned in tests/test_slime_differences.py)."""
     lichen_flags = {f for a in build_train_parser()._actions for f in a.option_strings}
-    assert set(DIFFERS) | set(VALUE_DIFFERS) <= lichen_flags
-    args, tables = parse(base + ["--weight-decay", "0.1", "--rm-type", "gpqa", "--colocate", "--use-mcore-models"])
+    assert set(DIFFERS) | set(VALUE_DIFFERS) | set(DEFAULT_DIFFERS) <= lichen_flags
+    args, tables = parse(base + ["--rm-type", "gpqa", "--colocate", "--use-mcore-models"])
     rows = rows_of(args)
-    for flag in ("--weight-decay", "--colocate"):
-        assert rows[flag].cls == DIFFERS_CLASS and rows[flag].note == DIFFERS[flag]
-        assert f"differs | {flag}" in tables[0]
+    assert rows["--colocate"].cls == DIFFERS_CLASS and rows["--colocate"].note == DIFFERS["--colocate"]
+    assert "differs | --colocate |" in tables[0]
+    assert rows["--weight-decay"].note == DEFAULT_DIFFERS["--weight-decay"]  # left out: lichen's default differs
+    assert "differs | --weight-decay | lichen's default | not given" in tables[0]
     assert rows["--rm-type"].cls == DIFFERS_CLASS and rows["--rm-type"].note == VALUE_DIFFERS["--rm-type"]["gpqa"]
     assert rows["--rollout-batch-size"].cls == SAME and rows["--rollout-batch-size"].note == ""
 

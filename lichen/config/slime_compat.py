@@ -20,8 +20,8 @@ from lichen.config.megatron_model import check_flag
 from lichen.observe.secrets import is_secret_name
 from lichen.config.removed import removed_message
 from lichen.config.slime_flags import (
-    BLOCKING, CHECKED, CLASSES, DIFFERS_CLASS, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL, REMOVED, SAME,
-    SLIME_FLAGS, UNKNOWN, VALUE_ALIASES, FlagRule, differs_note,
+    BLOCKING, CHECKED, CLASSES, DEFAULT_DIFFERS, DIFFERS_CLASS, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL,
+    REMOVED, SAME, SLIME_FLAGS, UNKNOWN, VALUE_ALIASES, FlagRule, differs_note,
 )
 
 SGLANG_PREFIX = "--sglang-"
@@ -93,12 +93,16 @@ def scan(argv: list[str], known_flags: set[str], extra_rows: list[Row] | None = 
         if local and name in RAY_PLACEMENT:
             out.kept += _foreign(name, values, known_flags, out)
         elif name in known_flags or name.startswith(SGLANG_PREFIX):
-            out.kept += _lichen_tokens(name, token, values, eq, out)
+            out.kept += _lichen_tokens(name, token, values, eq, out, local)
         else:
             out.kept += _foreign(name, values, known_flags, out)
         i = j
     if local:
         out.kept += _slime_engines(out)
+    if out.slime:  # a slime script that leaves a flag out gets lichen's default: say where it is not slime's
+        given = {r.flag for r in out.rows}
+        out.rows += [Row(flag, [], DIFFERS_CLASS, "lichen's default", note)
+                     for flag, note in DEFAULT_DIFFERS.items() if flag not in given]
     return out
 
 
@@ -139,7 +143,7 @@ def _slime_engines(out: Scan) -> list[str]:
     return ["--rollout-engine-backend", "sglang", "--rollout-num-engines", str(engines)]
 
 
-def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan) -> list[str]:
+def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan, local: bool) -> list[str]:
     aliases = VALUE_ALIASES.get(name, {})
     if values and values[0] in aliases:
         lichen_value = aliases[values[0]]
@@ -149,7 +153,7 @@ def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan)
     if name.startswith(SGLANG_PREFIX):
         out.rows.append(Row(name, values, SAME, "passed to the SGLang servers lichen launches", ""))
     elif name not in _QUIET:
-        note = differs_note(name, values)
+        note = differs_note(name, values, local=local)
         out.rows.append(Row(name, values, DIFFERS_CLASS if note else SAME, name, note))
     return [token] if eq else [token] + values
 

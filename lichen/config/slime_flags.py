@@ -120,18 +120,26 @@ ENTRY_POINTS: dict[str, FlagRule] = {
                                "yet (its own issue); the synchronous loop runs the same flags"),
 }
 
-# lichen flags with slime's name whose meaning or default differs from slime's (class "differs"); each is pinned
+# lichen flags with slime's name whose meaning differs from slime's when given (class "differs"); each is pinned
 # by tests/test_slime_differences.py. Aligned with slime since they were listed here: --offload (wins over an
 # explicit --no-offload-x), pass@k (reward == 1, k = 1, 2, 4, ... <= n), whitening (sample variance), the value
-# loss (no 0.5 factor), norm weights and biases (not decayed), math/deepscaler (\boxed only; lenient grading is
-# math_lenient / deepscaler_lenient), gpqa letters (A-J) and labels, dapo's 300-character window.
+# loss (no 0.5 factor), norm weights and biases (not decayed), the warm-up ramp (Megatron's k / warm-up steps),
+# math/deepscaler (\boxed only; lenient grading is math_lenient / deepscaler_lenient), gpqa letters (A-J) and
+# labels, dapo's 300-character window.
 DIFFERS: dict[str, str] = {
-    "--weight-decay": "default 0.0 (slime 0.01 via Megatron); biases and norm weights are not decayed, as Megatron",
-    "--lr-decay-style": "default constant (slime linear via Megatron)",
     "--train-env-vars": "with --runtime local also reaches the engines lichen launches (slime: training actors "
     "only, as lichen's --runtime ray)",
     "--colocate": "with --runtime local the trainer and the engines share the one device with or without "
     "--colocate, which only turns the offloads on; --runtime ray lays bundles out as slime",
+}
+LOCAL_RUNTIME_ONLY = ("--train-env-vars", "--colocate")  # with --runtime ray these have slime's meaning
+
+# lichen defaults that are not slime's: a slime script that leaves the flag out gets a "differs" row saying so.
+DEFAULT_DIFFERS: dict[str, str] = {
+    "--weight-decay": "not given: lichen's default 0.0 (slime 0.01 via Megatron); give --weight-decay 0.01 for "
+    "slime's",
+    "--lr-decay-style": "not given: lichen's default constant (slime linear via Megatron); give --lr-decay-style "
+    "linear for slime's",
 }
 
 # Differences that only some values of a flag have: flag -> {value: note}.
@@ -152,8 +160,9 @@ VALUE_DIFFERS: dict[str, dict[str, str]] = {
 }
 
 
-def differs_note(flag: str, values: list[str]) -> str:
-    """How lichen's flag of slime's name differs from slime's with these values ("" when it does not)."""
-    if flag in DIFFERS:
+def differs_note(flag: str, values: list[str], *, local: bool = True) -> str:
+    """How lichen's flag of slime's name differs from slime's with these values and runtime ("" when it does
+    not)."""
+    if flag in DIFFERS and (local or flag not in LOCAL_RUNTIME_ONLY):
         return DIFFERS[flag]
     return VALUE_DIFFERS.get(flag, {}).get(values[0] if values else "", "")
