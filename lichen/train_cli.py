@@ -53,6 +53,11 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         import yaml
 
+        if args.use_lora:  # the adapted modules, on stderr: stdout stays YAML
+            from lichen.config.lora import describe
+
+            print(describe(args), file=sys.stderr)
+
         sys.stdout.write(yaml.safe_dump(redact_config(resolved_config(args)), sort_keys=True,
                                         default_flow_style=False))
         return 0

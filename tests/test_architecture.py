@@ -46,7 +46,7 @@ CONFIG_IN_FUNCTIONS = {"rewards", "engines", "rollout"}
 SERVER_MODULES = ("serve", "http_server", "weight_endpoints", "openai_api", "scheduler", "limits", "weight_paths")
 SERVER = re.compile(r"^lichen\.engines\.(" + "|".join(SERVER_MODULES) + r")\b")
 # the typed configs: every part may import its own; they import nothing of lichen but `errors`
-TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config", "cluster_config", "tool_config")
+TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config", "cluster_config", "tool_config", "lora_config")
 CONFIG_TYPES = re.compile(r"^lichen\.config\.(" + "|".join(TYPED_CONFIGS) + ")$")
 
 

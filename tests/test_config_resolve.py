@@ -86,6 +86,10 @@ DEFAULTS = {
     "wandb_run_name": None, "wandb_group": None, "wandb_key": None, "no_progress": False,
     "log_samples": 8, "trace": False, "watchdog_timeout": 3600.0, "watchdog_wait": False,
     "ray_address": None, "actor_num_nodes": None, "actor_num_gpus_per_node": None, "rollout_num_gpus": None,
+    "use_lora": False, "lora_rank": 64, "lora_alpha": 128.0, "lora_dropout": 0.0, "lora_bias": "none",
+    "lora_target_preset": None, "lora_target_modules": None, "lora_exclude_modules": None,
+    "lora_learning_rate": None, "lora_weight_decay": 0.0, "lora_load": None, "save_lora": None,
+    "lora_rollout_sync_mode": "merged", "lora_save_merged_hf": None,
 }
 
 

@@ -17,6 +17,7 @@ import argparse
 from typing import Callable
 
 from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rewards, rollout, sampling, sync, train  # noqa: E501
+from lichen.config import lora
 from lichen.config import slime_compat, tools
 from lichen.config.engine_config import EngineConfig, ObserveConfig, SyncConfig
 from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, option_actions
@@ -29,7 +30,8 @@ from lichen.config.yaml_config import find_config_path, load_yaml_config
 from lichen.errors import ConfigError
 
 # The order of the sections in --help.
-HELP_ORDER = (model, data, rollout, tools, rewards, sampling, train, algo, placement, sync, debug, checkpoint, eval, observe)
+HELP_ORDER = (model, data, rollout, tools, rewards, sampling, train, lora, algo, placement, sync, debug, checkpoint, eval,
+              observe)
 
 __all__ = [
     "DataConfig",

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from lichen.config.lora_config import LoraConfig
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -29,14 +31,16 @@ class OptimizerConfig:
     decay_style: str
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, lr: float | None = None) -> "OptimizerConfig":
-        """`lr` overrides --lr (the critic's --critic-lr); the decay length needs args.num_rollout resolved."""
+    def from_args(cls, args: argparse.Namespace, lr: float | None = None,
+                  weight_decay: float | None = None) -> "OptimizerConfig":
+        """`lr` and `weight_decay` override --lr and --weight-decay (the critic's --critic-lr, LoRA's
+        --lora-learning-rate and --lora-weight-decay); the decay length needs args.num_rollout resolved."""
         return cls(
             lr=args.lr if lr is None else lr,
             min_lr=args.min_lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
-            weight_decay=args.weight_decay,
+            weight_decay=args.weight_decay if weight_decay is None else weight_decay,
             clip_grad=args.clip_grad,
             warmup_iters=args.lr_warmup_iters,
             decay_iters=args.lr_decay_iters or total_optimizer_steps(args),
@@ -112,8 +116,9 @@ class TrainerConfig:
     num_critic_only_steps: int
     # debugging
     save_debug_train_data: str | None
-    optimizer: OptimizerConfig
+    optimizer: OptimizerConfig  # with --use-lora: the adapters' (LoRA's learning rate and weight decay)
     critic_optimizer: OptimizerConfig
+    lora: LoraConfig | None  # --use-lora (lichen.train.lora)
 
     @property
     def needs_ref_model(self) -> bool:
@@ -121,11 +126,14 @@ class TrainerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
+        lora = LoraConfig.from_args(args)
         return from_same_named_flags(
             cls, args,
             temperature=args.rollout_temperature,
             max_response_len=args.rollout_max_response_len,
-            optimizer=OptimizerConfig.from_args(args),
+            optimizer=OptimizerConfig.from_args(args) if lora is None
+            else OptimizerConfig.from_args(args, lr=lora.lr, weight_decay=lora.weight_decay),
+            lora=lora,
             critic_optimizer=OptimizerConfig.from_args(args, lr=args.critic_lr or args.lr),
         )
 

@@ -2,17 +2,18 @@
 
 The order matters: the debug flags decide what is required (no reward or prompt data when replaying dumps),
 placement is resolved before the weight-sync rules read `colocate`, the batch arithmetic needs the rollout
-shape, and eval defaults copy resolved rollout values.
+shape, LoRA reads the resolved estimator, runtime and --save, and eval defaults copy resolved rollout values.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from lichen.config import (algo, checkpoint, data, debug, eval, model, observe, placement, rollout, sampling, sync, tools,
-                           train)
+from lichen.config import (algo, checkpoint, data, debug, eval, lora, model, observe, placement, rollout, sampling, sync,
+                           tools, train)
 
-CHECK_ORDER = (model, debug, placement, data, rollout, tools, sampling, train, algo, sync, checkpoint, eval, observe)
+CHECK_ORDER = (model, debug, placement, data, rollout, tools, sampling, train, algo, sync, checkpoint, lora, eval,
+               observe)
 
 
 def resolve_and_validate(args: argparse.Namespace) -> argparse.Namespace:

@@ -75,11 +75,13 @@ class TrainActor:
         self.model = load_model(cfg.hf_checkpoint, device=self.device, dtype=torch.float32)
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.model.train()
-        self.ref_model = _frozen_model(cfg.ref_load or cfg.hf_checkpoint, self.device) if cfg.needs_ref_model else None
+        if cfg.lora is not None:
+            self._apply_lora()
+        self.ref_model = self._reference_model() if cfg.needs_ref_model else None
         self.teacher_model = _frozen_model(cfg.opd_teacher_load, self.device) if cfg.use_opd else None
-        opt = cfg.optimizer
-        self.optimizer = make_adamw(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                    weight_decay=opt.weight_decay)
+        opt = cfg.optimizer  # with --use-lora: the adapters' learning rate and weight decay
+        self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad], lr=opt.lr,
+                                    betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         self.log_probs = LogProbs(self.device, cfg.temperature, cfg.bf16)
         # Exact fast paths (switched off only by tests that compare against the plain computation): micro-batches
         # over length-sorted samples packed several to a row, and no backward for samples whose loss terms are all
@@ -103,6 +105,25 @@ class TrainActor:
         self.custom_advantage = _plugin(cfg.custom_advantage_function_path, "--custom-advantage-function-path")
         self.critic = self._make_critic() if cfg.advantage_estimator == "ppo" else None
 
+    def _apply_lora(self) -> None:
+        """--use-lora (docs/lora.md): adapters join the policy and every other weight freezes, so the optimizer
+        holds the adapters only; --lora-load starts them from a saved adapter directory."""
+        from lichen.train import lora
+
+        lora.apply_lora(self.model, self.cfg.lora)
+        if self.cfg.lora.load:
+            source = self.cfg.lora.load
+            lora.load_adapter_state(self.model, lora.read_adapter(source), f"--lora-load {source}")
+
+    def _reference_model(self):
+        """A frozen copy of --ref-load (or --hf-checkpoint); with --use-lora the policy module with its adapters
+        disabled (the base weights never train, so no second model is needed)."""
+        if self.cfg.lora is None:
+            return _frozen_model(self.cfg.ref_load or self.cfg.hf_checkpoint, self.device)
+        from lichen.train.lora import ReferencePolicy
+
+        return ReferencePolicy(self.model)
+
     def _make_critic(self):
         from lichen.train.critic import Critic
 
@@ -110,20 +131,39 @@ class TrainActor:
 
     # ---- weights, state, placement ------------------------------------------------------------------------
     def named_weights(self):
-        """(HF name, tensor) pairs of the current policy, read by sync.push."""
+        """(HF name, tensor) pairs of the current policy, read by sync.push (with --use-lora: merged weights)."""
+        if self.cfg.lora is not None:
+            from lichen.train.lora import merged_named_weights
+
+            yield from merged_named_weights(self.model)
+            return
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
     def state_dict(self) -> dict:
         """Everything a resume restores, as nested dicts of tensors and plain values (the layout
-        torch.distributed.checkpoint saves): policy weights, optimizer state and step count, the critic's state."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "opt_step": self.opt_step}
+        torch.distributed.checkpoint saves): policy weights, optimizer state and step count, the critic's state.
+        With --use-lora, "model" is the merged policy (the checkpoint's HF export) and "lora" the adapters, which
+        are what a resume restores (the base weights are --hf-checkpoint's)."""
+        if self.cfg.lora is not None:
+            from lichen.train.lora import adapter_state
+
+            model = dict(self.named_weights())
+            extra = {"lora": adapter_state(self.model)}
+        else:
+            model, extra = self.model.state_dict(), {}
+        state = {"model": model, "optimizer": self.optimizer.state_dict(), "opt_step": self.opt_step, **extra}
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"], strict=True)
+        if self.cfg.lora is not None:
+            from lichen.train.lora import load_adapter_state
+
+            load_adapter_state(self.model, state["lora"], "checkpoint")
+        else:
+            self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.opt_step = int(state["opt_step"])
         if self.critic is not None:

@@ -6,6 +6,8 @@ Layout of one checkpoint:
                       `from_pretrained`, and what a resume loads the weights from
   trainer_state.pt    optimizer state, optimizer step count, RNG states (tensors and plain data only)
   critic.pt           --advantage-estimator ppo: the critic's weights and optimizer state
+  lora/               --use-lora: the adapters as peft's adapter directory (docs/lora.md); hf/ is then the merged
+                      policy, and a resume restores the adapters onto --hf-checkpoint's base weights
   rollout_state.json  the data source position (and anything else the rollout side needs to resume)
   meta.json           rollout_id, weight_version
   checksums.json      size and xxh3-128 digest of every file above (lichen.train.ckpt_integrity); written last
@@ -44,6 +46,7 @@ log = get_logger(__name__)
 LATEST = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.pt"
 CRITIC_FILE = "critic.pt"
+LORA_DIR = "lora"
 ROLLOUT_STATE = "rollout_state.json"
 STATE_FORMAT = 2  # 2: plain data only (weights_only=True); 1 (no "format" key) pickled numpy's RNG state
 _ITER = re.compile(r"^iter_(\d{7,})$")
@@ -97,6 +100,11 @@ def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) ->
     save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
     save_plain({"format": STATE_FORMAT, "optimizer": state["optimizer"], "opt_step": state["opt_step"],
                 "rng": rng_state()}, os.path.join(d, TRAINER_STATE))
+    if "lora" in state:  # --use-lora: hf/ is the merged policy; the adapters are what a resume restores
+        from lichen.train import lora
+
+        lora.save_adapter(trainer.model, trainer.cfg.lora, os.path.join(d, LORA_DIR), hf_checkpoint)
+        lora.save_exports(trainer, weights, rollout_id, hf_checkpoint)
     if "critic" in state:
         save_plain(state["critic"], os.path.join(d, CRITIC_FILE))
     return d
@@ -204,12 +212,28 @@ def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ConfigError(f"checkpoint {d}/{TRAINER_STATE}: not format {STATE_FORMAT} (written by another version "
                           f"of lichen?); start from its weights with --hf-checkpoint {d}/hf")
-    restored = {"model": load_hf_state_dict(os.path.join(d, "hf"), device=str(trainer.device)),
-                "optimizer": state["optimizer"], "opt_step": state["opt_step"]}
+    restored = {"optimizer": state["optimizer"], "opt_step": state["opt_step"]}
+    if _lora_of(trainer) is not None:
+        from lichen.train.lora import read_adapter
+
+        if not os.path.isdir(os.path.join(d, LORA_DIR)):
+            raise ConfigError(f"checkpoint {d} has no {LORA_DIR}/: it was saved without --use-lora; resume it "
+                              f"without --use-lora, or start adapters on its weights with --hf-checkpoint {d}/hf")
+        restored["lora"] = read_adapter(os.path.join(d, LORA_DIR))
+    elif os.path.isdir(os.path.join(d, LORA_DIR)):
+        raise ConfigError(f"checkpoint {d} was saved with --use-lora: resume it with --use-lora and the same "
+                          f"targets and rank, or start from its merged weights with --hf-checkpoint {d}/hf")
+    else:
+        restored["model"] = load_hf_state_dict(os.path.join(d, "hf"), device=str(trainer.device))
     if "critic" in trainer.state_dict():
         restored["critic"] = read_critic_state(d)
     trainer.load_state_dict(restored)
     set_rng_state(state["rng"])
+
+
+def _lora_of(trainer):
+    cfg = getattr(trainer, "cfg", None)
+    return getattr(cfg, "lora", None)
 
 
 def read_critic_state(directory: str) -> dict:

@@ -1,0 +1,112 @@
+"""LoRA against full fine-tuning on a ~20M-parameter llama: optimizer state and trainer step time (docs/lora.md).
+
+    .venv/bin/python benchmarks/lora.py [--steps 6] [--warmup 1] [--rank 8] [--workdir runs/lora_bench]
+
+One process builds a random llama with `lichen make-tiny-model` (hidden 512, 6 layers, intermediate 1376: about
+20M parameters), then two TrainActors on it, full fine-tuning and `--use-lora` (rank --rank, alpha 2 x rank,
+preset dense_language = attention + MLP projections), and trains both on the same synthetic batches, alternating
+one step each so that machine load hits both alike. Printed: trainable parameters, AdamW state bytes (exp_avg and
+exp_avg_sq of every parameter the optimizer holds), the median `train` step time after --warmup steps, and the
+ratios LoRA / full. A measurement, not a test: on shared cores the step times move with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--samples", type=int, default=16, help="samples per train step (4 per group)")
+    p.add_argument("--seq-len", type=int, default=96, help="prompt + response tokens of each sample")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a fair share of a shared box)")
+    p.add_argument("--workdir", default="runs/lora_bench")
+    return p.parse_args(argv)
+
+
+def make_model(workdir: str) -> str:
+    from lichen.models.tiny import make_tiny_model
+
+    path = os.path.join(workdir, "llama20m")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8,
+                        intermediate_size=1376, seed=0)
+    return path
+
+
+def make_trainer(model: str, workdir: str, extra: list[str]):
+    from lichen.config import TrainerConfig, parse_train_args
+    from lichen.train.actor import TrainActor
+
+    data = os.path.join(workdir, "prompts.jsonl")
+    with open(data, "w") as f:
+        f.write(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    args = parse_train_args(["--hf-checkpoint", model, "--prompt-data", data, "--rm-type", "math",
+                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "1",
+                             "--micro-batch-size", "4", "--lr", "1e-4", "--output-dir", os.path.join(workdir, "out"),
+                             "--no-progress", *extra])
+    return TrainActor(TrainerConfig.from_args(args), plugin_args=args)
+
+
+def batch(vocab: int, a: argparse.Namespace, seed: int):
+    from lichen.types import Sample, Status
+
+    rng = random.Random(seed)
+    samples = []
+    for i in range(a.samples):
+        resp = a.seq_len // 2
+        samples.append(Sample(tokens=[rng.randrange(3, vocab) for _ in range(a.seq_len)], response_length=resp,
+                              reward=float(rng.random() < 0.5), status=Status.COMPLETED, group_index=i // 4, index=i,
+                              rollout_log_probs=[-2.0] * resp))
+    return [samples[i:i + 4] for i in range(0, len(samples), 4)]
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if hasattr(t, "numel") and t.dim() > 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    os.makedirs(a.workdir, exist_ok=True)
+    model = make_model(a.workdir)
+    runs = {"full": make_trainer(model, a.workdir, []),
+            "lora": make_trainer(model, a.workdir, ["--use-lora", "--lora-rank", str(a.rank),
+                                                    "--lora-alpha", str(2 * a.rank)])}
+    n_params = sum(p.numel() for p in runs["full"].model.parameters())
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for step in range(a.warmup + a.steps):
+        groups = batch(runs["full"].model.cfg.vocab_size, a, seed=step)
+        for name, trainer in runs.items():
+            t0 = time.perf_counter()
+            trainer.train(step, groups)
+            if step >= a.warmup:
+                times[name].append(time.perf_counter() - t0)
+    print(f"llama, {n_params / 1e6:.1f}M parameters; {a.samples} samples x {a.seq_len} tokens per step, "
+          f"{a.steps} measured steps, {a.threads} torch thread(s), LoRA rank {a.rank} alpha {2 * a.rank} "
+          "(dense_language: attention + MLP)")
+    row = "{:<6} {:>16} {:>22} {:>16}"
+    print(row.format("", "trainable params", "optimizer state (MiB)", "step time (s)"))
+    stats = {}
+    for name, trainer in runs.items():
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        stats[name] = (trainable, optimizer_state_bytes(trainer.optimizer), statistics.median(times[name]))
+        print(row.format(name, f"{stats[name][0]:,}", f"{stats[name][1] / 2**20:.2f}", f"{stats[name][2]:.3f}"))
+    (tl, sl, ml), (tf, sf, mf) = stats["lora"], stats["full"]
+    print(f"LoRA / full: trainable params {tl / tf:.4f}, optimizer state {sl / sf:.4f}, step time {ml / mf:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""LoRA on the trainer's policy, built on peft (docs/lora.md).
+
+`apply_lora` injects peft's LoRA layers into the policy module in place (parameter names keep Hugging Face's
+module path: `...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`) and freezes every other weight,
+so the trainer's optimizer, built over the parameters that require gradients, holds the adapters only. Around it:
+- the engines get merged full weights, W + alpha/r * B A under the base names (`merged_named_weights`), so
+  they run the plain model and the trainer's unmerged forward equals theirs up to rounding;
+- the reference policy is the same module with its adapters disabled (`ReferencePolicy`), no second model;
+- adapters are saved as peft's adapter directory (`save_adapter`: adapter_config.json +
+  adapter_model.safetensors, keys as `PeftModel.save_pretrained` writes them), which `PeftModel.from_pretrained`
+  loads onto the transformers model of the base checkpoint, and which `--lora-load` and a resume read back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import safetensors.torch
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from lichen.config.lora_config import NEVER_ADAPTED, LoraConfig
+from lichen.errors import ConfigError
+from lichen.weights.hf_io import save_hf_checkpoint
+
+ADAPTER = "default"  # peft's adapter name; lichen trains one adapter
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the module path
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Inject adapters into the Linear modules `cfg` selects (in place) and freeze everything else; returns the
+    adapted module names. Raises ConfigError when the selection is empty or names an embedding / the LM head."""
+    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = cfg.adapted(linear)
+    never = [n for n in names if NEVER_ADAPTED.search(n)]
+    if never:
+        raise ConfigError(f"--lora-target-modules selects {never[0]}: embeddings and the LM head are never adapted")
+    if not names:
+        raise ConfigError(f"--use-lora adapts no Linear module of the policy (its Linear modules: "
+                          f"{', '.join(linear[:6])}, ...); choose a preset or --lora-target-modules that match")
+    inject_adapter_in_model(peft_config(cfg, names), model, adapter_name=ADAPTER)
+    for pname, p in model.named_parameters():
+        p.requires_grad_(".lora_" in pname)
+    return names
+
+
+def peft_config(cfg: LoraConfig, names: list[str], base: str | None = None) -> PeftLoraConfig:
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none", target_modules=names,
+                          task_type="CAUSAL_LM", base_model_name_or_path=base)
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLayer]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            yield name, m
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run `model` as the base model: every LoRA layer computes its base layer's output only."""
+    layers = [m for _, m in lora_layers(model)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+class ReferencePolicy:
+    """The reference model of a LoRA run: the policy module with its adapters disabled (the base weights, which
+    never train). Called like the model; lichen.train.log_probs reads it under no_grad."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return self.model(*args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)  # the LM head is never adapted
+
+
+@torch.no_grad()
+def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of the merged policy: each adapted weight is W + alpha/r * B A (a new tensor), every other
+    tensor is the module's own; names and order are those of the model without adapters."""
+    layers = dict(lora_layers(model))
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            yield name, p.detach()
+            continue
+        owner, leaf = name.split(".base_layer.")
+        hf_name = f"{owner}.{leaf}"
+        if leaf == "weight":
+            yield hf_name, p.detach() + layers[owner].get_delta_weight(ADAPTER).to(p.dtype)
+        else:
+            yield hf_name, p.detach()
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under peft's saved names (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy `state` (adapter_state's layout) into the adapters; ConfigError when it is not this model's set."""
+    own = adapter_state(model)
+    if set(state) != set(own):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise ConfigError(f"{source}: its adapters are not this run's (missing {missing[:2]}, unexpected "
+                          f"{extra[:2]}); use the same --lora-target-preset / --lora-target-modules it was saved with")
+    bad = [k for k in own if own[k].shape != state[k].shape]
+    if bad:
+        raise ConfigError(f"{source}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, this run's "
+                          f"{tuple(own[bad[0]].shape)}; use the --lora-rank it was saved with")
+    set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+
+
+def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str, base: str) -> None:
+    """Write peft's adapter directory: adapter_model.safetensors (fp32) + adapter_config.json."""
+    os.makedirs(directory, exist_ok=True)
+    names = [name for name, _ in lora_layers(model)]
+    tensors = {_PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter_state(model).items()}
+    safetensors.torch.save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    peft_config(cfg, names, base=os.path.abspath(base)).save_pretrained(directory)
+
+
+def read_adapter(directory: str) -> dict[str, torch.Tensor]:
+    """adapter_state's layout from a directory save_adapter (or PeftModel.save_pretrained) wrote."""
+    path = os.path.join(directory, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{directory}: no {ADAPTER_WEIGHTS}; give a directory --save-lora wrote")
+    return {k.removeprefix(_PEFT_PREFIX): v for k, v in safetensors.torch.load_file(path).items()}
+
+
+def save_exports(trainer, merged: dict[str, torch.Tensor], rollout_id: int, hf_checkpoint: str) -> None:
+    """--save-lora and --lora-save-merged-hf: the adapters and the merged policy, {rollout_id} filled in."""
+    cfg: LoraConfig = trainer.cfg.lora
+    if cfg.save_lora:
+        save_adapter(trainer.model, cfg, cfg.save_lora.format(rollout_id=rollout_id), hf_checkpoint)
+    if cfg.save_merged_hf:
+        with open(os.path.join(hf_checkpoint, "config.json")) as f:
+            config = json.load(f)
+        save_hf_checkpoint(merged, cfg.save_merged_hf.format(rollout_id=rollout_id), config=config,
+                           copy_files_from=hf_checkpoint)
+

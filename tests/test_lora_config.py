@@ -1,0 +1,164 @@
+"""LoRA flags (docs/lora.md): slime's names and defaults, what is refused with exit 2, slime's Megatron regexes
+translated to HF names, and the adapted-module listing of every architecture make-tiny-model builds."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lichen.cli import main
+from lichen.config import parse_train_args
+from lichen.config.lora import checkpoint_linear_modules, preset_listing
+from lichen.config.lora_config import PRESETS, LoraConfig, translate_pattern
+from lichen.errors import ConfigError
+
+
+def _argv(ckpt, data, *extra):
+    return ["--hf-checkpoint", ckpt, "--prompt-data", data, "--rm-type", "math", "--num-rollout", "1",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *extra]
+
+
+def _train(ckpt, data, capsys, *extra) -> tuple[int, str]:
+    code = main(["train", *_argv(ckpt, data, "--dry-run", *extra)])
+    return code, capsys.readouterr().err
+
+
+def test_dry_run_names_the_adapted_modules(tiny_ckpt, addition_data, capsys):
+    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora")
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("LoRA:"))
+    assert "preset dense_language, rank 64, alpha 128 (scale 2)" in line
+    assert "14 of the checkpoint's 15 weight matrices" in line
+    assert "model.layers.{0-1}.self_attn.q_proj" in line and "embed_tokens" not in line
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--lora-dropout", "0.05"], "on-policy"),
+    (["--lora-rollout-sync-mode", "native_adapter"], "no adapter endpoint"),
+    (["--ref-load", "{ckpt}"], "adapters disabled"),
+    (["--lora-target-preset", "moe_language_all"], "fused 3-D"),
+    (["--lora-target-preset", "dense_mlp", "--lora-target-modules", "q_proj"], "only one"),
+    (["--lora-target-modules", r"mlp\.experts\.linear_fc1$"], "routed experts"),
+    (["--lora-target-modules", "linear_q_down_proj"], "MLA"),
+    (["--lora-target-modules", "nothing_here"], "adapts no module"),
+    (["--lora-target-modules", "embed_tokens", "--lora-exclude-modules"], "never adapted"),
+    (["--lora-target-preset", "moe_shared_mlp"], "adapts no module"),  # a dense model has no shared experts
+    (["--lora-rank", "0"], "--lora-rank 0"),
+    (["--save-lora", "out/{rollout_id}"], "needs --save"),
+    (["--advantage-estimator", "ppo"], "not available yet"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_refused_with_exit_2(tiny_ckpt, addition_data, capsys, extra, needle):
+    extra = [x.replace("{ckpt}", tiny_ckpt) for x in extra]
+    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora", *extra)
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_lora_flags_need_use_lora(tiny_ckpt, addition_data, capsys):
+    code, err = _train(tiny_ckpt, addition_data, capsys, "--lora-rank", "8")
+    assert code == 2 and "--lora-rank needs --use-lora" in err
+
+
+def test_lora_learning_rate_and_weight_decay_reach_the_optimizer_config(tiny_ckpt, addition_data, tmp_path):
+    from lichen.config import TrainerConfig
+
+    args = parse_train_args(_argv(tiny_ckpt, addition_data, "--output-dir", str(tmp_path), "--use-lora",
+                                  "--lr", "1e-6", "--weight-decay", "0.1", "--lora-learning-rate", "1e-4"))
+    cfg = TrainerConfig.from_args(args)
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (1e-4, 0.0)  # slime: --lora-weight-decay always wins
+    args = parse_train_args(_argv(tiny_ckpt, addition_data, "--output-dir", str(tmp_path), "--use-lora",
+                                  "--lr", "1e-6", "--lora-weight-decay", "0.1"))
+    cfg = TrainerConfig.from_args(args)
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (1e-6, 0.1)
+    assert TrainerConfig.from_args(parse_train_args(_argv(tiny_ckpt, addition_data))).lora is None
+
+
+# slime's own preset regexes (slime/utils/lora_config.py) as a user would paste them into --lora-target-modules
+SLIME_DENSE_LANGUAGE = [
+    r"(?:^|\.)decoder\.layers\.\d+\.self_attention\.linear_qkv$",
+    r"(?:^|\.)decoder\.layers\.\d+\.self_attention\.linear_proj$",
+    r"(?:^|\.)decoder\.layers\.\d+\.mlp\.linear_fc1$",
+    r"(?:^|\.)decoder\.layers\.\d+\.mlp\.linear_fc2$",
+]
+
+
+def test_slime_megatron_regexes_select_what_the_preset_selects(tiny_ckpt):
+    names = checkpoint_linear_modules(tiny_ckpt)
+    translated = tuple(translate_pattern(p, "--lora-target-modules") for p in SLIME_DENSE_LANGUAGE)
+    by_regex = LoraConfig(8, 16, translated, (), None, 1e-3, 0.0, None, None, None, "merged").adapted(names)
+    by_preset = LoraConfig(8, 16, PRESETS["dense_language"], (), "dense_language", 1e-3, 0.0, None, None, None,
+                           "merged").adapted(names)
+    assert by_regex == by_preset and len(by_preset) == 14
+
+
+@pytest.mark.parametrize("pattern, hf_name, matches", [
+    (r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc1$", "model.layers.3.mlp.shared_expert.up_proj", True),
+    (r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc2$", "model.layers.3.mlp.shared_experts.down_proj", True),
+    (r"self_attention\.linear_qkv$", "model.layers.0.self_attn.o_proj", False),
+    (r"linear_fc1$", "model.layers.0.mlp.gate_up_proj", True),  # GLM-4's fused gate/up
+    (r"self_attn\.q_proj$", "model.layers.0.self_attn.q_proj", True),  # HF names pass unchanged
+])
+def test_megatron_translation(pattern, hf_name, matches):
+    assert bool(re.search(translate_pattern(pattern, "--lora-target-modules"), hf_name)) is matches
+
+
+@pytest.mark.parametrize("pattern", [r"in_proj_qkv$", r"linear_kv_up_proj",
+                                     r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc2"])
+def test_untranslatable_megatron_pieces_are_named(pattern):
+    with pytest.raises(ConfigError, match=re.escape(repr(pattern))):
+        translate_pattern(pattern, "--lora-target-modules")
+
+
+def test_listing_in_the_docs_is_the_functions(tmp_path):
+    """docs/lora.md's per-architecture table is preset_listing's output for every make-tiny-model architecture."""
+    from pathlib import Path
+
+    from lichen.models.tiny import ARCHS, make_tiny_model
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "lora.md").read_text()
+    for arch in ARCHS:
+        out = tmp_path / arch
+        make_tiny_model(str(out), arch=arch)
+        for preset, names in preset_listing(checkpoint_linear_modules(str(out))).items():
+            row = f"| `{arch}` | `{preset}` | {names} |"
+            assert row in doc, row
+
+
+# Small configs of the MoE / hybrid architectures of issue 17, for transformers' own modules (built on the meta
+# device: names only). make-tiny-model's archs are listed from their checkpoints by the test above.
+HF_ARCHS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                     n_shared_experts=1),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8,
+                       layer_types=["linear_attention", "full_attention"]),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=8),
+}
+
+
+def hf_linear_modules(model_type: str) -> list[str]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64, head_dim=16,
+                               pad_token_id=0, **HF_ARCHS[model_type])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("model_type", list(HF_ARCHS))
+def test_moe_listing_in_the_docs(model_type):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "lora.md").read_text()
+    for preset, names in preset_listing(hf_linear_modules(model_type)).items():
+        row = f"| `{model_type}` | `{preset}` | {names} |"
+        assert row in doc, row
