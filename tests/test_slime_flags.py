@@ -145,6 +145,29 @@ def test_megatron_names_get_no_misleading_hint(base):
     assert "did you mean" not in tables[0]
 
 
+@pytest.mark.parametrize("flag", ["--no-load-optim", "--moe-z-loss-coeff", "--train-iters", "--router-ip",
+                                  "--lr-warmup-init", "--apply-layernorm-1p"])
+def test_megatron_names_outside_the_table_get_no_unrelated_hint(base, flag):
+    # difflib's default 0.6 once paired these with --no-offload-train, --kl-loss-coef, --train-env-vars, ...
+    message, tables = failure(base + ["--use-mcore-models", flag, "1"])
+    assert f"unrecognized argument {flag}; see lichen train --help" in message
+
+
+def test_yaml_key_outside_the_table_gets_no_unrelated_hint(base, tmp_path):
+    (tmp_path / "c.yaml").write_text("no-load-optim: true\n")
+    message, _ = failure(base + ["--config", "c.yaml"])
+    assert "unknown flag --no-load-optim; see lichen train --help" in message
+
+
+def test_more_megatron_switches_are_classified(base):
+    args, tables = parse(base + ["--use-flash-attn", "--tokenizer-type", "HuggingFaceTokenizer",
+                                 "--make-vocab-size-divisible-by", "128", "--distributed-timeout-minutes", "10"])
+    assert {r.cls for r in args._slime_rows if r.flag.startswith(("--use-f", "--tok", "--make", "--dist"))} == \
+        {NA_NO_EFFECT}
+    message, _ = failure(base + ["--fp16"])
+    assert "--fp16: fp16 training (loss scaling) is not built" in message
+
+
 def test_lichen_typo_keeps_its_hint(base):
     message, tables = failure(base + ["--rollout-batch-sise", "4"])
     assert "unrecognized argument --rollout-batch-sise; did you mean --rollout-batch-size?" in message
@@ -198,7 +221,9 @@ def test_lichen_checkpoint_dir_and_hf_ref_load_are_accepted(base, tmp_path):
 
 def test_help_texts_tell_the_truth():
     helps = {a.option_strings[0]: a.help for a in build_train_parser()._actions if a.option_strings}
-    assert "not built yet" in helps["--train-backend"] and "fsdp" in helps["--train-backend"]
+    # FSDP2 exists now (--runtime ray shards the trainer ranks): the help no longer calls it unbuilt
+    assert "not built yet" not in helps["--train-backend"] and "FSDP2" in helps["--train-backend"]
+    assert "--runtime ray" in helps["--train-backend"] and "fsdp" in helps["--train-backend"]
     assert "needs --update-weight-transport disk" not in helps["--rollout-num-engines"]
     assert "float32" in helps["--bf16"] and "lichen's own engines" in helps["--bf16"]
 

@@ -42,8 +42,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--train-backend",
         choices=["torch", "megatron"],
         default="torch",
-        help="training backend: torch (PyTorch in this process; FSDP2 sharding comes with the distributed runtime, "
-        "not built yet; slime's fsdp means this one) or megatron (not available yet)",
+        help="training backend: torch (PyTorch: one process with --runtime local; with --runtime ray every trainer "
+        "rank holds an FSDP2 shard; slime's fsdp means this one) or megatron (not available yet)",
     )
     g.add_argument(
         "--qwen-gdn-backend",

@@ -20,7 +20,7 @@ from lichen.config.megatron_model import check_flag
 from lichen.observe.secrets import is_secret_name
 from lichen.config.removed import removed_message
 from lichen.config.slime_flags import (
-    BLOCKING, CHECKED, CLASSES, DEFAULT_DIFFERS, DIFFERS_CLASS, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL,
+    BLOCKING, CHECKED, CLASSES, DEFAULT_DIFFERS, DIFFERS_CLASS, HINT_CUTOFF, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL,
     REMOVED, SAME, SLIME_FLAGS, UNKNOWN, VALUE_ALIASES, FlagRule, differs_note,
 )
 
@@ -166,7 +166,7 @@ def _foreign(name: str, values: list[str], known_flags: set[str], out: Scan) -> 
         out.rows.append(Row(name, values, REMOVED, "drop it", removed))
         return []
     if rule is None:
-        close = difflib.get_close_matches(name, sorted(known_flags), n=1)
+        close = difflib.get_close_matches(name, sorted(known_flags), n=1, cutoff=HINT_CUTOFF)
         hint = f"; did you mean {close[0]}?" if close else "; see lichen train --help"
         out.rows.append(Row(name, values, UNKNOWN, "", f"unrecognized argument {name}{hint}"))
         return []

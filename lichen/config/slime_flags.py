@@ -77,6 +77,18 @@ SLIME_FLAGS: dict[str, FlagRule] = {
              "--moe-token-dispatcher-type", "--moe-enable-deepep", "--moe-router-dtype", "--moe-token-drop-policy",
              "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--cross-entropy-loss-fusion",
              "--cross-entropy-fusion-impl", "--log-interval", "--timing-log-level", "--log-throughput"),
+    **_rules(NA_NO_EFFECT, "ignored", "Megatron's attention kernel, mask layout, memory housekeeping, process "
+             "group or logging setting; the math is the same", "--use-flash-attn", "--qkv-format",
+             "--no-create-attention-mask-in-dataloader", "--manual-gc", "--manual-gc-interval",
+             "--empty-unused-memory-level", "--distributed-backend", "--distributed-timeout-minutes",
+             "--data-cache-path", "--log-params-norm", "--use-legacy-models"),
+    **_rules(NA_NO_EFFECT, "the tokenizer of --hf-checkpoint", "slime tokenizes with the --hf-checkpoint "
+             "tokenizer too; Megatron's own tokenizer settings are unused", "--tokenizer-type", "--tokenizer-model"),
+    **_rules(NA_NO_EFFECT, "config.json's vocabulary size", "Megatron pads the embedding for its tensor "
+             "parallelism; the padded rows are never used", "--make-vocab-size-divisible-by"),
+    **_rules(NA_NO_EFFECT, "lichen's checkpoint format (HF weights + optimizer state)", "Megatron's checkpoint file "
+             "format", "--ckpt-format"),
+    **_rules(NOT_YET, "--bf16 (or float32, the default)", "fp16 training (loss scaling) is not built", "--fp16"),
     **_rules(NA_NO_EFFECT, "no dropout (lichen's models have none)", "0.0 is the only value lichen runs; "
              "another value is refused", "--attention-dropout", "--hidden-dropout"),
     **_rules(MAPPED, "--gradient-checkpointing", "Megatron's activation recompute", "--recompute-granularity"),
@@ -99,6 +111,11 @@ SLIME_FLAGS: dict[str, FlagRule] = {
     **_rules(NOT_YET, "--bf16", "fp8 / int4 training paths are not built", "--fp8-format", "--fp8-recipe",
              "--fp8-param-gather"),
 }
+
+# A "did you mean" hint for an unknown flag only from this similarity on (difflib's ratio): a typo of a lichen
+# flag scores 0.95 and more, while a Megatron name that is not in the table scored 0.6-0.85 against unrelated
+# lichen flags (--use-flash-attn -> --use-lora, --no-load-optim -> --no-offload-train, --fp16 -> --bf16).
+HINT_CUTOFF = 0.88
 
 # slime's Ray placement flags are lichen's too, for --runtime ray; with the local runtime (one process) they
 # place nothing, so a slime script keeps running there with them listed as not applicable.

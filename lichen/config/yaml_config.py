@@ -26,7 +26,7 @@ from lichen.errors import ConfigError
 from lichen.config.parser import option_actions
 from lichen.config.removed import removed_message
 from lichen.config.rollout import SGLANG_PREFIX
-from lichen.config.slime_flags import SLIME_FLAGS
+from lichen.config.slime_flags import HINT_CUTOFF, SLIME_FLAGS
 
 
 def find_config_path(argv: list[str]) -> str | None:
@@ -103,7 +103,7 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[s
                 raise ConfigError(f"{where}: {flag} is a slime/Megatron flag ({rule.cls}: {rule.lichen}); a config "
                                   "file takes lichen flags only: give it on the command line, where the flag table "
                                   "classifies it, or convert the script with lichen port-slime")
-            close = difflib.get_close_matches(flag, known_flags, n=1)
+            close = difflib.get_close_matches(flag, known_flags, n=1, cutoff=HINT_CUTOFF)
             hint = f"; did you mean {close[0].lstrip('-')}?" if close else "; see lichen train --help"
             raise ConfigError(f"{where}: unknown flag {flag}{hint}")
         if value is None:
