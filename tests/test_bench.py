@@ -209,7 +209,43 @@ def test_harness_runs_one_lichen_step(smoke_checkpoint):
     _check_run(run, WORKLOADS["smoke"])
     assert run["instrumentation_missing"] == [] and run["torch_threads"] == 2
     assert run["peak_rss_mib"] > 50  # python + torch alone take more than this
-    assert "--use-dynamic-batch-size" in res["lichen_flags"]
+    assert "--use-dynamic-batch-size" in res["lichen_flags"] and "--disable-zero-advantage-skip" in res["lichen_flags"]
+    # equal work: no backward skipped; the skip variant (lichen's default) is its own run. The random-init smoke
+    # model scores 0 everywhere, so every advantage is 0 and the variant skips all 4 backwards.
+    (skip,) = res["runs"]["lichen_skip"]
+    assert run["skipped_samples"] == 0 and skip["skipped_samples"] == WORKLOADS["smoke"].samples_per_step
+    assert [c["when"] for c in res["loads"]] == ["before smoke", "after smoke"]
+
+
+def test_reused_work_dir_reports_its_own_runs(tmp_path, capsys):
+    """A second invocation on the same --work-dir must not read the first one's metrics.jsonl (lichen appends)."""
+    from lichen_bench.rl import main
+
+    reports = []
+    for steps in (1, 2):
+        out = tmp_path / f"report{steps}.json"
+        rc = main(["--workload", "smoke", "--repeats", "1", "--steps", str(steps), "--skip-trl", "--skip-limits",
+                   "--no-skip-variant", "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+        assert rc == 0, capsys.readouterr().err
+        reports.append(json.loads(out.read_text()))
+    first, second = reports
+    assert first["runs_dir"] != second["runs_dir"]
+    (run,) = second["workloads"]["smoke"]["runs"]["lichen"]
+    assert run["num_steps"] == 2 and len(run["reward_curve"]) == 2 and len(run["step_times"]) == 2
+
+
+def test_load_above_the_cores_used_is_reported_loudly(monkeypatch, capsys):
+    from lichen_bench import machine
+
+    monkeypatch.setattr(machine.os, "getloadavg", lambda: (5.5, 3.0, 2.0))
+    check = machine.load_check("bench", "before w2", 2)
+    out = capsys.readouterr().out
+    assert check["overloaded"] and check["loadavg"] == (5.5, 3.0, 2.0)
+    assert "load average before w2: 5.50 3.00 2.00" in out and "WARNING" in out and "exceeds the 2 core(s)" in out
+    assert machine.overloaded_summary([check]) == "load average exceeded the cores used: before w2 (5.50 > 2)"
+    quiet = machine.load_check("bench", "after w2", 8)
+    assert not quiet["overloaded"] and "WARNING" not in capsys.readouterr().out
+    assert machine.overloaded_summary([quiet]) is None
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install -e '.[bench]')")

@@ -126,5 +126,25 @@ def test_suite_smoke_run(tmp_path, capsys):
             assert s[fw]["late"] == pytest.approx(sum(curve[1:]) / 2)
     assert rep["result"]["diffs"] == pytest.approx([s["lichen"]["late"] - s["trl"]["late"] for s in rep["seeds"]])
     # both frameworks read the same per-seed prompt file, and seeds differ
-    p1, p2 = (tmp_path / "w" / f"seed{s}" / "prompts.jsonl" for s in (1, 2))
+    p1, p2 = (tmp_path / "w" / "runs-001" / f"seed{s}" / "prompts.jsonl" for s in (1, 2))
     assert p1.read_text() != p2.read_text()
+
+
+def test_reused_work_dir_reports_its_own_curves(tmp_path, capsys):
+    """A second invocation on the same --work-dir must not read the first one's metrics.jsonl (lichen appends)."""
+    from lichen.models.tiny import make_tiny_model
+
+    wl = WORKLOADS["smoke"]
+    warm = tmp_path / "warm"
+    make_tiny_model(str(warm), hidden_size=wl.hidden_size, intermediate_size=wl.intermediate_size,
+                    num_layers=wl.num_layers, num_heads=wl.num_heads)
+    reports = []
+    for steps in (2, 3):
+        out = tmp_path / f"r{steps}.json"
+        rc = learning.main(["--workload", "smoke", "--seeds", "2", "--steps", str(steps), "--early-steps", "1",
+                            "--warm-start", str(warm), "--skip-trl", "--threads", "1", "--jobs", "2",
+                            "--work-dir", str(tmp_path / "w"), "--out-json", str(out)])
+        assert rc == 0, capsys.readouterr().err
+        reports.append(json.loads(out.read_text()))
+    assert [len(s["lichen"]["curve"]) for s in reports[1]["seeds"]] == [3, 3]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["runs-001", "runs-002"]

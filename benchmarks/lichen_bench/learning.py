@@ -27,19 +27,19 @@ import importlib.util
 import json
 import math
 import os
-import random
-import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from lichen_bench import rl
-from lichen_bench.workloads import LICHEN_REWARD_PATHS, WORKLOADS, Workload, ensure_checkpoint, make_prompts, \
+from lichen_bench import runners
+from lichen_bench.machine import fresh_run_dir, load_check, machine_info, overloaded_summary
+from lichen_bench.warm_start import add_sft_args, check_sft_args, sft_flags, sft_warm_start, \
+    write_sft_data  # noqa: F401  (sft_flags, write_sft_data: part of this suite's interface)
+from lichen_bench.workloads import WORKLOADS, Workload, make_prompts, \
     model_shape, write_prompts
 from lichen.errors import ConfigError
 
 CI_LOWER_TARGET = -0.05  # the bound on the CI's lower end (docs/performance.md)
-OPERANDS = (10, 49)  # the operand range of the W1 prompts (lichen_bench.workloads.make_prompts)
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -106,78 +106,11 @@ def window_mean(curve: list, first: int, last: int) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-# ---- SFT warm start -----------------------------------------------------------------------------------------
-def write_sft_data(d: str, heldout: int, seed: int) -> tuple[str, str, int]:
-    """All pairs in the W1 operand range, shuffled by `seed`; the first `heldout` are for measuring accuracy only."""
-    lo, hi = OPERANDS
-    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
-    random.Random(seed).shuffle(pairs)
-    held, train = pairs[:heldout], pairs[heldout:]
-    paths = os.path.join(d, "sft_train.jsonl"), os.path.join(d, "sft_heldout.jsonl")
-    for path, rows in zip(paths, (train, held)):
-        write_prompts(path, [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in rows])
-    return paths[0], paths[1], len(train)
-
-
-def sft_flags(wl: Workload, a: argparse.Namespace, *, checkpoint: str, train: str, heldout: str, out: str) -> list[str]:
-    """`lichen ...` argv of the SFT run: -log p(label + EOS | prompt), constant lr, one held-out eval at the end."""
-    return [
-        "train", "--hf-checkpoint", checkpoint, "--device", "cpu", "--num-threads", str(a.threads),
-        "--seed", str(a.sft_seed), "--prompt-data", train, "--rollout-shuffle", "--rollout-seed", str(a.sft_seed),
-        "--custom-rm-path", LICHEN_REWARD_PATHS[wl.reward],
-        "--loss-type", "sft_loss", "--rollout-function-path", "lichen.rollout.sft.generate_rollout",
-        "--disable-rewards-normalization",  # SFT has no rewards; a group of 1 needs this
-        "--rollout-batch-size", str(a.sft_batch), "--n-samples-per-prompt", "1",
-        "--micro-batch-size", str(a.sft_batch), "--num-rollout", str(a.sft_steps), "--lr", repr(a.sft_lr),
-        "--lr-decay-style", "constant",
-        # greedy accuracy on the held-out sums once, after the last step
-        "--eval-prompt-data", "heldout", heldout, "--eval-interval", str(a.sft_steps), "--skip-eval-before-train",
-        "--eval-temperature", "0", "--eval-max-response-len", str(wl.max_new_tokens),
-        "--save", os.path.join(out, "checkpoints"), "--output-dir", out, "--no-progress",
-    ]
-
-
-def _latest_hf(save_dir: str) -> str:
-    marker = os.path.join(save_dir, "latest_checkpointed_iteration.txt")
-    with open(marker, encoding="utf-8") as f:
-        hf = os.path.join(save_dir, f"iter_{int(f.read().strip()):07d}", "hf")
-    if not os.path.isfile(os.path.join(hf, "config.json")):
-        raise FileNotFoundError(f"{hf} has no config.json")
-    return hf
-
-
-def sft_warm_start(wl: Workload, a: argparse.Namespace, base: str) -> dict:
-    """Make the workload's checkpoint, SFT it, and return the warm start's path and held-out greedy accuracy."""
-    ckpt = ensure_checkpoint(wl, os.path.join(base, "init"))
-    out = os.path.join(base, "sft")
-    if os.path.isdir(out):  # metrics.jsonl is appended to and --save would hold stale iterations
-        shutil.rmtree(out)
-    os.makedirs(out)
-    train, heldout, n_train = write_sft_data(base, a.sft_heldout, a.sft_seed)
-    flags = sft_flags(wl, a, checkpoint=ckpt, train=train, heldout=heldout, out=out)
-    print(f"[learning] SFT warm start: {a.sft_steps} steps x {a.sft_batch} sums (of {n_train}), lr {a.sft_lr}, "
-          f"from {ckpt}", flush=True)
-    child = rl.run_child([sys.executable, "-m", "lichen.cli", *flags], os.path.join(base, "sft.log"),
-                         timeout=a.timeout, threads=a.threads)
-    try:
-        hf = _latest_hf(os.path.join(out, "checkpoints"))
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"SFT failed (rc {child['rc']}, {e}); log {child['log']}:\n{rl._tail(child['log'])}")
-    acc = None
-    from lichen.observe.metrics import read_metrics
-
-    for m in read_metrics(out):
-        if m.get("eval/heldout/reward_mean") is not None:
-            acc = m["eval/heldout/reward_mean"]
-    return {"checkpoint": hf, "init_checkpoint": ckpt, "heldout_accuracy": acc, "heldout": a.sft_heldout,
-            "wall_s": child["wall_s"], "cpu_s": child["cpu_s"], "flags": flags}
-
-
 # ---- the paired runs ----------------------------------------------------------------------------------------
 def prepare_seed(wl: Workload, seed: int, a: argparse.Namespace, base: str, warm: str) -> dict:
     """Seed `seed`'s directory, prompt file and the context lichen_bench.rl's runners read."""
     d = os.path.join(base, f"seed{seed}")
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d)  # `base` is this invocation's fresh run directory
     prompts = os.path.join(d, "prompts.jsonl")
     write_prompts(prompts, make_prompts(wl, a.steps, seed=seed))
     return {"dir": d, "checkpoint": warm, "prompts": prompts, "steps": a.steps, "seed": seed, "threads": a.threads,
@@ -187,7 +120,7 @@ def prepare_seed(wl: Workload, seed: int, a: argparse.Namespace, base: str, warm
 
 def run_one(wl: Workload, fw: str, ctx: dict, a: argparse.Namespace) -> dict:
     """One framework's run for one seed: its reward curve and the early / late window means."""
-    runner = rl.run_lichen if fw == "lichen" else rl.run_trl
+    runner = runners.run_lichen if fw == "lichen" else runners.run_trl
     summary = runner(wl, ctx["dir"], "run", ctx)
     if "error" in summary:
         print(f"[learning] seed {ctx['seed']} {fw}: {summary['error']}", file=sys.stderr, flush=True)
@@ -313,25 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "late steps and PASS/MISS for the learning targets (docs/performance.md). TRL comes from the `bench` extra.")
     p.add_argument("--workload", choices=["w1", "smoke"], default="w1",
                    help="w1: the W1 addition task; smoke: a tiny model and batch to check the plumbing (default: w1)")
-    p.add_argument("--seeds", type=int, default=5, help="run seeds 1..N, at least 2 (default: 5)")
+    p.add_argument("--seeds", type=int, default=10, help="run seeds 1..N, at least 2 (default: 10)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the workload's, w1 20)")
     p.add_argument("--early-steps", type=int, default=2, help="the early window is steps 1..N (default: 2)")
     p.add_argument("--late-from", type=int, default=None,
                    help="the late window is steps N..--steps (default: the second half, 11 for 20 steps)")
-    g = p.add_argument_group("SFT warm start")
-    g.add_argument("--warm-start", default=None, help="use this HF checkpoint as the warm start and skip SFT")
-    g.add_argument("--sft-steps", type=int, default=300, help="SFT optimizer steps (default: 300)")
-    g.add_argument("--sft-batch", type=int, default=32, help="sums per SFT step (default: 32)")
-    g.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate, constant (default: 1e-3)")
-    g.add_argument("--sft-heldout", type=int, default=200,
-                   help="sums held out of SFT to measure the warm start's greedy accuracy (default: 200)")
-    g.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT run and its data split (default: 0)")
+    add_sft_args(p)
     p.add_argument("--skip-trl", action="store_true", help="run lichen only (no CI, target 1 is a MISS)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every child process (default: 2)")
     p.add_argument("--jobs", type=int, default=1,
                    help="framework runs at a time; rewards do not depend on it, wall time does (default: 1)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a child run is killed (default: 1800)")
-    p.add_argument("--work-dir", default=None, help="checkpoints, prompts, logs (default: a new temporary directory)")
+    p.add_argument("--work-dir", default=None,
+                   help="the random-init checkpoint is kept here; each invocation's SFT, prompts, logs and run "
+                        "outputs go to a new runs-NNN directory in it (default: a new temporary directory)")
     p.add_argument("--out-json", default=None, help="write settings, every curve, the CI and the targets here")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed (default: only on errors)")
     p.add_argument("--lichen-arg", action="append", metavar="FLAG",
@@ -345,19 +273,14 @@ def _validate(a: argparse.Namespace, wl: Workload) -> None:
     if a.late_from is None:
         a.late_from = a.steps // 2 + 1
     checks = (("--seeds", a.seeds, 2), ("--steps", a.steps, 1), ("--early-steps", a.early_steps, 1),
-              ("--late-from", a.late_from, 1), ("--sft-steps", a.sft_steps, 1), ("--sft-batch", a.sft_batch, 1),
-              ("--sft-heldout", a.sft_heldout, 1), ("--threads", a.threads, 1), ("--jobs", a.jobs, 1))
+              ("--late-from", a.late_from, 1), ("--threads", a.threads, 1), ("--jobs", a.jobs, 1))
     for flag, value, least in checks:
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
     for flag, value in (("--early-steps", a.early_steps), ("--late-from", a.late_from)):
         if value > a.steps:
             raise ConfigError(f"{flag} {value} is past the last step (--steps {a.steps}); lower it or raise --steps")
-    span = OPERANDS[1] - OPERANDS[0] + 1
-    if a.sft_heldout >= span * span:
-        raise ConfigError(f"--sft-heldout {a.sft_heldout} leaves no SFT data ({span * span} sums in all); lower it")
-    if a.warm_start and not os.path.isfile(os.path.join(a.warm_start, "config.json")):
-        raise ConfigError(f"--warm-start {a.warm_start!r} has no config.json; pass an HF checkpoint directory")
+    check_sft_args(a)
     if not a.skip_trl and importlib.util.find_spec("trl") is None:
         raise ConfigError("TRL is not installed: install the bench extra (pip install -e '.[bench]') or pass "
                           "--skip-trl to run lichen alone")
@@ -367,13 +290,16 @@ def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     wl = WORKLOADS[a.workload]
     _validate(a, wl)
-    base = a.work_dir or tempfile.mkdtemp(prefix="lichen-learning-")
-    os.makedirs(base, exist_ok=True)
-    machine = rl.machine_info()
+    work = a.work_dir or tempfile.mkdtemp(prefix="lichen-learning-")
+    base = fresh_run_dir(work)
+    machine = machine_info()
+    cores = a.threads * a.jobs
     print(f"[learning] machine: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, torch {machine['torch']}, "
-          f"{a.threads} threads per run; load average {machine['loadavg_start']}; work dir {base}", flush=True)
+          f"{a.threads} threads per run, {a.jobs} run(s) at a time; this invocation's runs go to {base}", flush=True)
+    machine["load_checks"] = [load_check("learning", "before", cores, machine["loadavg_start"])]
     try:
-        sft = {"checkpoint": a.warm_start, "heldout_accuracy": None} if a.warm_start else sft_warm_start(wl, a, base)
+        sft = {"checkpoint": a.warm_start, "heldout_accuracy": None} if a.warm_start else \
+            sft_warm_start(wl, a, base, os.path.join(work, f"{wl.name}-init"))
     except RuntimeError as e:
         print(f"[learning] {e}", file=sys.stderr)
         return 1
@@ -394,7 +320,12 @@ def main(argv: list[str]) -> int:
     if curves:
         print()
         print(ascii_plot(curves))
-    machine["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    end = load_check("learning", "after", cores)
+    machine["loadavg_end"] = end["loadavg"]
+    machine["load_checks"].append(end)
+    note = overloaded_summary(machine["load_checks"])
+    if note:
+        print(f"[learning] NOTE: {note}; the rewards do not depend on it, the wall times do")
     errors = [f"seed {s['seed']} {fw}: {s[fw]['error']}" for s in seeds for fw in ("lichen", "trl")
               if isinstance(s.get(fw), dict) and "error" in s[fw]]
     if a.out_json:

@@ -40,6 +40,7 @@ METRICS = (
     ("trainer_gflops", "trainer useful GFLOP/s", "GFLOP/s", "{:.2f}"),
     ("engine_matmul_frac", "engine / matmul peak", "", "{:.3f}"),
     ("trainer_matmul_frac", "trainer / matmul peak", "", "{:.3f}"),
+    ("skipped_samples", "zero-advantage backwards skipped / step", "", "{:.1f}"),
     ("reward_mean", "reward (mean over steps)", "", "{:.3f}"),
     ("peak_rss_mib", "peak RSS", "MiB", "{:.0f}"),
     ("wall_s", "process wall time", "s", "{:.1f}"),
@@ -79,6 +80,7 @@ def lichen_steps(child: dict, metrics: list[dict]) -> list[dict]:
             "response_length_mean": m.get("rollout/response_length_mean"),
             # samples with zero advantage get a forward but no backward (lichen/train/step_schedule.py)
             "skipped_frac": (m.get("train/skipped_samples") or 0) / max(len(inst.get("lengths") or []), 1),
+            "skipped_samples": m.get("train/skipped_samples"),
         })
     return steps
 
@@ -147,6 +149,9 @@ def summarize_run(steps: list[dict], shape: dict, matmul_flops: float | None, pe
         out["engine_computed_positions"] = sum(s["engine_tokens"] for s in timed) / n
     if all(s["train_tokens"] is not None for s in timed):
         out["train_computed_positions"] = sum(s["train_tokens"] for s in timed) / n
+    skipped = [s.get("skipped_samples") for s in timed]
+    if all(x is not None for x in skipped):
+        out["skipped_samples"] = sum(skipped) / n
     out["reward_mean"] = _mean(s["reward_mean"] for s in steps)
     out["reward_curve"] = [s["reward_mean"] for s in steps]
     out["step_times"] = [s["step_time"] for s in steps]
@@ -194,14 +199,21 @@ def _fmt(fmt: str, value) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_table(name: str, lichen: dict, trl: dict | None, ratio: dict) -> str:
-    head = f"{'metric (' + name + ', medians over repeats)':<40} {'lichen':>12} {'TRL':>12} {'lichen/TRL':>11}"
+# the rows printed for lichen's zero-advantage-skip variant (the rest repeat the equal-work table)
+SKIP_VARIANT_KEYS = ("step_time_s", "step_time_median_s", "generate_s", "train_s", "train_median_s",
+                     "skipped_samples", "reward_mean", "peak_rss_mib")
+
+
+def format_table(name: str, lichen: dict, trl: dict | None, ratio: dict, keys: tuple[str, ...] | None = None) -> str:
+    head = f"{'metric (' + name + ', medians over repeats)':<46} {'lichen':>12} {'TRL':>12} {'lichen/TRL':>11}"
     lines = [head, "-" * len(head)]
     for key, label, unit, fmt in METRICS:
+        if keys is not None and key not in keys:
+            continue
         if lichen.get(key) is None and (not trl or trl.get(key) is None):
             continue
         lab = f"{label} [{unit}]" if unit else label
-        lines.append(f"{lab:<40} {_fmt(fmt, lichen.get(key)):>12} "
+        lines.append(f"{lab:<46} {_fmt(fmt, lichen.get(key)):>12} "
                      f"{_fmt(fmt, trl.get(key) if trl else None):>12} {_fmt('{:.3f}', ratio.get(key)):>11}")
     return "\n".join(lines)
 

@@ -38,8 +38,13 @@ def _current() -> dict:
     return STATE["steps"][-1]
 
 
-def trl_config_kwargs(wl, *, steps: int, seed: int, output_dir: str) -> dict:
-    """GRPOConfig arguments for workload `wl`: the workload's settings, each named explicitly."""
+def trl_config_kwargs(wl, *, steps: int, seed: int, output_dir: str, grad_accum: int = 1) -> dict:
+    """GRPOConfig arguments for workload `wl`: the workload's settings, each named explicitly.
+
+    `grad_accum` > 1: each step's samples run as `grad_accum` accumulated micro-batches (the same math, lower
+    memory); one generation still covers the whole step (steps_per_generation = grad_accum)."""
+    if wl.samples_per_step % grad_accum:
+        raise ValueError(f"grad_accum {grad_accum} does not divide the {wl.samples_per_step} samples of a step")
     return dict(
         output_dir=output_dir,
         use_cpu=True,
@@ -61,8 +66,9 @@ def trl_config_kwargs(wl, *, steps: int, seed: int, output_dir: str) -> dict:
         loss_type="grpo",  # per-sequence token mean, then mean over sequences
         scale_rewards="group",  # (r - group mean) / group std
         num_generations=wl.group_size,
-        per_device_train_batch_size=wl.samples_per_step,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=wl.samples_per_step // grad_accum,
+        gradient_accumulation_steps=grad_accum,
+        steps_per_generation=grad_accum,
         max_completion_length=wl.max_new_tokens,
         temperature=1.0,
         top_p=1.0,
@@ -137,6 +143,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output-dir", required=True)
+    p.add_argument("--grad-accum", type=int, default=1, help="accumulated micro-batches per step (default: 1)")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -162,7 +169,8 @@ def main(argv: list[str]) -> int:
         return out
 
     reward.__name__ = base_reward.__name__
-    config = GRPOConfig(**trl_config_kwargs(wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir))
+    config = GRPOConfig(**trl_config_kwargs(wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir,
+                                            grad_accum=a.grad_accum))
 
     class StepClock(TrainerCallback):
         last = None
@@ -204,8 +212,8 @@ def main(argv: list[str]) -> int:
             "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "torch_threads": torch.get_num_threads(),
             "versions": _versions(),
-            "config": {k: v for k, v in trl_config_kwargs(wl, steps=a.steps, seed=a.seed,
-                                                          output_dir=a.output_dir).items() if k != "output_dir"},
+            "config": {k: v for k, v in trl_config_kwargs(wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir,
+                                                          grad_accum=a.grad_accum).items() if k != "output_dir"},
             "optim": str(config.optim),
             "eos_token_ids": list(getattr(trainer, "eos_token_ids", []) or []),
         }, f, default=str)

@@ -1,7 +1,8 @@
 """The benchmark workloads: model shape, prompts, reward and rollout sizes, identical for every framework.
 
 W1 (toy): 4.2M-parameter llama, addition prompts "12+35=", reward 1.0 iff the completion's leading digits are
-the sum; 4 prompts x 8 samples, 8 new tokens, lr 1e-4, 20 steps.
+the sum; 4 prompts x 8 samples, 8 new tokens, lr 1e-4, 20 steps. `lichen bench rl` starts it from an SFT warm
+start, where rewards are mixed (from random init every reward is 0 and every advantage 0).
 W2 (long, ragged answers): 20M-parameter llama, random init; 8 prompts x 8 samples, up to 256 new tokens.
 With a near-uniform next-token distribution over the ~100-symbol vocabulary and 2 stop tokens, a response
 stops after a geometric number of tokens (mean ~ 50), so lengths in one batch range from a few to 256 --
@@ -39,6 +40,8 @@ class Workload:
     steps: int
     reward: str  # name of a scorer in SCORERS
     model_seed: int = 0
+    warm_start: bool = False  # `lichen bench rl` starts it from an SFT warm start (lichen_bench.warm_start)
+    skip_variant: bool = False  # `lichen bench rl` also runs lichen with its zero-advantage skip on
 
     @property
     def samples_per_step(self) -> int:
@@ -50,12 +53,13 @@ class Workload:
 
 WORKLOADS = {
     "w1": Workload("w1", hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, prompts_per_step=4,
-                   group_size=8, max_new_tokens=8, lr=1e-4, steps=20, reward="addition"),
+                   group_size=8, max_new_tokens=8, lr=1e-4, steps=20, reward="addition", warm_start=True,
+                   skip_variant=True),
     "w2": Workload("w2", hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, prompts_per_step=8,
                    group_size=8, max_new_tokens=256, lr=1e-6, steps=5, reward="digit_fraction"),
     # seconds-long check of the harness plumbing (tests, first try on a new machine); not a benchmark
     "smoke": Workload("smoke", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, prompts_per_step=2,
-                      group_size=2, max_new_tokens=4, lr=1e-4, steps=1, reward="addition"),
+                      group_size=2, max_new_tokens=4, lr=1e-4, steps=1, reward="addition", skip_variant=True),
 }
 
 
