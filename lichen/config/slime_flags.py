@@ -148,6 +148,9 @@ DIFFERS: dict[str, str] = {
     "only, as lichen's --runtime ray)",
     "--colocate": "with --runtime local the trainer and the engines share the one device with or without "
     "--colocate, which only turns the offloads on; --runtime ray lays bundles out as slime",
+    **{flag: "names Hugging Face modules: slime's presets mapped, its Megatron regexes translated where one HF "
+       "module matches, routed-expert targets refused, MLA projections adapted (docs/lora.md#targets)"
+       for flag in ("--lora-target-preset", "--lora-target-modules", "--lora-exclude-modules")},
 }
 LOCAL_RUNTIME_ONLY = ("--train-env-vars", "--colocate")  # with --runtime ray these have slime's meaning
 
