@@ -52,7 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rm-type",
         metavar="NAME",
         default=None,
-        help="built-in rule reward, e.g. math or exact; this or --custom-rm-path is required (default: none)",
+        help="built-in rule reward, e.g. math (the last \\boxed{} answer, as slime), math_lenient (also an unboxed "
+        "last number) or exact; docs/rewards.md lists them; this or --custom-rm-path is required (default: none)",
     )
     g.add_argument(
         "--custom-rm-path",
