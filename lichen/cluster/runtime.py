@@ -1,7 +1,8 @@
 """Joining or starting Ray and reserving the run's placement group (lichen.cluster.placement says what goes where).
 
 - `--ray-address` / `$RAY_ADDRESS` (also what `ray job submit` sets): join that cluster;
-- otherwise start a local Ray instance sized for the run. On a host without CUDA it declares as many GPUs as the
+- otherwise start a new local Ray instance sized for the run (also where `ray start` runs a cluster on this host:
+  joining one takes an address). On a host without CUDA it declares as many GPUs as the
   layout has bundles: Ray then places and numbers them (and sets CUDA_VISIBLE_DEVICES) as on a GPU node, and CPU
   torch ignores the variable, so the same placement code runs on a laptop.
 
@@ -115,10 +116,12 @@ class RayCluster:
 def local_ray_options(num_bundles: int, num_cpus: int | None = None) -> dict:
     """ray.init options for a Ray instance lichen starts on this host: every bundle's CPU declared (the count is
     Ray's bookkeeping; the engines and ranks share the real cores), fake GPUs where there is no CUDA, no dashboard,
-    a small object store."""
+    a small object store. address="local": a new instance even where `ray start` left a cluster on this host
+    (ray.init() without an address would join that one, and refuse these options there)."""
     import torch
 
-    opts: dict = {"num_cpus": max(num_bundles, num_cpus or os.cpu_count() or 1), "include_dashboard": False,
+    opts: dict = {"address": "local", "num_cpus": max(num_bundles, num_cpus or os.cpu_count() or 1),
+                  "include_dashboard": False,
                   "object_store_memory": 256 * 1024 * 1024, "log_to_driver": True}
     if not torch.cuda.is_available():
         opts["num_gpus"] = num_bundles  # Ray numbers them and sets CUDA_VISIBLE_DEVICES; CPU torch ignores it
