@@ -1,6 +1,7 @@
 """LoRA against full fine-tuning on a ~20M-parameter llama: optimizer state and trainer step time (docs/lora.md).
 
     .venv/bin/python benchmarks/lora.py [--steps 6] [--warmup 1] [--rank 8] [--workdir runs/lora_bench]
+    .venv/bin/python benchmarks/lora.py quickstart [--seeds 1 2 3] [--rank 16] [--lr 1e-3]
 
 One process builds a random llama with `lichen make-tiny-model` (hidden 512, 6 layers, intermediate 1376: about
 20M parameters), then two TrainActors on it, full fine-tuning and `--use-lora` (rank --rank, alpha 2 x rank,
@@ -8,6 +9,11 @@ preset dense_language = attention + MLP projections), and trains both on the sam
 one step each so that machine load hits both alike. Printed: trainable parameters, AdamW state bytes (exp_avg and
 exp_avg_sq of every parameter the optimizer holds), the median `train` step time after --warmup steps, and the
 ratios LoRA / full. A measurement, not a test: on shared cores the step times move with the machine's load.
+
+`quickstart`: for each seed, examples/quickstart.py from nothing (tiny model, SFT warm-up, GRPO with full
+fine-tuning), then the same GRPO stage again from the same SFT checkpoint with `--use-lora` (--rank, alpha 2 x rank,
+--lr as `--lora-learning-rate`); prints the held-out accuracy after SFT, after full RL and after LoRA RL, and the
+gains in points. Reported, not gated.
 """
 
 from __future__ import annotations
@@ -74,7 +80,61 @@ def optimizer_state_bytes(optimizer) -> int:
                if hasattr(t, "numel") and t.dim() > 0)
 
 
+def quickstart(argv: list[str]) -> int:
+    import importlib.util
+    import subprocess
+    import sys
+
+    p = argparse.ArgumentParser(prog="benchmarks/lora.py quickstart")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3, help="--lora-learning-rate of the LoRA GRPO stage")
+    p.add_argument("--workdir", default="runs/lora_quickstart")
+    a = p.parse_args(argv)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "quickstart.py")
+    spec = importlib.util.spec_from_file_location("quickstart", path)
+    qs = importlib.util.module_from_spec(spec)
+    sys.modules["quickstart"] = qs  # its dataclasses look their module up
+    spec.loader.exec_module(qs)
+    rows = []
+    for seed in a.seeds:
+        root = os.path.abspath(os.path.join(a.workdir, f"seed{seed}"))
+        subprocess.run([sys.executable, path, "--seed", str(seed), "--workdir", root, "--quiet"], check=True)
+        with open(os.path.join(root, "summary.json")) as f:
+            full = json.load(f)
+        args = qs.parse_args(["--seed", str(seed), "--workdir", root])
+        paths = qs.Paths(root)
+        out = os.path.join(root, "rl_lora")
+        argv_rl = qs.rl_argv(args, paths, qs.sft_checkpoint(paths))
+        argv_rl[argv_rl.index("--output-dir") + 1] = out
+        argv_rl += ["--use-lora", "--lora-rank", str(a.rank), "--lora-alpha", str(2 * a.rank),
+                    "--lora-learning-rate", str(a.lr)]
+        if os.path.isdir(out):
+            import shutil
+
+            shutil.rmtree(out)
+        wall, _ = qs.run_stage("rl_lora", argv_rl, os.path.join(root, "rl_lora.log"), True, args.threads)
+        curve = qs.eval_curve(os.path.join(out, "metrics.jsonl"))
+        rows.append((seed, full["sft_accuracy"], full["rl_accuracy"], curve[-1][1], full["seconds"]["rl"], wall))
+        print(f"seed {seed}: SFT {100 * rows[-1][1]:.1f}%, full RL {100 * rows[-1][2]:.1f}%, "
+              f"LoRA RL {100 * rows[-1][3]:.1f}%", flush=True)
+    print(f"\nLoRA rank {a.rank}, alpha {2 * a.rank}, lr {a.lr:g} (full fine-tuning: the quick start's own RL stage)")
+    print("seed  after SFT  full RL (gain)    LoRA RL (gain)    RL wall s full / LoRA")
+    for seed, sft, full_acc, lora_acc, t_full, t_lora in rows:
+        print(f"{seed:>4}  {100 * sft:8.1f}%  {100 * full_acc:5.1f}% ({100 * (full_acc - sft):+5.1f})  "
+              f"{100 * lora_acc:5.1f}% ({100 * (lora_acc - sft):+5.1f})   {t_full:.0f} / {t_lora:.0f}")
+    gains = [(100 * (f - s), 100 * (lo - s)) for _, s, f, lo, _, _ in rows]
+    print(f"mean gain: full {statistics.mean(g[0] for g in gains):+.1f} points, "
+          f"LoRA {statistics.mean(g[1] for g in gains):+.1f} points over {len(rows)} seeds")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["quickstart"]:
+        return quickstart(argv[1:])
     a = parse_args(argv)
     import torch
 

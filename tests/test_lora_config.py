@@ -55,6 +55,15 @@ def test_refused_with_exit_2(tiny_ckpt, addition_data, capsys, extra, needle):
     assert needle in err and "Traceback" not in err
 
 
+def test_missing_peft_is_exit_2(tiny_ckpt, addition_data, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora")
+    assert code == 2 and "pip install 'lichen[lora]'" in err
+
+
 def test_lora_flags_need_use_lora(tiny_ckpt, addition_data, capsys):
     code, err = _train(tiny_ckpt, addition_data, capsys, "--lora-rank", "8")
     assert code == 2 and "--lora-rank needs --use-lora" in err

@@ -21,8 +21,9 @@ def _groups(actor, seed: int = 0):
     return [samples[i:i + 4] for i in range(0, len(samples), 4)]
 
 
-def test_only_adapters_train_and_sit_in_the_optimizer(tiny_ckpt, addition_data, tmp_path):
-    actor = make_actor(tiny_ckpt, addition_data, tmp_path, *LORA)
+@pytest.mark.parametrize("extra", [[], ["--gradient-checkpointing", "--bf16"]], ids=["plain", "checkpointed-bf16"])
+def test_only_adapters_train_and_sit_in_the_optimizer(tiny_ckpt, addition_data, tmp_path, extra):
+    actor = make_actor(tiny_ckpt, addition_data, tmp_path, *LORA, *extra)
     adapters = {n: p for n, p in actor.model.named_parameters() if ".lora_" in n}
     base = {n: p.detach().clone() for n, p in actor.model.named_parameters() if ".lora_" not in n}
     in_optimizer = [p for group in actor.optimizer.param_groups for p in group["params"]]

@@ -9,6 +9,7 @@ The check resolves the targets against the checkpoint's weight names, so `--dry-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -70,6 +71,8 @@ def check(args: argparse.Namespace) -> None:
         if stray:
             fail(f"{stray[0]} needs --use-lora: add --use-lora to train adapters, or drop {stray[0]}")
         return
+    if importlib.util.find_spec("peft") is None:
+        fail("--use-lora needs peft, which is not installed: pip install 'lichen[lora]'")
     check_int_at_least(args, "lora_rank", 1)
     check_float(args, "lora_alpha", low=0, low_open=True)
     check_float(args, "lora_learning_rate", low=0, low_open=True)
