@@ -236,7 +236,7 @@ def format_limits(name: str, gen: dict, shape: dict) -> str:
         comp = statistics.median(x["computed_tokens"] for x in runs)
         useful = statistics.median(sum(useful_tokens(p, r) for p, r in x["lengths"]) for x in runs)
         frac = f", {gflops * 1e9 / peak:.3f} of matmul" if peak else ""
-        lines.append(f"  {label} on the step-1 batch: {tps:.1f} useful tok/s, {gflops:.2f} useful GFLOP/s{frac}; "
+        lines.append(f"  {label} on the step-1 batch (forced identical lengths): {tps:.1f} useful tok/s, {gflops:.2f} useful GFLOP/s{frac}; "
                      f"positions computed/useful {comp:.0f}/{useful:.0f}")
     hf, li = gen.get("hf_useful_tokens_per_s_median"), gen.get("lichen_useful_tokens_per_s_median")
     if hf and li:
