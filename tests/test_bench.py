@@ -184,6 +184,20 @@ def test_trl_config_sets_the_issue_settings(tmp_path):
     assert cfg.report_to in ([], "none", ["none"]) and value(cfg.save_strategy) == "no"
 
 
+@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install -e '.[bench]')")
+def test_trl_memory_config_accumulates_one_sample_micro_batches(tmp_path):
+    """The memory baseline: the same 32-sample step, one generation, 32 accumulated one-sample backwards."""
+    from trl import GRPOConfig
+
+    from lichen_bench.run_trl import trl_config_kwargs
+
+    cfg = GRPOConfig(**trl_config_kwargs(WORKLOADS["w1"], steps=2, seed=7, output_dir=str(tmp_path), grad_accum=32))
+    assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (1, 32)
+    assert cfg.generation_batch_size == 32 and cfg.steps_per_generation == 32 and cfg.num_generations == 8
+    with pytest.raises(ValueError):
+        trl_config_kwargs(WORKLOADS["w1"], steps=2, seed=7, output_dir=str(tmp_path), grad_accum=5)
+
+
 # ---- smoke runs of the plumbing -----------------------------------------------------------------------------
 def _check_run(run: dict, wl):
     assert run["num_steps"] == 1
