@@ -26,6 +26,7 @@ from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
 from lichen.observe.run_observer import RunObserver
+from lichen.rollout.staleness import staleness_metrics
 from lichen.torch_files import to_plain
 from lichen.types import Sample
 
@@ -121,17 +122,25 @@ class PipelinedRollout:
         self._ready.clear()
 
 
-def staleness_metrics(batch: list[list[Sample]], trainer_version: int) -> dict:
-    """How many weight versions the trainer (about to train from `trainer_version`) is ahead of the oldest
-    segment of each sample; versions that are not step numbers (an external server's "default") are skipped."""
-    lags = []
-    for s in (s for g in batch for s in g):
-        versions = [int(v) for v in s.weight_versions if str(v).lstrip("-").isdigit()]
-        if versions:
-            lags.append(trainer_version - min(versions))
-    if not lags:
-        return {}
-    return {"train/staleness_mean": sum(lags) / len(lags), "train/staleness_max": max(lags)}
+def _begin(args, trainer, rollout, logger, obs: RunObserver) -> tuple[int, SyncConfig, dict]:
+    """Resume, push the starting weights, eval version 0: (first rollout id, sync config, eval metrics or {})."""
+    start = resume(args, trainer, rollout)
+    sync_cfg = SyncConfig.from_args(args)
+    with obs.phase("sync", start - 1):
+        sync.push(trainer, rollout, version=start, cfg=sync_cfg)
+    last: dict = {}
+    if args.eval_interval and start == 0 and not args.skip_eval_before_train:
+        last = eval_before_training(args, rollout, logger, obs)
+    return start, sync_cfg, last
+
+
+def _log_step(args, trainer, logger, obs: RunObserver, rollout_id: int, batch: list, metrics: dict,
+              t0: float) -> dict:
+    metrics["time/step"] = time.perf_counter() - t0
+    obs.step_done(rollout_id + 1, batch, metrics, getattr(trainer, "last_token_values", None))
+    logger.log(rollout_id + 1, metrics)
+    print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
+    return metrics
 
 
 def train_loop_async(args, trainer, rollout, logger, observer: RunObserver | None = None) -> dict:
@@ -140,14 +149,8 @@ def train_loop_async(args, trainer, rollout, logger, observer: RunObserver | Non
     pipe = PipelinedRollout(rollout)
     interval = args.update_weights_interval
     all_failed = FailedStepGuard(args.max_consecutive_failed_steps)
-    last: dict = {}
     try:
-        start = resume(args, trainer, pipe)
-        sync_cfg = SyncConfig.from_args(args)
-        with obs.phase("sync", start - 1):
-            sync.push(trainer, pipe, version=start, cfg=sync_cfg)
-        if args.eval_interval and start == 0 and not args.skip_eval_before_train:
-            last = eval_before_training(args, pipe, logger, obs)
+        start, sync_cfg, last = _begin(args, trainer, pipe, logger, obs)
         for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
             t0 = time.perf_counter()
             with obs.phase("generate", rollout_id):  # how long the trainer waits for the rollout
@@ -171,12 +174,51 @@ def train_loop_async(args, trainer, rollout, logger, observer: RunObserver | Non
             if is_due(args.eval_interval, rollout_id, args.num_rollout):
                 with obs.phase("eval", rollout_id):
                     metrics.update(pipe.eval(version=rollout_id + 1))
-            metrics["time/step"] = time.perf_counter() - t0
-            obs.step_done(rollout_id + 1, batch, metrics, getattr(trainer, "last_token_values", None))
-            logger.log(rollout_id + 1, metrics)
-            print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
-            last = metrics
+            last = _log_step(args, trainer, logger, obs, rollout_id, batch, metrics, t0)
     except BaseException:
         pipe.abandon()
         raise
+    return last
+
+
+def train_loop_fully_async(args, trainer, rollout, logger, observer: RunObserver | None = None) -> dict:
+    """`lichen train --fully-async`: the worker of lichen.rollout.fully_async generates all the time; each step
+    takes --rollout-batch-size finished groups, trains, and pauses the worker (its requests aborted and re-queued)
+    for the checkpoint, the weight sync and the eval that fall on it. Same arguments and result as
+    loop.train_loop."""
+    from lichen.rollout.fully_async import FullyAsyncRollout
+
+    obs = observer or RunObserver(ObserveConfig.from_args(args))
+    worker = FullyAsyncRollout(rollout, max_staleness=args.max_staleness, stale_action=args.max_staleness_action)
+    all_failed = FailedStepGuard(args.max_consecutive_failed_steps)
+    try:
+        start, sync_cfg, last = _begin(args, trainer, worker, logger, obs)
+        for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
+            t0 = time.perf_counter()
+            worker.resume()  # (re)started after the sync: what it sends now runs with the weights just pushed
+            with obs.phase("generate", rollout_id):  # how long the trainer waits for finished groups
+                batch, metrics = _on_side("rollout", rollout_id, worker.take, rollout_id)
+            all_failed.check(rollout_id, batch)
+            with obs.phase("train", rollout_id):
+                metrics.update(_on_side("trainer", rollout_id, trainer.train, rollout_id, batch))
+            save = args.save and (is_due(args.save_interval, rollout_id, args.num_rollout)
+                                  or rollout_id + 1 == args.num_rollout)
+            syncs = is_due(args.update_weights_interval, rollout_id, args.num_rollout)
+            evals = is_due(args.eval_interval, rollout_id, args.num_rollout)
+            if save or syncs or evals:
+                with obs.phase("generate", rollout_id):
+                    _on_side("rollout", rollout_id, worker.pause)  # nothing runs on the engines from here
+            if save:
+                with obs.phase("save", rollout_id) as rec:
+                    save_checkpoint(args, trainer, worker, rollout_id)
+                metrics["time/save"] = rec.elapsed()
+            if syncs:
+                with obs.phase("sync", rollout_id):
+                    metrics.update(sync.push(trainer, worker, version=rollout_id + 1, cfg=sync_cfg))
+            if evals:
+                with obs.phase("eval", rollout_id):
+                    metrics.update(worker.eval(version=rollout_id + 1))
+            last = _log_step(args, trainer, logger, obs, rollout_id, batch, metrics, t0)
+    finally:
+        worker.stop()  # aborts what still runs, before loop.run closes the engines
     return last

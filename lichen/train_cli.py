@@ -67,6 +67,10 @@ def main(argv: list[str]) -> int:
         from lichen.loop_async import train_loop_async
 
         run(args, driver=train_loop_async)
+    elif args.fully_async:  # a rollout worker that generates all the time (lichen.rollout.fully_async)
+        from lichen.loop_async import train_loop_fully_async
+
+        run(args, driver=train_loop_fully_async)
     else:
         run(args)
     return 0

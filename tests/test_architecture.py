@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "cli": ANYTHING, "train_cli": ANYTHING, "eval_cli": ANYTHING, "port_slime": ANYTHING,
     "loop": {"rollout", "train", "sync", "cluster"},
     "cluster": {"engines", "train"},
-    "loop_async": {"loop", "sync", "types"},
+    "loop_async": {"loop", "rollout", "sync", "types"},
     "rollout": {"engines", "rewards", "data", "models", "types"},
     "train": {"algo", "models", "weights", "types"},
     "sync": {"engines", "weights"},

@@ -13,16 +13,14 @@ import torch
 
 from lichen.cli import main
 from lichen.config import parse_train_args
-from lichen.config.engine_config import ObserveConfig
 from lichen.errors import ConfigError
-from lichen.loop_async import SideError, train_loop_async
-from lichen.observe.run_observer import RunObserver
+from lichen.loop_async import train_loop_async
 from lichen.rollout.generate import generate_rollout
 from lichen.types import Sample, Status
 
+from helpers.async_driver import WAIT, assert_side_error, assert_threads_end, run_driver
 from helpers.runs import THREADS, base_args, dumped_samples, final_weights, run, run_stopped_after_sync
 
-WAIT = 120  # seconds: a generous bound for an event that must happen, never a timing window
 
 
 # ---- flags ---------------------------------------------------------------------------------------------------
@@ -119,14 +117,6 @@ class FakeTrainer:
         return {}
 
 
-class Logger:
-    def __init__(self):
-        self.steps: dict[int, dict] = {}
-
-    def log(self, step, metrics):
-        self.steps[step] = dict(metrics)
-
-
 def _fake_run(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, rollout_fail=None, train_fail=None):
     args = _parse(tiny_ckpt, addition_data, tmp_path, "--async", "--rollout-num-engines", "1",
                   "--num-rollout", str(num_rollout), *extra)
@@ -134,13 +124,7 @@ def _fake_run(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, rollout_f
     engine = FakeEngine()
     rollout = FakeRollout(engine, started, rollout_fail)
     trainer = FakeTrainer(started, num_rollout, train_fail)
-    logger = Logger()
-    observer = RunObserver(ObserveConfig.from_args(args))
-    try:
-        train_loop_async(args, trainer, rollout, logger, observer)
-    finally:
-        observer.close()
-    return engine, trainer, logger
+    return engine, trainer, run_driver(train_loop_async, args, trainer, rollout)
 
 
 def test_rollout_k_plus_1_is_generated_with_version_k(tiny_ckpt, addition_data, tmp_path):
@@ -165,13 +149,8 @@ def test_update_weights_interval_bounds_staleness(tiny_ckpt, addition_data, tmp_
 @pytest.mark.parametrize("side", ["rollout", "trainer"])
 def test_an_error_on_one_side_is_named_and_stops_both(tiny_ckpt, addition_data, tmp_path, side):
     kw = {"rollout_fail": 2} if side == "rollout" else {"train_fail": 1}
-    with pytest.raises(SideError, match=f"the {side} side failed at rollout step") as info:
-        _fake_run(tiny_ckpt, addition_data, tmp_path, 4, **kw)
-    assert ("engine exploded" if side == "rollout" else "loss is nan") in str(info.value)
-    for t in threading.enumerate():
-        if t.name.startswith("lichen-async-rollout"):
-            t.join(WAIT)
-            assert not t.is_alive(), f"{t.name} still running"
+    assert_side_error(lambda: _fake_run(tiny_ckpt, addition_data, tmp_path, 4, **kw), side,
+                      "engine exploded" if side == "rollout" else "loss is nan", "lichen-async-rollout")
 
 
 # ---- runs over a launched server -------------------------------------------------------------------------------
@@ -244,7 +223,4 @@ def test_trainer_side_error_stops_the_servers_and_the_generation(tiny_ckpt, addi
     err = capsys.readouterr().err
     assert "the trainer side failed at rollout step 1" in err and "optimizer blew up" in err
     assert len(launched) == 1 and not any(launched[0].alive())
-    for t in threading.enumerate():
-        if t.name.startswith("lichen-async-rollout"):
-            t.join(WAIT)
-            assert not t.is_alive(), f"{t.name} still running after the servers stopped"
+    assert_threads_end("lichen-async-rollout")  # after the servers stopped

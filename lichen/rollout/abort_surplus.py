@@ -54,7 +54,6 @@ def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_f
     `buffer` (--partial-rollout) they are put into it. `resumed` groups (from the buffer) take positions
     0..len(resumed)-1 of the round, before `prompts`."""
     cfg, sampling = ctx.config, ctx.config.sampling
-    n = sampling.n_samples_per_prompt
     resumed = list(resumed)
     fresh, owners = sample_requests(sampling, prompts, ctx.encode, seed_key=seed_key, first_pos=len(resumed))
     # plan[pos] = per sample (request index or None, ("resumed", Sample) or ("fresh", owner))
@@ -73,19 +72,8 @@ def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_f
         requests.append(fresh[k])
         plan[-1].append((len(requests) - 1, ("fresh", owner)))
 
-    mask = cfg.mask_offpolicy_in_partial_rollout
-
-    def build(base: tuple, res: GenResult | None, cut: bool) -> Sample:
-        kind, what = base
-        if kind == "resumed":
-            return what if res is None else extend_sample(what, res, _decoder(ctx.tokenizer), mask_offpolicy=mask)
-        if res is None:  # cut off before it was sent: a sample with no response yet
-            return to_buffered(make_sample(ctx.tokenizer, what, GenResult([], [], "abort", len(what[4]), ""), n), None)
-        s = make_sample(ctx.tokenizer, what, res, n)
-        return to_buffered(s, res.finish_reason) if cut else s
-
     engine = ctx.engine
-    gate = _Gate(engine) if buffer is not None else None
+    gate = Gate(engine) if buffer is not None else None
     futures = [engine.submit(gate.generate(r) if gate else engine.agenerate(r, allow_abort=True)) for r in requests]
     groups: list[list[Sample]] = []
     keep: list[bool] = []
@@ -100,7 +88,7 @@ def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_f
             if any(res is not None and res.finish_reason == "abort" for res in results):
                 # not by us: as the default path, an error
                 raise EngineError("an engine aborted a rollout request of a group being kept")
-            group = [build(base, res, False) for (_, base), res in zip(members, results)]
+            group = [member_sample(ctx, base, res, False) for (_, base), res in zip(members, results)]
             scored = score(ctx, group)
             stats["reward_time_s"] += scored["reward_time_s"]
             stats["failed"] += scored.get("failed", [])
@@ -113,10 +101,10 @@ def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_f
     if gate is None:
         stats["aborted_requests"] = _cancel_surplus(engine, futures)
     else:
-        stats["aborted_requests"] = _drain(engine, futures, gate)
+        stats["aborted_requests"] = drain(engine, futures, gate)
         for members in plan[len(groups):]:
-            results = [None if k is None else _result_or_none(futures[k]) for k, _ in members]
-            buffer.put([build(base, res, True) for (_, base), res in zip(members, results)])
+            results = [None if k is None else result_or_none(futures[k]) for k, _ in members]
+            buffer.put([member_sample(ctx, base, res, True) for (_, base), res in zip(members, results)])
         stats["buffered_groups"] = len(plan) - len(groups)
     stats["aborted_groups"] = len(plan) - len(groups)
     if stats["aborted_groups"]:
@@ -124,6 +112,20 @@ def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_f
                  need, stats["aborted_requests"], stats["aborted_groups"],
                  " (their groups go to the partial-rollout buffer)" if gate is not None else "")
     return groups, keep, stats
+
+
+def member_sample(ctx: RolloutContext, base: tuple, res: GenResult | None, cut: bool) -> Sample:
+    """The Sample of one group member: `base` is ("resumed", buffered Sample) or ("fresh", owner of
+    sample_requests); `res` its engine result (None: not sent); `cut`: its group goes to the partial buffer."""
+    kind, what = base
+    if kind == "resumed":
+        mask = ctx.config.mask_offpolicy_in_partial_rollout
+        return what if res is None else extend_sample(what, res, _decoder(ctx.tokenizer), mask_offpolicy=mask)
+    n = ctx.config.sampling.n_samples_per_prompt
+    if res is None:  # cut off before it was sent: a sample with no response yet
+        return to_buffered(make_sample(ctx.tokenizer, what, GenResult([], [], "abort", len(what[4]), ""), n), None)
+    s = make_sample(ctx.tokenizer, what, res, n)
+    return to_buffered(s, res.finish_reason) if cut else s
 
 
 def _decoder(tokenizer: Any):
@@ -141,7 +143,7 @@ def _cancel_surplus(engine: Any, futures: list) -> int:
     return len(surplus)
 
 
-class _Gate:
+class Gate:
     """Holds requests beyond the engines' concurrency caps on our side, so that after the cut they are never
     sent (inside the client's own queue they could not be told apart from requests already running)."""
 
@@ -161,7 +163,7 @@ class _Gate:
             return await self._engine.agenerate(request, allow_abort=True)
 
 
-def _drain(engine: Any, futures: list, gate: _Gate, poll: float = 0.25) -> int:
+def drain(engine: Any, futures: list, gate: Gate, poll: float = 0.25) -> int:
     """After the cut: no further request is sent, and the running ones are aborted until every one has answered
     (one that reached its server just after an abort call is caught by the next). Returns how many were open."""
     gate.cut = True
@@ -173,7 +175,7 @@ def _drain(engine: Any, futures: list, gate: _Gate, poll: float = 0.25) -> int:
     return open_at_cut
 
 
-def _result_or_none(future) -> GenResult | None:
+def result_or_none(future) -> GenResult | None:
     """A surplus request's result; one that failed (e.g. its engine died) adds nothing and is sent again when its
     group is continued."""
     try:
