@@ -64,6 +64,17 @@ def test_missing_peft_is_exit_2(tiny_ckpt, addition_data, capsys, monkeypatch):
     assert code == 2 and "pip install 'lichen[lora]'" in err
 
 
+def test_slime_lora_script_flags_run(tiny_ckpt, addition_data, capsys):
+    """The LORA_ARGS of slime's run-qwen3-30B-A3B-lora.sh (a dense preset here) and its TP-only / diagnostic
+    LoRA flags: a dry run, with the table on stderr."""
+    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora", "--lora-target-preset", "moe_language",
+                       "--lora-rank", "32", "--lora-alpha", "64", "--lora-weight-decay", "0.1",
+                       "--lora-allow-replicated-modules", "x", "--lora-debug")
+    assert code == 0, err
+    assert "--lora-allow-replicated-modules" in err and "--lora-debug" in err
+    assert "LoRA: preset moe_language, rank 32, alpha 64 (scale 2)" in err
+
+
 def test_lora_flags_need_use_lora(tiny_ckpt, addition_data, capsys):
     code, err = _train(tiny_ckpt, addition_data, capsys, "--lora-rank", "8")
     assert code == 2 and "--lora-rank needs --use-lora" in err

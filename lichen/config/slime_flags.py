@@ -91,6 +91,11 @@ SLIME_FLAGS: dict[str, FlagRule] = {
     **_rules(NOT_YET, "--bf16 (or float32, the default)", "fp16 training (loss scaling) is not built", "--fp16"),
     **_rules(NA_NO_EFFECT, "no dropout (lichen's models have none)", "0.0 is the only value lichen runs; "
              "another value is refused", "--attention-dropout", "--hidden-dropout"),
+    **_rules(NA_SHARDING, "adapters on every selected module (one rank holds whole weights)",
+             "slime's exceptions for tensor-parallel-replicated modules; lichen has no tensor parallelism",
+             "--lora-allow-replicated-modules"),
+    **_rules(NA_NO_EFFECT, "ignored", "slime's per-step LoRA gradient diagnostics; the training is the same",
+             "--lora-debug"),
     **_rules(MAPPED, "--gradient-checkpointing", "Megatron's activation recompute", "--recompute-granularity"),
     **_rules(MAPPED, "--lr-warmup-iters = round(fraction x optimizer steps of the run)",
              "Megatron gives warm-up as a fraction of the decay length", "--lr-warmup-fraction"),
