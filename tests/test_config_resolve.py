@@ -30,6 +30,7 @@ def parse(*extra: str, rbs: int = 4, n: int = 2, base: bool = True) -> argparse.
 # The documented defaults are a contract other modules read by dest name.
 DEFAULTS = {
     "seed": 1234, "runtime": "local", "train_backend": "torch", "qwen_gdn_backend": None,
+    "model_impl": "auto", "trust_remote_code": False,
     "train_env_vars": {}, "ref_load": None, "device": "auto", "bf16": False,
     "gradient_checkpointing": False, "num_threads": None, "dry_run": False, "config": None,
     "input_key": "prompt", "label_key": "label", "metadata_key": "metadata", "tool_key": None,

@@ -54,7 +54,6 @@ REJECTIONS = [
     ("runtime-ray-sglang", ["--runtime", "ray", "--rollout-engine-backend", "sglang", "--rollout-num-engines", "1"],
      (), ["--runtime ray with --rollout-engine-backend sglang", "not available yet"], NotAvailableYet),
     ("megatron", ["--train-backend", "megatron"], (), ["--train-backend megatron", "Megatron"], NotAvailableYet),
-    ("qwen-gdn", ["--qwen-gdn-backend", "fla"], (), ["--qwen-gdn-backend", "GatedDeltaNet"], NotAvailableYet),
     ("megatron-to-hf", ["--megatron-to-hf-mode", "raw"], (), ["--megatron-to-hf-mode was removed", "PR #2249"],
      ConfigError),
     ("hf-required", [], ("--hf-checkpoint",), ["--hf-checkpoint is required"], ConfigError),

@@ -2,7 +2,6 @@
 (docs/architecture.md#engine-protocol), checked against
 an in-process full forward of the same checkpoint, plus the OpenAI-compatible endpoints and shutdown."""
 
-import threading
 import time
 
 import pytest
@@ -10,8 +9,10 @@ import torch
 
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.sampler import derive_seed
-from helpers.serve_process import call, launch, stream
-from lichen.models import load_model
+from helpers.serve_checks import (  # noqa: F401  (server, model: fixtures over this module's `both`)
+    full_forward, gen, in_thread, model, server, server_and_reference, wait_running,
+)
+from helpers.serve_process import call, stream
 from lichen.models.tiny import make_tiny_model, token_strings
 from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -21,56 +22,7 @@ T = 0.7
 @pytest.fixture(scope="module")
 def both(tiny_ckpt, tmp_path_factory):
     """The server process (one for the module) and the same checkpoint loaded here; they load concurrently."""
-    log = str(tmp_path_factory.mktemp("serve_log") / "serve.log")
-    proc = launch(tiny_ckpt, "--num-threads", "1", "--health-check-timeout", "3", "--weight-version", "0",
-                  "--weight-dir", str(tmp_path_factory.getbasetemp()), log_path=log, wait=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = load_model(tiny_ckpt)
-        yield proc.wait_ready(), model
-    finally:
-        proc.stop()
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def server(both):
-    return both[0]
-
-
-@pytest.fixture(scope="module")
-def model(both):
-    return both[1]
-
-
-def full_forward(model, ids, temperature):
-    """log p(ids[k] | ids[:k]) for k >= 1: log_softmax(logits / T) of one uncached forward (float64 softmax)."""
-    with torch.no_grad():
-        logits = model.logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0].double()
-    lp = torch.log_softmax(logits / temperature, -1)
-    return [lp[k - 1, t].item() for k, t in enumerate(ids) if k > 0]
-
-
-def gen(server, body, **kw):
-    return call(server.url + "/generate", body, **kw)
-
-
-def in_thread(fn, *args):
-    out = {}
-    th = threading.Thread(target=lambda: out.setdefault("r", fn(*args)), daemon=True)
-    th.start()
-    return th, out
-
-
-def wait_running(server, n=1, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        load = call(server.url + "/v1/loads?include=core")[1]["loads"][0]
-        if load["num_running_reqs"] >= n:
-            return load
-        time.sleep(0.005)
-    raise AssertionError("request never started running")
+    yield from server_and_reference(tiny_ckpt, tmp_path_factory)
 
 
 LONG = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 9}}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 
+
 def required_endpoints(args: argparse.Namespace) -> dict[str, str]:
     """Endpoint path -> the feature (flag) of this run that needs it on every engine server."""
     need = {"/generate": "rollout", "/model_info": "weight-version checks", "/health": "health checks"}
@@ -50,6 +51,7 @@ class EngineConfig:
     required: Mapping[str, str]  # endpoint path -> the feature that needs it
     # launched servers
     device: str
+    model_options: dict  # --model-impl, --trust-remote-code, --qwen-gdn-backend (lichen serve's flags of these names)
     max_batch_size: int | None
     num_threads: int | None
     weight_dir: str | None  # where published weight versions are read from
@@ -81,6 +83,8 @@ class EngineConfig:
             admin_api_key_file=args.rollout_external_engine_admin_api_key_file,
             required=required_endpoints(args),
             device=args.device,
+            model_options={"impl": args.model_impl, "trust_remote_code": args.trust_remote_code,
+                           "gdn_backend": args.qwen_gdn_backend},
             max_batch_size=args.rollout_max_batch_size,
             num_threads=args.num_threads,
             weight_dir=args.update_weight_disk_dir,

@@ -47,9 +47,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--qwen-gdn-backend",
-        choices=["fla", "flashqla"],
+        choices=["fla", "flashqla", "torch"],
         default=None,
-        help="kernel for Qwen GatedDeltaNet linear attention (not available yet; default: not used)",
+        help="kernel for the Gated DeltaNet (linear-attention) layers of Qwen3-Next-style models on the generic HF "
+        "path: fla (flash-linear-attention, CUDA), flashqla (QwenLM/FlashQLA, SM90+; lichen does not bind it yet), "
+        "torch (transformers' reference chunked/recurrent code, runs on CPU; lichen's addition). Default: fla where "
+        "CUDA and the fla package are present, else torch (logged). slime's default is fla",
+    )
+    g.add_argument(
+        "--model-impl",
+        choices=["auto", "lichen", "hf"],
+        default="auto",
+        help="model code for trainer and lichen's engines: lichen (its own llama/qwen2/qwen3, the fast path), hf "
+        "(the generic path: the transformers AutoModelForCausalLM module, generating with transformers' KV cache; "
+        "docs/models.md) or auto (lichen's where it has the type, else hf; logged) (default: auto)",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run code shipped with the checkpoint (config.json auto_map) for model types it does "
+        "not have; off: such a checkpoint is refused (default: off)",
     )
     g.add_argument(
         "--train-env-vars",
@@ -142,11 +159,6 @@ def check(args: argparse.Namespace) -> None:
             "--train-backend megatron is not available yet: lichen has no Megatron backend yet; use --train-backend "
             "torch"
         )
-    if args.qwen_gdn_backend is not None:
-        raise NotAvailableYet(
-            f"--qwen-gdn-backend {args.qwen_gdn_backend} is not available yet: lichen has no Qwen linear-attention "
-            "(GatedDeltaNet) model support yet; drop this flag"
-        )
     args.train_env_vars = parse_env_vars(args.train_env_vars)
     if args.hf_checkpoint is None:
         raise ConfigError(
@@ -154,6 +166,9 @@ def check(args: argparse.Namespace) -> None:
             "make-tiny-model writes a small one)"
         )
     check_hf_dir(args.hf_checkpoint, "--hf-checkpoint")
+    from lichen.models.hf_support import check_model_flags
+
+    check_model_flags(args, args.hf_checkpoint, "--hf-checkpoint")
     if args.ref_load is not None:
         check_hf_dir(args.ref_load, "--ref-load")
     check_int_at_least(args, "num_threads", 1)

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, replace
 
 
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How one batch of samples is drawn from the engines."""
@@ -120,6 +121,7 @@ class RolloutConfig:
 
     hf_checkpoint: str
     device: str
+    model_options: dict  # load_model's impl / trust_remote_code / gdn_backend (--model-impl and friends)
     engine_max_batch_size: int
     use_engine_servers: bool  # --rollout-num-engines or --rollout-external-engine-addrs
     data: DataConfig
@@ -147,6 +149,8 @@ class RolloutConfig:
         return cls(
             hf_checkpoint=args.hf_checkpoint,
             device=args.device,
+            model_options={"impl": args.model_impl, "trust_remote_code": args.trust_remote_code,
+                           "gdn_backend": args.qwen_gdn_backend},
             engine_max_batch_size=args.rollout_max_batch_size,
             use_engine_servers=bool(args.rollout_num_engines or args.rollout_external_engine_addrs),
             data=DataConfig.from_args(args),

@@ -65,6 +65,9 @@ class TrainerConfig:
     critic_load: str | None
     opd_teacher_load: str | None
     device: str
+    model_impl: str  # --model-impl (lichen.models.loading)
+    trust_remote_code: bool
+    qwen_gdn_backend: str | None
     seed: int
     bf16: bool
     gradient_checkpointing: bool
@@ -119,6 +122,12 @@ class TrainerConfig:
     optimizer: OptimizerConfig  # with --use-lora: the adapters' (LoRA's learning rate and weight decay)
     critic_optimizer: OptimizerConfig
     lora: LoraConfig | None  # --use-lora (lichen.train.lora)
+
+    @property
+    def model_options(self) -> dict:
+        """load_model's keyword arguments for the code that runs the model (--model-impl and friends)."""
+        return {"impl": self.model_impl, "trust_remote_code": self.trust_remote_code,
+                "gdn_backend": self.qwen_gdn_backend}
 
     @property
     def needs_ref_model(self) -> bool:

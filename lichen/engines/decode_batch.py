@@ -92,6 +92,20 @@ def context_error(prompt_tokens: int, max_new_tokens: int | None, context_length
     return None
 
 
+def left_padded(seqs: list[Seq], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Each sequence's prompt + output so far, left-padded: (ids [B, P], valid [B, P], position ids, lengths)."""
+    ctx = [s.input_ids + s.output_ids for s in seqs]
+    lens = [len(c) for c in ctx]
+    B, P = len(seqs), max(lens)
+    ids = torch.full((B, P), pad, dtype=torch.long)
+    valid = torch.zeros((B, P), dtype=torch.bool)
+    for i, c in enumerate(ctx):
+        ids[i, P - lens[i]:] = torch.tensor(c, dtype=torch.long)
+        valid[i, P - lens[i]:] = True
+    ids, valid = ids.to(device), valid.to(device)
+    return ids, valid, (valid.long().cumsum(-1) - 1).clamp(min=0), lens
+
+
 def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
     vals, idx = torch.topk(logp_row, min(k, logp_row.shape[-1]))
     return list(zip(vals.tolist(), idx.tolist()))
@@ -141,30 +155,13 @@ class DecodeBatch:
 
         Returns the ones already finished: no token budget left (scoring requests, `max_new_tokens` 0).
         """
-        finished = []
-        todo = []
-        for s in seqs:
-            if not s.input_ids:
-                raise ValueError("input_ids cannot be empty.")
-            if s.remaining <= 0 and not (s.input_logprob_start >= 0 and s.input_logprobs is None):
-                self._finish(s, ("length", len(s.output_ids)), version)
-                finished.append(s)
-            else:
-                todo.append(s)
+        finished, todo = self._admit(seqs, version)
         if not todo:
             return finished
         p = next(self.model.parameters())
         dev, dtype = p.device, p.dtype
-        ctx = [s.input_ids + s.output_ids for s in todo]
-        lens = [len(c) for c in ctx]
-        B, P = len(todo), max(lens)
-        ids = torch.full((B, P), self.pad, dtype=torch.long)
-        valid = torch.zeros((B, P), dtype=torch.bool)
-        for i, c in enumerate(ctx):
-            ids[i, P - lens[i]:] = torch.tensor(c, dtype=torch.long)
-            valid[i, P - lens[i]:] = True
-        ids, valid = ids.to(dev), valid.to(dev)
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        ids, valid, pos, lens = left_padded(todo, self.pad, dev)
+        B, P = ids.shape
         mask = None
         if not bool(valid.all()):  # causal & real keys; a pad query may see itself so its softmax row is never empty
             causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
@@ -195,6 +192,19 @@ class DecodeBatch:
             live = [j for j, s in enumerate(self.rows) if s.finish is None]
             self._rebuild([self._current_part(live), part] if live else [part])
         return finished
+
+    def _admit(self, seqs: list[Seq], version: str) -> tuple[list[Seq], list[Seq]]:
+        """(already finished: nothing to generate or score, to prefill)."""
+        finished, todo = [], []
+        for s in seqs:
+            if not s.input_ids:
+                raise ValueError("input_ids cannot be empty.")
+            if s.remaining <= 0 and not (s.input_logprob_start >= 0 and s.input_logprobs is None):
+                self._finish(s, ("length", len(s.output_ids)), version)
+                finished.append(s)
+            else:
+                todo.append(s)
+        return finished, todo
 
     def _score_prompt(self, s: Seq, h: torch.Tensor) -> None:
         """log p(prompt[j] | prompt[:j]) for j > start, under log_softmax(logits / T). Position `start` itself

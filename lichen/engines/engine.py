@@ -66,12 +66,15 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, device="cpu", dtype=torch.float32, **kwargs) -> "Engine":
+    def from_pretrained(cls, model_dir: str, *, device="cpu", dtype=torch.float32, model_options: dict | None = None,
+                        **kwargs) -> "Engine":
+        """`model_options`: load_model's impl / trust_remote_code / gdn_backend (--model-impl and friends)."""
         from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 
-        tok = load_tokenizer(model_dir)
+        options = model_options or {}
+        tok = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        model = load_model(model_dir, device=device, dtype=dtype)
+        model = load_model(model_dir, device=device, dtype=dtype, **options)
         return cls(model, eos_token_ids=eos_token_ids(tok, model_dir), pad_token_id=pad, **kwargs)
 
     # ---- weights ------------------------------------------------------------------------------------------
@@ -94,6 +97,11 @@ class Engine:
         from lichen.errors import UserError
         from lichen.weights.hf_io import load_hf_state_dict
 
+        if getattr(self.model, "is_hf", False):  # the generic HF path reads through from_pretrained
+            try:
+                return self.model.read_state(model_dir, self.dtype)
+            except (OSError, UserError, ValueError, KeyError) as e:
+                raise ValueError(f"cannot load {model_dir!r}: {e}") from e
         try:
             cfg = ModelConfig.from_pretrained(model_dir)
             state = load_hf_state_dict(model_dir, device="cpu", dtype=self.dtype)
@@ -145,6 +153,10 @@ class Engine:
                    stop_ids=stop_ids(r.ignore_eos, self.eos_token_ids, r.stop_token_ids))
 
     def new_batch(self, stop_text=None) -> DecodeBatch:
+        if getattr(self.model, "is_hf", False):
+            from lichen.engines.hf_decode import HFDecodeBatch
+
+            return HFDecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
         return DecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:

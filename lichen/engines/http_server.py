@@ -194,7 +194,12 @@ class LichenServer:
 
     # ---- app ----------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth, self._shield], client_max_size=256 * 1024**2)
+        middlewares = [self._errors, self._auth, self._shield]
+        if getattr(self.engine.model, "is_hf", False):  # the generic HF path refuses what it has not been tested with
+            from lichen.engines.hf_serve import refuse_untested
+
+            middlewares.append(refuse_untested)
+        app = web.Application(middlewares=middlewares, client_max_size=256 * 1024**2)
         r = app.router
         for method in ("POST", "PUT"):
             r.add_route(method, "/generate", self.generate)

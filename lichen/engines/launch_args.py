@@ -11,14 +11,15 @@ import os
 from typing import Any
 
 from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
+from lichen.engines.model_args import launch_model_args
 from lichen.key_files import resolve_key
 
 
 def launch_server_args(cfg: Any) -> list[str]:
     """`lichen serve` flags for launched engines (`cfg` an EngineConfig): the trainer's device and dtype (float32,
-    as the in-process engine), the batch cap, the CPU threads split between the engines, the run's weight
+    as the in-process engine) and model code (--model-impl and friends), the batch cap, the CPU threads split between the engines, the run's weight
     directories (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
-    out = ["--device", str(cfg.device or "auto"), "--dtype", "float32"]
+    out = ["--device", str(cfg.device or "auto"), "--dtype", "float32", *launch_model_args(getattr(cfg, "model_options", None))]
     if cfg.max_batch_size:
         out += ["--max-batch-size", str(cfg.max_batch_size)]
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_engines)

@@ -27,9 +27,11 @@ import sys
 
 from lichen.devices import resolve_device
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
+from lichen.engines.model_args import add_model_impl_args
 from lichen.engines.tool_parsers import load_parser
 from lichen.errors import ConfigError
 from lichen.key_files import resolve_key
+from lichen.models.hf_support import check_model_flags, model_options
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Work bounds (lichen.engines.limits), sized from what a training step asks of one engine: slime's scripts send up
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<tool_call>{json}</tool_call>), none (requests with tools are refused), or a dotted path to "
                         "a parser factory (docs/agentic.md; default hermes)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_model_impl_args(p)
     return p
 
 
@@ -135,6 +138,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--model {args.model!r}: no such directory; pass a Hugging Face checkpoint directory "
                           "(`lichen make-tiny-model DIR` writes a small one)")
     check_model_limits(args)
+    check_model_flags(args, args.model, "--model")
     args.tool_parser = load_parser(args.tool_call_parser)
 
 
@@ -175,8 +179,8 @@ def load_server(args: argparse.Namespace):
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)
-    tok = load_tokenizer(args.model)
-    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    tok = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype), **model_options(args))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     engine = Engine(model, eos_token_ids=eos_token_ids(tok, args.model), pad_token_id=pad,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version)

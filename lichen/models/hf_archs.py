@@ -64,6 +64,7 @@ def hf_config(arch: str, *, hidden_size: int, num_layers: int, num_heads: int, n
         fields["qk_rope_head_dim"] = fields["head_dim"] = head_dim // 2
         fields["qk_nope_head_dim"] = head_dim // 2
         fields["v_head_dim"] = head_dim
+        fields["num_key_value_heads"] = num_heads  # MLA has no grouped kv heads; fewer breaks masked attention
     if model_type == "gpt_oss":
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
         fields["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]

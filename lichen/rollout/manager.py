@@ -99,7 +99,8 @@ class RolloutManager:
             engine = RemoteEngines.from_config(engine_cfg)  # launched or external servers; close() stops launched
         if engine is None:
             engine = Engine.from_pretrained(cfg.hf_checkpoint, device=resolve_device(cfg.device),
-                                            max_batch_size=cfg.engine_max_batch_size)
+                                            max_batch_size=cfg.engine_max_batch_size,
+                                            model_options=cfg.model_options)
         ctx.engine = engine
         ctx.reward_fn = build_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward,
                                         group=cfg.reward.group_rm)

@@ -48,8 +48,8 @@ from lichen.types import Sample
 log = get_logger(__name__)
 
 
-def _frozen_model(path: str, device: torch.device):
-    model = load_model(path, device=device, dtype=torch.float32)
+def _frozen_model(path: str, device: torch.device, options: dict | None = None):
+    model = load_model(path, device=device, dtype=torch.float32, **(options or {}))
     return model.eval().requires_grad_(False)
 
 
@@ -72,13 +72,13 @@ class TrainActor:
         tok = load_tokenizer(cfg.hf_checkpoint)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # fp32 master weights; --bf16 runs the forward/backward under autocast.
-        self.model = load_model(cfg.hf_checkpoint, device=self.device, dtype=torch.float32)
+        self.model = load_model(cfg.hf_checkpoint, device=self.device, dtype=torch.float32, **cfg.model_options)
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.model.train()
         if cfg.lora is not None:
             self._apply_lora()
         self.ref_model = self._reference_model() if cfg.needs_ref_model else None
-        self.teacher_model = _frozen_model(cfg.opd_teacher_load, self.device) if cfg.use_opd else None
+        self.teacher_model = _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options) if cfg.use_opd else None
         opt = cfg.optimizer  # with --use-lora: the adapters' learning rate and weight decay
         self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad], lr=opt.lr,
                                     betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
@@ -119,7 +119,7 @@ class TrainActor:
         """A frozen copy of --ref-load (or --hf-checkpoint); with --use-lora the policy module with its adapters
         disabled (the base weights never train, so no second model is needed)."""
         if self.cfg.lora is None:
-            return _frozen_model(self.cfg.ref_load or self.cfg.hf_checkpoint, self.device)
+            return _frozen_model(self.cfg.ref_load or self.cfg.hf_checkpoint, self.device, self.cfg.model_options)
         from lichen.train.lora import ReferencePolicy
 
         return ReferencePolicy(self.model)
