@@ -1,10 +1,13 @@
-"""`lichen serve` engines started by Ray actors on their placement bundles.
+"""Engine servers started by Ray actors on their placement bundles: `lichen serve`, or SGLang with
+`--rollout-engine-backend sglang`.
 
-Each `EngineHost` actor sits on its engine's first bundle and runs one server through lichen.engines.launcher
-(so the server dies with its actor, logs under <output>/engines/engine_<i>/, gets its keys through the
-environment). The server sees the GPUs of all its bundles (CUDA_VISIBLE_DEVICES; on a CPU host these are Ray's
-declared GPUs, which CPU torch ignores). It binds 127.0.0.1 when it runs on the driver's node, else its node's
-address.
+Each `EngineHost` actor sits on its engine's first bundle and runs one server through lichen.engines.launcher or
+lichen.engines.sglang_launcher (so the server dies with its actor, logs under <output>/engines/engine_<i>/, gets
+its keys through the environment). The server sees the GPUs of all its bundles (`engine_env`:
+CUDA_VISIBLE_DEVICES; on a CPU host these are Ray's declared GPUs, which CPU torch ignores), so an SGLang engine
+starts at the first of them, `--base-gpu-id 0`, with `--tp-size` its GPU count (`sglang_command`). It binds
+127.0.0.1 when it runs on the driver's node, else its node's address. SGLang takes one key on every endpoint, so
+its engines get no separate admin key.
 
 `RayEngineSet` is the driver's handle on them with the launcher interface RemoteEngines and the health monitor
 use (`start`, `stop`, `restart(i)`, `api_key`, `admin_api_key`, `ready_timeout`): fault tolerance works as with
@@ -18,13 +21,30 @@ from typing import Any
 
 from lichen.cluster.runtime import RayCluster
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
+from lichen.engines.sglang_launcher import build_sglang_command
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
 
 ENGINE_GPU_SHARE = 0.2  # slime's share: fits next to a trainer rank (0.4) on a colocated bundle
 READY_TIMEOUT_S = 300.0
+SGLANG_READY_TIMEOUT_S = 1800.0  # SGLang's start-up (weights, CUDA graphs) takes minutes on large models
 PROBE_READ_BYTES = 256  # the sync directory's probe file holds a 32-character token
+
+
+def engine_env(keys: dict[str, str], gpu_ids: list[int]) -> dict[str, str]:
+    """The environment of an engine's server: the run's keys and the GPUs of all the engine's bundles."""
+    return {**keys, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids)}
+
+
+def sglang_command(cfg: Any, *, port: int, host: str, python: str | None = None) -> list[str]:
+    """The SGLang command an engine's actor runs (`cfg` an EngineConfig): its server sees only its own GPUs
+    (engine_env), so every engine starts at GPU 0 of them, whatever its index in the run."""
+    return build_sglang_command(cfg, engine_index=0, port=port, host=host, python=python)
+
+
+def _backend(cfg: Any) -> str:
+    return getattr(cfg, "backend", "lichen")
 
 
 class EngineHostImpl:
@@ -49,12 +69,28 @@ class EngineHostImpl:
 
         cfg = self.cfg
         ip = ray.util.get_node_ip_address()
+        host = "127.0.0.1" if ip == self.driver_ip else ip
         log_dir = os.path.join(cfg.log_dir, f"engine_{self.index}") if cfg.log_dir else None
-        env = {**self.keys, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpu_ids)}
-        self.launcher = EngineLauncher(cfg.model_path, 1, host="127.0.0.1" if ip == self.driver_ip else ip,
-                                       server_args=launch_server_args(cfg), log_dir=log_dir,
-                                       ready_timeout=READY_TIMEOUT_S, env=env, keyed=False)
+        env = engine_env(self.keys, self.gpu_ids)
+        if _backend(cfg) == "sglang":
+            self.launcher = self._sglang_launcher(host, env, log_dir)
+        else:
+            self.launcher = EngineLauncher(cfg.model_path, 1, host=host, server_args=launch_server_args(cfg),
+                                           log_dir=log_dir, ready_timeout=READY_TIMEOUT_S, env=env, keyed=False)
         return self.launcher.start()[0]
+
+    def _sglang_launcher(self, host: str, env: dict[str, str], log_dir: str | None) -> Any:
+        import tempfile
+
+        from lichen.engines.sglang_launcher import SGLangLauncher
+
+        cfg = self.cfg
+        launcher = SGLangLauncher(lambda _i, port: sglang_command(cfg, port=port, host=host), 1,
+                                  log_dir=log_dir or tempfile.mkdtemp(prefix="lichen-sglang-"), host=host,
+                                  ready_timeout=SGLANG_READY_TIMEOUT_S, env=env, keyed=True)
+        # the run's key, the same on every engine (RemoteEngines sends one), instead of one of this launcher's own
+        launcher.api_key = launcher.env[SERVE_KEY_ENV] = self.keys[SERVE_KEY_ENV]
+        return launcher
 
     def restart(self) -> str:
         return self.launcher.restart(0)
@@ -84,14 +120,17 @@ class RayEngineSet:
         import ray
 
         self.cluster, self.cfg = cluster, cfg
-        self.api_key, self.admin_api_key = new_key(), new_key()
-        self.ready_timeout = READY_TIMEOUT_S
+        sglang = _backend(cfg) == "sglang"
+        self.api_key, self.admin_api_key = new_key(), None if sglang else new_key()
+        self.ready_timeout = SGLANG_READY_TIMEOUT_S if sglang else READY_TIMEOUT_S
         self._host_cls = ray.remote(EngineHostImpl)
         self.actors: list[Any] = [self._make(i) for i in range(len(cluster.placement.engines))]
 
     def _make(self, i: int) -> Any:
         bundles = self.cluster.placement.engines[i]
-        keys = {SERVE_KEY_ENV: self.api_key, SERVE_ADMIN_KEY_ENV: self.admin_api_key}
+        keys = {SERVE_KEY_ENV: self.api_key}
+        if self.admin_api_key:
+            keys[SERVE_ADMIN_KEY_ENV] = self.admin_api_key
         # no runtime_env: --train-env-vars are the trainer's only
         return self._host_cls.options(num_cpus=0, num_gpus=ENGINE_GPU_SHARE,
                                       scheduling_strategy=self.cluster.strategy(bundles[0])).remote(

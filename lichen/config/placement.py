@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError, NotAvailableYet
+from lichen.errors import ConfigError
 
 _RAY_ONLY = ("ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus")
 
@@ -94,9 +94,6 @@ def _check_ray(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: give a whole number >= 1")
     if args.rollout_external_engine_addrs is not None or args.debug_train_only:
         return
-    if args.rollout_engine_backend != "lichen":
-        raise NotAvailableYet("--runtime ray with --rollout-engine-backend sglang is not available yet: Ray starts "
-                              "lichen serve engines; use --rollout-engine-backend lichen, or --runtime local")
     per_engine = args.rollout_num_gpus_per_engine or 1
     if args.rollout_num_gpus is None:
         if args.rollout_num_engines:
