@@ -156,6 +156,8 @@ DIFFERS: dict[str, str] = {
     **{flag: "names Hugging Face modules: slime's presets mapped, its Megatron regexes translated where one HF "
        "module matches, routed-expert targets refused, MLA projections adapted (docs/lora.md#targets)"
        for flag in ("--lora-target-preset", "--lora-target-modules", "--lora-exclude-modules")},
+    "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
+    "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }
 LOCAL_RUNTIME_ONLY = ("--train-env-vars", "--colocate")  # with --runtime ray these have slime's meaning
 
