@@ -105,10 +105,19 @@ def test_checked_non_shape_mismatch_only_warns(base):
     assert not any(r.stops for r in args._slime_rows)
 
 
-def test_checked_unsupported_model_type_stops(base, tmp_path):
+def test_checked_model_type_outside_lichens_code_runs_on_the_hf_path(base, tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**TINY, "model_type": "gpt_oss"}))
-    message, _ = failure(base + ["--num-layers", "2"])
-    assert "model_type 'gpt_oss' is not implemented by lichen yet" in message
+    args, tables = parse(base + ["--num-layers", "2"])
+    row = rows_of(args)["model_type"]
+    assert row.cls == MAPPED and row.values == ["gpt_oss"] and "--model-impl hf" in row.lichen
+    assert not any(r.stops for r in args._slime_rows)
+
+
+def test_checked_model_type_nothing_can_load_stops(base, tmp_path):
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**TINY, "model_type": "frobnicate"}))
+    message, tables = failure(base + ["--num-layers", "2"])
+    assert "has no causal-LM class for model_type 'frobnicate'" in message
+    assert f"{NOT_YET} | model_type frobnicate" in tables[0]
 
 
 def test_not_applicable_sharding_and_no_effect_are_accepted(base):

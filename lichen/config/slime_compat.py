@@ -215,31 +215,48 @@ def finish(out: Scan, args: argparse.Namespace) -> None:
             _row(out, "--lr-warmup-fraction").lichen = f"--lr-warmup-iters {args.lr_warmup_iters}"
         else:
             _not_yet(_row(out, "--lr-warmup-fraction"), "needs --num-rollout (the run length in steps)")
-    _check_model(out, args.hf_checkpoint)
+    _check_model(out, args)
 
 
 def _row(out: Scan, flag: str) -> Row:
     return next(r for r in out.rows if r.flag == flag)
 
 
-def _check_model(out: Scan, hf_dir: str | None) -> None:
+def _check_model(out: Scan, args: argparse.Namespace) -> None:
     checked = [r for r in out.rows if r.cls == CHECKED]
     if not checked:
         return
+    hf_dir = args.hf_checkpoint
     config = _read_config(hf_dir)
     if config is None:
         for row in checked:
             row.note = "not compared: no readable config.json under --hf-checkpoint"
         return
-    from lichen.models.config import SUPPORTED_MODEL_TYPES
-
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        out.rows.append(Row("model_type", [str(model_type)], NOT_YET, ", ".join(SUPPORTED_MODEL_TYPES),
-                            f"{hf_dir}/config.json: model_type {model_type!r} is not implemented by lichen yet "
-                            f"(it runs {', '.join(SUPPORTED_MODEL_TYPES)})"))
+    _model_type_row(out, config, args)
     for row in checked:
         row.note, row.blocking = check_flag(row.flag, row.values, config, hf_dir or "")
+
+
+def _model_type_row(out: Scan, config: dict, args: argparse.Namespace) -> None:
+    """A row for a model type outside lichen's own code: the generic HF path runs it (mapped), or nothing can (not
+    available yet, with the model check's reason)."""
+    from lichen.errors import ConfigError
+    from lichen.models.config import SUPPORTED_MODEL_TYPES
+    from lichen.models.hf_support import check_loadable
+
+    model_type = config.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES and args.model_impl != "hf":
+        return
+    try:
+        impl = check_loadable(config, f"{args.hf_checkpoint}/config.json", impl=args.model_impl,
+                              trust_remote_code=args.trust_remote_code)
+    except ConfigError as e:
+        out.rows.append(Row("model_type", [str(model_type)], NOT_YET, ", ".join(SUPPORTED_MODEL_TYPES), str(e)))
+        return
+    if impl == "hf":
+        out.rows.append(Row("model_type", [str(model_type)], MAPPED, "--model-impl hf (transformers' "
+                            "AutoModelForCausalLM)", f"lichen's own code covers {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                            "this type runs on the generic HF path (docs/models.md)"))
 
 
 def _read_config(hf_dir: str | None) -> dict | None:
