@@ -299,7 +299,9 @@ def _sync_ns(**over) -> argparse.Namespace:
         update_weight_mode="full", update_weight_transport="nccl", update_weight_disk_dir=None,
         update_weight_local_checkpoint_dir=None, update_weight_buffer_size=1, update_weight_full_interval=None,
         colocate=False, rollout_num_engines=2, rollout_external_engine_addrs=None,
-        async_train=False, update_weights_interval=1,  # the --async flags live in the sync group
+        # the --async / --fully-async flags live in the sync group
+        async_train=False, update_weights_interval=1, fully_async=False, max_staleness=None,
+        max_staleness_action="drop",
         _explicit={"update_weight_mode", "update_weight_transport"},
     )
     for key, value in over.items():
