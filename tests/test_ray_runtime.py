@@ -78,6 +78,24 @@ def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_8_gpus):
         assert e["cuda_visible_devices"] == ranks[2 * i]["cuda_visible_devices"]
 
 
+def test_offload_train_on_cuda_preloads_the_memory_saver_in_trainer_actors_only(ray_8_gpus, monkeypatch, tmp_path):
+    """The hook's library is a stand-in (an empty file: the dynamic loader warns and ignores it); what is checked is
+    the environment each actor starts with (lichen.cluster.train_env)."""
+    lib = tmp_path / "torch_memory_saver_hook_mode_preload_cu12.abi3.so"
+    lib.write_bytes(b"")
+    monkeypatch.setattr("lichen.cluster.actor_group.memory_saver_hook", lambda: str(lib))
+    cluster = RayCluster(_cfg(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, device="cuda",
+                              offload_train=True))
+    try:
+        ranks, engines = _seen(cluster)
+    finally:
+        cluster.close()
+    for r in ranks:
+        assert r["env"] == {"LICHEN_TEST_TRAIN": "1", "LD_PRELOAD": str(lib), "TMS_INIT_ENABLE": "1",
+                            "TMS_INIT_ENABLE_CPU_BACKUP": "1", "NCCL_CUMEM_ENABLE": "0"}
+    assert all(e["env"] == {} for e in engines)  # engines: SGLang's own memory saver, through its flag
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--ray-address", "127.0.0.1:6379"], "--ray-address places Ray actors; add --runtime ray"),
     (["--runtime", "ray"], "--runtime ray: give --rollout-num-gpus R"),

@@ -18,6 +18,7 @@ import socket
 from typing import Any, Iterator
 
 from lichen.cluster.runtime import RayCluster
+from lichen.cluster.train_env import memory_saver_hook, train_runtime_env
 from lichen.errors import ConfigError, RunError, UserError
 from lichen.observe.metrics import get_logger
 
@@ -51,7 +52,7 @@ class TrainRankImpl:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "port": _free_port(), "pid": os.getpid(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "env": {k: v for k, v in os.environ.items() if k.startswith("LICHEN_TEST_")}}
+                "env": reported_env()}
 
     def setup(self, cfg: Any, plugin_args: Any, rank: int, world_size: int, master_addr: str, master_port: int,
               backend: str | None, trainer_path: str = TRAINER) -> None:
@@ -84,6 +85,20 @@ def _rollout_id(method: str, args: tuple) -> int | None:
     return args[where] if where is not None and len(args) > where else None
 
 
+def reported_env() -> dict[str, str]:
+    """The variables of an actor's environment that tests check: their own, and the memory saver's hook."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(("LICHEN_TEST_", "TMS_")) or k in ("LD_PRELOAD", "NCCL_CUMEM_ENABLE")}
+
+
+def _memory_saver_lib(ccfg: Any) -> str | None:
+    """torch_memory_saver's hook for the ranks with --offload-train on CUDA (lichen.cluster.train_env), else None."""
+    import torch
+
+    on_cuda = ccfg.device == "cuda" or (ccfg.device == "auto" and torch.cuda.is_available())
+    return memory_saver_hook() if ccfg.offload_train and on_cuda else None
+
+
 def rank_actor_cls():
     import ray
 
@@ -98,8 +113,7 @@ class RayTrainGroup:
         import ray
 
         self.cluster = cluster
-        ccfg = cluster.cfg
-        env = {"env_vars": dict(ccfg.train_env_vars)} if ccfg.train_env_vars else {}
+        env = train_runtime_env(cluster.cfg.train_env_vars, _memory_saver_lib(cluster.cfg))
         cls = rank_actor_cls()
         self.actors = [cls.options(num_cpus=0, num_gpus=RANK_GPU_SHARE, runtime_env=env,
                                    scheduling_strategy=cluster.strategy(b)).remote()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lichen.cluster.actor_group import reported_env
 from lichen.cluster.runtime import RayCluster
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
 from lichen.engines.sglang_launcher import build_sglang_command
@@ -59,7 +60,7 @@ class EngineHostImpl:
 
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "env": {k: v for k, v in os.environ.items() if k.startswith("LICHEN_TEST_")}}
+                "env": reported_env()}
 
     def start(self) -> str:
         import ray

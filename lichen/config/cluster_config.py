@@ -25,6 +25,7 @@ class ClusterConfig:
     external_engines: bool
     device: str  # the trainer's --device: cpu, cuda or auto
     train_env_vars: Mapping[str, str] = field(default_factory=dict)  # the trainer actors' runtime_env only
+    offload_train: bool = False  # on CUDA: torch_memory_saver's hook in the trainer actors (lichen.cluster.train_env)
 
     @property
     def world_size(self) -> int:
@@ -44,4 +45,5 @@ class ClusterConfig:
             external_engines=args.rollout_external_engine_addrs is not None,
             device=args.device,
             train_env_vars=dict(args.train_env_vars or {}),
+            offload_train=bool(args.offload_train),
         )

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from lichen.config.train_config import TrainerConfig
 from lichen.devices import resolve_device
 from lichen.errors import ConfigError
-from lichen.train import fsdp
+from lichen.train import fsdp, memory_saver
 from lichen.train.actor import TrainActor
 from lichen.train.checkpoint import LATEST, iter_dir
 from lichen.train.ckpt_integrity import (CheckpointDamaged, atomic_write_text, checkpoint_files, file_entries,
@@ -135,11 +135,19 @@ class DistTrainer:
         return self.actor.train(rollout_id, batch)
 
     def offload(self) -> None:
-        """TrainActor.offload on this rank's shards: a no-op on CPU. (On CUDA not yet measured with FSDP2.)"""
-        self.actor.offload()
+        """Release this rank's GPU memory: through torch_memory_saver when the rank was started with its hook
+        (lichen.train.memory_saver), else TrainActor.offload's copies of this rank's shards; a no-op on CPU.
+        (On CUDA not yet measured with FSDP2.)"""
+        if memory_saver.memory_saver_active():
+            memory_saver.pause()
+        else:
+            self.actor.offload()
 
     def onload(self) -> None:
-        self.actor.onload()
+        if memory_saver.memory_saver_active():
+            memory_saver.resume()
+        else:
+            self.actor.onload()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Rank 0: the full weights under their HF names, on CPU (weight sync, HF export); other ranks: None.
