@@ -61,3 +61,33 @@ def test_two_steps_parity_sync_and_export(ckpts, addition_data, tmp_path, arch):
         assert torch.equal(reloaded.eval()(ids).logits, strict.eval()(ids).logits)
     assert json.load(open(export / "config.json"))["model_type"] == json.load(
         open(f"{ckpts[arch]}/config.json"))["model_type"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_next"])  # attention, sliding window, linear attention
+def test_packed_rows_equal_separate_forwards(ckpts, arch):
+    """The trainer packs several samples into one row with a block-diagonal mask (lichen.train.micro_batches); the
+    HF path runs each sample alone, so a packed sample's hidden states are those of its own forward."""
+    from lichen.models.loading import load_model
+
+    model = load_model(ckpts[arch], impl="hf")
+    samples = [[5, 9, 13, 2, 40, 41, 42], [7, 8, 60, 61], [30, 31, 32, 33, 34]]
+    T = 18  # two rows: samples 0+1 (and 7 pads), sample 2 (and 13 pads)
+    rows = [[0, 1], [2]]
+    ids = torch.zeros((2, T), dtype=torch.long)
+    pos = torch.zeros((2, T), dtype=torch.long)
+    seg = torch.full((2, T), -1)
+    where = {}
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            n = len(samples[i])
+            ids[r, off:off + n], pos[r, off:off + n], seg[r, off:off + n] = torch.tensor(samples[i]), torch.arange(n), i
+            where[i] = (r, off, n)
+            off += n
+    mask = ((seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    with torch.no_grad():
+        packed = model(ids, pos, attn_mask=mask)
+        for i, sample in enumerate(samples):
+            r, off, n = where[i]
+            alone = model(torch.tensor([sample]), torch.arange(n)[None])[0]
+            assert (packed[r, off:off + n] - alone).abs().max() <= 1e-5, i
