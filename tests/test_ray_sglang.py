@@ -104,3 +104,25 @@ def test_two_tensor_parallel_sglang_engines_started_by_ray_actors(ray_with_fake_
     finally:
         engines.stop()
         cluster.close()
+
+
+def test_the_8_gpu_qwen3_example_resolves(tiny_ckpt, addition_data, tmp_path):
+    """examples/ray_gpu_qwen3_8gpus.sh with DRY_RUN=1 (any machine): every flag parses and the layout is the one its
+    header describes."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DRY_RUN": "1", "DEVICE": "cpu", "MODEL_DIR": tiny_ckpt, "DATA": addition_data,
+           "EVAL_DATA": addition_data, "WORK": str(tmp_path), "LICHEN": os.path.join(os.path.dirname(sys.executable),
+                                                                                       "lichen")}
+    run = subprocess.run(["bash", os.path.join(repo, "examples", "ray_gpu_qwen3_8gpus.sh")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    resolved = dict(line.split(": ", 1) for line in run.stdout.splitlines() if ": " in line)
+    assert {k: resolved[k] for k in ("runtime", "colocate", "actor_num_gpus_per_node", "rollout_num_gpus",
+                                     "rollout_num_engines", "rollout_num_gpus_per_engine", "rollout_engine_backend",
+                                     "offload_train", "offload_rollout", "update_weight_transport")} == {
+        "runtime": "ray", "colocate": "true", "actor_num_gpus_per_node": "8", "rollout_num_gpus": "8",
+        "rollout_num_engines": "4", "rollout_num_gpus_per_engine": "2", "rollout_engine_backend": "sglang",
+        "offload_train": "true", "offload_rollout": "true", "update_weight_transport": "disk"}
