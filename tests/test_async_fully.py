@@ -240,6 +240,9 @@ def test_fully_async_resume_loses_and_repeats_no_prompt(tiny_ckpt, addition_data
     second = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "4", "--load", save, *common))
     assert [m["step"] for m in first if "train/loss" in m] == [1, 2]
     assert [m["step"] for m in second if "train/loss" in m] == [3, 4]
+    for m in first + second:  # the off-policy picture of every step
+        assert {"train/staleness_mean", "train/staleness_max", "train/train_rollout_logprob_abs_diff",
+                "rollout/fully_async_stale_dropped", "rollout/fully_async_aborted_requests"} <= set(m), m["step"]
     trained = [s["metadata"]["prompt_index"] for k in range(4) for s in dumped_samples(dump.format(rollout_id=k))
                if s["index"] % 4 == 0]  # one sample per group (4 samples per prompt)
     state = ckpt.load_rollout_state(save, 3)
