@@ -91,3 +91,12 @@ def test_packed_rows_equal_separate_forwards(ckpts, arch):
             r, off, n = where[i]
             alone = model(torch.tensor([sample]), torch.arange(n)[None])[0]
             assert (packed[r, off:off + n] - alone).abs().max() <= 1e-5, i
+
+
+def test_ppo_critic_on_the_hf_path(ckpts, addition_data, tmp_path):
+    """--advantage-estimator ppo: the critic's backbone is the HF module too (its value head reads hidden_size)."""
+    rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "out", "--num-rollout", "2",
+                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
+                         "6", "--advantage-estimator", "ppo"))
+    train = [r for r in rows if "train/loss" in r]
+    assert len(train) == 2 and max(r["train/train_rollout_logprob_abs_diff"] for r in train) <= PARITY

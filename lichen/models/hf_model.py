@@ -36,6 +36,7 @@ class HFModelInfo:
     max_position_embeddings: int
     tie_word_embeddings: bool
     num_layers: int
+    hidden_size: int  # the width of the hidden states forward() returns (the PPO critic's value head reads it)
     # Nominal attention shape, for the server's KV-capacity estimate only (MLA and linear-attention layers store
     # less per token than this says).
     num_kv_heads: int
@@ -48,7 +49,7 @@ class HFModelInfo:
         return cls(model_type=config.model_type, vocab_size=text.vocab_size,
                    max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 4096),
                    tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                   num_layers=int(getattr(text, "num_hidden_layers", 0)),
+                   num_layers=int(getattr(text, "num_hidden_layers", 0)), hidden_size=int(text.hidden_size),
                    num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads))
 

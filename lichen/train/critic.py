@@ -47,7 +47,8 @@ class Critic:
 
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        backbone = load_model(cfg.critic_load or cfg.hf_checkpoint, device=device, dtype=torch.float32)
+        backbone = load_model(cfg.critic_load or cfg.hf_checkpoint, device=device, dtype=torch.float32,
+                              **cfg.model_options)
         backbone.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = ValueModel(backbone).to(device)
         self.model.train()
