@@ -60,15 +60,16 @@ def test_reference_is_the_base_model_and_merged_weights_are_the_policy(tiny_ckpt
     assert (policy - ref).abs().max().item() > 1e-4  # the adapters changed the policy: the checks can fail
 
 
-@pytest.mark.parametrize("engines", [[], ["--rollout-num-engines", "1"]], ids=["in-process", "lichen-serve"])
+@pytest.mark.parametrize("engines", [[], ["--rollout-num-engines", "1"], ["--model-impl", "hf"]],
+                         ids=["in-process", "lichen-serve", "hf-module"])
 def test_engines_serve_the_merged_policy(tiny_ckpt, addition_data, tmp_path, launched, engines):
-    """The engines (in process, or a launched `lichen serve`) get merged full weights each step: the rollout's
-    log-probs equal the trainer's (unmerged forward), and --check-weight-update-equal finds the engine's weights
-    equal to the trainer's merged ones."""
+    """The engines (in process, or a launched `lichen serve`; lichen's model code or transformers' module) get
+    merged full weights each step: the rollout's log-probs equal the trainer's (unmerged forward), and
+    --check-weight-update-equal finds the engine's weights equal to the trainer's merged ones."""
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "4", "--micro-batch-size", "4",
                          "--check-weight-update-equal", "--save", str(tmp_path / "c"), *LORA, "--lr", "0.05",
                          *engines))
-    assert len(launched) == len(engines) // 2
+    assert len(launched) == int("--rollout-num-engines" in engines)
     for m in rows:
         assert m["train/train_rollout_logprob_abs_diff"] <= 1e-5
     base, trained = load_hf_state_dict(tiny_ckpt), final_weights(tmp_path / "c")
