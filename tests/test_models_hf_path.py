@@ -100,3 +100,16 @@ def test_ppo_critic_on_the_hf_path(ckpts, addition_data, tmp_path):
                          "6", "--advantage-estimator", "ppo"))
     train = [r for r in rows if "train/loss" in r]
     assert len(train) == 2 and max(r["train/train_rollout_logprob_abs_diff"] for r in train) <= PARITY
+
+
+def test_launched_engine_with_disk_sync(ckpts, addition_data, tmp_path, launched):
+    """A launched `lichen serve` engine on the HF path, weights synced through disk versions (the module layout
+    the trainer writes, read back through from_pretrained)."""
+    rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "out", "--num-rollout", "2",
+                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
+                         "6", "--rollout-num-engines", "1", "--update-weight-transport", "disk",
+                         "--update-weight-disk-dir", str(tmp_path / "w"), "--num-threads", "1"))
+    train = [r for r in rows if "train/loss" in r]
+    assert len(launched) == 1 and len(train) == 2
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in train) <= PARITY
+    assert [r["sync/weight_version"] for r in train] == [1, 2]
