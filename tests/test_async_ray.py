@@ -1,5 +1,5 @@
-"""`--async` with `--runtime ray` (docs/async.md): the one-step off-policy driver over Ray's trainer ranks and
-engine actors. One run, since a Ray run is slow on this machine."""
+"""`--async` and `--fully-async` with `--runtime ray` (docs/async.md): the asynchronous drivers over Ray's trainer
+ranks and engine actors. One run each, since a Ray run is slow on this machine."""
 
 from __future__ import annotations
 
@@ -38,3 +38,16 @@ def test_async_over_ray_two_ranks_one_engine(ray_4_gpus, tiny_ckpt, addition_dat
         assert versions == {str(max(k - 1, 0))}
     with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert f.read().strip() == "2"
+
+
+@pytest.mark.slow
+def test_fully_async_over_ray(ray_4_gpus, tiny_ckpt, addition_data, tmp_path):
+    dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
+    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--device", "cpu",
+                            "--num-threads", "1", "--runtime", "ray", "--actor-num-gpus-per-node", "2",
+                            "--rollout-num-gpus", "1", "--fully-async", "--max-staleness", "1",
+                            "--save-debug-rollout-data", dump))
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["train/staleness_max"] <= 1 for m in steps)
+    for k in range(3):
+        assert len(dumped_samples(dump.format(rollout_id=k))) == 16
