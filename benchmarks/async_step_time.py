@@ -1,7 +1,7 @@
 """Step time of `lichen train --async` against the synchronous loop, in the same invocation (docs/async.md).
 
     .venv/bin/python benchmarks/async_step_time.py [--steps 10] [--warmup 2] [--workdir runs/async_bench]
-                                                   [--engine-core 1] [--trainer-core 0]
+                                                   [--engine-core 1] [--trainer-core 0] [--modes sync async fully]
 
 One `lichen serve` pinned to --engine-core (taskset) serves both runs; each `lichen train` (synchronous, then
 --async) is pinned to --trainer-core, one torch thread each, on a tiny random model and an addition data set
@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 LICHEN = [sys.executable, "-m", "lichen.cli"]
+MODE_FLAGS = {"sync": [], "async": ["--async"], "fully": ["--fully-async"]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="--rollout-batch-size (prompts per step)")
     p.add_argument("--n", type=int, default=4, help="--n-samples-per-prompt")
     p.add_argument("--response-len", type=int, default=24)
+    p.add_argument("--modes", nargs="+", choices=list(MODE_FLAGS), default=["sync", "async"],
+                   help="the runs, in order; the first is the baseline of the ratios (fully: --fully-async)")
     p.add_argument("--train-steps", type=int, default=2,
                    help="--num-steps-per-rollout (divides batch x n): makes training cost about what generation does")
     return p.parse_args(argv)
@@ -76,7 +79,7 @@ def run_train(a: argparse.Namespace, model: str, data: str, addr: str, weights: 
             "--num-rollout", str(a.steps), "--num-steps-per-rollout", str(a.train_steps), "--num-threads", "1",
             "--no-progress", "--output-dir", out,
             "--rollout-external-engine-addrs", addr, "--update-weight-transport", "disk",
-            "--update-weight-disk-dir", weights, *(["--async"] if mode == "async" else [])]
+            "--update-weight-disk-dir", weights, *MODE_FLAGS[mode]]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -96,20 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     server, addr = start_server(a, model, weights)
     try:
         rows = {mode: [m for m in run_train(a, model, data, addr, weights, mode) if m.get("step", 0) > a.warmup]
-                for mode in ("sync", "async")}
+                for mode in a.modes}
     finally:
         server.terminate()
         server.wait(timeout=60)
     step = {mode: mean([m["time/step"] for m in rs]) for mode, rs in rows.items()}
-    print(f"steps {a.warmup + 1}..{a.steps} (mean time/step, s):  sync {step['sync']:.3f}   async {step['async']:.3f}"
-          f"   async/sync {step['async'] / step['sync']:.3f}")
+    base = a.modes[0]
+    print(f"steps {a.warmup + 1}..{a.steps} (mean time/step, s):  "
+          + "   ".join(f"{mode} {t:.3f}" for mode, t in step.items()) + "   "
+          + "   ".join(f"{mode}/{base} {step[mode] / step[base]:.3f}" for mode in a.modes[1:]))
     for mode, rs in rows.items():  # overlapped phases slow each other down where they share a core
         print(f"{mode:5s} per step (s): " + "  ".join(
             f"{k[5:]} {mean([m.get(k, 0.0) for m in rs]):.3f}"
             for k in ("time/generate", "time/reward", "time/train", "time/sync")))
-    hist = collections.Counter(m.get("train/staleness_max") for m in rows["async"])
-    print("async train/staleness_max per step:", dict(sorted(hist.items())),
-          f"mean staleness {mean([m['train/staleness_mean'] for m in rows['async']]):.3f}")
+    for mode in [m for m in a.modes if m != "sync"]:
+        hist = collections.Counter(m.get("train/staleness_max") for m in rows[mode])
+        print(f"{mode} train/staleness_max per step:", dict(sorted(hist.items())),
+              f"mean staleness {mean([m['train/staleness_mean'] for m in rows[mode]]):.3f}")
     return 0
 
 
