@@ -1,0 +1,320 @@
+"""Agentic RL demo: a tiny model learns to use a calculator tool for 4-digit addition, and RL makes it better at it.
+
+    .venv/bin/python examples/agentic_calculator.py [--seed 1] [--workdir runs/agentic] [--quiet]
+    for s in 1 2 3 4 5; do .venv/bin/python examples/agentic_calculator.py --seed $s --quiet; done
+
+The task is "4821+3107=" -> "7928" (operands of --digits digits, below half the range so every sum has as many). A 2-layer model of width 64 does not learn
+4-digit addition in a few minutes; with a calculator it only has to copy: call the tool with the expression and
+copy its result. Two arms from the same random-init model, each a plain `lichen` command run as a child process:
+
+  tool     SFT warm start on tool-using traces, then GRPO with the built-in multi-turn tool rollout
+           (`--tool-paths agentic_calculator.calc`): the policy writes `<calc>4821+3907</calc>` (a parser
+           plug-in, `--tool-call-parser agentic_calculator.CalcParser`), lichen runs the tool and
+           appends the chat template's tool turn (loss mask 0), the policy writes the answer. The SFT traces are
+           built the same way (`sft_rollout`: the tool turn with loss mask 0), so SFT trains on exactly the tokens
+           RL will see. SFT stops while the model is partly right, so RL has room.
+  no tool  the same SFT budget on direct answers ("8728"), then GRPO with the same budget and no tools.
+
+Reward (`reward`): 1 iff the leading integer of the final assistant message is the sum (the tool arm's reward
+sees the whole trajectory through metadata["messages"]; an answer cut off by the budget or --max-turns gets 0).
+Held-out accuracy (greedy, --heldout problems never trained on) is evaluated before RL -- the SFT model -- and
+at the end. The tool arm runs with --check-token-fidelity: each turn's token history is compared with
+apply_chat_template of the same conversation, and the demo counts the trajectories where they differ (0 is the
+expected result: the trained tokens are the engine's plus the template's tool turns, nothing re-encoded).
+
+Prints per arm the held-out accuracy after SFT and after RL, the tool-use rate, the fidelity result and the wall
+(and CPU) time; writes <workdir>/summary.json; exits 1 when a stage fails. Success criteria of issue 21: the
+tool arm gains >= 10 points over its SFT start and ends above the no-tool arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from quickstart import StageFailed, eval_curve, fmt_curve, run_stage, sft_checkpoint  # noqa: E402
+
+EVAL_NAME = "heldout"  # the eval set's name in metrics.jsonl (quickstart.eval_curve reads it)
+TOOL = "agentic_calculator.calc"
+PARSER = "agentic_calculator.CalcParser"
+_LEADING_INT = re.compile(r"\s*(-?\d+)")
+
+
+# ---------------------------------------------------------------------------------- plug-ins the runs load
+
+
+def calc(expr: str) -> str:
+    """Evaluate an arithmetic expression."""
+    from lichen.rollout.examples.calculator_agent import calculate
+
+    return calculate(expr)
+
+
+# short (the template shows it in every prompt, and a tiny model pays for every token)
+calc.schema = {"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}
+
+
+def final_answer(sample: Any) -> str:
+    """The text of the last assistant message (the tool rollout's conversation), or the response."""
+    messages = (sample.metadata or {}).get("messages")
+    if messages is None:
+        return sample.response or ""
+    if sample.metadata.get("stop") != "answer":  # cut off by the budget or --max-turns: no final answer
+        return ""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+
+
+def reward(args: Any, sample: Any) -> float:
+    m = _LEADING_INT.match(final_answer(sample))
+    return 1.0 if m is not None and int(m.group(1)) == int(sample.label) else 0.0
+
+
+def call_text(expr: str) -> str:
+    return f"<calc>{expr}</calc>"
+
+
+class CalcParser:
+    """A --tool-call-parser plug-in for the compact call format `<calc>EXPR</calc>` (a tiny model copies the
+    expression more easily across a short call than across Hermes' JSON; the tool rollout is the same)."""
+
+    _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+
+    def parse(self, text: str) -> Any:
+        from lichen.engines.tool_parsers import ParsedOutput, ToolCall
+
+        calls = [ToolCall("calc", json.dumps({"expr": m.group(1)})) for m in self._CALL.finditer(text)]
+        content = self._CALL.sub("", text).strip()
+        return ParsedOutput(content or None, calls)
+
+    def stream(self) -> Any:
+        raise NotImplementedError("the demo's parser serves the tool rollout only, which does not stream")
+
+
+def tool_trace(tok: Any, prompt: str, label: str, version: str = "") -> tuple[list[int], Any]:
+    """(prompt ids, Trajectory) of one tool-using trace, built as the tool rollout builds a trajectory: the prompt
+    rendered with the tool's schema, the call and the answer as policy tokens (loss mask 1), the chat template's
+    tool turn with the calculator's result between them (loss mask 0)."""
+    from lichen.models.tokenizer import encode_prompt
+    from lichen.rollout.tool_rollout import tool_turn_ids
+    from lichen.rollout.trajectory import Trajectory
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    expr = prompt.rstrip("=")
+    ids = encode_prompt(tok, prompt, True, tools=[{"type": "function", "function": calc.schema}])
+    call = list(tok.encode(call_text(expr), add_special_tokens=False)) + [end]
+    answer = list(tok.encode(str(label), add_special_tokens=False)) + [end]
+    traj = Trajectory()
+    traj.add_policy(call, [0.0] * len(call), version)
+    traj.add_context(tool_turn_ids(tok, [{"role": "tool", "name": "calc", "content": calc(expr)}], "<|im_end|>"))
+    traj.add_policy(answer, [0.0] * len(answer), version)
+    return ids, traj
+
+
+def sft_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """SFT on tool-using traces (a --rollout-function-path; see `tool_trace`); evaluation is lichen's own."""
+    from lichen.rollout.base_types import RolloutFnTrainOutput
+    from lichen.rollout.context import current
+    from lichen.rollout.eval import eval_rollout
+    from lichen.types import Status
+
+    if evaluation:
+        return eval_rollout(args, rollout_id, data_source)
+    ctx = current()
+    groups = data_source.get_samples(ctx.config.data.batch_size)
+    for group in groups:
+        for s in group:
+            ids, traj = tool_trace(ctx.tokenizer, str(s.prompt), str(s.label), ctx.engine.weight_version)
+            traj.fill(s, ctx.tokenizer, ids, Status.COMPLETED)
+            s.reward = None  # supervised: nothing is scored
+    return RolloutFnTrainOutput(groups)
+
+
+# ------------------------------------------------------------------------------------------------ the demo
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Tiny model, calculator tool: SFT on tool traces then GRPO, against the "
+                                "same model trained without the tool; prints held-out accuracy of both.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seed", type=int, default=1, help="seed of the model init, the data and sampling")
+    p.add_argument("--workdir", default="runs/agentic", help="where models, data, logs and checkpoints go "
+                   "(<workdir>/seed<N>)")
+    p.add_argument("--quiet", action="store_true", help="print only stage headers and the summary")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each training process")
+    p.add_argument("--digits", type=int, default=4, help="digits of each operand")
+    p.add_argument("--train-problems", type=int, default=20000, help="training prompts")
+    p.add_argument("--heldout", type=int, default=200, help="held-out problems (never trained on)")
+    p.add_argument("--sft-steps", type=int, default=600, help="SFT optimizer steps of each arm")
+    p.add_argument("--sft-batch", type=int, default=32, help="problems per SFT step")
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (constant)")
+    p.add_argument("--rl-steps", type=int, default=30, help="GRPO steps of each arm")
+    p.add_argument("--rl-prompts", type=int, default=16, help="prompts per GRPO step")
+    p.add_argument("--rl-group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--rl-lr", type=float, default=1e-4, help="GRPO peak learning rate (cosine decay to 0)")
+    p.add_argument("--rl-temperature", type=float, default=0.7, help="rollout sampling temperature (at 1.0 a "
+                   "partly-right tiny model rarely copies all 13 digits right, so most groups have no signal)")
+    p.add_argument("--rl-eval-every", type=int, default=10, help="held-out eval every N GRPO steps")
+    p.add_argument("--arms", nargs="+", choices=["tool", "no_tool"], default=["tool", "no_tool"],
+                   help="which arms to run")
+    return p.parse_args(argv)
+
+
+def make_data(args: argparse.Namespace, data_dir: str) -> tuple[str, str]:
+    """Random distinct problems; the first --heldout are held out (no problem is in both sets)."""
+    rng = random.Random(args.seed)
+    # operands below half the range: every sum has --digits digits, so the answer is always as long as the
+    # tool's result and the copy sits at one offset
+    lo, hi = 10 ** (args.digits - 1), 10 ** args.digits // 2 - 1
+    seen: set[tuple[int, int]] = set()
+    while len(seen) < args.train_problems + args.heldout:
+        seen.add((rng.randint(lo, hi), rng.randint(lo, hi)))
+    pairs = sorted(seen)
+    rng.shuffle(pairs)
+    os.makedirs(data_dir, exist_ok=True)
+    paths = os.path.join(data_dir, "train.jsonl"), os.path.join(data_dir, "heldout.jsonl")
+    for path, rows in ((paths[1], pairs[:args.heldout]), (paths[0], pairs[args.heldout:])):
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n" for a, b in rows)
+    return paths
+
+
+def arm_flags(arm: str) -> tuple[list[str], int]:
+    """The flags that make an arm (the tool rollout or none) and its response budget in tokens."""
+    if arm == "tool":  # call (~23 tokens) + tool turn (~25) + answer (~6)
+        return ["--tool-paths", TOOL, "--tool-call-parser", PARSER, "--max-turns", "3", "--check-token-fidelity"], 64
+    return [], 8
+
+
+def common(args: argparse.Namespace, train: str) -> list[str]:
+    return ["--device", "cpu", "--num-threads", str(args.threads), "--seed", str(args.seed),
+            "--prompt-data", train, "--rollout-shuffle", "--rollout-seed", str(args.seed),
+            "--apply-chat-template", "--custom-rm-path", "agentic_calculator.reward", "--no-progress"]
+
+
+def sft_argv(args, arm: str, model: str, out: str, train: str) -> list[str]:
+    flags, _ = arm_flags(arm)
+    rollout = "agentic_calculator.sft_rollout" if arm == "tool" else "lichen.rollout.sft.generate_rollout"
+    # no eval here: the RL stage's eval before its first step is the SFT model's accuracy
+    return ["train", "--hf-checkpoint", model, *common(args, train), *flags,
+            "--loss-type", "sft_loss", "--rollout-function-path", rollout, "--disable-rewards-normalization",
+            "--rollout-batch-size", str(args.sft_batch), "--n-samples-per-prompt", "1",
+            "--micro-batch-size", str(args.sft_batch), "--num-rollout", str(args.sft_steps), "--lr", str(args.sft_lr),
+            "--save", os.path.join(out, "checkpoints"),
+            "--save-interval", str(args.sft_steps), "--output-dir", out]
+
+
+def rl_argv(args, arm: str, start: str, out: str, train: str, heldout: str) -> list[str]:
+    flags, budget = arm_flags(arm)
+    dump = ["--save-debug-rollout-data", os.path.join(out, "rollouts", "r_{rollout_id}.pt")] if arm == "tool" else []
+    return ["train", "--hf-checkpoint", start, *common(args, train), *flags, *dump,
+            "--eval-prompt-data", EVAL_NAME, heldout, "--eval-temperature", "0", "--eval-max-response-len", str(budget),
+            "--advantage-estimator", "grpo", "--rollout-batch-size", str(args.rl_prompts),
+            "--n-samples-per-prompt", str(args.rl_group), "--micro-batch-size", str(args.rl_prompts * args.rl_group),
+            "--rollout-temperature", str(args.rl_temperature), "--rollout-max-response-len", str(budget),
+            "--num-rollout", str(args.rl_steps), "--lr", str(args.rl_lr), "--lr-decay-style", "cosine",
+            "--eval-interval", str(args.rl_eval_every), "--log-samples", "8", "--output-dir", out]
+
+
+def trajectories(rollout_dir: str) -> dict:
+    """Tool use and the token-fidelity check over every trajectory the tool arm's RL trained on."""
+    from lichen.torch_files import load_plain
+
+    total = called = mismatched = 0
+    first = None
+    for name in sorted(os.listdir(rollout_dir)):
+        for s in (s for g in load_plain(os.path.join(rollout_dir, name), "rollout dump")["samples"] for s in g):
+            md = s.get("metadata") or {}
+            total += 1
+            called += bool(md.get("tool_calls"))
+            if md.get("token_fidelity") is not None:
+                mismatched += 1
+                first = first or {"file": name, "index": s.get("index"), **md["token_fidelity"]}
+    return {"trajectories": total, "with_tool_call": called, "fidelity_mismatches": mismatched,
+            "first_mismatch": first}
+
+
+def run_arm(args, arm: str, model: str, root: str, train: str, heldout: str, times: dict, cpu: dict) -> dict:
+    sft_out, rl_out = os.path.join(root, f"{arm}_sft"), os.path.join(root, f"{arm}_rl")
+    print(f"\n== {arm}: SFT {args.sft_steps} steps x {args.sft_batch}", flush=True)
+    times[f"{arm}_sft"], cpu[f"{arm}_sft"] = run_stage(f"{arm}_sft", sft_argv(args, arm, model, sft_out, train),
+                                                       os.path.join(root, f"{arm}_sft.log"), args.quiet, args.threads)
+    print(f"== {arm}: GRPO {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples", flush=True)
+    times[f"{arm}_rl"], cpu[f"{arm}_rl"] = run_stage(f"{arm}_rl", rl_argv(args, arm, sft_checkpoint_of(sft_out),
+                                                                           rl_out, train, heldout),
+                                                     os.path.join(root, f"{arm}_rl.log"), args.quiet, args.threads)
+    curve = eval_curve(os.path.join(rl_out, "metrics.jsonl"))
+    if curve[0][0] != 0:
+        raise StageFailed(f"{arm}: the RL stage logged no eval before training")
+    out = {"sft_accuracy": curve[0][1], "rl_accuracy": curve[-1][1], "rl_curve": curve}
+    if arm == "tool":
+        out.update(trajectories(os.path.join(rl_out, "rollouts")))
+    return out
+
+
+def sft_checkpoint_of(out: str) -> str:
+    class P:  # quickstart.sft_checkpoint reads .sft_ckpt
+        sft_ckpt = os.path.join(out, "checkpoints")
+
+    return sft_checkpoint(P)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    root = os.path.abspath(os.path.join(args.workdir, f"seed{args.seed}"))
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # metrics.jsonl files are appended to: start clean
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            import shutil
+
+            shutil.rmtree(path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    times: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    t0 = time.perf_counter()
+    model = os.path.join(root, "model")
+    try:
+        times["model"], cpu["model"] = run_stage("model", ["make-tiny-model", model, "--seed", str(args.seed)],
+                                                 os.path.join(root, "model.log"), args.quiet, args.threads)
+        train, heldout = make_data(args, os.path.join(root, "data"))
+        arms = {arm: run_arm(args, arm, model, root, train, heldout, times, cpu) for arm in args.arms}
+    except StageFailed as e:
+        print(f"\nagentic_calculator: error: {e}", file=sys.stderr)
+        return 1
+    times["total"] = time.perf_counter() - t0
+    summary = {"seed": args.seed, "heldout_problems": args.heldout, "arms": arms, "seconds": times,
+               "cpu_seconds": cpu, "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "quiet")}}
+    if "tool" in arms:
+        tool = arms["tool"]
+        summary["tool_gain_points"] = 100 * (tool["rl_accuracy"] - tool["sft_accuracy"])
+        if "no_tool" in arms:
+            summary["tool_minus_no_tool_points"] = 100 * (tool["rl_accuracy"] - arms["no_tool"]["rl_accuracy"])
+    with open(os.path.join(root, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\n== summary (seed {args.seed}, {args.heldout} held-out problems, greedy)")
+    for arm, r in arms.items():
+        print(f"  {arm:8s} held-out accuracy: SFT {100 * r['sft_accuracy']:5.1f}%  ->  RL {100 * r['rl_accuracy']:5.1f}%"
+              f"   (curve {fmt_curve(r['rl_curve'])})")
+    if "tool" in arms:
+        t = arms["tool"]
+        print(f"  tool arm: {t['with_tool_call']}/{t['trajectories']} RL trajectories called the tool; token "
+              f"fidelity: {t['fidelity_mismatches']} mismatching trajectories"
+              + (f" (first: {t['first_mismatch']})" if t["first_mismatch"] else ""))
+        print(f"  gain of the tool arm over its SFT start: {summary['tool_gain_points']:+.1f} points"
+              + (f"; tool minus no-tool after RL: {summary['tool_minus_no_tool_points']:+.1f} points"
+                 if "tool_minus_no_tool_points" in summary else ""))
+    print("  wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
+          + "  (CPU: " + ", ".join(f"{k} {v:.0f}s" for k, v in cpu.items()) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
