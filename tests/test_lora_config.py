@@ -131,54 +131,25 @@ def test_untranslatable_megatron_pieces_are_named(pattern):
 
 
 def test_listing_in_the_docs_is_the_functions(tmp_path):
-    """docs/lora.md's per-architecture table is preset_listing's output for every make-tiny-model architecture."""
+    """docs/lora.md's per-architecture table is preset_listing's output for every make-tiny-model architecture,
+    and the checkpoint's names (what --dry-run reads) select exactly the modules apply_lora adapts in the model."""
     from pathlib import Path
 
-    from lichen.models.tiny import ARCHS, make_tiny_model
-
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "lora.md").read_text()
-    for arch in ARCHS:
-        out = tmp_path / arch
-        make_tiny_model(str(out), arch=arch)
-        for preset, names in preset_listing(checkpoint_linear_modules(str(out))).items():
-            row = f"| `{arch}` | `{preset}` | {names} |"
-            assert row in doc, row
-
-
-# Small configs of the MoE / hybrid architectures of issue 17, for transformers' own modules (built on the meta
-# device: names only). make-tiny-model's archs are listed from their checkpoints by the test above.
-HF_ARCHS = {
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
-                     n_shared_experts=1),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8,
-                       layer_types=["linear_attention", "full_attention"]),
-    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
-                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                        v_head_dim=8),
-}
-
-
-def hf_linear_modules(model_type: str) -> list[str]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64, head_dim=16,
-                               pad_token_id=0, **HF_ARCHS[model_type])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-
-
-@pytest.mark.parametrize("model_type", list(HF_ARCHS))
-def test_moe_listing_in_the_docs(model_type):
-    from pathlib import Path
+    from lichen.config.lora_config import DEFAULT_EXCLUDES
+    from lichen.models import load_model
+    from lichen.models.tiny import all_archs, make_tiny_model
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "lora.md").read_text()
-    for preset, names in preset_listing(hf_linear_modules(model_type)).items():
-        row = f"| `{model_type}` | `{preset}` | {names} |"
-        assert row in doc, row
+    for arch in all_archs():
+        out = str(tmp_path / arch)
+        make_tiny_model(out, arch=arch)
+        names = checkpoint_linear_modules(out)
+        for presets, adapted in preset_listing(names):
+            row = f"| `{arch}` | {presets} | {adapted} |"
+            assert row in doc, f"docs/lora.md lacks the row {row}"
+        live = [n for n, m in load_model(out).named_modules() if isinstance(m, torch.nn.Linear)]
+        for preset in ("dense_language", "hybrid_language", "moe_language"):
+            cfg = LoraConfig(1, 1.0, PRESETS[preset], DEFAULT_EXCLUDES, preset, 0.0, 0.0, None, None, None, "merged")
+            assert sorted(cfg.adapted(names)) == sorted(cfg.adapted(live)), (arch, preset)

@@ -165,13 +165,14 @@ def collapse_layers(names: list[str]) -> list[str]:
     return out
 
 
-def preset_listing(module_names: list[str]) -> dict[str, str]:
-    """Per slime preset, which of `module_names` it adapts (with the default excludes), as docs/lora.md's table
-    shows them: "layers {0-1}: `mlp.down_proj`, ..." per layer span, "none", or "refused" for routed experts."""
-    out = {}
+def preset_listing(module_names: list[str]) -> list[tuple[str, str]]:
+    """(presets, what they adapt of `module_names`) rows, as docs/lora.md's table shows them: presets that adapt
+    the same modules share a row; "layers {0-1}: `mlp.down_proj`, ..." per layer span, "none", or "refused" for
+    the routed-expert presets. The default excludes apply."""
+    rows: dict[str, list[str]] = {}
     for preset, targets in PRESETS.items():
         if ROUTED in targets:
-            out[preset] = "refused (routed experts)"
+            rows.setdefault("refused (routed experts)", []).append(preset)
             continue
         cfg = LoraConfig(1, 1.0, targets, DEFAULT_EXCLUDES, preset, 0.0, 0.0, None, None, None, "merged")
         spans: dict[str, list[str]] = {}
@@ -179,8 +180,9 @@ def preset_listing(module_names: list[str]) -> dict[str, str]:
             m = re.match(r"^(?:.*\.)?layers\.(\{[^}]*\}|\d+)\.(.*)$", name)
             span, leaf = (f"layers {m.group(1)}", m.group(2)) if m else ("other", name)
             spans.setdefault(span, []).append(f"`{leaf}`")
-        out[preset] = "; ".join(f"{span}: {', '.join(leaves)}" for span, leaves in spans.items()) or "none"
-    return out
+        rows.setdefault("; ".join(f"{span}: {', '.join(leaves)}" for span, leaves in spans.items()) or "none",
+                        []).append(preset)
+    return [(", ".join(presets), adapted) for adapted, presets in rows.items()]
 
 
 def describe(args: argparse.Namespace) -> str:
