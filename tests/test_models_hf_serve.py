@@ -11,9 +11,7 @@ from lichen.engines.engine import Engine, GenRequest
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model
 
-from helpers.serve_checks import (  # noqa: F401  (server, model: fixtures over this module's `both`)
-    full_forward, gen, in_thread, model, server, server_and_reference, wait_running,
-)
+from helpers.serve_checks import full_forward, gen, in_thread, server_and_reference, wait_running
 from helpers.serve_process import call
 from helpers.serve_process import stream
 
@@ -30,8 +28,14 @@ def tiny_ckpt(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def both(tiny_ckpt, tmp_path_factory):
+def served(tiny_ckpt, tmp_path_factory):
+    """(the server process, the transformers module loaded here as the reference)."""
     yield from server_and_reference(tiny_ckpt, tmp_path_factory)
+
+
+@pytest.fixture
+def server(served):
+    return served[0]
 
 
 @pytest.mark.parametrize("path", ["/init_weights_update_group", "/update_weights_from_distributed",
@@ -41,7 +45,8 @@ def test_untested_weight_transports_are_refused_naming_the_feature(server, path)
     assert st == 400 and "not supported on the generic HF model path" in body["message"]
 
 
-def test_info_endpoints_name_the_hf_type(server, model, tiny_ckpt):
+def test_info_endpoints_name_the_hf_type(served, tiny_ckpt):
+    server, model = served
     assert getattr(model, "is_hf", False)  # --model-impl auto picked the generic path for qwen3_moe
     st, info = call(server.url + "/model_info")
     assert st == 200 and info["model_type"] == "qwen3_moe" and info["architectures"] == ["Qwen3MoeForCausalLM"]
@@ -96,9 +101,10 @@ def test_update_weights_from_disk_hub_and_trainer_layouts(server, tiny_ckpt, tmp
     assert gen(server, probe)[1]["output_ids"] == before
 
 
-def test_generate_batched_logprobs_equal_a_full_forward(server, model):
+def test_generate_batched_logprobs_equal_a_full_forward(served):
     """Requests of different lengths decode together (joins rebuild the HF cache) and return log_softmax(logits/T)
     of their tokens, equal to the trainer-side full forward of the same module within 1e-5."""
+    server, model = served
     prompts = [[10, 11, 12], [13] * 9, [14, 15], [16, 17, 18, 19, 20, 21]]
     bodies = [{"input_ids": p, "return_logprob": True,
                "sampling_params": {"max_new_tokens": 10 + 3 * i, "temperature": T, "top_p": 0.9, "top_k": 30,
@@ -114,7 +120,8 @@ def test_generate_batched_logprobs_equal_a_full_forward(server, model):
     assert max(diffs) <= 1e-5, max(diffs)
 
 
-def test_prompt_scoring(server, model):
+def test_prompt_scoring(served):
+    server, model = served
     ids = [20, 21, 22, 23, 24, 25, 26, 27]
     st, out = gen(server, {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
                            "sampling_params": {"max_new_tokens": 0}})
@@ -124,7 +131,8 @@ def test_prompt_scoring(server, model):
     assert all(len(t) == 2 for t in out["meta_info"]["input_top_logprobs"][1:])
 
 
-def test_seeded_samples_match_the_in_process_engine(server, model):
+def test_seeded_samples_match_the_in_process_engine(served):
+    server, model = served
     engine = Engine(model, eos_token_ids=[])
     st, one = gen(server, {"input_ids": [30, 31, 32], "sampling_params": {"max_new_tokens": 12, "temperature": T,
                                                                           "top_p": 0.8, "ignore_eos": True,

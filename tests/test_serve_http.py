@@ -9,9 +9,7 @@ import torch
 
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.sampler import derive_seed
-from helpers.serve_checks import (  # noqa: F401  (server, model: fixtures over this module's `both`)
-    full_forward, gen, in_thread, model, server, server_and_reference, wait_running,
-)
+from helpers.serve_checks import full_forward, gen, in_thread, server_and_reference, wait_running
 from helpers.serve_process import call, stream
 from lichen.models.tiny import make_tiny_model, token_strings
 from lichen.models.tokenizer import eos_token_ids, load_tokenizer
@@ -23,6 +21,16 @@ T = 0.7
 def both(tiny_ckpt, tmp_path_factory):
     """The server process (one for the module) and the same checkpoint loaded here; they load concurrently."""
     yield from server_and_reference(tiny_ckpt, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(both):
+    return both[0]
+
+
+@pytest.fixture(scope="module")
+def model(both):
+    return both[1]
 
 
 LONG = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 9}}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import torch
 
 from helpers.serve_process import call, launch
@@ -26,18 +25,6 @@ def server_and_reference(ckpt: str, tmp_path_factory, *server_args: str):
     finally:
         proc.stop()
         torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def server(both):
-    """The server of the module's `both` fixture (server_and_reference)."""
-    return both[0]
-
-
-@pytest.fixture(scope="module")
-def model(both):
-    """The in-process reference model of the module's `both` fixture."""
-    return both[1]
 
 
 def full_forward(model, ids, temperature):
