@@ -3,6 +3,7 @@
 Suites:
   rl        lichen vs Hugging Face TRL's GRPOTrainer on identical CPU RL work (lichen_bench.rl)
   learning  lichen vs TRL learning curves on the W1 task over several seeds (lichen_bench.learning)
+  profile   where lichen's engine and trainer time goes on a workload (lichen_bench.torch_profile)
   sync      weight-sync transports and delta encodings on one model (lichen_bench.sync)
 """
 
@@ -13,6 +14,7 @@ import importlib
 SUITES = {
     "rl": ("lichen_bench.rl", "lichen vs TRL GRPOTrainer on the same CPU RL work, medians and ratios"),
     "learning": ("lichen_bench.learning", "lichen vs TRL reward curves from one SFT warm start over several seeds"),
+    "profile": ("lichen_bench.torch_profile", "torch.profiler tables of lichen's engine and trainer on one step"),
     "sync": ("lichen_bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
 }
 

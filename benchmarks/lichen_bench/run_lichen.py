@@ -82,6 +82,12 @@ def _rollout_wrapper(original):
 
 
 def install() -> None:
+    torch_profile = os.environ.get("LICHEN_BENCH_TORCH_PROFILE")  # PREFIX:STEP:ROWS, see lichen_bench.torch_profile
+    if torch_profile:  # innermost, so the timing wraps below stay outside the profiler
+        from lichen_bench.torch_profile import install as install_profiler
+
+        prefix, step, rows = torch_profile.rsplit(":", 2)
+        install_profiler(prefix, int(step), int(rows))
     _wrap("lichen.models.transformer", "CausalLM", "forward", _forward_wrapper)
     _wrap("lichen.engines.engine", "Engine", "generate", _engine_wrapper)
     _wrap("lichen.rollout.manager", "RolloutManager", "generate", _rollout_wrapper)
