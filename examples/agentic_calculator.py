@@ -3,7 +3,7 @@
     .venv/bin/python examples/agentic_calculator.py [--seed 1] [--workdir runs/agentic] [--quiet]
     for s in 1 2 3 4 5; do .venv/bin/python examples/agentic_calculator.py --seed $s --quiet; done
 
-The task is "4821+3107=" -> "7928" (operands of --digits digits, below half the range so every sum has as many). A 2-layer model of width 64 does not learn
+The task is "4821+3907=" -> "8728" (operands of --digits digits). A 2-layer model of width 64 does not learn
 4-digit addition in a few minutes; with a calculator it only has to copy: call the tool with the expression and
 copy its result. Two arms from the same random-init model, each a plain `lichen` command run as a child process:
 
@@ -170,9 +170,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_data(args: argparse.Namespace, data_dir: str) -> tuple[str, str]:
     """Random distinct problems; the first --heldout are held out (no problem is in both sets)."""
     rng = random.Random(args.seed)
-    # operands below half the range: every sum has --digits digits, so the answer is always as long as the
-    # tool's result and the copy sits at one offset
-    lo, hi = 10 ** (args.digits - 1), 10 ** args.digits // 2 - 1
+    # Sums of --digits or one more digits: the answer's copy of the result then sits at one of two offsets, which
+    # keeps SFT partly right after its budget (with operands below half the range, every sum the same length,
+    # SFT reached 100% held-out on seed 2 and left RL nothing to do).
+    lo, hi = 10 ** (args.digits - 1), 10 ** args.digits - 1
     seen: set[tuple[int, int]] = set()
     while len(seen) < args.train_problems + args.heldout:
         seen.add((rng.randint(lo, hi), rng.randint(lo, hi)))
