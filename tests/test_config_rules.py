@@ -51,8 +51,6 @@ PARTIAL_FILTER = "lichen.rollout.filters.check_reward_nonzero_std"
 REJECTIONS = [
     # general / model
     ("runtime-ray", ["--runtime", "ray"], (), ["--runtime ray", "--rollout-num-gpus R"], ConfigError),
-    ("runtime-ray-sglang", ["--runtime", "ray", "--rollout-engine-backend", "sglang", "--rollout-num-engines", "1"],
-     (), ["--runtime ray with --rollout-engine-backend sglang", "not available yet"], NotAvailableYet),
     ("megatron", ["--train-backend", "megatron"], (), ["--train-backend megatron", "Megatron"], NotAvailableYet),
     ("megatron-to-hf", ["--megatron-to-hf-mode", "raw"], (), ["--megatron-to-hf-mode was removed", "PR #2249"],
      ConfigError),

@@ -45,7 +45,9 @@ def load_model(model_dir: str, *, device: "str | torch.device" = "cpu", dtype: "
     dtype = torch.float32 if dtype is None else dtype
     model_type = read_config_json(model_dir).get("model_type")
     chosen = resolve_model_impl(model_type, impl)
-    log.info("model %s: model_type %s, --model-impl %s -> %s implementation", model_dir, model_type, impl, chosen)
+    # the default choice (lichen's own code for a type it implements) is quiet; the generic path is announced
+    (log.debug if impl == "auto" and chosen == "lichen" else log.info)(
+        "model %s: model_type %s, --model-impl %s -> %s implementation", model_dir, model_type, impl, chosen)
     if chosen == "hf":
         from lichen.models.gdn_backend import apply_gdn_backend
         from lichen.models.hf_model import load_hf_model
