@@ -15,7 +15,7 @@ import pytest
 from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.launcher import EngineLauncher
 
-from helpers.runs import base_args, dumped_samples, run
+from helpers.runs import base_args, dumped_samples, pop_engines, run
 
 THREADS = ["--num-threads", "1"]
 
@@ -81,6 +81,7 @@ def test_three_steps_over_two_engines_match_in_process(tiny_ckpt, addition_data,
         assert len(a) == len(b) == 16
         for x, y in zip(a, b):
             lp_x, lp_y = x.pop("rollout_log_probs"), y.pop("rollout_log_probs")
+            assert pop_engines(x) == [] and {u.split("//")[1] for u in pop_engines(y)} <= set(addrs)
             assert x == y  # tokens, response, reward, status, weight_versions, indices: identical
             assert max(abs(p - q) for p, q in zip(lp_x, lp_y)) <= 1e-5
         assert {tuple(s["weight_versions"]) for s in b} == {(str(step),)}

@@ -63,3 +63,10 @@ def read_dump(path) -> dict:
 def dumped_samples(path) -> list[dict]:
     """Every sample of a dump, groups flattened in order."""
     return [s for g in read_dump(path)["samples"] for s in g]
+
+
+def pop_engines(sample: dict) -> list[str]:
+    """Remove and return the engine URL(s) a dumped sample names (one per call for multi-call samples; none from
+    the in-process engine): which server answered is routing, not data, so runs compare samples without it."""
+    served = sample["metadata"].pop("engine", [])
+    return served if isinstance(served, list) else [served]
