@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seeds", type=int, default=10, help="paired seeds 1..N")
+    p.add_argument("--first-seed", type=int, default=1,
+                   help="start at this seed (--seeds counts from it): split the seeds across invocations")
     p.add_argument("--workdir", default="runs/async_learning")
     p.add_argument("--tiny", action="store_true", help="a few steps per stage: checks the script, measures nothing")
     return p.parse_args(argv), (TINY if "--tiny" in argv else []) + extra
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args, qs_argv = parse_args(argv)
     qs = load_quickstart()
     rows = []
-    for seed in range(1, args.seeds + 1):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         print(f"--- seed {seed}", flush=True)
         try:
             rows.append(run_seed(qs, seed, os.path.join(args.workdir, f"seed{seed}"), qs_argv))
