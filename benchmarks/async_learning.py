@@ -26,6 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # lichen_bench, when imported from a test
 
+from lichen_bench.children import split_passthrough  # noqa: E402
 from lichen_bench.learning import paired_ci  # noqa: E402
 
 TINY = ["--max-operand", "9", "--heldout", "20", "--sft-steps", "2", "--sft-batch", "8", "--sft-eval-every", "2",
@@ -42,11 +43,7 @@ def load_quickstart():
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seeds", type=int, default=10, help="paired seeds 1..N")

@@ -20,15 +20,13 @@ import subprocess
 import sys
 import time
 
+from lichen_bench.children import split_passthrough
+
 QUICKSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "quickstart.py")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])

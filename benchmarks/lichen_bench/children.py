@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 from lichen_bench.machine import REPO_ROOT
@@ -53,3 +54,12 @@ def load_json(path: str) -> dict | None:
             return json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(own arguments, arguments after `--` for the child script); argv None: the command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
