@@ -102,6 +102,12 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
     return bool(interval) and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout)
 
 
+def save_due(args, rollout_id: int) -> bool:
+    """A checkpoint after this step: every --save-interval steps and always after the last one (with --save)."""
+    return bool(args.save) and (is_due(args.save_interval, rollout_id, args.num_rollout)
+                                or rollout_id + 1 == args.num_rollout)
+
+
 def save_checkpoint(args, trainer, rollout, rollout_id: int) -> None:
     if hasattr(trainer, "save_checkpoint"):  # the Ray runtime's ranks write sharded state + rank 0's HF export
         trainer.save_checkpoint(args.save, rollout_id)
@@ -202,7 +208,7 @@ def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = No
             trainer.onload()
         with obs.phase("train", rollout_id):
             metrics.update(trainer.train(rollout_id, batch))
-        if args.save and (is_due(args.save_interval, rollout_id, args.num_rollout) or rollout_id + 1 == args.num_rollout):
+        if save_due(args, rollout_id):
             with obs.phase("save", rollout_id) as rec:
                 save_checkpoint(args, trainer, rollout, rollout_id)
             metrics["time/save"] = rec.elapsed()

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from lichen import sync
 from lichen.config.engine_config import ObserveConfig, SyncConfig
 from lichen.errors import RunError, UserError
-from lichen.loop import eval_before_training, is_due, resume, save_checkpoint
+from lichen.loop import eval_before_training, is_due, resume, save_checkpoint, save_due
 from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
@@ -161,8 +161,7 @@ def train_loop_async(args, trainer, rollout, logger, observer: RunObserver | Non
             metrics.update(staleness_metrics(batch, rollout_id))
             with obs.phase("train", rollout_id):
                 metrics.update(_on_side("trainer", rollout_id, trainer.train, rollout_id, batch))
-            if args.save and (is_due(args.save_interval, rollout_id, args.num_rollout)
-                              or rollout_id + 1 == args.num_rollout):
+            if save_due(args, rollout_id):
                 with obs.phase("save", rollout_id) as rec:
                     save_checkpoint(args, trainer, pipe, rollout_id)  # waits for the rollout in flight
                 metrics["time/save"] = rec.elapsed()
@@ -201,8 +200,7 @@ def train_loop_fully_async(args, trainer, rollout, logger, observer: RunObserver
             all_failed.check(rollout_id, batch)
             with obs.phase("train", rollout_id):
                 metrics.update(_on_side("trainer", rollout_id, trainer.train, rollout_id, batch))
-            save = args.save and (is_due(args.save_interval, rollout_id, args.num_rollout)
-                                  or rollout_id + 1 == args.num_rollout)
+            save = save_due(args, rollout_id)
             syncs = is_due(args.update_weights_interval, rollout_id, args.num_rollout)
             evals = is_due(args.eval_interval, rollout_id, args.num_rollout)
             if save or syncs or evals:
