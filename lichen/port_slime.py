@@ -19,13 +19,14 @@ import yaml
 
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.parser import option_actions
-from lichen.config.slime_flags import ENTRY_POINTS, MAPPED, FlagRule
+from lichen.config.slime_flags import ENTRY_POINTS, MAPPED
 from lichen.config.slime_script import SlimeCommand, read_script
 from lichen.errors import ConfigError
 from lichen.observe.secrets import is_secret_name
 
 
-ASYNC_DEST = "async_train"  # lichen's asynchronous loop (its flag, once defined), slime's train_async.py
+# slime's train_async.py is lichen train with this flag (ENTRY_POINTS' row says so)
+ASYNC_FLAG = "--async"
 
 
 def main(argv: list[str]) -> int:
@@ -42,11 +43,10 @@ def main(argv: list[str]) -> int:
     command = read_script(opts.script)
     output = opts.output or os.path.splitext(os.path.basename(opts.script))[0] + ".yaml"
     known = _known_flags()
-    async_flag = _async_flag()
     train_argv = command.argv + _env_tokens(command)
-    rows = extra_rows(command, async_flag)
-    if command.entry == "train_async.py" and async_flag is not None:
-        train_argv.append(async_flag)
+    rows = extra_rows(command)
+    if command.entry == "train_async.py":
+        train_argv.append(ASYNC_FLAG)
     found = slime_compat.scan(train_argv, known, rows)
     text = render_yaml(command, found)
     with open(output, "w", encoding="utf-8") as f:
@@ -64,12 +64,6 @@ def _known_flags() -> set[str]:
     return {s for s in option_actions(build_train_parser()) if s.startswith("--")}
 
 
-def _async_flag() -> str | None:
-    """The flag of lichen's asynchronous loop, or None while lichen has none."""
-    flags = [s for s, a in option_actions(build_train_parser()).items() if a.dest == ASYNC_DEST]
-    return flags[0] if flags else None
-
-
 def _env_tokens(command: SlimeCommand) -> list[str]:
     """Ray's runtime env vars (`ray job submit --runtime-env-json`) become --train-env-vars, whose row in the
     table shows them, unless the script already sets that flag."""
@@ -78,11 +72,9 @@ def _env_tokens(command: SlimeCommand) -> list[str]:
     return ["--train-env-vars", json.dumps(command.env_vars)]
 
 
-def extra_rows(command: SlimeCommand, async_flag: str | None) -> list[slime_compat.Row]:
+def extra_rows(command: SlimeCommand) -> list[slime_compat.Row]:
     """Rows for what is not a train.py flag: the entry point, unset variables."""
     rule = ENTRY_POINTS[command.entry]
-    if command.entry == "train_async.py" and async_flag is not None:  # once lichen has the async loop
-        rule = FlagRule(MAPPED, f"lichen train {async_flag}", "rollout of step k+1 overlaps training on step k")
     rows = [slime_compat.Row(command.entry, [], rule.cls, rule.lichen, rule.reason)]
     for name in command.unset_vars:
         rows.append(slime_compat.Row(f"${name}", [], MAPPED, "(empty)", f"{name} is set neither in the script nor "

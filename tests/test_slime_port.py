@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import lichen.cli
-from lichen.config import build_train_parser
 from lichen.config.slime_script import read_script
 from lichen.errors import ConfigError
 
@@ -101,19 +100,15 @@ def test_reader_sources_relative_files_arrays_arithmetic_and_env(tmp_path):
     assert command.unset_vars == ["NOT_SET_ANYWHERE"]
 
 
-def test_train_async_maps_to_the_async_loop_or_is_not_available_yet(base_dir, capsys, tmp_path):
+def test_train_async_maps_to_the_async_loop(base_dir, capsys, tmp_path):
     text = (FIXTURES / "scripts" / "run-qwen3-4B-debug-train-only.sh").read_text()
     script = tmp_path / "scripts"
     shutil.copytree(FIXTURES / "scripts", script)
     (script / "async.sh").write_text(text.replace("python3 train.py", "python3 train_async.py"))
-    rc = lichen.cli.main(["port-slime", str(script / "async.sh"), "-o", "a.yaml"])
+    lichen.cli.main(["port-slime", str(script / "async.sh"), "-o", "a.yaml"])
     out, err = capsys.readouterr()
-    flags = [s for s, a in build_train_parser()._option_string_actions.items() if a.dest == "async_train"]
-    if flags:  # lichen's async loop exists
-        assert "mapped | train_async.py | lichen train " + flags[0] in out, out
-        assert "train_async.py" not in err  # no longer a reason to stop
-    else:
-        assert rc == 2 and "not available yet | train_async.py" in out and "train_async.py" in err
+    assert "mapped | train_async.py | lichen train --async" in out, out
+    assert "train_async.py" not in err  # no longer a reason to stop
 
 
 def test_script_without_a_train_command_is_one_line_exit_2(tmp_path, capsys):

@@ -138,8 +138,7 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
 # slime's entry points: train.py is lichen train; train_async.py overlaps rollout and training.
 ENTRY_POINTS: dict[str, FlagRule] = {
     "train.py": FlagRule(SAME, "lichen train", "the synchronous RL loop"),
-    "train_async.py": FlagRule(NOT_YET, "train.py (lichen train)", "asynchronous rollout/training is not built "
-                               "yet (its own issue); the synchronous loop runs the same flags"),
+    "train_async.py": FlagRule(MAPPED, "lichen train --async", "rollout of step k+1 overlaps training on step k"),
 }
 
 # lichen flags with slime's name whose meaning differs from slime's when given (class "differs"); each is pinned
