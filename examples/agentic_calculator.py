@@ -40,9 +40,10 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from quickstart import StageFailed, eval_curve, fmt_curve, run_stage, sft_checkpoint  # noqa: E402
+from quickstart import StageFailed, eval_curve, fmt_curve, run_stage  # noqa: E402
 
-EVAL_NAME = "heldout"  # the eval set's name in metrics.jsonl (quickstart.eval_curve reads it)
+EVAL_NAME = "heldout"  # the test set's name in metrics.jsonl (quickstart.eval_curve reads it)
+SFT_EVAL_NAME = "sft_eval"  # the split SFT's early stop reads (never the test set)
 TOOL = "agentic_calculator.calc"
 PARSER = "agentic_calculator.CalcParser"
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
@@ -152,7 +153,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--digits", type=int, default=4, help="digits of each operand")
     p.add_argument("--train-problems", type=int, default=20000, help="training prompts")
     p.add_argument("--heldout", type=int, default=200, help="held-out problems (never trained on)")
-    p.add_argument("--sft-steps", type=int, default=600, help="SFT optimizer steps of each arm")
+    p.add_argument("--sft-steps", type=int, default=1000, help="at most this many SFT optimizer steps per arm")
+    p.add_argument("--sft-stop-accuracy", type=float, default=0.4, help="SFT stops at the first eval whose greedy "
+                   "accuracy on the SFT-eval split reaches this (that step's checkpoint starts RL), so RL starts "
+                   "from a partly-right model on every seed; an arm that never reaches it trains --sft-steps")
+    p.add_argument("--sft-eval-every", type=int, default=25, help="SFT-eval (and checkpoint) every N SFT steps")
+    p.add_argument("--sft-eval-problems", type=int, default=100, help="problems of the SFT-eval split (apart from "
+                   "the training and held-out test problems)")
     p.add_argument("--sft-batch", type=int, default=32, help="problems per SFT step")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (constant)")
     p.add_argument("--rl-steps", type=int, default=30, help="GRPO steps of each arm")
@@ -167,21 +174,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_data(args: argparse.Namespace, data_dir: str) -> tuple[str, str]:
-    """Random distinct problems; the first --heldout are held out (no problem is in both sets)."""
+def make_data(args: argparse.Namespace, data_dir: str) -> tuple[str, str, str]:
+    """Random distinct problems: (train, held-out test, SFT-eval) files; no problem is in two of them."""
     rng = random.Random(args.seed)
     # Sums of --digits or one more digits: the answer's copy of the result then sits at one of two offsets, which
     # keeps SFT partly right after its budget (with operands below half the range, every sum the same length,
     # SFT reached 100% held-out on seed 2 and left RL nothing to do).
     lo, hi = 10 ** (args.digits - 1), 10 ** args.digits - 1
     seen: set[tuple[int, int]] = set()
-    while len(seen) < args.train_problems + args.heldout:
+    n_test, n_stop = args.heldout, args.sft_eval_problems
+    while len(seen) < args.train_problems + n_test + n_stop:
         seen.add((rng.randint(lo, hi), rng.randint(lo, hi)))
     pairs = sorted(seen)
     rng.shuffle(pairs)
     os.makedirs(data_dir, exist_ok=True)
-    paths = os.path.join(data_dir, "train.jsonl"), os.path.join(data_dir, "heldout.jsonl")
-    for path, rows in ((paths[1], pairs[:args.heldout]), (paths[0], pairs[args.heldout:])):
+    paths = tuple(os.path.join(data_dir, f"{name}.jsonl") for name in ("train", "heldout", SFT_EVAL_NAME))
+    splits = pairs[n_test + n_stop:], pairs[:n_test], pairs[n_test:n_test + n_stop]
+    for path, rows in zip(paths, splits):
         with open(path, "w") as f:
             f.writelines(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n" for a, b in rows)
     return paths
@@ -200,16 +209,21 @@ def common(args: argparse.Namespace, train: str) -> list[str]:
             "--apply-chat-template", "--custom-rm-path", "agentic_calculator.reward", "--no-progress"]
 
 
-def sft_argv(args, arm: str, model: str, out: str, train: str) -> list[str]:
-    flags, _ = arm_flags(arm)
+def sft_argv(args, arm: str, model: str, out: str, train: str, sft_eval: str) -> list[str]:
+    flags, budget = arm_flags(arm)
     rollout = "agentic_calculator.sft_rollout" if arm == "tool" else "lichen.rollout.sft.generate_rollout"
-    # no eval here: the RL stage's eval before its first step is the SFT model's accuracy
+    # Eval on the SFT-eval split and a checkpoint at the same steps (the loop saves before it evaluates), so the
+    # early stop can start RL from exactly the model it measured. The test set's accuracy of that model is the
+    # RL stage's eval before its first step.
     return ["train", "--hf-checkpoint", model, *common(args, train), *flags,
+            "--eval-prompt-data", SFT_EVAL_NAME, sft_eval, "--eval-temperature", "0",
+            "--eval-max-response-len", str(budget), "--eval-interval", str(args.sft_eval_every),
+            "--skip-eval-before-train",
             "--loss-type", "sft_loss", "--rollout-function-path", rollout, "--disable-rewards-normalization",
             "--rollout-batch-size", str(args.sft_batch), "--n-samples-per-prompt", "1",
             "--micro-batch-size", str(args.sft_batch), "--num-rollout", str(args.sft_steps), "--lr", str(args.sft_lr),
             "--save", os.path.join(out, "checkpoints"),
-            "--save-interval", str(args.sft_steps), "--output-dir", out]
+            "--save-interval", str(args.sft_eval_every), "--output-dir", out]
 
 
 def rl_argv(args, arm: str, start: str, out: str, train: str, heldout: str) -> list[str]:
@@ -242,29 +256,59 @@ def trajectories(rollout_dir: str) -> dict:
             "first_mismatch": first}
 
 
-def run_arm(args, arm: str, model: str, root: str, train: str, heldout: str, times: dict, cpu: dict) -> dict:
+def stop_step(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The early-stop rule: the first eval step whose accuracy reaches `target` (None: not reached yet)."""
+    return next((step for step, acc in curve if acc >= target), None)
+
+
+class EarlyStop:
+    """Watches an SFT run's output; at each eval line it re-reads the SFT-eval curve and asks `stop_step`."""
+
+    def __init__(self, metrics_path: str, target: float) -> None:
+        self.metrics_path, self.target = metrics_path, target
+        self.step: int | None = None
+
+    def __call__(self, line: str) -> bool:
+        if not (line.startswith("step ") and " eval " in line):
+            return False
+        self.step = stop_step(eval_curve(self.metrics_path, SFT_EVAL_NAME), self.target)
+        return self.step is not None
+
+
+def checkpoint_at(ckpt_dir: str, step: int) -> str:
+    """The HF export saved after `step` SFT steps (rollout id step - 1)."""
+    hf = os.path.join(ckpt_dir, f"iter_{step - 1:07d}", "hf")
+    if not os.path.isfile(os.path.join(hf, "config.json")):
+        raise StageFailed(f"SFT checkpoint {hf} has no config.json")
+    return hf
+
+
+def run_arm(args, arm: str, model: str, root: str, data: tuple[str, str, str], times: dict, cpu: dict) -> dict:
+    train, heldout, sft_eval = data
     sft_out, rl_out = os.path.join(root, f"{arm}_sft"), os.path.join(root, f"{arm}_rl")
-    print(f"\n== {arm}: SFT {args.sft_steps} steps x {args.sft_batch}", flush=True)
-    times[f"{arm}_sft"], cpu[f"{arm}_sft"] = run_stage(f"{arm}_sft", sft_argv(args, arm, model, sft_out, train),
-                                                       os.path.join(root, f"{arm}_sft.log"), args.quiet, args.threads)
+    print(f"\n== {arm}: SFT (at most {args.sft_steps} steps x {args.sft_batch}; stops at {100 * args.sft_stop_accuracy:g}%"
+          f" on the SFT-eval split)", flush=True)
+    stop = EarlyStop(os.path.join(sft_out, "metrics.jsonl"), args.sft_stop_accuracy)
+    times[f"{arm}_sft"], cpu[f"{arm}_sft"] = run_stage(f"{arm}_sft", sft_argv(args, arm, model, sft_out, train, sft_eval),
+                                                       os.path.join(root, f"{arm}_sft.log"), args.quiet, args.threads,
+                                                       stop=stop)
+    sft_steps = stop.step or args.sft_steps
+    # up to the stop: an eval the run logged before it was cut off measured a model RL does not start from
+    sft_curve = [(step, acc) for step, acc in eval_curve(os.path.join(sft_out, "metrics.jsonl"), SFT_EVAL_NAME)
+                 if step <= sft_steps]
+    print(f"   SFT-eval curve {fmt_curve(sft_curve)}; RL starts from step {sft_steps}", flush=True)
     print(f"== {arm}: GRPO {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples", flush=True)
-    times[f"{arm}_rl"], cpu[f"{arm}_rl"] = run_stage(f"{arm}_rl", rl_argv(args, arm, sft_checkpoint_of(sft_out),
-                                                                           rl_out, train, heldout),
+    start = checkpoint_at(os.path.join(sft_out, "checkpoints"), sft_steps)
+    times[f"{arm}_rl"], cpu[f"{arm}_rl"] = run_stage(f"{arm}_rl", rl_argv(args, arm, start, rl_out, train, heldout),
                                                      os.path.join(root, f"{arm}_rl.log"), args.quiet, args.threads)
     curve = eval_curve(os.path.join(rl_out, "metrics.jsonl"))
     if curve[0][0] != 0:
         raise StageFailed(f"{arm}: the RL stage logged no eval before training")
-    out = {"sft_accuracy": curve[0][1], "rl_accuracy": curve[-1][1], "rl_curve": curve}
+    out = {"sft_steps": sft_steps, "sft_stopped_early": stop.step is not None, "sft_eval_curve": sft_curve,
+           "sft_accuracy": curve[0][1], "rl_accuracy": curve[-1][1], "rl_curve": curve}
     if arm == "tool":
         out.update(trajectories(os.path.join(rl_out, "rollouts")))
     return out
-
-
-def sft_checkpoint_of(out: str) -> str:
-    class P:  # quickstart.sft_checkpoint reads .sft_ckpt
-        sft_ckpt = os.path.join(out, "checkpoints")
-
-    return sft_checkpoint(P)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         times["model"], cpu["model"] = run_stage("model", ["make-tiny-model", model, "--seed", str(args.seed)],
                                                  os.path.join(root, "model.log"), args.quiet, args.threads)
-        train, heldout = make_data(args, os.path.join(root, "data"))
-        arms = {arm: run_arm(args, arm, model, root, train, heldout, times, cpu) for arm in args.arms}
+        data = make_data(args, os.path.join(root, "data"))
+        arms = {arm: run_arm(args, arm, model, root, data, times, cpu) for arm in args.arms}
     except StageFailed as e:
         print(f"\nagentic_calculator: error: {e}", file=sys.stderr)
         return 1
@@ -302,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, f, indent=1)
     print(f"\n== summary (seed {args.seed}, {args.heldout} held-out problems, greedy)")
     for arm, r in arms.items():
-        print(f"  {arm:8s} held-out accuracy: SFT {100 * r['sft_accuracy']:5.1f}%  ->  RL {100 * r['rl_accuracy']:5.1f}%"
+        print(f"  {arm:8s} held-out accuracy: SFT ({r['sft_steps']} steps) {100 * r['sft_accuracy']:5.1f}%  ->  "
+              f"RL {100 * r['rl_accuracy']:5.1f}%"
               f"   (curve {fmt_curve(r['rl_curve'])})")
     if "tool" in arms:
         t = arms["tool"]

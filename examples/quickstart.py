@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 EVAL_NAME = "heldout"
 
@@ -117,11 +118,14 @@ class StageFailed(RuntimeError):
     pass
 
 
-def run_stage(name: str, argv: list[str], log_path: str, quiet: bool, threads: int) -> tuple[float, float]:
+def run_stage(name: str, argv: list[str], log_path: str, quiet: bool, threads: int,
+              stop: Callable[[str], bool] | None = None) -> tuple[float, float]:
     """Run `python -m lichen.cli ARGV`, teeing its output to log_path; returns (wall, CPU) seconds.
 
     CPU seconds (user + system of the child) are printed beside wall time because they do not grow when other
     processes share the cores, so a slow wall time on a busy machine can be told apart from a slow run.
+    `stop(line)`, when given, sees each output line; once it returns True the child is terminated and the stage
+    counts as done (a run that stops itself on a condition it reads from its own output, e.g. an eval).
     """
     cmd = [sys.executable, "-m", "lichen.cli", *argv]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
@@ -131,14 +135,18 @@ def run_stage(name: str, argv: list[str], log_path: str, quiet: bool, threads: i
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout is not None
         tail: list[str] = []
+        stopped = False
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line])[-20:]
+            if stop is not None and not stopped and stop(line):
+                stopped = True
+                proc.terminate()
             # Step lines only when they carry an eval; anything else (warnings, errors) always.
             if not quiet and (not line.startswith("step ") or " eval " in line):
                 print("  " + line, end="", flush=True)
         rc = proc.wait()
-    if rc != 0:
+    if rc != 0 and not stopped:
         if quiet:
             sys.stdout.write("".join("  " + t for t in tail))
         raise StageFailed(f"stage {name!r} failed (exit {rc}); full log: {log_path}")
@@ -212,9 +220,9 @@ def rl_argv(args: argparse.Namespace, paths: Paths, start: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------- results
 
 
-def eval_curve(metrics_path: str) -> list[tuple[int, float]]:
-    """(rollout steps done, held-out accuracy) for each eval logged in metrics.jsonl."""
-    key = f"eval/{EVAL_NAME}/reward_mean"
+def eval_curve(metrics_path: str, name: str = EVAL_NAME) -> list[tuple[int, float]]:
+    """(rollout steps done, accuracy on eval set `name`) for each eval logged in metrics.jsonl."""
+    key = f"eval/{name}/reward_mean"
     curve = []
     with open(metrics_path) as f:
         for line in f:

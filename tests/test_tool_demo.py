@@ -54,3 +54,46 @@ def test_parser_and_reward():
     assert demo.reward(None, sample("answer", "7929")) == 0.0
     assert demo.reward(None, sample("budget", "7928")) == 0.0  # cut off: no final answer
     assert demo.reward(None, types.SimpleNamespace(metadata={}, response=" 7928", label="7928")) == 1.0
+
+
+def test_sft_early_stop_rule_is_the_first_eval_reaching_the_target(tmp_path):
+    assert demo.stop_step([(25, 0.0), (50, 0.39), (75, 0.4), (100, 0.9)], 0.4) == 75
+    assert demo.stop_step([(25, 0.0), (50, 0.1)], 0.4) is None
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 25, "eval/sft_eval/reward_mean": 0.2}, {"step": 26, "loss": 1.0},
+            {"step": 50, "eval/sft_eval/reward_mean": 0.5}, {"step": 50, "eval/heldout/reward_mean": 0.9}]
+    stop = demo.EarlyStop(str(metrics), 0.4)
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    assert not stop("step 25/100 | loss 1.0 | eval sft_eval 0.200") and stop.step is None
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not stop("step 50/100 | loss 1.0")  # only eval lines are looked at
+    assert stop("step 50/100 | loss 1.0 | eval sft_eval 0.500") and stop.step == 50  # the test set is not read
+
+
+def test_data_splits_share_no_problem(tmp_path):
+    args = demo.parse_args(["--seed", "3", "--train-problems", "300", "--heldout", "40", "--sft-eval-problems", "30"])
+    paths = demo.make_data(args, str(tmp_path))
+    rows = [[json.loads(line) for line in open(p)] for p in paths]
+    assert [len(r) for r in rows] == [300, 40, 30]
+    prompts = [{r["prompt"] for r in split} for split in rows]
+    assert sum(map(len, prompts)) == len(set().union(*prompts)) == 370
+    assert all(eval(r["prompt"].rstrip("=")) == int(r["label"]) for split in rows for r in split)
+
+
+def test_tiny_run_starts_rl_from_the_checkpoint_where_sft_stopped(tmp_path):
+    """The whole script on a tiny budget: with a target of 0% SFT stops at its first eval (step 2 of at most 40),
+    the run is cut there and RL loads that step's checkpoint."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(demo.__file__), "agentic_calculator.py")
+    r = subprocess.run([sys.executable, script, "--seed", "2", "--workdir", str(tmp_path), "--quiet", "--arms", "tool",
+                        "--train-problems", "100", "--heldout", "4", "--sft-eval-problems", "4",
+                        "--sft-steps", "40", "--sft-eval-every", "2", "--sft-batch", "4", "--sft-stop-accuracy", "0",
+                        "--rl-steps", "1", "--rl-prompts", "2", "--rl-group", "2", "--rl-eval-every", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    tool = json.load(open(tmp_path / "seed2" / "summary.json"))["arms"]["tool"]
+    assert tool["sft_steps"] == 2 and tool["sft_stopped_early"] and tool["sft_eval_curve"] == [[2, 0.0]]
+    config = json.load(open(tmp_path / "seed2" / "tool_rl" / "config.json"))
+    assert config["hf_checkpoint"].endswith(os.path.join("tool_sft", "checkpoints", "iter_0000001", "hf"))
+    assert tool["trajectories"] == 4
