@@ -43,7 +43,8 @@ SHARED_IMPORTS = {"errors"}  # what a shared helper may import of the other shar
 # config may reach these only inside its checking functions (their lookup tables and messages)
 CONFIG_IN_FUNCTIONS = {"rewards", "engines", "rollout"}
 # the server side of `lichen serve`: imported only inside `engines` (and by `cli`, which runs it)
-SERVER_MODULES = ("serve", "http_server", "weight_endpoints", "openai_api", "scheduler", "limits", "weight_paths")
+SERVER_MODULES = ("serve", "http_server", "weight_endpoints", "openai_api", "scheduler", "limits", "weight_paths",
+                  "tensor_update", "tensor_payload")
 SERVER = re.compile(r"^lichen\.engines\.(" + "|".join(SERVER_MODULES) + r")\b")
 # the typed configs: every part may import its own; they import nothing of lichen but `errors`
 TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config", "cluster_config", "tool_config", "lora_config")

@@ -1,9 +1,10 @@
-"""Weight-sync flags: how new weights reach server engines (full or delta, NCCL/gloo broadcast or disk).
+"""Weight-sync flags: how new weights reach server engines (full or delta, NCCL/gloo broadcast, disk or tensor handles).
 
 The in-process engine (no --rollout-num-engines, no --rollout-external-engine-addrs) gets a direct tensor copy,
 so these flags only matter for server engines. The combination rules are checked first, so a wrong combination
 is reported as such; then an explicitly given transport or mode is refused for the in-process engine.
-With server engines every transport works: nccl broadcast (the default), full disk and delta disk (lichen.sync).
+With server engines every transport works: nccl broadcast (the default), full disk and delta disk (lichen.sync);
+tensor handles only with engines lichen launches (on its host; with --runtime ray, checked at the first sync).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--update-weight-transport",
-        choices=["nccl", "disk"],
+        choices=["nccl", "disk", "tensor"],
         default="nccl",
-        help="nccl: torch.distributed broadcast (NCCL on GPU, gloo on CPU); disk: files in --update-weight-disk-dir",
+        help="nccl: torch.distributed broadcast (NCCL on GPU, gloo on CPU); disk: files in --update-weight-disk-dir; "
+        "tensor: handles to the trainer's memory posted to /update_weights_from_tensor (CUDA IPC on GPU, shared "
+        "memory on CPU), for engines on the trainer's host (what slime uses with --colocate)",
     )
     g.add_argument(
         "--update-weight-disk-dir",
@@ -124,6 +127,10 @@ def check(args: argparse.Namespace) -> None:
     if args.update_weight_transport != "disk" and getattr(args, "custom_update_weight_post_write_path", None):
         raise ConfigError("--custom-update-weight-post-write-path is only used with --update-weight-transport disk; "
                           "add it or drop the hook")
+    if args.update_weight_transport == "tensor" and args.rollout_external_engine_addrs is not None:
+        raise ConfigError("--update-weight-transport tensor needs engines lichen launches on this host (it sends "
+                          "handles to this process's memory); external servers (--rollout-external-engine-addrs) "
+                          "cannot map it: use --update-weight-transport nccl or disk")
     if args.update_weight_transport == "disk":
         if args.update_weight_disk_dir is None:
             raise ConfigError("--update-weight-transport disk needs --update-weight-disk-dir DIR")

@@ -26,7 +26,7 @@ ADMIN_PATHS = frozenset({
     "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
     "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name",
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-    "/pull_weights", "/weights_checker", "/debug/stacks",
+    "/pull_weights", "/weights_checker", "/debug/stacks", "/update_weights_from_tensor",
 })
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from lichen import __version__
-from lichen.engines import openai_api, weight_endpoints
+from lichen.engines import openai_api, tensor_update, weight_endpoints
 from lichen.engines.auth import key_for_path, request_has_key
 from lichen.engines.engine import Engine
 from lichen.engines.limits import Limits, Overloaded, free_memory_bytes, job_tokens, torch_itemsize
@@ -226,6 +226,7 @@ class LichenServer:
         r.add_get("/debug/trace", self.debug_trace)  # for the trainer's --trace (lichen.observe.trace)
         openai_api.add_routes(app, self)
         weight_endpoints.add_routes(app, self)  # also /update_weights_from_disk, which can apply deltas live
+        tensor_update.add_routes(app, self)  # /update_weights_from_tensor: handles to a colocated trainer's memory
         return app
 
     async def debug_stacks(self, request: web.Request) -> web.Response:

@@ -6,7 +6,9 @@ engines (lichen serve / SGLang, `engine.is_remote`) get the transport chosen by 
 
 - `nccl`: torch.distributed broadcast in buckets (lichen.sync.distributed; NCCL on GPU, gloo on CPU);
 - `disk` + `full`: an HF checkpoint per version that the engines reload (lichen.sync.disk);
-- `disk` + `delta`: versions holding only what changed, pulled into a host-local copy (lichen.sync.disk_delta).
+- `disk` + `delta`: versions holding only what changed, pulled into a host-local copy (lichen.sync.disk_delta);
+- `tensor`: handles to the trainer's memory (CUDA IPC, or shared memory on CPU) posted to /update_weights_from_tensor,
+  for engines on this host (lichen.sync.tensor_handles).
 
 Every sync pauses generation, flushes caches, updates, records the new weight version and continues (inside the
 transports). Then every engine must report the version just published (else StaleEngineError) and serve exactly
@@ -44,6 +46,7 @@ _STATE_ATTR = "_lichen_sync_state"  # held on the RemoteEngines object, so it li
 _ENDPOINTS = {
     "nccl": ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"),
     "delta": ("/pull_weights", "/update_weights_from_disk"),
+    "tensor": ("/pause_generation", "/flush_cache", "/update_weights_from_tensor", "/continue_generation"),
 }
 
 
@@ -83,7 +86,7 @@ def _state(engines: Any, cfg: Any) -> dict:
     st = getattr(engines, _STATE_ATTR, None)
     if st is None:
         transport, mode = cfg.transport, cfg.mode
-        need = _ENDPOINTS.get("nccl" if transport == "nccl" else mode, ())
+        need = _ENDPOINTS.get(transport if transport in ("nccl", "tensor") else mode, ())
         if need:
             engines.require_endpoints({p: f"--update-weight-transport {transport} --update-weight-mode {mode}"
                                        for p in need})
@@ -107,6 +110,12 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
         from lichen.sync.distributed import BroadcastSync
 
         return BroadcastSync(engines, buffer_size=cfg.buffer_size)
+    if transport == "tensor":  # before the first bucket: every engine must map this host's shared memory
+        from lichen.sync.tensor_handles import TensorSync
+        from lichen.sync.visibility import check_same_host
+
+        check_same_host(engines)
+        return TensorSync(engines, buffer_size=cfg.buffer_size)
     if mode in ("full", "delta"):  # before the first version is written: every engine must see the directory
         from lichen.sync.visibility import check_dir_visible
 

@@ -49,19 +49,19 @@ def master_address(urls: list[str]) -> str:
         return s.getsockname()[0]
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, buffer_size: int,
-            device: torch.device | str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """(name, tensor in the engine dtype) lists of at most `buffer_size` bytes each, in order; a tensor larger
-    than `buffer_size` forms a bucket of its own. Floating-point tensors are cast to `dtype`."""
+def engine_nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes of `t` once floating-point tensors are cast to the engine dtype `dtype`."""
+    return t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+
+
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 buffer_size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The (name, tensor) pairs in order, grouped into lists of at most `buffer_size` bytes in the engine dtype
+    (a larger tensor forms a bucket of its own); nothing is copied."""
     bucket: list[tuple[str, torch.Tensor]] = []
     used = 0
     for name, t in named:
-        t = t.detach()
-        if t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
-        if device is not None:
-            t = t.to(device)
-        size = t.numel() * t.element_size()
+        size = engine_nbytes(t, dtype)
         if bucket and used + size > buffer_size:
             yield bucket
             bucket, used = [], 0
@@ -69,6 +69,19 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, buffe
         used += size
     if bucket:
         yield bucket
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, buffer_size: int,
+            device: torch.device | str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """plan_buckets with each tensor detached, floating-point ones cast to `dtype`, and moved to `device`."""
+    for bucket in plan_buckets(named, dtype, buffer_size):
+        out = []
+        for name, t in bucket:
+            t = t.detach()
+            if t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out.append((name, t if device is None else t.to(device)))
+        yield out
 
 
 def _while_engines_answer(fn, pending, name: str):

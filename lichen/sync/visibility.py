@@ -1,4 +1,5 @@
-"""The disk transports' start check: every engine can read the sync directory the trainer writes versions into.
+"""The start checks of the disk and tensor transports: every engine can read the sync directory the trainer writes
+versions into (disk), or this host's shared memory (tensor: it maps segments by name there).
 
 The driver writes a probe file with a random token in `--update-weight-disk-dir`, and every engine, on its own
 node, reads it back under the same path; an engine that cannot open it, or reads other content (a directory of
@@ -26,7 +27,12 @@ log = get_logger(__name__)
 PROBE_PREFIX = ".lichen-probe-"  # not a `weight_v*` name: version listings never see it
 
 
-def check_dir_visible(engines: Any, directory: str | None, flag: str = "--update-weight-disk-dir") -> int:
+DISK_ADVICE = ("give a directory that every engine's node shares under the same path (a shared file system), or "
+               "use --update-weight-transport nccl")
+
+
+def check_dir_visible(engines: Any, directory: str | None, flag: str = "--update-weight-disk-dir",
+                      advice: str = DISK_ADVICE) -> int:
     """Raise ConfigError unless every engine of `engines` (a RemoteEngines) reads, by content, a probe file written
     in `directory` now; returns how many engines were asked (0: none can be, see the module doc)."""
     read_each = getattr(getattr(engines, "launcher", None), "read_each", None)
@@ -48,7 +54,17 @@ def check_dir_visible(engines: Any, directory: str | None, flag: str = "--update
         what = s.get("error") or "it read other content: a directory of that name on its own node, not this one"
         raise ConfigError(
             f"{flag} {directory}: engine {i} ({s.get('where', '?')}) cannot read the probe file {path} that lichen "
-            f"wrote there ({what}); give a directory that every engine's node shares under the same path (a shared "
-            "file system), or use --update-weight-transport nccl")
+            f"wrote there ({what}); {advice}")
     log.info("%s %s: visible to all %d engines (each read the probe file back)", flag, directory, len(seen))
     return len(seen)
+
+
+def check_same_host(engines: Any, shm_dir: str = "/dev/shm") -> int:
+    """The tensor transport's start check: every engine reads back a probe file in this host's shared memory
+    (`shm_dir`), so it can map the segments the handles name. Two Ray raylets on one host pass (they share it);
+    an engine on another machine reads nothing there. Skipped where the directory does not exist."""
+    if not os.path.isdir(shm_dir):
+        return 0
+    return check_dir_visible(engines, shm_dir, "--update-weight-transport tensor",
+                             "the engines must run on the trainer's host (colocated) to map its memory; use "
+                             "--update-weight-transport nccl or disk for engines on other nodes")

@@ -1,0 +1,237 @@
+"""Reading `serialized_named_tensors` (SGLang's `/update_weights_from_tensor`) without trusting it.
+
+An entry is base64 of a pickle made by torch.multiprocessing's reductions: handles to memory another process on
+this host shares (a `/dev/shm/torch_*` file name on CPU, a CUDA IPC handle on GPU), not the tensors' bytes. A
+request body is hostile input, and `pickle.loads` runs whatever callable the pickle names, so:
+
+- `find_class` resolves only the exact names torch's reductions emit (the rebuild functions, the storage and
+  tensor classes, `torch.Size`, a list of dtypes, `_codecs.encode` for latin-1 bytes), and each resolves to a
+  checking stand-in here, never to the class itself: a pickle may call what it names, and calling
+  `torch.UntypedStorage(10**12)` would allocate a terabyte;
+- the stand-ins check every argument before torch sees it: a shared-memory name must look like torch's and name
+  a file of this user in /dev/shm at least as large as the size asked for (mapping past a file's end kills the
+  process at the first read), the manager socket must be one of this user's torch managers, a tensor must lie
+  inside its storage;
+- BUILD (setting an object's state) is refused: nothing torch's reductions emit needs it;
+- anything else (an unknown name, a wrong type, a malformed pickle) raises PayloadError, which the endpoint
+  answers with 400.
+
+The result must be a list of (name, tensor) pairs (`load_format` null); the tensors map the sender's memory
+until they are dropped, so the endpoint copies them into its parameters and lets them go.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import pickle
+import re
+import stat
+from typing import Any
+
+import torch
+from torch.multiprocessing import reductions
+
+SHM_DIR = "/dev/shm"
+SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")  # what torch's file_system strategy names a segment
+MAX_DIMS = 16
+DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
+
+
+class PayloadError(ValueError):
+    """The entry cannot be read safely or is not what `/update_weights_from_tensor` takes."""
+
+
+class _Class:
+    """What a pickle gets for a class name: a token, not callable, that only the rebuild stand-ins accept."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def _is(obj: Any, name: str) -> bool:
+    return isinstance(obj, _Class) and obj.name == name
+
+
+def _int(v: Any, what: str, low: int = 0) -> int:
+    if type(v) is not int or v < low:
+        raise PayloadError(f"{what} must be an integer >= {low}, got {v!r}")
+    return v
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or len(v) > MAX_DIMS:
+        raise PayloadError(f"{what} must be a tuple of at most {MAX_DIMS} integers, got {v!r}")
+    return tuple(_int(x, what) for x in v)
+
+
+def _size(dims: Any) -> torch.Size:
+    return torch.Size(_ints(dims, "a torch.Size"))
+
+
+def _latin1(text: Any, encoding: Any) -> bytes:
+    """`_codecs.encode`, as protocols below 3 write bytes: latin-1 of a short string only."""
+    if encoding != "latin1" or not isinstance(text, str) or len(text) > 4096:
+        raise PayloadError("_codecs.encode is accepted only for latin-1 bytes")
+    return text.encode("latin1")
+
+
+def _shm_file(handle: Any, size: int) -> None:
+    if not isinstance(handle, bytes) or not SHM_NAME.fullmatch(handle):
+        raise PayloadError(f"shared memory name {handle!r} is not one torch makes (/torch_<pid>_<n>_<n>)")
+    path = SHM_DIR + handle.decode()
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise PayloadError(f"shared memory {handle.decode()} cannot be opened here ({e.strerror}): the sender must "
+                           "run on this host") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise PayloadError(f"shared memory {handle.decode()} is not a file of this server's user")
+    if st.st_size < size:
+        raise PayloadError(f"shared memory {handle.decode()} holds {st.st_size} bytes, fewer than the {size} asked for")
+
+
+def _manager(manager: Any) -> None:
+    if not isinstance(manager, bytes) or os.path.basename(manager) != b"manager.sock" or \
+            not os.path.basename(os.path.dirname(manager)).startswith(b"torch-shm-dir-"):
+        raise PayloadError(f"shared memory manager {manager!r} is not a torch shm manager socket")
+    try:
+        st = os.stat(manager)
+    except OSError:
+        raise PayloadError(f"shared memory manager {manager.decode(errors='replace')} does not exist here") from None
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        raise PayloadError("shared memory manager socket is not one of this server's user")
+
+
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None) -> Any:
+    if not _is(cls, "UntypedStorage") or dtype is not None:
+        raise PayloadError("rebuild_storage_filename: only untyped storages are accepted")
+    size = _int(size, "a storage size", 1)
+    _shm_file(handle, size)
+    _manager(manager)
+    return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+
+
+def _rebuild_storage_empty(cls: Any) -> torch.UntypedStorage:
+    if not _is(cls, "UntypedStorage"):
+        raise PayloadError("rebuild_storage_empty: only untyped storages are accepted")
+    return torch.UntypedStorage()
+
+
+def _rebuild_typed_storage(storage: Any, dtype: Any) -> Any:
+    if not isinstance(storage, torch.UntypedStorage) or dtype not in DTYPES.values():
+        raise PayloadError("rebuild_typed_storage: expected a rebuilt storage and a dtype")
+    return reductions.rebuild_typed_storage(storage, dtype)
+
+
+def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
+    if not (_is(cls, "Tensor") or _is(cls, "Parameter")) or not isinstance(storage, torch.TypedStorage):
+        raise PayloadError("rebuild_tensor: expected a tensor class and a rebuilt storage")
+    if not isinstance(metadata, tuple) or len(metadata) != 4:
+        raise PayloadError("rebuild_tensor: metadata must be (offset, size, stride, requires_grad)")
+    offset = _int(metadata[0], "a tensor offset")
+    shape, stride = _ints(metadata[1], "a tensor size"), _ints(metadata[2], "a tensor stride")
+    if len(shape) != len(stride):
+        raise PayloadError("rebuild_tensor: size and stride differ in length")
+    if all(shape) and offset + sum((n - 1) * s for n, s in zip(shape, stride)) >= storage._size():
+        raise PayloadError(f"a tensor of size {shape} at offset {offset} runs past its storage of "
+                           f"{storage._size()} elements")
+    return reductions.rebuild_tensor(torch.Tensor, storage, (offset, torch.Size(shape), stride, False))
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """CUDA IPC handles (untested without a GPU): the device comes as the GPU's UUID (SGLang's convention) or an
+    index; it is mapped to this process's index of that GPU."""
+    if not torch.cuda.is_available():
+        raise PayloadError("the payload holds CUDA IPC handles, and this server has no CUDA device")
+    if len(args) != 15:
+        raise PayloadError("rebuild_cuda_tensor: unexpected arguments")
+    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, nbytes, storage_offset, _grad,
+     ref_handle, ref_offset, event_handle, sync) = args
+    if not (_is(tensor_cls, "Tensor") or _is(tensor_cls, "Parameter")) or not (
+            _is(storage_cls, "TypedStorage") or _is(storage_cls, "UntypedStorage")) or dtype not in DTYPES.values():
+        raise PayloadError("rebuild_cuda_tensor: expected tensor and storage classes and a dtype")
+    _ints(size, "a tensor size"), _ints(stride, "a tensor stride")
+    for v, what in ((offset, "a tensor offset"), (nbytes, "a storage size"), (storage_offset, "a storage offset"),
+                    (ref_offset, "a ref-counter offset")):
+        _int(v, what)
+    if not all(isinstance(h, bytes) for h in (handle, ref_handle)) or not isinstance(sync, bool) or \
+            not (event_handle is None or isinstance(event_handle, bytes)):
+        raise PayloadError("rebuild_cuda_tensor: handles must be bytes")
+    _shm_file(ref_handle, 1)
+    if isinstance(device, str):
+        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        if device not in uuids:
+            raise PayloadError(f"GPU {device} is not visible to this server")
+        device = uuids.index(device)
+    elif _int(device, "a device index") >= torch.cuda.device_count():
+        raise PayloadError(f"device index {device} is not visible to this server")
+    storage_type = torch.UntypedStorage if _is(storage_cls, "UntypedStorage") else torch.TypedStorage
+    return reductions.rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, storage_type,
+                                          dtype, device, handle, nbytes, storage_offset, False, ref_handle,
+                                          ref_offset, event_handle, sync)
+
+
+_REDUCTIONS = "torch.multiprocessing.reductions"
+ALLOWED: dict[tuple[str, str], Any] = {
+    (_REDUCTIONS, "rebuild_tensor"): _rebuild_tensor,
+    (_REDUCTIONS, "rebuild_typed_storage"): _rebuild_typed_storage,
+    (_REDUCTIONS, "rebuild_storage_filename"): _rebuild_storage_filename,
+    (_REDUCTIONS, "rebuild_storage_empty"): _rebuild_storage_empty,
+    (_REDUCTIONS, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("torch", "Size"): _size,
+    ("_codecs", "encode"): _latin1,
+    **{("torch", name): dtype for name, dtype in DTYPES.items()},
+}
+CLASSES = {("torch.storage", "UntypedStorage"): "UntypedStorage", ("torch.storage", "TypedStorage"): "TypedStorage",
+           ("torch", "Tensor"): "Tensor", ("torch.nn.parameter", "Parameter"): "Parameter"}
+
+
+class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table can be narrowed, the C one's not
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in CLASSES:
+            return _Class(CLASSES[(module, name)])
+        try:
+            return ALLOWED[(module, name)]
+        except KeyError:
+            raise PayloadError(f"the payload names {module}.{name}, which is not one of torch's tensor rebuild "
+                               "functions") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise PayloadError("persistent ids are not accepted")
+
+    def _refuse_build(self) -> None:
+        raise PayloadError("setting an object's state (BUILD) is not accepted")
+
+    dispatch[pickle.BUILD[0]] = _refuse_build
+
+
+def load_named_tensors(entry: Any) -> list[tuple[str, torch.Tensor]]:
+    """One `serialized_named_tensors` entry as (name, tensor) pairs; PayloadError for anything else."""
+    if not isinstance(entry, str):
+        raise PayloadError("each serialized_named_tensors entry must be a base64 string")
+    try:
+        raw = base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise PayloadError(f"not base64: {e}") from None
+    try:
+        obj = _Unpickler(io.BytesIO(raw)).load()
+    except PayloadError:
+        raise
+    except Exception as e:  # a malformed pickle, or a stand-in called with the wrong number of arguments
+        raise PayloadError(f"not a tensor payload: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, list) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in obj):
+        raise PayloadError("the payload must be a list of (name, tensor) pairs (load_format null)")
+    return obj

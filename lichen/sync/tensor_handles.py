@@ -1,0 +1,142 @@
+"""Weight sync by tensor handles for engines on the trainer's host (`--update-weight-transport tensor`).
+
+SGLang's `/update_weights_from_tensor`: the trainer puts each bucket of weights (in the engine dtype, at most
+--update-weight-buffer-size bytes) in memory the engines can map, and posts only *handles* to it, serialized as
+SGLang's MultiprocessingSerializer does (torch.multiprocessing's reductions pickled, base64), with
+`load_format: null`, i.e. a list of (name, tensor) pairs. The engine maps the memory, copies the tensors into its
+parameters and answers; only then are the bucket's tensors released (the handles would dangle otherwise).
+
+- CUDA weights: the bucket is one CUDA tensor; torch shares it by CUDA IPC handle. The device is written as the
+  GPU's UUID instead of its index (as SGLang's `monkey_patch_torch_reductions` does, so a receiver whose
+  CUDA_VISIBLE_DEVICES numbers the GPUs differently maps it back). Untested without a GPU.
+- CPU weights: the bucket is one uint8 tensor in POSIX shared memory by *file name* (`/dev/shm/torch_*`, torch's
+  `file_system` strategy), since an unrelated process cannot receive a file descriptor from us; each tensor is a
+  view of it. The bucket is allocated shared first and the weights are cast into it, so pickling copies nothing
+  (a request body is a few hundred bytes per bucket, whatever the bucket's size).
+
+Every engine gets its own serialization of the same bucket (one per TP rank, as SGLang wants): each adds the
+reference that the engine's rebuild releases, so the shared file is unlinked once everyone has closed it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import time
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Iterable
+
+import torch
+from torch.multiprocessing import reductions
+
+from lichen.observe.metrics import get_logger
+from lichen.sync.distributed import engine_nbytes, plan_buckets
+
+log = get_logger(__name__)
+
+CUDA_DEVICE_ARG = 6  # index of the device in rebuild_cuda_tensor's arguments (stable across torch releases)
+ALIGN = 64  # each tensor's offset in a bucket: any dtype's view of the uint8 bucket is aligned
+
+
+def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple:
+    """torch's file_system reduction, whatever this process's sharing strategy: the storage is mapped by name
+    (the default file_descriptor strategy needs a socket to our own process, which an engine cannot open)."""
+    if storage.size() == 0:
+        return reductions.rebuild_storage_empty, (type(storage),)
+    manager, handle, size = storage._share_filename_cpu_()  # already shared: returns its name, copies nothing
+    storage._shared_incref()  # the receiver's rebuild releases this reference
+    return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple:
+    fn, args = reductions.reduce_tensor(t)
+    if t.is_cuda:  # the GPU's UUID, not this process's index of it
+        uuid = str(torch.cuda.get_device_properties(args[CUDA_DEVICE_ARG]).uuid)
+        args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1:])
+    return fn, args
+
+
+_OVERRIDES = {torch.UntypedStorage: _reduce_cpu_storage, torch.Tensor: _reduce_tensor,
+              torch.nn.Parameter: _reduce_tensor}
+
+
+class _HandlePickler(ForkingPickler):
+    """ForkingPickler with tensors reduced as above (its own dispatch table: no global strategy change)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)  # sets this instance's dispatch table from the registered reducers
+        self.dispatch_table.update(_OVERRIDES)
+
+
+def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One `serialized_named_tensors` entry: the handles of `named`, pickled and base64-encoded."""
+    buf = io.BytesIO()
+    _HandlePickler(buf, pickle.HIGHEST_PROTOCOL).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def fill_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """One flat uint8 tensor holding `bucket` cast to `dtype` (floating tensors), in shared memory on CPU; returns
+    it and the (name, view of it) pairs to serialize."""
+    offsets, total = [], 0
+    for _, t in bucket:
+        offsets.append(total)
+        total += _aligned(engine_nbytes(t, dtype))
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        flat.untyped_storage()._share_filename_cpu_()  # into /dev/shm before any byte is written
+    views = []
+    for (name, t), off in zip(bucket, offsets):
+        want = dtype if t.is_floating_point() else t.dtype
+        view = flat[off:off + engine_nbytes(t, dtype)].view(want).view(t.shape)
+        view.copy_(t.detach())
+        views.append((name, view))
+    return flat, views
+
+
+class TensorSync:
+    """The trainer's side of the tensor-handle transport for one RemoteEngines (lichen.sync keeps one)."""
+
+    def __init__(self, engines: Any, *, buffer_size: int, timeout_s: float = 600.0):
+        self.engines, self.buffer_size, self.timeout_s = engines, int(buffer_size), timeout_s
+
+    def _bodies(self, views: list[tuple[str, torch.Tensor]], version: int) -> list[dict]:
+        infos = self.engines.server_infos()
+        bodies = []
+        for info in infos:
+            tp = max(1, int(info.get("tp_size") or 1))
+            bodies.append({"serialized_named_tensors": [serialize(views) for _ in range(tp)], "load_format": None,
+                           "flush_cache": False, "weight_version": str(version)})
+        return bodies
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
+        """Send the weights as version `version` in the engine dtype; returns metrics (bytes, buckets, seconds)."""
+        t0 = time.perf_counter()
+        admit = getattr(self.engines, "admit_restarted", None)
+        if admit is not None:
+            admit()
+        sent = count = body_bytes = 0
+        fill_s = 0.0
+        with self.engines.paused():  # paused and flushed once for the whole version, as the broadcast
+            for bucket in plan_buckets(named, dtype, self.buffer_size):
+                device = bucket[0][1].device if bucket[0][1].is_cuda else torch.device("cpu")
+                f0 = time.perf_counter()
+                flat, views = fill_bucket(bucket, dtype, device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the engine reads the bytes through its own stream
+                fill_s += time.perf_counter() - f0
+                bodies = self._bodies(views, version)
+                body_bytes += sum(len(s) for b in bodies for s in b["serialized_named_tensors"])
+                self.engines.post_each("/update_weights_from_tensor", bodies, timeout=self.timeout_s)
+                del views, flat  # only now: every engine has copied the bucket out
+                sent += sum(engine_nbytes(t, dtype) for _, t in bucket)
+                count += 1
+        return {"sync/bytes": sent, "sync/total_bytes": sent, "sync/buckets": count,
+                "sync/request_bytes": body_bytes, "time/sync_publish": fill_s,
+                "time/sync_transfer": time.perf_counter() - t0 - fill_s}
