@@ -160,7 +160,13 @@ class DecodeBatch:
             return finished
         p = next(self.model.parameters())
         dev, dtype = p.device, p.dtype
-        ids, valid, pos, lens = left_padded(todo, self.pad, dev)
+        # Samples of one prompt (n samples per prompt) join with identical contexts: prefill each distinct
+        # context once and copy its cache rows to every sequence that has it (SGLang shares such prefixes
+        # through its radix cache). Row `u` of the prefill serves todo[i] for every i with src[i] == u.
+        distinct: dict[tuple[int, ...], int] = {}
+        src = [distinct.setdefault(tuple(s.input_ids + s.output_ids), len(distinct)) for s in todo]
+        first = {u: i for i, u in reversed(list(enumerate(src)))}
+        ids, valid, pos, lens = left_padded([todo[first[u]] for u in range(len(distinct))], self.pad, dev)
         B, P = ids.shape
         mask = None
         if not bool(valid.all()):  # causal & real keys; a pad query may see itself so its softmax row is never empty
@@ -172,7 +178,8 @@ class DecodeBatch:
         logits = self.model.logits(hidden[:, -1])
         for i, s in enumerate(todo):
             if s.input_logprob_start >= 0 and s.input_logprobs is None:
-                self._score_prompt(s, hidden[i, P - lens[i]:P - lens[i] + len(s.input_ids)])
+                u = src[i]
+                self._score_prompt(s, hidden[u, P - lens[u]:P - lens[u] + len(s.input_ids)])
         keep = []
         for i, s in enumerate(todo):
             if s.remaining <= 0:
@@ -181,7 +188,7 @@ class DecodeBatch:
             else:
                 keep.append(i)
         if keep:
-            k = torch.tensor(keep, dtype=torch.long, device=dev)
+            k = torch.tensor([src[i] for i in keep], dtype=torch.long, device=dev)
             part = {
                 "rows": [todo[i] for i in keep],
                 "k": [t.index_select(0, k) for t in cache.k], "v": [t.index_select(0, k) for t in cache.v],
