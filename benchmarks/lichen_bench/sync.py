@@ -1,13 +1,14 @@
 """`lichen bench sync`: weight sync into a real `lichen serve` engine with every transport, on one model.
 
     lichen bench sync [--params 5e8] [--steps 3] [--lr 1e-6] [--batch 2] [--seq 32] [--dtype bfloat16]
-        [--bandwidth 100e6] [--threads 2] [--transports full xor overwrite nccl] [--work-dir DIR] [--json OUT]
+        [--bandwidth 100e6] [--threads 2] [--transports full xor overwrite nccl tensor] [--work-dir DIR] [--json OUT]
 
 1. Builds a llama of about --params parameters (random init from a config: hidden 1024 from 1e8 parameters up,
    else 512 or less for tiny sizes) and starts one `lichen serve` engine on it in --dtype (the engine dtype).
 2. Trains --steps real AdamW steps at --lr (fp32 weights, next-token loss on a fixed random batch of --batch x
    --seq tokens: real gradients) and keeps the weights after each step in the engine dtype.
-3. For each transport — full disk, delta xor, delta overwrite, nccl (gloo on CPU) — syncs the initial weights
+3. For each transport — full disk, delta xor, delta overwrite, nccl (gloo on CPU), tensor (shared-memory handles
+   to /update_weights_from_tensor; CUDA IPC on GPU) — syncs the initial weights
    (version 1, not timed: for delta it is the full version that starts the chain), then the weights after each
    step (timed), through lichen.sync exactly as `lichen train` does (the trainer hands fp32 weights; each sync
    pays the cast to the engine dtype), and checks after every sync that the engine serves the trainer's weights
@@ -15,7 +16,8 @@
 
 Printed per transport (means over the timed syncs; bytes are engine-dtype bytes, GB = 1e9 bytes):
   changed   = bytes that differ from the previous version / model bytes (delta only);
-  wire      = bytes written (disk) or broadcast, and that / full disk's;
+  wire      = bytes written (disk), broadcast, or placed in shared memory (tensor: the request bodies carry only
+              handles, `sync/request_bytes`), and that / full disk's;
   publish   = model bytes / trainer-side seconds (full: write the checkpoint; delta: diff + encode + compress +
               checksum + write);
   apply     = model bytes / engine-side seconds (full: reload; delta: /pull_weights into the local checkpoint +
@@ -44,7 +46,7 @@ import time
 
 import torch
 
-TRANSPORTS = ("full", "xor", "overwrite", "nccl")
+TRANSPORTS = ("full", "xor", "overwrite", "nccl", "tensor")
 TARGETS = {"xor_wire": 0.05, "publish_Bps": 1e9, "apply_Bps": 1e9, "e2e_speedup": 1.5, "shared_fs_speedup": 4.0}
 
 
@@ -128,6 +130,10 @@ def _transport(name: str, engines, work: str, model_dir: str):
         return FullDiskSync(engines, disk_dir=os.path.join(root, "w"), hf_checkpoint=model_dir)
     if name == "nccl":
         return BroadcastSync(engines, buffer_size=512 * 1024**2, group_name=f"bench-{os.getpid()}")
+    if name == "tensor":
+        from lichen.sync.tensor_handles import TensorSync
+
+        return TensorSync(engines, buffer_size=512 * 1024**2)
     return DeltaSync(engines, disk_dir=os.path.join(root, "w"), local_dir=os.path.join(root, "local"),
                      hf_checkpoint=model_dir, encoding=name)
 
@@ -182,7 +188,7 @@ def summarize(name: str, rows: list[dict], model_bytes: int, bandwidth: float) -
     def mean(key: str) -> float:
         return sum(float(r.get(key, 0.0) or 0.0) for r in rows) / len(rows)
 
-    disk = name != "nccl"
+    disk = name not in ("nccl", "tensor")
     publish = mean("time/sync_publish") if disk else 0.0
     pull = mean("time/sync_transfer") if name in ("xor", "overwrite") else 0.0
     apply = pull + mean("time/sync_apply") if disk else 0.0
@@ -190,6 +196,7 @@ def summarize(name: str, rows: list[dict], model_bytes: int, bandwidth: float) -
     return {"transport": name, "wire_bytes": wire, "publish_s": publish, "pull_s": pull, "apply_s": apply,
             "e2e_s": mean("time/e2e"), "e2e_each_s": [float(r["time/e2e"]) for r in rows],
             "verify_s": mean("time/sync_verify"),
+            "request_bytes": mean("sync/request_bytes") if name == "tensor" else None,
             "cpu_trainer_s": mean("cpu/trainer"), "cpu_engine_s": mean("cpu/engine"),
             "changed_density": mean("sync/changed_density") if name in ("xor", "overwrite") else None,
             "publish_Bps": model_bytes / publish if publish else None,
@@ -244,6 +251,10 @@ def report(results: list[dict], model_bytes: int, args: argparse.Namespace) -> l
     for r in results:
         print(f"  {r['transport']:<10} {r['publish_s']:.3f} / {r['pull_s']:.3f} / {r['apply_s']:.3f} / "
               f"{r['verify_s']:.3f} | {r['cpu_trainer_s']:.3f} / {r['cpu_engine_s']:.3f}")
+    for r in results:
+        if r.get("request_bytes") is not None:
+            print(f"  {r['transport']:<10} request bodies {fmt_bytes(r['request_bytes'])} per sync: handles, the "
+                  "weights stay in shared memory")
     print("end-to-end seconds of each timed sync (the spread within one run):")
     for r in results:
         print(f"  {r['transport']:<10} " + " ".join(f"{x:.3f}" for x in r.get("e2e_each_s", [])))
