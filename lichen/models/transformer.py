@@ -57,9 +57,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()  # llama3 branch mixes in float64 constants
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), as HF writes it.
+
+    Computed as x * cos + roll(x, D/2) * cat(-sin1, sin2): one roll instead of chunk + neg + cat per call; the
+    sign moves from x2 to sin1, which is exact, so the result is bit-identical (tests/test_perf_kernels.py).
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class KVCache:
@@ -94,8 +98,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         gqa = cfg.num_kv_heads != cfg.num_heads
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask, enable_gqa=gqa)
@@ -171,7 +175,10 @@ class CausalLM(nn.Module):
             self._inv_freq = self._inv_freq.to(position_ids.device)
         freqs = position_ids[..., None].float() * self._inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # what apply_rope multiplies
+        return emb.cos().to(dtype)[:, None], signed_sin.to(dtype)[:, None]  # [B, 1, T, D] each
 
     def forward(
         self,
