@@ -49,7 +49,7 @@ DEFAULTS = {
     "lr": 1e-6, "min_lr": 0.0, "lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_decay_iters": None,
     "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "clip_grad": 1.0,
     "loss_type": "policy_loss", "custom_loss_function_path": None, "force_recompute_old_log_probs": False,
-    "use_rollout_logprobs": False,
+    "use_rollout_logprobs": False, "moe_aux_loss_coeff": 0.0,
     "advantage_estimator": "grpo", "disable_rewards_normalization": False, "disable_grpo_std_normalization": False,
     "normalize_advantages": False, "eps_clip": 0.2, "eps_clip_high": 0.2, "eps_clip_c": None, "use_opsm": False,
     "opsm_delta": 1e-4, "entropy_coef": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.0, "kl_loss_type": "k1",

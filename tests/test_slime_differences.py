@@ -169,3 +169,24 @@ def test_colocate_in_the_local_runtime_only_turns_the_offloads_on(base):
     assert (together.offload_train, together.offload_rollout) == (True, True)
     assert row(base, "--colocate", flag="--colocate").cls == DIFFERS_CLASS
     assert differs_note("--colocate", [], local=False) == ""  # --runtime ray: slime's layout
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_moe_aux_loss_coeff_weighs_the_hf_modules_pooled_loss(base, tmp_path, layers):
+    """lichen weighs the transformers module's load-balancing loss, router statistics pooled over every MoE layer:
+    a uniform router gives top-k whatever the layer count (Megatron sums one loss per layer normalised by top-k:
+    1 per layer)."""
+    from lichen.models.loading import load_model
+    from lichen.models.tiny import make_tiny_model
+
+    assert row(base, "--moe-aux-loss-coeff", "0.01", flag="--moe-aux-loss-coeff").cls == DIFFERS_CLASS
+    ckpt = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", hidden_size=32, num_layers=layers, num_heads=4,
+                           num_kv_heads=2, intermediate_size=48, max_position_embeddings=64)
+    model = load_model(ckpt, impl="hf")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()  # every expert equally likely for every token
+    with model.recording_router_logits():
+        model(torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None])
+    assert float(model.router_aux_loss(torch.ones((1, 4))).detach()) == model.hf.num_experts_per_tok == 2

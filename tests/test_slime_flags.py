@@ -154,7 +154,7 @@ def test_megatron_names_get_no_misleading_hint(base):
     assert "did you mean" not in tables[0]
 
 
-@pytest.mark.parametrize("flag", ["--no-load-optim", "--moe-z-loss-coeff", "--train-iters", "--router-ip",
+@pytest.mark.parametrize("flag", ["--no-load-optim", "--moe-input-jitter-eps", "--train-iters", "--router-ip",
                                   "--lr-warmup-init", "--apply-layernorm-1p"])
 def test_megatron_names_outside_the_table_get_no_unrelated_hint(base, flag):
     # difflib's default 0.6 once paired these with --no-offload-train, --kl-loss-coef, --train-env-vars, ...

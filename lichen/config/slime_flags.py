@@ -52,7 +52,7 @@ CHECKED_FLAGS = (
     "--disable-bias-linear", "--post-self-attn-layernorm", "--post-mlp-layernorm", "--rotary-interleaved", "--spec",
     "--multi-latent-attention", "--moe-router-score-function", "--moe-router-pre-softmax",
     "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
-    "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--init-method-std",
+    "--moe-router-load-balancing-type", "--init-method-std",
 )
 
 SLIME_FLAGS: dict[str, FlagRule] = {
@@ -115,6 +115,8 @@ SLIME_FLAGS: dict[str, FlagRule] = {
              "--enable-mtp-training", "--mtp-loss-scaling-factor"),
     **_rules(NOT_YET, "--bf16", "fp8 / int4 training paths are not built", "--fp8-format", "--fp8-recipe",
              "--fp8-param-gather"),
+    **_rules(NOT_YET, "--moe-aux-loss-coeff (the load-balancing loss) only", "Megatron's router z-loss is not "
+             "built", "--moe-z-loss-coeff"),
 }
 
 # A "did you mean" hint for an unknown flag only from this similarity on (difflib's ratio): a typo of a lichen
@@ -155,6 +157,10 @@ DIFFERS: dict[str, str] = {
     **{flag: "names Hugging Face modules: slime's presets mapped, its Megatron regexes translated where one HF "
        "module matches, routed-expert targets refused, MLA projections adapted (docs/lora.md#targets)"
        for flag in ("--lora-target-preset", "--lora-target-modules", "--lora-exclude-modules")},
+    "--moe-aux-loss-coeff": "when > 0, weighs the transformers module's own load-balancing loss (router statistics "
+    "pooled over all MoE layers, ~top-k when balanced; Megatron sums per-layer losses normalised by top-k, ~1 per "
+    "layer), on the HF path, for MoE types whose module defines one; ignored with a warning elsewhere "
+    "(docs/models.md#moe)",
     "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
     "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }

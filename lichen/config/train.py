@@ -107,6 +107,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="your loss as module.function; required by --loss-type custom_loss (default: none)",
     )
     g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=float,
+        default=0.0,
+        help="weight of the MoE router's load-balancing loss added to the training loss: the transformers "
+        "module's own load_balancing_loss_func (Switch-style, padding excluded) on the generic HF path, for MoE "
+        "types whose module defines it (qwen3_moe, gpt_oss, qwen3_next, mixtral, ...); logged as "
+        "train/moe_aux_loss. Megatron's flag (slime passes it; same default), but Megatron sums per-layer losses "
+        "normalised by top-k, so the same value weighs differently (docs/models.md#moe). Ignored, with a warning, "
+        "where the model has no such loss (default: 0.0, off)",
+    )
+    g.add_argument(
         "--force-recompute-old-log-probs",
         action="store_true",
         help="recompute old log-probs in a separate no-grad pass even when a single optimizer step per rollout "
@@ -182,6 +193,7 @@ def check(args: argparse.Namespace) -> None:
     check_float(args, "adam_beta2", low=0.0, high=1.0, high_open=True)
     check_float(args, "adam_eps", low=0.0, low_open=True)
     check_float(args, "clip_grad", low=0.0)
+    check_float(args, "moe_aux_loss_coeff", low=0.0)
     if args.loss_type == "custom_loss" and args.custom_loss_function_path is None:
         raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path module.function")
     if args.loss_type != "custom_loss" and args.custom_loss_function_path is not None:

@@ -101,6 +101,7 @@ class TrainerConfig:
     eps_clip_high: float | None
     eps_clip_c: float | None
     entropy_coef: float
+    moe_aux_loss_coeff: float  # the router's load-balancing loss (lichen.train.router_aux)
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str

@@ -16,10 +16,12 @@ the module's own cache (transformers' DynamicCache or the model's cache class).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -98,13 +100,68 @@ class HFCausalLM(nn.Module):
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """The module's decoder layers, in order (one FSDP2 unit each, lichen.train.fsdp): the modules of the
+        classes the module names in `_no_split_modules` (transformers' own list of blocks that must stay whole),
+        else `<base>.layers`."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        found = [m for m in self.base.modules() if type(m).__name__ in names]
+        if found:
+            return found
+        layers = getattr(self.base, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return list(layers)
+        raise ValueError(f"{type(self.hf).__name__}: no decoder layers found (no _no_split_modules, no .layers)")
+
+    # ---- the router's load-balancing loss (--moe-aux-loss-coeff, lichen.train.router_aux) ---------------------
+    @property
+    def load_balancing_loss_fn(self) -> Callable | None:
+        """The module's own `load_balancing_loss_func` (defined next to its class by transformers' MoE types with an
+        auxiliary loss), None for dense modules and for MoE types without one (glm4_moe, deepseek_v3: their
+        routing is balanced by a score-correction bias instead)."""
+        fn = getattr(sys.modules.get(type(self.hf).__module__), "load_balancing_loss_func", None)
+        if fn is None or not hasattr(self.hf, "num_experts") or not hasattr(self.hf, "num_experts_per_tok"):
+            return None
+        return fn
+
+    @contextlib.contextmanager
+    def recording_router_logits(self) -> Iterator[None]:
+        """Forwards with gradients inside this block keep each MoE layer's router logits for `router_aux_loss`."""
+        self.__dict__["_record_router"] = True
+        self.__dict__["_router_logits"] = None
+        try:
+            yield
+        finally:
+            self.__dict__["_record_router"] = False
+
+    def router_aux_loss(self, token_mask: torch.Tensor) -> torch.Tensor | None:
+        """The module's load-balancing loss of the last recorded forward (None when none was recorded), counting
+        the tokens where `token_mask` [rows, T] (the forward's input layout) is nonzero: padding does not count.
+        The unscaled value, as the module's forward computes it before multiplying by router_aux_loss_coef."""
+        logits = self.__dict__.pop("_router_logits", None)
+        if logits is None:
+            return None
+        return self.load_balancing_loss_fn(logits, self.hf.num_experts, self.hf.num_experts_per_tok, token_mask)
+
+    def _run_base(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  back: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's last hidden states; when recording, keeps the router logits (rows of the unpacked
+        layout gathered back to the caller's flat [rows * T] positions by `back`)."""
+        record = self.__dict__.get("_record_router", False) and torch.is_grad_enabled()
+        extra = {"output_router_logits": True} if record else {}
+        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        if record:
+            logits = tuple(x.reshape(-1, x.shape[-1]) for x in out.router_logits)
+            self.__dict__["_router_logits"] = logits if back is None else tuple(x.index_select(0, back) for x in logits)
+        return out.last_hidden_state
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [rows, T, H] of right-padded rows (causal); a packed `attn_mask` is unpacked."""
         if cache is not None:
             raise TypeError("HFCausalLM: decoding goes through decode() (lichen.engines.hf_decode)")
         if attn_mask is None:
-            return self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            return self._run_base(input_ids, position_ids)
         return self._forward_packed(input_ids, attn_mask)
 
     def _forward_packed(self, input_ids: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -128,7 +185,7 @@ class HFCausalLM(nn.Module):
         src, back = src.to(dev), back.to(dev)
         ids = input_ids.reshape(-1)[src]
         pos = torch.arange(width, device=dev)[None].expand(len(segments), width)
-        hidden = self.base(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        hidden = self._run_base(ids, pos, back)
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, back).view(rows, T, -1)
 
     def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -40,6 +40,7 @@ from lichen.train.loss import LossPlugins, StepLoss, StepTerms
 from lichen.train.lr_schedule import lr_at
 from lichen.train.micro_batches import Plan
 from lichen.train.optim import clip_and_step, make_adamw, set_lr
+from lichen.train.router_aux import RouterAuxLoss
 from lichen.train.step_metrics import step_metrics
 from lichen.train.step_schedule import MicroBatchPlanner, OptimizerStepPlan, schedule_steps
 from lichen.train.train_batch import TrainBatch, global_counts
@@ -101,7 +102,8 @@ class TrainActor:
             tis_fn=_plugin(cfg.custom_tis_function_path, "--custom-tis-function-path") if cfg.use_tis else None,
             args=plugin_args,
         )
-        self.loss = StepLoss(cfg, self.plugins)
+        self.router_aux = RouterAuxLoss(self.model, cfg.moe_aux_loss_coeff)
+        self.loss = StepLoss(cfg, self.plugins, router_aux=self.router_aux.active)
         self.custom_advantage = _plugin(cfg.custom_advantage_function_path, "--custom-advantage-function-path")
         self.critic = self._make_critic() if cfg.advantage_estimator == "ppo" else None
 
@@ -271,10 +273,10 @@ class TrainActor:
 
     def _zero_advantage_is_zero_loss(self) -> bool:
         """Whether a zero-advantage sample adds exactly 0 to the loss: only the built-in policy losses are -A
-        times a factor, and no entropy or KL term reads the sample."""
+        times a factor, and no entropy, KL or router load-balancing term reads the sample."""
         cfg = self.cfg
         return (cfg.loss_type == "policy_loss" and self.plugins.custom_loss is None and cfg.entropy_coef == 0
-                and not (cfg.use_kl_loss and self.ref_model is not None))
+                and not (cfg.use_kl_loss and self.ref_model is not None) and not self.router_aux.active)
 
     def _optimizer_step(self, tb: TrainBatch, plan: OptimizerStepPlan, use_tis: bool,
                         trainer_lp: torch.Tensor | None) -> dict:
@@ -287,10 +289,12 @@ class TrainActor:
 
         def loss_of(mb_plan) -> torch.Tensor:
             mb = tb.host.micro(mb_plan, self.device)
-            logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
+            with self.router_aux.recording(self.model):
+                logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
             if trainer_lp is not None:
                 trainer_lp[mb.indices, : logp.shape[1]] = logp.detach()
-            return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms)
+            aux = self.router_aux.share(self.model, mb_plan, tb.host.input_lengths, plan.trained, self.device)
+            return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms, router_aux=aux)
 
         self.optimizer.zero_grad(set_to_none=True)
         self._run_micro_batches(tb, plan, loss_of)

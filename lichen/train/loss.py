@@ -69,8 +69,9 @@ class StepTerms:
 class StepLoss:
     """The loss of a train step (--loss-type, the estimator's policy loss, entropy, KL, TIS, plug-ins)."""
 
-    def __init__(self, cfg: TrainerConfig, plugins: LossPlugins):
+    def __init__(self, cfg: TrainerConfig, plugins: LossPlugins, *, router_aux: bool = False):
         self.cfg, self.plugins = cfg, plugins
+        self.router_aux = router_aux  # the step adds --moe-aux-loss-coeff x the router's loss (lichen.train.router_aux)
 
     def begin_step(self, counts: dict, *, kl_loss: bool, use_tis: bool, device: torch.device) -> StepTerms:
         """The terms of a new optimizer step, its metric sums at 0 (float64, on the device)."""
@@ -85,12 +86,15 @@ class StepLoss:
             keys.append("kl_loss")
         if use_tis:
             keys += ["tis_weight_mean", "tis_changed_frac"]
+        if self.router_aux:
+            keys.append("moe_aux_loss")
         return StepTerms(counts, use_tis, {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys})
 
     def micro_batch(self, tb: TrainBatch, rows: list[int], logp: torch.Tensor, entropy: torch.Tensor | None,
-                    step: StepTerms) -> torch.Tensor:
+                    step: StepTerms, router_aux: torch.Tensor | None = None) -> torch.Tensor:
         """This micro-batch's share of the global-batch loss from its training log-probs `logp` [b, r] (rows
-        `rows` of the step); adds its metric shares to `step.sums`."""
+        `rows` of the step), plus --moe-aux-loss-coeff x `router_aux` (its share of the router's load-balancing
+        loss, lichen.train.router_aux); adds its metric shares to `step.sums`."""
         cfg, plugins, counts, sums = self.cfg, self.plugins, step.counts, step.sums
         agg = lambda x, m: algo.aggregate_loss(x, m, cfg.loss_agg_mode, **counts)  # noqa: E731
         r = logp.shape[1]
@@ -133,5 +137,8 @@ class StepLoss:
             kl = agg(algo.approx_kl(logp, tb.ref_log_probs[rows, :r], cfg.kl_loss_type, importance_log_ratio=imp), m)
             loss = loss + cfg.kl_loss_coef * kl
             sums["kl_loss"] += kl.detach()
+        if router_aux is not None:
+            loss = loss + cfg.moe_aux_loss_coeff * router_aux
+            sums["moe_aux_loss"] += router_aux.detach()
         sums["loss"] += loss.detach()
         return loss
