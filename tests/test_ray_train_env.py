@@ -99,12 +99,13 @@ def _rank(monkeypatch, environ: dict) -> tuple[DistTrainer, list]:
     """A DistTrainer without a process group: only its offload/onload are called."""
     rank = object.__new__(DistTrainer)
     rank.actor = _Actor()
-    monkeypatch.setattr(memory_saver, "pause", lambda: rank.actor.calls.append("pause"))
-    monkeypatch.setattr(memory_saver, "resume", lambda: rank.actor.calls.append("resume"))
+    # the library's calls recorded (tests/test_memory_saver.py checks their order against the loop's)
+    monkeypatch.setattr(memory_saver, "LibraryBackend", lambda: memory_saver.RecordingBackend(rank.actor.calls))
     for k in ("LD_PRELOAD", "TMS_INIT_ENABLE"):
         monkeypatch.delenv(k, raising=False)
     for k, v in environ.items():
         monkeypatch.setenv(k, v)
+    rank.memory = memory_saver.for_this_process()  # as DistTrainer.__init__ makes it
     return rank, rank.actor.calls
 
 
@@ -112,7 +113,8 @@ def test_a_rank_with_the_hook_pauses_and_resumes_through_it(monkeypatch):
     rank, calls = _rank(monkeypatch, train_runtime_env({}, LIB)["env_vars"])
     rank.offload()
     rank.onload()
-    assert calls == ["pause", "resume"]
+    assert calls == ["synchronize", "pause(default)", "pause(optimizer)", "pause(weights)",
+                     "resume(weights)", "resume(optimizer)", "resume(default)"]
 
 
 def test_a_rank_without_the_hook_offloads_its_shards_as_before(monkeypatch):

@@ -76,15 +76,19 @@ class RankLogProbs(LogProbs):
 class _RankActor(TrainActor):
     """TrainActor whose models are FSDP2-sharded and whose micro-batches are this rank's share."""
 
-    def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int):
+    def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int,
+                 memory: memory_saver.TaggedMemory | None = None):
         self.rank, self.world_size = rank, world_size
+        self.memory = memory or memory_saver.TaggedMemory()
         super().__init__(cfg, plugin_args)
-        for model in (self.model, self.ref_model, self.teacher_model):
-            if model is not None:
-                fsdp.shard(model, layers=model.model.layers, bf16=cfg.bf16)
+        with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
+            for model in (self.model, self.ref_model, self.teacher_model):
+                if model is not None:
+                    fsdp.shard(model, layers=model.model.layers, bf16=cfg.bf16)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
         self.optimizer = make_adamw(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                     weight_decay=opt.weight_decay)
+        self.memory.tag_optimizer(self.optimizer)  # its state, created at the first step
         self.log_probs = RankLogProbs(self.device, cfg.temperature, cfg.bf16, rank=rank, world_size=world_size)
 
     def _make_critic(self):
@@ -125,7 +129,8 @@ class DistTrainer:
         backend = backend or fsdp.default_backend(resolve_device(cfg.device))
         fsdp.init_process_group(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                                 backend=backend)
-        self.actor = _RankActor(cfg, plugin_args, rank=rank, world_size=world_size)
+        self.memory = memory_saver.for_this_process()  # tagged torch_memory_saver regions when its hook is here
+        self.actor = _RankActor(cfg, plugin_args, rank=rank, world_size=world_size, memory=self.memory)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -135,24 +140,26 @@ class DistTrainer:
         return self.actor.train(rollout_id, batch)
 
     def offload(self) -> None:
-        """Release this rank's GPU memory: through torch_memory_saver when the rank was started with its hook
-        (lichen.train.memory_saver), else TrainActor.offload's copies of this rank's shards; a no-op on CPU.
-        (On CUDA not yet measured with FSDP2.)"""
-        if memory_saver.memory_saver_active():
-            memory_saver.pause()
+        """Release this rank's GPU memory: through torch_memory_saver by region tag when the rank was started with
+        its hook (lichen.train.memory_saver), else TrainActor.offload's copies of this rank's shards; a no-op on
+        CPU. (On CUDA not yet measured with FSDP2.)"""
+        if self.memory.active:
+            self.memory.offload()
         else:
             self.actor.offload()
 
     def onload(self) -> None:
-        if memory_saver.memory_saver_active():
-            memory_saver.resume()
+        if self.memory.active:
+            self.memory.onload()
         else:
             self.actor.onload()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Rank 0: the full weights under their HF names, on CPU (weight sync, HF export); other ranks: None.
-        Every rank must call it: it gathers the shards."""
-        return fsdp.full_weights(self.actor.model)
+        Every rank must call it: it gathers the shards (brought back first if they are paused: the sync runs
+        after the loop's offload)."""
+        with self.memory.weights_resident():
+            return fsdp.full_weights(self.actor.model)
 
     def _sharded_state(self) -> dict:
         a = self.actor
