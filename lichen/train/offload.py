@@ -1,8 +1,8 @@
 """Moving the trainer's state off the accelerator while engines generate (docs/architecture.md#offload).
 
-Parameters, gradients and optimizer state go to pinned CPU memory and come back before training. (When
-`torch_memory_saver` is installed on a CUDA machine it can pause the allocations instead; that path lands with
-colocated GPU runs.) On CPU the trainer never calls these.
+Parameters, gradients and optimizer state go to pinned CPU memory and come back before training. A Ray trainer
+rank started with torch_memory_saver's hook pauses its allocations by region tag instead (lichen.train.
+memory_saver). On CPU the trainer never calls these.
 """
 
 from __future__ import annotations
