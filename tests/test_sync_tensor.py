@@ -196,6 +196,62 @@ def test_segment_larger_than_its_file_and_state_setting_are_refused():
         load_named_tensors(base64.b64encode(build).decode())
 
 
+@pytest.fixture
+def sglang_bucket_class(monkeypatch):
+    """SGLang's FlattenedTensorMetadata under its module path (SGLang is not installed here): a dataclass of the
+    same fields, pickled by that name as slime's sender pickles SGLang's."""
+    import dataclasses
+    import types
+
+    mod = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    FlattenedTensorMetadata.__module__ = mod.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    mod.FlattenedTensorMetadata = FlattenedTensorMetadata
+    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return FlattenedTensorMetadata
+
+
+def flattened_bucket(meta_cls, named, lie: int = 0) -> str:
+    """SGLang's FlattenedTensorBucket.from_tensors layout: each tensor's bytes, back to back."""
+    parts, metas, at = [], [], 0
+    for name, t in named:
+        b = t.contiguous().flatten().view(torch.uint8)
+        metas.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=at, end_idx=at + b.numel() + lie,
+                              numel=b.numel() + lie))
+        parts.append(b)
+        at += b.numel()
+    return entry({"flattened_tensor": torch.cat(parts), "metadata": metas})
+
+
+def test_slimes_flattened_bucket_format_is_read(pair, tiny_ckpt, sglang_bucket_class):
+    state = moved(load_hf_state_dict(tiny_ckpt), 21)
+    names = [Q, "model.norm.weight"]
+    st, body = post_tensor(pair, {"serialized_named_tensors": [flattened_bucket(sglang_bucket_class,
+                                                                                [(n, state[n]) for n in names])],
+                                  "load_format": "flattened_bucket", "weight_version": "21"})
+    assert st == 200, body
+    sums = served_sums(pair)[0]
+    assert [sums[n] for n in names] == [xxh(state[n]) for n in names]
+    assert pair.weight_versions()[0] == "21"
+    st, body = post_tensor(pair, {"serialized_named_tensors": [flattened_bucket(sglang_bucket_class,
+                                                                                [(Q, state[Q])], lie=4)],
+                                  "load_format": "flattened_bucket", "weight_version": "22"})
+    assert st == 400 and Q in body["message"] and "inside the bucket" in body["message"]
+    assert pair.weight_versions()[0] == "21"
+
+
 # ---- a training run -----------------------------------------------------------------------------------------
 def test_training_over_launched_engines_by_tensor_handles(tiny_ckpt, addition_data, tmp_path):
     metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--num-threads", "1",

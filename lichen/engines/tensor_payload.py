@@ -12,11 +12,14 @@ request body is hostile input, and `pickle.loads` runs whatever callable the pic
   a file of this user in /dev/shm at least as large as the size asked for (mapping past a file's end kills the
   process at the first read), the manager socket must be one of this user's torch managers, a tensor must lie
   inside its storage;
-- BUILD (setting an object's state) is refused: nothing torch's reductions emit needs it;
+- BUILD (setting an object's state) is refused, except the six fields of SGLang's `FlattenedTensorMetadata`
+  (load_format "flattened_bucket"), which resolves to a plain stand-in class here;
 - anything else (an unknown name, a wrong type, a malformed pickle) raises PayloadError, which the endpoint
   answers with 400.
 
-The result must be a list of (name, tensor) pairs (`load_format` null); the tensors map the sender's memory
+The result must be a list of (name, tensor) pairs (`load_format` null), or SGLang's flattened bucket
+(`{"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata]}`, each tensor a checked view of the
+bucket); the tensors map the sender's memory
 until they are dropped, so the endpoint copies them into its parameters and lets them go.
 """
 
@@ -180,6 +183,20 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
                                           ref_offset, event_handle, sync)
 
 
+class FlatMeta:
+    """What a pickle gets for SGLang's `FlattenedTensorMetadata` (load_format "flattened_bucket"): a plain object
+    whose state only the BUILD below sets, and only to these fields."""
+
+    FIELDS = frozenset({"name", "shape", "dtype", "start_idx", "end_idx", "numel"})
+
+    def __repr__(self) -> str:
+        return f"FlattenedTensorMetadata({vars(self)})"
+
+
+# where SGLang's releases define it (slime pickles it by its own import of SGLang)
+FLAT_META = {(m, "FlattenedTensorMetadata") for m in (
+    "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.model_executor.model_runner")}
+
 _REDUCTIONS = "torch.multiprocessing.reductions"
 ALLOWED: dict[tuple[str, str], Any] = {
     (_REDUCTIONS, "rebuild_tensor"): _rebuild_tensor,
@@ -199,6 +216,8 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table c
     dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in FLAT_META:
+            return FlatMeta
         if (module, name) in CLASSES:
             return _Class(CLASSES[(module, name)])
         try:
@@ -210,14 +229,41 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table c
     def persistent_load(self, pid: Any) -> Any:
         raise PayloadError("persistent ids are not accepted")
 
-    def _refuse_build(self) -> None:
-        raise PayloadError("setting an object's state (BUILD) is not accepted")
+    def _build(self) -> None:
+        """BUILD only sets a FlatMeta's fields (a dataclass pickles so); anything else is refused."""
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if type(inst) is not FlatMeta or not isinstance(state, dict) or set(state) != FlatMeta.FIELDS:
+            raise PayloadError("setting an object's state (BUILD) is accepted only for FlattenedTensorMetadata")
+        for key, value in state.items():
+            object.__setattr__(inst, key, value)
 
-    dispatch[pickle.BUILD[0]] = _refuse_build
+    dispatch[pickle.BUILD[0]] = _build
 
 
-def load_named_tensors(entry: Any) -> list[tuple[str, torch.Tensor]]:
-    """One `serialized_named_tensors` entry as (name, tensor) pairs; PayloadError for anything else."""
+def _flattened_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """SGLang's FlattenedTensorBucket: views of one uint8 tensor, each checked to lie inside it."""
+    flat, metas = obj.get("flattened_tensor"), obj.get("metadata")
+    if set(obj) != {"flattened_tensor", "metadata"} or not isinstance(flat, torch.Tensor) or \
+            flat.dtype != torch.uint8 or flat.dim() != 1 or not isinstance(metas, list):
+        raise PayloadError("a flattened_bucket entry must be {flattened_tensor: a 1-D uint8 tensor, metadata: [...]}")
+    out = []
+    for m in metas:
+        if type(m) is not FlatMeta or not isinstance(m.name, str) or m.dtype not in DTYPES.values():
+            raise PayloadError("flattened_bucket metadata must be FlattenedTensorMetadata with a name and a dtype")
+        shape = _size(m.shape)
+        start, end = _int(m.start_idx, "start_idx"), _int(m.end_idx, "end_idx")
+        nbytes = shape.numel() * m.dtype.itemsize
+        if end - start != nbytes or m.numel != nbytes or end > flat.numel():
+            raise PayloadError(f"{m.name}: bytes [{start}, {end}) do not hold {tuple(shape)} {m.dtype} inside the "
+                               f"bucket of {flat.numel()} bytes")
+        out.append((m.name, flat[start:end].view(m.dtype).view(shape)))
+    return out
+
+
+def load_named_tensors(entry: Any, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """One `serialized_named_tensors` entry as (name, tensor) pairs; PayloadError for anything else.
+    `load_format` None (or "direct"): a list of pairs; "flattened_bucket": SGLang's FlattenedTensorBucket."""
     if not isinstance(entry, str):
         raise PayloadError("each serialized_named_tensors entry must be a base64 string")
     try:
@@ -230,6 +276,10 @@ def load_named_tensors(entry: Any) -> list[tuple[str, torch.Tensor]]:
         raise
     except Exception as e:  # a malformed pickle, or a stand-in called with the wrong number of arguments
         raise PayloadError(f"not a tensor payload: {type(e).__name__}: {e}") from None
+    if load_format == "flattened_bucket":
+        if not isinstance(obj, dict):
+            raise PayloadError("a flattened_bucket entry must be {flattened_tensor, metadata}")
+        return _flattened_bucket(obj)
     if not isinstance(obj, list) or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
             for p in obj):

@@ -1,7 +1,8 @@
 """`POST /update_weights_from_tensor` of `lichen serve` (SGLang's body; docs/serve-protocol.md).
 
 Body: `serialized_named_tensors` (one base64 entry per TP rank; lichen serve is one rank and reads entry 0),
-`load_format` (null or "direct": the entry is a list of (name, tensor) pairs), `flush_cache`,
+`load_format` (null or "direct": the entry is a list of (name, tensor) pairs; "flattened_bucket": SGLang's
+FlattenedTensorBucket, what slime sends), `flush_cache`,
 `abort_all_requests`, `weight_version`. The entry holds handles to the sender's memory on this host
 (lichen.sync.tensor_handles), read by lichen.engines.tensor_payload's restricted unpickler: a hostile entry is
 answered 400 without anything it names being run. A name the model lacks or a wrong shape answers 400 naming
@@ -25,7 +26,7 @@ from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
 
-LOAD_FORMATS = (None, "direct")
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
 
 class TensorUpdate:
@@ -42,7 +43,7 @@ class TensorUpdate:
         fmt = body.get("load_format")
         if fmt not in LOAD_FORMATS:
             return _reply(False, f"load_format {fmt!r} is not supported here (null or 'direct': a list of "
-                                 "(name, tensor) pairs)")
+                                 "(name, tensor) pairs; 'flattened_bucket')")
         version = body.get("weight_version")
         if version is not None:
             expect(version, (str,), "weight_version", "a string")
@@ -50,7 +51,7 @@ class TensorUpdate:
         endpoints = server.weight_endpoints  # its lock: one weight transfer at a time
         async with endpoints._lock:
             try:
-                named = await asyncio.to_thread(load_named_tensors, entries[0])
+                named = await asyncio.to_thread(load_named_tensors, entries[0], fmt)
             except PayloadError as e:
                 log.warning("refused /update_weights_from_tensor: %s", e)
                 return _reply(False, f"Failed to read serialized_named_tensors[0]: {e}. The weights were not "

@@ -69,8 +69,9 @@ class _HandlePickler(ForkingPickler):
         self.dispatch_table.update(_OVERRIDES)
 
 
-def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
-    """One `serialized_named_tensors` entry: the handles of `named`, pickled and base64-encoded."""
+def serialize(named: Any) -> str:
+    """One `serialized_named_tensors` entry: the handles of `named` (a list of (name, tensor) pairs, or any object
+    holding tensors), pickled and base64-encoded."""
     buf = io.BytesIO()
     _HandlePickler(buf, pickle.HIGHEST_PROTOCOL).dump(named)
     return base64.b64encode(buf.getvalue()).decode("ascii")
