@@ -9,7 +9,7 @@ import pytest
 
 from lichen.cli import main
 from lichen.config import parse_train_args
-from lichen.config.lora import checkpoint_linear_modules, preset_listing
+from lichen.config.lora import checkpoint_targets, preset_listing
 from lichen.config.lora_config import PRESETS, LoraConfig, translate_pattern
 from lichen.errors import ConfigError
 
@@ -37,9 +37,8 @@ def test_dry_run_names_the_adapted_modules(tiny_ckpt, addition_data, capsys):
     (["--lora-dropout", "0.05"], "on-policy"),
     (["--lora-rollout-sync-mode", "native_adapter"], "no adapter endpoint"),
     (["--ref-load", "{ckpt}"], "adapters disabled"),
-    (["--lora-target-preset", "moe_language_all"], "fused 3-D"),
     (["--lora-target-preset", "dense_mlp", "--lora-target-modules", "q_proj"], "only one"),
-    (["--lora-target-modules", r"mlp\.experts\.linear_fc1$"], "routed experts"),
+    (["--lora-target-preset", "moe_routed_experts"], "adapts no module"),  # ... nor routed experts
     (["--lora-target-modules", "linear_q_down_proj"], "MLA"),
     (["--lora-target-modules", "nothing_here"], "adapts no module"),
     (["--lora-target-modules", "embed_tokens", "--lora-exclude-modules"], "never adapted"),
@@ -104,7 +103,7 @@ SLIME_DENSE_LANGUAGE = [
 
 
 def test_slime_megatron_regexes_select_what_the_preset_selects(tiny_ckpt):
-    names = checkpoint_linear_modules(tiny_ckpt)
+    names = checkpoint_targets(tiny_ckpt)
     translated = tuple(translate_pattern(p, "--lora-target-modules") for p in SLIME_DENSE_LANGUAGE)
     by_regex = LoraConfig(8, 16, translated, (), None, 1e-3, 0.0, None, None, None, "merged").adapted(names)
     by_preset = LoraConfig(8, 16, PRESETS["dense_language"], (), "dense_language", 1e-3, 0.0, None, None, None,
@@ -117,14 +116,18 @@ def test_slime_megatron_regexes_select_what_the_preset_selects(tiny_ckpt):
     (r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc2$", "model.layers.3.mlp.shared_experts.down_proj", True),
     (r"self_attention\.linear_qkv$", "model.layers.0.self_attn.o_proj", False),
     (r"linear_fc1$", "model.layers.0.mlp.gate_up_proj", True),  # GLM-4's fused gate/up
+    # routed experts: the stacked parameters transformers builds (not the shared experts, not a dense MLP)
+    (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc1$", "model.layers.1.mlp.experts.gate_up_proj", True),
+    (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc2$", "model.layers.1.mlp.experts.down_proj", True),
+    (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc1$", "model.layers.1.mlp.shared_experts.up_proj", False),
+    (r"decoder\.layers\.\d+\.mlp\.linear_fc1$", "model.layers.1.mlp.experts.gate_up_proj", False),
     (r"self_attn\.q_proj$", "model.layers.0.self_attn.q_proj", True),  # HF names pass unchanged
 ])
 def test_megatron_translation(pattern, hf_name, matches):
     assert bool(re.search(translate_pattern(pattern, "--lora-target-modules"), hf_name)) is matches
 
 
-@pytest.mark.parametrize("pattern", [r"in_proj_qkv$", r"linear_kv_up_proj",
-                                     r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc2"])
+@pytest.mark.parametrize("pattern", [r"in_proj_qkv$", r"linear_kv_up_proj"])
 def test_untranslatable_megatron_pieces_are_named(pattern):
     with pytest.raises(ConfigError, match=re.escape(repr(pattern))):
         translate_pattern(pattern, "--lora-target-modules")
@@ -132,24 +135,28 @@ def test_untranslatable_megatron_pieces_are_named(pattern):
 
 def test_listing_in_the_docs_is_the_functions(tmp_path):
     """docs/lora.md's per-architecture table is preset_listing's output for every make-tiny-model architecture,
-    and the checkpoint's names (what --dry-run reads) select exactly the modules apply_lora adapts in the model."""
+    and the checkpoint's names (what --dry-run reads) select exactly what apply_lora adapts in the model (Linear
+    modules and the routed experts' stacked parameters), for every preset."""
     from pathlib import Path
-
-    import torch
 
     from lichen.config.lora_config import DEFAULT_EXCLUDES
     from lichen.models import load_model
     from lichen.models.tiny import all_archs, make_tiny_model
+    from lichen.train.lora import target_names
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "lora.md").read_text()
+    rows = []
     for arch in all_archs():
         out = str(tmp_path / arch)
         make_tiny_model(out, arch=arch)
-        names = checkpoint_linear_modules(out)
+        names = checkpoint_targets(out)
         for presets, adapted in preset_listing(names):
-            row = f"| `{arch}` | {presets} | {adapted} |"
-            assert row in doc, f"docs/lora.md lacks the row {row}"
-        live = [n for n, m in load_model(out).named_modules() if isinstance(m, torch.nn.Linear)]
-        for preset in ("dense_language", "hybrid_language", "moe_language"):
+            rows.append(f"| `{arch}` | {presets} | {adapted} |")
+            assert rows[-1] in doc.splitlines(), f"docs/lora.md lacks the row {rows[-1]}"
+        linear, stacked = target_names(load_model(out))
+        live = linear + stacked
+        for preset in PRESETS:
             cfg = LoraConfig(1, 1.0, PRESETS[preset], DEFAULT_EXCLUDES, preset, 0.0, 0.0, None, None, None, "merged")
             assert sorted(cfg.adapted(names)) == sorted(cfg.adapted(live)), (arch, preset)
+    stale = [line for line in doc.splitlines() if re.match(r"\| `\w+` \| [a-z_]", line) and line not in rows]
+    assert not stale, f"docs/lora.md has rows the function no longer gives: {stale[:2]}"

@@ -15,7 +15,7 @@ import os
 import re
 
 from lichen.config.checks import check_float, check_int_at_least, fail, given
-from lichen.config.lora_config import DEFAULT_EXCLUDES, DEFAULT_PRESET, NEVER_ADAPTED, PRESETS, ROUTED, LoraConfig
+from lichen.config.lora_config import DEFAULT_EXCLUDES, DEFAULT_PRESET, NEVER_ADAPTED, PRESETS, LoraConfig
 from lichen.config.parser import flag_of
 from lichen.errors import NotAvailableYet
 
@@ -38,7 +38,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-target-preset", choices=sorted(PRESETS), default=None,
                    help=f"slime's named set of adapted modules, mapped onto Hugging Face module names (default: "
                    f"{DEFAULT_PRESET}: attention and dense MLP projections). Never routers, embeddings or the LM "
-                   "head. The moe_*experts presets with routed experts are refused (docs/lora.md)")
+                   "head. Routed experts (moe_routed_experts, moe_mlp, moe_language_all) are adapted through their "
+                   "stacked parameters, one adapter per expert (docs/lora.md)")
     g.add_argument("--lora-target-modules", nargs="*", default=None, metavar="REGEX",
                    help="regexes (re.search) over module names instead of a preset: Hugging Face names "
                    "(self_attn.q_proj), or slime's Megatron names (self_attention.linear_qkv), translated; "
@@ -114,7 +115,7 @@ def _check_template(args: argparse.Namespace, dest: str) -> None:
 
 
 def _check_targets(cfg: LoraConfig, hf_checkpoint: str) -> None:
-    names = checkpoint_linear_modules(hf_checkpoint)
+    names = checkpoint_targets(hf_checkpoint)
     if names is None:
         return  # no safetensors to read the names from: the trainer checks its module instead
     adapted = cfg.adapted(names)
@@ -127,9 +128,18 @@ def _check_targets(cfg: LoraConfig, hf_checkpoint: str) -> None:
              f"{', '.join(collapse_layers(names)[:8])}); choose a preset or regexes that match (docs/lora.md)")
 
 
-def checkpoint_linear_modules(model_dir: str) -> list[str] | None:
-    """Module names of the 2-D `*.weight` tensors of `model_dir`'s safetensors (read from the file headers, no
-    torch), in file order; None when the checkpoint has no safetensors."""
+# transformers stacks a checkpoint's per-expert projections into one parameter per MoE layer (Mixtral-style w1/w3/w2
+# too); a checkpoint may also store them stacked already (gpt-oss). Either way the module's name is the stacked one.
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_STACKED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "gate_up_proj", "w3": "gate_up_proj",
+            "down_proj": "down_proj", "w2": "down_proj"}
+
+
+def checkpoint_targets(model_dir: str) -> list[str] | None:
+    """What LoRA can adapt in `model_dir`, named as the loaded module names it, read from the safetensors headers
+    (no torch), in file order: the Linear modules (2-D `*.weight` tensors) and the routed experts' stacked
+    parameters (`model.layers.1.mlp.experts.gate_up_proj`, built from per-expert tensors or stored 3-D); None when
+    the checkpoint has no safetensors."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -138,13 +148,20 @@ def checkpoint_linear_modules(model_dir: str) -> list[str] | None:
         files = ["model.safetensors"]
     else:
         return None
-    names: list[str] = []
+    names: dict[str, None] = {}  # ordered set: the per-expert tensors collapse onto one stacked name
     for file in files:
         with open(os.path.join(model_dir, file), "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        names += [k[: -len(".weight")] for k, v in header.items()
-                  if k != "__metadata__" and k.endswith(".weight") and len(v["shape"]) == 2]
-    return names
+        for key, v in header.items():
+            if key == "__metadata__":
+                continue
+            if len(v["shape"]) == 3 and ".experts." in key:
+                names[key] = None
+            elif len(v["shape"]) == 2 and key.endswith(".weight"):
+                module = key[: -len(".weight")]
+                m = _PER_EXPERT.match(module)
+                names[f"{m.group(1)}.{_STACKED[m.group(2)]}" if m else module] = None
+    return list(names)
 
 
 def collapse_layers(names: list[str]) -> list[str]:
@@ -167,13 +184,10 @@ def collapse_layers(names: list[str]) -> list[str]:
 
 def preset_listing(module_names: list[str]) -> list[tuple[str, str]]:
     """(presets, what they adapt of `module_names`) rows, as docs/lora.md's table shows them: presets that adapt
-    the same modules share a row; "layers {0-1}: `mlp.down_proj`, ..." per layer span, "none", or "refused" for
-    the routed-expert presets. The default excludes apply."""
+    the same modules share a row; "layers {0-1}: `mlp.down_proj`, ..." per layer span, or "none". The default
+    excludes apply."""
     rows: dict[str, list[str]] = {}
     for preset, targets in PRESETS.items():
-        if ROUTED in targets:
-            rows.setdefault("refused (routed experts)", []).append(preset)
-            continue
         cfg = LoraConfig(1, 1.0, targets, DEFAULT_EXCLUDES, preset, 0.0, 0.0, None, None, None, "merged")
         spans: dict[str, list[str]] = {}
         for name in sorted(collapse_layers(cfg.adapted(module_names))):
@@ -189,7 +203,7 @@ def describe(args: argparse.Namespace) -> str:
     """The --dry-run line: which modules --use-lora adapts in --hf-checkpoint, with rank and scale."""
     cfg = LoraConfig.from_args(args)
     assert cfg is not None
-    names = checkpoint_linear_modules(args.hf_checkpoint)
+    names = checkpoint_targets(args.hf_checkpoint)
     what = f"preset {cfg.preset}" if cfg.preset else "--lora-target-modules"
     head = f"LoRA: {what}, rank {cfg.rank}, alpha {cfg.alpha:g} (scale {cfg.scale:g}), lr {cfg.lr:g}"
     if names is None:

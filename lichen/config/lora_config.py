@@ -2,7 +2,8 @@
 names, the translation of slime's Megatron-named regexes, and `LoraConfig`, resolved once from the parsed flags.
 
 Target and exclude patterns are regexes matched with `re.search` against module names in Hugging Face's naming
-(`model.layers.0.self_attn.q_proj`), which lichen's own models and transformers' modules share. slime's presets
+(`model.layers.0.self_attn.q_proj`), which lichen's own models and transformers' modules share, and against the
+routed experts' stacked parameter names (`model.layers.1.mlp.experts.gate_up_proj`). slime's presets
 and regexes name Megatron modules (`decoder.layers.0.self_attention.linear_qkv`, q/k/v fused); `resolve_patterns`
 maps them onto HF names. `LoraConfig.adapted` is the one selection rule: the flag check applies it to the
 checkpoint's weight names (the `--dry-run` line), the trainer to its module's names.
@@ -26,9 +27,10 @@ _DENSE_MLP = (_LAYER + r"mlp\.(?:gate_proj|up_proj|gate_up_proj|down_proj)$",)
 _HYBRID_ATTENTION = _ATTENTION + (_LAYER + r"linear_attn\.(?:in_proj_qkvz|in_proj_ba|out_proj)$",)
 # the MoE shared experts are dense MLPs: shared_experts (DeepSeek-V3, GLM-4-MoE), shared_expert (Qwen3-Next)
 _SHARED_MLP = (_LAYER + r"mlp\.shared_experts?\.(?:gate_proj|up_proj|down_proj)$",)
-ROUTED = "routed"  # a preset part lichen cannot adapt yet (see _ROUTED_REASON)
-_ROUTED_REASON = ("routed experts are not adapted yet: transformers keeps each layer's experts as fused 3-D "
-                  "parameters (mlp.experts.gate_up_proj / down_proj), not Linear modules")
+# Routed experts: transformers keeps each MoE layer's experts as stacked 3-D parameters of one module
+# (`mlp.experts.gate_up_proj` [experts, ...], `mlp.experts.down_proj`), not Linear modules; lichen adapts these
+# parameters through peft's `target_parameters` (one rank-r pair per expert; slime shares one pair by all experts).
+_ROUTED_EXPERTS = (_LAYER + r"mlp\.experts\.(?:gate_up_proj|down_proj)$",)
 
 # slime's preset names (slime/utils/lora_config.py) -> HF-named regexes; routers, embeddings, the LM head and
 # norms are in none of them.
@@ -40,10 +42,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "hybrid_language": _HYBRID_ATTENTION + _DENSE_MLP,
     "moe_attention": _ATTENTION,
     "moe_shared_mlp": _SHARED_MLP,
-    "moe_routed_experts": (ROUTED,),
-    "moe_mlp": _SHARED_MLP + (ROUTED,),
+    "moe_routed_experts": _ROUTED_EXPERTS,
+    "moe_mlp": _SHARED_MLP + _ROUTED_EXPERTS,
     "moe_language": _ATTENTION + _SHARED_MLP,
-    "moe_language_all": _ATTENTION + _SHARED_MLP + (ROUTED,),
+    "moe_language_all": _ATTENTION + _SHARED_MLP + _ROUTED_EXPERTS,
 }
 DEFAULT_PRESET = "dense_language"  # slime's default
 # slime's default excludes (embedding, output_layer, visual) in HF names, plus the MoE routers
@@ -62,9 +64,9 @@ _MEGATRON_TO_HF = (
     ("embedding", "embed_tokens"),
     ("output_layer", "lm_head"),
 )
-# Megatron pieces without one lichen can adapt: a pattern holding one is refused, with the reason.
+# Megatron pieces without one lichen can adapt: a pattern holding one is refused, with the reason. (Routed experts
+# translate: `mlp.experts.linear_fc1` -> `mlp.experts.(?:...|gate_up_proj)`, the stacked parameter's name.)
 _UNTRANSLATABLE = (
-    (re.compile(r"(?<!shared_)experts\\?\.linear_fc"), _ROUTED_REASON),
     (re.compile(r"linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj"),
      "Megatron's MLA projections have no one-to-one HF module; name HF's (q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
      "kv_b_proj, o_proj) instead"),
@@ -72,7 +74,7 @@ _UNTRANSLATABLE = (
      "Megatron splits Gated DeltaNet's input projection differently from HF; name HF's in_proj_qkvz / in_proj_ba"),
 )
 _MEGATRON_PIECES = re.compile(r"decoder|self_attention|linear_qkv|linear_proj|linear_fc[12]|output_layer|"
-                              r"embedding|linear_q_|linear_kv_|experts\\?\.linear_fc|in_proj_qkv(?!z)|in_proj_[zab]\b")
+                              r"embedding|linear_q_|linear_kv_|in_proj_qkv(?!z)|in_proj_[zab]\b")
 
 
 def translate_pattern(pattern: str, flag: str) -> str:
@@ -100,12 +102,7 @@ def resolve_patterns(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[s
     if args.lora_target_modules:
         targets = tuple(translate_pattern(p, "--lora-target-modules") for p in args.lora_target_modules)
     else:
-        preset = args.lora_target_preset or DEFAULT_PRESET
-        if ROUTED in PRESETS[preset]:
-            raise NotAvailableYet(f"--lora-target-preset {preset}: {_ROUTED_REASON}; use "
-                                  f"{'moe_language' if preset == 'moe_language_all' else 'moe_shared_mlp'} "
-                                  "(routed experts stay frozen)")
-        targets = PRESETS[preset]
+        targets = PRESETS[args.lora_target_preset or DEFAULT_PRESET]
     if args.lora_exclude_modules is None:
         excludes = DEFAULT_EXCLUDES
     else:

@@ -155,7 +155,8 @@ DIFFERS: dict[str, str] = {
     "--colocate": "with --runtime local the trainer and the engines share the one device with or without "
     "--colocate, which only turns the offloads on; --runtime ray lays bundles out as slime",
     **{flag: "names Hugging Face modules: slime's presets mapped, its Megatron regexes translated where one HF "
-       "module matches, routed-expert targets refused, MLA projections adapted (docs/lora.md#targets)"
+       "module matches, routed experts adapted as stacked parameters with one adapter per expert (slime: one shared "
+       "by all experts), MLA projections adapted (docs/lora.md#targets)"
        for flag in ("--lora-target-preset", "--lora-target-modules", "--lora-exclude-modules")},
     "--moe-aux-loss-coeff": "when > 0, weighs the transformers module's own load-balancing loss (router statistics "
     "pooled over all MoE layers, ~top-k when balanced; Megatron sums per-layer losses normalised by top-k, ~1 per "

@@ -2,7 +2,10 @@
 
 `apply_lora` injects peft's LoRA layers into the policy module in place (parameter names keep Hugging Face's
 module path: `...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`) and freezes every other weight,
-so the trainer's optimizer, built over the parameters that require gradients, holds the adapters only. Around it:
+so the trainer's optimizer, built over the parameters that require gradients, holds the adapters only. Linear
+modules get peft's `lora.Linear`; the routed experts' stacked 3-D parameters (`mlp.experts.gate_up_proj`) get
+peft's `ParamWrapper` (`target_parameters`: one rank-r pair per expert; two wrappers nest on one experts module,
+so its base parameter reads `mlp.experts.base_layer.base_layer.gate_up_proj`). Around it:
 - the engines get merged full weights, W + alpha/r * B A under the base names (`merged_named_weights`), so
   they run the plain model and the trainer's unmerged forward equals theirs up to rounding;
 - the reference policy is the same module with its adapters disabled (`ReferencePolicy`), no second model;
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import safetensors.torch
@@ -23,6 +27,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
 from lichen.config.lora_config import NEVER_ADAPTED, LoraConfig
@@ -34,25 +39,42 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the module path
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Inject adapters into the Linear modules `cfg` selects (in place) and freeze everything else; returns the
-    adapted module names. Raises ConfigError when the selection is empty or names an embedding / the LM head."""
+def target_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(Linear module names, routed experts' stacked parameter names) of `model`: what a LoRA selection picks from.
+    lichen.config.lora.checkpoint_targets reads the same names from a checkpoint."""
     linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    names = cfg.adapted(linear)
+    stacked = [name for name, p in model.named_parameters() if p.dim() == 3 and _EXPERT_PARAM.search(name)]
+    return linear, stacked
+
+
+_EXPERT_PARAM = re.compile(r"(?:^|\.)experts\.[^.]+$")  # a parameter of the experts module itself (not experts.N.*)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Inject adapters into the Linear modules and stacked expert parameters `cfg` selects (in place) and freeze
+    everything else; returns the adapted names. Raises ConfigError when the selection is empty or names an
+    embedding / the LM head."""
+    linear, stacked = target_names(model)
+    names = cfg.adapted(linear + stacked)
     never = [n for n in names if NEVER_ADAPTED.search(n)]
     if never:
         raise ConfigError(f"--lora-target-modules selects {never[0]}: embeddings and the LM head are never adapted")
     if not names:
         raise ConfigError(f"--use-lora adapts no Linear module of the policy (its Linear modules: "
                           f"{', '.join(linear[:6])}, ...); choose a preset or --lora-target-modules that match")
-    inject_adapter_in_model(peft_config(cfg, names), model, adapter_name=ADAPTER)
+    inject_adapter_in_model(peft_config(cfg, names, stacked), model, adapter_name=ADAPTER)
     for pname, p in model.named_parameters():
         p.requires_grad_(".lora_" in pname)
     return names
 
 
-def peft_config(cfg: LoraConfig, names: list[str], base: str | None = None) -> PeftLoraConfig:
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none", target_modules=names,
+def peft_config(cfg: LoraConfig, names: list[str], stacked: list[str], base: str | None = None) -> PeftLoraConfig:
+    """peft's config for the adapted `names`: Linear modules as target_modules, the stacked expert parameters among
+    them (`stacked`) as target_parameters."""
+    params = [n for n in names if n in set(stacked)]
+    modules = [n for n in names if n not in set(stacked)]
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
+                          target_modules=modules or None, target_parameters=params or None,
                           task_type="CAUSAL_LM", base_model_name_or_path=base)
 
 
@@ -90,21 +112,32 @@ class ReferencePolicy:
         return self.model.logits(hidden)  # the LM head is never adapted
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name in the model without adapters: peft's `.base_layer` pieces removed (nested ones too)."""
+    return name.replace(".base_layer", "")
+
+
+def _adapted_weights(model: nn.Module) -> dict[str, LoraLayer]:
+    """Unwrapped name of each adapted weight -> the LoRA layer that computes its delta."""
+    out = {}
+    for name, layer in lora_layers(model):
+        leaf = layer.parameter_name if isinstance(layer, ParamWrapper) else "weight"
+        out[f"{unwrapped_name(name)}.{leaf}"] = layer
+    return out
+
+
 @torch.no_grad()
 def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of the merged policy: each adapted weight is W + alpha/r * B A (a new tensor), every other
-    tensor is the module's own; names and order are those of the model without adapters."""
-    layers = dict(lora_layers(model))
+    """(HF name, tensor) of the merged policy: each adapted weight is W + alpha/r * B A (a new tensor; per expert
+    for stacked expert parameters), every other tensor is the module's own; names and order are those of the
+    model without adapters."""
+    layers = _adapted_weights(model)
     for name, p in model.named_parameters():
         if ".lora_" in name:
             continue
-        if ".base_layer." not in name:
-            yield name, p.detach()
-            continue
-        owner, leaf = name.split(".base_layer.")
-        hf_name = f"{owner}.{leaf}"
-        if leaf == "weight":
-            yield hf_name, p.detach() + layers[owner].get_delta_weight(ADAPTER).to(p.dtype)
+        hf_name = unwrapped_name(name)
+        if hf_name in layers:
+            yield hf_name, p.detach() + layers[hf_name].get_delta_weight(ADAPTER).to(p.dtype)
         else:
             yield hf_name, p.detach()
 
@@ -131,10 +164,12 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source:
 def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str, base: str) -> None:
     """Write peft's adapter directory: adapter_model.safetensors (fp32) + adapter_config.json."""
     os.makedirs(directory, exist_ok=True)
-    names = [name for name, _ in lora_layers(model)]
+    adapted = list(_adapted_weights(model))  # Linear modules: "<module>.weight"; stacked experts: the parameter
+    names = [n.removesuffix(".weight") for n in adapted]
+    stacked = [n for n in adapted if not n.endswith(".weight")]
     tensors = {_PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter_state(model).items()}
     safetensors.torch.save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    peft_config(cfg, names, base=os.path.abspath(base)).save_pretrained(directory)
+    peft_config(cfg, names, stacked, base=os.path.abspath(base)).save_pretrained(directory)
 
 
 def read_adapter(directory: str) -> dict[str, torch.Tensor]:
