@@ -65,6 +65,17 @@ def test_buckets_split_by_engine_bytes_and_views_are_aligned():
     assert all(v.data_ptr() % 64 == 0 for _, v in views) and flat.is_shared()
 
 
+def test_a_bucket_larger_than_the_free_shared_memory_is_refused_before_it_is_written(monkeypatch):
+    from lichen.errors import ConfigError
+    from lichen.sync import tensor_handles
+
+    monkeypatch.setattr(tensor_handles, "shm_free_bytes", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"--update-weight-buffer-size .*--shm-size"):
+        fill_bucket([("w", torch.zeros(1000))], F32, torch.device("cpu"))
+    flat, _ = fill_bucket([("w", torch.zeros(100))], F32, torch.device("cpu"))  # 400 bytes fit
+    assert flat.numel() == 448
+
+
 def test_handles_map_the_same_memory_in_an_unrelated_process():
     """The engine side maps the trainer's bucket: a write made after it loaded the handle is seen (a copy would
     not see it), and the serialized entry is a few hundred bytes for a 4 MB bucket."""

@@ -15,13 +15,17 @@ parameters and answers; only then are the bucket's tensors released (the handles
   (a request body is a few hundred bytes per bucket, whatever the bucket's size).
 
 Every engine gets its own serialization of the same bucket (one per TP rank, as SGLang wants): each adds the
-reference that the engine's rebuild releases, so the shared file is unlinked once everyone has closed it.
+reference that the engine's rebuild releases, so the shared file is unlinked once everyone has closed it. (An
+engine that fails before reading its entry leaves that reference: the file then lives until torch's shm manager
+cleans up at the trainer's exit.) A CPU bucket must fit in /dev/shm's free space, checked before it is written:
+a full tmpfs kills the writer with SIGBUS instead of raising.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -30,6 +34,7 @@ from typing import Any, Iterable
 import torch
 from torch.multiprocessing import reductions
 
+from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.sync.distributed import engine_nbytes, plan_buckets
 
@@ -37,6 +42,7 @@ log = get_logger(__name__)
 
 CUDA_DEVICE_ARG = 6  # index of the device in rebuild_cuda_tensor's arguments (stable across torch releases)
 ALIGN = 64  # each tensor's offset in a bucket: any dtype's view of the uint8 bucket is aligned
+SHM_DIR = "/dev/shm"
 
 
 def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple:
@@ -81,6 +87,15 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    """Bytes still free in the shared-memory file system (None where there is none to ask)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def fill_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
     """One flat uint8 tensor holding `bucket` cast to `dtype` (floating tensors), in shared memory on CPU; returns
@@ -89,6 +104,13 @@ def fill_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
     for _, t in bucket:
         offsets.append(total)
         total += _aligned(engine_nbytes(t, dtype))
+    if device.type == "cpu":
+        free = shm_free_bytes()
+        if free is not None and total > free:  # writing past a full tmpfs kills the process (SIGBUS), not an error
+            raise ConfigError(
+                f"--update-weight-transport tensor: a bucket of {total} bytes does not fit in {SHM_DIR} ({free} bytes "
+                f"free); lower --update-weight-buffer-size (a tensor larger than it still needs its own size there) "
+                "or give the machine more shared memory (docker: --shm-size)")
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     if device.type == "cpu":
         flat.untyped_storage()._share_filename_cpu_()  # into /dev/shm before any byte is written
