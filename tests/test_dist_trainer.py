@@ -11,21 +11,13 @@ import shutil
 import pytest
 import torch
 
-from lichen.train.actor import TrainActor
 from lichen.train.step_schedule import plan_cost, split_across_ranks
 
-from helpers.dist_ranks import (config, free_port, grads_worker, load_error_worker, load_worker, resume_worker,
-                                run_ranks, save_worker, step_batch, trainer_argv)
+from helpers.dist_ranks import (assert_matches_single_rank, config, free_port, load_error_worker, load_worker,
+                                rank_files, rel_diff, resume_worker, run_ranks, save_worker, trainer_argv,
+                                two_ranks_and_local)
 
 STEPS = 4
-
-
-def _rank_files(out, world_size: int) -> list[dict]:
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def test_split_across_ranks_balances_tokens_and_pads_to_equal_counts():
@@ -42,23 +34,6 @@ def test_split_across_ranks_balances_tokens_and_pads_to_equal_counts():
     assert split_across_ranks([], lengths, 2) == [[], []]
 
 
-def _two_ranks_and_local(argv: list[str], tmp_path) -> tuple[list[dict], TrainActor, list[dict], dict]:
-    """3 steps on 2 ranks (each rank's file) and on the single-rank TrainActor (its metrics, first-step grads)."""
-    cfg, args = config(argv)  # a flag mistake shows here, not in a child
-    run_ranks(grads_worker, 2, argv, free_port(), str(tmp_path), 3)
-    ranks = _rank_files(tmp_path, 2)
-    same = [[{k: v for k, v in m.items() if not k.startswith("time/")} for m in r["metrics"]] for r in ranks]
-    assert same[0] == same[1]  # every rank reports the same metrics (timings aside)
-    assert ranks[1]["weights"] is None and ranks[0]["weights"] is not None
-    local = TrainActor(cfg, plugin_args=args)
-    vocab = local.model.cfg.vocab_size
-    metrics = [local.train(0, step_batch(vocab, 0))]
-    grads = {n: p.grad for n, p in local.model.named_parameters()}
-    metrics += [local.train(k, step_batch(vocab, k)) for k in range(1, 3)]
-    assert grads.keys() == ranks[0]["grads"].keys()
-    return ranks, local, metrics, grads
-
-
 @pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1", "--clip-grad", "0.5"],
                                    ["--num-steps-per-rollout", "2", "--advantage-estimator", "reinforce_plus_plus",
                                     "--normalize-advantages", "--kl-coef", "0.05"],
@@ -68,7 +43,7 @@ def _two_ranks_and_local(argv: list[str], tmp_path) -> tuple[list[dict], TrainAc
                               "uneven_counts_observed_rows", "ppo_critic"])
 def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
-    _assert_matches(*_two_ranks_and_local(argv, tmp_path))
+    assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
 
 
 def test_two_ranks_match_with_opd_teacher(tiny_ckpt, addition_data, tmp_path):
@@ -80,23 +55,7 @@ def test_two_ranks_match_with_opd_teacher(tiny_ckpt, addition_data, tmp_path):
                     init_std=0.1)
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--use-opd", "--opd-teacher-load", teacher,
                         "--opd-kl-coef", "0.5")
-    _assert_matches(*_two_ranks_and_local(argv, tmp_path))
-
-
-def _assert_matches(ranks: list[dict], local: TrainActor, metrics: list[dict], grads: dict) -> None:
-    """2 ranks vs the single-rank trainer: first-step gradients within 1e-6 relative, losses over the steps within
-    1e-5, the same skip decisions and critic metrics, weights after the steps within 1e-5."""
-    worst = max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items())
-    print(f"first-step gradients: worst relative difference {worst:.3g}")
-    assert worst <= 1e-6, worst
-    for mine, ref in zip(ranks[0]["metrics"], metrics):
-        print(f"loss: 2 ranks {mine['train/loss']:.9g}, 1 rank {ref['train/loss']:.9g}")
-        assert abs(mine["train/loss"] - ref["train/loss"]) <= 1e-5, (mine["train/loss"], ref["train/loss"])
-        assert mine["train/skipped_samples"] == ref["train/skipped_samples"]
-        for key in (k for k in ref if k.startswith("critic/")):
-            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
-    for name, w in local.model.state_dict().items():
-        assert torch.allclose(ranks[0]["weights"][name], w, rtol=0, atol=1e-5), name
+    assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
 
 
 def test_two_ranks_bf16_mixed_precision(tiny_ckpt, addition_data, tmp_path):
@@ -104,12 +63,12 @@ def test_two_ranks_bf16_mixed_precision(tiny_ckpt, addition_data, tmp_path):
     single rank runs bf16 autocast over float32 weights, so the two agree to bf16 rounding only (measured: grad
     norms within 0.7%)."""
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--bf16")
-    ranks, _, metrics, grads = _two_ranks_and_local(argv, tmp_path)
+    ranks, _, metrics, grads = two_ranks_and_local(argv, tmp_path)
     assert all(g.dtype == torch.float32 for g in ranks[0]["grads"].values())
     assert all(w.dtype == torch.float32 for w in ranks[0]["weights"].values())
     for mine, ref in zip(ranks[0]["metrics"], metrics):
         assert mine["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=0.03)
-    assert max(_rel(ranks[0]["grads"][n], g) for n, g in grads.items()) < 0.1
+    assert max(rel_diff(ranks[0]["grads"][n], g) for n, g in grads.items()) < 0.1
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +79,7 @@ def resumed(tiny_ckpt, addition_data, tmp_path_factory):
         d = tmp_path_factory.mktemp(f"resume_w{world}")
         argv = trainer_argv(tiny_ckpt, addition_data, str(d / "o"))
         run_ranks(resume_worker, world, argv, [free_port() for _ in range(3)], str(d), str(d / "ckpt"), STEPS)
-        runs[world] = {"files": _rank_files(d, world), "ckpt": str(d / "ckpt"), "argv": argv}
+        runs[world] = {"files": rank_files(d, world), "ckpt": str(d / "ckpt"), "argv": argv}
     return runs
 
 
@@ -145,7 +104,7 @@ def test_exact_resume_with_ppo_critic(tiny_ckpt, addition_data, tmp_path):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--advantage-estimator", "ppo")
     config(argv)
     run_ranks(resume_worker, 2, argv, [free_port() for _ in range(3)], str(tmp_path), str(tmp_path / "ckpt"), STEPS)
-    r0 = _rank_files(tmp_path, 2)[0]
+    r0 = rank_files(tmp_path, 2)[0]
     assert all(torch.equal(r0["resumed"][n], w) for n, w in r0["straight"].items())
 
 
@@ -153,7 +112,7 @@ def test_exact_resume_with_ppo_critic(tiny_ckpt, addition_data, tmp_path):
 def test_resume_across_rank_counts(resumed, tmp_path, saved_on, loaded_on):
     src = resumed[saved_on]
     run_ranks(load_worker, loaded_on, src["argv"], free_port(), str(tmp_path), src["ckpt"], STEPS)
-    files = _rank_files(tmp_path, loaded_on)
+    files = rank_files(tmp_path, loaded_on)
     r0, ref = files[0], src["files"][0]
     for name, w in ref["at_save"].items():
         assert torch.equal(r0["loaded"][name], w), name
@@ -195,7 +154,7 @@ def test_damaged_shard_stops_the_load_on_every_rank_naming_the_file(sharded_ckpt
         else:
             f.truncate(os.path.getsize(shard) - 100)
     run_ranks(load_error_worker, 2, argv, free_port(), str(tmp_path), ckpt)
-    errors = [f["error"] for f in _rank_files(tmp_path, 2)]
+    errors = [f["error"] for f in rank_files(tmp_path, 2)]
     reason = "checksum mismatch" if damage == "flip" else "truncated or overwritten"
     for e in errors:  # both ranks, though only one of them checked that file
         assert e["type"] == "ConfigError" and e["message"].startswith(f"{os.path.dirname(os.path.dirname(shard))}"
@@ -206,7 +165,7 @@ def test_damaged_shard_stops_the_load_on_every_rank_naming_the_file(sharded_ckpt
 def test_intact_sharded_checkpoint_loads(sharded_ckpt, tmp_path):
     ckpt, argv = sharded_ckpt
     run_ranks(load_error_worker, 2, argv, free_port(), str(tmp_path), ckpt)
-    assert [f["error"] for f in _rank_files(tmp_path, 2)] == [None, None]
+    assert [f["error"] for f in rank_files(tmp_path, 2)] == [None, None]
 
 
 def test_resume_loads_the_newest_intact_checkpoint_not_the_one_latest_names(tmp_path):

@@ -10,9 +10,6 @@ from __future__ import annotations
 from aiohttp import web
 
 REFUSED = {
-    "/init_weights_update_group": "weight updates over a torch.distributed group (NCCL/gloo)",
-    "/update_weights_from_distributed": "weight updates over a torch.distributed group (NCCL/gloo)",
-    "/destroy_weights_update_group": "weight updates over a torch.distributed group (NCCL/gloo)",
     "/pull_weights": "pulling weight versions and delta chains (--update-weight-transport disk with deltas)",
 }
 

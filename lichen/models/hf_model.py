@@ -20,8 +20,9 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -186,7 +187,8 @@ class HFCausalLM(nn.Module):
         ids = input_ids.reshape(-1)[src]
         pos = torch.arange(width, device=dev)[None].expand(len(segments), width)
         hidden = self._run_base(ids, pos, back)
-        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, back).view(rows, T, -1)
+        # gathered straight into [rows, T, H] (a new tensor, not a view: FSDP2 warns about a root returning views)
+        return hidden.reshape(-1, hidden.shape[-1])[back.view(rows, T)]
 
     def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                past: Any) -> tuple[torch.Tensor, Any]:

@@ -28,7 +28,15 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def shard(model: nn.Module, *, layers: nn.ModuleList, bf16: bool) -> nn.Module:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a policy model, one FSDP2 unit each: the HF module's own (HFCausalLM.decoder_layers:
+    the classes it names in `_no_split_modules`, MoE layers included), else lichen's `model.layers`."""
+    if hasattr(model, "decoder_layers"):
+        return model.decoder_layers()
+    return list(model.model.layers)
+
+
+def shard(model: nn.Module, *, layers: list[nn.Module], bf16: bool) -> nn.Module:
     """FSDP2 over every rank of the default group, in place, one unit per module of `layers` plus the root;
     returns `model`.
 
@@ -67,9 +75,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def full_weights(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full (unsharded) weights on CPU on rank 0, None on the others. Every rank must call it (it gathers)."""
+def full_weights(model: nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights on CPU on rank 0, None on the others. Every rank must call it (it gathers).
+
+    parameters_only: the parameters under `named_parameters()`'s names, what the single-rank trainer sends to the
+    engines (TrainActor.named_weights): no buffers, and a tied LM head once (an HF module's state dict names it
+    twice, `model.embed_tokens.weight` and `lm_head.weight`, where the engine serves one parameter)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if parameters_only:
+        names = {name for name, _ in model.named_parameters()}
+        state = {k: v for k, v in state.items() if k in names}
     if dist.get_world_size() == 1:  # one CPU rank: the "gathered" tensors are the parameters themselves
         state = {k: v.clone() for k, v in state.items()}
     return state if dist.get_rank() == 0 else None
