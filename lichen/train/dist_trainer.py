@@ -84,7 +84,7 @@ class _RankActor(TrainActor):
         with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
             for model in (self.model, self.ref_model, self.teacher_model):
                 if model is not None:
-                    fsdp.shard(model, layers=model.model.layers, bf16=cfg.bf16)
+                    fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
         self.optimizer = make_adamw(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                     weight_decay=opt.weight_decay)
@@ -155,11 +155,11 @@ class DistTrainer:
             self.actor.onload()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the full weights under their HF names, on CPU (weight sync, HF export); other ranks: None.
-        Every rank must call it: it gathers the shards (brought back first if they are paused: the sync runs
-        after the loop's offload)."""
+        """Rank 0: the full parameters under their HF names, on CPU, for the weight sync (a tied LM head once, as
+        the engines serve it); other ranks: None. Every rank must call it: it gathers the shards (brought back
+        first if they are paused: the sync runs after the loop's offload)."""
         with self.memory.weights_resident():
-            return fsdp.full_weights(self.actor.model)
+            return fsdp.full_weights(self.actor.model, parameters_only=True)
 
     def _sharded_state(self) -> dict:
         a = self.actor
@@ -178,7 +178,8 @@ class DistTrainer:
         if self.rank == 0:
             remove_manifest(d)  # unfinished until the new files are hashed (DCP's planning waits for rank 0)
         dcp.save(self._sharded_state(), checkpoint_id=os.path.join(d, DIST_DIR))
-        weights = self.full_state_dict()
+        with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
+            weights = fsdp.full_weights(self.actor.model)
         if self.rank == 0:
             with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
                 config = json.load(f)
