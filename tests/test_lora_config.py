@@ -160,3 +160,12 @@ def test_listing_in_the_docs_is_the_functions(tmp_path):
             assert sorted(cfg.adapted(names)) == sorted(cfg.adapted(live)), (arch, preset)
     stale = [line for line in doc.splitlines() if re.match(r"\| `\w+` \| [a-z_]", line) and line not in rows]
     assert not stale, f"docs/lora.md has rows the function no longer gives: {stale[:2]}"
+
+
+def test_runtime_ray_is_accepted(tiny_ckpt, addition_data, capsys):
+    """--use-lora with --runtime ray passes the checks (the multi-rank trainer wraps adapters before sharding;
+    tests/test_lora_dist.py runs it)."""
+    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora", "--runtime", "ray",
+                       "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1")
+    assert code == 0, err
+    assert "LoRA: preset dense_language" in err

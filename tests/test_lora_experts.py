@@ -13,7 +13,7 @@ from helpers.trainer import make_actor
 from lichen.config.lora_config import DEFAULT_EXCLUDES, PRESETS, LoraConfig
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model
-from lichen.train.lora import adapters_disabled, apply_lora, merged_named_weights
+from lichen.train.lora import adapters_disabled, apply_lora, merge_state, merged_named_weights
 from lichen.weights.hf_io import load_hf_state_dict
 
 LORA = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
@@ -66,6 +66,10 @@ def test_merged_expert_weights_are_w_plus_scaled_ba_per_expert(tmp_path, arch):
             torch.testing.assert_close(merged[name][e], w[e] + delta, rtol=0, atol=1e-6)
             checked += 1
     assert checked >= 2 * len(names)
+    # the multi-rank trainer merges gathered tensors with its own formula (merge_state): the same weights
+    gathered = merge_state(model, {n: p.detach().clone() for n, p in model.named_parameters()})
+    assert gathered.keys() == merged.keys()
+    assert all(torch.allclose(gathered[k], merged[k], rtol=0, atol=1e-6) for k in merged)
     others = [k for k in base if k not in names]
     assert all(torch.equal(merged[k], base[k]) for k in others)  # only the adapted tensors change
 

@@ -88,8 +88,10 @@ def check(args: argparse.Namespace) -> None:
     if args.ref_load is not None:
         fail("--ref-load with --use-lora: the reference policy is the base model, i.e. the same module with its "
              "adapters disabled (no second model); remove --ref-load")
+    # slime refuses both (slime/utils/lora_config.py, validate_lora_args): a critic is not adapter-based, and the
+    # OPD teacher's snapshot has no adapter bookkeeping
     for refused, why in ((args.advantage_estimator == "ppo", "--advantage-estimator ppo (its critic is a full model)"),
-                         (args.use_opd, "--use-opd"), (args.runtime == "ray", "--runtime ray (FSDP2 ranks)")):
+                         (args.use_opd, "--use-opd")):
         if refused:
             raise NotAvailableYet(f"--use-lora with {why} is not available yet; drop one of them")
     for dest in ("save_lora", "lora_save_merged_hf"):

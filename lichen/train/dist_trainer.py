@@ -39,7 +39,7 @@ from lichen.devices import resolve_device
 from lichen.errors import ConfigError
 from lichen.train import fsdp, memory_saver
 from lichen.train.actor import TrainActor
-from lichen.train.checkpoint import LATEST, iter_dir
+from lichen.train.checkpoint import LATEST, LORA_DIR, iter_dir
 from lichen.train.ckpt_integrity import (CheckpointDamaged, atomic_write_text, checkpoint_files, file_entries,
                                          remove_manifest, verify, write_manifest)
 from lichen.train.log_probs import LogProbs
@@ -83,11 +83,11 @@ class _RankActor(TrainActor):
         super().__init__(cfg, plugin_args)
         with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
             for model in (self.model, self.ref_model, self.teacher_model):
-                if model is not None:
+                if isinstance(model, torch.nn.Module):  # (a LoRA reference is the policy's module: sharded once)
                     fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
-        self.optimizer = make_adamw(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                    weight_decay=opt.weight_decay)
+        self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad],  # LoRA: adapters only
+                                    lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         self.memory.tag_optimizer(self.optimizer)  # its state, created at the first step
         self.log_probs = RankLogProbs(self.device, cfg.temperature, cfg.bf16, rank=rank, world_size=world_size)
 
@@ -159,7 +159,12 @@ class DistTrainer:
         the engines serve it); other ranks: None. Every rank must call it: it gathers the shards (brought back
         first if they are paused: the sync runs after the loop's offload)."""
         with self.memory.weights_resident():
-            return fsdp.full_weights(self.actor.model, parameters_only=True)
+            weights = fsdp.full_weights(self.actor.model, parameters_only=True)
+        if weights is not None and self.cfg.lora is not None:  # the engines serve W + alpha/r B A (docs/lora.md)
+            from lichen.train import lora  # peft: the lora extra
+
+            weights = lora.merge_state(self.actor.model, weights)
+        return weights
 
     def _sharded_state(self) -> dict:
         a = self.actor
@@ -181,6 +186,11 @@ class DistTrainer:
         with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
             weights = fsdp.full_weights(self.actor.model)
         if self.rank == 0:
+            if self.cfg.lora is not None:  # hf/ is the merged policy; lora/ the adapters (as a single-rank save)
+                from lichen.train import lora
+
+                weights = lora.export_rank0(self.actor, weights, os.path.join(d, LORA_DIR), rollout_id,
+                                            self.cfg.hf_checkpoint)
             with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
                 config = json.load(f)
             save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=self.cfg.hf_checkpoint)

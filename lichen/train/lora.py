@@ -111,6 +111,9 @@ class ReferencePolicy:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)  # the LM head is never adapted
 
+    def modules(self) -> Iterator[nn.Module]:
+        return self.model.modules()  # the multi-rank trainer reshards the policy's FSDP units after a no-grad pass
+
 
 def unwrapped_name(name: str) -> str:
     """A parameter's name in the model without adapters: peft's `.base_layer` pieces removed (nested ones too)."""
@@ -119,10 +122,49 @@ def unwrapped_name(name: str) -> str:
 
 def _adapted_weights(model: nn.Module) -> dict[str, LoraLayer]:
     """Unwrapped name of each adapted weight -> the LoRA layer that computes its delta."""
+    return {hf_name: layer for hf_name, (_, layer) in _adapted_with_names(model).items()}
+
+
+def _adapted_with_names(model: nn.Module) -> dict[str, tuple[str, LoraLayer]]:
+    """Unwrapped name of each adapted weight -> (the LoRA layer's module name, the layer)."""
     out = {}
     for name, layer in lora_layers(model):
         leaf = layer.parameter_name if isinstance(layer, ParamWrapper) else "weight"
-        out[f"{unwrapped_name(name)}.{leaf}"] = layer
+        out[f"{unwrapped_name(name)}.{leaf}"] = (name, layer)
+    return out
+
+
+def _delta(layer: LoraLayer, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """alpha/r * B A from full factors: a Linear's [out, in]; for stacked experts peft's layout (A [E*r, in], B
+    [out, r*E], the expert index fastest in B) gives B_e A_e per expert, [E, out, in], or [E, in, out] where the
+    experts module says `is_transposed` (gpt-oss), as peft's ParamWrapper reads it."""
+    scale = layer.scaling[ADAPTER]
+    if weight.dim() == 2:
+        return scale * (b @ a)
+    n_exp = weight.shape[0]
+    rank = a.shape[0] // n_exp
+    per_expert = torch.bmm(b.reshape(b.shape[0], rank, n_exp).permute(2, 0, 1), a.reshape(n_exp, rank, -1))
+    transposed = getattr(layer.get_base_layer(), "is_transposed", False)
+    return scale * (per_expert.transpose(1, 2) if transposed else per_expert)
+
+
+@torch.no_grad()
+def merge_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged policy from `state`, the adapted `model`'s tensors by name as full tensors (the multi-rank
+    trainer gathers them; its parameters are shards): like merged_named_weights, computed from `state`'s factors;
+    entries other than adapters and adapted weights (buffers, a tied head's second name) pass through."""
+    adapted = _adapted_with_names(model)
+    out = {}
+    for name, w in state.items():
+        if ".lora_" in name:
+            continue
+        hf_name = unwrapped_name(name)
+        if hf_name in adapted:
+            owner, layer = adapted[hf_name]
+            a, b = state[f"{owner}.lora_A.{ADAPTER}.weight"], state[f"{owner}.lora_B.{ADAPTER}.weight"]
+            out[hf_name] = w + _delta(layer, a, b, w).to(w.dtype)
+        else:
+            out[hf_name] = w
     return out
 
 
@@ -142,9 +184,10 @@ def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield hf_name, p.detach()
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors under peft's saved names (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
-    return {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+def adapter_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under peft's saved names (`model.layers.0.self_attn.q_proj.lora_A.weight`): the
+    model's own, or those of `state` (the model's tensors by name, gathered from the shards of a multi-rank run)."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER).items()}
 
 
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -161,13 +204,15 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source:
     set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
 
 
-def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str, base: str) -> None:
-    """Write peft's adapter directory: adapter_model.safetensors (fp32) + adapter_config.json."""
+def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str, base: str,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write peft's adapter directory: adapter_model.safetensors (fp32) + adapter_config.json; the adapters are the
+    model's own, or `state`'s (adapter_state)."""
     os.makedirs(directory, exist_ok=True)
     adapted = list(_adapted_weights(model))  # Linear modules: "<module>.weight"; stacked experts: the parameter
     names = [n.removesuffix(".weight") for n in adapted]
     stacked = [n for n in adapted if not n.endswith(".weight")]
-    tensors = {_PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter_state(model).items()}
+    tensors = {_PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter_state(model, state).items()}
     safetensors.torch.save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     peft_config(cfg, names, stacked, base=os.path.abspath(base)).save_pretrained(directory)
 
@@ -180,14 +225,27 @@ def read_adapter(directory: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in safetensors.torch.load_file(path).items()}
 
 
-def save_exports(trainer, merged: dict[str, torch.Tensor], rollout_id: int, hf_checkpoint: str) -> None:
-    """--save-lora and --lora-save-merged-hf: the adapters and the merged policy, {rollout_id} filled in."""
+def save_exports(trainer, merged: dict[str, torch.Tensor], rollout_id: int, hf_checkpoint: str,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+    """--save-lora and --lora-save-merged-hf: the adapters (the model's own, or `state`'s) and the merged policy,
+    {rollout_id} filled in."""
     cfg: LoraConfig = trainer.cfg.lora
     if cfg.save_lora:
-        save_adapter(trainer.model, cfg, cfg.save_lora.format(rollout_id=rollout_id), hf_checkpoint)
+        save_adapter(trainer.model, cfg, cfg.save_lora.format(rollout_id=rollout_id), hf_checkpoint, state)
     if cfg.save_merged_hf:
         with open(os.path.join(hf_checkpoint, "config.json")) as f:
             config = json.load(f)
         save_hf_checkpoint(merged, cfg.save_merged_hf.format(rollout_id=rollout_id), config=config,
                            copy_files_from=hf_checkpoint)
 
+
+
+def export_rank0(trainer, state: dict[str, torch.Tensor], directory: str, rollout_id: int,
+                 hf_checkpoint: str) -> dict[str, torch.Tensor]:
+    """A multi-rank LoRA checkpoint, on rank 0, from `state` (the policy's tensors gathered from every rank's
+    shards): writes the adapter directory `directory`, --save-lora and --lora-save-merged-hf; returns the merged
+    policy (the checkpoint's hf/)."""
+    merged = merge_state(trainer.model, state)
+    save_adapter(trainer.model, trainer.cfg.lora, directory, hf_checkpoint, state)
+    save_exports(trainer, merged, rollout_id, hf_checkpoint, state)
+    return merged
