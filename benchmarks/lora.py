@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on a ~20M-parameter llama: optimizer state and trainer step time (docs/lora.md).
 
     .venv/bin/python benchmarks/lora.py [--steps 6] [--warmup 1] [--rank 8] [--workdir runs/lora_bench]
-    .venv/bin/python benchmarks/lora.py quickstart [--seeds 1 2 3] [--rank 16] [--lr 1e-3]
+    .venv/bin/python benchmarks/lora.py quickstart [--seeds 1 2 3] [--rank 16] [--lr 1e-3] [--report]
 
 One process builds a random llama with `lichen make-tiny-model` (hidden 512, 6 layers, intermediate 1376: about
 20M parameters), then two TrainActors on it, full fine-tuning and `--use-lora` (rank --rank, alpha 2 x rank,
@@ -12,8 +12,10 @@ ratios LoRA / full. A measurement, not a test: on shared cores the step times mo
 
 `quickstart`: for each seed, examples/quickstart.py from nothing (tiny model, SFT warm-up, GRPO with full
 fine-tuning), then the same GRPO stage again from the same SFT checkpoint with `--use-lora` (--rank, alpha 2 x rank,
---lr as `--lora-learning-rate`); prints the held-out accuracy after SFT, after full RL and after LoRA RL, and the
-gains in points. Reported, not gated.
+--lr as `--lora-learning-rate`); prints the held-out accuracy after SFT, after full RL and after LoRA RL, the
+gains in points, their means with 95% confidence intervals (Student t over the seeds) and that of the paired
+difference LoRA - full. `--report` runs nothing: it reads the given seeds' results from --workdir (seeds split
+across several invocations are summarised together). Reported, not gated.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def quickstart(argv: list[str]) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3, help="--lora-learning-rate of the LoRA GRPO stage")
     p.add_argument("--workdir", default="runs/lora_quickstart")
+    p.add_argument("--report", action="store_true", help="run nothing; summarise the seeds' results in --workdir")
     a = p.parse_args(argv)
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "quickstart.py")
     spec = importlib.util.spec_from_file_location("quickstart", path)
@@ -99,12 +102,15 @@ def quickstart(argv: list[str]) -> int:
     rows = []
     for seed in a.seeds:
         root = os.path.abspath(os.path.join(a.workdir, f"seed{seed}"))
+        out = os.path.join(root, "rl_lora")
+        if a.report:
+            rows.append(_seed_row(seed, root, qs))
+            continue
         subprocess.run([sys.executable, path, "--seed", str(seed), "--workdir", root, "--quiet"], check=True)
         with open(os.path.join(root, "summary.json")) as f:
             full = json.load(f)
         args = qs.parse_args(["--seed", str(seed), "--workdir", root])
         paths = qs.Paths(root)
-        out = os.path.join(root, "rl_lora")
         argv_rl = qs.rl_argv(args, paths, qs.sft_checkpoint(paths))
         argv_rl[argv_rl.index("--output-dir") + 1] = out
         argv_rl += ["--use-lora", "--lora-rank", str(a.rank), "--lora-alpha", str(2 * a.rank),
@@ -114,8 +120,9 @@ def quickstart(argv: list[str]) -> int:
 
             shutil.rmtree(out)
         wall, _ = qs.run_stage("rl_lora", argv_rl, os.path.join(root, "rl_lora.log"), True, args.threads)
-        curve = qs.eval_curve(os.path.join(out, "metrics.jsonl"))
-        rows.append((seed, full["sft_accuracy"], full["rl_accuracy"], curve[-1][1], full["seconds"]["rl"], wall))
+        with open(os.path.join(out, "wall_seconds.txt"), "w") as f:
+            f.write(f"{wall}\n")
+        rows.append(_seed_row(seed, root, qs))
         print(f"seed {seed}: SFT {100 * rows[-1][1]:.1f}%, full RL {100 * rows[-1][2]:.1f}%, "
               f"LoRA RL {100 * rows[-1][3]:.1f}%", flush=True)
     print(f"\nLoRA rank {a.rank}, alpha {2 * a.rank}, lr {a.lr:g} (full fine-tuning: the quick start's own RL stage)")
@@ -126,7 +133,25 @@ def quickstart(argv: list[str]) -> int:
     gains = [(100 * (f - s), 100 * (lo - s)) for _, s, f, lo, _, _ in rows]
     print(f"mean gain: full {statistics.mean(g[0] for g in gains):+.1f} points, "
           f"LoRA {statistics.mean(g[1] for g in gains):+.1f} points over {len(rows)} seeds")
+    if len(rows) >= 2:
+        from lichen_bench.learning import paired_ci
+
+        for name, xs in (("full", [g[0] for g in gains]), ("LoRA", [g[1] for g in gains]),
+                         ("LoRA - full", [g[1] - g[0] for g in gains])):
+            ci = paired_ci(xs)
+            print(f"{name}: mean {ci['mean']:+.2f} points, 95% CI [{ci['lower']:+.2f}, {ci['upper']:+.2f}]")
     return 0
+
+
+def _seed_row(seed: int, root: str, qs) -> tuple:
+    """(seed, SFT accuracy, full RL accuracy, LoRA RL accuracy, full RL wall s, LoRA RL wall s) from `root`."""
+    with open(os.path.join(root, "summary.json")) as f:
+        full = json.load(f)
+    out = os.path.join(root, "rl_lora")
+    curve = qs.eval_curve(os.path.join(out, "metrics.jsonl"))
+    wall_file = os.path.join(out, "wall_seconds.txt")
+    wall = float(open(wall_file).read()) if os.path.isfile(wall_file) else float("nan")
+    return seed, full["sft_accuracy"], full["rl_accuracy"], curve[-1][1], full["seconds"]["rl"], wall
 
 
 def main(argv: list[str] | None = None) -> int:
