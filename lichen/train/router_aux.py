@@ -26,6 +26,7 @@ loss) add nothing; a coefficient > 0 is then logged as ignored, as Megatron igno
 from __future__ import annotations
 
 import contextlib
+
 import torch
 from torch import nn
 
