@@ -12,15 +12,22 @@ copy its result. Two arms from the same random-init model, each a plain `lichen`
            plug-in, `--tool-call-parser agentic_calculator.CalcParser`), lichen runs the tool and
            appends the chat template's tool turn (loss mask 0), the policy writes the answer. The SFT traces are
            built the same way (`sft_rollout`: the tool turn with loss mask 0), so SFT trains on exactly the tokens
-           RL will see. SFT stops while the model is partly right, so RL has room.
-  no tool  the same SFT budget on direct answers ("8728"), then GRPO with the same budget and no tools.
+           RL will see.
+  no tool  SFT on direct answers ("8728") under the same stopping rule, then GRPO with the same budget, no tools.
+
+When SFT stops (one rule for every seed and both arms): every --sft-eval-every steps SFT evaluates greedy accuracy
+on an SFT-eval split (apart from the training and test problems) and saves a checkpoint; the first eval that
+reaches --sft-stop-accuracy ends the SFT run and RL starts from that checkpoint (else SFT runs --sft-steps). Tool
+SFT sits on a plateau that breaks at a different step on each seed, so a fixed step count left some seeds at 0%
+(no reward signal) and others at 100% (nothing to gain); docs/agentic.md#demo has the measurements.
 
 Reward (`reward`): 1 iff the leading integer of the final assistant message is the sum (the tool arm's reward
 sees the whole trajectory through metadata["messages"]; an answer cut off by the budget or --max-turns gets 0).
 Held-out accuracy (greedy, --heldout problems never trained on) is evaluated before RL -- the SFT model -- and
 at the end. The tool arm runs with --check-token-fidelity: each turn's token history is compared with
 apply_chat_template of the same conversation, and the demo counts the trajectories where they differ (0 is the
-expected result: the trained tokens are the engine's plus the template's tool turns, nothing re-encoded).
+expected result: the trained tokens are the engine's plus the template's tool turns, nothing re-encoded; a special
+token the policy samples shows up as one, as its text is dropped when the turn is decoded).
 
 Prints per arm the held-out accuracy after SFT and after RL, the tool-use rate, the fidelity result and the wall
 (and CPU) time; writes <workdir>/summary.json; exits 1 when a stage fails. Success criteria of issue 21: the
@@ -286,12 +293,12 @@ def checkpoint_at(ckpt_dir: str, step: int) -> str:
 def run_arm(args, arm: str, model: str, root: str, data: tuple[str, str, str], times: dict, cpu: dict) -> dict:
     train, heldout, sft_eval = data
     sft_out, rl_out = os.path.join(root, f"{arm}_sft"), os.path.join(root, f"{arm}_rl")
-    print(f"\n== {arm}: SFT (at most {args.sft_steps} steps x {args.sft_batch}; stops at {100 * args.sft_stop_accuracy:g}%"
-          f" on the SFT-eval split)", flush=True)
+    print(f"\n== {arm}: SFT (at most {args.sft_steps} steps x {args.sft_batch}; stops at "
+          f"{100 * args.sft_stop_accuracy:g}% on the SFT-eval split)", flush=True)
     stop = EarlyStop(os.path.join(sft_out, "metrics.jsonl"), args.sft_stop_accuracy)
-    times[f"{arm}_sft"], cpu[f"{arm}_sft"] = run_stage(f"{arm}_sft", sft_argv(args, arm, model, sft_out, train, sft_eval),
-                                                       os.path.join(root, f"{arm}_sft.log"), args.quiet, args.threads,
-                                                       stop=stop)
+    sft = sft_argv(args, arm, model, sft_out, train, sft_eval)
+    times[f"{arm}_sft"], cpu[f"{arm}_sft"] = run_stage(f"{arm}_sft", sft, os.path.join(root, f"{arm}_sft.log"),
+                                                       args.quiet, args.threads, stop=stop)
     sft_steps = stop.step or args.sft_steps
     # up to the stop: an eval the run logged before it was cut off measured a model RL does not start from
     sft_curve = [(step, acc) for step, acc in eval_curve(os.path.join(sft_out, "metrics.jsonl"), SFT_EVAL_NAME)

@@ -40,8 +40,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 EVAL_NAME = "heldout"
 
