@@ -4,7 +4,8 @@ Layout. All rows share one cache write position `cache.length` (so one decode st
 and each row's keys sit right-aligned before it: row j's valid key slots are `key_valid[j, :length]`. A row
 that joins later is prefilled on its own (left-padded with the other newcomers) and copied in so that its
 last prompt token lands on the slot before `length`; the slots before its first token are masked. When a
-newcomer's prompt is longer than what the batch holds, the existing rows move right instead. Rotary positions
+newcomer's prompt is longer than what the batch holds, the existing rows move right instead. Newcomers with
+identical contexts (the n samples of one prompt) share one prefill row, copied to each of them. Rotary positions
 come from each row's own position ids, so the slot a key sits in does not change its value.
 
 Masked slots hold zeros, never uninitialised memory: a NaN there would survive the -inf mask (NaN * 0 = NaN).
