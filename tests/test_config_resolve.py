@@ -46,6 +46,7 @@ DEFAULTS = {
     "rollout_max_batch_size": None, "sglang_passthrough": [],
     "num_epoch": None, "micro_batch_size": 1, "use_dynamic_batch_size": False, "max_tokens_per_gpu": None,
     "disable_zero_advantage_skip": False,
+    "disable_prompt_sharing": False,
     "lr": 1e-6, "min_lr": 0.0, "lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_decay_iters": None,
     "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "clip_grad": 1.0,
     "loss_type": "policy_loss", "custom_loss_function_path": None, "force_recompute_old_log_probs": False,

@@ -73,6 +73,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "only saves time, and logs their count as train/skipped_samples. Turn it off to compare equal work with "
         "a framework that computes them (default: off, the skip is on)",
     )
+    g.add_argument(
+        "--disable-prompt-sharing",
+        action="store_true",
+        help="lay out every sample's prompt in the trainer; by default samples with identical prompt tokens in a "
+        "packed row compute the prompt once, each response attending to it through a block mask (the same "
+        "log-probs and gradients up to rounding, fewer positions; docs/algorithms.md#prompt-sharing). Only with "
+        "packed rows (CPU) and lichen's own model implementation (default: off, sharing is on)",
+    )
     g.add_argument("--lr", type=float, default=1e-6, help="peak learning rate (Adam)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument(

@@ -78,6 +78,7 @@ class TrainerConfig:
     use_dynamic_batch_size: bool
     max_tokens_per_gpu: int | None
     disable_zero_advantage_skip: bool  # no backward is skipped (lichen.train.step_schedule)
+    disable_prompt_sharing: bool  # every sample computes its own prompt (lichen.train.micro_batches.PromptGroups)
     max_response_len: int  # --rollout-max-response-len, the "seq-mean-token-sum-norm" denominator
     # old log-probs
     use_rollout_logprobs: bool

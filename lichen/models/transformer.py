@@ -29,9 +29,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps), computed in fp32 like HF so bf16 runs match it.
+        # x * rsqrt(mean(x^2) + eps), computed in fp32 like HF so bf16 runs match it (a float64 model stays
+        # float64: exactness tests compare layouts at float64 rounding, which an fp32 cast would hide).
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 

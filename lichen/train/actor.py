@@ -31,7 +31,7 @@ import torch
 
 from lichen.config.train_config import TrainerConfig
 from lichen.devices import resolve_device
-from lichen.models import load_model
+from lichen.models import CausalLM, load_model
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
 from lichen.train import advantage
@@ -92,6 +92,9 @@ class TrainActor:
         # would push SDPA off its flash kernels (a varlen kernel is the tool there), so GPUs get sorted,
         # one-sample-per-row micro-batches.
         self.pack_sequences = self.device.type == "cpu"
+        # A group's prompt computed once per packed row (lichen.train.micro_batches.PromptGroups): needs packed rows
+        # and lichen's own attention, which takes any block mask; --model-impl hf unpacks rows by segment instead.
+        self.share_prompts = not cfg.disable_prompt_sharing and isinstance(self.model, CausalLM)
         self.skip_zero_advantage = not cfg.disable_zero_advantage_skip
         self.opt_step = 0
         self._offloaded = False
@@ -197,9 +200,10 @@ class TrainActor:
         """One train step on a rollout step's groups of samples; returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        tb = TrainBatch.from_samples([s for group in batch for s in group], self.pad_id, self.device)
+        tb = TrainBatch.from_samples([s for group in batch for s in group], self.pad_id, self.device,
+                                     share_prompts=self.share_prompts and self.pack_sequences)
         planner = self.planner()
-        no_grad_plans = planner.no_grad(list(range(tb.num_samples)), tb.host.input_lengths)
+        no_grad_plans = planner.no_grad(list(range(tb.num_samples)), tb.host.input_lengths, tb.host.sharing)
         # 1. log-probs (and critic values)
         recomputed_old = self._log_probs_phase(tb, no_grad_plans)
         # 2. advantages
@@ -219,7 +223,7 @@ class TrainActor:
             # Skipped rows still feed metrics that read their log-probs: ppo_kl and clipfrac against given old
             # log-probs, TIS weights (and the mismatch metric, see `record`). Otherwise their shares are exactly 0.
             needs_log_probs=tb.old_log_probs is not None or use_tis,
-            record_first_log_probs=record, with_critic=self.critic is not None)
+            record_first_log_probs=record, with_critic=self.critic is not None, sharing=tb.host.sharing)
         trainer_lp = torch.zeros_like(tb.mask) if record else None
         critic_only = self.critic is not None and rollout_id < cfg.num_critic_only_steps
         per_step: list[dict] = []
@@ -292,7 +296,7 @@ class TrainActor:
             with self.router_aux.recording(self.model):
                 logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
             if trainer_lp is not None:
-                trainer_lp[mb.indices, : logp.shape[1]] = logp.detach()
+                trainer_lp[mb.indices, : logp.shape[1]] = logp.detach().to(trainer_lp.dtype)
             aux = self.router_aux.share(self.model, mb_plan, tb.host.input_lengths, plan.trained, self.device)
             return self.loss.micro_batch(tb, mb.indices, logp, entropy, terms, router_aux=aux)
 

@@ -32,7 +32,7 @@ class RankCritic(Critic):
 
     @torch.no_grad()
     def values(self, sb: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:
-        mine = split_across_ranks(plans, sb.input_lengths, self.world_size)[self.rank]
+        mine = split_across_ranks(plans, sb.input_lengths, self.world_size, sb.sharing)[self.rank]
         out = super().values(sb, [p for p in mine if p is not None], width)
         for _ in range(mine.count(None)):
             self._empty_forward(sb)
@@ -41,7 +41,7 @@ class RankCritic(Critic):
 
     def _backward(self, tb: TrainBatch, plans: list[Plan], loss_of: Callable[[Plan], torch.Tensor],
                   sums: torch.Tensor) -> torch.Tensor:
-        for plan in split_across_ranks(plans, tb.host.input_lengths, self.world_size)[self.rank]:
+        for plan in split_across_ranks(plans, tb.host.input_lengths, self.world_size, tb.host.sharing)[self.rank]:
             (loss_of(plan) if plan is not None else self._empty_forward(tb.host)).backward()
         fsdp.reshard(self.model)  # parameters() are the sharded ones again, with their gradients
         return fsdp.all_reduce_sum(sums)

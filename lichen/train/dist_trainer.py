@@ -65,7 +65,7 @@ class RankLogProbs(LogProbs):
 
     @torch.no_grad()
     def of_batch(self, model, batch: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:
-        mine = split_across_ranks(plans, batch.input_lengths, self.world_size)[self.rank]
+        mine = split_across_ranks(plans, batch.input_lengths, self.world_size, batch.sharing)[self.rank]
         out = super().of_batch(model, batch, [p for p in mine if p is not None], width)
         for _ in range(mine.count(None)):  # empty micro-batches: the same collectives, nothing kept
             self.forward(model, batch.micro([[0]], self.device))
@@ -100,10 +100,10 @@ class _RankActor(TrainActor):
                            loss_of: Callable[[Plan], torch.Tensor]) -> None:
         """This rank's share of the step's micro-batches, padded with empty ones to every rank's count."""
         lengths = tb.host.input_lengths
-        for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size)[self.rank]:
+        for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size, tb.host.sharing)[self.rank]:
             (loss_of(mb_plan) if mb_plan is not None else self._empty_micro_batch(tb, plan)).backward()
         with torch.no_grad():
-            for mb_plan in split_across_ranks(plan.observed, lengths, self.world_size)[self.rank]:
+            for mb_plan in split_across_ranks(plan.observed, lengths, self.world_size, tb.host.sharing)[self.rank]:
                 loss_of(mb_plan) if mb_plan is not None else self._empty_micro_batch(tb, plan)
         fsdp.reshard(self.model)  # parameters() are the sharded ones again, with their gradients
 

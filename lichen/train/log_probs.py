@@ -30,7 +30,8 @@ class LogProbs:
         with self.autocast():
             hidden = model(mb.input_ids, mb.position_ids, attn_mask=mb.attn_mask)
             logits = model.logits(mb.response_hidden(hidden))
-        logits = logits.float() / self.temperature
+        # at least fp32 (bf16 autocast gives bf16 logits); a float64 model keeps float64 (exactness tests)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / self.temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.resp_tokens[..., None]).squeeze(-1)
         entropy = algo.entropy_from_logits(logits) if need_entropy else None
@@ -38,10 +39,13 @@ class LogProbs:
 
     @torch.no_grad()
     def of_batch(self, model, batch: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:
-        """[n, width] log-probs of every sample of `batch` (0 on padding), one no-grad forward per plan."""
-        out = torch.zeros((len(batch.samples), width), device=self.device)
+        """[n, width] log-probs of every sample of `batch` (0 on padding), one no-grad forward per plan; fp32,
+        or float64 for a float64 model (its log-probs stay exact)."""
+        out = None
         for plan in plans:
             mb = batch.micro(plan, self.device)
             lp, _ = self.forward(model, mb)
+            if out is None:
+                out = torch.zeros((len(batch.samples), width), device=self.device, dtype=lp.dtype)
             out[mb.indices, : lp.shape[1]] = lp
-        return out
+        return out if out is not None else torch.zeros((len(batch.samples), width), device=self.device)

@@ -6,6 +6,12 @@ A step's samples are padded once on the host (`StepBatch`). A micro-batch is pla
 what it would alone in a padded row, up to floating-point rounding. Samples are sorted by descending length and
 placed first-fit, so little compute goes to padding. The trainer's losses are normalized by global-batch counts
 (lichen.algo.aggregate_loss), so the plan changes floating-point rounding only, never the math.
+
+Prompt sharing (`PromptGroups`, on unless --disable-prompt-sharing): samples whose prompt tokens are identical (a
+GRPO group) are packed into one row as the prompt once, then each sample's response. A response attends to the
+prompt and to its own earlier tokens only, with position ids continuing from len(prompt), so it computes what it
+would after its own copy of the prompt; its first token is predicted from the prompt's last position, which the
+samples share (autograd sums their gradients into it). The math is the unshared layout's, up to rounding.
 """
 
 from __future__ import annotations
@@ -54,6 +60,51 @@ def _pad_rows(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.T
 Plan = list[list[int]]  # one micro-batch: model rows, each a list of sample indices placed side by side
 
 
+@dataclass(frozen=True)
+class PromptGroups:
+    """Which samples may share their prompt in a packed row: `group[i]` is the first sample with sample i's exact
+    prompt tokens (i itself when none, or when i cannot share: no response or no prompt); `prompt[i]` the prompt
+    length i shares (0 when it cannot). A prompt that is a prefix of another is a different prompt."""
+
+    group: list[int]
+    prompt: list[int]
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> "PromptGroups":
+        first: dict[tuple[int, ...], int] = {}
+        group, prompt = [], []
+        for i, s in enumerate(samples):
+            p = s.prompt_length
+            if s.response_length >= 1 and p >= 1:
+                group.append(first.setdefault(tuple(s.tokens[:p]), i))
+                prompt.append(p)
+            else:
+                group.append(i)
+                prompt.append(0)
+        return cls(group, prompt)
+
+    def row_width(self, row: list[int], lengths: list[int]) -> int:
+        """Positions a row computes: its samples' input lengths, each shared prompt counted once."""
+        seen: set[int] = set()
+        width = 0
+        for i in row:
+            width += lengths[i] - (self.prompt[i] if self.group[i] in seen else 0)
+            seen.add(self.group[i])
+        return width
+
+    def units(self, order: list[int]) -> list[list[int]]:
+        """`order` cut into groups of samples sharing a prompt, in order of each group's first sample."""
+        out: dict[int, list[int]] = {}
+        for i in order:
+            out.setdefault(self.group[i], []).append(i)
+        return list(out.values())
+
+
+def row_width(row: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> int:
+    """The positions a model row computes (with `sharing`, a shared prompt once)."""
+    return sharing.row_width(row, lengths) if sharing is not None else sum(lengths[i] for i in row)
+
+
 def first_fit(items: list[int], lengths: list[int], capacity: int, sort: bool = True) -> list[list[int]]:
     """Bins of `items` whose lengths sum to <= capacity (an item longer than capacity gets a bin of its own),
     placed first-fit in descending length (in the given order when not `sort`)."""
@@ -78,9 +129,11 @@ class StepBatch:
     sample's own start), resp_tokens and resp_mask are [n, R] (R = longest response, at least 1).
     """
 
-    def __init__(self, samples: list[Sample], pad_id: int):
+    def __init__(self, samples: list[Sample], pad_id: int, share_prompts: bool = False):
         self.samples = samples
         self.pad_id = pad_id
+        # None: every sample computes its own prompt (--disable-prompt-sharing, or a model that takes no block mask)
+        self.sharing = PromptGroups.of(samples) if share_prompts else None
         n = len(samples)
         # input length of a sample: all tokens but the last (at least one position, so empty rows stay valid)
         self.input_lengths = [max(len(s.tokens) - 1, 1) for s in samples]
@@ -119,41 +172,83 @@ class StepBatch:
         The b samples appear in MicroBatch.indices / resp_* in row-major order of `plan`.
         """
         rows = [i for row in plan for i in row]
-        T = max(sum(self.input_lengths[i] for i in row) for row in plan)
+        T = max(row_width(row, self.input_lengths, self.sharing) for row in plan)
         R = max(max(self.response_lengths[i] for i in rows), 1)
         sel = torch.tensor(rows, dtype=torch.long)
         resp_index = self.resp_index.index_select(0, sel)[:, :R]
         if len(plan) == len(rows):  # one sample per row: plain right padding, causal attention
             input_ids = self.input_ids.index_select(0, sel)[:, :T]
             position_ids = torch.arange(T, dtype=torch.long)[None].expand(len(rows), T).contiguous()
-            start = torch.arange(len(rows), dtype=torch.long) * T
+            resp_index = resp_index + (torch.arange(len(rows), dtype=torch.long) * T)[:, None]
             attn_mask = None
         else:
-            input_ids = torch.full((len(plan), T), self.pad_id, dtype=torch.long)
-            position_ids = torch.zeros((len(plan), T), dtype=torch.long)
-            segment = torch.full((len(plan), T), -1, dtype=torch.long)  # padding: a segment of its own, never empty
-            starts = []
-            for r, row in enumerate(plan):
-                off = 0
-                for i in row:
-                    n = self.input_lengths[i]
-                    input_ids[r, off : off + n] = self.input_ids[i, :n]
-                    position_ids[r, off : off + n] = torch.arange(n)
-                    segment[r, off : off + n] = i
-                    starts.append(r * T + off)
-                    off += n
-            start = torch.tensor(starts, dtype=torch.long)
-            causal = torch.ones((T, T), dtype=torch.bool).tril()
-            attn_mask = ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+            input_ids, position_ids, resp_index, attn_mask = self._packed(plan, T, resp_index)
         return MicroBatch(
             rows,
             input_ids.to(device),
             position_ids.to(device),
-            (resp_index + start[:, None]).to(device),
+            resp_index.to(device),
             self.resp_tokens.index_select(0, sel)[:, :R].to(device),
             self.resp_mask.index_select(0, sel)[:, :R].to(device),
             None if attn_mask is None else attn_mask.to(device),
         )
+
+    def _packed(self, plan: Plan, T: int, resp_index: torch.Tensor):
+        """(input_ids, position_ids, flat resp_index, block mask) of packed rows; `resp_index` relative to each
+        sample's own start, rows in row-major order of `plan`.
+
+        A sample alone is one segment: it attends causally within itself. Samples sharing a prompt (`sharing`) are
+        the prompt once (a segment), then each response part (a segment) whose queries also see the whole prompt.
+        """
+        rows = len(plan)
+        input_ids = torch.full((rows, T), self.pad_id, dtype=torch.long)
+        position_ids = torch.zeros((rows, T), dtype=torch.long)
+        segment = torch.full((rows, T), -1, dtype=torch.long)  # padding: a segment of its own, never empty
+        sees = torch.full((rows, T), -1, dtype=torch.long)  # a response part: the id of the prompt it sees
+        shared = torch.full((rows, T), -2, dtype=torch.long)  # a shared prompt: its id
+        starts, first_pred = [], []  # per sample: flat start of its own layout; flat position predicting token 0
+        seg = 0
+
+        def lay(r: int, off: int, i: int, lo: int, hi: int) -> None:  # sample i's input tokens lo:hi at `off`
+            input_ids[r, off : off + hi - lo] = self.input_ids[i, lo:hi]
+            position_ids[r, off : off + hi - lo] = torch.arange(lo, hi)
+            segment[r, off : off + hi - lo] = seg
+
+        units = self.sharing.units if self.sharing is not None else (lambda row: [[i] for i in row])
+        for r, row in enumerate(plan):
+            off = 0
+            for unit in units(row):
+                if len(unit) == 1:
+                    i = unit[0]
+                    lay(r, off, i, 0, self.input_lengths[i])
+                    starts.append(r * T + off)
+                    first_pred.append(-1)  # the usual prompt_length - 1 of its own layout
+                    off, seg = off + self.input_lengths[i], seg + 1
+                    continue
+                p = self.sharing.prompt[unit[0]]
+                lay(r, off, unit[0], 0, p)
+                shared[r, off : off + p] = seg
+                prompt_seg, last = seg, r * T + off + p - 1
+                off, seg = off + p, seg + 1
+                for i in unit:
+                    n = self.input_lengths[i] - p
+                    lay(r, off, i, p, p + n)
+                    sees[r, off : off + n] = prompt_seg
+                    starts.append(r * T + off - p)  # as if its own prompt lay just before its response part
+                    first_pred.append(last)
+                    off, seg = off + n, seg + 1
+        # `starts`/`first_pred` follow the row's units; MicroBatch order is the plan's row-major order
+        laid = [i for row in plan for unit in units(row) for i in unit]
+        where = {i: k for k, i in enumerate(laid)}
+        perm = torch.tensor([where[i] for row in plan for i in row], dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)[perm]
+        first = torch.tensor(first_pred, dtype=torch.long)[perm]
+        resp_index = resp_index + start[:, None]
+        resp_index[:, 0] = torch.where(first >= 0, first, resp_index[:, 0])
+        causal = torch.ones((T, T), dtype=torch.bool).tril()
+        own = (segment[:, :, None] == segment[:, None, :]) & causal
+        attn_mask = (own | (sees[:, :, None] == shared[:, None, :]))[:, None]
+        return input_ids, position_ids, resp_index, attn_mask
 
 
 def order_by_length(indices: list[int], lengths: list[int]) -> list[int]:
@@ -198,7 +293,7 @@ def _greedy_groups(items: list, width_of, max_tokens: int) -> list[list]:
 
 
 def plan_micro_batches(indices: list[int], lengths: list[int], *, micro_batch_size: int, max_tokens: int | None,
-                       sort: bool = True, pack: bool = True) -> list[Plan]:
+                       sort: bool = True, pack: bool = True, sharing: PromptGroups | None = None) -> list[Plan]:
     """Micro-batches of `indices`, each a list of model rows, each row a list of sample indices.
 
     - token budget (`max_tokens` set): computed size rows x widest row <= max_tokens (a single sample longer than
@@ -207,9 +302,14 @@ def plan_micro_batches(indices: list[int], lengths: list[int], *, micro_batch_si
       one sample per row.
     - else `micro_batch_size` samples per micro-batch; with `pack`, first-fit-decreasing into rows as wide as the
       micro-batch's longest sample.
-    `sort` orders samples by descending length first (similar lengths share micro-batches and rows).
+    `sort` orders samples by descending length first (similar lengths share micro-batches and rows). With `pack`
+    and `sharing`, the placed items are groups of samples sharing a prompt (width: the prompt once plus each
+    sample's response part), so a group lands in one row, which then computes its prompt once.
     """
     order = order_by_length(indices, lengths) if sort else list(indices)
+    if pack and sharing is not None:
+        return _plan_shared(order, lengths, sharing, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                            sort=sort)
     if max_tokens:
         if not pack:
             return [[[i] for i in mb] for mb in split_by_tokens(order, lengths, max_tokens)]
@@ -221,3 +321,40 @@ def plan_micro_batches(indices: list[int], lengths: list[int], *, micro_batch_si
     if not pack:
         return [[[i] for i in mb] for mb in chunks]
     return [first_fit(mb, lengths, max(lengths[i] for i in mb), sort=sort) for mb in chunks]
+
+
+def _plan_shared(order: list[int], lengths: list[int], sharing: PromptGroups, *, micro_batch_size: int,
+                 max_tokens: int | None, sort: bool) -> list[Plan]:
+    """plan_micro_batches with packing over groups of samples sharing a prompt (see there)."""
+    width = lambda unit: sharing.row_width(unit, lengths)  # noqa: E731
+
+    def rows_of(units: list[list[int]], capacity: int) -> list[list[int]]:
+        widths = [width(u) for u in units]
+        return [[i for k in row for i in units[k]] for row in first_fit(list(range(len(units))), widths, capacity,
+                                                                          sort=sort)]
+
+    units = sharing.units(order)
+    if sort:
+        units.sort(key=lambda u: -width(u))
+    if max_tokens:
+        # a group wider than the budget is cut into pieces that fit (each piece computes its own prompt copy)
+        units = [piece for u in units for piece in _greedy_pieces(u, width, max_tokens)]
+        if not units:
+            return []
+        rows = rows_of(units, min(max(width(u) for u in units), max_tokens))
+        return _greedy_groups(rows, width, max_tokens)
+    plans = []
+    for chunk in split_fixed([i for u in units for i in u], micro_batch_size):
+        chunk_units = sharing.units(chunk)
+        plans.append(rows_of(chunk_units, max(width(u) for u in chunk_units)))
+    return plans
+
+
+def _greedy_pieces(unit: list[int], width_of, max_width: int) -> list[list[int]]:
+    """`unit` cut, in order, into pieces of width <= max_width (a sample wider than that alone)."""
+    pieces: list[list[int]] = [[]]
+    for i in unit:
+        if pieces[-1] and width_of(pieces[-1] + [i]) > max_width:
+            pieces.append([])
+        pieces[-1].append(i)
+    return pieces if pieces[0] else []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lichen.train.micro_batches import Plan, plan_micro_batches
+from lichen.train.micro_batches import Plan, PromptGroups, plan_micro_batches, row_width
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,15 @@ class MicroBatchPlanner:
     sort: bool = True  # length-sorted samples: similar lengths share micro-batches and rows
     pack: bool = True  # several samples per model row
 
-    def train(self, indices: list[int], lengths: list[int]) -> list[Plan]:
+    def train(self, indices: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> list[Plan]:
+        """`sharing`: the step's prompt groups, None when every sample computes its own prompt."""
         return plan_micro_batches(indices, lengths, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
-                                  sort=self.sort, pack=self.pack)
+                                  sort=self.sort, pack=self.pack, sharing=sharing)
 
-    def no_grad(self, indices: list[int], lengths: list[int]) -> list[Plan]:
+    def no_grad(self, indices: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> list[Plan]:
         return plan_micro_batches(indices, lengths, micro_batch_size=max(2 * self.micro_batch_size, 1),
                                   max_tokens=2 * self.max_tokens if self.max_tokens else None,
-                                  sort=self.sort, pack=self.pack)
+                                  sort=self.sort, pack=self.pack, sharing=sharing)
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,14 @@ def zero_share_rows(idx: list[int], mask: torch.Tensor, adv: torch.Tensor, *, ze
 
 def schedule_steps(planner: MicroBatchPlanner, lengths: list[int], mask: torch.Tensor, adv: torch.Tensor, *,
                    num_steps: int, skip: bool, zero_advantage_is_zero_loss: bool, needs_log_probs: bool,
-                   record_first_log_probs: bool, with_critic: bool) -> list[OptimizerStepPlan]:
+                   record_first_log_probs: bool, with_critic: bool,
+                   sharing: PromptGroups | None = None) -> list[OptimizerStepPlan]:
     """The plan of every optimizer step of a train step over `len(lengths)` samples.
 
     `skip`: drop rows whose loss share is exactly 0 from the backward; `needs_log_probs`: the skipped rows' log-probs
     feed metrics of every step (ppo_kl against given old log-probs, TIS weights); `record_first_log_probs`: the first
-    step's forward also gives the mismatch metric's log-probs (so its skipped rows are observed too).
+    step's forward also gives the mismatch metric's log-probs (so its skipped rows are observed too); `sharing`:
+    the step's prompt groups (lichen.train.micro_batches.PromptGroups), None to lay out every prompt per sample.
     """
     n = len(lengths)
     size = n // num_steps
@@ -97,17 +100,19 @@ def schedule_steps(planner: MicroBatchPlanner, lengths: list[int], mask: torch.T
         dropped = set(skipped)
         trained = [i for i in idx if i not in dropped]
         steps.append(OptimizerStepPlan(
-            indices=idx, trained=planner.train(trained, lengths), observed=planner.no_grad(observed, lengths),
-            skipped=skipped, critic=planner.train(idx, lengths) if with_critic else [], record_log_probs=record))
+            indices=idx, trained=planner.train(trained, lengths, sharing),
+            observed=planner.no_grad(observed, lengths, sharing), skipped=skipped,
+            critic=planner.train(idx, lengths, sharing) if with_critic else [], record_log_probs=record))
     return steps
 
 
-def plan_cost(plan: Plan, lengths: list[int]) -> int:
-    """The padded token count a micro-batch computes: rows x its widest row."""
-    return len(plan) * max(sum(lengths[i] for i in row) for row in plan)
+def plan_cost(plan: Plan, lengths: list[int], sharing: PromptGroups | None = None) -> int:
+    """The padded token count a micro-batch computes: rows x its widest row (a shared prompt counted once)."""
+    return len(plan) * max(row_width(row, lengths, sharing) for row in plan)
 
 
-def split_across_ranks(plans: list[Plan], lengths: list[int], world_size: int) -> list[list[Plan | None]]:
+def split_across_ranks(plans: list[Plan], lengths: list[int], world_size: int,
+                       sharing: PromptGroups | None = None) -> list[list[Plan | None]]:
     """The micro-batches of ONE global-batch schedule dealt to `world_size` ranks, balanced by padded tokens.
 
     Longest-processing-time first: each micro-batch (largest first, ties in schedule order) goes to the rank with
@@ -117,10 +122,11 @@ def split_across_ranks(plans: list[Plan], lengths: list[int], world_size: int) -
     """
     shares: list[list[Plan | None]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    order = sorted(range(len(plans)), key=lambda k: -plan_cost(plans[k], lengths))
+    cost = [plan_cost(plan, lengths, sharing) for plan in plans]  # `sharing`: the layout's real positions
+    order = sorted(range(len(plans)), key=lambda k: -cost[k])
     for k in order:
         r = min(range(world_size), key=lambda q: (load[q], q))
         shares[r].append(plans[k])
-        load[r] += plan_cost(plans[k], lengths)
+        load[r] += cost[k]
     most = max(len(s) for s in shares)
     return [s + [None] * (most - len(s)) for s in shares]

@@ -30,8 +30,10 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # GAE returns, the critic's targets
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], pad_id: int, device: torch.device) -> "TrainBatch":
-        host = StepBatch(samples, pad_id)  # padded once, on the host
+    def from_samples(cls, samples: list[Sample], pad_id: int, device: torch.device,
+                     share_prompts: bool = False) -> "TrainBatch":
+        """`share_prompts`: samples with identical prompts compute them once (lichen.train.micro_batches)."""
+        host = StepBatch(samples, pad_id, share_prompts)  # padded once, on the host
         return cls(host=host, mask=host.resp_mask.to(device), rollout_log_probs=host.rollout_log_probs(device))
 
     @property
