@@ -164,7 +164,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sft-stop-accuracy", type=float, default=0.4, help="SFT stops at the first eval whose greedy "
                    "accuracy on the SFT-eval split reaches this (that step's checkpoint starts RL), so RL starts "
                    "from a partly-right model on every seed; an arm that never reaches it trains --sft-steps")
-    p.add_argument("--sft-eval-every", type=int, default=25, help="SFT-eval (and checkpoint) every N SFT steps")
+    p.add_argument("--sft-eval-every", type=int, default=5, help="SFT-eval (and checkpoint) every N SFT steps")
     p.add_argument("--sft-eval-problems", type=int, default=100, help="problems of the SFT-eval split (apart from "
                    "the training and held-out test problems)")
     p.add_argument("--sft-batch", type=int, default=32, help="problems per SFT step")
