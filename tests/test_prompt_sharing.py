@@ -28,8 +28,8 @@ def grouped_samples(vocab: int, *, prompts: int = 3, per_prompt: int = 4, seed: 
     def add(prompt: list[int], r: int, loss_mask=None) -> None:
         tokens = prompt + [rng.randrange(5, vocab) for _ in range(r)]
         out.append(Sample(tokens=tokens, response_length=r, reward=0.0, status=Status.COMPLETED,
-                          group_index=len(out) // per_prompt, index=len(out), rollout_log_probs=[-2.0] * r if rollout_lp else None,
-                          loss_mask=loss_mask))
+                          group_index=len(out) // per_prompt, index=len(out),
+                          rollout_log_probs=[-2.0] * r if rollout_lp else None, loss_mask=loss_mask))
 
     heads = [[rng.randrange(5, vocab) for _ in range(rng.randint(4, 8))] for _ in range(prompts)]
     for head in heads:

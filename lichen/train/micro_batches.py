@@ -28,10 +28,11 @@ class MicroBatch:
     """Rows of tokens for the model plus a [b, R] view of the b samples' response tokens.
 
     `resp_index[i, k]` is the flat position (into input_ids.flatten()) whose hidden state predicts response
-    token k of sample i (its row offset + prompt_length + k - 1); `resp_mask` is the loss mask (0 on padding and
-    on failed samples). A sample contributes every token but its last: the last token's hidden state predicts
-    nothing that is trained. `attn_mask` is None when every row holds one sample (plain causal attention), else
-    [rows, 1, T, T] bool, True where a query may attend to a key (same sample, key not after query).
+    token k of sample i (its row offset + prompt_length + k - 1; with a shared prompt, k = 0 is the prompt's last
+    position); `resp_mask` is the loss mask (0 on padding and on failed samples). A sample contributes every token
+    but its last: the last token's hidden state predicts nothing that is trained. `attn_mask` is None when every
+    row holds one sample (plain causal attention), else [rows, 1, T, T] bool, True where a query may attend to a
+    key (same segment and key not after query, or a response part's query and its shared prompt's key).
     """
 
     indices: list[int]  # positions of these samples in the step's flat sample list
