@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -277,8 +278,9 @@ def _gone(pid: int) -> bool:
 def test_launched_servers_die_with_their_parent(tiny_ckpt):
     """Ctrl-C (SIGINT), SIGTERM and even SIGKILL of the launching process take its servers down."""
     sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
-    parents = [subprocess.Popen([sys.executable, "-c", _LAUNCH_AND_WAIT, tiny_ckpt], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True) for _ in sigs]
+    errs = [tempfile.TemporaryFile(mode="w+") for _ in sigs]  # each parent's stderr, quoted if it hangs
+    parents = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _LAUNCH_AND_WAIT, tiny_ckpt],
+                                stdout=subprocess.PIPE, stderr=err, text=True) for err in errs]
     servers = []
     try:
         for p in parents:
@@ -288,16 +290,26 @@ def test_launched_servers_die_with_their_parent(tiny_ckpt):
         assert not any(_gone(pid) for pid in servers)
         for p, sig in zip(parents, sigs):
             p.send_signal(sig)
-        codes = [p.wait(60) for p in parents]
+        codes = []
+        for p, sig, err in zip(parents, sigs, errs):
+            try:  # generous: the parent's atexit stops its server with a 10 s grace, slow on a loaded machine
+                codes.append(p.wait(180))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGABRT)  # -X faulthandler prints every thread's stack
+                p.wait(30)
+                err.seek(0)
+                pytest.fail(f"the launcher did not exit within 180 s of {signal.Signals(sig).name}; its stderr:\n"
+                            f"{err.read()[-4000:]}")
         assert codes[1] == 128 + signal.SIGTERM and codes[2] == -signal.SIGKILL
         end = time.monotonic() + 30
         while not all(_gone(pid) for pid in servers) and time.monotonic() < end:
             time.sleep(0.1)
         assert [_gone(pid) for pid in servers] == [True, True, True]
     finally:
-        for p in parents:
+        for p, err in zip(parents, errs):
             if p.poll() is None:
                 p.kill()
+            err.close()
         for pid in servers:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
