@@ -16,7 +16,7 @@ from helpers.runs import base_args, dumped_samples, run  # noqa: E402
 def ray_4_gpus():
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     yield
     ray.shutdown()

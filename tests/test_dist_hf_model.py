@@ -105,7 +105,7 @@ def test_ray_runtime_two_ranks_hf_moe_with_router_loss(ckpts, addition_data, tmp
     """--runtime ray --actor-num-gpus-per-node 2 --model-impl hf: 2 FSDP2 trainer ranks of the MoE module and a
     lichen serve engine on the HF path, 2 steps with the router loss, synced weights, a sharded checkpoint."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
-    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     try:
         rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "o", "--model-impl", "hf",

@@ -121,7 +121,7 @@ def test_ray_run_with_lora(tiny_ckpt, addition_data, tmp_path):
 
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     try:
         rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--device", "cpu",

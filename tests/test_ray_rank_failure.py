@@ -31,7 +31,7 @@ def raise_on_rank_1(args, samples, *, rewards, mask, kl):
 
 @pytest.fixture(scope="module")
 def ray_2_gpus():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     yield
     ray.shutdown()

@@ -28,7 +28,7 @@ def ray_8_gpus():
     # there (--train-env-vars applies to the trainer's own process) would show up in every actor.
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:
         del os.environ[key]
-    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     yield
     ray.shutdown()

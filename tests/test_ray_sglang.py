@@ -55,7 +55,7 @@ def ray_with_fake_sglang(tmp_path_factory):
     fake = tmp_path_factory.mktemp("fake_sglang")
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAKE_SGLANG_DIR")}
     os.environ.update(write_fake_sglang(fake))
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     yield fake
     ray.shutdown()

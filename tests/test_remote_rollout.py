@@ -257,7 +257,13 @@ def test_servers_stop_when_the_run_raises(tiny_ckpt, addition_data, tmp_path, la
 
 
 _LAUNCH_AND_WAIT = """
-import sys, time
+import signal, sys, time
+# A user's shell starts lichen with Ctrl-C live. A pytest-xdist worker may hand its children SIGINT ignored or
+# blocked (CI at load 12 once saw a parent sleep through SIGINT): say what was inherited, then restore it.
+print("inherited SIGINT:", signal.getsignal(signal.SIGINT), "blocked:", signal.pthread_sigmask(signal.SIG_BLOCK, []),
+      file=sys.stderr, flush=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 from lichen.engines.launcher import EngineLauncher
 launcher = EngineLauncher(sys.argv[1], 1, server_args=["--num-threads", "1"])
 launcher.start()

@@ -26,7 +26,7 @@ def run_dir(tiny_ckpt, addition_data, tmp_path_factory) -> str:
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
     out = tmp_path_factory.mktemp("lanes")
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     try:
         with RewardServer() as rm:
