@@ -129,14 +129,11 @@ class TensorSync:
     def __init__(self, engines: Any, *, buffer_size: int, timeout_s: float = 600.0):
         self.engines, self.buffer_size, self.timeout_s = engines, int(buffer_size), timeout_s
 
-    def _bodies(self, views: list[tuple[str, torch.Tensor]], version: int) -> list[dict]:
-        infos = self.engines.server_infos()
-        bodies = []
-        for info in infos:
-            tp = max(1, int(info.get("tp_size") or 1))
-            bodies.append({"serialized_named_tensors": [serialize(views) for _ in range(tp)], "load_format": None,
-                           "flush_cache": False, "weight_version": str(version)})
-        return bodies
+    @staticmethod
+    def _bodies(views: list[tuple[str, torch.Tensor]], version: int, tp_sizes: list[int]) -> list[dict]:
+        """One request body per engine: an entry per TP rank, each its own serialization (its own reference)."""
+        return [{"serialized_named_tensors": [serialize(views) for _ in range(tp)], "load_format": None,
+                 "flush_cache": False, "weight_version": str(version)} for tp in tp_sizes]
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
         """Send the weights as version `version` in the engine dtype; returns metrics (bytes, buckets, seconds)."""
@@ -144,6 +141,8 @@ class TensorSync:
         admit = getattr(self.engines, "admit_restarted", None)
         if admit is not None:
             admit()
+        # one /server_info round per version, not per bucket: the engines' TP sizes do not change within a sync
+        tp_sizes = [max(1, int(info.get("tp_size") or 1)) for info in self.engines.server_infos()]
         sent = count = body_bytes = 0
         fill_s = 0.0
         with self.engines.paused():  # paused and flushed once for the whole version, as the broadcast
@@ -154,7 +153,7 @@ class TensorSync:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the engine reads the bytes through its own stream
                 fill_s += time.perf_counter() - f0
-                bodies = self._bodies(views, version)
+                bodies = self._bodies(views, version, tp_sizes)
                 body_bytes += sum(len(s) for b in bodies for s in b["serialized_named_tensors"])
                 self.engines.post_each("/update_weights_from_tensor", bodies, timeout=self.timeout_s)
                 del views, flat  # only now: every engine has copied the bucket out
