@@ -71,8 +71,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
 def peft_config(cfg: LoraConfig, names: list[str], stacked: list[str], base: str | None = None) -> PeftLoraConfig:
     """peft's config for the adapted `names`: Linear modules as target_modules, the stacked expert parameters among
     them (`stacked`) as target_parameters."""
-    params = [n for n in names if n in set(stacked)]
-    modules = [n for n in names if n not in set(stacked)]
+    is_param = set(stacked)
+    params = [n for n in names if n in is_param]
+    modules = [n for n in names if n not in is_param]
     return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
                           target_modules=modules or None, target_parameters=params or None,
                           task_type="CAUSAL_LM", base_model_name_or_path=base)
@@ -237,7 +238,6 @@ def save_exports(trainer, merged: dict[str, torch.Tensor], rollout_id: int, hf_c
             config = json.load(f)
         save_hf_checkpoint(merged, cfg.save_merged_hf.format(rollout_id=rollout_id), config=config,
                            copy_files_from=hf_checkpoint)
-
 
 
 def export_rank0(trainer, state: dict[str, torch.Tensor], directory: str, rollout_id: int,
