@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lichen.observe.metrics import get_logger
-from lichen.train.micro_batches import Plan
+from lichen.train.micro_batches import Plan, row_width
 
 log = get_logger(__name__)
 
@@ -59,15 +59,12 @@ class RouterAuxLoss:
         optimizer step's trained micro-batches, whose tokens are N."""
         if not self.active:
             return None
-        fill = [sum(lengths[i] for i in row) for row in plan]  # a row's samples are packed from position 0
+        fill = [row_width(row, lengths) for row in plan]  # a row's samples are packed from position 0 (the HF path
+        # shares no prompts, lichen.train.actor)
         width = max(fill)
         mask = torch.arange(width, device=device)[None] < torch.tensor(fill, device=device)[:, None]
         aux = model.router_aux_loss(mask)
         if aux is None:
             return None
-        total = sum(_tokens(mb, lengths) for mb in trained)
+        total = sum(row_width(row, lengths) for mb in trained for row in mb)
         return aux * (sum(fill) / total)
-
-
-def _tokens(plan: Plan, lengths: list[int]) -> int:
-    return sum(lengths[i] for row in plan for i in row)
