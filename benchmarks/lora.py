@@ -150,7 +150,10 @@ def _seed_row(seed: int, root: str, qs) -> tuple:
     out = os.path.join(root, "rl_lora")
     curve = qs.eval_curve(os.path.join(out, "metrics.jsonl"))
     wall_file = os.path.join(out, "wall_seconds.txt")
-    wall = float(open(wall_file).read()) if os.path.isfile(wall_file) else float("nan")
+    wall = float("nan")
+    if os.path.isfile(wall_file):
+        with open(wall_file) as f:
+            wall = float(f.read())
     return seed, full["sft_accuracy"], full["rl_accuracy"], curve[-1][1], full["seconds"]["rl"], wall
 
 

@@ -47,6 +47,8 @@ class TensorUpdate:
         version = body.get("weight_version")
         if version is not None:
             expect(version, (str,), "weight_version", "a string")
+        # checked, then nothing to do: lichen serve keeps no prefix cache between requests (/flush_cache only
+        # waits for running requests, and the sender pauses generation around the update)
         expect(body.get("flush_cache", True), (bool,), "flush_cache", "true or false")
         endpoints = server.weight_endpoints  # its lock: one weight transfer at a time
         async with endpoints._lock:
