@@ -17,6 +17,9 @@ and a non-finite value fails only its sample. A reward function with a `batch_co
 Synchronous verifiers run on daemon threads rather than `asyncio.to_thread`: a thread cannot be killed, and
 `asyncio.run` waits for the default executor's threads on exit, so a verifier hung in C code would hang the whole
 step. A timed-out call's thread is abandoned (it finishes or dies with the process); its late result is dropped.
+The daemon threads are reused across calls and batches (`_DaemonPool`): starting a thread per call was most of
+the cost of scoring a batch of cheap verifiers. A thread stuck in a hung call is never idle, so the pool starts a
+new one whenever no idle thread is free: hung calls cannot exhaust it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import inspect
 import logging
 import math
 import numbers
+import os
+import queue
 import threading
 import time
 from typing import Any, Awaitable, Callable, Union
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONCURRENCY = 16
 DEFAULT_TIMEOUT_S = 60.0
 CANCEL_GRACE_S = 5.0  # how long a timed-out async verifier may take to unwind after its cancellation
+POOL_IDLE_EXIT_S = 60.0  # an idle pooled verifier thread ends after this long without a call
 MAX_LOGGED_FAILURES = 20  # failures logged one line each per batch; the rest are counted
 # The trainer takes rewards as float32 and squares and sums them over a batch for group statistics; beyond 1e15
 # those overflow to inf (float32 tops out at 3.4e38) and every advantage of the batch turns nan. No verifier means
@@ -281,6 +287,59 @@ async def _call(fn: RewardFn, args: Any, payload: Any, is_async: bool) -> Any:
     return result
 
 
+class _DaemonPool:
+    """Daemon threads that run synchronous verifier calls, reused from call to call.
+
+    A call goes to an idle thread when there is one, else to a new thread: a thread stuck in a hung (abandoned)
+    call is not idle, so it is replaced rather than waited for. Idle threads end after POOL_IDLE_EXIT_S.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0  # threads waiting for a job, not yet promised one
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            # the job is queued under the lock, so a thread that gives up waiting sees it (see _work)
+            self._jobs.put(job)
+            if self._idle:
+                self._idle -= 1
+                return
+        threading.Thread(target=self._work, daemon=True, name="lichen-reward").start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=POOL_IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self._idle -= 1  # this thread was counted idle; it ends
+                        return
+                continue  # a job was promised to an idle thread just as this one timed out: take it
+            job()
+            with self._lock:
+                self._idle += 1
+
+    def idle_threads(self) -> int:
+        with self._lock:
+            return self._idle
+
+
+_POOL = _DaemonPool()
+
+
+def _new_pool_after_fork() -> None:
+    # a forked child has none of the parent's threads: its pool must not count them as idle
+    global _POOL
+    _POOL = _DaemonPool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_pool_after_fork)
+
+
 def _in_daemon_thread(fn: Callable[..., Any], *fn_args: Any) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
@@ -303,5 +362,5 @@ def _in_daemon_thread(fn: Callable[..., Any], *fn_args: Any) -> asyncio.Future:
         except RuntimeError:  # the loop closed while this call ran past its timeout: nobody is waiting
             pass
 
-    threading.Thread(target=target, daemon=True, name="lichen-reward").start()
+    _POOL.submit(target)
     return future
