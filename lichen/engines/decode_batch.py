@@ -10,8 +10,9 @@ come from each row's own position ids, so the slot a key sits in does not change
 
 Masked slots hold zeros, never uninitialised memory: a NaN there would survive the -inf mask (NaN * 0 = NaN).
 
-Rebuilding the cache (on a join, on growth, and when finished rows are dropped) copies its filled part once,
-about the cost of one decode step, so finished rows are only dropped once they are an eighth of the batch.
+Rebuilding the cache (on a join and on growth) copies its filled part once, about the cost of one decode step.
+Finished rows leave in place instead, at the step they finish: the last live rows move into their slots, so a
+drop copies one cache row per finished row (`_compact`).
 """
 
 from __future__ import annotations
@@ -302,8 +303,35 @@ class DecodeBatch:
         self.n_dead = sum(s.finish is not None for s in rows)
 
     def _compact(self) -> None:
-        live = [j for j, s in enumerate(self.rows) if s.finish is None]
-        self._rebuild([self._current_part(live)] if live else [])
+        """Drop the finished rows in place: the last live rows move into their slots and every tensor is cut to
+        the live count. Only as many cache rows are copied as rows finished (a rebuild copied every row into a
+        freshly allocated cache), so finished rows can leave at the very step they finish. Row order changes,
+        which nothing depends on: a row's noise is keyed by its own seed and step (sampler.row_noise)."""
+        n = len(self)
+        if not n:
+            self._reset()
+            return
+        holes = [j for j in range(n) if self.rows[j].finish is not None]
+        movers = [j for j in range(n, len(self.rows)) if self.rows[j].finish is None]
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        L = self.cache.length
+        if holes:
+            dev = self.key_valid.device
+            dst = torch.tensor(holes, dtype=torch.long, device=dev)
+            src = torch.tensor(movers, dtype=torch.long, device=dev)
+            for t in self.cache.k + self.cache.v:  # holes < n <= movers: sources and targets never overlap
+                filled = t[:, :, :L]
+                filled.index_copy_(0, dst, filled.index_select(0, src))
+        self.cache.k = [t[:n] for t in self.cache.k]
+        self.cache.v = [t[:n] for t in self.cache.v]
+        idx = torch.tensor(order, dtype=torch.long, device=self.key_valid.device)
+        for name in ("key_valid", "next_pos", "tokens", "logits", "temp", "top_p", "top_k", "seeds"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        self.rows = [self.rows[j] for j in order]
+        self.padded = not bool(self.key_valid[:, :L].all())
+        self.n_dead = 0
 
     # ---- stepping -----------------------------------------------------------------------------------------
     def _finish(self, s: Seq, reason: tuple, version: str) -> None:
@@ -349,7 +377,7 @@ class DecodeBatch:
         if not len(self):
             self._reset()
             return
-        if self.n_dead and self.n_dead * 8 >= len(self.rows):
+        if self.n_dead:  # cheap in place (see _compact): finished rows never take part in another forward
             self._compact()
         if self.cache.length >= self.cache.k[0].shape[2]:  # out of slots: rebuild with room for more
             self._rebuild([self._current_part()])
