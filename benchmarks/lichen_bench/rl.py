@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "20M parameters, 64 samples x up to 256 tokens of ragged length; both; smoke: a "
                         "seconds-long check of the harness itself (default: w1)")
     p.add_argument("--repeats", type=int, default=3, help="runs per framework; medians are over them (default: 3)")
-    p.add_argument("--steps", type=int, default=None, help="rollout steps per run (default: w1 20, w2 5)")
+    p.add_argument("--steps", type=int, default=None, help="rollout steps per run (default: w1 20, w2 8)")
     p.add_argument("--skip-trl", action="store_true", help="run lichen only (no TRL needed)")
     p.add_argument("--skip-limits", action="store_true",
                    help="skip the matmul / HF generate / lichen engine measurements")

@@ -56,7 +56,7 @@ WORKLOADS = {
                    group_size=8, max_new_tokens=8, lr=1e-4, steps=20, reward="addition", warm_start=True,
                    skip_variant=True),
     "w2": Workload("w2", hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, prompts_per_step=8,
-                   group_size=8, max_new_tokens=256, lr=1e-6, steps=5, reward="digit_fraction"),
+                   group_size=8, max_new_tokens=256, lr=1e-6, steps=8, reward="digit_fraction"),
     # seconds-long check of the harness plumbing (tests, first try on a new machine); not a benchmark
     "smoke": Workload("smoke", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, prompts_per_step=2,
                       group_size=2, max_new_tokens=4, lr=1e-4, steps=1, reward="addition", skip_variant=True),
