@@ -304,7 +304,7 @@ class DecodeBatch:
 
     def _compact(self) -> None:
         """Drop the finished rows in place: the last live rows move into their slots and every tensor is cut to
-        the live count. Only as many cache rows are copied as rows finished (a rebuild copied every row into a
+        the live count (and to the slots a live row uses). Only as many cache rows are copied as rows finished (a rebuild copied every row into a
         freshly allocated cache), so finished rows can leave at the very step they finish. Row order changes,
         which nothing depends on: a row's noise is keyed by its own seed and step (sampler.row_noise)."""
         n = len(self)
@@ -324,13 +324,19 @@ class DecodeBatch:
             for t in self.cache.k + self.cache.v:  # holes < n <= movers: sources and targets never overlap
                 filled = t[:, :, :L]
                 filled.index_copy_(0, dst, filled.index_select(0, src))
-        self.cache.k = [t[:n] for t in self.cache.k]
-        self.cache.v = [t[:n] for t in self.cache.v]
         idx = torch.tensor(order, dtype=torch.long, device=self.key_valid.device)
         for name in ("key_valid", "next_pos", "tokens", "logits", "temp", "top_p", "top_k", "seeds"):
             setattr(self, name, getattr(self, name).index_select(0, idx))
+        # Leading slots that only the dropped rows used (e.g. the longest prompt's) leave the view too, so
+        # attention stops reading them: a view of the same storage, nothing is copied.
+        used = self.key_valid[:, :L].any(0)
+        start = int(used.long().argmax()) if bool(used.any()) else 0
+        self.cache.k = [t[:n, :, start:] for t in self.cache.k]
+        self.cache.v = [t[:n, :, start:] for t in self.cache.v]
+        self.cache.length = L - start
+        self.key_valid = self.key_valid[:, start:]
         self.rows = [self.rows[j] for j in order]
-        self.padded = not bool(self.key_valid[:, :L].all())
+        self.padded = not bool(self.key_valid[:, :L - start].all())
         self.n_dead = 0
 
     # ---- stepping -----------------------------------------------------------------------------------------
