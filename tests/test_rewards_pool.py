@@ -89,3 +89,27 @@ def test_forked_child_scores_with_its_own_threads():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_thread_that_cannot_start_fails_only_its_call(monkeypatch):
+    """If no thread can be started, that call fails with the error, and it is not run later by another thread."""
+    monkeypatch.setattr(runner, "_POOL", runner._DaemonPool())  # no idle threads: the call needs a new one
+    calls: list[int] = []
+
+    def fn(args, sample):
+        calls.append(sample.index)
+        return 1.0
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(runner.threading.Thread, "start", refuse)
+        first = samples(1)
+        stats = score_samples(first, fn, None, timeout=DEADLINE_S)
+    assert stats["num_failed"] == 1
+    assert first[0].metadata["reward_error"] == "RuntimeError: can't start new thread"
+    later = [Sample(index=7, group_index=7, response="7")]
+    stats = score_samples(later, fn, None, timeout=DEADLINE_S)
+    assert stats["num_failed"] == 0
+    assert calls == [7]  # the refused call never ran

@@ -301,26 +301,30 @@ class _DaemonPool:
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
-            # the job is queued under the lock, so a thread that gives up waiting sees it (see _work)
-            self._jobs.put(job)
             if self._idle:
                 self._idle -= 1
+                # queued under the lock, so a thread that gives up waiting just now sees it (see _work)
+                self._jobs.put(job)
                 return
-        threading.Thread(target=self._work, daemon=True, name="lichen-reward").start()
+        # a new thread starts with this job in hand: if it cannot start, the error is this call's, as it was
+        # before the pool, and no queued job is left to run later
+        threading.Thread(target=self._work, args=(job,), daemon=True, name="lichen-reward").start()
 
-    def _work(self) -> None:
+    def _work(self, job: Callable[[], None]) -> None:
         while True:
-            try:
-                job = self._jobs.get(timeout=POOL_IDLE_EXIT_S)
-            except queue.Empty:
-                with self._lock:
-                    if self._jobs.empty():
-                        self._idle -= 1  # this thread was counted idle; it ends
-                        return
-                continue  # a job was promised to an idle thread just as this one timed out: take it
             job()
             with self._lock:
                 self._idle += 1
+            while True:
+                try:
+                    job = self._jobs.get(timeout=POOL_IDLE_EXIT_S)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if self._jobs.empty():
+                            self._idle -= 1  # this thread was counted idle; it ends
+                            return
+                    # a job was promised to an idle thread just as this one timed out: take it
 
     def idle_threads(self) -> int:
         with self._lock:
