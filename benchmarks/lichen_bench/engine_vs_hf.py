@@ -11,6 +11,7 @@ the commit before a change) in the same process, so old and new code see the sam
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_gen._lichen_generate(engines[name], tok, prompts, wl, a.seed + r, lengths)
             times[name].append(time.thread_time() - c)
             print(f"round {r + 1} {name}: {times[name][-1]:.2f} CPU-s", flush=True)
-    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
     for name, t in median.items():
         ratio = median["HF generate"] / t
         print(f"{name}: median {t:.2f} CPU-s, {useful / t:.1f} useful tok/s, {ratio:.2f}x HF generate")

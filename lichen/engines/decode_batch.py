@@ -303,14 +303,12 @@ class DecodeBatch:
         self.n_dead = sum(s.finish is not None for s in rows)
 
     def _compact(self) -> None:
-        """Drop the finished rows in place: the last live rows move into their slots and every tensor is cut to
-        the live count (and to the slots a live row uses). Only as many cache rows are copied as rows finished (a rebuild copied every row into a
-        freshly allocated cache), so finished rows can leave at the very step they finish. Row order changes,
-        which nothing depends on: a row's noise is keyed by its own seed and step (sampler.row_noise)."""
+        """Drop the finished rows in place (callers keep at least one live row): the last live rows move into
+        their slots and every tensor is cut to the live count (and to the slots a live row uses). Only as many
+        cache rows are copied as rows finished (a rebuild copied every row into a freshly allocated cache), so
+        finished rows can leave at the very step they finish. Row order changes, which nothing depends on: a
+        row's noise is keyed by its own seed and step (sampler.row_noise)."""
         n = len(self)
-        if not n:
-            self._reset()
-            return
         holes = [j for j in range(n) if self.rows[j].finish is not None]
         movers = [j for j in range(n, len(self.rows)) if self.rows[j].finish is None]
         order = list(range(n))
@@ -379,7 +377,7 @@ class DecodeBatch:
         return finished
 
     def _advance(self) -> None:
-        """Drop finished rows when worth it, then run the decode forward that gives every row its next logits."""
+        """Drop finished rows, then run the decode forward that gives every row its next logits."""
         if not len(self):
             self._reset()
             return
@@ -401,7 +399,7 @@ class DecodeBatch:
                 self.n_dead += 1
         if not len(self):
             self._reset()
-        elif self.n_dead * 8 >= len(self.rows):
+        elif self.n_dead:  # the same in-place drop as every step's (_advance)
             self._compact()
 
     def retract(self) -> list[Seq]:

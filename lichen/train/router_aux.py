@@ -59,8 +59,8 @@ class RouterAuxLoss:
         optimizer step's trained micro-batches, whose tokens are N."""
         if not self.active:
             return None
-        fill = [row_width(row, lengths) for row in plan]  # a row's samples are packed from position 0 (the HF path
-        # shares no prompts, lichen.train.actor)
+        # a row's samples are packed from position 0 (the HF path shares no prompts, lichen.train.actor)
+        fill = [row_width(row, lengths) for row in plan]
         width = max(fill)
         mask = torch.arange(width, device=device)[None] < torch.tensor(fill, device=device)[:, None]
         aux = model.router_aux_loss(mask)
