@@ -5,6 +5,7 @@ exactly the engine's, with the tool turn masked, and the sessions stay apart."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -26,8 +27,9 @@ class ScriptedEngine:
     `<|endoftext|>` spelled out in characters: text that re-encodes to other tokens (one special token), so only
     a proxy that keeps the engine's tokens continues the trajectory exactly."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, spell_out: bool = True):
         self.tok, self.im_end = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.spell_out = spell_out  # False: every reply is the canonical encoding of its text
         self.calls: list[tuple[str, list[int], list[int]]] = []
 
     async def agenerate(self, r, session_id=None):
@@ -39,25 +41,33 @@ class ScriptedEngine:
         else:
             reply = '<tool_call>{"name": "add", "arguments": {"a": ' + str(n) + ', "b": 10}}</tool_call>'
         ids = list(self.tok.encode(reply, add_special_tokens=False)) + [self.im_end]
-        if not reply.startswith("it is"):
+        if self.spell_out and not reply.startswith("it is"):
             ids = [self.tok.convert_tokens_to_ids(c) for c in "<|endoftext|>"] + ids
         self.calls.append((session_id, list(r.input_ids), ids))
         return GenResult(ids, [-0.5 - 0.01 * k for k in range(len(ids))], "stop", len(r.input_ids), "3")
+
+
+@contextlib.contextmanager
+def serving(p: AgentProxy):
+    """`p` started on an event loop of its own thread (the SDK's blocking client calls it from the test)."""
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    asyncio.run_coroutine_threadsafe(p.start(), loop).result(30)
+    try:
+        yield p
+    finally:
+        asyncio.run_coroutine_threadsafe(p.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(30)
 
 
 @pytest.fixture
 def proxy(tiny_ckpt):
     tok = load_tokenizer(tiny_ckpt)
     engine = ScriptedEngine(tok)
-    p = AgentProxy(engine, tok)
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-    asyncio.run_coroutine_threadsafe(p.start(), loop).result(30)
-    yield p, engine, tok
-    asyncio.run_coroutine_threadsafe(p.stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    th.join(30)
+    with serving(AgentProxy(engine, tok)) as p:
+        yield p, engine, tok
 
 
 def agent(client: openai.OpenAI, number: str, out: dict, stream: bool = False) -> None:

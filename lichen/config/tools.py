@@ -44,8 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--check-token-fidelity",
         action="store_true",
-        help="compare each turn of a tool-rollout trajectory with apply_chat_template of its conversation; the first "
-        "mismatching token goes to the sample's metadata['token_fidelity'] and the log (default: off)",
+        help="compare each turn of a tool-rollout trajectory (and each sample of an --agent-function-path session) "
+        "with apply_chat_template of its conversation; the first mismatching token goes to the sample's "
+        "metadata['token_fidelity'] and the log (default: off)",
     )
 
 

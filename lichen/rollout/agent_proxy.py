@@ -14,11 +14,15 @@ log-probs) and whose other tokens (tool results, templates) have loss mask 0.
     await proxy.start()                          # on the loop the engine's agenerate runs on; proxy.url
     ... the agent calls OpenAI(base_url=proxy.session_url("traj-0"), api_key="none") ...
     samples = proxy.samples("traj-0")            # one Sample per token-continuous chain of requests
+
+With `check_fidelity=True` each Sample also gets `metadata["token_fidelity"]`: None, or the first token where it
+differs from apply_chat_template of its conversation (see `AgentProxy.fidelity`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +33,11 @@ from lichen.engines.chat_tools import tool_mode
 from lichen.engines.engine import GenRequest
 from lichen.engines.protocol import RequestError
 from lichen.engines.tool_parsers import ToolCallParser, load_parser
+from lichen.rollout.tool_rollout import first_mismatch
 from lichen.rollout.trajectory import Trajectory
 from lichen.types import Sample, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +48,8 @@ class Turn:
     finish_reason: str
     weight_version: str
     engine: str = ""  # the server that generated it
+    messages: list[dict] = field(default_factory=list)  # the request's messages, as the agent sent them
+    text: str = ""  # the prompt the proxy rendered from them (apply_chat_template, its own replies as raw text)
 
 
 @dataclass
@@ -54,6 +63,12 @@ def _message_key(content: Any, calls: Any) -> str:
     return json.dumps([content or "", ids])
 
 
+def _continues(earlier: list[dict], later: list[dict]) -> bool:
+    """Whether `later` is the conversation of `earlier` gone on: its messages, then an assistant reply."""
+    n = len(earlier)
+    return len(later) > n and later[:n] == earlier and later[n].get("role") == "assistant"
+
+
 def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
                              status=status)
@@ -61,8 +76,9 @@ def _error(message: str, status: int = 400) -> web.Response:
 
 class AgentProxy:
     def __init__(self, engine: Any, tokenizer: Any, *, parser: ToolCallParser | None = None,
-                 max_new_tokens: int = 1024, model_name: str = "lichen-policy"):
+                 max_new_tokens: int = 1024, model_name: str = "lichen-policy", check_fidelity: bool = False):
         self.engine, self.tok = engine, tokenizer
+        self.check_fidelity = check_fidelity
         self.parser = parser or load_parser("hermes")
         self.max_new_tokens, self.model_name = max_new_tokens, model_name
         self.sessions: dict[str, Session] = {}
@@ -90,7 +106,7 @@ class AgentProxy:
         return f"{self.url}/sessions/{session_id}/v1"
 
     # ---- one request -----------------------------------------------------------------------------------------
-    def _prompt_ids(self, session: Session, body: dict, tools: list[dict] | None) -> list[int]:
+    def _render(self, session: Session, body: dict, tools: list[dict] | None) -> str:
         messages = []
         for m in body["messages"]:
             if m.get("role") == "assistant":
@@ -99,14 +115,16 @@ class AgentProxy:
                     m = {"role": "assistant", "content": raw}
             messages.append(m)
         kwargs = {"tools": tools} if tools else {}
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+    def _prompt_ids(self, session: Session, text: str) -> list[int]:
         if session.turns:  # continue the last turn's exact tokens when the text extends it
             last = session.turns[-1]
             history = last.prompt_ids + last.output_ids
             done = self.tok.decode(history, skip_special_tokens=False)
             if text.startswith(done):
-                return history + list(self.tok.encode(text[len(done):], add_special_tokens=False))
-        return list(self.tok.encode(text, add_special_tokens=False))
+                return history + self._encode(text[len(done):])
+        return self._encode(text)
 
     async def _chat(self, request: web.Request) -> web.Response:
         sid = request.match_info.get("sid") or request.headers.get("X-Session-Id")
@@ -123,13 +141,14 @@ class AgentProxy:
         except RequestError as e:
             return _error(e.message, e.status)
         session = self.sessions.setdefault(sid, Session())
-        ids = self._prompt_ids(session, body, tools)
+        text = self._render(session, body, tools)
+        ids = self._prompt_ids(session, text)
         req = GenRequest(input_ids=ids, max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
                          temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                          seed=int(body.get("seed") or uuid.uuid4().int % 2**31))
         res = await self.engine.agenerate(req, sid)
         session.turns.append(Turn(ids, list(res.output_ids), list(res.output_logprobs), res.finish_reason,
-                                  res.weight_version, res.engine))
+                                  res.weight_version, res.engine, body["messages"], text))
         text = self.tok.decode(res.output_ids, skip_special_tokens=True)
         content, calls = text, None
         if parse:
@@ -174,28 +193,53 @@ class AgentProxy:
     def samples(self, session_id: str) -> list[Sample]:
         """The session's requests as Samples: a request whose prompt extends the current chain's tokens continues
         it (the new prompt tokens with loss mask 0, the output with mask 1), any other starts a new Sample."""
-        out: list[Sample] = []
-        chain: tuple[list[int], Trajectory, Turn] | None = None
-        for turn in self.sessions.get(session_id, Session()).turns:
-            if chain is not None:
-                prompt, traj, _ = chain
-                have = prompt + traj.tokens
+        turns = self.sessions.get(session_id, Session()).turns
+        chains: list[list[int]] = []  # indices into `turns`, one list per Sample
+        for k, turn in enumerate(turns):
+            if chains:
+                last = turns[chains[-1][-1]]
+                have = last.prompt_ids + last.output_ids
                 if turn.prompt_ids[:len(have)] == have:
-                    traj.add_context(turn.prompt_ids[len(have):])
-                    traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version, turn.engine)
-                    chain = (prompt, traj, turn)
+                    chains[-1].append(k)
                     continue
-                out.append(self._sample(session_id, chain, len(out)))
-            traj = Trajectory()
-            traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version, turn.engine)
-            chain = (list(turn.prompt_ids), traj, turn)
-        if chain is not None:
-            out.append(self._sample(session_id, chain, len(out)))
-        return out
+            chains.append([k])
+        return [self._sample(session_id, turns, chain, c) for c, chain in enumerate(chains)]
 
-    def _sample(self, session_id: str, chain: tuple[list[int], Trajectory, Turn], k: int) -> Sample:
-        prompt, traj, last = chain
+    def _sample(self, session_id: str, turns: list[Turn], chain: list[int], c: int) -> Sample:
+        first, last = turns[chain[0]], turns[chain[-1]]
+        traj = Trajectory()
+        have = len(first.prompt_ids)
+        for k in chain:
+            turn = turns[k]
+            traj.add_context(turn.prompt_ids[have:])
+            traj.add_policy(turn.output_ids, turn.logprobs, turn.weight_version, turn.engine)
+            have = len(turn.prompt_ids) + len(turn.output_ids)
         status = Status.COMPLETED if last.finish_reason == "stop" else Status.TRUNCATED
-        sample = traj.fill(Sample(prompt=self.tok.decode(prompt)), self.tok, prompt, status)
-        sample.metadata.update(session=session_id, chain=k)
+        sample = traj.fill(Sample(prompt=self.tok.decode(first.prompt_ids)), self.tok, list(first.prompt_ids), status)
+        sample.metadata.update(session=session_id, chain=c)
+        if self.check_fidelity:
+            fidelity = sample.metadata["token_fidelity"] = self.fidelity(turns, chain[-1])
+            if fidelity is not None:
+                log.warning("agent proxy: session %s chain %d differs from apply_chat_template of its conversation "
+                            "at token %d (trained %s, template %s)", session_id, c, fidelity["position"],
+                            fidelity["trained"], fidelity["template"])
         return sample
+
+    def fidelity(self, turns: list[Turn], k: int) -> dict | None:
+        """The token check of the chain that ends with request `k` (tool_rollout.first_mismatch's answer).
+
+        A chain's tokens are its last request's prompt + output. They are compared with apply_chat_template of
+        that request's conversation (its messages, with the proxy's own replies as the raw text it generated, as
+        prompts are rendered) + its output. When a later request of the session went on with that conversation
+        (its messages are the chain's last request's and a reply) but could not continue the tokens, e.g. because
+        the agent sent the reply back re-formatted, that request's conversation is the reference (over the chain's
+        length): the first token where the agent's version of the conversation departs from what is trained."""
+        last = turns[k]
+        trained = last.prompt_ids + last.output_ids
+        later = next((t for t in turns[k + 1:] if _continues(last.messages, t.messages)), None)
+        if later is not None:
+            return first_mismatch(trained, self._encode(later.text)[:len(trained)])
+        return first_mismatch(trained, self._encode(last.text) + last.output_ids)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))

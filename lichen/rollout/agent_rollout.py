@@ -11,6 +11,7 @@ several chains all join the prompt's group). The agent's requests are sampled wi
 (--rollout-temperature, top-p, top-k, and a seed derived from the sample's, one per request), whatever the agent
 asks for, so log-probs follow the training convention; each request generates at most the sample's response
 budget (--rollout-max-response-len). Use the async client: a blocking call would stall every other trajectory.
+With --check-token-fidelity each Sample gets metadata["token_fidelity"] (AgentProxy.fidelity).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sam
     cfg = ToolConfig.from_args(args)
     agent = load_function(cfg.agent_path, FLAG)
     proxy = AgentProxy(_RolloutEngine(current()), current().tokenizer,
-                       parser=load_parser(cfg.parser, "--tool-call-parser"))
+                       parser=load_parser(cfg.parser, "--tool-call-parser"), check_fidelity=cfg.check_fidelity)
     await proxy.start()  # one per trajectory: its sessions and sockets end with it
     sid = f"sample{sample.index}"
     proxy.engine.params[sid] = sampling_params
