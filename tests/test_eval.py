@@ -11,7 +11,8 @@ import pytest
 
 from lichen.config import parse_train_args
 from lichen.errors import ConfigError
-from lichen.rollout.eval import eval_metrics, pass_at_k, pass_k_values
+from lichen.rollout.eval import eval_metrics, pass_at_k, pass_k_values, tool_use_metrics
+from lichen.rollout.manager import rollout_metrics
 from lichen.types import Sample, Status
 
 # ---------------------------------------------------------------------------------------------- pass@k
@@ -67,6 +68,27 @@ def test_eval_metrics_hand_checked():
     assert m["pass@2"] == pytest.approx((1 - 1 / 6 + 0) / 2)  # 1 - C(2,2)/C(4,2)
     assert m["pass@4"] == pytest.approx(0.5)
     assert "pass@3" not in m and "pass@8" not in m
+
+
+def test_tool_use_metrics_hand_checked():
+    def traj(calls: int, turns: int, fidelity=None, checked: bool = True) -> Sample:
+        s = make(1.0)
+        s.metadata = {"tool_calls": [{"name": "calc"}] * calls, "turns": turns}
+        if checked:
+            s.metadata["token_fidelity"] = fidelity
+        return s
+
+    plain = make(1.0)  # not a tool trajectory (e.g. another data set's sample): not counted
+    samples = [traj(0, 1), traj(2, 3, {"position": 7}), traj(1, 2), traj(1, 2, checked=False), plain]
+    m = tool_use_metrics(samples)
+    assert m == {"tool_call_ratio": 3 / 4, "tool_calls_mean": 1.0, "turns_mean": 2.0,
+                 "token_fidelity_mismatch_ratio": 1 / 3}
+    assert tool_use_metrics([plain, make(0.0)]) == {}  # no tool rollout: no tool metric
+    assert tool_use_metrics([traj(1, 2, checked=False)]) == {"tool_call_ratio": 1.0, "tool_calls_mean": 1.0,
+                                                             "turns_mean": 2.0}
+    assert eval_metrics([samples[:2], samples[2:4]], None)["tool_call_ratio"] == 3 / 4
+    assert rollout_metrics([samples], None)["rollout/tool_calls_mean"] == 1.0
+    assert "rollout/tool_call_ratio" not in rollout_metrics([[plain]], None)
 
 
 def test_eval_metrics_against_brute_force_random():

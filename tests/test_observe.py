@@ -190,6 +190,8 @@ def test_format_step_line_partial():
     assert format_step_line(4, {"rollout/reward_mean": 1, "time/train": 250.4, "train/loss": None}) == (
         "step 5 | reward 1.000 | train 250s")
     assert format_step_line(0, {"train/ppo_kl": float("nan"), "num_rollout": 1}) == "step 1/1 | ppo_kl nan"
+    assert format_step_line(0, {"rollout/response_length_mean": 20.25, "rollout/tool_call_ratio": 0.3}) == (
+        "step 1 | resp_len 20.2 | tool_calls 0.30")
 
 
 def test_get_logger_format_and_single_handler(capsys):

@@ -190,6 +190,7 @@ def read_metrics(path: str) -> list[dict]:
 _STEP_FIELDS = (
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/response_length_mean", "resp_len", "{:.1f}"),
+    ("rollout/tool_call_ratio", "tool_calls", "{:.2f}"),  # share of trajectories that called a tool
     ("train/loss", "loss", "{:.3f}"),
     ("train/pg_clipfrac", "clipfrac", "{:.3f}"),
     ("train/ppo_kl", "ppo_kl", "{:.1e}"),

@@ -7,7 +7,9 @@ Metrics of one data set (groups = the samples of each prompt), logged as `eval/<
   among its first n; a sample is correct when it did not fail and its scalar reward is exactly 1, as slime:
   partial credit such as a code pass fraction of 0.5 is not a pass);
 - truncated_ratio: share of samples cut by the response-length limit;
-- response_length_mean, num_failed, num_samples, num_prompts.
+- response_length_mean, num_failed, num_samples, num_prompts;
+- of multi-turn tool trajectories (`tool_use_metrics`, also logged as `rollout/<metric>`): tool_call_ratio,
+  tool_calls_mean, turns_mean and, when --check-token-fidelity ran, token_fidelity_mismatch_ratio.
 """
 
 from __future__ import annotations
@@ -57,10 +59,29 @@ def eval_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
         "num_samples": len(samples),
         "num_prompts": len(groups),
     }
+    out.update(tool_use_metrics(samples))
     n = min(len(g) for g in groups) if groups else 0
     for k in pass_k_values(n):
         vals = [pass_at_k(n, sum(is_correct(s, reward_key) for s in g[:n]), k) for g in groups]
         out[f"pass@{k}"] = sum(vals) / len(vals)
+    return out
+
+
+def tool_use_metrics(samples: list[Sample]) -> dict:
+    """Over the samples a tool rollout made (those with metadata["tool_calls"]; none: no metric): the share that
+    called a tool at least once, the mean number of calls and of engine turns per sample, and the share whose token
+    history differs from apply_chat_template of their conversation (only when the fidelity check ran). Whether a
+    policy learns to use its tools is what agentic RL is about, so the rate is logged at every step and eval."""
+    traj = [s for s in samples if isinstance((s.metadata or {}).get("tool_calls"), list)]
+    if not traj:
+        return {}
+    n = len(traj)
+    out = {"tool_call_ratio": sum(bool(s.metadata["tool_calls"]) for s in traj) / n,
+           "tool_calls_mean": sum(len(s.metadata["tool_calls"]) for s in traj) / n,
+           "turns_mean": sum(s.metadata.get("turns") or 0 for s in traj) / n}
+    checked = [s for s in traj if "token_fidelity" in s.metadata]
+    if checked:
+        out["token_fidelity_mismatch_ratio"] = sum(s.metadata["token_fidelity"] is not None for s in checked) / len(checked)
     return out
 
 

@@ -27,7 +27,7 @@ from lichen.rollout.abort_surplus import can_abort
 from lichen.rollout.base_types import RolloutFn
 from lichen.rollout.context import RolloutContext, active
 from lichen.rollout.data_source import RolloutDataSource
-from lichen.rollout.eval import build_eval_reward_fns, eval_output_metrics, load_eval_sets
+from lichen.rollout.eval import build_eval_reward_fns, eval_output_metrics, load_eval_sets, tool_use_metrics
 from lichen.rollout.generate import generate_rollout
 from lichen.rollout.partial import require_abortable
 from lichen.torch_files import load_plain, save_plain, to_plain
@@ -50,6 +50,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
         "rollout/num_failed": len(samples) - len(ok),
         "rollout/num_samples": len(samples),
     }
+    metrics.update({f"rollout/{k}": v for k, v in tool_use_metrics(samples).items()})
     scored = [s for s in ok if s.reward is not None]
     if scored or not ok:  # rollouts of supervised data (rollout.sft) carry no reward: no reward metric
         metrics["rollout/reward_mean"] = sum(s.scalar_reward(reward_key) for s in scored) / max(len(scored), 1)
