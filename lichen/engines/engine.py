@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -159,9 +159,11 @@ class Engine:
             return HFDecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
         return DecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
 
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+    def generate(self, requests: list[GenRequest],
+                 on_step: Callable[[list[Seq]], None] | None = None) -> list[GenResult]:
         """Results are returned in request order. At most `max_batch_size` sequences decode at once; when rows
-        finish, the next requests (in order) take their place."""
+        finish, the next requests (in order) take their place. `on_step(seqs)` (one Seq per request, in order) is
+        called after every decode step, for streaming; it must not change them."""
         if not requests:
             return []
         if any(not r.input_ids for r in requests):
@@ -181,5 +183,7 @@ class Engine:
             if pending and free > 0 and (not len(batch) or free * 8 >= limit):
                 batch.add([pending.popleft() for _ in range(min(free, len(pending)))], self.weight_version)
             batch.step(self.weight_version)
+            if on_step is not None:
+                on_step(seqs)
         return [GenResult(s.output_ids, s.output_logprobs, s.finish[0], len(s.input_ids),
                           s.finish_version or self.weight_version) for s in seqs]

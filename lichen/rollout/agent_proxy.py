@@ -2,9 +2,10 @@
 code (anything built on the `openai` SDK) drives during a rollout, while lichen records every request's prompt
 tokens, output tokens and log-probs per session and turns them into Samples (docs/agentic.md#agent-proxy).
 
-Non-streaming and streaming requests are served (a stream sends the finished reply as chunks). Sessions are
-keyed by a per-trajectory base URL `http://HOST:PORT/sessions/<id>/v1` or by the header
-`X-Session-Id` on `http://HOST:PORT/v1`; each session's requests are recorded apart. Token fidelity across turns:
+Non-streaming and streaming requests are served (a stream follows the generation when the engine has
+`agenerate_stream`: lichen/rollout/agent_proxy_stream.py). Sessions are keyed by a per-trajectory base URL
+`http://HOST:PORT/sessions/<id>/v1` or by the header `X-Session-Id` on `http://HOST:PORT/v1`; each session's
+requests are recorded apart. Token fidelity across turns:
 an assistant message the proxy itself returned is rendered back as the raw text it generated, and a prompt whose
 text extends the session's last prompt + output reuses those tokens (only the new suffix is encoded), so a
 multi-turn conversation becomes one Sample whose policy tokens are exactly the engine's (loss mask 1, their
@@ -30,9 +31,10 @@ from typing import Any
 from aiohttp import web
 
 from lichen.engines.chat_tools import tool_mode
-from lichen.engines.engine import GenRequest
+from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.protocol import RequestError
 from lichen.engines.tool_parsers import ToolCallParser, load_parser
+from lichen.rollout.agent_proxy_stream import ReplyStream, generation, token_logprobs
 from lichen.rollout.tool_rollout import first_mismatch
 from lichen.rollout.trajectory import Trajectory
 from lichen.types import Sample, Status
@@ -146,48 +148,42 @@ class AgentProxy:
         req = GenRequest(input_ids=ids, max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
                          temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                          seed=int(body.get("seed") or uuid.uuid4().int % 2**31))
+        turn = Turn(ids, [], [], "", "", "", body["messages"], text)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.get("stream"):
+            reply = ReplyStream(self.tok, self.parser if parse else None, logprobs=bool(body.get("logprobs")),
+                                cid=cid, model=self.model_name)
+            resp = await reply.run(request, generation(self.engine, req, sid))
+            if reply.result is not None:  # the whole reply reached the client
+                self._record(session, turn, reply.result, reply.content, reply.calls or None)
+            return resp
         res = await self.engine.agenerate(req, sid)
-        session.turns.append(Turn(ids, list(res.output_ids), list(res.output_logprobs), res.finish_reason,
-                                  res.weight_version, res.engine, body["messages"], text))
-        text = self.tok.decode(res.output_ids, skip_special_tokens=True)
-        content, calls = text, None
+        content = self.tok.decode(res.output_ids, skip_special_tokens=True)
+        calls = None
         if parse:
-            parsed = self.parser.parse(text)
+            parsed = self.parser.parse(content)
             content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
-        session.raw[_message_key(content, calls)] = text
+        self._record(session, turn, res, content, calls)
         reason = "tool_calls" if calls and res.finish_reason == "stop" else res.finish_reason
         lps = None
         if body.get("logprobs"):
-            lps = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                               for t, lp in zip(res.output_ids, res.output_logprobs)]}
+            lps = {"content": token_logprobs(self.tok, res.output_ids, res.output_logprobs)}
         n = len(res.output_ids)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.get("stream"):
-            return await self._stream(request, cid, content, calls, lps, reason)
         return web.json_response({
             "id": cid, "object": "chat.completion", "created": 0, "model": self.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                          "logprobs": lps, "finish_reason": reason}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}})
 
-    async def _stream(self, request: web.Request, cid: str, content: str | None, calls: list | None,
-                      lps: dict | None, reason: str) -> web.StreamResponse:
-        """The finished reply as SSE chunks (the engine call is not incremental): role, content with the log-probs,
-        one delta per tool call, the finish reason, [DONE]."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        deltas = [{"role": "assistant", "content": ""}]
-        if content:
-            deltas.append({"content": content})
-        deltas += [{"tool_calls": [{"index": k, **c}]} for k, c in enumerate(calls or [])]
-        for k, delta in enumerate(deltas + [{}]):
-            last = k == len(deltas)
-            chunk = {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": self.model_name,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": lps if k == 1 else None,
-                                  "finish_reason": reason if last else None}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+    def _record(self, session: Session, turn: Turn, res: GenResult, content: str | None,
+                calls: list[dict] | None) -> None:
+        """The request's turn, once its reply reached the client; `content` and `calls` as the client got them
+        (the key under which the raw text is rendered back when the agent returns the message)."""
+        turn.output_ids, turn.logprobs, turn.finish_reason = list(res.output_ids), list(res.output_logprobs), \
+            res.finish_reason
+        turn.weight_version, turn.engine = res.weight_version, res.engine
+        session.turns.append(turn)
+        session.raw[_message_key(content, calls)] = self.tok.decode(res.output_ids, skip_special_tokens=True)
 
     # ---- samples ---------------------------------------------------------------------------------------------
     def samples(self, session_id: str) -> list[Sample]:

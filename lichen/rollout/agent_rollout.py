@@ -16,14 +16,17 @@ With --check-token-fidelity each Sample gets metadata["token_fidelity"] (AgentPr
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, AsyncIterator
 
 from lichen.config.tool_config import ToolConfig
+from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.sampler import derive_seed
 from lichen.engines.tool_parsers import load_parser
 from lichen.plugins import load_function
 from lichen.rollout.agent_proxy import AgentProxy
-from lichen.rollout.custom_generate import GenerateContext, current
+from lichen.rollout.agent_proxy_stream import generation
+from lichen.rollout.custom_generate import GenerateContext, current, request_from_params
 from lichen.types import Sample, Status
 
 FLAG = "--agent-function-path"
@@ -37,13 +40,22 @@ class _RolloutEngine:
         self.params: dict[str, dict] = {}  # session -> the sample's sampling_params
         self.count: dict[str, int] = {}
 
-    async def agenerate(self, request, session_id=None):
+    def _request(self, request: GenRequest, session_id: str) -> GenRequest:
         params = self.params[session_id]
         k = self.count[session_id] = self.count.get(session_id, 0) + 1
         seed = int(params["sampling_seed"])
-        return await self.ctx.generate(request.input_ids, {
+        return request_from_params(request.input_ids, {
             **params, "max_new_tokens": max(1, min(request.max_new_tokens, int(params["max_new_tokens"]))),
-            "sampling_seed": seed if k == 1 else derive_seed(seed, k - 1)}, session_id=session_id)
+            "sampling_seed": seed if k == 1 else derive_seed(seed, k - 1)})
+
+    async def agenerate(self, request: GenRequest, session_id: str | None = None) -> GenResult:
+        return await self.ctx.engine.agenerate(self._request(request, session_id), session_id)
+
+    async def agenerate_stream(self, request: GenRequest, session_id: str | None = None) -> AsyncIterator[GenResult]:
+        async with contextlib.aclosing(generation(self.ctx.engine, self._request(request, session_id),
+                                                  session_id)) as results:
+            async for res in results:
+                yield res
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sample]:

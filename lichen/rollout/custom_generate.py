@@ -32,7 +32,7 @@ import contextvars
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from lichen.aio import gather_or_cancel
 from lichen.engines.engine import GenRequest, GenResult
@@ -104,36 +104,77 @@ def request_from_params(input_ids: list[int], sampling_params: dict) -> GenReque
 
 class BatchingEngine:
     """The in-process `Engine` behind an async `agenerate`: calls made while a batch runs are gathered and run
-    as the next `Engine.generate` batch in a worker thread (one batch at a time; the engine is not re-entrant)."""
+    as the next `Engine.generate` batch in a worker thread (one batch at a time; the engine is not re-entrant).
+    `agenerate_stream` yields the generation as it grows (from `Engine.generate`'s `on_step`)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
-        self._queue: list[tuple[GenRequest, asyncio.Future]] = []
+        # each request's queue gets (new ids, their log-probs) per step when it streams, then its GenResult or error
+        self._queue: list[tuple[GenRequest, asyncio.Queue, bool]] = []
         self._worker: asyncio.Task | None = None
         self.batches: list[int] = []  # size of each batch run (for tests and logs)
 
     async def agenerate(self, request: GenRequest, session_id: str | None = None) -> GenResult:
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append((request, fut))
+        item = await self._submit(request, False).get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def agenerate_stream(self, request: GenRequest, session_id: str | None = None) -> AsyncIterator[GenResult]:
+        """The tokens so far after every step that added some (GenResults with finish_reason None), then the
+        final GenResult, the same as `agenerate` would return."""
+        out = self._submit(request, True)
+        ids: list[int] = []
+        lps: list[float] = []
+        while True:
+            item = await out.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenResult):
+                yield item
+                return
+            ids += item[0]
+            lps += item[1]
+            yield GenResult(list(ids), list(lps), None, len(request.input_ids), "")
+
+    def _submit(self, request: GenRequest, stream: bool) -> asyncio.Queue:
+        out: asyncio.Queue = asyncio.Queue()
+        self._queue.append((request, out, stream))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._drain())
-        return await fut
+        return out
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._queue:
             await asyncio.sleep(0)  # let every sample that is ready to call the engine do so first
             batch, self._queue = self._queue, []
             self.batches.append(len(batch))
+            requests = [r for r, _, _ in batch]
+            streams = [(k, out) for k, (_, out, stream) in enumerate(batch) if stream]
+            # an engine of the caller's need not take on_step unless a request streams
+            kwargs = {"on_step": _publisher(loop, streams)} if streams else {}
             try:
-                results = await asyncio.to_thread(self.engine.generate, [r for r, _ in batch])
+                results = await asyncio.to_thread(self.engine.generate, requests, **kwargs)
             except BaseException as e:  # noqa: BLE001 - every caller of the batch gets the error
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            for (_, fut), res in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(res)
+                results = [e] * len(batch)
+            for (_, out, _), res in zip(batch, results):
+                out.put_nowait(res)
+
+
+def _publisher(loop: asyncio.AbstractEventLoop, streams: list[tuple[int, asyncio.Queue]]) -> Callable:
+    """`Engine.generate`'s on_step for the streaming requests of a batch: each step's new tokens and log-probs
+    to the request's queue. It runs in the worker thread between steps, when the seqs hold still."""
+    sent = {k: 0 for k, _ in streams}
+
+    def on_step(seqs: list) -> None:
+        for k, out in streams:
+            seq, a = seqs[k], sent[k]
+            n = sent[k] = len(seq.output_ids)
+            if n > a:
+                loop.call_soon_threadsafe(out.put_nowait, (seq.output_ids[a:n], seq.output_logprobs[a:n]))
+
+    return on_step
 
 
 def load_custom_generate(path: str) -> Callable[..., Awaitable]:

@@ -1,0 +1,183 @@
+"""Streaming on the agent proxy (lichen/rollout/agent_proxy_stream.py): replies reach an `openai`-SDK client as the
+engine generates them (tool calls as deltas), the recorded turn is the non-streaming one, and a client that goes
+away mid-stream leaves nothing recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from lichen.engines.engine import Engine, GenResult
+from lichen.models.tokenizer import load_tokenizer
+from lichen.rollout.agent_proxy import AgentProxy
+from lichen.rollout.custom_generate import BatchingEngine
+from test_agent_proxy import TOOLS, serving
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 10}}</tool_call>'
+
+
+class StepEngine:
+    """Streams a scripted reply one token per step: `sure ` + a call of `add`, or `it is 11` once a tool answered.
+    Before step `gate_at` of a reply it waits (at most 30 s) for `gate`, which the test sets once its client saw a
+    chunk: a proxy that sends nothing before the generation ends never gets there."""
+
+    def __init__(self, tok, gate_at: int | None = None):
+        self.tok, self.im_end = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.gate_at, self.gate = gate_at, threading.Event()
+        self.stopped_at: list[tuple[int, int]] = []  # (steps made, steps in the reply) per stream
+
+    def reply(self, input_ids: list[int]) -> list[int]:
+        text = "it is 11" if "<|im_start|>tool" in self.tok.decode(input_ids) else "sure " + CALL
+        return list(self.tok.encode(text, add_special_tokens=False)) + [self.im_end]
+
+    async def agenerate_stream(self, r, session_id=None):
+        ids = self.reply(r.input_ids)
+        lps = [-0.1 - 0.01 * k for k in range(len(ids))]
+        n = 0
+        try:
+            for n in range(1, len(ids) + 1):
+                if n == self.gate_at and not await asyncio.to_thread(self.gate.wait, 30):
+                    raise RuntimeError("the client saw no chunk before the generation went on")
+                await asyncio.sleep(0)
+                yield GenResult(ids[:n], lps[:n], "stop" if n == len(ids) else None, len(r.input_ids), "3")
+        finally:
+            self.stopped_at.append((n, len(ids)))
+
+    async def agenerate(self, r, session_id=None):
+        async for res in self.agenerate_stream(r, session_id):
+            pass
+        return res
+
+
+def _lost(p: AgentProxy) -> bool:
+    return any(h.transport is None for h in p._runner.server.connections)
+
+
+def _client(p: AgentProxy, sid: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=p.session_url(sid), api_key="none", max_retries=0)
+
+
+def test_a_long_reply_streams_as_generated_and_is_recorded_as_without_streaming(tiny_ckpt):
+    """The real engine (in process, BatchingEngine): more than one content chunk comes before the last one, and
+    the turn recorded from the stream (prompt ids, output ids, log-probs) is the non-streaming request's."""
+    tok = load_tokenizer(tiny_ckpt)
+    engine = BatchingEngine(Engine.from_pretrained(tiny_ckpt))
+    kw = dict(model="policy", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=40, seed=11,
+              temperature=1.0, logprobs=True)
+    with serving(AgentProxy(engine, tok)) as p:
+        whole = _client(p, "N").chat.completions.create(**kw)
+        chunks = list(_client(p, "S").chat.completions.create(**kw, stream=True))
+    (n,), (s,) = p.sessions["N"].turns, p.sessions["S"].turns
+    assert len(n.output_ids) >= 20  # a long reply (the tiny model's sample for this seed)
+    assert (s.prompt_ids, s.output_ids, s.logprobs, s.finish_reason) == \
+        (n.prompt_ids, n.output_ids, n.logprobs, n.finish_reason)
+    content = [c for c in chunks[:-1] if c.choices and c.choices[0].delta.content]
+    assert len(content) > 1 and chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    streamed_lps = [e.logprob for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed_lps == [e.logprob for e in whole.choices[0].logprobs.content] == n.logprobs
+
+
+def test_tool_call_deltas_stream_and_the_session_continues(tiny_ckpt):
+    """`sure` reaches the client while the call is still being generated; the call comes as a tool_calls delta;
+    the agent sends the message back as the SDK assembled it and the proxy continues the generated tokens."""
+    tok = load_tokenizer(tiny_ckpt)
+    engine = StepEngine(tok, gate_at=len("sure ") + 2)
+    with serving(AgentProxy(engine, tok)) as p:
+        client = _client(p, "T")
+        messages = [{"role": "user", "content": "add one and ten"}]
+        content, calls, reasons = "", [], []
+        for chunk in client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            if content:
+                engine.gate.set()
+            calls += delta.tool_calls or []
+            reasons.append(chunk.choices[0].finish_reason)
+        assert content == "sure" and reasons[-1] == "tool_calls" and len(calls) == 1
+        assert calls[0].index == 0 and calls[0].function.name == "add"
+        assert json.loads(calls[0].function.arguments) == {"a": 1, "b": 10}
+        messages += [{"role": "assistant", "content": content,
+                      "tool_calls": [{"id": calls[0].id, "type": "function",
+                                      "function": {"name": "add", "arguments": calls[0].function.arguments}}]},
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "11"}]
+        r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    assert r2.choices[0].message.content == "it is 11"
+    (sample,) = p.samples("T")  # one chain: the streamed reply's tokens were reused
+    first, second = p.sessions["T"].turns
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert sample.tokens == second.prompt_ids + second.output_ids
+
+
+def test_a_client_that_leaves_mid_stream_records_nothing(tiny_ckpt):
+    """The client closes the stream after its first content chunk: the generation is closed before its end, no
+    turn is recorded, and the agent's retry continues the session's chain as if the stream had never been."""
+    tok = load_tokenizer(tiny_ckpt)
+    engine = StepEngine(tok)
+    with serving(AgentProxy(engine, tok)) as p:
+        client = _client(p, "D")
+        messages = [{"role": "user", "content": "add one and ten"}]
+        r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        (call,) = r1.choices[0].message.tool_calls
+        messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "11"}]
+        engine.gate_at = 4
+        leaving = _client(p, "D")  # a connection of its own, closed by leaving
+        stream = leaving.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
+        for chunk in stream:
+            if chunk.choices[0].delta.content:
+                break
+        stream.close()
+        # aiohttp drops a connection's transport when the client closed it (the handler itself runs on)
+        deadline = time.monotonic() + 30
+        while not _lost(p) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _lost(p), "the proxy never saw the client go"
+        engine.gate.set()  # the generation goes on; the proxy's next write finds the client gone
+        deadline = time.monotonic() + 30
+        while len(engine.stopped_at) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(p.sessions["D"].turns) == 1  # only the first request's
+        steps, total = engine.stopped_at[-1]
+        assert steps < total  # closed before its end
+        engine.gate_at = None
+        r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    assert r2.choices[0].message.content == "it is 11"
+    (sample,) = p.samples("D")
+    first, retry = p.sessions["D"].turns
+    assert sample.tokens == retry.prompt_ids + retry.output_ids
+    assert retry.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+
+
+async def streaming_agent(base_url, sample):
+    """Streams its first request and lets the engine go on once a content chunk came: the rollout streams too."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "add"}],
+                                                  tools=TOOLS, stream=True)
+    async for chunk in stream:
+        if chunk.choices[0].delta.content:
+            sample.metadata["gate"].set()
+
+
+def test_the_rollout_engine_streams_through_agent_rollout(tiny_ckpt):
+    import argparse
+
+    from lichen.rollout import agent_rollout
+    from lichen.rollout.custom_generate import run_custom_generate
+    from lichen.types import Sample
+
+    tok = load_tokenizer(tiny_ckpt)
+    engine = StepEngine(tok, gate_at=3)
+    args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
+                              check_token_fidelity=False,
+                              agent_function_path="test_agent_proxy_stream.streaming_agent")
+    sample = Sample(prompt="add", tokens=[1], index=0, metadata={"gate": engine.gate})
+    params = [{"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 5}]
+    ((s,),) = run_custom_generate(agent_rollout.generate, args, [sample], params, engine=engine, tokenizer=tok)
+    assert engine.stopped_at == [(len(engine.reply([])), len(engine.reply([])))]
+    assert s.tokens[len(s.tokens) - s.response_length:] == engine.reply([])
