@@ -4,62 +4,17 @@ exactly the engine's, with the tool turn masked, and the sessions stay apart."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import threading
 
 import openai
 import pytest
 
-from lichen.engines.engine import GenResult
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.types import Status
 
+from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
 from helpers.runs import dumped_samples
-
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
-
-
-class ScriptedEngine:
-    """Calls `add` with the number the user gave, then answers with the tool's result. The call is preceded by
-    `<|endoftext|>` spelled out in characters: text that re-encodes to other tokens (one special token), so only
-    a proxy that keeps the engine's tokens continues the trajectory exactly."""
-
-    def __init__(self, tok, spell_out: bool = True):
-        self.tok, self.im_end = tok, tok.convert_tokens_to_ids("<|im_end|>")
-        self.spell_out = spell_out  # False: every reply is the canonical encoding of its text
-        self.calls: list[tuple[str, list[int], list[int]]] = []
-
-    async def agenerate(self, r, session_id=None):
-        await asyncio.sleep(0.01)  # let the other session's request in between
-        text = self.tok.decode(r.input_ids)
-        n = 1 if "one" in text else 2
-        if "<|im_start|>tool" in text:
-            reply = "it is " + text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
-        else:
-            reply = '<tool_call>{"name": "add", "arguments": {"a": ' + str(n) + ', "b": 10}}</tool_call>'
-        ids = list(self.tok.encode(reply, add_special_tokens=False)) + [self.im_end]
-        if self.spell_out and not reply.startswith("it is"):
-            ids = [self.tok.convert_tokens_to_ids(c) for c in "<|endoftext|>"] + ids
-        self.calls.append((session_id, list(r.input_ids), ids))
-        return GenResult(ids, [-0.5 - 0.01 * k for k in range(len(ids))], "stop", len(r.input_ids), "3")
-
-
-@contextlib.contextmanager
-def serving(p: AgentProxy):
-    """`p` started on an event loop of its own thread (the SDK's blocking client calls it from the test)."""
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-    asyncio.run_coroutine_threadsafe(p.start(), loop).result(30)
-    try:
-        yield p
-    finally:
-        asyncio.run_coroutine_threadsafe(p.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        th.join(30)
 
 
 @pytest.fixture
@@ -68,23 +23,6 @@ def proxy(tiny_ckpt):
     engine = ScriptedEngine(tok)
     with serving(AgentProxy(engine, tok)) as p:
         yield p, engine, tok
-
-
-def agent(client: openai.OpenAI, number: str, out: dict, stream: bool = False) -> None:
-    messages = [{"role": "user", "content": f"add {number} and ten"}]
-    if stream:  # the SDK's streaming helper puts the chunks back together
-        with client.chat.completions.stream(model="policy", messages=messages, tools=TOOLS) as events:
-            r1 = events.get_final_completion()
-    else:
-        r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-    (call,) = r1.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    msg = r1.choices[0].message
-    assistant = {"role": "assistant", "content": msg.content,
-                 "tool_calls": [c.model_dump(include={"id", "type", "function"}) for c in msg.tool_calls]}
-    messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
-    r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-    out[number] = (r1.choices[0].finish_reason, r2.choices[0].message.content)
 
 
 def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
@@ -143,18 +81,6 @@ def test_tool_choice_is_taken_as_lichen_serve_takes_it(proxy, choice, named):
 
 
 # ---- --agent-function-path: the proxy as the rollout's generate function ------------------------------------------
-async def sdk_agent(base_url, sample):
-    """An agent on the async SDK: asks, runs the tool itself, answers."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": sample.prompt}]
-    r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=0.0)
-    (call,) = r1.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
-    await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=10**6)
-
-
 async def silent_agent(base_url, sample):
     return None
 
@@ -178,7 +104,7 @@ def test_agent_function_is_a_generate_function(tiny_ckpt):
 
     engine.agenerate = spy
     args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
-                              check_token_fidelity=False, agent_function_path="test_agent_proxy.sdk_agent")
+                              check_token_fidelity=False, agent_function_path="helpers.agent_proxy.sdk_agent")
     samples = [Sample(prompt=f"add {w} and ten", tokens=[1], label=w, index=i, metadata={"k": i})
                for i, w in enumerate(("one", "two"))]
     params = [{"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 40 + i}

@@ -12,7 +12,7 @@ import pytest
 
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
-from test_agent_proxy import TOOLS, ScriptedEngine, agent, serving
+from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
 
 
 def _sdk(p: AgentProxy, sid: str) -> openai.OpenAI:
@@ -73,7 +73,7 @@ def test_the_flag_reaches_the_proxy_through_agent_rollout(tiny_ckpt):
     found = {}
     for check in (False, True):
         args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
-                                  check_token_fidelity=check, agent_function_path="test_agent_proxy.sdk_agent")
+                                  check_token_fidelity=check, agent_function_path="helpers.agent_proxy.sdk_agent")
         sample = Sample(prompt="add one and ten", tokens=[1], index=0)
         ((s,),) = run_custom_generate(agent_rollout.generate, args, [sample], params, engine=ScriptedEngine(tok),
                                       tokenizer=tok)

@@ -16,7 +16,7 @@ from lichen.engines.engine import Engine, GenResult
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.rollout.custom_generate import BatchingEngine
-from test_agent_proxy import TOOLS, serving
+from helpers.agent_proxy import TOOLS, serving
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 10}}</tool_call>'
 
