@@ -182,14 +182,14 @@ def test_flags_select_the_rollout_and_are_checked(tiny_ckpt, addition_data, tmp_
     args = _parse(tiny_ckpt, addition_data, tmp_path, "--apply-chat-template", "--tool-paths", "test_tool_rollout.add")
     assert args.custom_generate_function_path == "lichen.rollout.tool_rollout.generate"
     args = _parse(tiny_ckpt, addition_data, tmp_path, "--apply-chat-template", "--agent-function-path",
-                  "test_agent_proxy.sdk_agent")
+                  "helpers.agent_proxy.sdk_agent")
     assert args.custom_generate_function_path == "lichen.rollout.agent_rollout.generate"
     for extra, words in ((["--tool-paths", "test_tool_rollout.nothing"], "--tool-paths 'test_tool_rollout.nothing'"),
                          (["--tool-paths", "test_tool_rollout.add"], "pass --apply-chat-template"),
                          (["--max-turns", "0"], "--max-turns must be at least 1"),
                          (["--tool-timeout", "0"], "--tool-timeout must be a positive"),
                          (["--tool-call-parser", "mistral"], "--tool-call-parser 'mistral': unknown parser"),
-                         (["--apply-chat-template", "--agent-function-path", "test_agent_proxy.sdk_agent",
+                         (["--apply-chat-template", "--agent-function-path", "helpers.agent_proxy.sdk_agent",
                            "--tool-paths", "test_tool_rollout.add"], "exclude each other"),
                          (["--apply-chat-template", "--agent-function-path", "test_tool_rollout.add"],
                           "must be an async function"),
