@@ -62,16 +62,13 @@ def _client(p: AgentProxy, sid: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=p.session_url(sid), api_key="none", max_retries=0)
 
 
-def test_a_long_reply_streams_as_generated_and_is_recorded_as_without_streaming(tiny_ckpt):
-    """The real engine (in process, BatchingEngine): more than one content chunk comes before the last one, and
-    the turn recorded from the stream (prompt ids, output ids, log-probs) is the non-streaming request's."""
-    tok = load_tokenizer(tiny_ckpt)
-    engine = BatchingEngine(Engine.from_pretrained(tiny_ckpt))
+def _stream_and_whole(p: AgentProxy) -> None:
+    """The same request with and without streaming (same seed): more than one content chunk comes before the last
+    one, and the turn recorded from the stream (prompt ids, output ids, log-probs) is the non-streaming one's."""
     kw = dict(model="policy", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=40, seed=11,
               temperature=1.0, logprobs=True)
-    with serving(AgentProxy(engine, tok)) as p:
-        whole = _client(p, "N").chat.completions.create(**kw)
-        chunks = list(_client(p, "S").chat.completions.create(**kw, stream=True))
+    whole = _client(p, "N").chat.completions.create(**kw)
+    chunks = list(_client(p, "S").chat.completions.create(**kw, stream=True))
     (n,), (s,) = p.sessions["N"].turns, p.sessions["S"].turns
     assert len(n.output_ids) >= 20  # a long reply (the tiny model's sample for this seed)
     assert (s.prompt_ids, s.output_ids, s.logprobs, s.finish_reason) == \
@@ -81,6 +78,28 @@ def test_a_long_reply_streams_as_generated_and_is_recorded_as_without_streaming(
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     streamed_lps = [e.logprob for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed_lps == [e.logprob for e in whole.choices[0].logprobs.content] == n.logprobs
+
+
+def test_a_long_reply_streams_as_generated_in_process(tiny_ckpt):
+    """The in-process engine behind BatchingEngine (Engine.generate's on_step)."""
+    tok = load_tokenizer(tiny_ckpt)
+    with serving(AgentProxy(BatchingEngine(Engine.from_pretrained(tiny_ckpt)), tok)) as p:
+        _stream_and_whole(p)
+
+
+def test_a_long_reply_streams_as_generated_over_engine_servers(pair, tiny_ckpt):
+    """Two `lichen serve` engines behind RemoteEngines (a streamed /generate through the router)."""
+    p = AgentProxy(pair, load_tokenizer(tiny_ckpt))
+    pair.run(p.start())
+    try:
+        _stream_and_whole(p)
+        # a request the server refuses: an error event names its reason, and nothing is recorded
+        with pytest.raises(openai.APIError, match="HTTP 400: Requested token count exceeds"):
+            list(_client(p, "E").chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=10**6, stream=True))
+        assert p.samples("E") == []
+    finally:
+        pair.run(p.stop())
 
 
 def test_tool_call_deltas_stream_and_the_session_continues(tiny_ckpt):

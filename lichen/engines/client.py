@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 
@@ -221,6 +221,48 @@ class EngineClient:
         finally:
             self.outstanding -= 1
         return out
+
+    async def generate_stream(self, payload: dict) -> AsyncIterator[dict]:
+        """POST /generate with `"stream": true` under the concurrency cap: each event's object (the output so far,
+        as lichen serve and SGLang stream it) until [DONE]. Sent once, never retried (part of the output may have
+        been used). Closing the iterator early closes the connection, which aborts the request on the server."""
+        session = self._ensure()
+        headers = {"Content-Type": "application/json"}
+        key = key_for_path("/generate", self.api_key, self.admin_api_key)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        self.outstanding += 1
+        try:
+            async with self._slots:
+                self.in_flight += 1
+                self.attempts += 1
+                try:
+                    async with session.post(self.url + "/generate", data=json.dumps({**payload, "stream": True}),
+                                            headers=headers) as resp:
+                        if resp.status != 200:
+                            raise EngineRequestError(self.url, "/generate", resp.status, _decode(await resp.read()))
+                        buf = b""
+                        async for data in resp.content.iter_any():  # an event can be longer than a read line
+                            buf += data
+                            *events, buf = buf.split(b"\n\n")
+                            for event in events:
+                                if not event.startswith(b"data: "):
+                                    continue
+                                if event[6:] == b"[DONE]":
+                                    return
+                                out = json.loads(event[6:])
+                                if isinstance(out, dict) and "error" in out:
+                                    status = out["error"].get("code") if isinstance(out["error"], dict) else None
+                                    raise EngineRequestError(self.url, "/generate", int(status or 500), out)
+                                yield out
+                    raise EngineUnavailable(f"{self.url}/generate: the stream ended without [DONE]")
+                except CONNECTION_ERRORS as e:
+                    raise EngineUnavailable(f"{self.url}/generate: the stream broke ({type(e).__name__}: {e})") \
+                        from None
+                finally:
+                    self.in_flight -= 1
+        finally:
+            self.outstanding -= 1
 
     async def has_endpoint(self, path: str) -> bool:
         """Whether the server routes `path`, asked without side effects: an OPTIONS request answers 404 for an

@@ -6,7 +6,7 @@ and for N servers (lichen serve or SGLang, launched by lichen or given by addres
 sessions) and capped
 per engine by `--sglang-server-concurrency`; results come back in request order. The HTTP side runs on an
 event loop in a background thread, so callers stay synchronous; async code (custom generate functions) may
-run coroutines on that loop with `run()` and use `agenerate`.
+run coroutines on that loop with `run()` and use `agenerate` (or `agenerate_stream`: the output as it grows).
 
 Control calls go to every engine in rotation, in parallel:
 - `update_weights_from_disk(path, version)`: pause_generation -> flush_cache (until 200) ->
@@ -39,7 +39,7 @@ import contextlib
 import threading
 import uuid
 import weakref
-from typing import Any, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
 from lichen.engines.auth import ENGINE_KEY_ENV
@@ -219,6 +219,22 @@ class RemoteEngines:
             reason = out["meta_info"].get("finish_reason") or {}
             raise EngineError(f"{url} aborted a rollout request: {reason.get('message', reason)}")
         return result
+
+    async def agenerate_stream(self, request: GenRequest, session_id: str | None = None, *,
+                               rid: str | None = None) -> AsyncIterator[GenResult]:
+        """`agenerate` as it grows (the agent proxy streams it): GenResults of the output so far with finish_reason
+        None, then the final one. Not re-sent on failover (Router.generate_stream)."""
+        payload = generate_payload(request, rid=rid or uuid.uuid4().hex)
+        async with contextlib.aclosing(self.router.generate_stream(payload, session_id)) as events:
+            async for index, out in events:
+                url = self.clients[index].url
+                result = result_from_output(out, url)
+                result.engine = url
+                if out["meta_info"].get("finish_reason") is None:
+                    result.finish_reason = None
+                elif result.finish_reason == "abort":
+                    raise EngineError(f"{url} aborted a rollout request: {out['meta_info']['finish_reason']}")
+                yield result
 
     # ---- state and control --------------------------------------------------------------------------------
     def weight_versions(self) -> list[str | None]:

@@ -20,8 +20,9 @@ finds no engine in rotation waits that many seconds for one to be restored befor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from lichen.engines.client import EngineClient, EngineUnavailable
 from lichen.observe.metrics import get_logger
@@ -160,6 +161,16 @@ class Router:
             self.reissued += 1
             self.reissued_from[index] += 1
             log.info("re-sending a request that %s held (%s)", client.url, why)
+
+    async def generate_stream(self, payload: dict, session_id: str | None = None) -> AsyncIterator[tuple[int, dict]]:
+        """`generate` streamed: (engine index, output so far) per event. Picked as `generate` picks, but sent once:
+        a stream that started is not re-sent on failover, nor taken back by `fail` (its connection ends with the
+        engine)."""
+        index = await self._pick_or_wait(session_id)
+        self.routed[index] += 1
+        async with contextlib.aclosing(self.clients[index].generate_stream(payload)) as events:
+            async for out in events:
+                yield index, out
 
     async def close(self) -> None:
         for c in self.clients:
