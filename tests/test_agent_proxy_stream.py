@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -30,6 +31,7 @@ class StepEngine:
         self.tok, self.im_end = tok, tok.convert_tokens_to_ids("<|im_end|>")
         self.gate_at, self.gate = gate_at, threading.Event()
         self.stopped_at: list[tuple[int, int]] = []  # (steps made, steps in the reply) per stream
+        self.started = threading.Event()
 
     def reply(self, input_ids: list[int]) -> list[int]:
         text = "it is 11" if "<|im_start|>tool" in self.tok.decode(input_ids) else "sure " + CALL
@@ -39,6 +41,7 @@ class StepEngine:
         ids = self.reply(r.input_ids)
         lps = [-0.1 - 0.01 * k for k in range(len(ids))]
         n = 0
+        self.started.set()
         try:
             for n in range(1, len(ids) + 1):
                 if n == self.gate_at and not await asyncio.to_thread(self.gate.wait, 30):
@@ -56,6 +59,15 @@ class StepEngine:
 
 def _lost(p: AgentProxy) -> bool:
     return any(h.transport is None for h in p._runner.server.connections)
+
+
+def _wait_handled(p: AgentProxy) -> None:
+    """Until the request of the connection the client closed was handled to its end (aiohttp forgets the
+    connection then)."""
+    deadline = time.monotonic() + 30
+    while _lost(p) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _lost(p), "the request of the closed connection was never handled to its end"
 
 
 def _client(p: AgentProxy, sid: str) -> openai.OpenAI:
@@ -158,9 +170,7 @@ def test_a_client_that_leaves_mid_stream_records_nothing(tiny_ckpt):
             time.sleep(0.05)
         assert _lost(p), "the proxy never saw the client go"
         engine.gate.set()  # the generation goes on; the proxy's next write finds the client gone
-        deadline = time.monotonic() + 30
-        while len(engine.stopped_at) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_handled(p)
         assert len(p.sessions["D"].turns) == 1  # only the first request's
         steps, total = engine.stopped_at[-1]
         assert steps < total  # closed before its end
@@ -200,3 +210,25 @@ def test_the_rollout_engine_streams_through_agent_rollout(tiny_ckpt):
     ((s,),) = run_custom_generate(agent_rollout.generate, args, [sample], params, engine=engine, tokenizer=tok)
     assert engine.stopped_at == [(len(engine.reply([])), len(engine.reply([])))]
     assert s.tokens[len(s.tokens) - s.response_length:] == engine.reply([])
+
+
+def test_a_client_that_leaves_before_a_plain_reply_records_nothing(tiny_ckpt):
+    """The same rule without streaming: a reply whose client closed the connection while it was generated is
+    not recorded (the agent never got it; its retry must find the session as it was)."""
+    tok = load_tokenizer(tiny_ckpt)
+    engine = StepEngine(tok, gate_at=2)
+    with serving(AgentProxy(engine, tok)) as p:
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "add one and ten"}]}).encode()
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(b"POST /sessions/P/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert engine.started.wait(30)  # the request is being generated
+        deadline = time.monotonic() + 30
+        while not _lost(p) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _lost(p), "the proxy never saw the client go"
+        engine.gate.set()
+        _wait_handled(p)
+        assert engine.stopped_at[0][0] == engine.stopped_at[0][1]  # generated to its end
+        assert p.samples("P") == [] and p.sessions["P"].turns == []

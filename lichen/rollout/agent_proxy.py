@@ -158,6 +158,8 @@ class AgentProxy:
                 self._record(session, turn, reply.result, reply.content, reply.calls or None)
             return resp
         res = await self.engine.agenerate(req, sid)
+        if request.transport is None:  # the client went away meanwhile: as for a stream, nothing is recorded
+            return _error("the client closed the connection", 499)
         content = self.tok.decode(res.output_ids, skip_special_tokens=True)
         calls = None
         if parse:
