@@ -232,3 +232,43 @@ def test_a_client_that_leaves_before_a_plain_reply_records_nothing(tiny_ckpt):
         _wait_handled(p)
         assert engine.stopped_at[0][0] == engine.stopped_at[0][1]  # generated to its end
         assert p.samples("P") == [] and p.sessions["P"].turns == []
+
+
+def test_the_engine_client_reads_long_events_and_error_events():
+    """EngineClient.generate_stream (RemoteEngines' stream): an event longer than aiohttp's line limit, sent in
+    pieces, arrives whole; an error event after it is an EngineRequestError with its code and message."""
+    from aiohttp import web
+
+    from lichen.engines.client import EngineClient, EngineRequestError
+
+    big = {"text": "x" * 700_000, "meta_info": {"finish_reason": None}}  # over the 512 KiB line limit
+
+    async def generate(request):
+        assert (await request.json())["stream"] is True
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        data = b"data: " + json.dumps(big).encode() + b"\n\n"
+        for k in range(0, len(data), 100_000):
+            await resp.write(data[k:k + 100_000])
+        await resp.write(b'data: {"error": {"message": "engine fell over", "code": 503}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = EngineClient(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        got = []
+        try:
+            with pytest.raises(EngineRequestError, match="engine fell over") as e:
+                async for out in client.generate_stream({"input_ids": [1]}):
+                    got.append(out)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return got, e.value.status, client.outstanding
+
+    assert asyncio.run(main()) == ([big], 503, 0)

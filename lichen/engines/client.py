@@ -242,7 +242,7 @@ class EngineClient:
                         if resp.status != 200:
                             raise EngineRequestError(self.url, "/generate", resp.status, _decode(await resp.read()))
                         buf = b""
-                        async for data in resp.content.iter_any():  # an event can be longer than a read line
+                        async for data in resp.content.iter_any():  # an event may pass aiohttp's line limit
                             buf += data
                             *events, buf = buf.split(b"\n\n")
                             for event in events:
