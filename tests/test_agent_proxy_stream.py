@@ -272,3 +272,30 @@ def test_the_engine_client_reads_long_events_and_error_events():
         return got, e.value.status, client.outstanding
 
     assert asyncio.run(main()) == ([big], 503, 0)
+
+
+def test_a_streamed_turn_is_recorded_before_the_stream_ends(tiny_ckpt, monkeypatch):
+    """An agent sends its next request as soon as a stream ends, and that request reuses the turn's tokens only if
+    the turn is recorded by then. The proxy's write of [DONE] is held here until the client has looked."""
+    import httpx
+    from aiohttp import web
+
+    looked = threading.Event()
+    write = web.StreamResponse.write
+
+    async def held_write(self, data):
+        await write(self, data)
+        if data == b"data: [DONE]\n\n":
+            await asyncio.to_thread(looked.wait, 30)
+
+    monkeypatch.setattr(web.StreamResponse, "write", held_write)
+    tok = load_tokenizer(tiny_ckpt)
+    with serving(AgentProxy(StepEngine(tok), tok)) as p:
+        body = {"model": "policy", "messages": [{"role": "user", "content": "add one and ten"}], "stream": True}
+        with httpx.stream("POST", p.session_url("R") + "/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    break
+            recorded = len(p.sessions["R"].turns)
+            looked.set()
+    assert recorded == 1

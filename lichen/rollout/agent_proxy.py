@@ -153,10 +153,8 @@ class AgentProxy:
         if body.get("stream"):
             reply = ReplyStream(self.tok, self.parser if parse else None, logprobs=bool(body.get("logprobs")),
                                 cid=cid, model=self.model_name)
-            resp = await reply.run(request, generation(self.engine, req, sid))
-            if reply.result is not None:  # the whole reply reached the client
-                self._record(session, turn, reply.result, reply.content, reply.calls or None)
-            return resp
+            return await reply.run(request, generation(self.engine, req, sid),
+                                   lambda res, content, calls: self._record(session, turn, res, content, calls))
         res = await self.engine.agenerate(req, sid)
         if request.transport is None:  # the client went away meanwhile: as for a stream, nothing is recorded
             return _error("the client closed the connection", 499)
@@ -179,8 +177,9 @@ class AgentProxy:
 
     def _record(self, session: Session, turn: Turn, res: GenResult, content: str | None,
                 calls: list[dict] | None) -> None:
-        """The request's turn, once its reply reached the client; `content` and `calls` as the client got them
-        (the key under which the raw text is rendered back when the agent returns the message)."""
+        """The request's turn, once its reply was written to the client (a stream's last chunk); `content` and
+        `calls` as the client got them (the key under which the raw text is rendered back when the agent returns
+        the message)."""
         turn.output_ids, turn.logprobs, turn.finish_reason = list(res.output_ids), list(res.output_logprobs), \
             res.finish_reason
         turn.weight_version, turn.engine = res.weight_version, res.engine

@@ -7,15 +7,17 @@ when asked, the finish reason with the last chunk, [DONE].
 The engine streams through `agenerate_stream(GenRequest, session_id)` (GenResults with the tokens so far and
 finish_reason None, then the final one); an engine with only `agenerate` gives its finished reply as one step.
 
-A reply counts once its [DONE] is written: `ReplyStream.run` returns what to record only then. A client that goes
-away mid-stream gets nothing recorded and its generation is closed (docs/agentic.md#agent-proxy says why).
+A reply counts once its last chunk (the one with the finish reason) is written: `ReplyStream.run` calls `record`
+then, before [DONE], so an agent that sends its next request as soon as the stream ends finds the turn recorded. A
+client that goes away mid-stream gets nothing recorded and its generation is closed (docs/agentic.md#agent-proxy
+says why).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -40,9 +42,12 @@ async def _whole(reply: Any) -> AsyncIterator[GenResult]:
     yield await reply
 
 
+Record = Callable[[GenResult, "str | None", "list[dict] | None"], None]
+
+
 class ReplyStream:
-    """One streamed reply. After `run`: `result` (the final GenResult), `content` and `calls` as the client
-    assembles them from the deltas (the calls with the ids sent), or `result` None when nothing is to be recorded."""
+    """One streamed reply; `run` calls `record(final result, content, calls)` with the content and calls as the
+    client assembles them from the deltas (the calls with the ids sent)."""
 
     def __init__(self, tok: Any, parser: ToolCallParser | None, *, logprobs: bool, cid: str, model: str):
         self.tok, self.want_lp = tok, logprobs
@@ -51,26 +56,23 @@ class ReplyStream:
         self.text = ""  # the content sent (without a parser: the text)
         self.lp_sent = 0  # tokens whose log-probs were sent
         self.calls: list[dict] = []
-        self.content: str | None = None
-        self.result: GenResult | None = None
 
-    async def run(self, request: web.Request, results: AsyncIterator[GenResult]) -> web.StreamResponse:
+    async def run(self, request: web.Request, results: AsyncIterator[GenResult], record: Record) \
+            -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        final = None
         try:
             async with contextlib.aclosing(results):  # leaving early closes the generation
                 await self._write(resp, {"role": "assistant", "content": ""}, None, None)
                 async for res in results:
-                    final = res if res.finish_reason is not None else None
                     await self._step(resp, res)
+                    if res.finish_reason is not None:  # its last chunk is written
+                        record(res, self.text or None, self.calls or None)
             await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client went away: nothing is recorded
-            return resp
+        except ConnectionResetError:  # the client went away: nothing (more) is written
+            pass
         except Exception as e:  # noqa: BLE001 - an engine error after the stream started: an error event
             await stream_error(resp, e)
-            return resp
-        self.result, self.content = final, self.text or None
         return resp
 
     async def _step(self, resp: web.StreamResponse, res: GenResult) -> None:
