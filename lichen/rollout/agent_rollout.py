@@ -10,7 +10,8 @@ base URL of its own session, and returns the session's requests as Samples (one 
 several chains all join the prompt's group). The agent's requests are sampled with the rollout's settings
 (--rollout-temperature, top-p, top-k, and a seed derived from the sample's, one per request), whatever the agent
 asks for, so log-probs follow the training convention; each request generates at most the sample's response
-budget (--rollout-max-response-len). Use the async client: a blocking call would stall every other trajectory.
+budget (--rollout-max-response-len); a `stream=True` request streams from the rollout's engine as it generates.
+Use the async client: a blocking call would stall every other trajectory.
 With --check-token-fidelity each Sample gets metadata["token_fidelity"] (AgentProxy.fidelity).
 """
 
