@@ -1,37 +1,42 @@
-"""Agentic RL demo: a tiny model learns to use a calculator tool for 4-digit addition, and RL makes it better at it.
+"""Agentic RL demo: a tiny model that can use a calculator but often does not learns by RL to use it.
 
     .venv/bin/python examples/agentic_calculator.py [--seed 1] [--workdir runs/agentic] [--quiet]
     for s in 1 2 3 4 5; do .venv/bin/python examples/agentic_calculator.py --seed $s --quiet; done
 
 The task is "4821+3907=" -> "8728" (operands of --digits digits). A 2-layer model of width 64 does not learn
 4-digit addition in a few minutes; with a calculator it only has to copy: call the tool with the expression and
-copy its result. Two arms from the same random-init model, each a plain `lichen` command run as a child process:
+copy its result. Two arms from the same random-init model, each stage a plain `lichen` command run as a child
+process:
 
-  tool     SFT warm start on tool-using traces, then GRPO with the built-in multi-turn tool rollout
-           (`--tool-paths agentic_calculator.calc`): the policy writes `<calc>4821+3907</calc>` (a parser
-           plug-in, `--tool-call-parser agentic_calculator.CalcParser`), lichen runs the tool and
-           appends the chat template's tool turn (loss mask 0), the policy writes the answer. The SFT traces are
-           built the same way (`sft_rollout`: the tool turn with loss mask 0), so SFT trains on exactly the tokens
-           RL will see.
-  no tool  SFT on direct answers ("8728") under the same stopping rule, then GRPO with the same budget, no tools.
+  tool     1. SFT on tool-using traces (`sft_rollout`): the policy writes `<calc>4821+3907</calc>` (a parser
+              plug-in, `--tool-call-parser agentic_calculator.CalcParser`), the chat template's tool turn holds the
+              result (loss mask 0), the policy writes the answer -- exactly the tokens the RL rollout will produce.
+              Copying is the slow skill, so this stage runs until the model copies (below).
+           2. SFT on a cold-start mix (`mixed_sft_rollout`, --mix-steps): on a --mix-tool-fraction of the problems
+              the trace calls the tool, on the rest it answers from memory, as a corpus gathered from a model that
+              used its tool only sometimes. The model keeps the skill but mostly answers from memory: the situation
+              agentic RL is used for (the policy can use its tools and does not yet know that they pay).
+           3. GRPO with the built-in multi-turn tool rollout (`--tool-paths agentic_calculator.calc`) and
+              --check-token-fidelity.
+  no tool  SFT on direct answers ("8728") under the same stopping rule (--sft-steps when never reached), then GRPO
+           with the same budget, no tools.
 
-When SFT stops (one rule for every seed and both arms): every --sft-eval-every steps SFT evaluates greedy accuracy
-on an SFT-eval split (apart from the training and test problems) and saves a checkpoint; the first eval that
-reaches --sft-stop-accuracy ends the SFT run and RL starts from that checkpoint (else SFT runs --sft-steps). Tool
-SFT sits on a plateau that breaks at a different step on each seed, so a fixed step count left some seeds at 0%
-(no reward signal) and others at 100% (nothing to gain); docs/agentic.md#demo has the measurements.
+When stage 1 stops (one rule for every seed and both arms): every --sft-eval-every steps SFT evaluates greedy
+accuracy on an SFT-eval split (apart from the training and test problems) and saves a checkpoint; the first eval
+that reaches --sft-stop-accuracy ends the SFT run (else it runs --sft-steps). Tool SFT sits on a plateau that
+breaks at a different step on each seed, so a fixed step count would leave some seeds unable to copy.
 
 Reward (`reward`): 1 iff the leading integer of the final assistant message is the sum (the tool arm's reward
 sees the whole trajectory through metadata["messages"]; an answer cut off by the budget or --max-turns gets 0).
-Held-out accuracy (greedy, --heldout problems never trained on) is evaluated before RL -- the SFT model -- and
-at the end. The tool arm runs with --check-token-fidelity: each turn's token history is compared with
-apply_chat_template of the same conversation, and the demo counts the trajectories where they differ (0 is the
-expected result: the trained tokens are the engine's plus the template's tool turns, nothing re-encoded; a special
-token the policy samples shows up as one, as its text is dropped when the turn is decoded).
+Held-out accuracy (greedy, --heldout problems never trained on) and the share of held-out answers that called the
+tool are evaluated before RL -- the SFT model -- and every --rl-eval-every GRPO steps. The demo also counts, over
+every trajectory the tool arm's RL trained on, those whose token history differs from apply_chat_template of
+their conversation (the fidelity check: the trained tokens are the engine's plus the template's tool turns,
+nothing re-encoded; a special token the policy samples shows up as one, as its text is dropped when decoded).
 
-Prints per arm the held-out accuracy after SFT and after RL, the tool-use rate, the fidelity result and the wall
-(and CPU) time; writes <workdir>/summary.json; exits 1 when a stage fails. Success criteria of issue 21: the
-tool arm gains >= 10 points over its SFT start and ends above the no-tool arm.
+Prints per arm the held-out accuracy after SFT and after RL, the tool-call rates, the fidelity result and the wall
+(and CPU) time; writes <workdir>/seed<N>/summary.json; exits 1 when a stage fails. Success criteria of issue 21:
+the tool arm gains >= 10 points over its SFT start and ends above the no-tool arm.
 """
 
 from __future__ import annotations
@@ -126,8 +131,20 @@ def tool_trace(tok: Any, prompt: str, label: str, version: str = "") -> tuple[li
     return ids, traj
 
 
-def sft_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
-    """SFT on tool-using traces (a --rollout-function-path; see `tool_trace`); evaluation is lichen's own."""
+def direct_trace(tok: Any, prompt: str, label: str, version: str = "") -> tuple[list[int], Any]:
+    """(prompt ids, Trajectory) of a trace that answers from memory: the same prompt (the tool's schema shown), the
+    answer as policy tokens."""
+    from lichen.models.tokenizer import encode_prompt
+    from lichen.rollout.trajectory import Trajectory
+
+    ids = encode_prompt(tok, prompt, True, tools=[{"type": "function", "function": calc.schema}])
+    answer = list(tok.encode(str(label), add_special_tokens=False)) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    traj = Trajectory()
+    traj.add_policy(answer, [0.0] * len(answer), version)
+    return ids, traj
+
+
+def _supervised(args: Any, rollout_id: int, data_source: Any, evaluation: bool, trace: Any) -> Any:
     from lichen.rollout.base_types import RolloutFnTrainOutput
     from lichen.rollout.context import current
     from lichen.rollout.eval import eval_rollout
@@ -139,10 +156,26 @@ def sft_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool =
     groups = data_source.get_samples(ctx.config.data.batch_size)
     for group in groups:
         for s in group:
-            ids, traj = tool_trace(ctx.tokenizer, str(s.prompt), str(s.label), ctx.engine.weight_version)
+            ids, traj = trace(s)(ctx.tokenizer, str(s.prompt), str(s.label), ctx.engine.weight_version)
             traj.fill(s, ctx.tokenizer, ids, Status.COMPLETED)
             s.reward = None  # supervised: nothing is scored
     return RolloutFnTrainOutput(groups)
+
+
+def sft_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """SFT on tool-using traces (a --rollout-function-path; see `tool_trace`); evaluation is lichen's own."""
+    return _supervised(args, rollout_id, data_source, evaluation, lambda s: tool_trace)
+
+
+def mixed_sft_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """SFT on the cold-start mix: each training row's metadata["sft_trace"] ("tool" or "direct", drawn by
+    `make_data`) picks `tool_trace` or `direct_trace`."""
+    return _supervised(args, rollout_id, data_source, evaluation, cold_start_trace)
+
+
+def cold_start_trace(sample: Any) -> Any:
+    """The trace builder of a training row in the cold-start mix (its metadata["sft_trace"])."""
+    return direct_trace if (sample.metadata or {}).get("sft_trace") == "direct" else tool_trace
 
 
 # ------------------------------------------------------------------------------------------------ the demo
@@ -168,7 +201,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sft-eval-problems", type=int, default=100, help="problems of the SFT-eval split (apart from "
                    "the training and held-out test problems)")
     p.add_argument("--sft-batch", type=int, default=32, help="problems per SFT step")
-    p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (constant)")
+    p.add_argument("--mix-steps", type=int, default=150, help="tool arm, stage 2: SFT steps on the cold-start mix "
+                   "(from stage 1's stop checkpoint; 0 skips the stage)")
+    p.add_argument("--mix-tool-fraction", type=float, default=0.5, help="share of training problems whose cold-start "
+                   "trace calls the tool (the others answer from memory)")
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (constant; both SFT stages)")
     p.add_argument("--rl-steps", type=int, default=30, help="GRPO steps of each arm")
     p.add_argument("--rl-prompts", type=int, default=16, help="prompts per GRPO step")
     p.add_argument("--rl-group", type=int, default=8, help="samples per prompt")
@@ -199,7 +236,11 @@ def make_data(args: argparse.Namespace, data_dir: str) -> tuple[str, str, str]:
     splits = pairs[n_test + n_stop:], pairs[:n_test], pairs[n_test:n_test + n_stop]
     for path, rows in zip(paths, splits):
         with open(path, "w") as f:
-            f.writelines(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n" for a, b in rows)
+            for a, b in rows:
+                row: dict = {"prompt": f"{a}+{b}=", "label": str(a + b)}
+                if path == paths[0]:  # the kind of the cold-start trace of this training problem (drawn once)
+                    row["metadata"] = {"sft_trace": "tool" if rng.random() < args.mix_tool_fraction else "direct"}
+                f.write(json.dumps(row) + "\n")
     return paths
 
 
@@ -216,21 +257,24 @@ def common(args: argparse.Namespace, train: str) -> list[str]:
             "--apply-chat-template", "--custom-rm-path", "agentic_calculator.reward", "--no-progress"]
 
 
-def sft_argv(args, arm: str, model: str, out: str, train: str, sft_eval: str) -> list[str]:
+def sft_argv(args, arm: str, model: str, out: str, train: str, sft_eval: str, rollout: str | None = None,
+             steps: int | None = None, every: int | None = None) -> list[str]:
+    """Stage 1 of an arm (the defaults) or, with `rollout`, `steps` and `every` given, the tool arm's stage 2."""
     flags, budget = arm_flags(arm)
-    rollout = "agentic_calculator.sft_rollout" if arm == "tool" else "lichen.rollout.sft.generate_rollout"
+    rollout = rollout or ("agentic_calculator.sft_rollout" if arm == "tool" else "lichen.rollout.sft.generate_rollout")
+    steps, every = steps or args.sft_steps, every or args.sft_eval_every
     # Eval on the SFT-eval split and a checkpoint at the same steps (the loop saves before it evaluates), so the
     # early stop can start RL from exactly the model it measured. The test set's accuracy of that model is the
     # RL stage's eval before its first step.
     return ["train", "--hf-checkpoint", model, *common(args, train), *flags,
             "--eval-prompt-data", SFT_EVAL_NAME, sft_eval, "--eval-temperature", "0",
-            "--eval-max-response-len", str(budget), "--eval-interval", str(args.sft_eval_every),
+            "--eval-max-response-len", str(budget), "--eval-interval", str(every),
             "--skip-eval-before-train",
             "--loss-type", "sft_loss", "--rollout-function-path", rollout, "--disable-rewards-normalization",
             "--rollout-batch-size", str(args.sft_batch), "--n-samples-per-prompt", "1",
-            "--micro-batch-size", str(args.sft_batch), "--num-rollout", str(args.sft_steps), "--lr", str(args.sft_lr),
+            "--micro-batch-size", str(args.sft_batch), "--num-rollout", str(steps), "--lr", str(args.sft_lr),
             "--save", os.path.join(out, "checkpoints"),
-            "--save-interval", str(args.sft_eval_every), "--output-dir", out]
+            "--save-interval", str(every), "--output-dir", out]
 
 
 def rl_argv(args, arm: str, start: str, out: str, train: str, heldout: str) -> list[str]:
@@ -290,6 +334,13 @@ def checkpoint_at(ckpt_dir: str, step: int) -> str:
     return hf
 
 
+def metric_curve(metrics_path: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every metrics.jsonl row that logged `key`."""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) is not None]
+
+
 def run_arm(args, arm: str, model: str, root: str, data: tuple[str, str, str], times: dict, cpu: dict) -> dict:
     train, heldout, sft_eval = data
     sft_out, rl_out = os.path.join(root, f"{arm}_sft"), os.path.join(root, f"{arm}_rl")
@@ -303,17 +354,31 @@ def run_arm(args, arm: str, model: str, root: str, data: tuple[str, str, str], t
     # up to the stop: an eval the run logged before it was cut off measured a model RL does not start from
     sft_curve = [(step, acc) for step, acc in eval_curve(os.path.join(sft_out, "metrics.jsonl"), SFT_EVAL_NAME)
                  if step <= sft_steps]
-    print(f"   SFT-eval curve {fmt_curve(sft_curve)}; RL starts from step {sft_steps}", flush=True)
-    print(f"== {arm}: GRPO {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples", flush=True)
     start = checkpoint_at(os.path.join(sft_out, "checkpoints"), sft_steps)
+    print(f"   SFT-eval curve {fmt_curve(sft_curve)}; stopped at step {sft_steps}", flush=True)
+    out: dict = {"sft_steps": sft_steps, "sft_stopped_early": stop.step is not None, "sft_eval_curve": sft_curve}
+    if arm == "tool" and args.mix_steps > 0:
+        mix_out = os.path.join(root, "tool_mix")
+        print(f"== tool: SFT on the cold-start mix ({args.mix_steps} steps x {args.sft_batch}; "
+              f"{100 * args.mix_tool_fraction:g}% of the traces call the tool)", flush=True)
+        mix = sft_argv(args, arm, start, mix_out, train, sft_eval, rollout="agentic_calculator.mixed_sft_rollout",
+                       steps=args.mix_steps, every=args.mix_steps)
+        times["tool_mix"], cpu["tool_mix"] = run_stage("tool_mix", mix, os.path.join(root, "tool_mix.log"),
+                                                       args.quiet, args.threads)
+        start = checkpoint_at(os.path.join(mix_out, "checkpoints"), args.mix_steps)
+        out["mix_sft_eval"] = eval_curve(os.path.join(mix_out, "metrics.jsonl"), SFT_EVAL_NAME)[-1][1]
+    print(f"== {arm}: GRPO {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples", flush=True)
     times[f"{arm}_rl"], cpu[f"{arm}_rl"] = run_stage(f"{arm}_rl", rl_argv(args, arm, start, rl_out, train, heldout),
                                                      os.path.join(root, f"{arm}_rl.log"), args.quiet, args.threads)
-    curve = eval_curve(os.path.join(rl_out, "metrics.jsonl"))
+    metrics = os.path.join(rl_out, "metrics.jsonl")
+    curve = eval_curve(metrics)
     if curve[0][0] != 0:
         raise StageFailed(f"{arm}: the RL stage logged no eval before training")
-    out = {"sft_steps": sft_steps, "sft_stopped_early": stop.step is not None, "sft_eval_curve": sft_curve,
-           "sft_accuracy": curve[0][1], "rl_accuracy": curve[-1][1], "rl_curve": curve}
+    out.update(sft_accuracy=curve[0][1], rl_accuracy=curve[-1][1], rl_curve=curve)
     if arm == "tool":
+        # greedy held-out answers that called the tool, and the sampled RL trajectories that did, per step
+        out["heldout_tool_call_curve"] = metric_curve(metrics, f"eval/{EVAL_NAME}/tool_call_ratio")
+        out["rollout_tool_call_ratio"] = metric_curve(metrics, "rollout/tool_call_ratio")
         out.update(trajectories(os.path.join(rl_out, "rollouts")))
     return out
 
@@ -353,11 +418,15 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, f, indent=1)
     print(f"\n== summary (seed {args.seed}, {args.heldout} held-out problems, greedy)")
     for arm, r in arms.items():
-        print(f"  {arm:8s} held-out accuracy: SFT ({r['sft_steps']} steps) {100 * r['sft_accuracy']:5.1f}%  ->  "
+        steps = f"{r['sft_steps']} + {args.mix_steps} mix" if "mix_sft_eval" in r else str(r["sft_steps"])
+        print(f"  {arm:8s} held-out accuracy: SFT ({steps} steps) {100 * r['sft_accuracy']:5.1f}%  ->  "
               f"RL {100 * r['rl_accuracy']:5.1f}%"
               f"   (curve {fmt_curve(r['rl_curve'])})")
     if "tool" in arms:
         t = arms["tool"]
+        calls, sampled = t["heldout_tool_call_curve"], [v for _, v in t["rollout_tool_call_ratio"]]
+        print(f"  tool arm: held-out answers that called the tool {fmt_curve(calls)}; sampled RL trajectories "
+              f"that did: {100 * sampled[0]:.0f}% at step 1, {100 * sampled[-1]:.0f}% at step {len(sampled)}")
         print(f"  tool arm: {t['with_tool_call']}/{t['trajectories']} RL trajectories called the tool; token "
               f"fidelity: {t['fidelity_mismatches']} mismatching trajectories"
               + (f" (first: {t['first_mismatch']})" if t["first_mismatch"] else ""))

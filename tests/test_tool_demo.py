@@ -40,6 +40,17 @@ def test_sft_trace_is_the_tool_rollouts_conversation_with_the_tool_turn_masked(t
     assert check_turn(tok, messages[:1], schemas, prompt) is None
 
 
+def test_cold_start_mix_answers_from_memory_or_calls_the_tool(tok):
+    prompt, traj = demo.direct_trace(tok, "4821+3107=", "7928")
+    tool_prompt, _ = demo.tool_trace(tok, "4821+3107=", "7928")
+    assert prompt == tool_prompt  # the same prompt, tool schema included: only the policy's choice differs
+    assert tok.decode(traj.tokens) == "7928<|im_end|>" and traj.mask == [1] * len(traj.tokens)
+    pick = demo.cold_start_trace
+    assert pick(types.SimpleNamespace(metadata={"sft_trace": "direct"})) is demo.direct_trace
+    assert pick(types.SimpleNamespace(metadata={"sft_trace": "tool"})) is demo.tool_trace
+    assert pick(types.SimpleNamespace(metadata=None)) is demo.tool_trace
+
+
 def test_parser_and_reward():
     parsed = demo.CalcParser().parse("ok <calc>12+3</calc>")
     assert parsed.content == "ok" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
@@ -79,22 +90,38 @@ def test_data_splits_share_no_problem(tmp_path):
     prompts = [{r["prompt"] for r in split} for split in rows]
     assert sum(map(len, prompts)) == len(set().union(*prompts)) == 370
     assert all(eval(r["prompt"].rstrip("=")) == int(r["label"]) for split in rows for r in split)
+    kinds = [r["metadata"]["sft_trace"] for r in rows[0]]  # the cold-start mix: drawn per training problem
+    assert 0.4 < kinds.count("tool") / 300 < 0.6 and set(kinds) == {"tool", "direct"}
+    assert all("metadata" not in r for split in rows[1:] for r in split)  # test and SFT-eval rows: plain
+    all_tool = demo.parse_args(["--seed", "3", "--train-problems", "300", "--heldout", "40", "--sft-eval-problems",
+                                "30", "--mix-tool-fraction", "1"])
+    paths = demo.make_data(all_tool, str(tmp_path / "all_tool"))
+    again = [json.loads(line) for line in Path(paths[0]).read_text().splitlines()]
+    assert [r["prompt"] for r in again] == [r["prompt"] for r in rows[0]]  # the fraction does not move the splits
+    assert {r["metadata"]["sft_trace"] for r in again} == {"tool"}
 
 
-def test_tiny_run_starts_rl_from_the_checkpoint_where_sft_stopped(tmp_path):
+def test_tiny_run_starts_rl_from_the_cold_start_mix_after_sft_stopped(tmp_path):
     """The whole script on a tiny budget: with a target of 0% SFT stops at its first eval (step 2 of at most 40),
-    the run is cut there and RL loads that step's checkpoint."""
+    the run is cut there, the cold-start mix continues from that step's checkpoint and RL loads the mix's."""
     import subprocess
 
     script = os.path.join(os.path.dirname(demo.__file__), "agentic_calculator.py")
     r = subprocess.run([sys.executable, script, "--seed", "2", "--workdir", str(tmp_path), "--quiet", "--arms", "tool",
                         "--train-problems", "100", "--heldout", "4", "--sft-eval-problems", "4",
                         "--sft-steps", "40", "--sft-eval-every", "2", "--sft-batch", "4", "--sft-stop-accuracy", "0",
-                        "--rl-steps", "1", "--rl-prompts", "2", "--rl-group", "2", "--rl-eval-every", "1"],
+                        "--mix-steps", "3", "--rl-steps", "1", "--rl-prompts", "2", "--rl-group", "2",
+                        "--rl-eval-every", "1"],
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     tool = json.loads((tmp_path / "seed2" / "summary.json").read_text())["arms"]["tool"]
     assert tool["sft_steps"] == 2 and tool["sft_stopped_early"] and tool["sft_eval_curve"] == [[2, 0.0]]
+    mix = json.loads((tmp_path / "seed2" / "tool_mix" / "config.json").read_text())
+    assert mix["hf_checkpoint"].endswith(os.path.join("tool_sft", "checkpoints", "iter_0000001", "hf"))
+    assert mix["rollout_function_path"] == "agentic_calculator.mixed_sft_rollout"
     config = json.loads((tmp_path / "seed2" / "tool_rl" / "config.json").read_text())
-    assert config["hf_checkpoint"].endswith(os.path.join("tool_sft", "checkpoints", "iter_0000001", "hf"))
+    assert config["hf_checkpoint"].endswith(os.path.join("tool_mix", "checkpoints", "iter_0000002", "hf"))
     assert tool["trajectories"] == 4
+    assert [step for step, _ in tool["heldout_tool_call_curve"]] == [0, 1]
+    assert len(tool["rollout_tool_call_ratio"]) == 1
+    assert "held-out answers that called the tool" in r.stdout
