@@ -36,8 +36,9 @@ class GenRequest:
 class GenResult:
     output_ids: list[int]
     output_logprobs: list[float]
-    finish_reason: str  # "stop" (EOS / stop token, which is included in output_ids) or "length"; None in the
-    # partial results of a stream (BatchingEngine / RemoteEngines.agenerate_stream) before the final one
+    # "stop" (EOS / stop token, which is included in output_ids) or "length"; None in the partial results of a
+    # stream (BatchingEngine / RemoteEngines.agenerate_stream) before the final one
+    finish_reason: str | None
     prompt_tokens: int
     weight_version: str
     engine: str = ""  # the server that generated it (its URL; "" in process), for the sample log
