@@ -215,7 +215,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rl-eval-every", type=int, default=10, help="held-out eval every N GRPO steps")
     p.add_argument("--arms", nargs="+", choices=["tool", "no_tool"], default=["tool", "no_tool"],
                    help="which arms to run")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0.0 <= args.mix_tool_fraction <= 1.0:
+        p.error(f"--mix-tool-fraction must be between 0 and 1, got {args.mix_tool_fraction}")
+    if args.mix_steps < 0:
+        p.error(f"--mix-steps must be 0 (no cold-start stage) or more, got {args.mix_steps}")
+    return args
 
 
 def make_data(args: argparse.Namespace, data_dir: str) -> tuple[str, str, str]:

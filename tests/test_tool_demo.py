@@ -51,6 +51,14 @@ def test_cold_start_mix_answers_from_memory_or_calls_the_tool(tok):
     assert pick(types.SimpleNamespace(metadata=None)) is demo.tool_trace
 
 
+@pytest.mark.parametrize("flags", [["--mix-tool-fraction", "1.5"], ["--mix-tool-fraction", "-0.1"],
+                                   ["--mix-steps", "-1"]])
+def test_bad_cold_start_flags_are_usage_errors(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(flags)
+    assert e.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
 def test_parser_and_reward():
     parsed = demo.CalcParser().parse("ok <calc>12+3</calc>")
     assert parsed.content == "ok" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
