@@ -5,6 +5,7 @@ away mid-stream leaves nothing recorded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -13,7 +14,7 @@ import time
 import openai
 import pytest
 
-from lichen.engines.engine import Engine, GenResult
+from lichen.engines.engine import Engine, GenRequest, GenResult
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.rollout.custom_generate import BatchingEngine
@@ -299,3 +300,74 @@ def test_a_streamed_turn_is_recorded_before_the_stream_ends(tiny_ckpt, monkeypat
             recorded = len(p.sessions["R"].turns)
             looked.set()
     assert recorded == 1
+
+
+def test_closing_a_stream_stops_its_row_in_process_and_the_batch_goes_on(tiny_ckpt):
+    """BatchingEngine: a stream closed after two steps stops its generation at the engine's next step (finish
+    "abort", its partial output); the other request of the same batch runs to its length, and a stream read to its
+    end is unaffected."""
+    engine = Engine.from_pretrained(tiny_ckpt)
+    batches: list[list[GenResult]] = []
+
+    class Spy:  # the engine's own results, which a closed stream's reader never sees
+        def generate(self, requests, on_step=None):
+            out = engine.generate(requests, on_step=on_step)
+            batches.append(out)
+            return out
+
+    be = BatchingEngine(Spy())
+    long = {"max_new_tokens": 120, "ignore_eos": True, "seed": 3}
+
+    async def main():
+        other = asyncio.ensure_future(be.agenerate(GenRequest(input_ids=[5, 6, 7, 8], **long)))
+        async with contextlib.aclosing(be.agenerate_stream(GenRequest(input_ids=[5, 6, 7], **long))) as stream:
+            steps = 0
+            async for _ in stream:
+                steps += 1
+                if steps == 2:
+                    break
+        full = await other
+        whole = [r async for r in be.agenerate_stream(GenRequest(input_ids=[5, 6], **long))]
+        return full, whole
+
+    full, whole = asyncio.run(main())
+    assert len(batches[0]) == 2  # the stream and the other request shared a batch
+    stopped = batches[0][0]
+    assert stopped.finish_reason == "abort" and 2 <= len(stopped.output_ids) < 120
+    assert full.finish_reason == "length" and len(full.output_ids) == 120
+    assert full.output_ids == engine.generate([GenRequest(input_ids=[5, 6, 7, 8], **long)])[0].output_ids
+    assert whole[-1].finish_reason == "length" and len(whole[-1].output_ids) == 120
+
+
+def test_a_stream_left_before_its_row_started_never_starts(tiny_ckpt):
+    """With one decode slot the stream waits behind another request; its reader is cancelled meanwhile, so the
+    engine drops it from the waiting line (finish "abort", no output) instead of generating it afterwards."""
+    engine = Engine.from_pretrained(tiny_ckpt)
+    engine.max_batch_size = 1
+    batches: list[list[GenResult]] = []
+
+    class Spy:
+        def generate(self, requests, on_step=None):
+            out = engine.generate(requests, on_step=on_step)
+            batches.append(out)
+            return out
+
+    be = BatchingEngine(Spy())
+    long = {"max_new_tokens": 60, "ignore_eos": True, "seed": 3}
+
+    async def read(stream):
+        async with contextlib.aclosing(stream) as s:
+            return [r async for r in s]
+
+    async def main():
+        first = asyncio.ensure_future(be.agenerate(GenRequest(input_ids=[5, 6, 7, 8], **long)))
+        reader = asyncio.ensure_future(read(be.agenerate_stream(GenRequest(input_ids=[5, 6, 7], **long))))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        reader.cancel()
+        return await first
+
+    first = asyncio.run(main())
+    assert first.finish_reason == "length" and len(first.output_ids) == 60
+    [[_, waiting]] = batches
+    assert waiting.finish_reason == "abort" and waiting.output_ids == []

@@ -32,6 +32,9 @@ class GenRequest:
     ignore_eos: bool = False
 
 
+STOPPED = "the streaming caller stopped reading"  # the abort message of a request on_step stopped
+
+
 @dataclass
 class GenResult:
     output_ids: list[int]
@@ -162,10 +165,12 @@ class Engine:
         return DecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
 
     def generate(self, requests: list[GenRequest],
-                 on_step: Callable[[list[Seq]], None] | None = None) -> list[GenResult]:
+                 on_step: Callable[[list[Seq]], Iterable[int] | None] | None = None) -> list[GenResult]:
         """Results are returned in request order. At most `max_batch_size` sequences decode at once; when rows
         finish, the next requests (in order) take their place. `on_step(seqs)` (one Seq per request, in order) is
-        called after every decode step, for streaming; it must not change them."""
+        called after every decode step, for streaming; it must not change them. It may return the indices of
+        requests to stop (their reader went away): those finish with ("abort", ...) and their partial output, a
+        waiting one before it starts; the other rows go on."""
         if not requests:
             return []
         if any(not r.input_ids for r in requests):
@@ -185,7 +190,13 @@ class Engine:
             if pending and free > 0 and (not len(batch) or free * 8 >= limit):
                 batch.add([pending.popleft() for _ in range(min(free, len(pending)))], self.weight_version)
             batch.step(self.weight_version)
-            if on_step is not None:
-                on_step(seqs)
+            stop = on_step(seqs) if on_step is not None else None
+            if stop:
+                gone = {id(seqs[k]) for k in stop}
+                for s in pending:
+                    if id(s) in gone:
+                        s.finish, s.finish_version = ("abort", STOPPED), self.weight_version
+                pending = deque(s for s in pending if id(s) not in gone)
+                batch.abort([s for s in batch.live() if id(s) in gone], STOPPED, self.weight_version)
         return [GenResult(s.output_ids, s.output_logprobs, s.finish[0], len(s.input_ids),
                           s.finish_version or self.weight_version) for s in seqs]

@@ -109,37 +109,43 @@ class BatchingEngine:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        # each request's queue gets (new ids, their log-probs) per step when it streams, then its GenResult or error
-        self._queue: list[tuple[GenRequest, asyncio.Queue, bool]] = []
+        # each request's queue gets (new ids, their log-probs) per step when it streams, then its GenResult or error;
+        # a streaming request's Event is set when its reader stops, which stops its row
+        self._queue: list[tuple[GenRequest, asyncio.Queue, threading.Event | None]] = []
         self._worker: asyncio.Task | None = None
         self.batches: list[int] = []  # size of each batch run (for tests and logs)
 
     async def agenerate(self, request: GenRequest, session_id: str | None = None) -> GenResult:
-        item = await self._submit(request, False).get()
+        item = await self._submit(request, None).get()
         if isinstance(item, BaseException):
             raise item
         return item
 
     async def agenerate_stream(self, request: GenRequest, session_id: str | None = None) -> AsyncIterator[GenResult]:
         """The tokens so far after every step that added some (GenResults with finish_reason None), then the
-        final GenResult, the same as `agenerate` would return."""
-        out = self._submit(request, True)
+        final GenResult, the same as `agenerate` would return. Closing it early stops the request's generation at
+        the engine's next step (the rest of its batch goes on)."""
+        left = threading.Event()
+        out = self._submit(request, left)
         ids: list[int] = []
         lps: list[float] = []
-        while True:
-            item = await out.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, GenResult):
-                yield item
-                return
-            ids += item[0]
-            lps += item[1]
-            yield GenResult(list(ids), list(lps), None, len(request.input_ids), "")
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, GenResult):
+                    yield item
+                    return
+                ids += item[0]
+                lps += item[1]
+                yield GenResult(list(ids), list(lps), None, len(request.input_ids), "")
+        finally:
+            left.set()  # after the final result there is nothing left to stop
 
-    def _submit(self, request: GenRequest, stream: bool) -> asyncio.Queue:
+    def _submit(self, request: GenRequest, left: threading.Event | None) -> asyncio.Queue:
         out: asyncio.Queue = asyncio.Queue()
-        self._queue.append((request, out, stream))
+        self._queue.append((request, out, left))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._drain())
         return out
@@ -151,7 +157,7 @@ class BatchingEngine:
             batch, self._queue = self._queue, []
             self.batches.append(len(batch))
             requests = [r for r, _, _ in batch]
-            streams = [(k, out) for k, (_, out, stream) in enumerate(batch) if stream]
+            streams = [(k, out, left) for k, (_, out, left) in enumerate(batch) if left is not None]
             # an engine of the caller's need not take on_step unless a request streams
             kwargs = {"on_step": _publisher(loop, streams)} if streams else {}
             try:
@@ -162,17 +168,23 @@ class BatchingEngine:
                 out.put_nowait(res)
 
 
-def _publisher(loop: asyncio.AbstractEventLoop, streams: list[tuple[int, asyncio.Queue]]) -> Callable:
+def _publisher(loop: asyncio.AbstractEventLoop,
+               streams: list[tuple[int, asyncio.Queue, threading.Event]]) -> Callable:
     """`Engine.generate`'s on_step for the streaming requests of a batch: each step's new tokens and log-probs
-    to the request's queue. It runs in the worker thread between steps, when the seqs hold still."""
-    sent = {k: 0 for k, _ in streams}
+    to the request's queue, and the requests whose reader left, to stop. It runs in the worker thread between
+    steps, when the seqs hold still."""
+    sent = {k: 0 for k, _, _ in streams}
+    stopped: set[int] = set()
 
-    def on_step(seqs: list) -> None:
-        for k, out in streams:
+    def on_step(seqs: list) -> list[int]:
+        for k, out, _ in streams:
             seq, a = seqs[k], sent[k]
             n = sent[k] = len(seq.output_ids)
             if n > a:
                 loop.call_soon_threadsafe(out.put_nowait, (seq.output_ids[a:n], seq.output_logprobs[a:n]))
+        stop = [k for k, _, left in streams if left.is_set() and k not in stopped]
+        stopped.update(stop)
+        return stop
 
     return on_step
 
