@@ -302,20 +302,25 @@ def test_a_streamed_turn_is_recorded_before_the_stream_ends(tiny_ckpt, monkeypat
     assert recorded == 1
 
 
+class Spy:
+    """An in-process engine that keeps each batch's results: those of a closed stream, which its reader never sees."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.batches = engine, []
+
+    def generate(self, requests: list[GenRequest], on_step=None) -> list[GenResult]:
+        out = self.engine.generate(requests, on_step=on_step)
+        self.batches.append(out)
+        return out
+
+
 def test_closing_a_stream_stops_its_row_in_process_and_the_batch_goes_on(tiny_ckpt):
     """BatchingEngine: a stream closed after two steps stops its generation at the engine's next step (finish
     "abort", its partial output); the other request of the same batch runs to its length, and a stream read to its
     end is unaffected."""
     engine = Engine.from_pretrained(tiny_ckpt)
-    batches: list[list[GenResult]] = []
-
-    class Spy:  # the engine's own results, which a closed stream's reader never sees
-        def generate(self, requests, on_step=None):
-            out = engine.generate(requests, on_step=on_step)
-            batches.append(out)
-            return out
-
-    be = BatchingEngine(Spy())
+    spy = Spy(engine)
+    be, batches = BatchingEngine(spy), spy.batches
     long = {"max_new_tokens": 120, "ignore_eos": True, "seed": 3}
 
     async def main():
@@ -344,15 +349,8 @@ def test_a_stream_left_before_its_row_started_never_starts(tiny_ckpt):
     engine drops it from the waiting line (finish "abort", no output) instead of generating it afterwards."""
     engine = Engine.from_pretrained(tiny_ckpt)
     engine.max_batch_size = 1
-    batches: list[list[GenResult]] = []
-
-    class Spy:
-        def generate(self, requests, on_step=None):
-            out = engine.generate(requests, on_step=on_step)
-            batches.append(out)
-            return out
-
-    be = BatchingEngine(Spy())
+    spy = Spy(engine)
+    be, batches = BatchingEngine(spy), spy.batches
     long = {"max_new_tokens": 60, "ignore_eos": True, "seed": 3}
 
     async def read(stream):
