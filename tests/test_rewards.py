@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -428,10 +429,14 @@ def test_base_exceptions_and_huge_rewards_fail_only_their_sample(name):
 
 
 @pytest.mark.parametrize("name", ["rm_plugins.base_exception_rm", "rm_plugins.async_base_exception_rm"])
-def test_keyboard_interrupt_in_a_verifier_still_stops_the_run(name):
+def test_keyboard_interrupt_in_a_verifier_still_stops_the_run(name, caplog):
     fn = build_reward_fn(None, name, None)
-    with pytest.raises(KeyboardInterrupt):
-        score_samples([make("r", index=0), make("r", index=1, mode="interrupt")], fn, None)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with pytest.raises(KeyboardInterrupt):
+            score_samples([make("r", index=0), make("r", index=1, mode="interrupt")], fn, None)
+        gc.collect()
+    # it stops the run without asyncio's "Task exception was never retrieved" traceback of the verifier's task
+    assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 def test_cancelling_the_batch_still_cancels():

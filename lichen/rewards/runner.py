@@ -148,7 +148,7 @@ async def score_samples_async(
                 try:
                     return reward_fn(args, payload), None
                 except KeyboardInterrupt:
-                    raise
+                    raise _Interrupted() from None
                 except BaseException as e:  # the verifier's own failure (even SystemExit): the run goes on
                     return None, _cause(e)
             task = asyncio.ensure_future(_call(reward_fn, args, payload, is_async))
@@ -165,7 +165,7 @@ async def score_samples_async(
             error = task.exception()
             if error is None:
                 return task.result(), None
-            if isinstance(error, KeyboardInterrupt):
+            if isinstance(error, _Interrupted):
                 raise error
             return None, _cause(error)
 
@@ -202,7 +202,10 @@ async def score_samples_async(
     # a named phase, so the hang watchdog and the trace can tell the verifier's time from the engines'
     with phase("reward", num_samples=len(samples)):
         async with (context() if context is not None else contextlib.nullcontext()):
-            causes = [c for part in await asyncio.gather(*jobs) for c in part]
+            try:
+                causes = [c for part in await asyncio.gather(*jobs) for c in part]
+            except _Interrupted:
+                raise KeyboardInterrupt from None  # the run stops, as on Ctrl-C
     failed = sorted(((s.index, c) for s, c in zip(ordered, causes) if c is not None), key=lambda f: f[0])
     _log_failures(failed, len(samples))
     return {"reward_time_s": time.perf_counter() - start, "num_failed": len(failed), "failed": failed}
@@ -274,6 +277,12 @@ class VerifierExit(Exception):
     """A verifier called `sys.exit()` (raised SystemExit): its sample fails; the run goes on."""
 
 
+class _Interrupted(Exception):
+    """A verifier raised KeyboardInterrupt. It travels out of the scoring tasks as an ordinary exception and is
+    raised again as KeyboardInterrupt by `score_samples_async` itself: a KeyboardInterrupt leaving a task breaks
+    out of the event loop at once and leaves that task's exception unretrieved (asyncio then logs a traceback)."""
+
+
 async def _call(fn: RewardFn, args: Any, payload: Any, is_async: bool) -> Any:
     try:
         result = fn(args, payload) if is_async else await _in_daemon_thread(fn, args, payload)
@@ -284,6 +293,8 @@ async def _call(fn: RewardFn, args: Any, payload: Any, is_async: bool) -> Any:
         # asyncio lets SystemExit out of a task through the event loop, which would end the run: re-raised as
         # an ordinary exception, it stays this call's failure
         raise VerifierExit(f"SystemExit: the verifier exited (code {e.code!r})") from None
+    except KeyboardInterrupt:
+        raise _Interrupted() from None
     return result
 
 
