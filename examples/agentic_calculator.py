@@ -52,7 +52,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from quickstart import StageFailed, eval_curve, fmt_curve, run_stage  # noqa: E402
+from quickstart import StageFailed, eval_curve, fmt_curve, metric_curve, run_stage  # noqa: E402
 
 EVAL_NAME = "heldout"  # the test set's name in metrics.jsonl (quickstart.eval_curve reads it)
 SFT_EVAL_NAME = "sft_eval"  # the split SFT's early stop reads (never the test set)
@@ -111,37 +111,43 @@ class CalcParser:
         raise NotImplementedError("the demo's parser serves the tool rollout only, which does not stream")
 
 
+def _prompt_ids(tok: Any, prompt: str) -> list[int]:
+    """The prompt as the tool rollout renders it: the user message with the tool's schema shown."""
+    from lichen.models.tokenizer import encode_prompt
+
+    return encode_prompt(tok, prompt, True, tools=[{"type": "function", "function": calc.schema}])
+
+
+def _turn(tok: Any, text: str) -> list[int]:
+    """An assistant turn's policy tokens: the text, then <|im_end|>."""
+    return list(tok.encode(text, add_special_tokens=False)) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
 def tool_trace(tok: Any, prompt: str, label: str, version: str = "") -> tuple[list[int], Any]:
     """(prompt ids, Trajectory) of one tool-using trace, built as the tool rollout builds a trajectory: the prompt
     rendered with the tool's schema, the call and the answer as policy tokens (loss mask 1), the chat template's
     tool turn with the calculator's result between them (loss mask 0)."""
-    from lichen.models.tokenizer import encode_prompt
     from lichen.rollout.tool_rollout import tool_turn_ids
     from lichen.rollout.trajectory import Trajectory
 
-    end = tok.convert_tokens_to_ids("<|im_end|>")
     expr = prompt.rstrip("=")
-    ids = encode_prompt(tok, prompt, True, tools=[{"type": "function", "function": calc.schema}])
-    call = list(tok.encode(call_text(expr), add_special_tokens=False)) + [end]
-    answer = list(tok.encode(str(label), add_special_tokens=False)) + [end]
+    call, answer = _turn(tok, call_text(expr)), _turn(tok, str(label))
     traj = Trajectory()
     traj.add_policy(call, [0.0] * len(call), version)
     traj.add_context(tool_turn_ids(tok, [{"role": "tool", "name": "calc", "content": calc(expr)}], "<|im_end|>"))
     traj.add_policy(answer, [0.0] * len(answer), version)
-    return ids, traj
+    return _prompt_ids(tok, prompt), traj
 
 
 def direct_trace(tok: Any, prompt: str, label: str, version: str = "") -> tuple[list[int], Any]:
     """(prompt ids, Trajectory) of a trace that answers from memory: the same prompt (the tool's schema shown), the
     answer as policy tokens."""
-    from lichen.models.tokenizer import encode_prompt
     from lichen.rollout.trajectory import Trajectory
 
-    ids = encode_prompt(tok, prompt, True, tools=[{"type": "function", "function": calc.schema}])
-    answer = list(tok.encode(str(label), add_special_tokens=False)) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    answer = _turn(tok, str(label))
     traj = Trajectory()
     traj.add_policy(answer, [0.0] * len(answer), version)
-    return ids, traj
+    return _prompt_ids(tok, prompt), traj
 
 
 def _supervised(args: Any, rollout_id: int, data_source: Any, evaluation: bool, trace: Any) -> Any:
@@ -339,13 +345,6 @@ def checkpoint_at(ckpt_dir: str, step: int) -> str:
     return hf
 
 
-def metric_curve(metrics_path: str, key: str) -> list[tuple[int, float]]:
-    """(step, value) of every metrics.jsonl row that logged `key`."""
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) is not None]
-
-
 def run_arm(args, arm: str, model: str, root: str, data: tuple[str, str, str], times: dict, cpu: dict) -> dict:
     train, heldout, sft_eval = data
     sft_out, rl_out = os.path.join(root, f"{arm}_sft"), os.path.join(root, f"{arm}_rl")
@@ -371,6 +370,7 @@ def run_arm(args, arm: str, model: str, root: str, data: tuple[str, str, str], t
         times["tool_mix"], cpu["tool_mix"] = run_stage("tool_mix", mix, os.path.join(root, "tool_mix.log"),
                                                        args.quiet, args.threads)
         start = checkpoint_at(os.path.join(mix_out, "checkpoints"), args.mix_steps)
+        out["mix_steps"] = args.mix_steps
         out["mix_sft_eval"] = eval_curve(os.path.join(mix_out, "metrics.jsonl"), SFT_EVAL_NAME)[-1][1]
     print(f"== {arm}: GRPO {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples", flush=True)
     times[f"{arm}_rl"], cpu[f"{arm}_rl"] = run_stage(f"{arm}_rl", rl_argv(args, arm, start, rl_out, train, heldout),
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, f, indent=1)
     print(f"\n== summary (seed {args.seed}, {args.heldout} held-out problems, greedy)")
     for arm, r in arms.items():
-        steps = f"{r['sft_steps']} + {args.mix_steps} mix" if "mix_sft_eval" in r else str(r["sft_steps"])
+        steps = f"{r['sft_steps']} + {r['mix_steps']} mix" if "mix_steps" in r else str(r["sft_steps"])
         print(f"  {arm:8s} held-out accuracy: SFT ({steps} steps) {100 * r['sft_accuracy']:5.1f}%  ->  "
               f"RL {100 * r['rl_accuracy']:5.1f}%"
               f"   (curve {fmt_curve(r['rl_curve'])})")

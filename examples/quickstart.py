@@ -220,15 +220,17 @@ def rl_argv(args: argparse.Namespace, paths: Paths, start: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------- results
 
 
+def metric_curve(metrics_path: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every metrics.jsonl row that logged `key`."""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) is not None]
+
+
 def eval_curve(metrics_path: str, name: str = EVAL_NAME) -> list[tuple[int, float]]:
     """(rollout steps done, accuracy on eval set `name`) for each eval logged in metrics.jsonl."""
     key = f"eval/{name}/reward_mean"
-    curve = []
-    with open(metrics_path) as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get(key) is not None:
-                curve.append((int(row["step"]), float(row[key])))
+    curve = metric_curve(metrics_path, key)
     if not curve:
         raise StageFailed(f"{metrics_path}: no {key} logged")
     return curve

@@ -21,6 +21,7 @@ have (docs/architecture.md#sampling-seeds; lichen serve always honours the seed,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any, AsyncIterator
 
@@ -161,14 +162,10 @@ class EngineClient:
         when the body is not JSON, or None when it is empty). Raises EngineUnavailable when every attempt
         failed to connect."""
         session = self._ensure()
-        headers: dict[str, str] = {}
-        key = key_for_path(path, self.api_key, self.admin_api_key)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
+        headers = self._headers(path, json_body=body is not None)
         kwargs: dict[str, Any] = {"params": params, "headers": headers}
         if body is not None:
             kwargs["data"] = json.dumps(body)
-            headers["Content-Type"] = "application/json"
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.timeout.sock_connect)
         tries = 1 + (self.max_retries if retry else 0)
@@ -207,62 +204,52 @@ class EngineClient:
             raise EngineRequestError(self.url, path, status, payload)
         return payload
 
-    async def generate(self, payload: dict) -> dict:
-        """POST /generate with `payload` under the concurrency cap; returns the response object."""
+    def _headers(self, path: str, json_body: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"} if json_body else {}
+        key = key_for_path(path, self.api_key, self.admin_api_key)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    @contextlib.asynccontextmanager
+    async def _generate_slot(self) -> AsyncIterator[None]:
+        """A /generate call under the concurrency cap, counted as outstanding while it waits and in flight while
+        it runs (the router's load signals)."""
         self._ensure()
         self.outstanding += 1
         try:
             async with self._slots:
                 self.in_flight += 1
                 try:
-                    out = await self.call_json("POST", "/generate", payload)
+                    yield
                 finally:
                     self.in_flight -= 1
         finally:
             self.outstanding -= 1
-        return out
+
+    async def generate(self, payload: dict) -> dict:
+        """POST /generate with `payload` under the concurrency cap; returns the response object."""
+        async with self._generate_slot():
+            return await self.call_json("POST", "/generate", payload)
 
     async def generate_stream(self, payload: dict) -> AsyncIterator[dict]:
         """POST /generate with `"stream": true` under the concurrency cap: each event's object (the output so far,
         as lichen serve and SGLang stream it) until [DONE]. Sent once, never retried (part of the output may have
         been used). Closing the iterator early closes the connection, which aborts the request on the server."""
-        session = self._ensure()
-        headers = {"Content-Type": "application/json"}
-        key = key_for_path("/generate", self.api_key, self.admin_api_key)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        self.outstanding += 1
-        try:
-            async with self._slots:
-                self.in_flight += 1
-                self.attempts += 1
-                try:
-                    async with session.post(self.url + "/generate", data=json.dumps({**payload, "stream": True}),
-                                            headers=headers) as resp:
-                        if resp.status != 200:
-                            raise EngineRequestError(self.url, "/generate", resp.status, _decode(await resp.read()))
-                        buf = b""
-                        async for data in resp.content.iter_any():  # an event may pass aiohttp's line limit
-                            buf += data
-                            *events, buf = buf.split(b"\n\n")
-                            for event in events:
-                                if not event.startswith(b"data: "):
-                                    continue
-                                if event[6:] == b"[DONE]":
-                                    return
-                                out = json.loads(event[6:])
-                                if isinstance(out, dict) and "error" in out:
-                                    status = out["error"].get("code") if isinstance(out["error"], dict) else None
-                                    raise EngineRequestError(self.url, "/generate", int(status or 500), out)
-                                yield out
-                    raise EngineUnavailable(f"{self.url}/generate: the stream ended without [DONE]")
-                except CONNECTION_ERRORS as e:
-                    raise EngineUnavailable(f"{self.url}/generate: the stream broke ({type(e).__name__}: {e})") \
-                        from None
-                finally:
-                    self.in_flight -= 1
-        finally:
-            self.outstanding -= 1
+        async with self._generate_slot():
+            self.attempts += 1
+            try:
+                async with self._session.post(self.url + "/generate", data=json.dumps({**payload, "stream": True}),
+                                              headers=self._headers("/generate", json_body=True)) as resp:
+                    if resp.status != 200:
+                        raise EngineRequestError(self.url, "/generate", resp.status, _decode(await resp.read()))
+                    async for out in _sse_objects(resp):
+                        if isinstance(out, dict) and "error" in out:
+                            status = out["error"].get("code") if isinstance(out["error"], dict) else None
+                            raise EngineRequestError(self.url, "/generate", int(status or 500), out)
+                        yield out
+            except CONNECTION_ERRORS as e:
+                raise EngineUnavailable(f"{self.url}/generate: the stream broke ({type(e).__name__}: {e})") from None
 
     async def has_endpoint(self, path: str) -> bool:
         """Whether the server routes `path`, asked without side effects: an OPTIONS request answers 404 for an
@@ -335,3 +322,18 @@ def _decode(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         return raw.decode(errors="replace")
+
+
+async def _sse_objects(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    """The JSON object of each `data:` event of a server-sent-event response, until `data: [DONE]`. Read in
+    pieces, not lines: one event (a long output with its log-probs) may pass aiohttp's line limit."""
+    buf = b""
+    async for data in resp.content.iter_any():
+        *events, buf = (buf + data).split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: "):
+                continue
+            if event[6:] == b"[DONE]":
+                return
+            yield json.loads(event[6:])
+    raise EngineUnavailable(f"{resp.url}: the stream ended without [DONE]")

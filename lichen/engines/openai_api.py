@@ -21,6 +21,7 @@ from lichen.engines.chat_tools import refuse_ignored_tools, template_messages, t
 from lichen.engines.protocol import (Job, OutputOptions, RequestError, abort_status, bool_field, error_body,
                                      expect, int_field, int_list, loads, make_job, output_text, parse_sampling,
                                      stream_error)
+from lichen.engines.tool_parsers import tool_finish_reason
 
 from lichen.observe.metrics import get_logger
 
@@ -357,11 +358,6 @@ def _refuse_response_format(body: dict) -> None:
                            "decoding); leave it out or use {\"type\": \"text\"}", shape="object")
 
 
-def _tool_finish(reason: str | None, calls: int) -> str | None:
-    """OpenAI's finish_reason for a reply that ends in tool calls."""
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
 async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     _refuse_response_format(body)
@@ -403,7 +399,7 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
                 if calls:
                     msg["tool_calls"] = [c.openai(calls_sent[job.index] + i) for i, c in enumerate(calls)]
                     calls_sent[job.index] += len(calls)
-                reason = _tool_finish(reason, calls_sent[job.index])
+                reason = tool_finish_reason(reason, calls_sent[job.index])
             if delta:
                 msg = {"content": delta, **msg}
             if not msg and reason is None:
@@ -429,7 +425,7 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
         if parse:
             parsed = server.tool_parser.parse(content)
             content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
-            reason = _tool_finish(reason, len(parsed.calls))
+            reason = tool_finish_reason(reason, len(parsed.calls))
         choices.append({"index": job.index,
                         "message": {"role": "assistant", "content": content, "reasoning_content": None,
                                     "tool_calls": calls},

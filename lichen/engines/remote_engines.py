@@ -212,13 +212,7 @@ class RemoteEngines:
                         allow_abort: bool = False) -> GenResult:
         """One request, on the engines' loop (see `run`)."""
         index, out = await self.router.generate(generate_payload(request, rid=rid or uuid.uuid4().hex), session_id)
-        url = self.clients[index].url
-        result = result_from_output(out, url)
-        result.engine = url
-        if result.finish_reason == "abort" and not allow_abort:
-            reason = out["meta_info"].get("finish_reason") or {}
-            raise EngineError(f"{url} aborted a rollout request: {reason.get('message', reason)}")
-        return result
+        return self._result(index, out, allow_abort)
 
     async def agenerate_stream(self, request: GenRequest, session_id: str | None = None, *,
                                rid: str | None = None) -> AsyncIterator[GenResult]:
@@ -227,14 +221,21 @@ class RemoteEngines:
         payload = generate_payload(request, rid=rid or uuid.uuid4().hex)
         async with contextlib.aclosing(self.router.generate_stream(payload, session_id)) as events:
             async for index, out in events:
-                url = self.clients[index].url
-                result = result_from_output(out, url)
-                result.engine = url
-                if out["meta_info"].get("finish_reason") is None:
+                result = self._result(index, out)
+                if out["meta_info"].get("finish_reason") is None:  # not the last event: the output so far
                     result.finish_reason = None
-                elif result.finish_reason == "abort":
-                    raise EngineError(f"{url} aborted a rollout request: {out['meta_info']['finish_reason']}")
                 yield result
+
+    def _result(self, index: int, out: dict, allow_abort: bool = False) -> GenResult:
+        """The GenResult of engine `index`'s /generate output; an aborted request raises EngineError unless
+        `allow_abort`."""
+        url = self.clients[index].url
+        result = result_from_output(out, url)
+        result.engine = url
+        if result.finish_reason == "abort" and not allow_abort:
+            reason = out["meta_info"].get("finish_reason") or {}
+            raise EngineError(f"{url} aborted a rollout request: {reason.get('message', reason)}")
+        return result
 
     # ---- state and control --------------------------------------------------------------------------------
     def weight_versions(self) -> list[str | None]:

@@ -157,6 +157,11 @@ BUILTIN: dict[str, Callable[[], ToolCallParser]] = {"hermes": TaggedJsonParser, 
                                                      "qwen25": TaggedJsonParser, "qwen3": TaggedJsonParser}
 
 
+def tool_finish_reason(reason: str | None, calls: int) -> str | None:
+    """OpenAI's finish_reason for a reply: "tool_calls" when it stopped after making calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 def load_parser(name: str | None, flag: str = FLAG) -> ToolCallParser | None:
     """A built-in parser by name, a plug-in by dotted path, or None for "none" (no parsing)."""
     if name is None or name == "none":

@@ -33,7 +33,7 @@ from aiohttp import web
 from lichen.engines.chat_tools import tool_mode
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.protocol import RequestError
-from lichen.engines.tool_parsers import ToolCallParser, load_parser
+from lichen.engines.tool_parsers import ToolCallParser, load_parser, tool_finish_reason
 from lichen.rollout.agent_proxy_stream import ReplyStream, generation, token_logprobs
 from lichen.rollout.tool_rollout import first_mismatch
 from lichen.rollout.trajectory import Trajectory
@@ -164,7 +164,7 @@ class AgentProxy:
             parsed = self.parser.parse(content)
             content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
         self._record(session, turn, res, content, calls)
-        reason = "tool_calls" if calls and res.finish_reason == "stop" else res.finish_reason
+        reason = tool_finish_reason(res.finish_reason, len(calls or []))
         lps = None
         if body.get("logprobs"):
             lps = {"content": token_logprobs(self.tok, res.output_ids, res.output_logprobs)}

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.protocol import stream_error
-from lichen.engines.tool_parsers import ToolCallParser
+from lichen.engines.tool_parsers import ToolCallParser, tool_finish_reason
 
 
 def token_logprobs(tok: Any, ids: list[int], logprobs: list[float]) -> list[dict]:
@@ -91,9 +91,7 @@ class ReplyStream:
         self.text += delta
         if delta:
             msg = {"content": delta, **msg}
-        reason = None
-        if final:
-            reason = "tool_calls" if self.calls and res.finish_reason == "stop" else res.finish_reason
+        reason = tool_finish_reason(res.finish_reason, len(self.calls)) if final else None
         if msg or final:
             n = len(res.output_ids)
             lps = None

@@ -17,7 +17,6 @@ With --check-token-fidelity each Sample gets metadata["token_fidelity"] (AgentPr
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, AsyncIterator
 
 from lichen.config.tool_config import ToolConfig
@@ -52,11 +51,8 @@ class _RolloutEngine:
     async def agenerate(self, request: GenRequest, session_id: str | None = None) -> GenResult:
         return await self.ctx.engine.agenerate(self._request(request, session_id), session_id)
 
-    async def agenerate_stream(self, request: GenRequest, session_id: str | None = None) -> AsyncIterator[GenResult]:
-        async with contextlib.aclosing(generation(self.ctx.engine, self._request(request, session_id),
-                                                  session_id)) as results:
-            async for res in results:
-                yield res
+    def agenerate_stream(self, request: GenRequest, session_id: str | None = None) -> AsyncIterator[GenResult]:
+        return generation(self.ctx.engine, self._request(request, session_id), session_id)
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sample]:
