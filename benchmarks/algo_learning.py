@@ -22,8 +22,12 @@ import quickstart  # noqa: E402
 ALGOS = {
     "grpo": [],
     "ppo": ["--advantage-estimator", "ppo", "--critic-lr", "1e-3"],
-    "grpo-dynamic-sampling": ["--dynamic-sampling-filter-path", "lichen.rollout.filters.check_reward_nonzero_std",
-                              "--over-sampling-batch-size", "48"],
+    "grpo-dynamic-sampling": [
+        "--dynamic-sampling-filter-path",
+        "lichen.rollout.filters.check_reward_nonzero_std",
+        "--over-sampling-batch-size",
+        "48",
+    ],
 }
 
 

@@ -29,8 +29,26 @@ sys.path.insert(0, HERE)  # lichen_bench, when imported from a test
 from lichen_bench.children import split_passthrough  # noqa: E402
 from lichen_bench.learning import paired_ci  # noqa: E402
 
-TINY = ["--max-operand", "9", "--heldout", "20", "--sft-steps", "2", "--sft-batch", "8", "--sft-eval-every", "2",
-        "--rl-steps", "2", "--rl-prompts", "4", "--rl-group", "2", "--rl-eval-every", "2"]
+TINY = [
+    "--max-operand",
+    "9",
+    "--heldout",
+    "20",
+    "--sft-steps",
+    "2",
+    "--sft-batch",
+    "8",
+    "--sft-eval-every",
+    "2",
+    "--rl-steps",
+    "2",
+    "--rl-prompts",
+    "4",
+    "--rl-group",
+    "2",
+    "--rl-eval-every",
+    "2",
+]
 SERVER = ["--rollout-num-engines", "1"]
 
 
@@ -44,11 +62,16 @@ def load_quickstart():
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     argv, extra = split_passthrough(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--seeds", type=int, default=10, help="paired seeds 1..N")
-    p.add_argument("--first-seed", type=int, default=1,
-                   help="start at this seed (--seeds counts from it): split the seeds across invocations")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=1,
+        help="start at this seed (--seeds counts from it): split the seeds across invocations",
+    )
     p.add_argument("--workdir", default="runs/async_learning")
     p.add_argument("--tiny", action="store_true", help="a few steps per stage: checks the script, measures nothing")
     return p.parse_args(argv), (TINY if "--tiny" in argv else []) + extra
@@ -60,10 +83,28 @@ def run_seed(qs, seed: int, workdir: str, qs_argv: list[str]) -> dict:
     paths = qs.Paths(os.path.abspath(workdir))
     paths.fresh()
     log = lambda name: os.path.join(paths.root, f"{name}.log")  # noqa: E731
-    qs.run_stage("model", ["make-tiny-model", paths.model, "--arch", "llama", "--hidden-size", str(args.hidden_size),
-                           "--num-layers", str(args.num_layers), "--num-heads", str(args.num_heads),
-                           "--intermediate-size", str(args.intermediate_size), "--seed", str(seed)],
-                 log("model"), True, args.threads)
+    qs.run_stage(
+        "model",
+        [
+            "make-tiny-model",
+            paths.model,
+            "--arch",
+            "llama",
+            "--hidden-size",
+            str(args.hidden_size),
+            "--num-layers",
+            str(args.num_layers),
+            "--num-heads",
+            str(args.num_heads),
+            "--intermediate-size",
+            str(args.intermediate_size),
+            "--seed",
+            str(seed),
+        ],
+        log("model"),
+        True,
+        args.threads,
+    )
     qs.make_data(args, paths)
     qs.run_stage("sft", qs.sft_argv(args, paths), log("sft"), True, args.threads)
     start = qs.sft_checkpoint(paths)
@@ -90,23 +131,30 @@ def run_seed(qs, seed: int, workdir: str, qs_argv: list[str]) -> dict:
 def report(rows: list[dict]) -> dict:
     print(f"\n{'seed':>4}  {'SFT acc':>7}  {'sync gain':>9}  {'async gain':>10}  {'async - sync':>12}")
     for r in rows:
-        print(f"{r['seed']:>4}  {100 * r['sync_curve'][0][1]:>6.1f}%  {r['sync_gain']:>+9.1f}  "
-              f"{r['async_gain']:>+10.1f}  {r['diff']:>+12.1f}")
+        print(
+            f"{r['seed']:>4}  {100 * r['sync_curve'][0][1]:>6.1f}%  {r['sync_gain']:>+9.1f}  "
+            f"{r['async_gain']:>+10.1f}  {r['diff']:>+12.1f}"
+        )
     diffs = [r["diff"] for r in rows]
     summary: dict = {"seeds": [r["seed"] for r in rows], "diffs": diffs}
     if len(diffs) >= 2:
         ci = paired_ci(diffs)
         summary["ci"] = ci
-        print(f"mean async - sync: {ci['mean']:+.2f} points, 95% CI [{ci['lower']:+.2f}, {ci['upper']:+.2f}] "
-              f"over {ci['n']} seeds (bar: lower bound >= -3: {'met' if ci['lower'] >= -3 else 'NOT met'})")
+        print(
+            f"mean async - sync: {ci['mean']:+.2f} points, 95% CI [{ci['lower']:+.2f}, {ci['upper']:+.2f}] "
+            f"over {ci['n']} seeds (bar: lower bound >= -3: {'met' if ci['lower'] >= -3 else 'NOT met'})"
+        )
     else:
         print(f"mean async - sync: {sum(diffs) / max(len(diffs), 1):+.2f} points (one seed: no confidence interval)")
     hist = collections.Counter(s for r in rows for s in r["staleness_max"])
     means = [s for r in rows for s in r["staleness_mean"]]
     summary["staleness_max_hist"] = {str(k): v for k, v in sorted(hist.items())}
     summary["staleness_mean"] = sum(means) / len(means) if means else None
-    print("async train/staleness_max per step:", dict(sorted(hist.items())),
-          f"mean staleness {summary['staleness_mean']:.3f}" if means else "")
+    print(
+        "async train/staleness_max per step:",
+        dict(sorted(hist.items())),
+        f"mean staleness {summary['staleness_mean']:.3f}" if means else "",
+    )
     return summary
 
 

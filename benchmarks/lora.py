@@ -45,8 +45,16 @@ def make_model(workdir: str) -> str:
 
     path = os.path.join(workdir, "llama20m")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        make_tiny_model(path, arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8,
-                        intermediate_size=1376, seed=0)
+        make_tiny_model(
+            path,
+            arch="llama",
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=8,
+            intermediate_size=1376,
+            seed=0,
+        )
     return path
 
 
@@ -57,10 +65,30 @@ def make_trainer(model: str, workdir: str, extra: list[str]):
     data = os.path.join(workdir, "prompts.jsonl")
     with open(data, "w") as f:
         f.write(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
-    args = parse_train_args(["--hf-checkpoint", model, "--prompt-data", data, "--rm-type", "math",
-                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "1",
-                             "--micro-batch-size", "4", "--lr", "1e-4", "--output-dir", os.path.join(workdir, "out"),
-                             "--no-progress", *extra])
+    args = parse_train_args(
+        [
+            "--hf-checkpoint",
+            model,
+            "--prompt-data",
+            data,
+            "--rm-type",
+            "math",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--num-rollout",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            "--output-dir",
+            os.path.join(workdir, "out"),
+            "--no-progress",
+            *extra,
+        ]
+    )
     return TrainActor(TrainerConfig.from_args(args), plugin_args=args)
 
 
@@ -71,15 +99,27 @@ def batch(vocab: int, a: argparse.Namespace, seed: int):
     samples = []
     for i in range(a.samples):
         resp = a.seq_len // 2
-        samples.append(Sample(tokens=[rng.randrange(3, vocab) for _ in range(a.seq_len)], response_length=resp,
-                              reward=float(rng.random() < 0.5), status=Status.COMPLETED, group_index=i // 4, index=i,
-                              rollout_log_probs=[-2.0] * resp))
-    return [samples[i:i + 4] for i in range(0, len(samples), 4)]
+        samples.append(
+            Sample(
+                tokens=[rng.randrange(3, vocab) for _ in range(a.seq_len)],
+                response_length=resp,
+                reward=float(rng.random() < 0.5),
+                status=Status.COMPLETED,
+                group_index=i // 4,
+                index=i,
+                rollout_log_probs=[-2.0] * resp,
+            )
+        )
+    return [samples[i : i + 4] for i in range(0, len(samples), 4)]
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if hasattr(t, "numel") and t.dim() > 0)
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if hasattr(t, "numel") and t.dim() > 0
+    )
 
 
 def quickstart(argv: list[str]) -> int:
@@ -108,13 +148,20 @@ def quickstart(argv: list[str]) -> int:
             continue
         subprocess.run([sys.executable, path, "--seed", str(seed), "--workdir", root, "--quiet"], check=True)
         with open(os.path.join(root, "summary.json")) as f:
-            full = json.load(f)
+            json.load(f)  # the run wrote a readable summary
         args = qs.parse_args(["--seed", str(seed), "--workdir", root])
         paths = qs.Paths(root)
         argv_rl = qs.rl_argv(args, paths, qs.sft_checkpoint(paths))
         argv_rl[argv_rl.index("--output-dir") + 1] = out
-        argv_rl += ["--use-lora", "--lora-rank", str(a.rank), "--lora-alpha", str(2 * a.rank),
-                    "--lora-learning-rate", str(a.lr)]
+        argv_rl += [
+            "--use-lora",
+            "--lora-rank",
+            str(a.rank),
+            "--lora-alpha",
+            str(2 * a.rank),
+            "--lora-learning-rate",
+            str(a.lr),
+        ]
         if os.path.isdir(out):
             import shutil
 
@@ -123,21 +170,31 @@ def quickstart(argv: list[str]) -> int:
         with open(os.path.join(out, "wall_seconds.txt"), "w") as f:
             f.write(f"{wall}\n")
         rows.append(_seed_row(seed, root, qs))
-        print(f"seed {seed}: SFT {100 * rows[-1][1]:.1f}%, full RL {100 * rows[-1][2]:.1f}%, "
-              f"LoRA RL {100 * rows[-1][3]:.1f}%", flush=True)
+        print(
+            f"seed {seed}: SFT {100 * rows[-1][1]:.1f}%, full RL {100 * rows[-1][2]:.1f}%, "
+            f"LoRA RL {100 * rows[-1][3]:.1f}%",
+            flush=True,
+        )
     print(f"\nLoRA rank {a.rank}, alpha {2 * a.rank}, lr {a.lr:g} (full fine-tuning: the quick start's own RL stage)")
     print("seed  after SFT  full RL (gain)    LoRA RL (gain)    RL wall s full / LoRA")
     for seed, sft, full_acc, lora_acc, t_full, t_lora in rows:
-        print(f"{seed:>4}  {100 * sft:8.1f}%  {100 * full_acc:5.1f}% ({100 * (full_acc - sft):+5.1f})  "
-              f"{100 * lora_acc:5.1f}% ({100 * (lora_acc - sft):+5.1f})   {t_full:.0f} / {t_lora:.0f}")
+        print(
+            f"{seed:>4}  {100 * sft:8.1f}%  {100 * full_acc:5.1f}% ({100 * (full_acc - sft):+5.1f})  "
+            f"{100 * lora_acc:5.1f}% ({100 * (lora_acc - sft):+5.1f})   {t_full:.0f} / {t_lora:.0f}"
+        )
     gains = [(100 * (f - s), 100 * (lo - s)) for _, s, f, lo, _, _ in rows]
-    print(f"mean gain: full {statistics.mean(g[0] for g in gains):+.1f} points, "
-          f"LoRA {statistics.mean(g[1] for g in gains):+.1f} points over {len(rows)} seeds")
+    print(
+        f"mean gain: full {statistics.mean(g[0] for g in gains):+.1f} points, "
+        f"LoRA {statistics.mean(g[1] for g in gains):+.1f} points over {len(rows)} seeds"
+    )
     if len(rows) >= 2:
         from lichen_bench.learning import paired_ci
 
-        for name, xs in (("full", [g[0] for g in gains]), ("LoRA", [g[1] for g in gains]),
-                         ("LoRA - full", [g[1] - g[0] for g in gains])):
+        for name, xs in (
+            ("full", [g[0] for g in gains]),
+            ("LoRA", [g[1] for g in gains]),
+            ("LoRA - full", [g[1] - g[0] for g in gains]),
+        ):
             ci = paired_ci(xs)
             print(f"{name}: mean {ci['mean']:+.2f} points, 95% CI [{ci['lower']:+.2f}, {ci['upper']:+.2f}]")
     return 0
@@ -169,9 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     os.makedirs(a.workdir, exist_ok=True)
     model = make_model(a.workdir)
-    runs = {"full": make_trainer(model, a.workdir, []),
-            "lora": make_trainer(model, a.workdir, ["--use-lora", "--lora-rank", str(a.rank),
-                                                    "--lora-alpha", str(2 * a.rank)])}
+    runs = {
+        "full": make_trainer(model, a.workdir, []),
+        "lora": make_trainer(
+            model, a.workdir, ["--use-lora", "--lora-rank", str(a.rank), "--lora-alpha", str(2 * a.rank)]
+        ),
+    }
     n_params = sum(p.numel() for p in runs["full"].model.parameters())
     times: dict[str, list[float]] = {k: [] for k in runs}
     for step in range(a.warmup + a.steps):
@@ -181,9 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train(step, groups)
             if step >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
-    print(f"llama, {n_params / 1e6:.1f}M parameters; {a.samples} samples x {a.seq_len} tokens per step, "
-          f"{a.steps} measured steps, {a.threads} torch thread(s), LoRA rank {a.rank} alpha {2 * a.rank} "
-          "(dense_language: attention + MLP)")
+    print(
+        f"llama, {n_params / 1e6:.1f}M parameters; {a.samples} samples x {a.seq_len} tokens per step, "
+        f"{a.steps} measured steps, {a.threads} torch thread(s), LoRA rank {a.rank} alpha {2 * a.rank} "
+        "(dense_language: attention + MLP)"
+    )
     row = "{:<6} {:>16} {:>22} {:>16}"
     print(row.format("", "trainable params", "optimizer state (MiB)", "step time (s)"))
     stats = {}

@@ -40,9 +40,16 @@ def engine_tok_s(model, args) -> float:
     from lichen.engines.engine import Engine, GenRequest
 
     engine = Engine(model, eos_token_ids=[1], max_batch_size=args.batch)
-    reqs = [GenRequest(input_ids=[5 + (i * 7 + j) % 90 for j in range(args.prompt_len - i % 4)],
-                       max_new_tokens=args.new_tokens, temperature=1.0, seed=i, ignore_eos=True)
-            for i in range(args.requests)]
+    reqs = [
+        GenRequest(
+            input_ids=[5 + (i * 7 + j) % 90 for j in range(args.prompt_len - i % 4)],
+            max_new_tokens=args.new_tokens,
+            temperature=1.0,
+            seed=i,
+            ignore_eos=True,
+        )
+        for i in range(args.requests)
+    ]
     t0 = time.perf_counter()
     out = engine.generate(reqs)
     return sum(len(r.output_ids) for r in out) / (time.perf_counter() - t0)
@@ -76,8 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     ckpt = os.path.join(args.workdir, "llama20m")
-    make_tiny_model(ckpt, arch="llama", hidden_size=448, num_layers=8, num_heads=7, intermediate_size=1216,
-                    max_position_embeddings=512, seed=0)
+    make_tiny_model(
+        ckpt,
+        arch="llama",
+        hidden_size=448,
+        num_layers=8,
+        num_heads=7,
+        intermediate_size=1216,
+        max_position_embeddings=512,
+        seed=0,
+    )
     models = {impl: load_model(ckpt, impl=impl) for impl in ("lichen", "hf")}
     n_params = sum(p.numel() for p in models["lichen"].parameters())
     tok_s = {impl: [] for impl in models}
@@ -91,10 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: {impl: statistics.median(v) for impl, v in d.items()} for k, d in (("tok_s", tok_s), ("step_s", step_s))}
     print(f"llama {n_params / 1e6:.1f}M parameters, {args.threads} thread(s), median of {args.repeats}")
     print(f"{'':28}{'lichen':>10}{'hf':>10}{'hf / lichen':>14}")
-    print(f"{'engine useful tok/s':28}{med['tok_s']['lichen']:>10.1f}{med['tok_s']['hf']:>10.1f}"
-          f"{med['tok_s']['hf'] / med['tok_s']['lichen']:>14.2f}")
-    print(f"{'trainer step time (s)':28}{med['step_s']['lichen']:>10.3f}{med['step_s']['hf']:>10.3f}"
-          f"{med['step_s']['hf'] / med['step_s']['lichen']:>14.2f}")
+    print(
+        f"{'engine useful tok/s':28}{med['tok_s']['lichen']:>10.1f}{med['tok_s']['hf']:>10.1f}"
+        f"{med['tok_s']['hf'] / med['tok_s']['lichen']:>14.2f}"
+    )
+    print(
+        f"{'trainer step time (s)':28}{med['step_s']['lichen']:>10.3f}{med['step_s']['hf']:>10.3f}"
+        f"{med['step_s']['hf'] / med['step_s']['lichen']:>14.2f}"
+    )
     return 0
 
 

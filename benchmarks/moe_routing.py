@@ -70,7 +70,7 @@ def measure(ckpt: str, args) -> tuple[int, int, float, float]:
             compared += n
             flips += sum(a != b for a, b in zip(rows[:n], rollout[layer][:n]))
         p = len(prompt)
-        ref = logp[p - 1:-1].gather(-1, torch.tensor(res.output_ids)[:, None]).squeeze(-1)
+        ref = logp[p - 1 : -1].gather(-1, torch.tensor(res.output_ids)[:, None]).squeeze(-1)
         diffs += (ref - torch.tensor(res.output_logprobs)).abs().tolist()
     return compared, flips, sum(diffs) / len(diffs), max(diffs)
 
@@ -88,8 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     print(f"{'arch':14}{'token x layer':>15}{'different experts':>19}{'lp diff mean':>14}{'lp diff max':>13}")
     for arch in MOE_ARCHS:
-        ckpt = make_tiny_model(os.path.join(args.workdir, arch), arch=arch, hidden_size=32, num_layers=2,
-                               num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=256)
+        ckpt = make_tiny_model(
+            os.path.join(args.workdir, arch),
+            arch=arch,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=48,
+            max_position_embeddings=256,
+        )
         compared, flips, mean, worst = measure(ckpt, args)
         print(f"{arch:14}{compared:>15}{flips:>19}{mean:>14.1e}{worst:>13.1e}")
     return 0

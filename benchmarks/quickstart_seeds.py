@@ -27,8 +27,9 @@ QUICKSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exa
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     argv, extra = split_passthrough(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--workdir", default="runs/quickstart_seeds")
     p.add_argument("--min-gain", type=float, default=10.0, help="points of held-out accuracy RL must add")
@@ -62,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         rows.append((seed, run_seed(seed, os.path.join(args.workdir, f"seed{seed}"), extra, args.verbose)))
 
-    print(f"\nquick start over {len(rows)} seeds (pass: RL gain >= {args.min_gain:g} points and total wall time "
-          f"<= {args.max_seconds:.0f}s)")
+    print(
+        f"\nquick start over {len(rows)} seeds (pass: RL gain >= {args.min_gain:g} points and total wall time "
+        f"<= {args.max_seconds:.0f}s)"
+    )
     cols = ("seed", "SFT acc", "RL acc", "gain", "model", "SFT", "RL", "total", "CPU", "result")
     widths = (4, 7, 7, 6, 5, 5, 5, 6, 5)
     head = "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)) + "  " + cols[-1]
@@ -79,11 +82,22 @@ def main(argv: list[str] | None = None) -> int:
         why = [] if s["delta_points"] >= args.min_gain else [f"gain < {args.min_gain:g}"]
         why += [] if t["total"] <= args.max_seconds else [f"time > {args.max_seconds:.0f}s"]
         failed += bool(why)
-        cells = [str(seed), f"{100 * s['sft_accuracy']:.1f}%", f"{100 * s['rl_accuracy']:.1f}%",
-                 f"{s['delta_points']:+.1f}", f"{t['model']:.0f}s", f"{t['sft']:.0f}s", f"{t['rl']:.0f}s",
-                 f"{t['total']:.0f}s", f"{c['total']:.0f}s" if "total" in c else "-"]
-        print("  ".join(f"{v:>{w}}" for v, w in zip(cells, widths)) + "  "
-              + ("ok" if not why else "FAIL (" + ", ".join(why) + ")"))
+        cells = [
+            str(seed),
+            f"{100 * s['sft_accuracy']:.1f}%",
+            f"{100 * s['rl_accuracy']:.1f}%",
+            f"{s['delta_points']:+.1f}",
+            f"{t['model']:.0f}s",
+            f"{t['sft']:.0f}s",
+            f"{t['rl']:.0f}s",
+            f"{t['total']:.0f}s",
+            f"{c['total']:.0f}s" if "total" in c else "-",
+        ]
+        print(
+            "  ".join(f"{v:>{w}}" for v, w in zip(cells, widths))
+            + "  "
+            + ("ok" if not why else "FAIL (" + ", ".join(why) + ")")
+        )
     ok = [s for _, s in rows if s is not None]
     if ok:
         mean = sum(s["delta_points"] for s in ok) / len(ok)

@@ -57,8 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1, help="seed of the model init, the data split and sampling")
     p.add_argument("--workdir", default="runs/quickstart", help="where the model, data, logs and checkpoints go")
-    p.add_argument("--quiet", action="store_true", help="print only stage headers and the summary (by default the "
-                   "steps with an eval are printed too; full logs are always in <workdir>/<stage>.log)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only stage headers and the summary (by default the "
+        "steps with an eval are printed too; full logs are always in <workdir>/<stage>.log)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each training process")
     g = p.add_argument_group("task and model")
     g.add_argument("--max-operand", type=int, default=99, help="operands are 0..N")
@@ -77,8 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--rl-prompts", type=int, default=64, help="prompts per rollout step (--rollout-batch-size)")
     g.add_argument("--rl-group", type=int, default=8, help="samples per prompt (--n-samples-per-prompt)")
     g.add_argument("--rl-lr", type=float, default=1e-4, help="peak learning rate")
-    g.add_argument("--rl-lr-decay", choices=["constant", "linear", "cosine"], default="cosine",
-                   help="learning-rate schedule over the RL steps (decays to 0)")
+    g.add_argument(
+        "--rl-lr-decay",
+        choices=["constant", "linear", "cosine"],
+        default="cosine",
+        help="learning-rate schedule over the RL steps (decays to 0)",
+    )
     g.add_argument("--rl-temperature", type=float, default=1.0, help="rollout sampling temperature")
     g.add_argument("--rl-eval-every", type=int, default=25, help="held-out eval every N steps")
     args = p.parse_args(argv)
@@ -118,8 +126,9 @@ class StageFailed(RuntimeError):
     pass
 
 
-def run_stage(name: str, argv: list[str], log_path: str, quiet: bool, threads: int,
-              stop: Callable[[str], bool] | None = None) -> tuple[float, float]:
+def run_stage(
+    name: str, argv: list[str], log_path: str, quiet: bool, threads: int, stop: Callable[[str], bool] | None = None
+) -> tuple[float, float]:
     """Run `python -m lichen.cli ARGV`, teeing its output to log_path; returns (wall, CPU) seconds.
 
     CPU seconds (user + system of the child) are printed beside wall time because they do not grow when other
@@ -171,49 +180,90 @@ def make_data(args: argparse.Namespace, paths: Paths) -> tuple[int, int]:
 
 def common_flags(args: argparse.Namespace, paths: Paths) -> list[str]:
     return [
-        "--device", "cpu",
-        "--num-threads", str(args.threads),
-        "--seed", str(args.seed),
-        "--prompt-data", paths.train,
-        "--rollout-shuffle", "--rollout-seed", str(args.seed),
-        "--rm-type", "leading_number",
-        "--eval-prompt-data", EVAL_NAME, paths.heldout,
-        "--eval-temperature", "0",          # greedy
-        "--eval-max-response-len", "5",     # "198" + eos needs 4
+        "--device",
+        "cpu",
+        "--num-threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+        "--prompt-data",
+        paths.train,
+        "--rollout-shuffle",
+        "--rollout-seed",
+        str(args.seed),
+        "--rm-type",
+        "leading_number",
+        "--eval-prompt-data",
+        EVAL_NAME,
+        paths.heldout,
+        "--eval-temperature",
+        "0",  # greedy
+        "--eval-max-response-len",
+        "5",  # "198" + eos needs 4
         "--no-progress",
     ]
 
 
 def sft_argv(args: argparse.Namespace, paths: Paths) -> list[str]:
     return [
-        "train", "--hf-checkpoint", paths.model,
+        "train",
+        "--hf-checkpoint",
+        paths.model,
         *common_flags(args, paths),
-        "--loss-type", "sft_loss",
-        "--rollout-function-path", "lichen.rollout.sft.generate_rollout",
+        "--loss-type",
+        "sft_loss",
+        "--rollout-function-path",
+        "lichen.rollout.sft.generate_rollout",
         "--disable-rewards-normalization",  # no rewards in SFT; needed while group size is 1
-        "--rollout-batch-size", str(args.sft_batch), "--n-samples-per-prompt", "1",
-        "--micro-batch-size", str(args.sft_batch),
-        "--num-rollout", str(args.sft_steps),
-        "--lr", str(args.sft_lr),
-        "--eval-interval", str(args.sft_eval_every),
-        "--save", paths.sft_ckpt, "--save-interval", str(args.sft_steps),
-        "--output-dir", paths.sft,
+        "--rollout-batch-size",
+        str(args.sft_batch),
+        "--n-samples-per-prompt",
+        "1",
+        "--micro-batch-size",
+        str(args.sft_batch),
+        "--num-rollout",
+        str(args.sft_steps),
+        "--lr",
+        str(args.sft_lr),
+        "--eval-interval",
+        str(args.sft_eval_every),
+        "--save",
+        paths.sft_ckpt,
+        "--save-interval",
+        str(args.sft_steps),
+        "--output-dir",
+        paths.sft,
     ]
 
 
 def rl_argv(args: argparse.Namespace, paths: Paths, start: str) -> list[str]:
     return [
-        "train", "--hf-checkpoint", start,
+        "train",
+        "--hf-checkpoint",
+        start,
         *common_flags(args, paths),
-        "--advantage-estimator", "grpo",
-        "--rollout-batch-size", str(args.rl_prompts), "--n-samples-per-prompt", str(args.rl_group),
-        "--micro-batch-size", str(args.rl_prompts * args.rl_group),
-        "--rollout-temperature", str(args.rl_temperature),
-        "--rollout-max-response-len", "5",
-        "--num-rollout", str(args.rl_steps),
-        "--lr", str(args.rl_lr), "--lr-decay-style", args.rl_lr_decay,
-        "--eval-interval", str(args.rl_eval_every),
-        "--output-dir", paths.rl,
+        "--advantage-estimator",
+        "grpo",
+        "--rollout-batch-size",
+        str(args.rl_prompts),
+        "--n-samples-per-prompt",
+        str(args.rl_group),
+        "--micro-batch-size",
+        str(args.rl_prompts * args.rl_group),
+        "--rollout-temperature",
+        str(args.rl_temperature),
+        "--rollout-max-response-len",
+        "5",
+        "--num-rollout",
+        str(args.rl_steps),
+        "--lr",
+        str(args.rl_lr),
+        "--lr-decay-style",
+        args.rl_lr_decay,
+        "--eval-interval",
+        str(args.rl_eval_every),
+        "--output-dir",
+        paths.rl,
     ]
 
 
@@ -265,29 +315,49 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         header(f"1/4 tiny model -> {paths.model}")
-        times["model"], cpu["model"] = run_stage("model", [
-            "make-tiny-model", paths.model, "--arch", "llama", "--hidden-size", str(args.hidden_size),
-            "--num-layers", str(args.num_layers), "--num-heads", str(args.num_heads),
-            "--intermediate-size", str(args.intermediate_size), "--seed", str(args.seed),
-        ], os.path.join(paths.root, "model.log"), args.quiet, args.threads)
+        times["model"], cpu["model"] = run_stage(
+            "model",
+            [
+                "make-tiny-model",
+                paths.model,
+                "--arch",
+                "llama",
+                "--hidden-size",
+                str(args.hidden_size),
+                "--num-layers",
+                str(args.num_layers),
+                "--num-heads",
+                str(args.num_heads),
+                "--intermediate-size",
+                str(args.intermediate_size),
+                "--seed",
+                str(args.seed),
+            ],
+            os.path.join(paths.root, "model.log"),
+            args.quiet,
+            args.threads,
+        )
 
         header(f"2/4 data -> {paths.data}")
         t0, c0 = time.perf_counter(), time.process_time()
         n_train, n_heldout = make_data(args, paths)
         times["data"], cpu["data"] = time.perf_counter() - t0, time.process_time() - c0
-        print(f"  {n_train} training problems, {n_heldout} held-out problems "
-              f"(a+b, 0 <= a, b <= {args.max_operand})")
+        print(f"  {n_train} training problems, {n_heldout} held-out problems (a+b, 0 <= a, b <= {args.max_operand})")
 
         header(f"3/4 SFT warm-up: {args.sft_steps} steps x {args.sft_batch} problems, lr {args.sft_lr}")
-        times["sft"], cpu["sft"] = run_stage("sft", sft_argv(args, paths), os.path.join(paths.root, "sft.log"),
-                                             args.quiet, args.threads)
+        times["sft"], cpu["sft"] = run_stage(
+            "sft", sft_argv(args, paths), os.path.join(paths.root, "sft.log"), args.quiet, args.threads
+        )
         sft_curve = eval_curve(os.path.join(paths.sft, "metrics.jsonl"))
         start = sft_checkpoint(paths)
 
-        header(f"4/4 GRPO: {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples, "
-               f"lr {args.rl_lr} ({args.rl_lr_decay}), temperature {args.rl_temperature}")
-        times["rl"], cpu["rl"] = run_stage("rl", rl_argv(args, paths, start), os.path.join(paths.root, "rl.log"),
-                                           args.quiet, args.threads)
+        header(
+            f"4/4 GRPO: {args.rl_steps} steps x {args.rl_prompts} prompts x {args.rl_group} samples, "
+            f"lr {args.rl_lr} ({args.rl_lr_decay}), temperature {args.rl_temperature}"
+        )
+        times["rl"], cpu["rl"] = run_stage(
+            "rl", rl_argv(args, paths, start), os.path.join(paths.root, "rl.log"), args.quiet, args.threads
+        )
         rl_curve = eval_curve(os.path.join(paths.rl, "metrics.jsonl"))
     except StageFailed as e:
         print(f"\nquickstart: error: {e}", file=sys.stderr)
@@ -302,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     sft_acc, rl_acc = rl_curve[0][1], rl_curve[-1][1]
     if sft_curve[-1][0] == args.sft_steps and abs(sft_curve[-1][1] - sft_acc) > 1e-9:
         # Same weights, greedy decoding, same eval batch: the two numbers must agree.
-        print(f"quickstart: warning: SFT's last eval ({sft_curve[-1][1]:.3f}) differs from the RL stage's eval "
-              f"before training ({sft_acc:.3f})", file=sys.stderr)
+        print(
+            f"quickstart: warning: SFT's last eval ({sft_curve[-1][1]:.3f}) differs from the RL stage's eval "
+            f"before training ({sft_acc:.3f})",
+            file=sys.stderr,
+        )
     delta = 100 * (rl_acc - sft_acc)
     summary = {
         "seed": args.seed,
@@ -325,9 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  RL curve  (step:acc)  {fmt_curve(rl_curve)}")
     print(f"  held-out accuracy after SFT : {100 * sft_acc:5.1f}%")
     print(f"  held-out accuracy after RL  : {100 * rl_acc:5.1f}%   ({delta:+.1f} points)")
-    print(f"  wall time: model {times['model']:.0f}s, SFT {times['sft']:.0f}s, RL {times['rl']:.0f}s, "
-          f"total {times['total']:.0f}s (CPU time: SFT {cpu['sft']:.0f}s, RL {cpu['rl']:.0f}s, "
-          f"total {cpu['total']:.0f}s)")
+    print(
+        f"  wall time: model {times['model']:.0f}s, SFT {times['sft']:.0f}s, RL {times['rl']:.0f}s, "
+        f"total {times['total']:.0f}s (CPU time: SFT {cpu['sft']:.0f}s, RL {cpu['rl']:.0f}s, "
+        f"total {cpu['total']:.0f}s)"
+    )
     print(f"  details: {paths.summary}")
     return 0
 

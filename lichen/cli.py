@@ -24,9 +24,11 @@ COMMANDS = {
     "bench": ("lichen_bench", "benchmarks that print ratios against a baseline measured in the same run"),
 }
 
-USAGE = "usage: lichen <command> [options]\n\ncommands:\n" + "\n".join(
-    f"  {name:<18} {helptext}" for name, (_, helptext) in COMMANDS.items()
-) + "\n\nRun `lichen <command> --help` for the options of a command."
+USAGE = (
+    "usage: lichen <command> [options]\n\ncommands:\n"
+    + "\n".join(f"  {name:<18} {helptext}" for name, (_, helptext) in COMMANDS.items())
+    + "\n\nRun `lichen <command> --help` for the options of a command."
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,8 +28,10 @@ def parse_eval_args(argv: list[str]) -> argparse.Namespace:
         print(__doc__)
         parse_train_args(["--help"])
     if "--eval-prompt-data" not in given and "--eval-config" not in given:
-        raise ConfigError("lichen eval needs the data sets to evaluate: --eval-prompt-data NAME PATH [NAME PATH …] "
-                          "or --eval-config FILE.yaml")
+        raise ConfigError(
+            "lichen eval needs the data sets to evaluate: --eval-prompt-data NAME PATH [NAME PATH …] "
+            "or --eval-config FILE.yaml"
+        )
     for flag, value in _NEUTRAL:
         if flag not in given:
             argv += [flag, value]
@@ -63,11 +65,14 @@ def format_table(metrics: dict) -> str:
     lines = []
     for name in names:
         m = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"eval/{name}/")}
-        passes = " ".join(f"{k} {m[k]:.3f}" for k in sorted((k for k in m if k.startswith("pass@")),
-                                                             key=lambda k: int(k[5:])))
-        lines.append(f"{name}: reward {m['reward_mean']:.4f} | {passes} | truncated {m['truncated_ratio']:.3f} | "
-                     f"{int(m['num_prompts'])} prompts x {int(m['num_samples']) // max(int(m['num_prompts']), 1)} "
-                     f"samples | failed {int(m['num_failed'])}")
+        passes = " ".join(
+            f"{k} {m[k]:.3f}" for k in sorted((k for k in m if k.startswith("pass@")), key=lambda k: int(k[5:]))
+        )
+        lines.append(
+            f"{name}: reward {m['reward_mean']:.4f} | {passes} | truncated {m['truncated_ratio']:.3f} | "
+            f"{int(m['num_prompts'])} prompts x {int(m['num_samples']) // max(int(m['num_prompts']), 1)} "
+            f"samples | failed {int(m['num_failed'])}"
+        )
     return "\n".join(lines)
 
 

@@ -23,25 +23,32 @@ def read_key_file(path: str, flag: str) -> str:
     with os.fdopen(fd, encoding="utf-8", errors="strict") as f:
         mode = os.fstat(f.fileno()).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"{flag} {path}: the key file is readable by other users (mode {stat.filemode(mode)}); "
-                              f"run `chmod 600 {path}`")
+            raise ConfigError(
+                f"{flag} {path}: the key file is readable by other users (mode {stat.filemode(mode)}); "
+                f"run `chmod 600 {path}`"
+            )
         try:
             key = f.read().strip()
         except UnicodeDecodeError:
             raise ConfigError(f"{flag} {path}: the key file is not UTF-8 text") from None
     if not key or any(c.isspace() for c in key):
-        raise ConfigError(f"{flag} {path}: the key file must hold one key (no spaces), got "
-                          f"{'nothing' if not key else 'several words'}")
+        raise ConfigError(
+            f"{flag} {path}: the key file must hold one key (no spaces), got "
+            f"{'nothing' if not key else 'several words'}"
+        )
     return key
 
 
-def resolve_key(*, flag_value: str | None, file_path: str | None, env: str, flag: str, file_flag: str,
-                pop_env: bool = False) -> str | None:
+def resolve_key(
+    *, flag_value: str | None, file_path: str | None, env: str, flag: str, file_flag: str, pop_env: bool = False
+) -> str | None:
     """A key from the flag, else the key file, else the environment variable `env` (removed with `pop_env`, so
     processes this one starts do not inherit it). Giving both the flag and the file is an error."""
     if flag_value is not None and file_path is not None:
-        raise ConfigError(f"{flag} and {file_flag} both give the key; keep {file_flag} (a key on the command line "
-                          "is visible to every local user in `ps`)")
+        raise ConfigError(
+            f"{flag} and {file_flag} both give the key; keep {file_flag} (a key on the command line "
+            "is visible to every local user in `ps`)"
+        )
     from_env = os.environ.pop(env, None) if pop_env else os.environ.get(env)
     if flag_value is not None:
         return flag_value

@@ -104,8 +104,9 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
 
 def save_due(args, rollout_id: int) -> bool:
     """A checkpoint after this step: every --save-interval steps and always after the last one (with --save)."""
-    return bool(args.save) and (is_due(args.save_interval, rollout_id, args.num_rollout)
-                                or rollout_id + 1 == args.num_rollout)
+    return bool(args.save) and (
+        is_due(args.save_interval, rollout_id, args.num_rollout) or rollout_id + 1 == args.num_rollout
+    )
 
 
 def save_checkpoint(args, trainer, rollout, rollout_id: int) -> None:
@@ -124,8 +125,9 @@ def prepare_output_dir(args) -> None:
         torch.set_num_threads(args.num_threads)
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-        json.dump(redact_config({k: v for k, v in vars(args).items() if not k.startswith("_")}), f, indent=1,
-                  default=str)
+        json.dump(
+            redact_config({k: v for k, v in vars(args).items() if not k.startswith("_")}), f, indent=1, default=str
+        )
 
 
 def start_cluster(args):
@@ -158,9 +160,12 @@ def _run(args, cluster, driver) -> dict:
         obs_cfg = ObserveConfig.from_args(args)
         with MetricsLogger.from_config(obs_cfg) as logger:
             tokenizer = getattr(getattr(rollout, "context", None), "tokenizer", None)
-            observer = RunObserver(obs_cfg, engines=getattr(rollout, "engines", []),
-                                   decode=tokenizer.decode if tokenizer is not None else None,
-                                   sources=[trainer])  # the Ray runtime's ranks give the trace their phases
+            observer = RunObserver(
+                obs_cfg,
+                engines=getattr(rollout, "engines", []),
+                decode=tokenizer.decode if tokenizer is not None else None,
+                sources=[trainer],
+            )  # the Ray runtime's ranks give the trace their phases
             try:
                 return driver(args, trainer, rollout, logger, observer)
             finally:

@@ -45,8 +45,7 @@ def _on_side(side: str, rollout_id: int, fn: Callable[..., Any], *fn_args: Any) 
     except (UserError, SideError, KeyboardInterrupt):
         raise  # a user mistake keeps its one-line message and exit code; an interrupt stays an interrupt
     except Exception as e:
-        raise SideError(f"--async: the {side} side failed at rollout step {rollout_id}: "
-                        f"{type(e).__name__}: {e}") from e
+        raise SideError(f"--async: the {side} side failed at rollout step {rollout_id}: {type(e).__name__}: {e}") from e
 
 
 class PipelinedRollout:
@@ -103,17 +102,20 @@ class PipelinedRollout:
         checkpoint's step; its prompts are already spent in the data position)."""
         self.wait()
         state = dict(self.inner.state_dict())
-        state[PENDING_KEY] = {str(k): {"groups": to_plain([[s.to_dict() for s in g] for g in groups]),
-                                       "metrics": to_plain(metrics)}
-                              for k, (groups, metrics) in self._ready.items()}
+        state[PENDING_KEY] = {
+            str(k): {"groups": to_plain([[s.to_dict() for s in g] for g in groups]), "metrics": to_plain(metrics)}
+            for k, (groups, metrics) in self._ready.items()
+        }
         return state
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         pending = state.pop(PENDING_KEY, {})
         self.inner.load_state_dict(state)
-        self._ready = {int(k): ([[Sample.from_dict(d) for d in g] for g in v["groups"]], dict(v["metrics"]))
-                       for k, v in pending.items()}
+        self._ready = {
+            int(k): ([[Sample.from_dict(d) for d in g] for g in v["groups"]], dict(v["metrics"]))
+            for k, v in pending.items()
+        }
 
     def abandon(self) -> None:
         """After an error: nobody takes the generation in flight; its daemon thread ends when the engines
@@ -134,8 +136,7 @@ def _begin(args, trainer, rollout, logger, obs: RunObserver) -> tuple[int, SyncC
     return start, sync_cfg, last
 
 
-def _log_step(args, trainer, logger, obs: RunObserver, rollout_id: int, batch: list, metrics: dict,
-              t0: float) -> dict:
+def _log_step(args, trainer, logger, obs: RunObserver, rollout_id: int, batch: list, metrics: dict, t0: float) -> dict:
     metrics["time/step"] = time.perf_counter() - t0
     obs.step_done(rollout_id + 1, batch, metrics, getattr(trainer, "last_token_values", None))
     logger.log(rollout_id + 1, metrics)

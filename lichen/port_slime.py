@@ -24,7 +24,6 @@ from lichen.config.slime_script import SlimeCommand, read_script
 from lichen.errors import ConfigError
 from lichen.observe.secrets import is_secret_name
 
-
 # slime's train_async.py is lichen train with this flag (ENTRY_POINTS' row says so)
 ASYNC_FLAG = "--async"
 
@@ -36,8 +35,13 @@ def main(argv: list[str]) -> int:
         "lichen does with each flag, then dry-run it. Variables the script does not set come from the environment.",
     )
     parser.add_argument("script", metavar="SCRIPT.sh", help="the slime launch script")
-    parser.add_argument("-o", "--output", metavar="FILE.yaml", default=None,
-                        help="where the config goes (default: SCRIPT's name with .yaml, in the current directory)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE.yaml",
+        default=None,
+        help="where the config goes (default: SCRIPT's name with .yaml, in the current directory)",
+    )
     parser.add_argument("--no-dry-run", action="store_true", help="write the config and the table only")
     opts = parser.parse_args(argv)
     command = read_script(opts.script)
@@ -77,8 +81,15 @@ def extra_rows(command: SlimeCommand) -> list[slime_compat.Row]:
     rule = ENTRY_POINTS[command.entry]
     rows = [slime_compat.Row(command.entry, [], rule.cls, rule.lichen, rule.reason)]
     for name in command.unset_vars:
-        rows.append(slime_compat.Row(f"${name}", [], MAPPED, "(empty)", f"{name} is set neither in the script nor "
-                                     "in the environment: it expanded to nothing, as in bash"))
+        rows.append(
+            slime_compat.Row(
+                f"${name}",
+                [],
+                MAPPED,
+                "(empty)",
+                f"{name} is set neither in the script nor in the environment: it expanded to nothing, as in bash",
+            )
+        )
     return rows
 
 
@@ -99,7 +110,8 @@ def render_yaml(command: SlimeCommand, found: slime_compat.Scan) -> str:
     header += slime_compat.table(found.rows).splitlines()
     header += [f"left out: {d}" for d in dropped]
     return "".join(f"# {line}\n" if line else "#\n" for line in header) + yaml.safe_dump(
-        config, sort_keys=False, default_flow_style=False)
+        config, sort_keys=False, default_flow_style=False
+    )
 
 
 def _flags(tokens: list[str]) -> list[tuple[str, list[str]]]:

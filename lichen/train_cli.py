@@ -58,8 +58,7 @@ def main(argv: list[str]) -> int:
 
             print(describe(args), file=sys.stderr)
 
-        sys.stdout.write(yaml.safe_dump(redact_config(resolved_config(args)), sort_keys=True,
-                                        default_flow_style=False))
+        sys.stdout.write(yaml.safe_dump(redact_config(resolved_config(args)), sort_keys=True, default_flow_style=False))
         return 0
     from lichen.loop import run  # imported only now: it pulls in torch and the models
 

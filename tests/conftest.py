@@ -28,8 +28,9 @@ def tiny_ckpt(tmp_path_factory) -> str:
     from lichen.models.tiny import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny_model(str(out), arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                    seed=0, init_std=0.1)
+    make_tiny_model(
+        str(out), arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=0, init_std=0.1
+    )
     return str(out)
 
 
@@ -54,9 +55,12 @@ def pair(tiny_ckpt, tmp_path_factory):
     from lichen.engines.remote_engines import RemoteEngines
 
     tmp = str(tmp_path_factory.getbasetemp())  # the tests' weight dirs and local copies are all below it
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=["--num-threads", "1", "--weight-dir", tmp,
-                                                         "--local-checkpoint-dir", tmp],
-                              log_dir=str(tmp_path_factory.mktemp("logs")))
+    launcher = EngineLauncher(
+        tiny_ckpt,
+        2,
+        server_args=["--num-threads", "1", "--weight-dir", tmp, "--local-checkpoint-dir", tmp],
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+    )
     engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=4)
     yield engines
     engines.close()

@@ -51,4 +51,3 @@ def keep_numpy_bool(args, group):
 
 def returns_none(args, group):
     return None
-

@@ -15,12 +15,24 @@ def constant_rollout(args, rollout_id, prompts, manager):
     for pos, (idx, rec) in enumerate(prompts):
         ids = manager.encode(idx, rec)
         resp = manager.tokenizer.encode("7", add_special_tokens=False) + [manager.tokenizer.eos_token_id]
-        groups.append([
-            Sample(prompt=rec.prompt, tokens=ids + resp, response="7", response_length=2, label=rec.label,
-                   reward=float(j % 2), loss_mask=[1, 1], status=Status.COMPLETED, group_index=pos,
-                   index=pos * args.n_samples_per_prompt + j, weight_versions=[manager.engine.weight_version])
-            for j in range(args.n_samples_per_prompt)
-        ])
+        groups.append(
+            [
+                Sample(
+                    prompt=rec.prompt,
+                    tokens=ids + resp,
+                    response="7",
+                    response_length=2,
+                    label=rec.label,
+                    reward=float(j % 2),
+                    loss_mask=[1, 1],
+                    status=Status.COMPLETED,
+                    group_index=pos,
+                    index=pos * args.n_samples_per_prompt + j,
+                    weight_versions=[manager.engine.weight_version],
+                )
+                for j in range(args.n_samples_per_prompt)
+            ]
+        )
     return groups
 
 

@@ -4,18 +4,16 @@ tests/test_sglang_launcher.py (deterministic tokens per request, counters of the
 
 from __future__ import annotations
 
-
 import pytest
+from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
+from helpers.rollout import dicts_without_engine, rollout_worker
+from helpers.runs import base_args
+from helpers.serve_process import call
 
 from lichen.config import parse_train_args
 from lichen.engines.remote_engines import RemoteEngines
-from helpers.serve_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.rollout import generate as generate_module
-
-from helpers.runs import base_args
-from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
-from helpers.rollout import dicts_without_engine, rollout_worker
 
 
 def odd_prompts(args, group) -> bool:
@@ -36,16 +34,31 @@ def counts(engines) -> list[dict]:
 
 
 def one_step(tiny_ckpt, addition_data, tmp_path, engines):
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--rollout-batch-size", "2",
-                     "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "8",
-                     "--dynamic-sampling-filter-path", "test_abort_surplus.odd_prompts", "--debug-rollout-only",
-                     "--rollout-external-engine-addrs", *[u.split("//")[1] for u in engines.urls])
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "o",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--over-sampling-batch-size",
+        "8",
+        "--dynamic-sampling-filter-path",
+        "test_abort_surplus.odd_prompts",
+        "--debug-rollout-only",
+        "--rollout-external-engine-addrs",
+        *[u.split("//")[1] for u in engines.urls],
+    )
     args = parse_train_args(argv[1:])
     return rollout_worker(args, engine=engines).generate(0)
 
 
-def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(tiny_ckpt, addition_data, tmp_path,
-                                                                       engines, monkeypatch):
+def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(
+    tiny_ckpt, addition_data, tmp_path, engines, monkeypatch
+):
     groups, extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
     sent = sum(c["generate_requests"] for c in counts(engines))
     assert [c["aborts"] for c in counts(engines)] == [1, 1]

@@ -8,13 +8,12 @@ import threading
 
 import openai
 import pytest
+from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
+from helpers.runs import dumped_samples
 
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.types import Status
-
-from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
-from helpers.runs import dumped_samples
 
 
 @pytest.fixture
@@ -29,11 +28,14 @@ def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
     """Session A by its base URL, B by the header and streaming."""
     p, engine, tok = proxy
     by_url = openai.OpenAI(base_url=p.session_url("A"), api_key="none", max_retries=0)
-    by_header = openai.OpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0,
-                              default_headers={"X-Session-Id": "B"})
+    by_header = openai.OpenAI(
+        base_url=p.url + "/v1", api_key="none", max_retries=0, default_headers={"X-Session-Id": "B"}
+    )
     out: dict = {}
-    threads = [threading.Thread(target=agent, args=(by_url, "one", out)),
-               threading.Thread(target=agent, args=(by_header, "two", out, True))]
+    threads = [
+        threading.Thread(target=agent, args=(by_url, "one", out)),
+        threading.Thread(target=agent, args=(by_header, "two", out, True)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -43,15 +45,17 @@ def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
         (sample,) = p.samples(sid)
         (_, in1, out1), (_, in2, out2) = [c for c in engine.calls if c[0] == sid]
         # the second request continued the first one's exact tokens; only the tool turn is new
-        assert in2[:len(in1) + len(out1)] == in1 + out1
-        tool = in2[len(in1) + len(out1):]
+        assert in2[: len(in1) + len(out1)] == in1 + out1
+        tool = in2[len(in1) + len(out1) :]
         assert tok.decode(tool) == f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
         assert sample.tokens == in1 + out1 + tool + out2
         assert sample.response_length == len(out1 + tool + out2)
         assert sample.loss_mask == [1] * len(out1) + [0] * len(tool) + [1] * len(out2)
-        assert sample.rollout_log_probs == pytest.approx([-0.5 - 0.01 * k for k in range(len(out1))]
-                                                         + [0.0] * len(tool)
-                                                         + [-0.5 - 0.01 * k for k in range(len(out2))])
+        assert sample.rollout_log_probs == pytest.approx(
+            [-0.5 - 0.01 * k for k in range(len(out1))]
+            + [0.0] * len(tool)
+            + [-0.5 - 0.01 * k for k in range(len(out2))]
+        )
         assert sample.status == Status.COMPLETED and sample.weight_versions == ["3"]
         assert sample.metadata["session"] == sid and f"it is {result}" in sample.response
 
@@ -64,8 +68,10 @@ def test_a_request_without_a_session_is_refused(proxy):
     assert p.samples("nobody") == []
 
 
-@pytest.mark.parametrize("choice, named", [("required", 'tool_choice "required"'),
-                                           ({"type": "function", "function": {"name": "add"}}, '"name": "add"')])
+@pytest.mark.parametrize(
+    "choice, named",
+    [("required", 'tool_choice "required"'), ({"type": "function", "function": {"name": "add"}}, '"name": "add"')],
+)
 def test_tool_choice_is_taken_as_lichen_serve_takes_it(proxy, choice, named):
     """A forced call is refused with a 400 naming the value (never answered as "auto"), and nothing is recorded;
     "none" does not show the model the tools and parses no call."""
@@ -103,19 +109,30 @@ def test_agent_function_is_a_generate_function(tiny_ckpt):
         return await inner(r, session_id)
 
     engine.agenerate = spy
-    args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
-                              check_token_fidelity=False, agent_function_path="helpers.agent_proxy.sdk_agent")
-    samples = [Sample(prompt=f"add {w} and ten", tokens=[1], label=w, index=i, metadata={"k": i})
-               for i, w in enumerate(("one", "two"))]
-    params = [{"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 40 + i}
-              for i in range(2)]
+    args = argparse.Namespace(
+        tool_paths=None,
+        max_turns=8,
+        tool_timeout=30.0,
+        tool_call_parser="hermes",
+        check_token_fidelity=False,
+        agent_function_path="helpers.agent_proxy.sdk_agent",
+    )
+    samples = [
+        Sample(prompt=f"add {w} and ten", tokens=[1], label=w, index=i, metadata={"k": i})
+        for i, w in enumerate(("one", "two"))
+    ]
+    params = [
+        {"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 40 + i}
+        for i in range(2)
+    ]
     outs = run_custom_generate(agent_rollout.generate, args, samples, params, engine=engine, tokenizer=tok)
     for i, (out, result) in enumerate(zip(outs, ("11", "12"))):
         (s,) = out
         assert s.status == Status.COMPLETED and f"it is {result}" in s.response
         assert s.label == ("one", "two")[i] and s.metadata["k"] == i and s.index == i
-        assert s.loss_mask.count(0) == len(tok.encode(f"\n<|im_start|>tool\n{result}<|im_end|>\n"
-                                                      "<|im_start|>assistant\n", add_special_tokens=False))
+        assert s.loss_mask.count(0) == len(
+            tok.encode(f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        )
     # the rollout's sampling settings, one seed per request, the budget capped: not what the agent asked for
     mine = sorted((r for r in requests), key=lambda r: r.seed)
     assert {r.seed for r in mine} == {40, 41, derive_seed(40, 1), derive_seed(41, 1)}
@@ -131,8 +148,10 @@ async def add_agent(base_url, sample):
     messages = [{"role": "user", "content": sample.prompt}]
     r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     (call,) = r1.choices[0].message.tool_calls
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    messages += [
+        r1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "3"},
+    ]
     await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
 
 
@@ -142,26 +161,43 @@ def test_training_step_through_the_agent_proxy(tiny_ckpt, addition_data, tmp_pat
 
     from helpers.runs import base_args, run
     from helpers.scripted_policy import scripted_generate
+
     from lichen.engines.engine import Engine
 
     tok = load_tokenizer(tiny_ckpt)
     returned: list = []
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    monkeypatch.setattr(Engine, "generate", scripted_generate(
-        tok, lambda text: "3" if "<|im_start|>tool" in text else call, returned))
+    monkeypatch.setattr(
+        Engine, "generate", scripted_generate(tok, lambda text: "3" if "<|im_start|>tool" in text else call, returned)
+    )
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
-                         "--apply-chat-template", "--rollout-max-response-len", "120",
-                         "--agent-function-path", "test_agent_proxy.add_agent", "--save-debug-rollout-data", dump))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "1",
+            "--num-threads",
+            "1",
+            "--apply-chat-template",
+            "--rollout-max-response-len",
+            "120",
+            "--agent-function-path",
+            "test_agent_proxy.add_agent",
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
     samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and len(returned) == 32
     outputs = {tuple(inp): ids for inp, ids in returned}
     for s in samples:
         prompt = s["tokens"][: len(s["tokens"]) - s["response_length"]]
         turn1 = outputs[tuple(prompt)]
-        (inp2,) = [inp for inp in outputs if len(inp) > len(prompt) and list(inp[:len(prompt)]) == prompt]
-        tool = list(inp2[len(prompt) + len(turn1):])
-        assert list(inp2[:len(prompt) + len(turn1)]) == prompt + turn1
+        (inp2,) = [inp for inp in outputs if len(inp) > len(prompt) and list(inp[: len(prompt)]) == prompt]
+        tool = list(inp2[len(prompt) + len(turn1) :])
+        assert list(inp2[: len(prompt) + len(turn1)]) == prompt + turn1
         assert s["tokens"] == prompt + turn1 + tool + outputs[inp2]
         assert s["loss_mask"] == [1] * len(turn1) + [0] * len(tool) + [1] * len(outputs[inp2])
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5

@@ -9,10 +9,10 @@ import logging
 
 import openai
 import pytest
+from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
 
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
-from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
 
 
 def _sdk(p: AgentProxy, sid: str) -> openai.OpenAI:
@@ -35,8 +35,11 @@ def test_sdk_session_with_tools(tiny_ckpt, spell_out, caplog):
     if not spell_out:
         assert sample.metadata["token_fidelity"] is None and "agent proxy" not in caplog.text
         return
-    assert sample.metadata["token_fidelity"] == {"position": len(in1), "trained": tok.convert_tokens_to_ids("<"),
-                                                 "template": tok.convert_tokens_to_ids("<|endoftext|>")}
+    assert sample.metadata["token_fidelity"] == {
+        "position": len(in1),
+        "trained": tok.convert_tokens_to_ids("<"),
+        "template": tok.convert_tokens_to_ids("<|endoftext|>"),
+    }
     assert f"at token {len(in1)}" in caplog.text
 
 
@@ -51,15 +54,23 @@ def test_a_reformatted_reply_is_reported_where_it_departs(tiny_ckpt):
         messages = [{"role": "user", "content": "add one and ten"}]
         r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         (call,) = r1.choices[0].message.tool_calls
-        messages += [{"role": "assistant", "content": "calling add",
-                      "tool_calls": [call.model_dump(include={"id", "type", "function"})]},
-                     {"role": "tool", "tool_call_id": call.id, "content": "11"}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": "calling add",
+                "tool_calls": [call.model_dump(include={"id", "type", "function"})],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": "11"},
+        ]
         client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     first, second = p.samples("R")
     (_, in1, out1), _ = engine.calls
     assert first.tokens == in1 + out1
-    assert first.metadata["token_fidelity"] == {"position": len(in1), "trained": out1[0],
-                                                "template": tok.convert_tokens_to_ids("c")}
+    assert first.metadata["token_fidelity"] == {
+        "position": len(in1),
+        "trained": out1[0],
+        "template": tok.convert_tokens_to_ids("c"),
+    }
     assert second.metadata["token_fidelity"] is None
 
 
@@ -72,13 +83,23 @@ def test_the_flag_reaches_the_proxy_through_agent_rollout(tiny_ckpt):
     params = [{"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 40}]
     found = {}
     for check in (False, True):
-        args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
-                                  check_token_fidelity=check, agent_function_path="helpers.agent_proxy.sdk_agent")
+        args = argparse.Namespace(
+            tool_paths=None,
+            max_turns=8,
+            tool_timeout=30.0,
+            tool_call_parser="hermes",
+            check_token_fidelity=check,
+            agent_function_path="helpers.agent_proxy.sdk_agent",
+        )
         sample = Sample(prompt="add one and ten", tokens=[1], index=0)
-        ((s,),) = run_custom_generate(agent_rollout.generate, args, [sample], params, engine=ScriptedEngine(tok),
-                                      tokenizer=tok)
+        ((s,),) = run_custom_generate(
+            agent_rollout.generate, args, [sample], params, engine=ScriptedEngine(tok), tokenizer=tok
+        )
         found[check] = s.metadata.get("token_fidelity", "absent")
         prompt_len = len(s.tokens) - s.response_length
     assert found[False] == "absent"
-    assert found[True] == {"position": prompt_len, "trained": tok.convert_tokens_to_ids("<"),
-                           "template": tok.convert_tokens_to_ids("<|endoftext|>")}
+    assert found[True] == {
+        "position": prompt_len,
+        "trained": tok.convert_tokens_to_ids("<"),
+        "template": tok.convert_tokens_to_ids("<|endoftext|>"),
+    }

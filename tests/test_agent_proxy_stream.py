@@ -13,12 +13,12 @@ import time
 
 import openai
 import pytest
+from helpers.agent_proxy import TOOLS, serving
 
 from lichen.engines.engine import Engine, GenRequest, GenResult
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.rollout.custom_generate import BatchingEngine
-from helpers.agent_proxy import TOOLS, serving
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 10}}</tool_call>'
 
@@ -53,7 +53,8 @@ class StepEngine:
             self.stopped_at.append((n, len(ids)))
 
     async def agenerate(self, r, session_id=None):
-        async for res in self.agenerate_stream(r, session_id):
+        res = None
+        async for res in self.agenerate_stream(r, session_id):  # noqa: B007 (the last one is the result)
             pass
         return res
 
@@ -78,14 +79,24 @@ def _client(p: AgentProxy, sid: str) -> openai.OpenAI:
 def _stream_and_whole(p: AgentProxy) -> None:
     """The same request with and without streaming (same seed): more than one content chunk comes before the last
     one, and the turn recorded from the stream (prompt ids, output ids, log-probs) is the non-streaming one's."""
-    kw = dict(model="policy", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=40, seed=11,
-              temperature=1.0, logprobs=True)
+    kw = dict(
+        model="policy",
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=40,
+        seed=11,
+        temperature=1.0,
+        logprobs=True,
+    )
     whole = _client(p, "N").chat.completions.create(**kw)
     chunks = list(_client(p, "S").chat.completions.create(**kw, stream=True))
     (n,), (s,) = p.sessions["N"].turns, p.sessions["S"].turns
     assert len(n.output_ids) >= 20  # a long reply (the tiny model's sample for this seed)
-    assert (s.prompt_ids, s.output_ids, s.logprobs, s.finish_reason) == \
-        (n.prompt_ids, n.output_ids, n.logprobs, n.finish_reason)
+    assert (s.prompt_ids, s.output_ids, s.logprobs, s.finish_reason) == (
+        n.prompt_ids,
+        n.output_ids,
+        n.logprobs,
+        n.finish_reason,
+    )
     content = [c for c in chunks[:-1] if c.choices and c.choices[0].delta.content]
     assert len(content) > 1 and chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -108,8 +119,11 @@ def test_a_long_reply_streams_as_generated_over_engine_servers(pair, tiny_ckpt):
         _stream_and_whole(p)
         # a request the server refuses: an error event names its reason, and nothing is recorded
         with pytest.raises(openai.APIError, match="HTTP 400: Requested token count exceeds"):
-            list(_client(p, "E").chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
-                                                         max_tokens=10**6, stream=True))
+            list(
+                _client(p, "E").chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=10**6, stream=True
+                )
+            )
         assert p.samples("E") == []
     finally:
         pair.run(p.stop())
@@ -134,15 +148,25 @@ def test_tool_call_deltas_stream_and_the_session_continues(tiny_ckpt):
         assert content == "sure" and reasons[-1] == "tool_calls" and len(calls) == 1
         assert calls[0].index == 0 and calls[0].function.name == "add"
         assert json.loads(calls[0].function.arguments) == {"a": 1, "b": 10}
-        messages += [{"role": "assistant", "content": content,
-                      "tool_calls": [{"id": calls[0].id, "type": "function",
-                                      "function": {"name": "add", "arguments": calls[0].function.arguments}}]},
-                     {"role": "tool", "tool_call_id": calls[0].id, "content": "11"}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {
+                        "id": calls[0].id,
+                        "type": "function",
+                        "function": {"name": "add", "arguments": calls[0].function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "11"},
+        ]
         r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     assert r2.choices[0].message.content == "it is 11"
     (sample,) = p.samples("T")  # one chain: the streamed reply's tokens were reused
     first, second = p.sessions["T"].turns
-    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
     assert sample.tokens == second.prompt_ids + second.output_ids
 
 
@@ -156,8 +180,10 @@ def test_a_client_that_leaves_mid_stream_records_nothing(tiny_ckpt):
         messages = [{"role": "user", "content": "add one and ten"}]
         r1 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         (call,) = r1.choices[0].message.tool_calls
-        messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "11"}]
+        messages += [
+            r1.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "11"},
+        ]
         engine.gate_at = 4
         leaving = _client(p, "D")  # a connection of its own, closed by leaving
         stream = leaving.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
@@ -181,14 +207,15 @@ def test_a_client_that_leaves_mid_stream_records_nothing(tiny_ckpt):
     (sample,) = p.samples("D")
     first, retry = p.sessions["D"].turns
     assert sample.tokens == retry.prompt_ids + retry.output_ids
-    assert retry.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert retry.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
 
 
 async def streaming_agent(base_url, sample):
     """Streams its first request and lets the engine go on once a content chunk came: the rollout streams too."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
-    stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "add"}],
-                                                  tools=TOOLS, stream=True)
+    stream = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "add"}], tools=TOOLS, stream=True
+    )
     async for chunk in stream:
         if chunk.choices[0].delta.content:
             sample.metadata["gate"].set()
@@ -203,14 +230,19 @@ def test_the_rollout_engine_streams_through_agent_rollout(tiny_ckpt):
 
     tok = load_tokenizer(tiny_ckpt)
     engine = StepEngine(tok, gate_at=3)
-    args = argparse.Namespace(tool_paths=None, max_turns=8, tool_timeout=30.0, tool_call_parser="hermes",
-                              check_token_fidelity=False,
-                              agent_function_path="test_agent_proxy_stream.streaming_agent")
+    args = argparse.Namespace(
+        tool_paths=None,
+        max_turns=8,
+        tool_timeout=30.0,
+        tool_call_parser="hermes",
+        check_token_fidelity=False,
+        agent_function_path="test_agent_proxy_stream.streaming_agent",
+    )
     sample = Sample(prompt="add", tokens=[1], index=0, metadata={"gate": engine.gate})
     params = [{"max_new_tokens": 300, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "sampling_seed": 5}]
     ((s,),) = run_custom_generate(agent_rollout.generate, args, [sample], params, engine=engine, tokenizer=tok)
     assert engine.stopped_at == [(len(engine.reply([])), len(engine.reply([])))]
-    assert s.tokens[len(s.tokens) - s.response_length:] == engine.reply([])
+    assert s.tokens[len(s.tokens) - s.response_length :] == engine.reply([])
 
 
 def test_a_client_that_leaves_before_a_plain_reply_records_nothing(tiny_ckpt):
@@ -222,8 +254,10 @@ def test_a_client_that_leaves_before_a_plain_reply_records_nothing(tiny_ckpt):
         body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "add one and ten"}]}).encode()
         host, port = p.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as conn:
-            conn.sendall(b"POST /sessions/P/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            conn.sendall(
+                b"POST /sessions/P/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             assert engine.started.wait(30)  # the request is being generated
         deadline = time.monotonic() + 30
         while not _lost(p) and time.monotonic() < deadline:
@@ -250,7 +284,7 @@ def test_the_engine_client_reads_long_events_and_error_events():
         await resp.prepare(request)
         data = b"data: " + json.dumps(big).encode() + b"\n\n"
         for k in range(0, len(data), 100_000):
-            await resp.write(data[k:k + 100_000])
+            await resp.write(data[k : k + 100_000])
         await resp.write(b'data: {"error": {"message": "engine fell over", "code": 503}}\n\ndata: [DONE]\n\n')
         return resp
 

@@ -103,8 +103,9 @@ def holey_mask(gen, batch, length):
 
 
 def test_grpo_hand_example():
-    adv, small = group_normalized_rewards(torch.tensor([1.0, 0, 0, 0]), torch.zeros(4, dtype=torch.long),
-                                          torch.ones(4, dtype=torch.bool))
+    adv, small = group_normalized_rewards(
+        torch.tensor([1.0, 0, 0, 0]), torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool)
+    )
     # mean 0.25, unbiased std = sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5
     torch.testing.assert_close(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-5, rtol=0)
     assert small == 0
@@ -123,8 +124,9 @@ def test_grpo_matches_loop_reference(normalize, std_normalize):
     valid[only] = False
     valid[only[0]] = True
     rewards[~valid] = float("nan")  # failed samples may carry garbage; it must not leak
-    adv, small = group_normalized_rewards(rewards, groups, valid, normalize=normalize,
-                                          std_normalize=std_normalize, eps=1e-6)
+    adv, small = group_normalized_rewards(
+        rewards, groups, valid, normalize=normalize, std_normalize=std_normalize, eps=1e-6
+    )
     ref, ref_small = ref_group_norm(rewards.tolist(), groups.tolist(), valid.tolist(), normalize, std_normalize, 1e-6)
     assert small == ref_small == 2
     torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float64), atol=1e-12, rtol=1e-10)
@@ -151,8 +153,9 @@ def test_grpo_rejects_shape_mismatch():
 
 
 def test_rloo_hand_example_and_reference():
-    adv, small = rloo_advantages(torch.tensor([1.0, 0, 0, 0]), torch.zeros(4, dtype=torch.long),
-                                 torch.ones(4, dtype=torch.bool))
+    adv, small = rloo_advantages(
+        torch.tensor([1.0, 0, 0, 0]), torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool)
+    )
     torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
     assert small == 0
 
@@ -269,11 +272,13 @@ def test_reinforce_plus_plus_token_rewards():
     kl = torch.tensor([[0.1, 0.2, 0.3, 0.4], [1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
     mask = right_padded_mask([3, 1, 0], 4)
     out = reinforce_plus_plus_token_rewards(torch.tensor([1.0, -2.0, 7.0]), kl, mask, kl_coef=0.5)
-    expected = torch.tensor([
-        [-0.05, -0.1, -0.15 + 1.0, 0.0],
-        [-0.5 - 2.0, 0.0, 0.0, 0.0],
-        [0.0, 0.0, 0.0, 0.0],  # no valid token: the reward has nowhere to go
-    ])
+    expected = torch.tensor(
+        [
+            [-0.05, -0.1, -0.15 + 1.0, 0.0],
+            [-0.5 - 2.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],  # no valid token: the reward has nowhere to go
+        ]
+    )
     torch.testing.assert_close(out, expected)
     # with gamma = 1 the return at the first token is reward - kl_coef * sum kl
     g = discounted_returns(out, mask, 1.0)

@@ -55,8 +55,10 @@ def test_ppo_matches_reference_values_and_grads(eps_high, c):
     out = ppo_policy_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=eps_high, eps_clip_c=c)
     out["loss"].sum().backward()
     hi = 1 + (0.2 if eps_high is None else eps_high)
-    ref = [ref_ppo_token(math.exp(a - b), x, 0.8, hi, c) for a, b, x in
-           zip(lp.detach().flatten().tolist(), old.flatten().tolist(), adv.flatten().tolist())]
+    ref = [
+        ref_ppo_token(math.exp(a - b), x, 0.8, hi, c)
+        for a, b, x in zip(lp.detach().flatten().tolist(), old.flatten().tolist(), adv.flatten().tolist())
+    ]
     ref_loss, ref_grad, ref_clip = (torch.tensor(col, dtype=torch.float64).view(8, 16) for col in zip(*ref))
     torch.testing.assert_close(out["loss"].detach(), ref_loss)
     torch.testing.assert_close(lp.grad, ref_grad)
@@ -88,8 +90,10 @@ def test_gspo_ratio_is_sequence_level_with_per_token_gradient():
     old[1, 3:] = 50.0  # padding garbage must not enter the sequence ratio
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=torch.float64)[:, None].expand(4, 6)
     out = gspo_policy_loss(lp, old, adv, mask, eps_clip=1.0, eps_clip_high=1.0)  # wide range: nothing clipped
-    seq = [sum((lp[b, t] - old[b, t]).item() for t in range(6) if mask[b, t]) / max(mask[b].sum().item(), 1)
-           for b in range(4)]
+    seq = [
+        sum((lp[b, t] - old[b, t]).item() for t in range(6) if mask[b, t]) / max(mask[b].sum().item(), 1)
+        for b in range(4)
+    ]
     expected_ratio = torch.tensor([[math.exp(s)] * 6 for s in seq], dtype=torch.float64)
     torch.testing.assert_close(out["ratio"], expected_ratio)
     (out["loss"] * mask).sum().backward()
@@ -205,8 +209,9 @@ def test_kl_estimators_match_formulas():
     torch.testing.assert_close(approx_kl(lp, ref, "k2"), torch.tensor([v * v / 2 for v in x], dtype=torch.float64))
     k3 = [math.exp(-v) - 1 + v for v in x]
     torch.testing.assert_close(approx_kl(lp, ref, "k3"), torch.tensor(k3, dtype=torch.float64))
-    torch.testing.assert_close(approx_kl(lp, ref, "low_var_kl"),
-                               torch.tensor([min(max(v, -10), 10) for v in k3], dtype=torch.float64))
+    torch.testing.assert_close(
+        approx_kl(lp, ref, "low_var_kl"), torch.tensor([min(max(v, -10), 10) for v in k3], dtype=torch.float64)
+    )
     assert k3[2] > 10  # the clamp was exercised
     with pytest.raises(ValueError, match="kl-loss-type"):
         approx_kl(lp, ref, "k4")

@@ -42,8 +42,9 @@ def ref_loss(x, mask, mode, num_samples, num_tokens):
 @pytest.mark.parametrize("mode", LOSS_AGGREGATION_MODES)
 def test_value_matches_reference(mode):
     x, mask = make_batch()
-    out = aggregate_loss(x, mask, mode, global_num_samples=6, global_num_tokens=int(mask.sum()),
-                         max_response_len=MAX_LEN)
+    out = aggregate_loss(
+        x, mask, mode, global_num_samples=6, global_num_tokens=int(mask.sum()), max_response_len=MAX_LEN
+    )
     assert out.dim() == 0
     assert abs(out.item() - ref_loss(x, mask, mode, 6, int(mask.sum()))) < 1e-12
 
@@ -57,7 +58,7 @@ def test_micro_batching_gives_identical_value_and_gradients(mode):
         x = x0.clone().requires_grad_()
         total = torch.zeros((), dtype=torch.float64)
         for start in range(0, x.shape[0], micro):
-            part = aggregate_loss(x[start:start + micro], mask[start:start + micro], mode, **kwargs)
+            part = aggregate_loss(x[start : start + micro], mask[start : start + micro], mode, **kwargs)
             part.backward()  # backward per micro-batch, as the trainer does
             total = total + part.detach()
         assert torch.isfinite(x.grad).all()

@@ -23,7 +23,10 @@ SHARED = {"errors", "plugins", "aio", "torch_files", "observe", "devices", "key_
 ANYTHING = None
 # package -> the lichen packages it may import besides itself and SHARED (docs/architecture.md section 4)
 ALLOWED: dict[str, set[str] | None] = {
-    "cli": ANYTHING, "train_cli": ANYTHING, "eval_cli": ANYTHING, "port_slime": ANYTHING,
+    "cli": ANYTHING,
+    "train_cli": ANYTHING,
+    "eval_cli": ANYTHING,
+    "port_slime": ANYTHING,
     "loop": {"rollout", "train", "sync", "cluster"},
     "cluster": {"engines", "train"},
     "loop_async": {"loop", "rollout", "sync", "types"},
@@ -34,17 +37,35 @@ ALLOWED: dict[str, set[str] | None] = {
     "rewards": {"types"},
     "config": {"models"},
     "models": {"weights"},
-    "data": set(), "algo": set(), "weights": set(), "types": set(),
+    "data": set(),
+    "algo": set(),
+    "weights": set(),
+    "types": set(),
     # the shared helpers themselves
-    "errors": set(), "plugins": set(), "aio": set(), "torch_files": set(), "devices": set(), "key_files": set(),
-    "observe": {"types"}, "lichen": set(),
+    "errors": set(),
+    "plugins": set(),
+    "aio": set(),
+    "torch_files": set(),
+    "devices": set(),
+    "key_files": set(),
+    "observe": {"types"},
+    "lichen": set(),
 }
 SHARED_IMPORTS = {"errors"}  # what a shared helper may import of the other shared helpers
 # config may reach these only inside its checking functions (their lookup tables and messages)
 CONFIG_IN_FUNCTIONS = {"rewards", "engines", "rollout"}
 # the server side of `lichen serve`: imported only inside `engines` (and by `cli`, which runs it)
-SERVER_MODULES = ("serve", "http_server", "weight_endpoints", "openai_api", "scheduler", "limits", "weight_paths",
-                  "tensor_update", "tensor_payload")
+SERVER_MODULES = (
+    "serve",
+    "http_server",
+    "weight_endpoints",
+    "openai_api",
+    "scheduler",
+    "limits",
+    "weight_paths",
+    "tensor_update",
+    "tensor_payload",
+)
 SERVER = re.compile(r"^lichen\.engines\.(" + "|".join(SERVER_MODULES) + r")\b")
 # the typed configs: every part may import its own; they import nothing of lichen but `errors`
 TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config", "cluster_config", "tool_config", "lora_config")
@@ -84,11 +105,15 @@ def lichen_imports(path: Path) -> list[tuple[int, str, bool]]:
                 base = child.module or ""
                 if child.level:  # relative: resolve against this module's package
                     pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                    pkg = pkg[:len(pkg) - (child.level - 1)]
+                    pkg = pkg[: len(pkg) - (child.level - 1)]
                     base = ".".join(pkg + ([base] if base else []))
                 if base == "lichen":  # `from lichen import algo` reaches lichen.algo; `__version__` the root
-                    targets = [f"lichen.{a.name}" if (LICHEN / a.name).exists() or (LICHEN / f"{a.name}.py").exists()
-                               else "lichen" for a in child.names]
+                    targets = [
+                        f"lichen.{a.name}"
+                        if (LICHEN / a.name).exists() or (LICHEN / f"{a.name}.py").exists()
+                        else "lichen"
+                        for a in child.names
+                    ]
                 else:
                     targets = [base]
             found.extend((child.lineno, t, in_function) for t in targets if t == "lichen" or t.startswith("lichen."))
@@ -123,8 +148,10 @@ def violations() -> list[str]:
             continue
         for line, target, in_function in lichen_imports(path):
             if not _allowed(src, src_module, target, in_function):
-                bad.append(f"{path.relative_to(REPO)}:{line}: {src} imports {target}, which is not in its row of "
-                           "docs/architecture.md#import-directions")
+                bad.append(
+                    f"{path.relative_to(REPO)}:{line}: {src} imports {target}, which is not in its row of "
+                    "docs/architecture.md#import-directions"
+                )
     return bad
 
 
@@ -135,7 +162,7 @@ def test_imports_follow_the_documented_directions():
 def test_the_table_here_is_the_table_in_the_docs():
     """Each row of docs/architecture.md section 4 names the packages ALLOWED gives it (and the shared helpers)."""
     doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
-    section = doc[doc.index("## 4. Import directions"):doc.index("## 5.")]
+    section = doc[doc.index("## 4. Import directions") : doc.index("## 5.")]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -161,11 +188,13 @@ def test_the_checker_catches_a_backward_import(tmp_path, monkeypatch):
     """The walk sees imports inside functions and `from lichen import x`, and names the file and line."""
     fake = tmp_path / "lichen"
     (fake / "engines").mkdir(parents=True)
-    (fake / "engines" / "x.py").write_text("import os\n\ndef f():\n    from lichen import train\n"
-                                           "    import lichen.rollout.manager\n")
+    (fake / "engines" / "x.py").write_text(
+        "import os\n\ndef f():\n    from lichen import train\n    import lichen.rollout.manager\n"
+    )
     (fake / "sync").mkdir()
-    (fake / "sync" / "y.py").write_text("from lichen.engines.client import EngineError\n"
-                                        "from lichen.engines.weight_endpoints import parse_dtype\n")
+    (fake / "sync" / "y.py").write_text(
+        "from lichen.engines.client import EngineError\nfrom lichen.engines.weight_endpoints import parse_dtype\n"
+    )
     (fake / "train").mkdir()
     (fake / "rollout").mkdir()
     monkeypatch.setattr(sys.modules[__name__], "LICHEN", fake)
@@ -182,8 +211,13 @@ def test_the_checker_catches_a_backward_import(tmp_path, monkeypatch):
 
 def _repo_files() -> list[Path]:
     """Tracked and untracked (not ignored) files of the repository."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [REPO / p for p in out.splitlines() if (REPO / p).is_file()]
 
 
@@ -213,8 +247,13 @@ def test_test_modules_do_not_import_each_other():
     bad = []
     for path in sorted(tests.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 parts = name.split(".")
                 stem = parts[1] if parts[0] == "tests" and len(parts) > 1 else parts[0]
@@ -229,8 +268,14 @@ def getattr_args_calls(root: Path, packages: tuple[str, ...]) -> list[str]:
     for package in packages:
         for path in sorted((root / "lichen" / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                        and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "getattr"
+                    and node.args
+                    and isinstance(node.args[0], ast.Name)
+                    and node.args[0].id == "args"
+                ):
                     hits.append(f"{path.relative_to(root)}:{node.lineno}")
     return hits
 

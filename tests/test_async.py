@@ -10,6 +10,8 @@ import threading
 
 import pytest
 import torch
+from helpers.async_driver import WAIT, assert_side_error, assert_threads_end, run_driver
+from helpers.runs import THREADS, base_args, dumped_samples, final_weights, run, run_stopped_after_sync
 
 from lichen.cli import main
 from lichen.config import parse_train_args
@@ -18,24 +20,25 @@ from lichen.loop_async import train_loop_async
 from lichen.rollout.generate import generate_rollout
 from lichen.types import Sample, Status
 
-from helpers.async_driver import WAIT, assert_side_error, assert_threads_end, run_driver
-from helpers.runs import THREADS, base_args, dumped_samples, final_weights, run, run_stopped_after_sync
-
-
 
 # ---- flags ---------------------------------------------------------------------------------------------------
 def _parse(ckpt, data, tmp_path, *extra):
     return parse_train_args(base_args(ckpt, data, tmp_path, "--num-rollout", "2")[1:] + list(extra))
 
 
-@pytest.mark.parametrize("extra, message", [
-    ([], "--async needs server engines"),
-    (["--rollout-num-engines", "1", "--colocate"], "--async is refused with --colocate"),
-    (["--rollout-num-engines", "1", "--offload-rollout"], "--async is refused with --offload-rollout"),
-    (["--rollout-num-engines", "1", "--update-weights-interval", "2", "--save", "s", "--save-interval", "3"],
-     "--save-interval 3 with --async: give a multiple of --update-weights-interval 2"),
-    (["--rollout-num-engines", "1", "--update-weights-interval", "0"], "--update-weights-interval"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--async needs server engines"),
+        (["--rollout-num-engines", "1", "--colocate"], "--async is refused with --colocate"),
+        (["--rollout-num-engines", "1", "--offload-rollout"], "--async is refused with --offload-rollout"),
+        (
+            ["--rollout-num-engines", "1", "--update-weights-interval", "2", "--save", "s", "--save-interval", "3"],
+            "--save-interval 3 with --async: give a multiple of --update-weights-interval 2",
+        ),
+        (["--rollout-num-engines", "1", "--update-weights-interval", "0"], "--update-weights-interval"),
+    ],
+)
 def test_async_refusals(tiny_ckpt, addition_data, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         _parse(tiny_ckpt, addition_data, tmp_path, "--async", *extra)
@@ -47,8 +50,20 @@ def test_interval_needs_async_and_cli_exit_code(tiny_ckpt, addition_data, tmp_pa
     assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--num-rollout", "2", "--async")) == 2
     err = capsys.readouterr().err
     assert "in-process engine" in err and "Traceback" not in err
-    args = _parse(tiny_ckpt, addition_data, tmp_path, "--async", "--rollout-num-engines", "1",
-                  "--update-weights-interval", "2", "--save", "s", "--save-interval", "4")
+    args = _parse(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--async",
+        "--rollout-num-engines",
+        "1",
+        "--update-weights-interval",
+        "2",
+        "--save",
+        "s",
+        "--save-interval",
+        "4",
+    )
     assert args.async_train and args.update_weights_interval == 2
 
 
@@ -82,8 +97,14 @@ class FakeRollout:
         if rollout_id == self.fail_at:
             raise ValueError("engine exploded")
         self.position += 1
-        s = Sample(tokens=[1, 2, 3], response_length=1, reward=1.0, status=Status.COMPLETED,
-                   weight_versions=[version], index=rollout_id)
+        s = Sample(
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=1.0,
+            status=Status.COMPLETED,
+            weight_versions=[version],
+            index=rollout_id,
+        )
         return [[s]], {"rollout/reward_mean": 1.0}
 
     def eval(self, version):
@@ -118,8 +139,17 @@ class FakeTrainer:
 
 
 def _fake_run(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, rollout_fail=None, train_fail=None):
-    args = _parse(tiny_ckpt, addition_data, tmp_path, "--async", "--rollout-num-engines", "1",
-                  "--num-rollout", str(num_rollout), *extra)
+    args = _parse(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--async",
+        "--rollout-num-engines",
+        "1",
+        "--num-rollout",
+        str(num_rollout),
+        *extra,
+    )
     started: dict[int, threading.Event] = {}
     engine = FakeEngine()
     rollout = FakeRollout(engine, started, rollout_fail)
@@ -132,8 +162,17 @@ def test_rollout_k_plus_1_is_generated_with_version_k(tiny_ckpt, addition_data, 
     # each train step sees the samples of the version one behind it (step 0: the start weights)
     assert trainer.batches == [(0, ["0"]), (1, ["0"]), (2, ["1"]), (3, ["2"])]
     # generation k+1 starts before sync k+1, and every sync waits for the generation in flight
-    assert engine.log == [("sync", "0"), ("generate", 0), ("generate", 1), ("sync", "1"), ("generate", 2),
-                          ("sync", "2"), ("generate", 3), ("sync", "3"), ("sync", "4")]
+    assert engine.log == [
+        ("sync", "0"),
+        ("generate", 0),
+        ("generate", 1),
+        ("sync", "1"),
+        ("generate", 2),
+        ("sync", "2"),
+        ("generate", 3),
+        ("sync", "3"),
+        ("sync", "4"),
+    ]
     assert [logger.steps[k]["train/staleness_max"] for k in (1, 2, 3, 4)] == [0, 1, 1, 1]
     assert logger.steps[4]["sync/weight_version"] == 4
 
@@ -149,8 +188,12 @@ def test_update_weights_interval_bounds_staleness(tiny_ckpt, addition_data, tmp_
 @pytest.mark.parametrize("side", ["rollout", "trainer"])
 def test_an_error_on_one_side_is_named_and_stops_both(tiny_ckpt, addition_data, tmp_path, side):
     kw = {"rollout_fail": 2} if side == "rollout" else {"train_fail": 1}
-    assert_side_error(lambda: _fake_run(tiny_ckpt, addition_data, tmp_path, 4, **kw), side,
-                      "engine exploded" if side == "rollout" else "loss is nan", "lichen-async-rollout")
+    assert_side_error(
+        lambda: _fake_run(tiny_ckpt, addition_data, tmp_path, 4, **kw),
+        side,
+        "engine exploded" if side == "rollout" else "loss is nan",
+        "lichen-async-rollout",
+    )
 
 
 # ---- runs over a launched server -------------------------------------------------------------------------------
@@ -160,8 +203,21 @@ def _dump(path_template: str, rollout_id: int) -> list[dict]:
 
 def test_async_run_over_a_server(tiny_ckpt, addition_data, tmp_path, launched):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
-    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--async",
-                            "--rollout-num-engines", "1", "--save-debug-rollout-data", dump, *THREADS))
+    metrics = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "3",
+            "--async",
+            "--rollout-num-engines",
+            "1",
+            "--save-debug-rollout-data",
+            dump,
+            *THREADS,
+        )
+    )
     for k in range(3):
         versions = [s["weight_versions"] for s in _dump(dump, k)]
         assert versions == [[str(max(k - 1, 0))]] * 16  # one version per sample: no request straddles a sync
@@ -173,13 +229,35 @@ def test_async_run_over_a_server(tiny_ckpt, addition_data, tmp_path, launched):
 def test_async_exact_resume(tiny_ckpt, addition_data, tmp_path, launched):
     """4 steps == 2 steps + save + --load + 2 steps with --async: the checkpoint holds the generated rollout 2
     (made with version 1 before the save), so the resumed run trains on the same samples."""
-    common = ["--micro-batch-size", "2", "--rollout-shuffle", "--save-interval", "2", "--num-rollout", "4",
-              "--async", "--rollout-num-engines", "1", *THREADS]
+    common = [
+        "--micro-batch-size",
+        "2",
+        "--rollout-shuffle",
+        "--save-interval",
+        "2",
+        "--num-rollout",
+        "4",
+        "--async",
+        "--rollout-num-engines",
+        "1",
+        *THREADS,
+    ]
     straight = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--save", str(tmp_path / "ca"), *common))
-    run_stopped_after_sync(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"), *common),
-                           stop_at=2)
-    resumed = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"),
-                            "--load", str(tmp_path / "cb"), *common))
+    run_stopped_after_sync(
+        base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"), *common), stop_at=2
+    )
+    resumed = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            "--save",
+            str(tmp_path / "cb"),
+            "--load",
+            str(tmp_path / "cb"),
+            *common,
+        )
+    )
     tail = [m for m in resumed if m["step"] > 2]
     assert [m["step"] for m in tail] == [3, 4]
     for a, b in zip(straight[2:], tail):
@@ -197,16 +275,28 @@ def failing_rollout(args, rollout_id, data_source, evaluation=False):
 
 
 def test_rollout_side_error_stops_the_servers(tiny_ckpt, addition_data, tmp_path, launched, capsys):
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--async", *THREADS,
-                     "--rollout-num-engines", "1", "--rollout-function-path", "test_async.failing_rollout")
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "o",
+        "--num-rollout",
+        "3",
+        "--async",
+        *THREADS,
+        "--rollout-num-engines",
+        "1",
+        "--rollout-function-path",
+        "test_async.failing_rollout",
+    )
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "the rollout side failed at rollout step 1" in err and "rollout plug-in failed" in err
     assert len(launched) == 1 and not any(launched[0].alive())
 
 
-def test_trainer_side_error_stops_the_servers_and_the_generation(tiny_ckpt, addition_data, tmp_path, launched,
-                                                                   monkeypatch, capsys):
+def test_trainer_side_error_stops_the_servers_and_the_generation(
+    tiny_ckpt, addition_data, tmp_path, launched, monkeypatch, capsys
+):
     from lichen.train.actor import TrainActor
 
     train = TrainActor.train
@@ -217,8 +307,17 @@ def test_trainer_side_error_stops_the_servers_and_the_generation(tiny_ckpt, addi
         return train(self, rollout_id, batch)
 
     monkeypatch.setattr(TrainActor, "train", failing_train)
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "4", "--async", *THREADS,
-                     "--rollout-num-engines", "1")
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "o",
+        "--num-rollout",
+        "4",
+        "--async",
+        *THREADS,
+        "--rollout-num-engines",
+        "1",
+    )
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "the trainer side failed at rollout step 1" in err and "optimizer blew up" in err

@@ -13,6 +13,8 @@ import threading
 
 import pytest
 import torch
+from helpers.async_driver import assert_side_error, run_driver
+from helpers.runs import THREADS, base_args, dumped_samples, run
 
 from lichen.config import parse_train_args
 from lichen.config.rollout_config import RolloutConfig
@@ -23,23 +25,26 @@ from lichen.rollout.manager import RolloutManager
 from lichen.rollout.partial import segments_of
 from lichen.train import checkpoint as ckpt
 
-from helpers.async_driver import assert_side_error, run_driver
-from helpers.runs import THREADS, base_args, dumped_samples, run
 
 def _parse(ckpt_dir, data, tmp_path, *extra):
     return parse_train_args(base_args(ckpt_dir, data, tmp_path, "--num-rollout", "2")[1:] + list(extra))
 
 
 # ---- flags ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("extra, message", [
-    (["--fully-async"], "--fully-async needs server engines"),
-    (["--max-staleness", "1", "--rollout-num-engines", "1"], "--max-staleness 1 needs --fully-async"),
-    (["--fully-async", "--async", "--rollout-num-engines", "1"], "two different drivers"),
-    (["--fully-async", "--rollout-num-engines", "1", "--rollout-function-path", "loop_plugins.constant_rollout"],
-     "--fully-async is refused with --rollout-function-path"),
-    (["--fully-async", "--rollout-num-engines", "1", "--colocate"], "--fully-async is refused with --colocate"),
-    (["--fully-async", "--rollout-num-engines", "1", "--max-staleness", "-1"], "--max-staleness"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fully-async"], "--fully-async needs server engines"),
+        (["--max-staleness", "1", "--rollout-num-engines", "1"], "--max-staleness 1 needs --fully-async"),
+        (["--fully-async", "--async", "--rollout-num-engines", "1"], "two different drivers"),
+        (
+            ["--fully-async", "--rollout-num-engines", "1", "--rollout-function-path", "loop_plugins.constant_rollout"],
+            "--fully-async is refused with --rollout-function-path",
+        ),
+        (["--fully-async", "--rollout-num-engines", "1", "--colocate"], "--fully-async is refused with --colocate"),
+        (["--fully-async", "--rollout-num-engines", "1", "--max-staleness", "-1"], "--max-staleness"),
+    ],
+)
 def test_fully_async_refusals(tiny_ckpt, addition_data, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         _parse(tiny_ckpt, addition_data, tmp_path, *extra)
@@ -76,7 +81,7 @@ class HoldingEngine:
         version = self.weight_version
         ids = tuple(request.input_ids)
         if ids in self.aborted_inputs:  # a continuation
-            out, finish = [11, 12][:request.max_new_tokens], "length"
+            out, finish = [11, 12][: request.max_new_tokens], "length"
         else:
             group, self.fresh = self.fresh // self.n, self.fresh + 1
             if self.fail_at is not None and self.fresh >= self.fail_at:
@@ -145,10 +150,20 @@ def keep_even_prompts(args, group) -> bool:
     return group[0].metadata["prompt_index"] % 2 == 0
 
 
-def _drive(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, engine_fail=None, train_fail=None,
-           engine=None):
-    args = _parse(tiny_ckpt, addition_data, tmp_path, "--fully-async", "--rollout-num-engines", "1",
-                  "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *extra)
+def _drive(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, engine_fail=None, train_fail=None, engine=None):
+    args = _parse(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--fully-async",
+        "--rollout-num-engines",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        *extra,
+    )
     args.num_rollout = num_rollout
     engine = engine or HoldingEngine(args.n_samples_per_prompt, engine_fail)
     manager = RolloutManager(RolloutConfig.from_args(args), args, engine)
@@ -157,8 +172,9 @@ def _drive(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, engine_fail=
 
 
 def _prompts(groups) -> list[int]:
-    return [g[0]["metadata"]["prompt_index"] if isinstance(g[0], dict) else g[0].metadata["prompt_index"]
-            for g in groups]
+    return [
+        g[0]["metadata"]["prompt_index"] if isinstance(g[0], dict) else g[0].metadata["prompt_index"] for g in groups
+    ]
 
 
 def test_no_request_straddles_a_sync(tiny_ckpt, addition_data, tmp_path):
@@ -179,13 +195,18 @@ def test_no_request_straddles_a_sync(tiny_ckpt, addition_data, tmp_path):
 
 @pytest.mark.parametrize("action", ["drop", "mask"])
 def test_max_staleness_drops_or_masks_and_counts(tiny_ckpt, addition_data, tmp_path, action):
-    engine, trainer, logger = _drive(tiny_ckpt, addition_data, tmp_path, 4, "--max-staleness", "0",
-                                     "--max-staleness-action", action)
+    engine, trainer, logger = _drive(
+        tiny_ckpt, addition_data, tmp_path, 4, "--max-staleness", "0", "--max-staleness-action", action
+    )
     key = "rollout/fully_async_stale_dropped" if action == "drop" else "rollout/fully_async_stale_masked"
     counted = sum(m[key] for m in logger.steps.values())
     assert counted > 0
-    lags = [(k, g) for k, batch in enumerate(trainer.batches) for g in batch
-            if any(k - min(int(v) for v in s.weight_versions) > 0 for s in g)]
+    lags = [
+        (k, g)
+        for k, batch in enumerate(trainer.batches)
+        for g in batch
+        if any(k - min(int(v) for v in s.weight_versions) > 0 for s in g)
+    ]
     if action == "drop":
         assert lags == [] and all(m["train/staleness_max"] == 0 for m in logger.steps.values())
     else:
@@ -196,8 +217,9 @@ def test_max_staleness_drops_or_masks_and_counts(tiny_ckpt, addition_data, tmp_p
 
 
 def test_dynamic_sampling_filter_with_fully_async(tiny_ckpt, addition_data, tmp_path):
-    engine, trainer, logger = _drive(tiny_ckpt, addition_data, tmp_path, 3,
-                                     "--dynamic-sampling-filter-path", "test_async_fully.keep_even_prompts")
+    engine, trainer, logger = _drive(
+        tiny_ckpt, addition_data, tmp_path, 3, "--dynamic-sampling-filter-path", "test_async_fully.keep_even_prompts"
+    )
     trained = [g[0].metadata["prompt_index"] for batch in trainer.batches for g in batch]
     assert len(trained) == 6 and all(i % 2 == 0 for i in trained) and len(set(trained)) == 6
     assert sum(m["rollout/dynamic_sampling_dropped_groups"] for m in logger.steps.values()) >= 2
@@ -207,8 +229,12 @@ def test_dynamic_sampling_filter_with_fully_async(tiny_ckpt, addition_data, tmp_
 @pytest.mark.parametrize("side", ["rollout", "trainer"])
 def test_an_error_on_one_side_is_named_and_stops_both(tiny_ckpt, addition_data, tmp_path, side):
     kw = {"engine_fail": 9} if side == "rollout" else {"train_fail": 1}
-    assert_side_error(lambda: _drive(tiny_ckpt, addition_data, tmp_path, 6, **kw), side,
-                      "engine exploded" if side == "rollout" else "loss is nan", "lichen-fully-async-rollout")
+    assert_side_error(
+        lambda: _drive(tiny_ckpt, addition_data, tmp_path, 6, **kw),
+        side,
+        "engine exploded" if side == "rollout" else "loss is nan",
+        "lichen-fully-async-rollout",
+    )
 
 
 def test_resume_keeps_the_cut_groups_and_loses_no_prompt(tiny_ckpt, addition_data, tmp_path):
@@ -218,8 +244,9 @@ def test_resume_keeps_the_cut_groups_and_loses_no_prompt(tiny_ckpt, addition_dat
     engine, first, _ = _drive(tiny_ckpt, addition_data, tmp_path / "a", 2, *save)
     at_save = ckpt.load_rollout_state(str(tmp_path / "c"), 1)
     assert at_save["partial_rollout"]["groups"], "no group was in flight at the checkpoint"
-    _, second, _ = _drive(tiny_ckpt, addition_data, tmp_path / "b", 4, *save, "--load", str(tmp_path / "c"),
-                          engine=engine)  # the same engine: it recognises the continuations of its aborts
+    _, second, _ = _drive(
+        tiny_ckpt, addition_data, tmp_path / "b", 4, *save, "--load", str(tmp_path / "c"), engine=engine
+    )  # the same engine: it recognises the continuations of its aborts
     trained = _prompts(g for batch in first.batches + second.batches for g in batch)
     end = ckpt.load_rollout_state(str(tmp_path / "c"), 3)
     held = _prompts(end["fully_async"]["ready"]) + _prompts(end["partial_rollout"]["groups"])
@@ -234,17 +261,34 @@ def test_fully_async_resume_loses_and_repeats_no_prompt(tiny_ckpt, addition_data
     still held in the final checkpoint (ready or partial), none twice, none missing."""
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
     save = str(tmp_path / "ckpt")
-    common = ["--fully-async", "--rollout-num-engines", "1", "--save", save, "--save-debug-rollout-data", dump,
-              *THREADS]
+    common = [
+        "--fully-async",
+        "--rollout-num-engines",
+        "1",
+        "--save",
+        save,
+        "--save-debug-rollout-data",
+        dump,
+        *THREADS,
+    ]
     first = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "2", *common))
     second = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "4", "--load", save, *common))
     assert [m["step"] for m in first if "train/loss" in m] == [1, 2]
     assert [m["step"] for m in second if "train/loss" in m] == [3, 4]
     for m in first + second:  # the off-policy picture of every step
-        assert {"train/staleness_mean", "train/staleness_max", "train/train_rollout_logprob_abs_diff",
-                "rollout/fully_async_stale_dropped", "rollout/fully_async_aborted_requests"} <= set(m), m["step"]
-    trained = [s["metadata"]["prompt_index"] for k in range(4) for s in dumped_samples(dump.format(rollout_id=k))
-               if s["index"] % 4 == 0]  # one sample per group (4 samples per prompt)
+        assert {
+            "train/staleness_mean",
+            "train/staleness_max",
+            "train/train_rollout_logprob_abs_diff",
+            "rollout/fully_async_stale_dropped",
+            "rollout/fully_async_aborted_requests",
+        } <= set(m), m["step"]
+    trained = [
+        s["metadata"]["prompt_index"]
+        for k in range(4)
+        for s in dumped_samples(dump.format(rollout_id=k))
+        if s["index"] % 4 == 0
+    ]  # one sample per group (4 samples per prompt)
     state = ckpt.load_rollout_state(save, 3)
     held = [g[0]["metadata"]["prompt_index"] for g in state["fully_async"]["ready"]]
     held += [g[0]["metadata"]["prompt_index"] for g in state["partial_rollout"]["groups"]]

@@ -14,20 +14,28 @@ import async_learning  # noqa: E402
 
 
 def _row(seed, sync_gain, async_gain, staleness):
-    return {"seed": seed, "sync_curve": [(0, 0.5), (2, 0.5 + sync_gain / 100)], "sync_gain": sync_gain,
-            "async_gain": async_gain, "diff": async_gain - sync_gain, "staleness_max": staleness,
-            "staleness_mean": [float(s) for s in staleness]}
+    return {
+        "seed": seed,
+        "sync_curve": [(0, 0.5), (2, 0.5 + sync_gain / 100)],
+        "sync_gain": sync_gain,
+        "async_gain": async_gain,
+        "diff": async_gain - sync_gain,
+        "staleness_max": staleness,
+        "staleness_mean": [float(s) for s in staleness],
+    }
 
 
 def test_report_pairs_the_seeds_and_counts_staleness(capsys):
-    summary = async_learning.report([_row(1, 10.0, 8.0, [0, 1, 1]), _row(2, 12.0, 13.0, [0, 1, 1]),
-                                     _row(3, 9.0, 9.0, [0, 1, 1])])
+    summary = async_learning.report(
+        [_row(1, 10.0, 8.0, [0, 1, 1]), _row(2, 12.0, 13.0, [0, 1, 1]), _row(3, 9.0, 9.0, [0, 1, 1])]
+    )
     ci = summary["ci"]
     assert summary["diffs"] == [-2.0, 1.0, 0.0] and ci["mean"] == pytest.approx(-1 / 3)
     # sd of (-2, 1, 0) = sqrt(7/3); t(0.975, 2 dof) = 4.303
-    half = 4.3027 * (7 / 3) ** 0.5 / 3 ** 0.5
-    assert ci["lower"] == pytest.approx(-1 / 3 - half, abs=1e-3) and ci["upper"] == pytest.approx(-1 / 3 + half,
-                                                                                                   abs=1e-3)
+    half = 4.3027 * (7 / 3) ** 0.5 / 3**0.5
+    assert ci["lower"] == pytest.approx(-1 / 3 - half, abs=1e-3) and ci["upper"] == pytest.approx(
+        -1 / 3 + half, abs=1e-3
+    )
     assert summary["staleness_max_hist"] == {"0": 3, "1": 6} and summary["staleness_mean"] == pytest.approx(2 / 3)
     assert "NOT met" in capsys.readouterr().out  # the lower bound is below -3 points
 

@@ -16,8 +16,14 @@ from helpers.runs import base_args, dumped_samples, run  # noqa: E402
 def ray_4_gpus():
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=4,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -25,10 +31,30 @@ def ray_4_gpus():
 @pytest.mark.slow
 def test_async_over_ray_two_ranks_one_engine(ray_4_gpus, tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
-    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--device", "cpu",
-                            "--num-threads", "1", "--runtime", "ray", "--actor-num-gpus-per-node", "2",
-                            "--rollout-num-gpus", "1", "--async", "--save-debug-rollout-data", dump,
-                            "--save", str(tmp_path / "ckpt")))
+    metrics = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "3",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "1",
+            "--async",
+            "--save-debug-rollout-data",
+            dump,
+            "--save",
+            str(tmp_path / "ckpt"),
+        )
+    )
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert [m["train/staleness_max"] for m in steps] == [0, 1, 1]  # rollout k+1 made with version k
@@ -43,10 +69,30 @@ def test_async_over_ray_two_ranks_one_engine(ray_4_gpus, tiny_ckpt, addition_dat
 @pytest.mark.slow
 def test_fully_async_over_ray(ray_4_gpus, tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
-    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--device", "cpu",
-                            "--num-threads", "1", "--runtime", "ray", "--actor-num-gpus-per-node", "2",
-                            "--rollout-num-gpus", "1", "--fully-async", "--max-staleness", "1",
-                            "--save-debug-rollout-data", dump))
+    metrics = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "3",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "1",
+            "--fully-async",
+            "--max-staleness",
+            "1",
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and all(m["train/staleness_max"] <= 1 for m in steps)
     for k in range(3):

@@ -26,10 +26,19 @@ HAS_TRL = importlib.util.find_spec("trl") is not None
 
 
 # ---- rewards and prompts ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("response,label,expected", [
-    ("47", "47", 1.0), ("47abc", "47", 1.0), (" 47", "47", 1.0), ("470", "47", 0.0), ("4", "47", 0.0),
-    ("x47", "47", 0.0), ("", "47", 0.0), ("47", "", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,label,expected",
+    [
+        ("47", "47", 1.0),
+        ("47abc", "47", 1.0),
+        (" 47", "47", 1.0),
+        ("470", "47", 0.0),
+        ("4", "47", 0.0),
+        ("x47", "47", 0.0),
+        ("", "47", 0.0),
+        ("47", "", 0.0),
+    ],
+)
 def test_addition_reward_reads_leading_digits(response, label, expected):
     assert score_addition(response, label) == expected
 
@@ -78,8 +87,14 @@ def test_forward_flops_match_a_naive_count(p, r):
 
 
 def test_model_shape_of_w1_counts_4_2m_parameters(tmp_path):
-    cfg = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
-           "num_key_value_heads": 4, "vocab_size": 102}
+    cfg = {
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 102,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     shape = model_shape(str(tmp_path))
     # linear FLOPs per token = 2 x matmul parameters of the layers; plus the tied embedding = the 4.22M checkpoint
@@ -89,8 +104,16 @@ def test_model_shape_of_w1_counts_4_2m_parameters(tmp_path):
 
 # ---- summaries ----------------------------------------------------------------------------------------------
 def _step(step, gen, train, lengths, engine=None, engine_tok=None, train_tok=None, reward=0.5):
-    return {"step_time": step, "generate_time": gen, "train_time": train, "engine_time": engine,
-            "reward_mean": reward, "lengths": lengths, "engine_tokens": engine_tok, "train_tokens": train_tok}
+    return {
+        "step_time": step,
+        "generate_time": gen,
+        "train_time": train,
+        "engine_time": engine,
+        "reward_mean": reward,
+        "lengths": lengths,
+        "engine_tokens": engine_tok,
+        "train_tokens": train_tok,
+    }
 
 
 def test_summary_skips_the_warmup_step_and_divides_sums():
@@ -140,27 +163,66 @@ def smoke_checkpoint(tmp_path_factory):
     wl = WORKLOADS["smoke"]
     d = tmp_path_factory.mktemp("bench")
     ckpt = d / "smoke" / "checkpoint"
-    make_tiny_model(str(ckpt), hidden_size=wl.hidden_size, intermediate_size=wl.intermediate_size,
-                    num_layers=wl.num_layers, num_heads=wl.num_heads)
+    make_tiny_model(
+        str(ckpt),
+        hidden_size=wl.hidden_size,
+        intermediate_size=wl.intermediate_size,
+        num_layers=wl.num_layers,
+        num_heads=wl.num_heads,
+    )
     return d, ckpt
 
 
 def test_lichen_flags_resolve_to_the_issue_settings(smoke_checkpoint, tmp_path):
-    from lichen_bench.rl import lichen_train_flags
     from lichen.config import parse_train_args
+    from lichen_bench.rl import lichen_train_flags
 
     _, ckpt = smoke_checkpoint
     prompts = tmp_path / "p.jsonl"
     write_prompts(str(prompts), make_prompts(WORKLOADS["w1"], 20))
-    args = parse_train_args(lichen_train_flags(WORKLOADS["w1"], checkpoint=str(ckpt), prompts=str(prompts), steps=20,
-                                               seed=7, threads=2, output_dir=str(tmp_path / "o"), extra=[]))
-    expected = dict(lr=1e-4, eps_clip=0.2, eps_clip_high=0.2, loss_agg_mode="seq-mean-token-mean",
-                    advantage_estimator="grpo", clip_grad=1.0, num_steps_per_rollout=1, global_batch_size=32,
-                    use_kl_loss=False, kl_coef=0.0, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
-                    lr_decay_style="constant", lr_warmup_iters=0, weight_decay=0.0, adam_beta1=0.9,
-                    adam_beta2=0.999, adam_eps=1e-8, num_threads=2, seed=7, rollout_batch_size=4,
-                    n_samples_per_prompt=8, rollout_max_response_len=8, num_rollout=20, bf16=False,
-                    rollout_shuffle=False, disable_grpo_std_normalization=False, entropy_coef=0.0)
+    args = parse_train_args(
+        lichen_train_flags(
+            WORKLOADS["w1"],
+            checkpoint=str(ckpt),
+            prompts=str(prompts),
+            steps=20,
+            seed=7,
+            threads=2,
+            output_dir=str(tmp_path / "o"),
+            extra=[],
+        )
+    )
+    expected = dict(
+        lr=1e-4,
+        eps_clip=0.2,
+        eps_clip_high=0.2,
+        loss_agg_mode="seq-mean-token-mean",
+        advantage_estimator="grpo",
+        clip_grad=1.0,
+        num_steps_per_rollout=1,
+        global_batch_size=32,
+        use_kl_loss=False,
+        kl_coef=0.0,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        rollout_top_k=-1,
+        lr_decay_style="constant",
+        lr_warmup_iters=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        num_threads=2,
+        seed=7,
+        rollout_batch_size=4,
+        n_samples_per_prompt=8,
+        rollout_max_response_len=8,
+        num_rollout=20,
+        bf16=False,
+        rollout_shuffle=False,
+        disable_grpo_std_normalization=False,
+        entropy_coef=0.0,
+    )
     assert {k: getattr(args, k) for k in expected} == expected
 
 
@@ -215,8 +277,22 @@ def test_harness_runs_one_lichen_step(smoke_checkpoint):
 
     work, _ = smoke_checkpoint
     out = work / "report.json"
-    rc = main(["--workload", "smoke", "--repeats", "1", "--steps", "1", "--skip-trl", "--skip-limits",
-               "--work-dir", str(work), "--out", str(out)])
+    rc = main(
+        [
+            "--workload",
+            "smoke",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--skip-trl",
+            "--skip-limits",
+            "--work-dir",
+            str(work),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rep = json.loads(out.read_text())
     res = rep["workloads"]["smoke"]
@@ -240,8 +316,23 @@ def test_reused_work_dir_reports_its_own_runs(tmp_path, capsys):
     reports = []
     for steps in (1, 2):
         out = tmp_path / f"report{steps}.json"
-        rc = main(["--workload", "smoke", "--repeats", "1", "--steps", str(steps), "--skip-trl", "--skip-limits",
-                   "--no-skip-variant", "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+        rc = main(
+            [
+                "--workload",
+                "smoke",
+                "--repeats",
+                "1",
+                "--steps",
+                str(steps),
+                "--skip-trl",
+                "--skip-limits",
+                "--no-skip-variant",
+                "--work-dir",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+            ]
+        )
         assert rc == 0, capsys.readouterr().err
         reports.append(json.loads(out.read_text()))
     first, second = reports
@@ -273,8 +364,21 @@ def test_trl_child_runs_one_step(smoke_checkpoint, tmp_path):
     prompts = tmp_path / "p.jsonl"
     write_prompts(str(prompts), make_prompts(wl, 1))
     result = tmp_path / "trl.json"
-    rc = run_trl.main([str(result), "--workload", "smoke", "--checkpoint", str(ckpt), "--prompts", str(prompts),
-                       "--steps", "1", "--output-dir", str(tmp_path / "out")])
+    rc = run_trl.main(
+        [
+            str(result),
+            "--workload",
+            "smoke",
+            "--checkpoint",
+            str(ckpt),
+            "--prompts",
+            str(prompts),
+            "--steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert rc == 0
     data = json.loads(result.read_text())
     assert data["instrumentation_missing"] == [] and data["torch_threads"] == 2

@@ -3,13 +3,14 @@ harness pieces that make both frameworks do the same forward + backward on every
 
 from __future__ import annotations
 
-from lichen.types import Status
-
 from helpers.trainer import make_actor, ragged_samples
+
+from lichen.types import Status
 
 
 def test_disable_zero_advantage_skip_runs_every_backward(tiny_ckpt, addition_data, tmp_path):
     """All rewards equal -> every GRPO advantage is 0: by default every backward is skipped; with the flag none."""
+
     def step(*extra):
         actor = make_actor(tiny_ckpt, addition_data, tmp_path, "--micro-batch-size", "4", *extra)
         samples = ragged_samples(actor.model.cfg.vocab_size, seed=3)  # every reward 0.0
@@ -30,8 +31,19 @@ def test_engines_are_timed_on_identical_forced_lengths(tiny_ckpt, tmp_path):
     from lichen_bench import run_gen
     from lichen_bench.workloads import Workload
 
-    wl = Workload("t", hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0, prompts_per_step=2,
-                  group_size=2, max_new_tokens=20, lr=0.0, steps=1, reward="addition")
+    wl = Workload(
+        "t",
+        hidden_size=0,
+        intermediate_size=0,
+        num_layers=0,
+        num_heads=0,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=20,
+        lr=0.0,
+        steps=1,
+        reward="addition",
+    )
     prompts = ["12+3=", "12+3=", "4+45=", "4+45="]
     lengths = [1, 20, 7, 13]
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)

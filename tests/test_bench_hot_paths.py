@@ -25,8 +25,16 @@ def engine(tmp_path_factory):
 def _requests() -> list[GenRequest]:
     # ragged prompts (left padding) and lengths 1..40 (compactions, and growth past the first slots with
     # GROW_SLOTS lowered below), joined in chunks by max_batch_size (rebuilds on join)
-    return [GenRequest(input_ids=[20 + i % 7] * (1 + i % 5), max_new_tokens=1 + (i * 7) % 40, temperature=0.8,
-                       seed=derive_seed(3, i), ignore_eos=True) for i in range(12)]
+    return [
+        GenRequest(
+            input_ids=[20 + i % 7] * (1 + i % 5),
+            max_new_tokens=1 + (i * 7) % 40,
+            temperature=0.8,
+            seed=derive_seed(3, i),
+            ignore_eos=True,
+        )
+        for i in range(12)
+    ]
 
 
 def test_rebuild_does_not_zero_fill_the_whole_cache(engine, monkeypatch):

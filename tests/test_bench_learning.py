@@ -9,9 +9,9 @@ import math
 
 import pytest
 
+from lichen.errors import ConfigError
 from lichen_bench import learning
 from lichen_bench.workloads import WORKLOADS
-from lichen.errors import ConfigError
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -22,8 +22,9 @@ def test_t_quantile_matches_closed_forms_for_1_and_2_dof(p):
     assert learning.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-9)
 
 
-@pytest.mark.parametrize("dof,expected", [(3, 3.182446), (4, 2.776445), (5, 2.570582), (9, 2.262157),
-                                          (30, 2.042272), (120, 1.979930)])
+@pytest.mark.parametrize(
+    "dof,expected", [(3, 3.182446), (4, 2.776445), (5, 2.570582), (9, 2.262157), (30, 2.042272), (120, 1.979930)]
+)
 def test_t_quantile_matches_printed_tables(dof, expected):
     assert learning.t_quantile(0.975, dof) == pytest.approx(expected, abs=2e-6)
 
@@ -55,11 +56,16 @@ def test_paired_ci_against_a_hand_computed_value():
 def test_windows_and_targets():
     assert learning.window_mean([0.0, 1.0, 0.5, None, 1.0], 1, 2) == 0.5
     assert learning.window_mean([0.0, 1.0, 0.5, None, 1.0], 3, 5) == 0.75  # the step with no reward is left out
-    run = lambda curve: {"curve": curve, "early": learning.window_mean(curve, 1, 1),  # noqa: E731
-                         "late": learning.window_mean(curve, 2, 3)}
-    seeds = [{"seed": 1, "lichen": run([0.1, 0.5, 0.7]), "trl": run([0.2, 0.5, 0.5])},   # diff +0.1
-             {"seed": 2, "lichen": run([0.3, 0.4, 0.4]), "trl": run([0.3, 0.6, 0.4])},   # diff -0.1
-             {"seed": 3, "lichen": {"error": "boom"}, "trl": run([0.0, 0.0, 0.0])}]      # not paired
+    run = lambda curve: {  # noqa: E731
+        "curve": curve,
+        "early": learning.window_mean(curve, 1, 1),
+        "late": learning.window_mean(curve, 2, 3),
+    }
+    seeds = [
+        {"seed": 1, "lichen": run([0.1, 0.5, 0.7]), "trl": run([0.2, 0.5, 0.5])},  # diff +0.1
+        {"seed": 2, "lichen": run([0.3, 0.4, 0.4]), "trl": run([0.3, 0.6, 0.4])},  # diff -0.1
+        {"seed": 3, "lichen": {"error": "boom"}, "trl": run([0.0, 0.0, 0.0])},
+    ]  # not paired
     res = learning.analyse(seeds)
     assert res["paired_seeds"] == [1, 2] and res["diffs"] == pytest.approx([0.1, -0.1])
     # mean 0, sd sqrt(0.02), t_0.975,1 = 12.7062: lower = -12.7062 * 0.1414214 / sqrt 2 = -1.27062
@@ -77,8 +83,12 @@ def test_windows_and_targets():
 
 
 def test_rejects_bad_windows_and_seed_counts():
-    for argv in (["--seeds", "1"], ["--steps", "3", "--late-from", "4"], ["--early-steps", "0"],
-                 ["--warm-start", "/nonexistent"]):
+    for argv in (
+        ["--seeds", "1"],
+        ["--steps", "3", "--late-from", "4"],
+        ["--early-steps", "0"],
+        ["--warm-start", "/nonexistent"],
+    ):
         with pytest.raises(ConfigError):
             learning.main(argv + ["--skip-trl"])
 
@@ -89,8 +99,13 @@ def test_sft_flags_resolve_to_an_sft_run(tmp_path):
 
     wl = WORKLOADS["smoke"]
     ckpt = tmp_path / "m"
-    make_tiny_model(str(ckpt), hidden_size=wl.hidden_size, intermediate_size=wl.intermediate_size,
-                    num_layers=wl.num_layers, num_heads=wl.num_heads)
+    make_tiny_model(
+        str(ckpt),
+        hidden_size=wl.hidden_size,
+        intermediate_size=wl.intermediate_size,
+        num_layers=wl.num_layers,
+        num_heads=wl.num_heads,
+    )
     train, held, n_train = learning.write_sft_data(str(tmp_path), 40, seed=0)
     assert n_train == 40 * 40 - 40
     rows = [json.loads(x) for x in open(train)] + [json.loads(x) for x in open(held)]
@@ -109,9 +124,32 @@ def test_sft_flags_resolve_to_an_sft_run(tmp_path):
 def test_suite_smoke_run(tmp_path, capsys):
     pytest.importorskip("trl")  # the CI needs both frameworks
     out = tmp_path / "r.json"
-    rc = learning.main(["--workload", "smoke", "--seeds", "2", "--steps", "3", "--early-steps", "1",
-                        "--sft-steps", "2", "--sft-batch", "4", "--sft-heldout", "8", "--threads", "1",
-                        "--jobs", "4", "--work-dir", str(tmp_path / "w"), "--out-json", str(out)])
+    rc = learning.main(
+        [
+            "--workload",
+            "smoke",
+            "--seeds",
+            "2",
+            "--steps",
+            "3",
+            "--early-steps",
+            "1",
+            "--sft-steps",
+            "2",
+            "--sft-batch",
+            "4",
+            "--sft-heldout",
+            "8",
+            "--threads",
+            "1",
+            "--jobs",
+            "4",
+            "--work-dir",
+            str(tmp_path / "w"),
+            "--out-json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "lichen - TRL, mean reward steps 2-3: " in text and "95% CI [" in text
@@ -136,14 +174,39 @@ def test_reused_work_dir_reports_its_own_curves(tmp_path, capsys):
 
     wl = WORKLOADS["smoke"]
     warm = tmp_path / "warm"
-    make_tiny_model(str(warm), hidden_size=wl.hidden_size, intermediate_size=wl.intermediate_size,
-                    num_layers=wl.num_layers, num_heads=wl.num_heads)
+    make_tiny_model(
+        str(warm),
+        hidden_size=wl.hidden_size,
+        intermediate_size=wl.intermediate_size,
+        num_layers=wl.num_layers,
+        num_heads=wl.num_heads,
+    )
     reports = []
     for steps in (2, 3):
         out = tmp_path / f"r{steps}.json"
-        rc = learning.main(["--workload", "smoke", "--seeds", "2", "--steps", str(steps), "--early-steps", "1",
-                            "--warm-start", str(warm), "--skip-trl", "--threads", "1", "--jobs", "2",
-                            "--work-dir", str(tmp_path / "w"), "--out-json", str(out)])
+        rc = learning.main(
+            [
+                "--workload",
+                "smoke",
+                "--seeds",
+                "2",
+                "--steps",
+                str(steps),
+                "--early-steps",
+                "1",
+                "--warm-start",
+                str(warm),
+                "--skip-trl",
+                "--threads",
+                "1",
+                "--jobs",
+                "2",
+                "--work-dir",
+                str(tmp_path / "w"),
+                "--out-json",
+                str(out),
+            ]
+        )
         assert rc == 0, capsys.readouterr().err
         reports.append(json.loads(out.read_text()))
     assert [len(s["lichen"]["curve"]) for s in reports[1]["seeds"]] == [3, 3]

@@ -36,10 +36,25 @@ def test_model_shape_reaches_the_requested_size():
 
 def test_smoke_run_prints_every_transport(tmp_path, capsys):
     out_json = tmp_path / "r.json"
-    assert bench_sync.main(["--params", "1e6", "--steps", "1", "--threads", "1", "--work-dir", str(tmp_path / "w"),
-                            "--json", str(out_json)]) == 0
+    assert (
+        bench_sync.main(
+            [
+                "--params",
+                "1e6",
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--work-dir",
+                str(tmp_path / "w"),
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    table = out[out.index("transport "):]
+    table = out[out.index("transport ") :]
     for name in ("full", "xor", "overwrite", "nccl"):
         assert re.search(rf"^{name}\s", table, re.M), name
     assert len(re.findall(r"\[(PASS|MISS)\]", table)) == 5
@@ -49,4 +64,4 @@ def test_smoke_run_prints_every_transport(tmp_path, capsys):
     assert 0 < summary["xor"]["changed_density"] < 0.5  # one small AdamW step moves a few percent of the bytes
     for r in summary.values():  # one end-to-end time per timed sync; their mean is the table's
         assert len(r["e2e_each_s"]) == 1 and abs(sum(r["e2e_each_s"]) - r["e2e_s"]) < 1e-9
-    assert re.search(r"^  xor\s+\d+\.\d{3}$", out[out.index("each timed sync"):], re.M)
+    assert re.search(r"^  xor\s+\d+\.\d{3}$", out[out.index("each timed sync") :], re.M)

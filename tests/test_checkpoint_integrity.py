@@ -13,13 +13,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.runs import base_args, run
 
 from lichen.cli import main
 from lichen.errors import ConfigError, UserError
 from lichen.train import checkpoint as ckpt
 from lichen.train.ckpt_integrity import MANIFEST, remove_stale_temps, verify, write_manifest
-
-from helpers.runs import base_args, run
 
 COMMON = ["--micro-batch-size", "2", "--save-interval", "1"]
 
@@ -75,8 +74,9 @@ DAMAGE = {
 def test_every_file_is_checksummed_and_trainer_state_is_plain_data(saved):
     d = ckpt.iter_dir(saved, 1)
     listed = json.load(open(os.path.join(d, MANIFEST)))["files"]
-    assert {"hf/model.safetensors", "hf/config.json", "trainer_state.pt", "rollout_state.json",
-            "meta.json"} <= set(listed)
+    assert {"hf/model.safetensors", "hf/config.json", "trainer_state.pt", "rollout_state.json", "meta.json"} <= set(
+        listed
+    )
     state = torch.load(os.path.join(d, "trainer_state.pt"), weights_only=True)  # refused numpy's state before
     assert state["format"] == ckpt.STATE_FORMAT and isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
     verify(d)
@@ -126,8 +126,10 @@ def test_no_latest_file(copy, capsys):
 
 
 def test_a_file_added_to_hf_is_damage(copy):
-    shutil.copy(os.path.join(ckpt.iter_dir(copy, 1), "hf", "config.json"),
-                os.path.join(ckpt.iter_dir(copy, 1), "hf", "model.safetensors.index.json"))
+    shutil.copy(
+        os.path.join(ckpt.iter_dir(copy, 1), "hf", "config.json"),
+        os.path.join(ckpt.iter_dir(copy, 1), "hf", "model.safetensors.index.json"),
+    )
     assert ckpt.find_latest(copy) == 0
 
 
@@ -143,8 +145,17 @@ def test_checkpoint_without_checksums_is_refused_with_what_to_do(copy):
 
 
 def resume_argv(tiny_ckpt, addition_data, tmp_path, load_dir, num_rollout="3"):
-    return base_args(tiny_ckpt, addition_data, tmp_path / "resumed", "--num-rollout", num_rollout, "--load", load_dir,
-                     "--micro-batch-size", "2")
+    return base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "resumed",
+        "--num-rollout",
+        num_rollout,
+        "--load",
+        load_dir,
+        "--micro-batch-size",
+        "2",
+    )
 
 
 def test_resume_via_cli_falls_back_to_the_previous_checkpoint(tiny_ckpt, addition_data, tmp_path, copy, capsys):
@@ -238,15 +249,29 @@ def test_debug_rollout_dump_of_non_plain_metadata_loads_with_weights_only(tmp_pa
     from lichen.types import Sample, Status
 
     meta = {"score": np.float32(0.5), "ids": np.arange(3), "when": datetime.date(2026, 1, 2), "status": Status.FAILED}
-    sample = Sample(prompt=[{"role": "user", "content": "1+1="}], tokens=[1, 2, 3], response_length=1, reward=1.0,
-                    status=Status.COMPLETED, loss_mask=[1], metadata=meta)
+    sample = Sample(
+        prompt=[{"role": "user", "content": "1+1="}],
+        tokens=[1, 2, 3],
+        response_length=1,
+        reward=1.0,
+        status=Status.COMPLETED,
+        loss_mask=[1],
+        metadata=meta,
+    )
     path = dump_rollout(str(tmp_path / "d_{rollout_id}.pt"), 0, [[sample]])
     data = torch.load(path, weights_only=True)
-    assert data["samples"][0][0]["metadata"] == {"score": 0.5, "ids": [0, 1, 2], "when": "2026-01-02",
-                                                 "status": "failed"}
+    assert data["samples"][0][0]["metadata"] == {
+        "score": 0.5,
+        "ids": [0, 1, 2],
+        "when": "2026-01-02",
+        "status": "failed",
+    }
     assert "metadata.when (date)" in capsys.readouterr().err
-    replay = ReplayRollout(SimpleNamespace(load_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"),
-                                           reward=SimpleNamespace(reward_key=None)))  # what it reads of RolloutConfig
+    replay = ReplayRollout(
+        SimpleNamespace(
+            load_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"), reward=SimpleNamespace(reward_key=None)
+        )
+    )  # what it reads of RolloutConfig
     groups, _ = replay.generate(0)
     assert groups[0][0].tokens == [1, 2, 3] and groups[0][0].status == Status.COMPLETED
 
@@ -291,11 +316,15 @@ def test_a_crashed_save_leaves_no_manifest(copy):
     assert ckpt.find_latest(copy) == 0
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "ends early"),
-    (b"PK\x03\x04" + b"\0" * 40, "damaged or not a torch file (RuntimeError"),
-    (b'{"a": 1}', "damaged or not a torch file (Unsupported operand"),
-], ids=["empty", "broken zip", "json"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "ends early"),
+        (b"PK\x03\x04" + b"\0" * 40, "damaged or not a torch file (RuntimeError"),
+        (b'{"a": 1}', "damaged or not a torch file (Unsupported operand"),
+    ],
+    ids=["empty", "broken zip", "json"],
+)
 def test_load_plain_names_the_damage(tmp_path, content, message):
     from lichen.torch_files import UnreadableFile, load_plain
 
@@ -305,8 +334,7 @@ def test_load_plain_names_the_damage(tmp_path, content, message):
     assert str(e.value).startswith(f"state {tmp_path / 'x.pt'}: ") and message in str(e.value)
 
 
-def test_checkpoint_without_trainer_state_or_critic_is_a_clear_error(tiny_ckpt, addition_data, tmp_path, copy,
-                                                                     capsys):
+def test_checkpoint_without_trainer_state_or_critic_is_a_clear_error(tiny_ckpt, addition_data, tmp_path, copy, capsys):
     # GRPO checkpoints hold no critic.pt: resuming them under PPO names what is missing
     assert main(resume_argv(tiny_ckpt, addition_data, tmp_path, copy) + ["--advantage-estimator", "ppo"]) == 2
     err = capsys.readouterr().err

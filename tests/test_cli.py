@@ -31,9 +31,24 @@ def test_bad_data_file_is_one_clear_error(tiny_ckpt, tmp_path, capsys):
     nokey = tmp_path / "nokey.jsonl"
     nokey.write_text('{"question": "1+1=", "label": "2"}\n' * 4)
     for path, needle in ((bad, "bad.jsonl:2"), (nokey, "prompt")):
-        argv = ["train", "--hf-checkpoint", tiny_ckpt, "--prompt-data", str(path), "--rm-type", "exact",
-                "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1",
-                "--output-dir", str(tmp_path / "out"), "--no-progress"]
+        argv = [
+            "train",
+            "--hf-checkpoint",
+            tiny_ckpt,
+            "--prompt-data",
+            str(path),
+            "--rm-type",
+            "exact",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "1",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -11,15 +11,21 @@ import asyncio
 
 import pytest
 from aiohttp import web
+from helpers.batch_schedule import assert_mostly_same_generations
+from helpers.serve_process import launch
 
-from lichen.engines.client import (EngineClient, EngineError, EngineRequestError, EngineUnavailable,
-                                   generate_payload, normalize_url, result_from_output)
+from lichen.engines.client import (
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailable,
+    generate_payload,
+    normalize_url,
+    result_from_output,
+)
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.router import NoEngineAvailable, Router
 from lichen.engines.sampler import derive_seed
-from helpers.serve_process import launch
-
-from helpers.batch_schedule import assert_mostly_same_generations
 
 KEY = "sekrit-key"
 
@@ -37,16 +43,32 @@ async def start_app(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:
 
 
 def answer(tokens=(5, 6), version="3", finish="length") -> dict:
-    return {"text": "", "output_ids": list(tokens),
-            "meta_info": {"id": "x", "finish_reason": {"type": finish}, "prompt_tokens": 2,
-                          "completion_tokens": len(tokens), "weight_version": version,
-                          "output_token_logprobs": [[-0.5 * (i + 1), t, None] for i, t in enumerate(tokens)]}}
+    return {
+        "text": "",
+        "output_ids": list(tokens),
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": finish},
+            "prompt_tokens": 2,
+            "completion_tokens": len(tokens),
+            "weight_version": version,
+            "output_token_logprobs": [[-0.5 * (i + 1), t, None] for i, t in enumerate(tokens)],
+        },
+    }
 
 
 # ---- protocol translation ---------------------------------------------------------------------------------
 def test_payload_and_result_translation():
-    req = GenRequest(input_ids=[3, 4], max_new_tokens=7, temperature=-1.0, top_p=0.9, top_k=5,
-                     stop_token_ids=[9], seed=123, ignore_eos=True)
+    req = GenRequest(
+        input_ids=[3, 4],
+        max_new_tokens=7,
+        temperature=-1.0,
+        top_p=0.9,
+        top_k=5,
+        stop_token_ids=[9],
+        seed=123,
+        ignore_eos=True,
+    )
     body = generate_payload(req, rid="r1")
     sp = body["sampling_params"]
     assert body["input_ids"] == [3, 4] and body["return_logprob"] is True and body["rid"] == "r1"
@@ -250,10 +272,11 @@ def keyed_server(tiny_ckpt, tmp_path_factory):
 
 
 def test_real_server_key_endpoints_and_in_process_equality(keyed_server, tiny_ckpt):
-    reqs = [GenRequest(input_ids=[5, 9, 14, 3], max_new_tokens=6, temperature=0.8, top_p=0.9,
-                       seed=derive_seed(1, 0, 0)),
-            GenRequest(input_ids=[7, 2], max_new_tokens=5, temperature=0.0, seed=derive_seed(1, 0, 1)),
-            GenRequest(input_ids=[11, 12, 13], max_new_tokens=6, temperature=1.0, top_k=4, seed=derive_seed(1, 0, 2))]
+    reqs = [
+        GenRequest(input_ids=[5, 9, 14, 3], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=derive_seed(1, 0, 0)),
+        GenRequest(input_ids=[7, 2], max_new_tokens=5, temperature=0.0, seed=derive_seed(1, 0, 1)),
+        GenRequest(input_ids=[11, 12, 13], max_new_tokens=6, temperature=1.0, top_k=4, seed=derive_seed(1, 0, 2)),
+    ]
 
     async def main():
         anonymous = EngineClient(keyed_server.url, max_retries=0)
@@ -264,21 +287,28 @@ def test_real_server_key_endpoints_and_in_process_equality(keyed_server, tiny_ck
         await anonymous.close()
         client = EngineClient(keyed_server.url, api_key=KEY)
         outs = await asyncio.gather(*[client.generate(generate_payload(r)) for r in reqs])
-        probes = {p: await client.has_endpoint(p)
-                  for p in ("/generate", "/update_weights_from_disk", "/release_memory_occupation", "/no_such")}
+        probes = {
+            p: await client.has_endpoint(p)
+            for p in ("/generate", "/update_weights_from_disk", "/release_memory_occupation", "/no_such")
+        }
         version = await client.weight_version()
         await client.close()
         return outs, probes, version
 
     outs, probes, version = asyncio.run(main())
-    assert probes == {"/generate": True, "/update_weights_from_disk": True, "/release_memory_occupation": True,
-                      "/no_such": False}
+    assert probes == {
+        "/generate": True,
+        "/update_weights_from_disk": True,
+        "/release_memory_occupation": True,
+        "/no_such": False,
+    }
     assert version == "default"
     remote = [result_from_output(o) for o in outs]
     local = Engine.from_pretrained(tiny_ckpt).generate(reqs)
     # the same per-request seed draws the same tokens (a server batch rounds like a local one but for rare flips)
     assert_mostly_same_generations(
         [(r.output_ids, r.output_logprobs, loc.output_ids, loc.output_logprobs) for r, loc in zip(remote, local)],
-        max_flips=1)
+        max_flips=1,
+    )
     for r, loc in zip(remote, local):
         assert (r.prompt_tokens, r.weight_version) == (loc.prompt_tokens, "default")

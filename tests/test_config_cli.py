@@ -24,8 +24,20 @@ def base(tmp_path, monkeypatch):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", "hf", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "2", "--rm-type", "math", "--num-rollout", "2"]
+    return [
+        "--hf-checkpoint",
+        "hf",
+        "--prompt-data",
+        "prompts.jsonl",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rm-type",
+        "math",
+        "--num-rollout",
+        "2",
+    ]
 
 
 def run_cli(argv, capsys):
@@ -37,14 +49,19 @@ def run_cli(argv, capsys):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--rollout-batch-sise", "3"],
-         "unrecognized argument --rollout-batch-sise; did you mean --rollout-batch-size?"),
+        (
+            ["--rollout-batch-sise", "3"],
+            "unrecognized argument --rollout-batch-sise; did you mean --rollout-batch-size?",
+        ),
         (["--rollout-batch-size", "x"], "argument --rollout-batch-size: invalid int value: 'x'"),
         (["--runtime", "cloud"], "argument --runtime: invalid choice: 'cloud'"),
         (["--lr"], "argument --lr: expected one argument"),
         (["stray"], "unrecognized argument 'stray'"),
-        (["--train-memory-margin-bytes", "5"], "--train-memory-margin-bytes was removed: the memory saver's own "
-                                               "default margin is used now; drop this flag"),
+        (
+            ["--train-memory-margin-bytes", "5"],
+            "--train-memory-margin-bytes was removed: the memory saver's own "
+            "default margin is used now; drop this flag",
+        ),
         (["--runtime", "ray"], "--runtime ray: give --rollout-num-gpus R"),
     ],
 )
@@ -111,8 +128,15 @@ def test_parser_contract():
 
 def test_sglang_passthrough_collected_verbatim():
     known = ["--rollout-batch-size", "--seed"]
-    extras = ["--sglang-mem-fraction-static", "0.8", "--sglang-enable-metrics", "--sglang-tp=2",
-              "--sglang-stop", "a", "-1"]
+    extras = [
+        "--sglang-mem-fraction-static",
+        "0.8",
+        "--sglang-enable-metrics",
+        "--sglang-tp=2",
+        "--sglang-stop",
+        "a",
+        "-1",
+    ]
     assert collect_sglang_passthrough(extras, known) == extras
     with pytest.raises(ConfigError, match="did you mean --seed"):
         collect_sglang_passthrough(["--sglang-x", "1", "--sed", "3"], known)
@@ -142,8 +166,11 @@ def test_dry_run_prints_resolved_yaml(base, capsys, monkeypatch):
     monkeypatch.setenv("LICHEN_TEST_ENV", "")  # recorded as absent before: the run's setting is undone after the test
     monkeypatch.delenv("LICHEN_TEST_ENV")
     monkeypatch.setitem(sys.modules, "lichen.loop", None)  # importing the loop would fail: dry run must not
-    rc, out, err = run_cli(base + ["--dry-run", "--train-env-vars", '{"LICHEN_TEST_ENV": "on"}',
-                                   "--eval-prompt-data", "ev", "prompts.jsonl"], capsys)
+    rc, out, err = run_cli(
+        base
+        + ["--dry-run", "--train-env-vars", '{"LICHEN_TEST_ENV": "on"}', "--eval-prompt-data", "ev", "prompts.jsonl"],
+        capsys,
+    )
     assert (rc, err) == (0, "")
     config = yaml.safe_load(out)
     assert config["rollout_batch_size"] == 4 and config["global_batch_size"] == 8
@@ -178,8 +205,14 @@ def test_dry_run_imports_no_torch(base, tmp_path):
         "assert rc == 0 and not bad, bad"
     )
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(lichen.cli.__file__))}
-    result = subprocess.run([sys.executable, "-c", code, *base, "--dry-run"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code, *base, "--dry-run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "rollout_batch_size: 4" in result.stdout
 
@@ -192,16 +225,21 @@ def sized(base, tmp_path):
     return base
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--lr", "inf"], "--lr inf: must be a finite number in [0, inf)"),
-    (["--adam-eps=-inf"], "--adam-eps -inf: must be a finite number"),
-    (["--seed", str(2**64)], f"--seed {2**64}: must be in [0, 4294967295]"),
-    (["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
-    (["--rollout-stop-token-ids", "7", "100"], "--rollout-stop-token-ids: 100 is not a token id of the model (must be "
-                                               "in [0, 100))"),
-    (["--rollout-max-context-len", "64"], "--rollout-max-context-len 64: the model (hf) has 64 positions"),
-    (["--device", "cuda"], "--device cuda: "),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--lr", "inf"], "--lr inf: must be a finite number in [0, inf)"),
+        (["--adam-eps=-inf"], "--adam-eps -inf: must be a finite number"),
+        (["--seed", str(2**64)], f"--seed {2**64}: must be in [0, 4294967295]"),
+        (["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
+        (
+            ["--rollout-stop-token-ids", "7", "100"],
+            "--rollout-stop-token-ids: 100 is not a token id of the model (must be in [0, 100))",
+        ),
+        (["--rollout-max-context-len", "64"], "--rollout-max-context-len 64: the model (hf) has 64 positions"),
+        (["--device", "cuda"], "--device cuda: "),
+    ],
+)
 def test_late_failures_are_caught_by_the_flag_checks(sized, capsys, monkeypatch, extra, needle):
     import torch
 
@@ -216,12 +254,15 @@ def test_accepted_edges_of_the_new_checks(sized):
     assert args.seed == 2**32 - 1 and args.rollout_stop_token_ids == [0, 99] and args.rollout_max_context_len == 63
 
 
-@pytest.mark.parametrize("extra, env, needle", [
-    (["--context-length", "65"], None, "--context-length 65 is above the 64 positions of the model"),
-    (["--health-check-timeout", "-1"], None, "--health-check-timeout -1.0: must be a positive number of seconds"),
-    (["--health-check-timeout", "inf"], None, "--health-check-timeout inf: must be a positive number"),
-    ([], "soon", "$SGLANG_HEALTH_CHECK_TIMEOUT soon: must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "extra, env, needle",
+    [
+        (["--context-length", "65"], None, "--context-length 65 is above the 64 positions of the model"),
+        (["--health-check-timeout", "-1"], None, "--health-check-timeout -1.0: must be a positive number of seconds"),
+        (["--health-check-timeout", "inf"], None, "--health-check-timeout inf: must be a positive number"),
+        ([], "soon", "$SGLANG_HEALTH_CHECK_TIMEOUT soon: must be a positive number"),
+    ],
+)
 def test_serve_limits_are_one_line_exit_2(sized, capsys, monkeypatch, extra, env, needle):
     if env is not None:
         monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", env)
@@ -232,9 +273,27 @@ def test_serve_limits_are_one_line_exit_2(sized, capsys, monkeypatch, extra, env
 
 
 def _train_on(tiny_ckpt, data, tmp_path, *extra) -> list[str]:
-    return ["--hf-checkpoint", tiny_ckpt, "--prompt-data", str(data), "--rm-type", "math", "--rollout-batch-size",
-            "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2", "--num-rollout", "1",
-            "--debug-rollout-only", "--output-dir", str(tmp_path / "out"), "--no-progress", *extra]
+    return [
+        "--hf-checkpoint",
+        tiny_ckpt,
+        "--prompt-data",
+        str(data),
+        "--rm-type",
+        "math",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "2",
+        "--num-rollout",
+        "1",
+        "--debug-rollout-only",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_bad_data_rows_stop_the_run_before_it_starts(tiny_ckpt, tmp_path, capsys):

@@ -62,8 +62,18 @@ def test_yaml_values_typed_as_on_the_command_line(env):
 
 def test_command_line_wins(env):
     path = write(env, GOOD)
-    args = parse_train_args(["--rollout-batch-size", "2", f"--config={path}", "--lr", "3e-4",
-                             "--rollout-stop-token-ids", "1", "--offload-rollout"])
+    args = parse_train_args(
+        [
+            "--rollout-batch-size",
+            "2",
+            f"--config={path}",
+            "--lr",
+            "3e-4",
+            "--rollout-stop-token-ids",
+            "1",
+            "--offload-rollout",
+        ]
+    )
     assert (args.rollout_batch_size, args.lr, args.rollout_stop_token_ids) == (2, 3e-4, [1])
     assert args.offload_rollout is True
     assert args.n_samples_per_prompt == 4  # still from the file
@@ -76,7 +86,7 @@ def test_negative_key_of_a_boolean_pair(env):
 
 def test_list_and_scalar_for_multi_value_flags(env):
     text = GOOD.replace("rollout-stop-token-ids: [7, 9]", "rollout-stop-token-ids: 5").replace(
-        "eval-prompt-data: {gsm: prompts.jsonl, small: \"prompts.jsonl@[:1]\"}", "eval-prompt-data: [a, prompts.jsonl]"
+        'eval-prompt-data: {gsm: prompts.jsonl, small: "prompts.jsonl@[:1]"}', "eval-prompt-data: [a, prompts.jsonl]"
     )
     args = parse_train_args(["--config", write(env, text)])
     assert args.rollout_stop_token_ids == [5] and args.eval_datasets == [("a", "prompts.jsonl")]
@@ -103,21 +113,29 @@ def test_sglang_keys_pass_through(env):
 @pytest.mark.parametrize(
     "text, needle",
     [
-        ("rollout-batch-size: 8\nrollout-batch-sise: 3\n", "run.yaml:2: key 'rollout-batch-sise': unknown flag "
-                                                           "--rollout-batch-sise; did you mean rollout-batch-size?"),
+        (
+            "rollout-batch-size: 8\nrollout-batch-sise: 3\n",
+            "run.yaml:2: key 'rollout-batch-sise': unknown flag --rollout-batch-sise; did you mean rollout-batch-size?",
+        ),
         ("zzz_qqq: 1\n", "run.yaml:1: key 'zzz_qqq': unknown flag --zzz-qqq; see lichen train --help"),
-        ("\nrollout-batch-size: many\n", "run.yaml:2: key 'rollout-batch-size': argument --rollout-batch-size: "
-                                         "invalid int value: 'many'"),
+        (
+            "\nrollout-batch-size: many\n",
+            "run.yaml:2: key 'rollout-batch-size': argument --rollout-batch-size: invalid int value: 'many'",
+        ),
         ("runtime: cloud\n", "run.yaml:1: key 'runtime': argument --runtime: invalid choice: 'cloud'"),
         ("bf16: 1\n", "run.yaml:1: key 'bf16': expected true or false, got 1"),
-        ("offload-train: \"yes please\"\n", "run.yaml:1: key 'offload-train': expected true or false"),
+        ('offload-train: "yes please"\n', "run.yaml:1: key 'offload-train': expected true or false"),
         ("rm-type: true\n", "run.yaml:1: key 'rm-type': expected a value, got true"),
         ("lr: [1, 2]\n", "run.yaml:1: key 'lr': expected one value, got a list"),
         ("rollout-stop-token-ids: [[1]]\n", "run.yaml:1: key 'rollout-stop-token-ids': expected one value"),
-        ("rollout-batch-size: 8\nrollout_batch_size: 8\n", "run.yaml:2: key 'rollout_batch_size': "
-                                                          "--rollout-batch-size is already set on line 1"),
-        ("train-memory-margin-bytes: 10\n", "run.yaml:1: key 'train-memory-margin-bytes': --train-memory-margin-"
-                                            "bytes was removed"),
+        (
+            "rollout-batch-size: 8\nrollout_batch_size: 8\n",
+            "run.yaml:2: key 'rollout_batch_size': --rollout-batch-size is already set on line 1",
+        ),
+        (
+            "train-memory-margin-bytes: 10\n",
+            "run.yaml:1: key 'train-memory-margin-bytes': --train-memory-margin-bytes was removed",
+        ),
         ("config: other.yaml\n", "run.yaml:1: key 'config': a config file cannot name another"),
         ("help: true\n", "run.yaml:1: key 'help': unknown flag --help"),
         ("- rollout-batch-size\n", "run.yaml:1: the config must be a mapping"),

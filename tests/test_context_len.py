@@ -10,12 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers.runs import dumped_samples
 
 from lichen.config import parse_train_args
 from lichen.errors import ConfigError
 from lichen.models.tiny import make_tiny_model
-
-from helpers.runs import dumped_samples
 
 POSITIONS = 64
 LENGTHS = [10, 30, 50, 62, 63, 70]  # prompt tokens (one per character); 63 and 70 leave no room under 63
@@ -36,16 +35,38 @@ def data(tmp_path_factory) -> str:
 
 
 def train_argv(ckpt, data, out, *extra) -> list[str]:
-    return ["--hf-checkpoint", ckpt, "--prompt-data", data, "--custom-rm-path", "loop_plugins.digit_fraction",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "200",
-            "--num-rollout", "1", "--debug-rollout-only", "--rollout-temperature", "1.5", "--output-dir", str(out),
-            "--no-progress", "--num-threads", "1", *extra]
+    return [
+        "--hf-checkpoint",
+        ckpt,
+        "--prompt-data",
+        data,
+        "--custom-rm-path",
+        "loop_plugins.digit_fraction",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "200",
+        "--num-rollout",
+        "1",
+        "--debug-rollout-only",
+        "--rollout-temperature",
+        "1.5",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--num-threads",
+        "1",
+        *extra,
+    ]
 
 
 def cli(*argv) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}  # loop_plugins
-    return subprocess.run([sys.executable, "-m", "lichen.cli", *argv], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "lichen.cli", *argv], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_defaults_follow_the_model_positions(ckpt64, data, tmp_path):
@@ -56,8 +77,9 @@ def test_defaults_follow_the_model_positions(ckpt64, data, tmp_path):
     with pytest.raises(ConfigError, match=r"--rollout-max-context-len 64: the model .* has 64 positions"):
         parse_train_args(train_argv(ckpt64, data, tmp_path, "--rollout-max-context-len", "64"))
     with pytest.raises(ConfigError, match="--rollout-max-prompt-len 40 leaves no room"):
-        parse_train_args(train_argv(ckpt64, data, tmp_path, "--rollout-max-context-len", "40",
-                                    "--rollout-max-prompt-len", "40"))
+        parse_train_args(
+            train_argv(ckpt64, data, tmp_path, "--rollout-max-context-len", "40", "--rollout-max-prompt-len", "40")
+        )
 
 
 def test_too_large_context_is_one_line_exit_2(ckpt64, data, tmp_path):
@@ -101,8 +123,23 @@ def test_in_process_engine_refuses_what_does_not_fit(ckpt64):
 
 
 def test_eval_sets_get_the_same_limit(ckpt64, data, tmp_path):
-    r = cli("eval", "--hf-checkpoint", ckpt64, "--eval-prompt-data", "long", data, "--rm-type", "math",
-            "--eval-max-response-len", "200", "--n-samples-per-eval-prompt", "2", "--output-dir", str(tmp_path),
-            "--num-threads", "1")
+    r = cli(
+        "eval",
+        "--hf-checkpoint",
+        ckpt64,
+        "--eval-prompt-data",
+        "long",
+        data,
+        "--rm-type",
+        "math",
+        "--eval-max-response-len",
+        "200",
+        "--n-samples-per-eval-prompt",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--num-threads",
+        "1",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "eval data set 'long': dropped 2 of 6 prompts longer than --rollout-max-prompt-len 62" in r.stderr

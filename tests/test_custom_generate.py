@@ -9,6 +9,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
+from helpers.runs import base_args, dumped_samples, run
 
 from lichen.config.rollout_config import SamplingConfig
 from lichen.data.dataset import PromptRecord
@@ -19,14 +21,12 @@ from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.errors import UserError
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout import custom_generate
-from lichen.rollout.custom_generate import CustomGenerateError, build_custom_samples, run_custom_generate
-from lichen.rollout.examples.calculator_agent import calculate, find_call, generate as calculator
 from lichen.rollout.context import RolloutContext
+from lichen.rollout.custom_generate import CustomGenerateError, build_custom_samples, run_custom_generate
+from lichen.rollout.examples.calculator_agent import calculate, find_call
+from lichen.rollout.examples.calculator_agent import generate as calculator
 from lichen.rollout.samples import build_samples
 from lichen.types import Sample, Status
-
-from helpers.runs import base_args, dumped_samples, run
-from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 
 # ---- plug-ins used below ------------------------------------------------------------------------------------------
@@ -73,16 +73,21 @@ class Rollout:
         self.engine = engine
 
     def context(self, path: str | None) -> RolloutContext:
-        return RolloutContext(args=_args(path), config=SimpleNamespace(custom_generate_function_path=path),
-                              engine=self.engine, tokenizer=self.tokenizer)
+        return RolloutContext(
+            args=_args(path),
+            config=SimpleNamespace(custom_generate_function_path=path),
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+        )
 
     def encode(self, i, record):
         return self.tokenizer.encode(record.prompt, add_special_tokens=False)
 
     def build(self, path: str | None, prompts=None, custom_only: bool = False) -> list:
         build = build_custom_samples if custom_only else build_samples
-        return build(self.context(path), PROMPTS if prompts is None else prompts, SAMPLING, seed_key=3,
-                     encode=self.encode)
+        return build(
+            self.context(path), PROMPTS if prompts is None else prompts, SAMPLING, seed_key=3, encode=self.encode
+        )
 
 
 def _args(path: str | None, **kw) -> argparse.Namespace:
@@ -90,8 +95,16 @@ def _args(path: str | None, **kw) -> argparse.Namespace:
 
 
 PROMPTS = [(i, PromptRecord(prompt=f"{i}+{i + 2}=", label=str(2 * i + 2))) for i in range(3)]
-SAMPLING = SamplingConfig(n_samples_per_prompt=2, temperature=1.0, top_p=0.9, top_k=-1, max_response_len=6,
-                          max_context_len=None, stop_token_ids=(), seed=5)
+SAMPLING = SamplingConfig(
+    n_samples_per_prompt=2,
+    temperature=1.0,
+    top_p=0.9,
+    top_k=-1,
+    max_response_len=6,
+    max_context_len=None,
+    stop_token_ids=(),
+    seed=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +126,15 @@ def test_a_one_call_function_gives_the_default_rollouts_samples(manager):
     assert pairs[1][0].tokens == default[1][0].tokens and pairs[1][0].group_index == 1
 
 
-@pytest.mark.parametrize("fn, text", [
-    ("not_async", "must be an async function"),
-    ("leaves_pending", "still has status pending"),
-    ("bad_mask", "1 loss_mask entries for"),
-    ("unknown_param", "['stop'] are not supported"),
-])
+@pytest.mark.parametrize(
+    "fn, text",
+    [
+        ("not_async", "must be an async function"),
+        ("leaves_pending", "still has status pending"),
+        ("bad_mask", "1 loss_mask entries for"),
+        ("unknown_param", "['stop'] are not supported"),
+    ],
+)
 def test_contract_violations_are_user_errors(manager, fn, text):
     with pytest.raises(CustomGenerateError) as info:
         manager.build(f"test_custom_generate.{fn}", PROMPTS[:1], custom_only=True)
@@ -139,10 +155,22 @@ def test_in_process_calls_are_batched(manager):
 
 # ---- the calculator example -----------------------------------------------------------------------------------
 def test_calculator():
-    assert [calculate(e) for e in ("2+3*4", "7/2", "(1+2)**3", "-4//3", "6/3", "2**0.5*0")] == \
-        ["14", "3.5", "27", "-2", "2", "0"]
-    for expr, why in (("1/0", "division by zero"), ("9**99", "exponent too large"), ("(1+2", "error:"),
-                      ("__import__('os')", "only numbers"), ("a+1", "only numbers"), ("'x'*3", "only numbers")):
+    assert [calculate(e) for e in ("2+3*4", "7/2", "(1+2)**3", "-4//3", "6/3", "2**0.5*0")] == [
+        "14",
+        "3.5",
+        "27",
+        "-2",
+        "2",
+        "0",
+    ]
+    for expr, why in (
+        ("1/0", "division by zero"),
+        ("9**99", "exponent too large"),
+        ("(1+2", "error:"),
+        ("__import__('os')", "only numbers"),
+        ("a+1", "only numbers"),
+        ("'x'*3", "only numbers"),
+    ):
         assert calculate(expr).startswith("error:") and why in calculate(expr), expr
 
 
@@ -175,14 +203,24 @@ def test_calculator_agent_masks_tool_output(tiny_ckpt):
     prompt = tok.encode("Q: 12*7?", add_special_tokens=False)
     seed = 99
     sample = Sample(prompt="Q: 12*7?", tokens=list(prompt), index=0)
-    params = {"max_new_tokens": 200, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [],
-              "sampling_seed": seed}
+    params = {
+        "max_new_tokens": 200,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop_token_ids": [],
+        "sampling_seed": seed,
+    }
     [out] = run_custom_generate(calculator, _args(None), [sample], [params], engine=engine, tokenizer=tok)
 
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    pieces = [(enc("I need <calc>12*(3+4)</calc>"), 1), (enc("<result>84</result>"), 0),
-              (enc(" so <calc>1/0</calc>"), 1), (enc("<result>error: division by zero</result>"), 0),
-              (enc(" it is 84") + [eos], 1)]
+    pieces = [
+        (enc("I need <calc>12*(3+4)</calc>"), 1),
+        (enc("<result>84</result>"), 0),
+        (enc(" so <calc>1/0</calc>"), 1),
+        (enc("<result>error: division by zero</result>"), 0),
+        (enc(" it is 84") + [eos], 1),
+    ]
     response = [t for ids, _ in pieces for t in ids]
     assert out.tokens == prompt + response and out.response_length == len(response)
     assert out.loss_mask == [m for ids, m in pieces for _ in ids]
@@ -191,8 +229,10 @@ def test_calculator_agent_masks_tool_output(tiny_ckpt):
         lps += [-0.1 * (k + 1) for k in range(len(ids))] if m else [0.0] * len(ids)
     assert out.rollout_log_probs == pytest.approx(lps)
     assert out.status == Status.COMPLETED and out.metadata["tool_calls"] == 2 and out.weight_versions == ["7"]
-    assert out.response == "I need <calc>12*(3+4)</calc><result>84</result> so <calc>1/0</calc>" \
-                           "<result>error: division by zero</result> it is 84"
+    assert (
+        out.response == "I need <calc>12*(3+4)</calc><result>84</result> so <calc>1/0</calc>"
+        "<result>error: division by zero</result> it is 84"
+    )
     # each turn continues the exact token history, with the budget left and its own seed
     r1, r2, r3 = engine.requests
     assert r1.input_ids == prompt and r1.max_new_tokens == 200 and r1.seed == seed
@@ -207,8 +247,14 @@ def test_calculator_agent_truncates_at_the_budget(tiny_ckpt):
     engine = ScriptedEngine(tok, ["<calc>2+2</calc>"], 1)
     sample = Sample(tokens=tok.encode("Q", add_special_tokens=False))
     budget = len("<calc>2+2</calc>") + 5  # the tool output does not fit: cut to the budget
-    [out] = run_custom_generate(calculator, _args(None), [sample], [{"max_new_tokens": budget, "sampling_seed": 1}],
-                                engine=engine, tokenizer=tok)
+    [out] = run_custom_generate(
+        calculator,
+        _args(None),
+        [sample],
+        [{"max_new_tokens": budget, "sampling_seed": 1}],
+        engine=engine,
+        tokenizer=tok,
+    )
     assert out.response_length == budget and out.loss_mask == [1] * 16 + [0] * 5
     assert out.status == Status.TRUNCATED and out.response.endswith("<resu") and len(engine.requests) == 1
 
@@ -221,8 +267,13 @@ def test_over_engine_servers(tiny_ckpt, tmp_path):
     launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
     with RemoteEngines(launcher.start(), launcher=launcher) as engines:
         rollout = Rollout(tiny_ckpt, engines)
-        groups = build_custom_samples(rollout.context("lichen.rollout.examples.calculator_agent.generate"), PROMPTS,
-                                      replace(SAMPLING, max_response_len=4), seed_key=3, encode=rollout.encode)
+        groups = build_custom_samples(
+            rollout.context("lichen.rollout.examples.calculator_agent.generate"),
+            PROMPTS,
+            replace(SAMPLING, max_response_len=4),
+            seed_key=3,
+            encode=rollout.encode,
+        )
         for pos, group in enumerate(groups):
             for j, s in enumerate(group):
                 prompt = s.tokens[: len(s.tokens) - 4]
@@ -234,9 +285,21 @@ def test_over_engine_servers(tiny_ckpt, tmp_path):
 
 def test_training_run_with_the_calculator_agent(tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
-                         "--custom-generate-function-path", "lichen.rollout.examples.calculator_agent.generate",
-                         "--save-debug-rollout-data", dump))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "1",
+            "--num-threads",
+            "1",
+            "--custom-generate-function-path",
+            "lichen.rollout.examples.calculator_agent.generate",
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
     samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and all(s["metadata"]["tool_calls"] == 0 for s in samples)
     assert all(len(s["loss_mask"]) == s["response_length"] for s in samples)
@@ -248,11 +311,16 @@ def test_flag_is_checked_before_any_model_loads(tiny_ckpt, addition_data, tmp_pa
     from lichen.errors import ConfigError
 
     def parse(path):
-        return parse_train_args(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1",
-                                          "--custom-generate-function-path", path)[1:])
+        return parse_train_args(
+            base_args(
+                tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--custom-generate-function-path", path
+            )[1:]
+        )
 
     assert parse("test_custom_generate.one_call").custom_generate_function_path == "test_custom_generate.one_call"
-    for path, text in (("test_custom_generate.not_async", "must be an async function"),
-                       ("test_custom_generate.no_such_fn", "has no attribute 'no_such_fn'")):
+    for path, text in (
+        ("test_custom_generate.not_async", "must be an async function"),
+        ("test_custom_generate.no_such_fn", "has no attribute 'no_such_fn'"),
+    ):
         with pytest.raises(ConfigError, match=text):
             parse(path)

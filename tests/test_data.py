@@ -68,8 +68,12 @@ def test_jsonl_and_parquet_load_the_same(tmp_path):
     jl = jl[:1] + jl[2:]  # the chat row would make the prompt column mixed-type in Arrow; checked separately
     assert len(pa_) == len(jl)
     for a, b in zip(jl, pa_):
-        assert (a.prompt, a.label, a.metadata, a.tools) == (b.prompt, b.label, strip_nones(b.metadata),
-                                                            strip_nones(b.tools))
+        assert (a.prompt, a.label, a.metadata, a.tools) == (
+            b.prompt,
+            b.label,
+            strip_nones(b.metadata),
+            strip_nones(b.tools),
+        )
     assert [r.source_line for r in pa_] == [1, 2, 3, 4]
 
 
@@ -98,8 +102,9 @@ def test_metadata_as_json_string(tmp_path):
 # ---------------------------------------------------------------------------------------------- slicing
 
 
-@pytest.mark.parametrize("suffix", ["", "@[:]", "@[:3]", "@[-2:]", "@[1:-1]", "@[2:4]", "@[-4:-1]", "@[3:100]",
-                                    "@[-100:2]", "@[ 1 : 3 ]"])
+@pytest.mark.parametrize(
+    "suffix", ["", "@[:]", "@[:3]", "@[-2:]", "@[1:-1]", "@[2:4]", "@[-4:-1]", "@[3:100]", "@[-100:2]", "@[ 1 : 3 ]"]
+)
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_slices_match_python(tmp_path, suffix, fmt):
     rows = [{"prompt": f"p{i}", "label": i} for i in range(6)]
@@ -116,12 +121,15 @@ def test_slice_skips_bad_lines_outside_it(tmp_path):
     assert [r.prompt for r in load_prompt_dataset(f"{path}@[:2]")] == ["a", "b"]
 
 
-@pytest.mark.parametrize("suffix,needle", [
-    ("@[a:b]", "'a' is not an integer"),
-    ("@[1:2:3]", "exactly one ':'"),
-    ("@[5]", "exactly one ':'"),
-    ("@[1:", "bad row slice"),
-])
+@pytest.mark.parametrize(
+    "suffix,needle",
+    [
+        ("@[a:b]", "'a' is not an integer"),
+        ("@[1:2:3]", "exactly one ':'"),
+        ("@[5]", "exactly one ':'"),
+        ("@[1:", "bad row slice"),
+    ],
+)
 def test_bad_slice_syntax(tmp_path, suffix, needle):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     with pytest.raises(DataError, match=r"--prompt-data") as e:
@@ -204,14 +212,17 @@ def test_metadata_must_be_object(tmp_path):
         load_prompt_dataset(path, metadata_key="meta")
 
 
-@pytest.mark.parametrize("prompt,needle", [
-    (5, "must be a string or a list of chat messages, got int"),
-    ([], "empty message list"),
-    (["hi"], "message 0 .* must be an object"),
-    ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 .* no string 'role'"),
-    ([{"role": "user"}], "message 0 .* has no 'content'"),
-    ([{"role": "user", "content": 3}], "'content' must be a string"),
-])
+@pytest.mark.parametrize(
+    "prompt,needle",
+    [
+        (5, "must be a string or a list of chat messages, got int"),
+        ([], "empty message list"),
+        (["hi"], "message 0 .* must be an object"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 .* no string 'role'"),
+        ([{"role": "user"}], "message 0 .* has no 'content'"),
+        ([{"role": "user", "content": 3}], "'content' must be a string"),
+    ],
+)
 def test_bad_chat_prompt(tmp_path, prompt, needle):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": prompt}])
     with pytest.raises(DataError, match=rf"{path}:2: .*{needle}"):
@@ -228,8 +239,11 @@ def test_empty_prompt_is_a_bad_row_at_load(tmp_path):
     rows = [{"prompt": f"{i}+1=", "label": i + 1} for i in range(200)]
     rows[49]["prompt"] = ""
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    with pytest.raises(DataError, match=rf"^{path}:50: the prompt under key 'prompt' is an empty string; fix the row, "
-                                        "or pass --skip-bad-rows"):
+    with pytest.raises(
+        DataError,
+        match=rf"^{path}:50: the prompt under key 'prompt' is an empty string; fix the row, "
+        "or pass --skip-bad-rows",
+    ):
         load_prompt_dataset(path)
     got = load_prompt_dataset(path, skip_bad_rows=True)
     assert len(got) == 199 and all(r.prompt for r in got) and 50 not in [r.source_line for r in got]
@@ -237,8 +251,10 @@ def test_empty_prompt_is_a_bad_row_at_load(tmp_path):
 
 def test_skip_bad_rows_logs_each_and_the_count(tmp_path, caplog):
     path = tmp_path / "d.jsonl"
-    path.write_bytes(b'{"prompt": "a"}\n{"prompt": ""}\n{"prompt": "b",}\n\xff\xfe{"prompt": "c"}\n[1]\n'
-                     b'{"prompt": "d", "metadata": [1]}\n{"question": "e"}\n{"prompt": "f"}\n')
+    path.write_bytes(
+        b'{"prompt": "a"}\n{"prompt": ""}\n{"prompt": "b",}\n\xff\xfe{"prompt": "c"}\n[1]\n'
+        b'{"prompt": "d", "metadata": [1]}\n{"question": "e"}\n{"prompt": "f"}\n'
+    )
     with caplog.at_level("WARNING", logger="lichen.data.dataset"):
         got = load_prompt_dataset(str(path), skip_bad_rows=True)
     assert [r.prompt for r in got] == ["a", "f"]
@@ -275,7 +291,9 @@ def test_fit_prompts_drops_long_ones_and_names_empty_encodings(tmp_path, caplog)
     with caplog.at_level("WARNING", logger="lichen.data.fit"):
         kept = fit_prompts(records, encode, path="d.jsonl", max_prompt_len=5, skip_bad_rows=True)
     assert [r.source_line for r in kept] == [1, 3]
-    assert any("dropped 1 of 4 prompts longer than --rollout-max-prompt-len 5" in r.getMessage() for r in caplog.records)
+    assert any(
+        "dropped 1 of 4 prompts longer than --rollout-max-prompt-len 5" in r.getMessage() for r in caplog.records
+    )
     with pytest.raises(DataError, match="none of the 4 prompts fits"):
         fit_prompts(records, encode, path="d.jsonl", max_prompt_len=2, skip_bad_rows=True)
 

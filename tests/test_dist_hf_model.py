@@ -10,15 +10,24 @@ import shutil
 
 import pytest
 import torch
+from helpers.dist_ranks import (
+    assert_matches_single_rank,
+    config,
+    free_port,
+    fsdp_units_worker,
+    rank_files,
+    resume_worker,
+    run_ranks,
+    trainer_argv,
+    two_ranks_and_local,
+)
+from helpers.runs import THREADS, base_args, run
 
 from lichen.models.tiny import make_tiny_model
 
-from helpers.dist_ranks import (assert_matches_single_rank, config, free_port, fsdp_units_worker, rank_files,
-                                resume_worker, run_ranks, trainer_argv, two_ranks_and_local)
-from helpers.runs import THREADS, base_args, run
-
-SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-             max_position_embeddings=256)
+SMALL = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=256
+)
 STEPS = 4
 
 
@@ -28,8 +37,19 @@ def _tiny_gpt2(out: str, tokenizer_from: str) -> str:
 
     shutil.copytree(tokenizer_from, out)
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=102, n_positions=256, n_embd=32, n_layer=2, n_head=4, bos_token_id=1,
-                     eos_token_id=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=102,
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     GPT2LMHeadModel(cfg).save_pretrained(out)
     return out
 
@@ -49,8 +69,11 @@ def test_every_decoder_layer_is_an_fsdp_unit(ckpts, tmp_path, arch, layers):
     assert got["layers"] == 2 and got["units"] == ["", f"{layers}.0", f"{layers}.1"]
 
 
-@pytest.mark.parametrize("arch,extra", [("llama", []), ("qwen3_moe", ["--moe-aux-loss-coeff", "0.1"]),
-                                        ("gpt2", [])], ids=["llama", "qwen3_moe_router_loss", "gpt2"])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [("llama", []), ("qwen3_moe", ["--moe-aux-loss-coeff", "0.1"]), ("gpt2", [])],
+    ids=["llama", "qwen3_moe_router_loss", "gpt2"],
+)
 def test_two_ranks_match_single_rank_trainer(ckpts, addition_data, tmp_path, arch, extra):
     """First-step gradients within 1e-6 relative, losses over 3 steps within 1e-5, weights within 1e-5."""
     argv = trainer_argv(ckpts[arch], addition_data, str(tmp_path / "o"), "--model-impl", "hf", *extra)
@@ -70,8 +93,9 @@ def test_moe_checkpoint_resumes_exactly_and_exports_hf(ckpts, addition_data, tmp
     parameter names, fused experts) reloads with from_pretrained to the saved weights."""
     from transformers import AutoModelForCausalLM
 
-    argv = trainer_argv(ckpts["qwen3_moe"], addition_data, str(tmp_path / "o"), "--model-impl", "hf",
-                        "--moe-aux-loss-coeff", "0.1")
+    argv = trainer_argv(
+        ckpts["qwen3_moe"], addition_data, str(tmp_path / "o"), "--model-impl", "hf", "--moe-aux-loss-coeff", "0.1"
+    )
     config(argv)
     ckpt = tmp_path / "ckpt"
     run_ranks(resume_worker, 2, argv, [free_port() for _ in range(3)], str(tmp_path), str(ckpt), STEPS)
@@ -92,9 +116,26 @@ def test_broadcast_weight_sync_to_an_hf_path_engine(ckpts, addition_data, tmp_pa
     """A launched `lichen serve` on the HF path takes weights over the torch.distributed group (the default
     transport, gloo on CPU): the second step samples from the trained weights with log-probs equal to the
     trainer's."""
-    rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "o", "--model-impl", "hf", "--num-rollout",
-                         "2", "--rollout-num-engines", "1", "--rollout-max-response-len", "6", "--lr", "3e-3",
-                         "--device", "cpu", *THREADS))
+    rows = run(
+        base_args(
+            ckpts["qwen3_moe"],
+            addition_data,
+            tmp_path / "o",
+            "--model-impl",
+            "hf",
+            "--num-rollout",
+            "2",
+            "--rollout-num-engines",
+            "1",
+            "--rollout-max-response-len",
+            "6",
+            "--lr",
+            "3e-3",
+            "--device",
+            "cpu",
+            *THREADS,
+        )
+    )
     steps = [r for r in rows if "train/loss" in r]
     assert [r["sync/weight_version"] for r in steps] == [1, 2]
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in steps) <= 1e-5
@@ -105,13 +146,39 @@ def test_ray_runtime_two_ranks_hf_moe_with_router_loss(ckpts, addition_data, tmp
     """--runtime ray --actor-num-gpus-per-node 2 --model-impl hf: 2 FSDP2 trainer ranks of the MoE module and a
     lichen serve engine on the HF path, 2 steps with the router loss, synced weights, a sharded checkpoint."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
-    ray.init(address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=8,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     try:
-        rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "o", "--model-impl", "hf",
-                             "--moe-aux-loss-coeff", "0.1", "--num-rollout", "2", "--device", "cpu", *THREADS,
-                             "--runtime", "ray", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1",
-                             "--save", str(tmp_path / "ckpt")))
+        rows = run(
+            base_args(
+                ckpts["qwen3_moe"],
+                addition_data,
+                tmp_path / "o",
+                "--model-impl",
+                "hf",
+                "--moe-aux-loss-coeff",
+                "0.1",
+                "--num-rollout",
+                "2",
+                "--device",
+                "cpu",
+                *THREADS,
+                "--runtime",
+                "ray",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--rollout-num-gpus",
+                "1",
+                "--save",
+                str(tmp_path / "ckpt"),
+            )
+        )
     finally:
         ray.shutdown()
     steps = [r for r in rows if "train/loss" in r]

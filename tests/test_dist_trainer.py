@@ -10,12 +10,22 @@ import shutil
 
 import pytest
 import torch
+from helpers.dist_ranks import (
+    assert_matches_single_rank,
+    config,
+    free_port,
+    load_error_worker,
+    load_worker,
+    rank_files,
+    rel_diff,
+    resume_worker,
+    run_ranks,
+    save_worker,
+    trainer_argv,
+    two_ranks_and_local,
+)
 
 from lichen.train.step_schedule import plan_cost, split_across_ranks
-
-from helpers.dist_ranks import (assert_matches_single_rank, config, free_port, load_error_worker, load_worker,
-                                rank_files, rel_diff, resume_worker, run_ranks, save_worker, trainer_argv,
-                                two_ranks_and_local)
 
 STEPS = 4
 
@@ -34,13 +44,25 @@ def test_split_across_ranks_balances_tokens_and_pads_to_equal_counts():
     assert split_across_ranks([], lengths, 2) == [[], []]
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-kl-loss", "--kl-loss-coef", "0.1", "--clip-grad", "0.5"],
-                                   ["--num-steps-per-rollout", "2", "--advantage-estimator", "reinforce_plus_plus",
-                                    "--normalize-advantages", "--kl-coef", "0.05"],
-                                   ["--micro-batch-size", "3", "--use-rollout-logprobs"],
-                                   ["--advantage-estimator", "ppo", "--micro-batch-size", "3"]],
-                         ids=["grpo", "grpo_kl_loss_clipped", "two_steps_ref_kl_in_reward",
-                              "uneven_counts_observed_rows", "ppo_critic"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--use-kl-loss", "--kl-loss-coef", "0.1", "--clip-grad", "0.5"],
+        [
+            "--num-steps-per-rollout",
+            "2",
+            "--advantage-estimator",
+            "reinforce_plus_plus",
+            "--normalize-advantages",
+            "--kl-coef",
+            "0.05",
+        ],
+        ["--micro-batch-size", "3", "--use-rollout-logprobs"],
+        ["--advantage-estimator", "ppo", "--micro-batch-size", "3"],
+    ],
+    ids=["grpo", "grpo_kl_loss_clipped", "two_steps_ref_kl_in_reward", "uneven_counts_observed_rows", "ppo_critic"],
+)
 def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
     assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
@@ -51,10 +73,19 @@ def test_two_ranks_match_with_opd_teacher(tiny_ckpt, addition_data, tmp_path):
     from lichen.models.tiny import make_tiny_model
 
     teacher = str(tmp_path / "teacher")
-    make_tiny_model(teacher, arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=1,
-                    init_std=0.1)
-    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--use-opd", "--opd-teacher-load", teacher,
-                        "--opd-kl-coef", "0.5")
+    make_tiny_model(
+        teacher, arch="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=1, init_std=0.1
+    )
+    argv = trainer_argv(
+        tiny_ckpt,
+        addition_data,
+        str(tmp_path / "o"),
+        "--use-opd",
+        "--opd-teacher-load",
+        teacher,
+        "--opd-kl-coef",
+        "0.5",
+    )
     assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
 
 
@@ -157,8 +188,9 @@ def test_damaged_shard_stops_the_load_on_every_rank_naming_the_file(sharded_ckpt
     errors = [f["error"] for f in rank_files(tmp_path, 2)]
     reason = "checksum mismatch" if damage == "flip" else "truncated or overwritten"
     for e in errors:  # both ranks, though only one of them checked that file
-        assert e["type"] == "ConfigError" and e["message"].startswith(f"{os.path.dirname(os.path.dirname(shard))}"
-                                                                      f"/dist/__1_0.distcp: {reason}"), e
+        assert e["type"] == "ConfigError" and e["message"].startswith(
+            f"{os.path.dirname(os.path.dirname(shard))}/dist/__1_0.distcp: {reason}"
+        ), e
     assert errors[0] == errors[1]
 
 

@@ -4,10 +4,11 @@ import glob
 import logging
 import math
 
+import ds_plugins
 import numpy as np
 import pytest
+from helpers.runs import read_dump
 
-import ds_plugins
 from lichen.cli import main
 from lichen.config import parse_train_args, sampling
 from lichen.engines.sampler import derive_seed
@@ -21,8 +22,6 @@ from lichen.rollout.filters import (
 from lichen.rollout.generate import SEED_ROUND_STRIDE
 from lichen.rollout.shaping import add_to_reward, apply_overlong_penalty, overlong_metrics, overlong_penalty
 from lichen.types import Sample, Status
-
-from helpers.runs import read_dump
 
 BUILTIN = "lichen.rollout.filters.check_reward_nonzero_std"
 
@@ -79,8 +78,7 @@ def test_apply_overlong_penalty_leaves_failed_samples_alone():
     assert samples[0].reward == 0.0 and samples[0].metadata["overlong_penalty"] == -1.0
     assert samples[1].reward == 0.0 and "overlong_penalty" not in samples[1].metadata
     assert samples[2].reward == 1.0 and samples[2].metadata["overlong_penalty"] == 0.0
-    assert overlong_metrics(samples) == {"rollout/overlong_penalty_mean": -0.5,
-                                         "rollout/overlong_penalized_ratio": 0.5}
+    assert overlong_metrics(samples) == {"rollout/overlong_penalty_mean": -0.5, "rollout/overlong_penalized_ratio": 0.5}
     assert overlong_metrics([Sample(reward=1.0)]) == {}
 
 
@@ -130,8 +128,24 @@ def test_run_group_filter_contract():
 
 def _argv(ckpt, data, *extra, reward="loop_plugins.digit_fraction", n=2):
     single = ["--disable-rewards-normalization"] if n == 1 else []  # GRPO rejects groups of one otherwise
-    return ["--hf-checkpoint", ckpt, "--prompt-data", data, "--custom-rm-path", reward, "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", str(n), "--rollout-max-response-len", "6", "--num-rollout", "2", *single, *extra]
+    return [
+        "--hf-checkpoint",
+        ckpt,
+        "--prompt-data",
+        data,
+        "--custom-rm-path",
+        reward,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        str(n),
+        "--rollout-max-response-len",
+        "6",
+        "--num-rollout",
+        "2",
+        *single,
+        *extra,
+    ]
 
 
 def _parse(argv):
@@ -179,14 +193,20 @@ def _record_seeds(manager):
         calls.append([r.seed for r in requests])
         return orig(requests)
 
-    manager.context.engine = type("Wrapped", (), {"generate": staticmethod(generate),
-                                          "weight_version": manager.engine.weight_version})()
+    manager.context.engine = type(
+        "Wrapped", (), {"generate": staticmethod(generate), "weight_version": manager.engine.weight_version}
+    )()
     return calls
 
 
 def test_keeps_only_groups_with_reward_spread_renumbers_and_reseeds(make_manager):
-    m = make_manager("--dynamic-sampling-filter-path", BUILTIN, "--over-sampling-batch-size", "8",
-                     reward="ds_plugins.varies_every_fourth")
+    m = make_manager(
+        "--dynamic-sampling-filter-path",
+        BUILTIN,
+        "--over-sampling-batch-size",
+        "8",
+        reward="ds_plugins.varies_every_fourth",
+    )
     calls = _record_seeds(m)
     groups, extra = m.generate(3)
     # rounds of 8 prompts (no shuffle: data indices 0..7, then 8..15); only multiples of 4 have reward spread
@@ -240,15 +260,23 @@ def test_resume_from_saved_source_position_reproduces_next_step(make_manager):
     b = make_manager(*flags)
     b.load_state_dict(state)
     got, _ = b.generate(1)
-    assert [[(s.tokens, s.reward, s.group_index, s.index) for s in g] for g in got] == \
-        [[(s.tokens, s.reward, s.group_index, s.index) for s in g] for g in expected]
+    assert [[(s.tokens, s.reward, s.group_index, s.index) for s in g] for g in got] == [
+        [(s.tokens, s.reward, s.group_index, s.index) for s in g] for g in expected
+    ]
     assert b.data_source.source.state_dict() == a.data_source.source.state_dict()
 
 
 @pytest.mark.parametrize("n, steps, fillers", [(2, 1, 1), (1, 4, 4)])
 def test_max_rounds_reached_with_nothing_kept(make_manager, lichen_log, n, steps, fillers):
-    m = make_manager("--dynamic-sampling-filter-path", "ds_plugins.reject_all", "--dynamic-sampling-max-rounds", "3",
-                     "--num-steps-per-rollout", str(steps), n=n)
+    m = make_manager(
+        "--dynamic-sampling-filter-path",
+        "ds_plugins.reject_all",
+        "--dynamic-sampling-max-rounds",
+        "3",
+        "--num-steps-per-rollout",
+        str(steps),
+        n=n,
+    )
     groups, extra = m.generate(0)
     assert extra["rollout/dynamic_sampling_rounds"] == 3
     assert extra["rollout/dynamic_sampling_passed_groups"] == 0
@@ -264,8 +292,15 @@ def test_max_rounds_reached_with_nothing_kept(make_manager, lichen_log, n, steps
 
 def test_fewer_groups_cut_to_what_the_trainer_splits_evenly(make_manager, lichen_log):
     # passes data indices 0, 3 (round 0) and 6 (round 1): 3 groups of 1 sample, 2 optimizer steps -> train on 2
-    m = make_manager("--dynamic-sampling-filter-path", "ds_plugins.keep_multiple_of_3", "--dynamic-sampling-max-rounds",
-                     "2", "--num-steps-per-rollout", "2", n=1)
+    m = make_manager(
+        "--dynamic-sampling-filter-path",
+        "ds_plugins.keep_multiple_of_3",
+        "--dynamic-sampling-max-rounds",
+        "2",
+        "--num-steps-per-rollout",
+        "2",
+        n=1,
+    )
     groups, extra = m.generate(0)
     assert [g[0].metadata["prompt_index"] for g in groups] == [0, 3]
     assert [s.group_index for g in groups for s in g] == [0, 1]
@@ -287,7 +322,8 @@ def test_overlong_penalty_in_rollout(make_manager):
     for s in samples:
         assert s.reward == pytest.approx(1.0 - 0.5 * s.response_length / 6, abs=1e-12)
     assert extra["rollout/overlong_penalty_mean"] == pytest.approx(
-        np.mean([-0.5 * s.response_length / 6 for s in samples]))
+        np.mean([-0.5 * s.response_length / 6 for s in samples])
+    )
 
 
 def test_overlong_penalty_skips_failed_and_shapes_the_reward_key(make_manager):
@@ -306,9 +342,23 @@ def test_overlong_penalty_skips_failed_and_shapes_the_reward_key(make_manager):
 
 def test_end_to_end_train_with_dynamic_sampling(tiny_ckpt, addition_data, tmp_path):
     dumps = tmp_path / "dump_{rollout_id}.pt"
-    argv = ["train", *_argv(tiny_ckpt, addition_data, n=4), "--dynamic-sampling-filter-path", BUILTIN,
-            "--over-sampling-batch-size", "8", "--overlong-buffer-len", "2", "--lr", "1e-3",
-            "--output-dir", str(tmp_path / "run"), "--no-progress", "--save-debug-rollout-data", str(dumps)]
+    argv = [
+        "train",
+        *_argv(tiny_ckpt, addition_data, n=4),
+        "--dynamic-sampling-filter-path",
+        BUILTIN,
+        "--over-sampling-batch-size",
+        "8",
+        "--overlong-buffer-len",
+        "2",
+        "--lr",
+        "1e-3",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--save-debug-rollout-data",
+        str(dumps),
+    ]
     assert main(argv) == 0
     files = sorted(glob.glob(str(tmp_path / "dump_*.pt")))
     assert len(files) == 2
@@ -335,15 +385,30 @@ def test_end_to_end_train_with_dynamic_sampling(tiny_ckpt, addition_data, tmp_pa
         (["--overlong-buffer-len", "2", "--overlong-penalty-factor", "nan"], "--overlong-penalty-factor"),
         (["--over-sampling-batch-size", "8"], "--over-sampling-batch-size"),
         (["--dynamic-sampling-max-rounds", "3"], "--dynamic-sampling-max-rounds"),
-        (["--dynamic-sampling-filter-path", BUILTIN, "--over-sampling-batch-size", "3"], "--over-sampling-batch-size 3"),
-        (["--dynamic-sampling-filter-path", BUILTIN, "--dynamic-sampling-max-rounds", "0"],
-         "--dynamic-sampling-max-rounds 0"),
-        (["--dynamic-sampling-filter-path", BUILTIN, "--dynamic-sampling-max-rounds", "1001"],
-         "--dynamic-sampling-max-rounds 1001"),
+        (
+            ["--dynamic-sampling-filter-path", BUILTIN, "--over-sampling-batch-size", "3"],
+            "--over-sampling-batch-size 3",
+        ),
+        (
+            ["--dynamic-sampling-filter-path", BUILTIN, "--dynamic-sampling-max-rounds", "0"],
+            "--dynamic-sampling-max-rounds 0",
+        ),
+        (
+            ["--dynamic-sampling-filter-path", BUILTIN, "--dynamic-sampling-max-rounds", "1001"],
+            "--dynamic-sampling-max-rounds 1001",
+        ),
         (["--dynamic-sampling-filter-path", "ds_plugins.no_such_filter"], "--dynamic-sampling-filter-path"),
         (["--dynamic-sampling-filter-path", "no_such_module.f"], "--dynamic-sampling-filter-path"),
-        (["--dynamic-sampling-filter-path", BUILTIN, "--n-samples-per-prompt", "1", "--disable-rewards-normalization"],
-         f"--dynamic-sampling-filter-path {BUILTIN} needs --n-samples-per-prompt >= 2"),
+        (
+            [
+                "--dynamic-sampling-filter-path",
+                BUILTIN,
+                "--n-samples-per-prompt",
+                "1",
+                "--disable-rewards-normalization",
+            ],
+            f"--dynamic-sampling-filter-path {BUILTIN} needs --n-samples-per-prompt >= 2",
+        ),
     ],
 )
 def test_flag_validation_names_the_flag(tiny_ckpt, addition_data, extra, flag):
@@ -376,8 +441,21 @@ def test_num_epoch_is_refused_with_dynamic_sampling(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
-    argv = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "p.jsonl"), "--rm-type", "exact",
-            "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-epoch", "1",
-            "--dynamic-sampling-filter-path", "lichen.rollout.filters.check_reward_nonzero_std"]
+    argv = [
+        "--hf-checkpoint",
+        str(tmp_path / "m"),
+        "--prompt-data",
+        str(tmp_path / "p.jsonl"),
+        "--rm-type",
+        "exact",
+        "--rollout-batch-size",
+        "1",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-epoch",
+        "1",
+        "--dynamic-sampling-filter-path",
+        "lichen.rollout.filters.check_reward_nonzero_std",
+    ]
     with pytest.raises(ConfigError, match="--num-epoch"):
         parse_train_args(argv)

@@ -1,6 +1,5 @@
 """The embedded engine: seeded sampling, the log-prob convention, stopping, batching independence."""
 
-
 import pytest
 import torch
 
@@ -16,7 +15,9 @@ def uniform_noise(seeds, step, vocab_size):
 def sample_next(logits, temperature, top_p, top_k, seeds, step):
     """(tokens, log-probs) with every row at the same step."""
     return sample_rows(logits, temperature, top_p, top_k, seeds, torch.full(seeds.shape, step))[:2]
-from lichen.models.tiny import make_tiny_model
+
+
+from lichen.models.tiny import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,12 @@ def test_noise_hash_values_are_pinned():
     """The draws themselves, as integers of 24 bits: a seeded run (and the quick start's numbers) reproduces only
     while the hash stays bit-for-bit the same, wherever it lives."""
     seeds = torch.tensor([0, 1, 123456789, 4294967295])
-    want = [[13517522, 1355535, 1761401, 6007711, 2960402], [12812900, 4213020, 1573081, 5063907, 412380],
-            [7359111, 7229529, 11551754, 13147546, 9489042], [11507382, 275762, 4928164, 3538661, 14178988]]
+    want = [
+        [13517522, 1355535, 1761401, 6007711, 2960402],
+        [12812900, 4213020, 1573081, 5063907, 412380],
+        [7359111, 7229529, 11551754, 13147546, 9489042],
+        [11507382, 275762, 4928164, 3538661, 14178988],
+    ]
     u = row_noise(seeds, torch.full((4,), 7), 5)
     assert (u * (1 << 24) - 0.5).round().long().tolist() == want
 
@@ -61,8 +66,9 @@ def test_sampling_frequencies_follow_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
     T = 0.8
     n = 20000
-    tokens, _ = sample_next(logits.expand(n, 5), torch.full((n,), T), torch.ones(n), torch.full((n,), -1),
-                            torch.arange(n), step=0)
+    tokens, _ = sample_next(
+        logits.expand(n, 5), torch.full((n,), T), torch.ones(n), torch.full((n,), -1), torch.arange(n), step=0
+    )
     freq = torch.bincount(tokens, minlength=5).float() / n
     p = torch.softmax(logits / T, -1)
     assert torch.all((freq - p).abs() < 4 * torch.sqrt(p * (1 - p) / n) + 1e-3), (freq, p)
@@ -76,8 +82,9 @@ def test_top_p_top_k_truncate_what_is_sampled_not_the_logprob():
     kept = truncate_logprobs(lp, torch.tensor([1.0]), torch.tensor([1]))
     assert torch.isfinite(kept[0, 0]) and torch.isinf(kept[0, 1:]).all()
     n = 2000
-    toks, lps = sample_next(logits.expand(n, 4), torch.ones(n), torch.full((n,), 0.7), torch.full((n,), -1),
-                            torch.arange(n), step=3)
+    toks, lps = sample_next(
+        logits.expand(n, 4), torch.ones(n), torch.full((n,), 0.7), torch.full((n,), -1), torch.arange(n), step=3
+    )
     assert set(toks.tolist()) == {0, 1}
     assert torch.allclose(lps, lp[0, toks])  # read from the untruncated distribution
 
@@ -90,8 +97,17 @@ def test_greedy_rows(engine):
 
 def test_logprobs_match_full_forward(engine):
     """Engine log-probs (KV-cache decode, left padding) equal a full forward's log_softmax(logits / T)."""
-    reqs = [GenRequest(input_ids=[10 + i] * (3 + i), max_new_tokens=12, temperature=0.7, top_p=0.9,
-                       seed=derive_seed(0, i), ignore_eos=True) for i in range(4)]
+    reqs = [
+        GenRequest(
+            input_ids=[10 + i] * (3 + i),
+            max_new_tokens=12,
+            temperature=0.7,
+            top_p=0.9,
+            seed=derive_seed(0, i),
+            ignore_eos=True,
+        )
+        for i in range(4)
+    ]
     res = engine.generate(reqs)
     diffs = []
     for r, out in zip(reqs, res):
@@ -102,7 +118,9 @@ def test_logprobs_match_full_forward(engine):
 
 
 def test_same_seed_same_tokens_regardless_of_batch(engine):
-    reqs = [GenRequest(input_ids=[20, 21, 22][: 1 + i % 3], max_new_tokens=10, seed=derive_seed(7, i)) for i in range(8)]
+    reqs = [
+        GenRequest(input_ids=[20, 21, 22][: 1 + i % 3], max_new_tokens=10, seed=derive_seed(7, i)) for i in range(8)
+    ]
     together = engine.generate(reqs)
     alone = [engine.generate([r])[0] for r in reqs]
     same = sum(a.output_ids == b.output_ids for a, b in zip(together, alone))
@@ -117,15 +135,17 @@ def test_same_seed_same_tokens_regardless_of_batch(engine):
 def test_stop_tokens_and_lengths(engine):
     out = engine.generate([GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, ignore_eos=True)])[0]
     stop = out.output_ids[3]
-    res = engine.generate([
-        GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, stop_token_ids=[stop]),
-        GenRequest(input_ids=[30, 31, 32, 33], max_new_tokens=5, temperature=1.0, ignore_eos=True),
-        GenRequest(input_ids=[30], max_new_tokens=0),
-        GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
-    ])
+    res = engine.generate(
+        [
+            GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, stop_token_ids=[stop]),
+            GenRequest(input_ids=[30, 31, 32, 33], max_new_tokens=5, temperature=1.0, ignore_eos=True),
+            GenRequest(input_ids=[30], max_new_tokens=0),
+            GenRequest(input_ids=[30, 31], max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+        ]
+    )
     ends = {stop, *engine.eos_token_ids}
     cut = next(i for i, t in enumerate(out.output_ids) if t in ends)  # greedy: the same tokens up to a stop
-    assert res[0].output_ids == out.output_ids[:cut + 1] and res[0].finish_reason == "stop"
+    assert res[0].output_ids == out.output_ids[: cut + 1] and res[0].finish_reason == "stop"
     assert len(res[1].output_ids) == 5 and res[1].finish_reason == "length"
     assert res[2].output_ids == [] and res[2].prompt_tokens == 1
     # as SGLang (Req.check_finished): ignore_eos turns off stop_token_ids as well

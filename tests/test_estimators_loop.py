@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from helpers.runs import base_args, read_dump, run
 
 
@@ -53,7 +52,10 @@ def reference_advantages(est, d, kl_coef=0.0):
 
 
 ESTIMATORS = {
-    "grpo": [], "gspo": [], "cispo": [], "rloo": [],
+    "grpo": [],
+    "gspo": [],
+    "cispo": [],
+    "rloo": [],
     "reinforce_plus_plus": ["--normalize-advantages", "--kl-coef", "0.1"],
     "reinforce_plus_plus_baseline": ["--normalize-advantages"],
 }
@@ -62,9 +64,23 @@ ESTIMATORS = {
 @pytest.mark.parametrize("est", list(ESTIMATORS))
 def test_estimator_advantages_match_reference(est, tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "train_{rollout_id}.pt")
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "3", "--advantage-estimator", est,
-                         "--micro-batch-size", "4", "--force-recompute-old-log-probs",
-                         "--save-debug-train-data", dump, *ESTIMATORS[est]))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "3",
+            "--advantage-estimator",
+            est,
+            "--micro-batch-size",
+            "4",
+            "--force-recompute-old-log-probs",
+            "--save-debug-train-data",
+            dump,
+            *ESTIMATORS[est],
+        )
+    )
     assert len(rows) == 3 and all(abs(m["train/ppo_kl_first_step"]) <= 1e-6 for m in rows)
     d = read_dump(dump.format(rollout_id=2))
     want = reference_advantages(est, d, kl_coef=0.1 if est == "reinforce_plus_plus" else 0.0)
@@ -72,7 +88,7 @@ def test_estimator_advantages_match_reference(est, tiny_ckpt, addition_data, tmp
     assert any(abs(v) > 1e-3 for row in want for v in row), "degenerate step: no signal to compare"
     for i, row in enumerate(want):
         assert got[i, : len(row)].tolist() == pytest.approx(row, abs=1e-4)
-        assert got[i, len(row):].abs().sum() == 0
+        assert got[i, len(row) :].abs().sum() == 0
 
 
 def test_opd_subtracts_teacher_reverse_kl(tiny_ckpt, addition_data, tmp_path):
@@ -81,12 +97,30 @@ def test_opd_subtracts_teacher_reverse_kl(tiny_ckpt, addition_data, tmp_path):
     teacher = str(tmp_path / "teacher")
     make_tiny_model(teacher, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=5, init_std=0.1)
     dump = str(tmp_path / "train_{rollout_id}.pt")
-    common = ["--num-rollout", "1", "--micro-batch-size", "4", "--force-recompute-old-log-probs",
-              "--save-debug-train-data", dump]
+    common = [
+        "--num-rollout",
+        "1",
+        "--micro-batch-size",
+        "4",
+        "--force-recompute-old-log-probs",
+        "--save-debug-train-data",
+        dump,
+    ]
     run(base_args(tiny_ckpt, addition_data, tmp_path / "a", *common))
     plain = read_dump(dump.format(rollout_id=0))
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", *common, "--use-opd", "--opd-kl-coef", "0.5",
-                         "--opd-teacher-load", teacher))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            *common,
+            "--use-opd",
+            "--opd-kl-coef",
+            "0.5",
+            "--opd-teacher-load",
+            teacher,
+        )
+    )
     opd = read_dump(dump.format(rollout_id=0))
     from lichen.models import load_model
 
@@ -104,23 +138,66 @@ def test_opd_subtracts_teacher_reverse_kl(tiny_ckpt, addition_data, tmp_path):
 
 def test_custom_advantage_and_reducer_contracts(tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "train_{rollout_id}.pt")
-    run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "1", "--micro-batch-size", "4",
-                  "--custom-advantage-function-path", "loop_plugins.constant_advantage",
-                  "--save-debug-train-data", dump))
+    run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "a",
+            "--num-rollout",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--custom-advantage-function-path",
+            "loop_plugins.constant_advantage",
+            "--save-debug-train-data",
+            dump,
+        )
+    )
     d = read_dump(dump.format(rollout_id=0))
     assert torch.equal(d["advantages"], 0.25 * d["mask"])
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "1", "--micro-batch-size", "4",
-                         "--custom-pg-loss-reducer-function-path", "loop_plugins.zero_reducer"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            "--num-rollout",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--custom-pg-loss-reducer-function-path",
+            "loop_plugins.zero_reducer",
+        )
+    )
     assert rows[0]["train/grad_norm"] == 0.0
 
 
 def test_ppo_critic_gae_matches_reference_and_critic_learns(tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "train_{rollout_id}.pt")
     gamma, lambd = 0.9, 0.8
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "3", "--advantage-estimator", "ppo",
-                         "--micro-batch-size", "4", "--force-recompute-old-log-probs", "--gamma", str(gamma),
-                         "--lambd", str(lambd), "--num-critic-only-steps", "1", "--critic-lr", "1e-2",
-                         "--save-debug-train-data", dump))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "3",
+            "--advantage-estimator",
+            "ppo",
+            "--micro-batch-size",
+            "4",
+            "--force-recompute-old-log-probs",
+            "--gamma",
+            str(gamma),
+            "--lambd",
+            str(lambd),
+            "--num-critic-only-steps",
+            "1",
+            "--critic-lr",
+            "1e-2",
+            "--save-debug-train-data",
+            dump,
+        )
+    )
     assert "train/grad_norm" not in rows[0]  # step 1: critic only, the policy did not step
     assert rows[1]["train/grad_norm"] > 0
     assert all(m["critic/value_loss"] > 0 for m in rows)

@@ -81,11 +81,18 @@ def test_tool_use_metrics_hand_checked():
     plain = make(1.0)  # not a tool trajectory (e.g. another data set's sample): not counted
     samples = [traj(0, 1), traj(2, 3, {"position": 7}), traj(1, 2), traj(1, 2, checked=False), plain]
     m = tool_use_metrics(samples)
-    assert m == {"tool_call_ratio": 3 / 4, "tool_calls_mean": 1.0, "turns_mean": 2.0,
-                 "token_fidelity_mismatch_ratio": 1 / 3}
+    assert m == {
+        "tool_call_ratio": 3 / 4,
+        "tool_calls_mean": 1.0,
+        "turns_mean": 2.0,
+        "token_fidelity_mismatch_ratio": 1 / 3,
+    }
     assert tool_use_metrics([plain, make(0.0)]) == {}  # no tool rollout: no tool metric
-    assert tool_use_metrics([traj(1, 2, checked=False)]) == {"tool_call_ratio": 1.0, "tool_calls_mean": 1.0,
-                                                             "turns_mean": 2.0}
+    assert tool_use_metrics([traj(1, 2, checked=False)]) == {
+        "tool_call_ratio": 1.0,
+        "tool_calls_mean": 1.0,
+        "turns_mean": 2.0,
+    }
     assert eval_metrics([samples[:2], samples[2:4]], None)["tool_call_ratio"] == 3 / 4
     assert rollout_metrics([samples], None)["rollout/tool_calls_mean"] == 1.0
     assert "rollout/tool_call_ratio" not in rollout_metrics([[plain]], None)
@@ -120,8 +127,16 @@ def files(tmp_path, monkeypatch):
     return tmp_path
 
 
-BASE = ["--hf-checkpoint", "hf", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--prompt-data",
-        "prompts.jsonl"]
+BASE = [
+    "--hf-checkpoint",
+    "hf",
+    "--rollout-batch-size",
+    "1",
+    "--n-samples-per-prompt",
+    "2",
+    "--prompt-data",
+    "prompts.jsonl",
+]
 
 
 def parse(*extra: str):
@@ -134,7 +149,9 @@ def write(path, text: str) -> str:
 
 
 def test_resolution_entry_over_defaults_over_flags(files):
-    cfg = write(files / "eval.yaml", """\
+    cfg = write(
+        files / "eval.yaml",
+        """\
         defaults:
           n_samples_per_eval_prompt: 4
           temperature: 0.6
@@ -152,11 +169,29 @@ def test_resolution_entry_over_defaults_over_flags(files):
           - name: mine
             path: b.jsonl
             custom_rm_path: os.path.join
-        """)
-    args = parse("--eval-config", cfg, "--eval-prompt-data", "flagged", "a.jsonl", "--eval-top-p", "0.9",
-                 "--eval-max-response-len", "32", "--eval-reward-key", "score", "--eval-interval", "2")
-    assert args.eval_datasets == [("flagged", "a.jsonl"), ("aime", "a.jsonl@[:1]"), ("qa", "b.jsonl"),
-                                  ("mine", "b.jsonl")]
+        """,
+    )
+    args = parse(
+        "--eval-config",
+        cfg,
+        "--eval-prompt-data",
+        "flagged",
+        "a.jsonl",
+        "--eval-top-p",
+        "0.9",
+        "--eval-max-response-len",
+        "32",
+        "--eval-reward-key",
+        "score",
+        "--eval-interval",
+        "2",
+    )
+    assert args.eval_datasets == [
+        ("flagged", "a.jsonl"),
+        ("aime", "a.jsonl@[:1]"),
+        ("qa", "b.jsonl"),
+        ("mine", "b.jsonl"),
+    ]
     flagged, aime, qa, mine = args.eval_dataset_configs
     # no entry of its own: the file's defaults, then the flags
     assert (flagged["n_samples_per_eval_prompt"], flagged["temperature"], flagged["rm_type"]) == (4, 0.6, "dapo")
@@ -171,8 +206,9 @@ def test_resolution_entry_over_defaults_over_flags(files):
 
 
 def test_flag_custom_rm_reaches_eval(files):
-    args = parse_train_args([*BASE, "--custom-rm-path", "os.path.join", "--num-rollout", "1",
-                             "--eval-prompt-data", "x", "a.jsonl"])
+    args = parse_train_args(
+        [*BASE, "--custom-rm-path", "os.path.join", "--num-rollout", "1", "--eval-prompt-data", "x", "a.jsonl"]
+    )
     (cfg,) = args.eval_dataset_configs
     assert (cfg["rm_type"], cfg["custom_rm_path"]) == (None, "os.path.join")
 
@@ -180,19 +216,25 @@ def test_flag_custom_rm_reaches_eval(files):
 @pytest.mark.parametrize(
     "text,expect",
     [
-        ("datasets:\n  - name: a\n    path: a.jsonl\n    temprature: 0.5\n",
-         ["eval.yaml:4", "unknown key 'temprature'", "did you mean 'temperature'"]),
+        (
+            "datasets:\n  - name: a\n    path: a.jsonl\n    temprature: 0.5\n",
+            ["eval.yaml:4", "unknown key 'temprature'", "did you mean 'temperature'"],
+        ),
         ("datasets:\n  - {name: a, path: a.jsonl}\nsettings: {}\n", ["eval.yaml:3", "unknown key 'settings'"]),
-        ("defaults:\n  name: x\ndatasets:\n  - {name: a, path: a.jsonl}\n",
-         ["eval.yaml:2", "unknown key 'name' in defaults", "only a data set entry"]),
+        (
+            "defaults:\n  name: x\ndatasets:\n  - {name: a, path: a.jsonl}\n",
+            ["eval.yaml:2", "unknown key 'name' in defaults", "only a data set entry"],
+        ),
         ("datasets:\n  - name: a\n", ["eval.yaml:2", "datasets[0] has no `path:`"]),
         ("datasets: []\n", ["`datasets:` must be a non-empty list"]),
         ("- a\n", ["must be a mapping"]),
         ("datasets:\n  - {name: a, path: a.jsonl, top_p: 0}\n", ["datasets[0].top_p = 0", "(0, 1]"]),
         ("datasets:\n  - {name: a, path: a.jsonl, n_samples_per_eval_prompt: 2.5}\n", ["an integer >= 1"]),
         ("datasets:\n  - {name: a, path: a.jsonl, rm_type: mathh}\n", ["rm_type 'mathh' is not a known rm type"]),
-        ("datasets:\n  - {name: a, path: a.jsonl, rm_type: math, custom_rm_path: os.path.join}\n",
-         ["exclude each other"]),
+        (
+            "datasets:\n  - {name: a, path: a.jsonl, rm_type: math, custom_rm_path: os.path.join}\n",
+            ["exclude each other"],
+        ),
         ("datasets:\n  - {name: a, path: missing.jsonl}\n", ["datasets[0] (a)", "'missing.jsonl' does not exist"]),
         ("datasets:\n  - {name: flagged, path: a.jsonl}\n", ["'flagged' is used twice"]),
         ("datasets: [\n", ["not valid YAML"]),

@@ -8,9 +8,25 @@ from lichen.observe.metrics import read_metrics
 
 def test_lichen_eval_runs_alone(tiny_ckpt, addition_data, tmp_path, capsys):
     out = tmp_path / "ev"
-    code = main(["eval", "--hf-checkpoint", tiny_ckpt, "--eval-prompt-data", "add", f"{addition_data}@[:4]",
-                 "--rm-type", "leading_number", "--n-samples-per-eval-prompt", "4", "--eval-max-response-len", "4",
-                 "--output-dir", str(out), "--no-progress"])
+    code = main(
+        [
+            "eval",
+            "--hf-checkpoint",
+            tiny_ckpt,
+            "--eval-prompt-data",
+            "add",
+            f"{addition_data}@[:4]",
+            "--rm-type",
+            "leading_number",
+            "--n-samples-per-eval-prompt",
+            "4",
+            "--eval-max-response-len",
+            "4",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert table.startswith("add: reward ") and "pass@1 " in table and "pass@4 " in table
@@ -24,6 +40,19 @@ def test_lichen_eval_user_errors(tiny_ckpt, tmp_path, capsys):
     assert main(["eval", "--hf-checkpoint", tiny_ckpt, "--rm-type", "math"]) == 2
     err = capsys.readouterr().err
     assert "--eval-prompt-data" in err and "Traceback" not in err
-    assert main(["eval", "--hf-checkpoint", tiny_ckpt, "--rm-type", "math", "--eval-prompt-data", "a",
-                 str(tmp_path / "missing.jsonl")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "--hf-checkpoint",
+                tiny_ckpt,
+                "--rm-type",
+                "math",
+                "--eval-prompt-data",
+                "a",
+                str(tmp_path / "missing.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "missing.jsonl" in capsys.readouterr().err

@@ -16,19 +16,18 @@ import threading
 import time
 
 import pytest
+from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
+from helpers.runs import base_args, read_dump, run
+from helpers.serve_process import call
 
 from lichen.config import parse_train_args
-from lichen.engines.engine import Engine, GenRequest
 from lichen.config.engine_config import required_endpoints
+from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.sampler import derive_seed
-from helpers.serve_process import call
 from lichen.engines.sglang_launcher import SGLangLauncher
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
-
-from helpers.runs import base_args, read_dump, run
-from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 
 TIMEOUT = 2.0  # health-check timeout for the stand-in engines: generous, so a loaded machine is no hang
 
@@ -50,7 +49,9 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
 def fake_pair(tmp_path):
     env = {**write_fake_sglang(tmp_path), "FAKE_SGLANG_DELAY": "0.3"}
 
-    launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05, ready_timeout=60)
+    launcher = SGLangLauncher(
+        fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05, ready_timeout=60
+    )
     engines = RemoteEngines(launcher.start(), launcher=launcher, failover=True, concurrency=2, retry_delay=0.1)
     yield engines
     engines.close()
@@ -83,8 +84,12 @@ def test_hung_engine_requests_move_engine_restarts_and_rejoins_at_next_sync(fake
 
     wait_for(lambda: monitor.states[0] == "pending", what="engine 0 to be restarted")
     assert monitor.restarts == [1, 0] and engines.launcher.pids[0] != hung
-    wait_for(lambda: not os.path.exists(f"/proc/{hung}") or open(f"/proc/{hung}/stat").read().split(")")[-1].split()[0]
-             == "Z", what="the hung process to be killed")
+    wait_for(
+        lambda: (
+            not os.path.exists(f"/proc/{hung}") or open(f"/proc/{hung}/stat").read().split(")")[-1].split()[0] == "Z"
+        ),
+        what="the hung process to be killed",
+    )
     assert engines.router.in_rotation() == [1]  # restarted, but not at the current weights: out until the sync
     assert engines.weight_versions() == ["1"]
     engines.update_weights_from_disk(str(tmp_path / "v2"), "2")
@@ -113,8 +118,10 @@ def test_pause_longer_than_the_timeout_is_no_failure_but_a_hidden_pause_is(fake_
     # The same pause, sent to engine 1 behind lichen's back, is a hang: it is restarted, and as no weight sync
     # has happened yet (it serves the launch checkpoint, which is current) it re-joins at once.
     assert call(engines.urls[1] + "/pause_generation", {})[0] == 200
-    wait_for(lambda: monitor.restarts[1] == 1 and engines.router.in_rotation() == [0, 1],
-             what="engine 1 to be restarted and re-join")
+    wait_for(
+        lambda: monitor.restarts[1] == 1 and engines.router.in_rotation() == [0, 1],
+        what="engine 1 to be restarted and re-join",
+    )
     assert monitor.restarts == [0, 1] and engines.weight_versions() == ["default", "default"]
     assert len(engines.generate(requests(4))) == 4
 
@@ -138,23 +145,35 @@ def test_an_external_engine_is_probed_until_it_answers_again(tmp_path):
 
 def test_fault_tolerance_flags(tiny_ckpt, addition_data, tmp_path):
     def parse(*extra):
-        return parse_train_args(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1",
-                                          *extra)[1:])
+        return parse_train_args(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", *extra)[1:])
 
-    disk = ["--rollout-num-engines", "2", "--update-weight-transport", "disk", "--update-weight-disk-dir",
-            str(tmp_path / "w")]
+    disk = [
+        "--rollout-num-engines",
+        "2",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        str(tmp_path / "w"),
+    ]
     args = parse(*disk, "--use-fault-tolerance", "--rollout-health-check-timeout", "2")
-    assert (args.rollout_health_check_interval, args.rollout_health_check_timeout,
-            args.rollout_health_check_first_wait) == (10.0, 2.0, 300.0)
+    assert (
+        args.rollout_health_check_interval,
+        args.rollout_health_check_timeout,
+        args.rollout_health_check_first_wait,
+    ) == (10.0, 2.0, 300.0)
     assert required_endpoints(args)["/health_generate"] == "--use-fault-tolerance"
     assert "/health_generate" not in required_endpoints(parse(*disk))
     for extra, text in [
         (["--use-fault-tolerance"], "use it with --rollout-num-engines K or --rollout-external-engine-addrs"),
-        ([*disk, "--rollout-health-check-interval", "1"], "--rollout-health-check-interval only applies with "
-                                                          "--use-fault-tolerance"),
+        (
+            [*disk, "--rollout-health-check-interval", "1"],
+            "--rollout-health-check-interval only applies with --use-fault-tolerance",
+        ),
         ([*disk, "--use-fault-tolerance", "--rollout-health-check-timeout", "0"], "--rollout-health-check-timeout"),
-        ([*disk, "--use-fault-tolerance", "--rollout-health-check-first-wait", "-1"],
-         "--rollout-health-check-first-wait"),
+        (
+            [*disk, "--use-fault-tolerance", "--rollout-health-check-first-wait", "-1"],
+            "--rollout-health-check-first-wait",
+        ),
     ]:
         with pytest.raises(ConfigError) as info:
             parse(*extra)
@@ -185,8 +204,12 @@ def killing_rollout(args, rollout_id, prompts, manager):
         killer.join()
         SEEN["reissued_from"] = list(engines.router.reissued_from)
     else:
-        SEEN["step1"] = {"in_rotation": engines.router.in_rotation(), "versions": engines.weight_versions(),
-                         "pids": list(engines.launcher.pids), "restarts": list(engines.monitor.restarts)}
+        SEEN["step1"] = {
+            "in_rotation": engines.router.in_rotation(),
+            "versions": engines.weight_versions(),
+            "pids": list(engines.launcher.pids),
+            "restarts": list(engines.monitor.restarts),
+        }
         groups = generate_rollout(args, rollout_id, prompts, manager)
     return groups
 
@@ -194,13 +217,36 @@ def killing_rollout(args, rollout_id, prompts, manager):
 def test_sigkill_an_engine_mid_step(tiny_ckpt, addition_data, tmp_path, launched):
     SEEN.clear()
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "2", "--num-threads", "1",
-                  "--rollout-num-engines", "2", "--update-weight-transport", "disk",
-                  "--update-weight-disk-dir", str(tmp_path / "w"), "--sglang-server-concurrency", "1",
-                  "--use-fault-tolerance", "--rollout-health-check-interval", "0.5",
-                  "--rollout-health-check-timeout", "5", "--rollout-health-check-first-wait", "0",
-                  "--rollout-function-path", "test_fault_tolerance.killing_rollout",
-                  "--save-debug-rollout-data", dump))
+    run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "2",
+            "--num-threads",
+            "1",
+            "--rollout-num-engines",
+            "2",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+            "--sglang-server-concurrency",
+            "1",
+            "--use-fault-tolerance",
+            "--rollout-health-check-interval",
+            "0.5",
+            "--rollout-health-check-timeout",
+            "5",
+            "--rollout-health-check-first-wait",
+            "0",
+            "--rollout-function-path",
+            "test_fault_tolerance.killing_rollout",
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
     assert SEEN["in_flight_at_kill"] >= 1 and SEEN["reissued_from"][0] >= 1  # engine 0's requests were re-sent
 
     steps = [read_dump(dump.format(rollout_id=k))["samples"] for k in range(2)]
@@ -210,11 +256,17 @@ def test_sigkill_an_engine_mid_step(tiny_ckpt, addition_data, tmp_path, launched
         assert all(s["group_index"] == k for k, g in enumerate(groups) for s in g)
     # step 0's samples are the in-process engine's for the same per-sample seeds, re-sent ones included
     samples = [s for g in steps[0] for s in g]
-    reqs = [GenRequest(input_ids=s["tokens"][: len(s["tokens"]) - s["response_length"]], max_new_tokens=8,
-                       seed=derive_seed(1234, 0, s["group_index"], s["index"] % 4)) for s in samples]
+    reqs = [
+        GenRequest(
+            input_ids=s["tokens"][: len(s["tokens"]) - s["response_length"]],
+            max_new_tokens=8,
+            seed=derive_seed(1234, 0, s["group_index"], s["index"] % 4),
+        )
+        for s in samples
+    ]
     local = Engine.from_pretrained(tiny_ckpt).generate(reqs)
     for s, res in zip(samples, local):
-        assert s["tokens"][len(s["tokens"]) - s["response_length"]:] == res.output_ids
+        assert s["tokens"][len(s["tokens"]) - s["response_length"] :] == res.output_ids
         assert max((abs(a - b) for a, b in zip(s["rollout_log_probs"], res.output_logprobs)), default=0.0) <= 1e-5
     assert {tuple(s["weight_versions"]) for g in steps[0] for s in g} == {("0",)}
 

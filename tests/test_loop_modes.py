@@ -4,16 +4,25 @@ import json
 import os
 
 import torch
+from helpers.runs import base_args, final_weights, run
 
 from lichen.cli import main
 from lichen.weights.hf_io import load_hf_state_dict
 
-from helpers.runs import base_args, final_weights, run
-
 
 def test_debug_rollout_only_generates_without_trainer(tiny_ckpt, addition_data, tmp_path):
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--debug-rollout-only",
-                         "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt")))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "2",
+            "--debug-rollout-only",
+            "--save-debug-rollout-data",
+            str(tmp_path / "dump" / "rollout_{rollout_id}.pt"),
+        )
+    )
     assert len(rows) == 2
     assert all("rollout/reward_mean" in m and "train/loss" not in m for m in rows)
     assert os.path.isfile(tmp_path / "dump" / "rollout_0.pt") and os.path.isfile(tmp_path / "dump" / "rollout_1.pt")
@@ -25,21 +34,48 @@ def test_debug_rollout_only_generates_without_trainer(tiny_ckpt, addition_data, 
 def test_replayed_dumps_train_like_the_original_run(tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "dump" / "rollout_{rollout_id}.pt")
     common = ["--num-rollout", "2", "--micro-batch-size", "2", "--save-interval", "2"]
-    run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--save", str(tmp_path / "ca"),
-                  "--save-debug-rollout-data", dump, *common))
+    run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "a",
+            "--save",
+            str(tmp_path / "ca"),
+            "--save-debug-rollout-data",
+            dump,
+            *common,
+        )
+    )
     data = torch.load(dump.format(rollout_id=1), weights_only=True)
     versions = [s["weight_versions"] for g in data["samples"] for s in g]
     assert versions and all(v == ["1"] for v in versions)  # the second step sampled from weights after step 1
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"),
-                         "--load-debug-rollout-data", dump, *common))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            "--save",
+            str(tmp_path / "cb"),
+            "--load-debug-rollout-data",
+            dump,
+            *common,
+        )
+    )
     assert len(rows) == 2
     wa, wb = final_weights(tmp_path / "ca"), final_weights(tmp_path / "cb")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
 
 def test_missing_dump_is_a_clear_error(tiny_ckpt, addition_data, tmp_path, capsys):
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1",
-                     "--load-debug-rollout-data", str(tmp_path / "none_{rollout_id}.pt"))
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "r",
+        "--num-rollout",
+        "1",
+        "--load-debug-rollout-data",
+        str(tmp_path / "none_{rollout_id}.pt"),
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--load-debug-rollout-data" in err and "Traceback" not in err
@@ -48,10 +84,31 @@ def test_missing_dump_is_a_clear_error(tiny_ckpt, addition_data, tmp_path, capsy
 def test_sft_warmup_lowers_loss_and_exports_hf(tiny_ckpt, addition_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "6", "--loss-type", "sft_loss",
-                         "--rollout-function-path", "lichen.rollout.sft.generate_rollout",
-                         "--n-samples-per-prompt", "1", "--micro-batch-size", "4", "--rollout-batch-size", "8",
-                         "--save", str(tmp_path / "c"), "--save-interval", "3", "--lr", "3e-3"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "6",
+            "--loss-type",
+            "sft_loss",
+            "--rollout-function-path",
+            "lichen.rollout.sft.generate_rollout",
+            "--n-samples-per-prompt",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--rollout-batch-size",
+            "8",
+            "--save",
+            str(tmp_path / "c"),
+            "--save-interval",
+            "3",
+            "--lr",
+            "3e-3",
+        )
+    )
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     # supervised data is not scored and has no old policy: no reward, clip fraction or KL metrics to misread
     assert not {"rollout/reward_mean", "train/pg_clipfrac", "train/ppo_kl", "train/ppo_kl_first_step"} & set(rows[0])
@@ -64,9 +121,25 @@ def test_sft_warmup_lowers_loss_and_exports_hf(tiny_ckpt, addition_data, tmp_pat
 
 
 def test_eval_and_tensorboard(tiny_ckpt, addition_data, tmp_path):
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--eval-interval", "2",
-                         "--eval-prompt-data", "heldout", addition_data, "--n-samples-per-eval-prompt", "2",
-                         "--eval-temperature", "0", "--use-tensorboard"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "2",
+            "--eval-interval",
+            "2",
+            "--eval-prompt-data",
+            "heldout",
+            addition_data,
+            "--n-samples-per-eval-prompt",
+            "2",
+            "--eval-temperature",
+            "0",
+            "--use-tensorboard",
+        )
+    )
     evals = [m for m in rows if "eval/heldout/reward_mean" in m]
     assert [m["step"] for m in evals] == [0, 2]
     assert "eval/heldout/pass@2" in evals[0]
@@ -74,22 +147,61 @@ def test_eval_and_tensorboard(tiny_ckpt, addition_data, tmp_path):
 
 
 def test_custom_generate_plugin_contract(tiny_ckpt, addition_data, tmp_path):
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1",
-                         "--rollout-function-path", "loop_plugins.constant_rollout"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "1",
+            "--rollout-function-path",
+            "loop_plugins.constant_rollout",
+        )
+    )
     assert rows[0]["rollout/response_length_mean"] == 2
 
 
 def test_custom_loss_plugin_contract(tiny_ckpt, addition_data, tmp_path):
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--loss-type", "custom_loss",
-                         "--custom-loss-function-path", "loop_plugins.reinforce_loss", "--micro-batch-size", "4",
-                         "--num-threads", "1"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "2",
+            "--loss-type",
+            "custom_loss",
+            "--custom-loss-function-path",
+            "loop_plugins.reinforce_loss",
+            "--micro-batch-size",
+            "4",
+            "--num-threads",
+            "1",
+        )
+    )
     assert len(rows) == 2 and all(m["train/grad_norm"] > 0 for m in rows)
     assert "train/pg_clipfrac" not in rows[0]  # the custom loss does no clipping that lichen could count
 
 
 def test_custom_loss_still_checks_first_step_ppo_kl(tiny_ckpt, addition_data, tmp_path):
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", "--loss-type", "custom_loss",
-                         "--custom-loss-function-path", "loop_plugins.reinforce_loss", "--micro-batch-size", "4",
-                         "--num-steps-per-rollout", "2", "--num-threads", "1"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "1",
+            "--loss-type",
+            "custom_loss",
+            "--custom-loss-function-path",
+            "loop_plugins.reinforce_loss",
+            "--micro-batch-size",
+            "4",
+            "--num-steps-per-rollout",
+            "2",
+            "--num-threads",
+            "1",
+        )
+    )
     assert abs(rows[0]["train/ppo_kl_first_step"]) <= 1e-6  # recomputed old log-probs = the policy's own
     assert abs(rows[0]["train/ppo_kl_last_step"]) > 1e-6  # measured, not a constant: the policy moved

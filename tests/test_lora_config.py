@@ -15,8 +15,21 @@ from lichen.errors import ConfigError
 
 
 def _argv(ckpt, data, *extra):
-    return ["--hf-checkpoint", ckpt, "--prompt-data", data, "--rm-type", "math", "--num-rollout", "1",
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *extra]
+    return [
+        "--hf-checkpoint",
+        ckpt,
+        "--prompt-data",
+        data,
+        "--rm-type",
+        "math",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        *extra,
+    ]
 
 
 def _train(ckpt, data, capsys, *extra) -> tuple[int, str]:
@@ -33,20 +46,24 @@ def test_dry_run_names_the_adapted_modules(tiny_ckpt, addition_data, capsys):
     assert "model.layers.{0-1}.self_attn.q_proj" in line and "embed_tokens" not in line
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--lora-dropout", "0.05"], "on-policy"),
-    (["--lora-rollout-sync-mode", "native_adapter"], "no adapter endpoint"),
-    (["--ref-load", "{ckpt}"], "adapters disabled"),
-    (["--lora-target-preset", "dense_mlp", "--lora-target-modules", "q_proj"], "only one"),
-    (["--lora-target-preset", "moe_routed_experts"], "adapts no module"),  # ... nor routed experts
-    (["--lora-target-modules", "linear_q_down_proj"], "MLA"),
-    (["--lora-target-modules", "nothing_here"], "adapts no module"),
-    (["--lora-target-modules", "embed_tokens", "--lora-exclude-modules"], "never adapted"),
-    (["--lora-target-preset", "moe_shared_mlp"], "adapts no module"),  # a dense model has no shared experts
-    (["--lora-rank", "0"], "--lora-rank 0"),
-    (["--save-lora", "out/{rollout_id}"], "needs --save"),
-    (["--advantage-estimator", "ppo"], "not available yet"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--lora-dropout", "0.05"], "on-policy"),
+        (["--lora-rollout-sync-mode", "native_adapter"], "no adapter endpoint"),
+        (["--ref-load", "{ckpt}"], "adapters disabled"),
+        (["--lora-target-preset", "dense_mlp", "--lora-target-modules", "q_proj"], "only one"),
+        (["--lora-target-preset", "moe_routed_experts"], "adapts no module"),  # ... nor routed experts
+        (["--lora-target-modules", "linear_q_down_proj"], "MLA"),
+        (["--lora-target-modules", "nothing_here"], "adapts no module"),
+        (["--lora-target-modules", "embed_tokens", "--lora-exclude-modules"], "never adapted"),
+        (["--lora-target-preset", "moe_shared_mlp"], "adapts no module"),  # a dense model has no shared experts
+        (["--lora-rank", "0"], "--lora-rank 0"),
+        (["--save-lora", "out/{rollout_id}"], "needs --save"),
+        (["--advantage-estimator", "ppo"], "not available yet"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_refused_with_exit_2(tiny_ckpt, addition_data, capsys, extra, needle):
     extra = [x.replace("{ckpt}", tiny_ckpt) for x in extra]
     code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora", *extra)
@@ -66,9 +83,23 @@ def test_missing_peft_is_exit_2(tiny_ckpt, addition_data, capsys, monkeypatch):
 def test_slime_lora_script_flags_run(tiny_ckpt, addition_data, capsys):
     """The LORA_ARGS of slime's run-qwen3-30B-A3B-lora.sh (a dense preset here) and its TP-only / diagnostic
     LoRA flags: a dry run, with the table on stderr."""
-    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora", "--lora-target-preset", "moe_language",
-                       "--lora-rank", "32", "--lora-alpha", "64", "--lora-weight-decay", "0.1",
-                       "--lora-allow-replicated-modules", "x", "--lora-debug")
+    code, err = _train(
+        tiny_ckpt,
+        addition_data,
+        capsys,
+        "--use-lora",
+        "--lora-target-preset",
+        "moe_language",
+        "--lora-rank",
+        "32",
+        "--lora-alpha",
+        "64",
+        "--lora-weight-decay",
+        "0.1",
+        "--lora-allow-replicated-modules",
+        "x",
+        "--lora-debug",
+    )
     assert code == 0, err
     assert "--lora-allow-replicated-modules" in err and "--lora-debug" in err
     assert "LoRA: preset moe_language, rank 32, alpha 64 (scale 2)" in err
@@ -82,12 +113,36 @@ def test_lora_flags_need_use_lora(tiny_ckpt, addition_data, capsys):
 def test_lora_learning_rate_and_weight_decay_reach_the_optimizer_config(tiny_ckpt, addition_data, tmp_path):
     from lichen.config import TrainerConfig
 
-    args = parse_train_args(_argv(tiny_ckpt, addition_data, "--output-dir", str(tmp_path), "--use-lora",
-                                  "--lr", "1e-6", "--weight-decay", "0.1", "--lora-learning-rate", "1e-4"))
+    args = parse_train_args(
+        _argv(
+            tiny_ckpt,
+            addition_data,
+            "--output-dir",
+            str(tmp_path),
+            "--use-lora",
+            "--lr",
+            "1e-6",
+            "--weight-decay",
+            "0.1",
+            "--lora-learning-rate",
+            "1e-4",
+        )
+    )
     cfg = TrainerConfig.from_args(args)
     assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (1e-4, 0.0)  # slime: --lora-weight-decay always wins
-    args = parse_train_args(_argv(tiny_ckpt, addition_data, "--output-dir", str(tmp_path), "--use-lora",
-                                  "--lr", "1e-6", "--lora-weight-decay", "0.1"))
+    args = parse_train_args(
+        _argv(
+            tiny_ckpt,
+            addition_data,
+            "--output-dir",
+            str(tmp_path),
+            "--use-lora",
+            "--lr",
+            "1e-6",
+            "--lora-weight-decay",
+            "0.1",
+        )
+    )
     cfg = TrainerConfig.from_args(args)
     assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (1e-6, 0.1)
     assert TrainerConfig.from_args(parse_train_args(_argv(tiny_ckpt, addition_data))).lora is None
@@ -106,23 +161,31 @@ def test_slime_megatron_regexes_select_what_the_preset_selects(tiny_ckpt):
     names = checkpoint_targets(tiny_ckpt)
     translated = tuple(translate_pattern(p, "--lora-target-modules") for p in SLIME_DENSE_LANGUAGE)
     by_regex = LoraConfig(8, 16, translated, (), None, 1e-3, 0.0, None, None, None, "merged").adapted(names)
-    by_preset = LoraConfig(8, 16, PRESETS["dense_language"], (), "dense_language", 1e-3, 0.0, None, None, None,
-                           "merged").adapted(names)
+    by_preset = LoraConfig(
+        8, 16, PRESETS["dense_language"], (), "dense_language", 1e-3, 0.0, None, None, None, "merged"
+    ).adapted(names)
     assert by_regex == by_preset and len(by_preset) == 14
 
 
-@pytest.mark.parametrize("pattern, hf_name, matches", [
-    (r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc1$", "model.layers.3.mlp.shared_expert.up_proj", True),
-    (r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc2$", "model.layers.3.mlp.shared_experts.down_proj", True),
-    (r"self_attention\.linear_qkv$", "model.layers.0.self_attn.o_proj", False),
-    (r"linear_fc1$", "model.layers.0.mlp.gate_up_proj", True),  # GLM-4's fused gate/up
-    # routed experts: the stacked parameters transformers builds (not the shared experts, not a dense MLP)
-    (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc1$", "model.layers.1.mlp.experts.gate_up_proj", True),
-    (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc2$", "model.layers.1.mlp.experts.down_proj", True),
-    (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc1$", "model.layers.1.mlp.shared_experts.up_proj", False),
-    (r"decoder\.layers\.\d+\.mlp\.linear_fc1$", "model.layers.1.mlp.experts.gate_up_proj", False),
-    (r"self_attn\.q_proj$", "model.layers.0.self_attn.q_proj", True),  # HF names pass unchanged
-])
+@pytest.mark.parametrize(
+    "pattern, hf_name, matches",
+    [
+        (r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc1$", "model.layers.3.mlp.shared_expert.up_proj", True),
+        (
+            r"decoder\.layers\.\d+\.mlp\.shared_experts\.linear_fc2$",
+            "model.layers.3.mlp.shared_experts.down_proj",
+            True,
+        ),
+        (r"self_attention\.linear_qkv$", "model.layers.0.self_attn.o_proj", False),
+        (r"linear_fc1$", "model.layers.0.mlp.gate_up_proj", True),  # GLM-4's fused gate/up
+        # routed experts: the stacked parameters transformers builds (not the shared experts, not a dense MLP)
+        (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc1$", "model.layers.1.mlp.experts.gate_up_proj", True),
+        (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc2$", "model.layers.1.mlp.experts.down_proj", True),
+        (r"decoder\.layers\.\d+\.mlp\.experts\.linear_fc1$", "model.layers.1.mlp.shared_experts.up_proj", False),
+        (r"decoder\.layers\.\d+\.mlp\.linear_fc1$", "model.layers.1.mlp.experts.gate_up_proj", False),
+        (r"self_attn\.q_proj$", "model.layers.0.self_attn.q_proj", True),  # HF names pass unchanged
+    ],
+)
 def test_megatron_translation(pattern, hf_name, matches):
     assert bool(re.search(translate_pattern(pattern, "--lora-target-modules"), hf_name)) is matches
 
@@ -165,7 +228,17 @@ def test_listing_in_the_docs_is_the_functions(tmp_path):
 def test_runtime_ray_is_accepted(tiny_ckpt, addition_data, capsys):
     """--use-lora with --runtime ray passes the checks (the multi-rank trainer wraps adapters before sharding;
     tests/test_lora_dist.py runs it)."""
-    code, err = _train(tiny_ckpt, addition_data, capsys, "--use-lora", "--runtime", "ray",
-                       "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1")
+    code, err = _train(
+        tiny_ckpt,
+        addition_data,
+        capsys,
+        "--use-lora",
+        "--runtime",
+        "ray",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--rollout-num-gpus",
+        "1",
+    )
     assert code == 0, err
     assert "LoRA: preset dense_language" in err

@@ -9,9 +9,17 @@ import os
 
 import pytest
 import torch
+from helpers.dist_ranks import (
+    config,
+    free_port,
+    rank_files,
+    rel_diff,
+    resume_worker,
+    run_ranks,
+    step_batch,
+    trainer_argv,
+)
 
-from helpers.dist_ranks import (config, free_port, rank_files, rel_diff, resume_worker, run_ranks, step_batch,
-                                trainer_argv)
 from lichen.train.actor import TrainActor
 from lichen.train.dist_trainer import DistTrainer
 
@@ -29,13 +37,16 @@ def lora_worker(rank: int, world_size: int, argv: list[str], port: int, out: str
     metrics = [t.train(0, step_batch(vocab, 0))]
     named = dict(t.model.named_parameters())
     grads = {n: p.grad.full_tensor() for n, p in named.items() if p.grad is not None}
-    in_optimizer = sorted(n for n, p in named.items() if any(p is q for g in t.actor.optimizer.param_groups
-                                                              for q in g["params"]))
+    in_optimizer = sorted(
+        n for n, p in named.items() if any(p is q for g in t.actor.optimizer.param_groups for q in g["params"])
+    )
     metrics += [t.train(k, step_batch(vocab, k)) for k in range(1, STEPS)]
     weights = t.full_state_dict()
     t.save(os.path.join(out, "ckpt"), STEPS - 1)
-    torch.save({"grads": grads, "metrics": metrics, "weights": weights, "in_optimizer": in_optimizer},
-               os.path.join(out, f"rank{rank}.pt"))
+    torch.save(
+        {"grads": grads, "metrics": metrics, "weights": weights, "in_optimizer": in_optimizer},
+        os.path.join(out, f"rank{rank}.pt"),
+    )
     t.close()
 
 
@@ -66,8 +77,9 @@ def test_two_ranks_match_single_rank_lora(tiny_ckpt, addition_data, tmp_path, ar
         tiny_ckpt = str(tmp_path / arch)
         make_tiny_model(tiny_ckpt, arch=arch)
         extra = ["--lora-target-preset", "moe_language_all"]
-    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *LORA, "--use-kl-loss", "--kl-loss-coef",
-                        "0.1", *extra)
+    argv = trainer_argv(
+        tiny_ckpt, addition_data, str(tmp_path / "o"), *LORA, "--use-kl-loss", "--kl-loss-coef", "0.1", *extra
+    )
     config(argv)  # a flag mistake shows here, not in a child
     run_ranks(lora_worker, 2, argv, free_port(), str(tmp_path))
     ranks = rank_files(tmp_path, 2)
@@ -117,17 +129,43 @@ def test_ray_run_with_lora(tiny_ckpt, addition_data, tmp_path):
     holds lora/ next to the merged hf/."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
     from helpers.runs import base_args, run
+
     from lichen.train.lora import read_adapter
 
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=4,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     try:
-        rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--device", "cpu",
-                             "--num-threads", "1", "--runtime", "ray", "--actor-num-gpus-per-node", "2",
-                             "--rollout-num-gpus", "1", "--check-weight-update-equal", "--save",
-                             str(tmp_path / "c"), *LORA))
+        rows = run(
+            base_args(
+                tiny_ckpt,
+                addition_data,
+                tmp_path / "r",
+                "--num-rollout",
+                "2",
+                "--device",
+                "cpu",
+                "--num-threads",
+                "1",
+                "--runtime",
+                "ray",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--rollout-num-gpus",
+                "1",
+                "--check-weight-update-equal",
+                "--save",
+                str(tmp_path / "c"),
+                *LORA,
+            )
+        )
     finally:
         ray.shutdown()
     steps = [m for m in rows if "train/loss" in m]

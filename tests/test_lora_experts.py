@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft.tuners.lora.layer import ParamWrapper
-
 from helpers.runs import base_args, final_weights, run
 from helpers.trainer import make_actor
+from peft.tuners.lora.layer import ParamWrapper
+
 from lichen.config.lora_config import DEFAULT_EXCLUDES, PRESETS, LoraConfig
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model
@@ -50,8 +50,11 @@ def test_merged_expert_weights_are_w_plus_scaled_ba_per_expert(tmp_path, arch):
     merged = dict(merged_named_weights(model))
     assert merged.keys() == base.keys()
     # each stacked parameter's wrapper (two nest on one experts module), found by the parameter it adapts
-    wrappers = {f"{n.replace('.base_layer', '')}.{m.parameter_name}": m for n, m in model.named_modules()
-                if isinstance(m, ParamWrapper)}
+    wrappers = {
+        f"{n.replace('.base_layer', '')}.{m.parameter_name}": m
+        for n, m in model.named_modules()
+        if isinstance(m, ParamWrapper)
+    }
     checked = 0
     for name in names:  # model.layers.N.mlp.experts.gate_up_proj
         a, b = wrappers[name].lora_A["default"].weight, wrappers[name].lora_B["default"].weight
@@ -111,9 +114,27 @@ def test_routed_experts_train_and_the_engine_serves_them(addition_data, tmp_path
     weights did."""
     ckpt = str(tmp_path / arch)
     make_tiny_model(ckpt, arch=arch)
-    rows = run(base_args(ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--micro-batch-size", "4",
-                         "--check-weight-update-equal", "--save", str(tmp_path / "c"), *LORA, "--lr", "0.05",
-                         "--lora-target-preset", "moe_language_all", "--save-lora", str(tmp_path / "ad_{rollout_id}")))
+    rows = run(
+        base_args(
+            ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--check-weight-update-equal",
+            "--save",
+            str(tmp_path / "c"),
+            *LORA,
+            "--lr",
+            "0.05",
+            "--lora-target-preset",
+            "moe_language_all",
+            "--save-lora",
+            str(tmp_path / "ad_{rollout_id}"),
+        )
+    )
     assert len(rows) == 2 and all(m["train/train_rollout_logprob_abs_diff"] <= 1e-5 for m in rows)
     model = load_model(ckpt)
     base = {k: p.detach() for k, p in model.named_parameters()}
@@ -130,8 +151,16 @@ def test_routed_experts_train_and_the_engine_serves_them(addition_data, tmp_path
     # --lora-load starts a new run's policy at the saved adapters (stacked expert adapters included)
     last = int(open(tmp_path / "c" / "latest_checkpointed_iteration.txt").read())
     export = load_hf_state_dict(str(tmp_path / f"c/iter_{last:07d}/hf"))
-    actor = make_actor(ckpt, addition_data, tmp_path, *LORA, "--lora-target-preset", "moe_language_all",
-                       "--lora-load", str(tmp_path / "ad_1"))
+    actor = make_actor(
+        ckpt,
+        addition_data,
+        tmp_path,
+        *LORA,
+        "--lora-target-preset",
+        "moe_language_all",
+        "--lora-load",
+        str(tmp_path / "ad_1"),
+    )
     assert max((export[k] - w).abs().max().item() for k, w in actor.named_weights()) <= 1e-6
     if arch not in ("qwen3_moe", "gpt_oss"):
         return  # peft's loader rewrites MLP targets of these types on transformers 5 (docs/lora.md#checkpoints)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.runs import base_args, final_weights, run, run_stopped_after_sync
 from helpers.trainer import make_actor, ragged_samples
+
 from lichen.models import load_model
 from lichen.weights.hf_io import load_hf_state_dict
 
@@ -18,7 +18,7 @@ def _groups(actor, seed: int = 0):
     samples = ragged_samples(actor.model.cfg.vocab_size, seed=seed)
     for i, s in enumerate(samples):
         s.reward = float(i % 3)  # non-zero advantages: the adapters get gradients
-    return [samples[i:i + 4] for i in range(0, len(samples), 4)]
+    return [samples[i : i + 4] for i in range(0, len(samples), 4)]
 
 
 @pytest.mark.parametrize("extra", [[], ["--gradient-checkpointing", "--bf16"]], ids=["plain", "checkpointed-bf16"])
@@ -60,15 +60,33 @@ def test_reference_is_the_base_model_and_merged_weights_are_the_policy(tiny_ckpt
     assert (policy - ref).abs().max().item() > 1e-4  # the adapters changed the policy: the checks can fail
 
 
-@pytest.mark.parametrize("engines", [[], ["--rollout-num-engines", "1"], ["--model-impl", "hf"]],
-                         ids=["in-process", "lichen-serve", "hf-module"])
+@pytest.mark.parametrize(
+    "engines",
+    [[], ["--rollout-num-engines", "1"], ["--model-impl", "hf"]],
+    ids=["in-process", "lichen-serve", "hf-module"],
+)
 def test_engines_serve_the_merged_policy(tiny_ckpt, addition_data, tmp_path, launched, engines):
     """The engines (in process, or a launched `lichen serve`; lichen's model code or transformers' module) get
     merged full weights each step: the rollout's log-probs equal the trainer's (unmerged forward), and
     --check-weight-update-equal finds the engine's weights equal to the trainer's merged ones."""
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "4", "--micro-batch-size", "4",
-                         "--check-weight-update-equal", "--save", str(tmp_path / "c"), *LORA, "--lr", "0.05",
-                         *engines))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "4",
+            "--micro-batch-size",
+            "4",
+            "--check-weight-update-equal",
+            "--save",
+            str(tmp_path / "c"),
+            *LORA,
+            "--lr",
+            "0.05",
+            *engines,
+        )
+    )
     assert len(launched) == int("--rollout-num-engines" in engines)
     for m in rows:
         assert m["train/train_rollout_logprob_abs_diff"] <= 1e-5
@@ -80,13 +98,35 @@ def test_engines_serve_the_merged_policy(tiny_ckpt, addition_data, tmp_path, lau
 
 def test_exact_resume(tiny_ckpt, addition_data, tmp_path):
     """4 steps straight == 2 steps + save + --load + 2 steps: same adapters, optimizer, metrics."""
-    common = ["--micro-batch-size", "2", "--rollout-shuffle", "--save-interval", "2", "--lr-decay-style", "cosine",
-              "--num-rollout", "4", *LORA, "--lr", "0.02"]
+    common = [
+        "--micro-batch-size",
+        "2",
+        "--rollout-shuffle",
+        "--save-interval",
+        "2",
+        "--lr-decay-style",
+        "cosine",
+        "--num-rollout",
+        "4",
+        *LORA,
+        "--lr",
+        "0.02",
+    ]
     straight = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--save", str(tmp_path / "ca"), *common))
     half = base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"), *common)
     run_stopped_after_sync(half, stop_at=2)
-    resumed = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--save", str(tmp_path / "cb"),
-                            "--load", str(tmp_path / "cb"), *common))
+    resumed = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            "--save",
+            str(tmp_path / "cb"),
+            "--load",
+            str(tmp_path / "cb"),
+            *common,
+        )
+    )
     from lichen.train.lora import read_adapter
 
     aa, ab = read_adapter(str(tmp_path / "ca/iter_0000003/lora")), read_adapter(str(tmp_path / "cb/iter_0000003/lora"))
@@ -114,9 +154,24 @@ def test_adapter_directory_is_peft_s_and_lora_load_restores_it(tiny_ckpt, additi
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    assert main_ok(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "2", "--lr", "0.05",
-                             "--save", str(tmp_path / "c"), "--save-lora", str(tmp_path / "ad_{rollout_id}"),
-                             "--lora-save-merged-hf", str(tmp_path / "mg_{rollout_id}"), *LORA))
+    assert main_ok(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "a",
+            "--num-rollout",
+            "2",
+            "--lr",
+            "0.05",
+            "--save",
+            str(tmp_path / "c"),
+            "--save-lora",
+            str(tmp_path / "ad_{rollout_id}"),
+            "--lora-save-merged-hf",
+            str(tmp_path / "mg_{rollout_id}"),
+            *LORA,
+        )
+    )
     ids = torch.tensor([[5, 9, 11, 3, 7, 21]])
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
     with_adapter = PeftModel.from_pretrained(hf, str(tmp_path / "ad_1")).eval()
@@ -146,9 +201,25 @@ def test_moe_architectures_train_adapters_and_serve_the_merged_policy(addition_d
 
     ckpt = str(tmp_path / arch)
     make_tiny_model(ckpt, arch=arch)
-    rows = run(base_args(ckpt, addition_data, tmp_path / "r", "--num-rollout", "2", "--micro-batch-size", "4",
-                         "--check-weight-update-equal", "--save", str(tmp_path / "c"), *LORA, "--lr", "0.05",
-                         "--lora-target-preset", "moe_language"))
+    rows = run(
+        base_args(
+            ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--check-weight-update-equal",
+            "--save",
+            str(tmp_path / "c"),
+            *LORA,
+            "--lr",
+            "0.05",
+            "--lora-target-preset",
+            "moe_language",
+        )
+    )
     assert all(m["train/train_rollout_logprob_abs_diff"] <= 1e-5 for m in rows)
     # the base as the module names it (transformers 5 fuses the experts the checkpoint stores one by one)
     base = {k: p.detach() for k, p in load_model(ckpt).named_parameters()}

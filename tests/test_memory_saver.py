@@ -64,8 +64,13 @@ def _rank_worker(rank: int, world_size: int, argv: list[str], port: int, out: st
 @pytest.mark.slow
 def test_a_rank_allocates_shards_and_optimizer_state_in_their_regions(tiny_ckpt, addition_data, tmp_path):
     out = str(tmp_path / "seen.pt")
-    run_ranks(_rank_worker, 1, trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--num-threads", "1"),
-              free_port(), out)
+    run_ranks(
+        _rank_worker,
+        1,
+        trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--num-threads", "1"),
+        free_port(),
+        out,
+    )
     seen = torch.load(out, weights_only=True)
     assert seen["init"] == ["region(weights)", "end region(weights)"]  # the FSDP shards of the policy
     steps = seen["train"]

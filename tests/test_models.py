@@ -13,8 +13,18 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 def ckpt(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     # GQA (4 query heads, 2 kv heads), untied head: the less common paths.
-    make_tiny_model(str(out), arch=request.param, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                    intermediate_size=128, tie_word_embeddings=False, seed=3, init_std=0.1)
+    make_tiny_model(
+        str(out),
+        arch=request.param,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        seed=3,
+        init_std=0.1,
+    )
     return str(out)
 
 

@@ -12,16 +12,16 @@ import json
 
 import pytest
 import torch
+from helpers.runs import base_args, run
 from safetensors.torch import load_file
 
 from lichen.models.hf_archs import HF_ARCHS
 from lichen.models.tiny import make_tiny_model
 
-from helpers.runs import base_args, run
-
 ARCHS = ["llama", "qwen2", "qwen3", *HF_ARCHS]
-SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-             max_position_embeddings=256)
+SMALL = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=256
+)
 PARITY = 1e-5  # mean |train - rollout| log-prob, fp32 on CPU (the issue's bound)
 
 
@@ -36,9 +36,29 @@ def test_two_steps_parity_sync_and_export(ckpts, addition_data, tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     save = tmp_path / "save"
-    rows = run(base_args(ckpts[arch], addition_data, tmp_path / "out", "--model-impl", "hf", "--num-rollout", "2",
-                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
-                         "6", "--lr", "3e-3", "--save", str(save), "--save-interval", "2"))
+    rows = run(
+        base_args(
+            ckpts[arch],
+            addition_data,
+            tmp_path / "out",
+            "--model-impl",
+            "hf",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-max-response-len",
+            "6",
+            "--lr",
+            "3e-3",
+            "--save",
+            str(save),
+            "--save-interval",
+            "2",
+        )
+    )
     train = [r for r in rows if "train/loss" in r]
     assert len(train) == 2
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in train]
@@ -59,8 +79,10 @@ def test_two_steps_parity_sync_and_export(ckpts, addition_data, tmp_path, arch):
     ids = torch.tensor([[5, 17, 22, 9, 40, 6]])
     with torch.no_grad():
         assert torch.equal(reloaded.eval()(ids).logits, strict.eval()(ids).logits)
-    assert json.load(open(export / "config.json"))["model_type"] == json.load(
-        open(f"{ckpts[arch]}/config.json"))["model_type"]
+    assert (
+        json.load(open(export / "config.json"))["model_type"]
+        == json.load(open(f"{ckpts[arch]}/config.json"))["model_type"]
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_next"])  # attention, sliding window, linear attention
@@ -81,7 +103,11 @@ def test_packed_rows_equal_separate_forwards(ckpts, arch):
         off = 0
         for i in row:
             n = len(samples[i])
-            ids[r, off:off + n], pos[r, off:off + n], seg[r, off:off + n] = torch.tensor(samples[i]), torch.arange(n), i
+            ids[r, off : off + n], pos[r, off : off + n], seg[r, off : off + n] = (
+                torch.tensor(samples[i]),
+                torch.arange(n),
+                i,
+            )
             where[i] = (r, off, n)
             off += n
     mask = ((seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
@@ -90,14 +116,28 @@ def test_packed_rows_equal_separate_forwards(ckpts, arch):
         for i, sample in enumerate(samples):
             r, off, n = where[i]
             alone = model(torch.tensor([sample]), torch.arange(n)[None])[0]
-            assert (packed[r, off:off + n] - alone).abs().max() <= 1e-5, i
+            assert (packed[r, off : off + n] - alone).abs().max() <= 1e-5, i
 
 
 def test_ppo_critic_on_the_hf_path(ckpts, addition_data, tmp_path):
     """--advantage-estimator ppo: the critic's backbone is the HF module too (its value head reads hidden_size)."""
-    rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "out", "--num-rollout", "2",
-                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
-                         "6", "--advantage-estimator", "ppo"))
+    rows = run(
+        base_args(
+            ckpts["qwen3_moe"],
+            addition_data,
+            tmp_path / "out",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-max-response-len",
+            "6",
+            "--advantage-estimator",
+            "ppo",
+        )
+    )
     train = [r for r in rows if "train/loss" in r]
     assert len(train) == 2 and max(r["train/train_rollout_logprob_abs_diff"] for r in train) <= PARITY
 
@@ -105,10 +145,29 @@ def test_ppo_critic_on_the_hf_path(ckpts, addition_data, tmp_path):
 def test_launched_engine_with_disk_sync(ckpts, addition_data, tmp_path, launched):
     """A launched `lichen serve` engine on the HF path, weights synced through disk versions (the module layout
     the trainer writes, read back through from_pretrained)."""
-    rows = run(base_args(ckpts["qwen3_moe"], addition_data, tmp_path / "out", "--num-rollout", "2",
-                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
-                         "6", "--rollout-num-engines", "1", "--update-weight-transport", "disk",
-                         "--update-weight-disk-dir", str(tmp_path / "w"), "--num-threads", "1"))
+    rows = run(
+        base_args(
+            ckpts["qwen3_moe"],
+            addition_data,
+            tmp_path / "out",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-max-response-len",
+            "6",
+            "--rollout-num-engines",
+            "1",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+            "--num-threads",
+            "1",
+        )
+    )
     train = [r for r in rows if "train/loss" in r]
     assert len(launched) == 1 and len(train) == 2
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in train) <= PARITY

@@ -15,8 +15,9 @@ from lichen.models.gdn_backend import apply_gdn_backend, resolve_gdn_backend
 from lichen.models.loading import load_model
 from lichen.models.tiny import make_tiny_model
 
-SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-             max_position_embeddings=128)
+SMALL = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=128
+)
 
 
 @pytest.fixture
@@ -30,31 +31,59 @@ def run_dir(tmp_path, monkeypatch):
 def dry_run(run_dir, config: dict | None, *extra: str, capsys, hf: str = "hf"):
     if config is not None:
         (run_dir / "hf" / "config.json").write_text(json.dumps(config))
-    rc = lichen.cli.main(["train", "--hf-checkpoint", hf, "--prompt-data", "prompts.jsonl", "--rollout-batch-size",
-                          "2", "--n-samples-per-prompt", "2", "--rm-type", "math", "--num-rollout", "1",
-                          "--dry-run", *extra])
+    rc = lichen.cli.main(
+        [
+            "train",
+            "--hf-checkpoint",
+            hf,
+            "--prompt-data",
+            "prompts.jsonl",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rm-type",
+            "math",
+            "--num-rollout",
+            "1",
+            "--dry-run",
+            *extra,
+        ]
+    )
     out, err = capsys.readouterr()
     return rc, out, err
 
 
-@pytest.mark.parametrize("config, extra, needle", [
-    ({"model_type": "no_such_model"}, [], "has no causal-LM class for model_type 'no_such_model'"),
-    ({"model_type": "vit"}, [], "has no causal-LM class for model_type 'vit'"),  # an image model
-    ({"model_type": "my_custom", "auto_map": {"AutoModelForCausalLM": "modeling_x.MyLM"}}, [],
-     "pass --trust-remote-code"),
-    ({"model_type": "gpt_oss"}, ["--model-impl", "lichen"], "--model-impl lichen: model_type 'gpt_oss' has no lichen "
-                                                             "implementation"),
-])
+@pytest.mark.parametrize(
+    "config, extra, needle",
+    [
+        ({"model_type": "no_such_model"}, [], "has no causal-LM class for model_type 'no_such_model'"),
+        ({"model_type": "vit"}, [], "has no causal-LM class for model_type 'vit'"),  # an image model
+        (
+            {"model_type": "my_custom", "auto_map": {"AutoModelForCausalLM": "modeling_x.MyLM"}},
+            [],
+            "pass --trust-remote-code",
+        ),
+        (
+            {"model_type": "gpt_oss"},
+            ["--model-impl", "lichen"],
+            "--model-impl lichen: model_type 'gpt_oss' has no lichen implementation",
+        ),
+    ],
+)
 def test_dry_run_refuses_what_cannot_load(run_dir, capsys, config, extra, needle):
     rc, out, err = dry_run(run_dir, config, *extra, capsys=capsys)
     assert rc == 2 and out == "" and needle in err and err.count("\n") == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("config, extra", [
-    ({"model_type": "my_custom", "auto_map": {"AutoModelForCausalLM": "modeling_x.MyLM"}}, ["--trust-remote-code"]),
-    ({"model_type": "gpt_oss"}, []),
-    ({"model_type": "llama"}, ["--model-impl", "hf"]),
-])
+@pytest.mark.parametrize(
+    "config, extra",
+    [
+        ({"model_type": "my_custom", "auto_map": {"AutoModelForCausalLM": "modeling_x.MyLM"}}, ["--trust-remote-code"]),
+        ({"model_type": "gpt_oss"}, []),
+        ({"model_type": "llama"}, ["--model-impl", "hf"]),
+    ],
+)
 def test_dry_run_accepts_what_loads(run_dir, capsys, config, extra):
     rc, out, err = dry_run(run_dir, config, *extra, capsys=capsys)
     assert rc == 0, err
@@ -121,8 +150,25 @@ def test_slime_table_lists_how_qwen_gdn_backend_differs(run_dir):
     from lichen.config.slime_flags import DIFFERS_CLASS
 
     (run_dir / "hf" / "config.json").write_text("{}")
-    args = parse_train_args(["--hf-checkpoint", "hf", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "2",
-                             "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "math",
-                             "--use-mcore-models", "--qwen-gdn-backend", "torch"], show_table=lambda _t: None)
+    args = parse_train_args(
+        [
+            "--hf-checkpoint",
+            "hf",
+            "--prompt-data",
+            "prompts.jsonl",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "math",
+            "--use-mcore-models",
+            "--qwen-gdn-backend",
+            "torch",
+        ],
+        show_table=lambda _t: None,
+    )
     row = next(r for r in args._slime_rows if r.flag == "--qwen-gdn-backend")
     assert row.cls == DIFFERS_CLASS and "lichen adds torch" in row.note

@@ -14,15 +14,26 @@ from lichen.models.hf_archs import HF_ARCHS, MAX_TINY_PARAMETERS
 from lichen.models.tiny import make_tiny_model
 
 TEXT = "Hello , World !\n\tx = 1 + 22;  y ~`@#$%^&()_|\\<>?.\n trailing  "
-SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-             max_position_embeddings=128)
+SMALL = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=128
+)
 # The tokenizer class transformers 5.x picks for lichen's tokenizer files, per type (qwen2 alone gets its own).
-TOKENIZER_CLASS = {"qwen3_moe": "TokenizersBackend", "glm4": "TokenizersBackend", "glm4_moe": "TokenizersBackend",
-                   "gpt_oss": "TokenizersBackend", "qwen3_next": "TokenizersBackend",
-                   "deepseek_v3": "TokenizersBackend"}
-MODULE_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM"}
+TOKENIZER_CLASS = {
+    "qwen3_moe": "TokenizersBackend",
+    "glm4": "TokenizersBackend",
+    "glm4_moe": "TokenizersBackend",
+    "gpt_oss": "TokenizersBackend",
+    "qwen3_next": "TokenizersBackend",
+    "deepseek_v3": "TokenizersBackend",
+}
+MODULE_CLASS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 
 @pytest.mark.parametrize("arch", list(HF_ARCHS))
@@ -67,8 +78,9 @@ def test_hf_arch_too_large_is_refused_before_any_allocation(tmp_path, monkeypatc
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", spy)
     with pytest.raises(ConfigError, match=r"--arch qwen3_moe: these sizes give [\d,]+ parameters"):
-        make_tiny_model(str(tmp_path / "big"), arch="qwen3_moe", hidden_size=1024, num_layers=8, num_heads=8,
-                        intermediate_size=4096)
+        make_tiny_model(
+            str(tmp_path / "big"), arch="qwen3_moe", hidden_size=1024, num_layers=8, num_heads=8, intermediate_size=4096
+        )
     assert devices == ["meta"]
     assert not os.path.exists(tmp_path / "big" / "model.safetensors")
 
@@ -83,8 +95,21 @@ def test_unknown_arch_exits_2(tmp_path, capsys):
 
 
 def test_cli_prints_parameter_count(tmp_path, capsys):
-    assert cli_main(["make-tiny-model", str(tmp_path / "m"), "--arch", "deepseek_v3", "--hidden-size", "32",
-                     "--intermediate-size", "48"]) == 0
+    assert (
+        cli_main(
+            [
+                "make-tiny-model",
+                str(tmp_path / "m"),
+                "--arch",
+                "deepseek_v3",
+                "--hidden-size",
+                "32",
+                "--intermediate-size",
+                "48",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "wrote deepseek_v3 checkpoint" in out
     cfg = json.load(open(tmp_path / "m" / "config.json"))

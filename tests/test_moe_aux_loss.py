@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.runs import base_args
+from helpers.trainer import make_actor, ragged_samples
 
 from lichen.cli import main
 from lichen.models.loading import load_model
@@ -19,12 +21,10 @@ from lichen.train.log_probs import LogProbs
 from lichen.train.micro_batches import StepBatch
 from lichen.train.router_aux import RouterAuxLoss
 
-from helpers.runs import base_args
-from helpers.trainer import make_actor, ragged_samples
-
 MOE = ["qwen3_moe", "gpt_oss"]
-SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-             max_position_embeddings=256)
+SMALL = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=256
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,8 @@ def test_term_equals_a_naive_reference_per_micro_batch(ckpts, arch):
     with aux.recording(model):
         lp.forward(model, batch.micro(whole[0], "cpu"))
     assert float(aux.share(model, whole[0], lengths, whole, torch.device("cpu")).detach()) == pytest.approx(
-        float(_reference_aux(model, inputs).detach()), rel=1e-6)
+        float(_reference_aux(model, inputs).detach()), rel=1e-6
+    )
 
 
 def test_no_grad_forwards_record_nothing(ckpts):
@@ -116,13 +117,22 @@ def test_router_gradient_is_coeff_times_the_references(ckpts, addition_data, tmp
     coeff = 0.5
     grads = {}
     for c in (0.0, coeff):
-        actor = make_actor(ckpts[arch], addition_data, tmp_path / str(c), "--model-impl", "hf",
-                           "--moe-aux-loss-coeff", str(c), "--micro-batch-size", "12")
+        actor = make_actor(
+            ckpts[arch],
+            addition_data,
+            tmp_path / str(c),
+            "--model-impl",
+            "hf",
+            "--moe-aux-loss-coeff",
+            str(c),
+            "--micro-batch-size",
+            "12",
+        )
         samples = ragged_samples(actor.model.cfg.vocab_size)
         reference = _reference_aux(actor.model, [s.tokens[:-1] for s in samples])
         routers = _routers(actor.model)
         want = torch.autograd.grad(coeff * reference, [r.weight for r in routers])
-        metrics = actor.train(0, [samples[i:i + 4] for i in range(0, 12, 4)])
+        metrics = actor.train(0, [samples[i : i + 4] for i in range(0, 12, 4)])
         grads[c] = {n: p.grad.clone() for n, p in actor.model.named_parameters()}
         if c == 0:
             assert "train/moe_aux_loss" not in metrics
@@ -153,7 +163,7 @@ def test_coeff_zero_keeps_the_old_path(ckpts, addition_data, tmp_path, monkeypat
     samples = ragged_samples(actor.model.cfg.vocab_size)
     for s in samples:
         s.reward = 0.5 if s.group_index == 0 else float(s.index % 4)  # only group 0 has zero advantages
-    metrics = actor.train(0, [samples[i:i + 4] for i in range(0, 12, 4)])
+    metrics = actor.train(0, [samples[i : i + 4] for i in range(0, 12, 4)])
     assert calls and not any(c.get("output_router_logits") for c in calls)
     assert metrics["train/skipped_samples"] == 4 and "train/moe_aux_loss" not in metrics
 
@@ -164,12 +174,13 @@ def test_dense_model_warns_and_trains_bit_identically(ckpts, addition_data, tmp_
     weights = []
     for c in ("0", "0.3"):
         with caplog.at_level("WARNING", logger="lichen.train.router_aux"):
-            actor = make_actor(ckpts["llama"], addition_data, tmp_path / c, "--model-impl", "hf",
-                               "--moe-aux-loss-coeff", c)
+            actor = make_actor(
+                ckpts["llama"], addition_data, tmp_path / c, "--model-impl", "hf", "--moe-aux-loss-coeff", c
+            )
         samples = ragged_samples(actor.model.cfg.vocab_size)
         for s in samples:
             s.reward = float(s.index % 3)
-        metrics = actor.train(0, [samples[i:i + 4] for i in range(0, 12, 4)])
+        metrics = actor.train(0, [samples[i : i + 4] for i in range(0, 12, 4)])
         assert "train/moe_aux_loss" not in metrics
         weights.append({n: p.detach().clone() for n, p in actor.model.named_parameters()})
     warned = [r.getMessage() for r in caplog.records if r.name == "lichen.train.router_aux"]
@@ -178,7 +189,13 @@ def test_dense_model_warns_and_trains_bit_identically(ckpts, addition_data, tmp_
 
 
 def test_negative_coefficient_exits_2_naming_the_flag(tiny_ckpt, addition_data, tmp_path, capsys):
-    assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1",
-                          "--moe-aux-loss-coeff", "-0.1")) == 2
+    assert (
+        main(
+            base_args(
+                tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1", "--moe-aux-loss-coeff", "-0.1"
+            )
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--moe-aux-loss-coeff" in err and "Traceback" not in err

@@ -20,6 +20,7 @@ from lichen.observe import MetricsLogger, format_step_line, get_logger, print_li
 def _strict_json(line: str) -> dict:
     def reject(token: str) -> None:
         raise AssertionError(f"non-standard JSON constant {token} in {line!r}")
+
     return json.loads(line, parse_constant=reject)
 
 
@@ -53,8 +54,10 @@ def test_appends_across_loggers_and_context_manager(tmp_path):
 
 def test_non_finite_values_written_as_null(tmp_path):
     with MetricsLogger(str(tmp_path)) as m:
-        m.log(4, {"nan": float("nan"), "inf": float("inf"), "ninf": -math.inf, "t": torch.tensor(float("nan")),
-                  "fine": 1.5})
+        m.log(
+            4,
+            {"nan": float("nan"), "inf": float("inf"), "ninf": -math.inf, "t": torch.tensor(float("nan")), "fine": 1.5},
+        )
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert _strict_json(line) == {"step": 4, "nan": None, "inf": None, "ninf": None, "t": None, "fine": 1.5}
     assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["nan"] is None
@@ -88,8 +91,7 @@ def test_tensorboard_scalars_readable(tmp_path):
 
     with MetricsLogger(str(tmp_path), use_tensorboard=True) as m:
         for step in range(3):
-            m.log(step, {"loss": 0.5 - 0.125 * step, "kl": float("nan") if step == 1 else 0.01 * step},
-                  prefix="train")
+            m.log(step, {"loss": 0.5 - 0.125 * step, "kl": float("nan") if step == 1 else 0.01 * step}, prefix="train")
     tb_dir = tmp_path / "tensorboard"
     assert any(f.name.startswith("events.out.tfevents") for f in tb_dir.iterdir())
     acc = EventAccumulator(str(tb_dir))
@@ -145,12 +147,10 @@ def test_wandb_offline_calls(tmp_path, monkeypatch):
     fake = _fake_wandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = str(tmp_path / "run")
-    with MetricsLogger(out, use_wandb=True, wandb_project="proj", wandb_run_name="r1",
-                       config={"lr": 1e-6}) as m:
+    with MetricsLogger(out, use_wandb=True, wandb_project="proj", wandb_run_name="r1", config={"lr": 1e-6}) as m:
         m.log(5, {"reward_mean": float("nan"), "n": 2}, prefix="rollout")
     (run,) = fake.runs
-    assert run.init_kwargs == {"project": "proj", "name": "r1", "mode": "offline", "dir": out,
-                               "config": {"lr": 1e-6}}
+    assert run.init_kwargs == {"project": "proj", "name": "r1", "mode": "offline", "dir": out, "config": {"lr": 1e-6}}
     ((data, step),) = run.logged
     assert step == 5 and data["rollout/n"] == 2 and math.isnan(data["rollout/reward_mean"])
     assert run.finished == 1
@@ -182,16 +182,19 @@ def test_format_step_line_full():
     }
     assert format_step_line(2, metrics) == (
         "step 3/20 | reward 0.412 | resp_len 7.9 | loss -0.012 | clipfrac 0.000 | ppo_kl 0.0e+00 | "
-        "lp_diff 2.1e-07 | eval gsm8k 0.500 | eval math 0.250 | gen 3.2s train 1.1s sync 0.01s")
+        "lp_diff 2.1e-07 | eval gsm8k 0.500 | eval math 0.250 | gen 3.2s train 1.1s sync 0.01s"
+    )
 
 
 def test_format_step_line_partial():
     assert format_step_line(0, {}) == "step 1"
     assert format_step_line(4, {"rollout/reward_mean": 1, "time/train": 250.4, "train/loss": None}) == (
-        "step 5 | reward 1.000 | train 250s")
+        "step 5 | reward 1.000 | train 250s"
+    )
     assert format_step_line(0, {"train/ppo_kl": float("nan"), "num_rollout": 1}) == "step 1/1 | ppo_kl nan"
     assert format_step_line(0, {"rollout/response_length_mean": 20.25, "rollout/tool_call_ratio": 0.3}) == (
-        "step 1 | resp_len 20.2 | tool_calls 0.30")
+        "step 1 | resp_len 20.2 | tool_calls 0.30"
+    )
 
 
 def test_get_logger_format_and_single_handler(capsys):
@@ -238,8 +241,11 @@ def test_wandb_key_goes_to_settings_and_config_is_redacted(tmp_path, monkeypatch
         pass
     (run,) = fake.runs
     assert run.init_kwargs["settings"] == ("settings", {"api_key": "k-wandb-0001"})
-    assert run.init_kwargs["config"] == {"lr": 1e-6, "wandb_key": "<redacted>",
-                                         "train_env_vars": {"HF_TOKEN": "<redacted>"}}
+    assert run.init_kwargs["config"] == {
+        "lr": 1e-6,
+        "wandb_key": "<redacted>",
+        "train_env_vars": {"HF_TOKEN": "<redacted>"},
+    }
 
 
 def test_log_lines_are_redacted(capsys):
@@ -277,8 +283,10 @@ def test_failed_step_guard_counts_consecutive_all_failed_steps():
     with pytest.raises(AllSamplesFailed) as info:
         guard.check(3, _step("failed", "failed"))
     assert isinstance(info.value, RunError)
-    assert str(info.value).startswith("every sample failed in 2 consecutive rollout step(s) (steps 3-4; 2 samples "
-                                      "in the last, e.g. sample 0: KeyError: 'answer')")
+    assert str(info.value).startswith(
+        "every sample failed in 2 consecutive rollout step(s) (steps 3-4; 2 samples "
+        "in the last, e.g. sample 0: KeyError: 'answer')"
+    )
     assert "--max-consecutive-failed-steps" in str(info.value)
 
 

@@ -79,9 +79,26 @@ class Logger:
 
 
 def _calls(monkeypatch, tiny_ckpt, addition_data, tmp_path, *flags, trainer_cls=FakeTrainer) -> list[str]:
-    args = parse_train_args(["--hf-checkpoint", tiny_ckpt, "--prompt-data", addition_data, "--rm-type", "math",
-                             "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                             "--output-dir", str(tmp_path), "--no-progress", *flags])
+    args = parse_train_args(
+        [
+            "--hf-checkpoint",
+            tiny_ckpt,
+            "--prompt-data",
+            addition_data,
+            "--rm-type",
+            "math",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--no-progress",
+            *flags,
+        ]
+    )
     rec = Recorder()
     trainer = loop.NullTrainer() if args.debug_rollout_only else trainer_cls(rec)
 
@@ -97,26 +114,51 @@ def _calls(monkeypatch, tiny_ckpt, addition_data, tmp_path, *flags, trainer_cls=
     return rec.calls
 
 
-STEP_BOTH = ["generate", "rollout.release(weights,kv_cache)", "trainer.onload", "train", "trainer.offload",
-             "rollout.resume(weights)", "sync{v}", "rollout.resume(kv_cache)"]
+STEP_BOTH = [
+    "generate",
+    "rollout.release(weights,kv_cache)",
+    "trainer.onload",
+    "train",
+    "trainer.offload",
+    "rollout.resume(weights)",
+    "sync{v}",
+    "rollout.resume(kv_cache)",
+]
 
 
 def _steps(template: list[str]) -> list[str]:
     return [c.format(v=v) for v in (1, 2) for c in template]
 
 
-@pytest.mark.parametrize("flags,expected", [
-    # colocated (both offloads): the trainer leaves the devices before the first rollout, then every step the
-    # engines release everything for training, take their weights back for the sync, then their KV cache
-    (["--colocate"], ["sync0", "trainer.offload"] + _steps(STEP_BOTH)),
-    (["--offload-train"], ["sync0", "trainer.offload"] +
-     _steps(["generate", "trainer.onload", "train", "trainer.offload", "sync{v}"])),
-    (["--offload-rollout"], ["sync0"] +
-     _steps(["generate", "rollout.release(weights,kv_cache)", "train", "rollout.resume(weights)", "sync{v}",
-             "rollout.resume(kv_cache)"])),
-    # no trainer: nothing to make room for, so no offload call at all (placement forces both offloads off)
-    (["--debug-rollout-only", "--colocate"], ["sync0"] + _steps(["generate", "sync{v}"])),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        # colocated (both offloads): the trainer leaves the devices before the first rollout, then every step the
+        # engines release everything for training, take their weights back for the sync, then their KV cache
+        (["--colocate"], ["sync0", "trainer.offload"] + _steps(STEP_BOTH)),
+        (
+            ["--offload-train"],
+            ["sync0", "trainer.offload"]
+            + _steps(["generate", "trainer.onload", "train", "trainer.offload", "sync{v}"]),
+        ),
+        (
+            ["--offload-rollout"],
+            ["sync0"]
+            + _steps(
+                [
+                    "generate",
+                    "rollout.release(weights,kv_cache)",
+                    "train",
+                    "rollout.resume(weights)",
+                    "sync{v}",
+                    "rollout.resume(kv_cache)",
+                ]
+            ),
+        ),
+        # no trainer: nothing to make room for, so no offload call at all (placement forces both offloads off)
+        (["--debug-rollout-only", "--colocate"], ["sync0"] + _steps(["generate", "sync{v}"])),
+    ],
+)
 def test_offload_call_order(monkeypatch, tiny_ckpt, addition_data, tmp_path, flags, expected):
     assert _calls(monkeypatch, tiny_ckpt, addition_data, tmp_path, *flags) == expected
 
@@ -127,20 +169,51 @@ RESUME = ["resume(weights)", "resume(optimizer)", "resume(default)"]
 READ_PAUSED = ["resume(weights)", "disable", "gather", "end disable", "synchronize", "pause(weights)"]
 
 
-@pytest.mark.parametrize("flags,expected", [
-    # colocated: everything paused for the rollout, all of it back for training; after training the default
-    # region (activations, gradients) goes first and the weights last, and the sync (once the engines took their
-    # weights back) brings only the weights back while it reads them
-    (["--colocate"], ["gather", "sync0", *PAUSE] + _steps(
-        ["generate", "rollout.release(weights,kv_cache)", *RESUME, "train", *PAUSE, "rollout.resume(weights)",
-         *READ_PAUSED, "sync{v}", "rollout.resume(kv_cache)"])),
-    (["--offload-train"], ["gather", "sync0", *PAUSE] + _steps(
-        ["generate", *RESUME, "train", *PAUSE, *READ_PAUSED, "sync{v}"])),
-    # the trainer is never paused: its weights are read as they are
-    (["--offload-rollout"], ["gather", "sync0"] + _steps(
-        ["generate", "rollout.release(weights,kv_cache)", "train", "rollout.resume(weights)", "gather", "sync{v}",
-         "rollout.resume(kv_cache)"])),
-    (["--debug-rollout-only", "--colocate"], ["sync0"] + _steps(["generate", "sync{v}"])),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        # colocated: everything paused for the rollout, all of it back for training; after training the default
+        # region (activations, gradients) goes first and the weights last, and the sync (once the engines took their
+        # weights back) brings only the weights back while it reads them
+        (
+            ["--colocate"],
+            ["gather", "sync0", *PAUSE]
+            + _steps(
+                [
+                    "generate",
+                    "rollout.release(weights,kv_cache)",
+                    *RESUME,
+                    "train",
+                    *PAUSE,
+                    "rollout.resume(weights)",
+                    *READ_PAUSED,
+                    "sync{v}",
+                    "rollout.resume(kv_cache)",
+                ]
+            ),
+        ),
+        (
+            ["--offload-train"],
+            ["gather", "sync0", *PAUSE] + _steps(["generate", *RESUME, "train", *PAUSE, *READ_PAUSED, "sync{v}"]),
+        ),
+        # the trainer is never paused: its weights are read as they are
+        (
+            ["--offload-rollout"],
+            ["gather", "sync0"]
+            + _steps(
+                [
+                    "generate",
+                    "rollout.release(weights,kv_cache)",
+                    "train",
+                    "rollout.resume(weights)",
+                    "gather",
+                    "sync{v}",
+                    "rollout.resume(kv_cache)",
+                ]
+            ),
+        ),
+        (["--debug-rollout-only", "--colocate"], ["sync0"] + _steps(["generate", "sync{v}"])),
+    ],
+)
 def test_tagged_memory_saver_order(monkeypatch, tiny_ckpt, addition_data, tmp_path, flags, expected):
     assert _calls(monkeypatch, tiny_ckpt, addition_data, tmp_path, *flags, trainer_cls=TaggedTrainer) == expected

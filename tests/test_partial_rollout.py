@@ -19,6 +19,8 @@ import threading
 import types
 
 import pytest
+from helpers.rollout import rollout_worker
+from helpers.runs import THREADS, base_args, pop_engines, read_dump, run
 
 from lichen.config import parse_train_args
 from lichen.config.rollout_config import SamplingConfig
@@ -28,14 +30,16 @@ from lichen.engines.remote_engines import RemoteEngines
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import SEED_ROUND_STRIDE
-from lichen.rollout.partial import (SEGMENTS_KEY, PartialBuffer, continuation_request, extend_sample,
-                                    offpolicy_loss_mask, to_buffered)
+from lichen.rollout.partial import (
+    SEGMENTS_KEY,
+    PartialBuffer,
+    continuation_request,
+    extend_sample,
+    offpolicy_loss_mask,
+    to_buffered,
+)
 from lichen.train import checkpoint as ckpt
 from lichen.types import Sample, Status
-
-from helpers.rollout import rollout_worker
-from helpers.runs import base_args, pop_engines, read_dump, run
-from helpers.runs import THREADS
 
 SEED = 1234  # --seed default
 
@@ -46,21 +50,39 @@ def keep_all(args, group) -> bool:
 
 # ---- the buffer and the continuation rules --------------------------------------------------------------------
 def _sample(prompt_ids, response, *, status, versions, segments, logprobs=None) -> Sample:
-    s = Sample(prompt="p", tokens=list(prompt_ids) + list(response), response_length=len(response), label="7",
-               loss_mask=[1] * len(response), rollout_log_probs=logprobs or [-0.5] * len(response), status=status,
-               weight_versions=list(versions), metadata={"prompt_index": 3, SEGMENTS_KEY: list(segments)})
+    s = Sample(
+        prompt="p",
+        tokens=list(prompt_ids) + list(response),
+        response_length=len(response),
+        label="7",
+        loss_mask=[1] * len(response),
+        rollout_log_probs=logprobs or [-0.5] * len(response),
+        status=status,
+        weight_versions=list(versions),
+        metadata={"prompt_index": 3, SEGMENTS_KEY: list(segments)},
+    )
     return s
 
 
 def _sampling() -> SamplingConfig:
-    return SamplingConfig(n_samples_per_prompt=2, temperature=0.7, top_p=0.9, top_k=5, max_response_len=8,
-                          max_context_len=None, stop_token_ids=(4,), seed=SEED)
+    return SamplingConfig(
+        n_samples_per_prompt=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        max_response_len=8,
+        max_context_len=None,
+        stop_token_ids=(4,),
+        seed=SEED,
+    )
 
 
 def test_buffer_state_round_trips_through_json():
     buf = PartialBuffer()
-    g1 = [_sample([5, 6], [7, 8, 9], status=Status.ABORTED, versions=["2"], segments=[3], logprobs=[-0.1, -1e-9, -3.0]),
-          _sample([5, 6], [], status=Status.PENDING, versions=[], segments=[])]
+    g1 = [
+        _sample([5, 6], [7, 8, 9], status=Status.ABORTED, versions=["2"], segments=[3], logprobs=[-0.1, -1e-9, -3.0]),
+        _sample([5, 6], [], status=Status.PENDING, versions=[], segments=[]),
+    ]
     g2 = [_sample([1], [2], status=Status.COMPLETED, versions=["1"], segments=[1])]
     buf.put(g1)
     buf.put(g2)
@@ -79,8 +101,15 @@ def test_buffer_state_round_trips_through_json():
 def test_continuation_request_reduces_the_budget_and_keeps_sampling_settings():
     s = _sample([11, 12, 13], [20, 21], status=Status.ABORTED, versions=["0"], segments=[2])
     req = continuation_request(_sampling(), s, seed=99)
-    assert req == GenRequest(input_ids=[11, 12, 13, 20, 21], max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=5,
-                             stop_token_ids=[4], seed=99)
+    assert req == GenRequest(
+        input_ids=[11, 12, 13, 20, 21],
+        max_new_tokens=6,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        stop_token_ids=[4],
+        seed=99,
+    )
     never_sent = _sample([11, 12, 13], [], status=Status.PENDING, versions=[], segments=[])
     assert continuation_request(_sampling(), never_sent, seed=1).max_new_tokens == 8
     done = _sample([11], [20, 4], status=Status.COMPLETED, versions=["0"], segments=[2])
@@ -187,10 +216,26 @@ def scripted(tiny_ckpt, addition_data, tmp_path):
     made = []
 
     def make(*extra):
-        argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--rollout-batch-size", "2",
-                         "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "4",
-                         "--dynamic-sampling-filter-path", "test_partial_rollout.keep_all", "--debug-rollout-only",
-                         "--rollout-external-engine-addrs", "127.0.0.1:9", "--partial-rollout", *extra)
+        argv = base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "3",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--over-sampling-batch-size",
+            "4",
+            "--dynamic-sampling-filter-path",
+            "test_partial_rollout.keep_all",
+            "--debug-rollout-only",
+            "--rollout-external-engine-addrs",
+            "127.0.0.1:9",
+            "--partial-rollout",
+            *extra,
+        )
         engine = ScriptedEngines()
         manager = rollout_worker(parse_train_args(argv[1:]), engine=engine)
         made.append(engine)
@@ -223,11 +268,20 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
     key0 = 0 * SEED_ROUND_STRIDE
     p2, p3 = _prompt_ids(manager, 2), _prompt_ids(manager, 3)
     full_20 = scripted_tokens(GenRequest(p2, 8, seed=derive_seed(SEED, key0, 2, 0)))
-    assert (b20.status, b20.response_tokens, b20.weight_versions, b20.metadata[SEGMENTS_KEY]) == \
-        (Status.TRUNCATED, full_20, ["0"], [8])
+    assert (b20.status, b20.response_tokens, b20.weight_versions, b20.metadata[SEGMENTS_KEY]) == (
+        Status.TRUNCATED,
+        full_20,
+        ["0"],
+        [8],
+    )
     part_21 = scripted_tokens(GenRequest(p2, 8, seed=derive_seed(SEED, key0, 2, 1)))[:3]
-    assert (b21.status, b21.tokens, b21.weight_versions, b21.metadata[SEGMENTS_KEY], b21.rollout_log_probs) == \
-        (Status.ABORTED, p2 + part_21, ["0"], [3], [-0.5] * 3)
+    assert (b21.status, b21.tokens, b21.weight_versions, b21.metadata[SEGMENTS_KEY], b21.rollout_log_probs) == (
+        Status.ABORTED,
+        p2 + part_21,
+        ["0"],
+        [3],
+        [-0.5] * 3,
+    )
     assert (b30.status, b30.tokens, b30.weight_versions, b30.metadata[SEGMENTS_KEY]) == (Status.ABORTED, p3, [], [])
     assert (b31.status, b31.tokens, b31.weight_versions, b31.metadata[SEGMENTS_KEY]) == (Status.PENDING, p3, [], [])
     assert all(s.reward is None for g in buffered for s in g)  # scored only once their group is decided
@@ -247,8 +301,9 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
         GenRequest(p4, 8, seed=derive_seed(SEED, key1, 2, 1)),  # hangs after 2 tokens
         GenRequest(p5, 8, seed=derive_seed(SEED, key1, 3, 0)),  # hangs after 0; (5, 1) is never sent
     ]
-    assert [(r.input_ids, r.max_new_tokens, r.seed) for r in engine.received] == \
-        [(r.input_ids, r.max_new_tokens, r.seed) for r in expected_requests]
+    assert [(r.input_ids, r.max_new_tokens, r.seed) for r in engine.received] == [
+        (r.input_ids, r.max_new_tokens, r.seed) for r in expected_requests
+    ]
     assert all((r.temperature, r.top_p, r.top_k) == (1.0, 1.0, -1) for r in engine.received)
     assert [[s.metadata["prompt_index"] for s in g] for g in groups] == [[2, 2], [3, 3]]
     assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
@@ -288,8 +343,12 @@ def test_buffered_groups_beyond_the_round_shrink_the_new_prompts(scripted):
     manager, engine = scripted()
     for i in range(3):
         ids = _prompt_ids(manager, 10 + i)
-        manager.data_source.buffer.put([to_buffered(Sample(prompt="q", tokens=list(ids), metadata={"prompt_index": 10 + i}),
-                                         None) for _ in range(2)])
+        manager.data_source.buffer.put(
+            [
+                to_buffered(Sample(prompt="q", tokens=list(ids), metadata={"prompt_index": 10 + i}), None)
+                for _ in range(2)
+            ]
+        )
     engine.new_step({})
     groups, metrics = manager.generate(0)
     assert manager.data_source.source.offset == 1  # 4 per round - 3 buffered groups
@@ -300,7 +359,9 @@ def test_buffered_groups_beyond_the_round_shrink_the_new_prompts(scripted):
 
 def test_old_checkpoint_and_flag_off_loads(scripted, tiny_ckpt, addition_data, tmp_path):
     manager, _ = scripted()
-    manager.load_state_dict({"source": manager.data_source.source.state_dict()})  # written before partial rollout existed
+    manager.load_state_dict(
+        {"source": manager.data_source.source.state_dict()}
+    )  # written before partial rollout existed
     assert len(manager.data_source.buffer) == 0 and "partial_rollout" in manager.state_dict()
     manager.data_source.buffer.put([to_buffered(Sample(tokens=[1, 2]), None)])
     state = manager.state_dict()
@@ -320,9 +381,19 @@ def test_old_checkpoint_and_flag_off_loads(scripted, tiny_ckpt, addition_data, t
 
 
 def test_manager_refuses_an_engine_that_cannot_abort(tiny_ckpt, addition_data, tmp_path):
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--debug-rollout-only",
-                     "--dynamic-sampling-filter-path", "test_partial_rollout.keep_all", "--partial-rollout",
-                     "--rollout-external-engine-addrs", "127.0.0.1:9")
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "o",
+        "--num-rollout",
+        "1",
+        "--debug-rollout-only",
+        "--dynamic-sampling-filter-path",
+        "test_partial_rollout.keep_all",
+        "--partial-rollout",
+        "--rollout-external-engine-addrs",
+        "127.0.0.1:9",
+    )
     with pytest.raises(ConfigError, match="--partial-rollout needs engine servers that can abort"):
         rollout_worker(parse_train_args(argv[1:]), engine=Engine.from_pretrained(tiny_ckpt))
 
@@ -336,9 +407,13 @@ def serve_pair(tiny_ckpt, tmp_path_factory):
     """Two servers decoding at most 2 sequences at once: a round of 12 requests runs in waves, so the requests
     running when the first 2 groups are decided are cut off mid-generation."""
     # keyed=False: the runs below use them as external engines without a key (test_sync_training covers keys)
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=[*THREADS, "--max-batch-size", "2", "--weight-dir",
-                                                         str(tmp_path_factory.getbasetemp())],
-                              log_dir=str(tmp_path_factory.mktemp("logs")), keyed=False)
+    launcher = EngineLauncher(
+        tiny_ckpt,
+        2,
+        server_args=[*THREADS, "--max-batch-size", "2", "--weight-dir", str(tmp_path_factory.getbasetemp())],
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        keyed=False,
+    )
     urls = launcher.start()
     yield [u.split("//")[1] for u in urls]
     launcher.stop()
@@ -352,8 +427,9 @@ def _rollout_state(save_dir: str, rollout_id: int) -> dict:
     return ckpt.load_rollout_state(save_dir, rollout_id)
 
 
-def test_partial_rollout_over_lichen_serve_with_exact_resume(serve_pair, tiny_ckpt, addition_data, tmp_path,
-                                                            monkeypatch):
+def test_partial_rollout_over_lichen_serve_with_exact_resume(
+    serve_pair, tiny_ckpt, addition_data, tmp_path, monkeypatch
+):
     recorded: list[tuple] = []  # (input_ids, max_new_tokens, finish_reason, tokens generated) per request
     orig = RemoteEngines.agenerate
 
@@ -363,16 +439,44 @@ def test_partial_rollout_over_lichen_serve_with_exact_resume(serve_pair, tiny_ck
         return res
 
     monkeypatch.setattr(RemoteEngines, "agenerate", recording)
-    common = ["--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-              "--over-sampling-batch-size", "6", "--rollout-max-response-len", str(MAX_LEN),
-              "--dynamic-sampling-filter-path", "test_partial_rollout.keep_all", "--partial-rollout",
-              "--mask-offpolicy-in-partial-rollout", "--rollout-external-engine-addrs", *serve_pair,
-              "--update-weight-transport", "disk"]
+    common = [
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--over-sampling-batch-size",
+        "6",
+        "--rollout-max-response-len",
+        str(MAX_LEN),
+        "--dynamic-sampling-filter-path",
+        "test_partial_rollout.keep_all",
+        "--partial-rollout",
+        "--mask-offpolicy-in-partial-rollout",
+        "--rollout-external-engine-addrs",
+        *serve_pair,
+        "--update-weight-transport",
+        "disk",
+    ]
     save = str(tmp_path / "save")
     dump_a = str(tmp_path / "a" / "r_{rollout_id}.pt")
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", *common, "--update-weight-disk-dir",
-                         str(tmp_path / "wa"), "--save", save, "--save-interval", "2",
-                         "--save-debug-rollout-data", dump_a))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "a",
+            *common,
+            "--update-weight-disk-dir",
+            str(tmp_path / "wa"),
+            "--save",
+            save,
+            "--save-interval",
+            "2",
+            "--save-debug-rollout-data",
+            dump_a,
+        )
+    )
     assert any(fin == "abort" and got > 0 for _, _, fin, got in recorded), "no request was cut mid-generation"
 
     trained = [_dump(dump_a, i) for i in range(3)]
@@ -389,8 +493,9 @@ def test_partial_rollout_over_lichen_serve_with_exact_resume(serve_pair, tiny_ck
                 segs = s["metadata"].get(SEGMENTS_KEY, [s["response_length"]])
                 assert sum(segs) == s["response_length"] and len(segs) == len(s["weight_versions"])
                 last = s["weight_versions"][-1]
-                assert s["loss_mask"] == [int(v == last) for n_, v in zip(segs, s["weight_versions"])
-                                          for _ in range(n_)]
+                assert s["loss_mask"] == [
+                    int(v == last) for n_, v in zip(segs, s["weight_versions"]) for _ in range(n_)
+                ]
                 # one entry per segment, oldest first; a sample finished before its group was cut keeps its version
                 assert [int(v) for v in s["weight_versions"]] == sorted(int(v) for v in s["weight_versions"])
                 assert int(last) <= step
@@ -420,8 +525,9 @@ def test_partial_rollout_over_lichen_serve_with_exact_resume(serve_pair, tiny_ck
                     done = sum(segs[:i])
                     assert (s["tokens"][: prompt_len + done], MAX_LEN - done) in sent
         if before is not None:
-            assert [g[0]["metadata"]["prompt_index"] for g in trained[rollout_id]] == \
-                [g[0]["metadata"]["prompt_index"] for g in before[:2]]
+            assert [g[0]["metadata"]["prompt_index"] for g in trained[rollout_id]] == [
+                g[0]["metadata"]["prompt_index"] for g in before[:2]
+            ]
             for g, b in zip(trained[rollout_id], before):
                 for s, old in zip(g, b):
                     assert s["tokens"][: len(old["tokens"])] == old["tokens"]  # continued, not regenerated
@@ -433,8 +539,20 @@ def test_partial_rollout_over_lichen_serve_with_exact_resume(serve_pair, tiny_ck
     (load / ckpt.LATEST).write_text("1")
     assert len(_rollout_state(str(load), 1)["partial_rollout"]["groups"]) == 4
     dump_b = str(tmp_path / "b" / "r_{rollout_id}.pt")
-    run(base_args(tiny_ckpt, addition_data, tmp_path / "b", *common, "--update-weight-disk-dir", str(tmp_path / "wb"),
-                  "--load", str(load), "--save-debug-rollout-data", dump_b))
+    run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            *common,
+            "--update-weight-disk-dir",
+            str(tmp_path / "wb"),
+            "--load",
+            str(load),
+            "--save-debug-rollout-data",
+            dump_b,
+        )
+    )
     assert not os.path.exists(dump_b.format(rollout_id=1))  # only step 3 ran
     # The step-3 groups trained come from the saved buffer: same requests, seeds and weights, so the same tokens
     # (log-probs up to batch rounding). Groups newly cut off in step 3 depend on timing (how far each request got

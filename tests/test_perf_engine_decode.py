@@ -25,7 +25,9 @@ def engine(tmp_path_factory):
 
 def _seqs() -> list[Seq]:
     # the longest prompts finish first (row 12 before rows 13-15): their leading slots become nobody's
-    return [Seq(input_ids=[5, 9, 11, 4][: 4 - i % 4], max_new_tokens=2 + i, seed=derive_seed(3, i)) for i in range(ROWS)]
+    return [
+        Seq(input_ids=[5, 9, 11, 4][: 4 - i % 4], max_new_tokens=2 + i, seed=derive_seed(3, i)) for i in range(ROWS)
+    ]
 
 
 def test_finished_rows_leave_the_batch_at_once_and_in_place(engine):
@@ -64,10 +66,18 @@ def test_in_place_drops_match_each_request_alone(engine):
     """Stops at EOS and at the length limit, top-p / top-k and greedy rows, ragged prompts: rows leave at many
     different steps and the survivors are reordered; each must still get its solo tokens and log-probs."""
     eos = engine.eos_token_ids[0] if engine.eos_token_ids else 1
-    reqs = [GenRequest(input_ids=[5, 9, 11, 4, 8][: 1 + i % 5], max_new_tokens=3 + 2 * i,
-                       temperature=0.0 if i % 7 == 3 else 1.0, top_p=0.9 if i % 3 == 1 else 1.0,
-                       top_k=5 if i % 4 == 2 else -1, stop_token_ids=[eos, 7 + i % 5], seed=derive_seed(11, i))
-            for i in range(ROWS)]
+    reqs = [
+        GenRequest(
+            input_ids=[5, 9, 11, 4, 8][: 1 + i % 5],
+            max_new_tokens=3 + 2 * i,
+            temperature=0.0 if i % 7 == 3 else 1.0,
+            top_p=0.9 if i % 3 == 1 else 1.0,
+            top_k=5 if i % 4 == 2 else -1,
+            stop_token_ids=[eos, 7 + i % 5],
+            seed=derive_seed(11, i),
+        )
+        for i in range(ROWS)
+    ]
     batched = engine.generate(reqs)
     assert len({len(r.output_ids) for r in batched}) > 4  # the rows really finished at different steps
     for req, got in zip(reqs, batched):

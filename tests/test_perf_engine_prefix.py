@@ -26,8 +26,11 @@ def engine(tmp_path_factory):
 
 
 def _requests(**kw) -> list[GenRequest]:
-    return [GenRequest(input_ids=list(p), max_new_tokens=6 + j, temperature=1.0, seed=derive_seed(7, i, j), **kw)
-            for i, p in enumerate(PROMPTS) for j in range(SAMPLES)]
+    return [
+        GenRequest(input_ids=list(p), max_new_tokens=6 + j, temperature=1.0, seed=derive_seed(7, i, j), **kw)
+        for i, p in enumerate(PROMPTS)
+        for j in range(SAMPLES)
+    ]
 
 
 def _prefill_rows(engine, requests) -> tuple[list, list[int]]:
@@ -67,8 +70,11 @@ def test_shared_prefill_scores_every_prompt(engine):
     """Prompt log-probs (input_logprob_start) come from the shared row's hidden states, per sequence."""
     from lichen.engines.decode_batch import DecodeBatch, Seq
 
-    seqs = [Seq(input_ids=list(p), max_new_tokens=0, input_logprob_start=0, temperature=t)
-            for p in PROMPTS for t in (1.0, 0.5)]
+    seqs = [
+        Seq(input_ids=list(p), max_new_tokens=0, input_logprob_start=0, temperature=t)
+        for p in PROMPTS
+        for t in (1.0, 0.5)
+    ]
     DecodeBatch(engine.model).add(seqs, "0")
     for s in seqs:
         alone = Seq(input_ids=list(s.input_ids), max_new_tokens=0, input_logprob_start=0, temperature=s.temperature)

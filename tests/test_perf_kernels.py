@@ -6,7 +6,6 @@ chunk + neg + cat. It reorders nothing, so outputs and gradients must equal the 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from lichen.models.transformer import apply_rope
@@ -31,7 +30,7 @@ def test_rope_is_bit_identical_to_rotate_half():
     angle = torch.randn(B, 1, T, D // 2) * 5
     emb = torch.cat((angle, angle), dim=-1)
     cos, sin = emb.cos(), emb.sin()
-    signed = torch.cat((-sin[..., : D // 2], sin[..., D // 2:]), dim=-1)
+    signed = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
     out, (gx,) = _grads(lambda x_: apply_rope(x_, cos, signed), x)
     ref, (rgx,) = _grads(lambda x_: reference_rope(x_, cos, sin), x)
     assert torch.equal(out, ref)

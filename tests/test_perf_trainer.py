@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from helpers.trainer import make_actor, ragged_samples
 
 import lichen.train.advantage as advantage_mod
 from lichen.models import load_model
@@ -21,15 +22,14 @@ from lichen.train.micro_batches import StepBatch, first_fit, plan_micro_batches
 from lichen.train.optim import adamw_implementation, make_adamw
 from lichen.types import Status
 
-from helpers.trainer import make_actor, ragged_samples
-
 
 # ---- helpers ------------------------------------------------------------------------------------------------
 def fixed_advantages(monkeypatch, values: list[float]) -> torch.Tensor:
     """Replace the estimator: sample i gets advantage values[i] on every response token."""
     adv = torch.tensor(values, dtype=torch.float32)
-    monkeypatch.setattr(advantage_mod, "compute_advantages", lambda cfg, samples, mask, kl=None, **plugin: (
-        adv[:, None] * mask, {}))
+    monkeypatch.setattr(
+        advantage_mod, "compute_advantages", lambda cfg, samples, mask, kl=None, **plugin: (adv[:, None] * mask, {})
+    )
     return adv
 
 
@@ -85,8 +85,9 @@ def test_first_fit_and_micro_batch_plans_respect_the_budget():
     computed = {}
     for sort in (True, False):
         for pack in (True, False):
-            plans = plan_micro_batches(list(range(80)), lengths, micro_batch_size=4, max_tokens=400, sort=sort,
-                                       pack=pack)
+            plans = plan_micro_batches(
+                list(range(80)), lengths, micro_batch_size=4, max_tokens=400, sort=sort, pack=pack
+            )
             assert sorted(i for p in plans for row in p for i in row) == list(range(80))
             size = 0
             for p in plans:
@@ -94,8 +95,9 @@ def test_first_fit_and_micro_batch_plans_respect_the_budget():
                 assert len(p) * width <= 400 or sum(map(len, p)) == 1
                 size += len(p) * width
             computed[sort, pack] = size
-            fixed = plan_micro_batches(list(range(80)), lengths, micro_batch_size=7, max_tokens=None, sort=sort,
-                                       pack=pack)
+            fixed = plan_micro_batches(
+                list(range(80)), lengths, micro_batch_size=7, max_tokens=None, sort=sort, pack=pack
+            )
             assert [sum(map(len, p)) for p in fixed] == [7] * 11 + [3]
     useful = sum(lengths)
     assert computed[True, True] <= 1.05 * useful < 1.3 * useful < computed[True, False] < computed[False, False]
@@ -123,8 +125,16 @@ def test_packed_rows_give_each_sample_its_own_log_probs(tiny_ckpt):
 # ---- gradients ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
 def test_step_gradient_matches_float64_reference(tiny_ckpt, addition_data, tmp_path, monkeypatch, mode):
-    actor = make_actor(tiny_ckpt, addition_data, tmp_path, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "40",
-                       "--loss-agg-mode", mode)
+    actor = make_actor(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "40",
+        "--loss-agg-mode",
+        mode,
+    )
     samples = ragged_samples(actor.model.cfg.vocab_size)
     adv = fixed_advantages(monkeypatch, [0.5, -1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.5, -0.25, 0.0, 0.75])
     ref = reference_grads(actor, samples, adv, mode, max_len=14)
@@ -178,8 +188,9 @@ def test_skip_keeps_optimizer_state_when_no_sample_has_signal(tiny_ckpt, additio
     assert sa.keys() == sb.keys() and len(sa) == len(list(actor.model.parameters()))
     for k in sa:
         assert all(torch.equal(sa[k][f], sb[k][f]) for f in ("step", "exp_avg", "exp_avg_sq"))
-    assert ma["train/train_rollout_logprob_abs_diff"] == pytest.approx(mb["train/train_rollout_logprob_abs_diff"],
-                                                                     abs=1e-7)
+    assert ma["train/train_rollout_logprob_abs_diff"] == pytest.approx(
+        mb["train/train_rollout_logprob_abs_diff"], abs=1e-7
+    )
 
 
 def test_skip_is_off_when_another_term_reads_the_sample(tiny_ckpt, addition_data, tmp_path, monkeypatch):
@@ -231,5 +242,11 @@ def test_trainer_uses_fused_adamw_on_cpu(tiny_ckpt, addition_data, tmp_path):
     actor = make_actor(tiny_ckpt, addition_data, tmp_path)
     assert actor.optimizer.defaults["fused"] is True
     with pytest.raises(ValueError, match="unknown AdamW implementation"):
-        make_adamw([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                   implementation="turbo")
+        make_adamw(
+            [torch.nn.Parameter(torch.zeros(2))],
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.0,
+            implementation="turbo",
+        )

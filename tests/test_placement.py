@@ -39,9 +39,13 @@ def test_place_refuses_engines_that_do_not_divide_the_rollout_gpus():
 
 def test_bundle_order_groups_by_node_then_gpu_and_keys_nodes_by_id_not_ip_alone():
     # Ray numbered the bundles out of order; two raylets share one IP (ray.cluster_utils.Cluster on one host)
-    infos = [BundleInfo(0, "10.0.0.2", "nodeB", 1), BundleInfo(1, "10.0.0.10", "nodeC", 0),
-             BundleInfo(2, "10.0.0.2", "nodeA", 1), BundleInfo(3, "10.0.0.2", "nodeB", 0),
-             BundleInfo(4, "10.0.0.2", "nodeA", 0)]
+    infos = [
+        BundleInfo(0, "10.0.0.2", "nodeB", 1),
+        BundleInfo(1, "10.0.0.10", "nodeC", 0),
+        BundleInfo(2, "10.0.0.2", "nodeA", 1),
+        BundleInfo(3, "10.0.0.2", "nodeB", 0),
+        BundleInfo(4, "10.0.0.2", "nodeA", 0),
+    ]
     order = [(b.node_id, b.gpu_id) for b in bundle_order(infos)]
     # numerically 10.0.0.2 < 10.0.0.10 (a text sort would put .10 first); same IP: by node id, then GPU id
     assert order == [("nodeA", 0), ("nodeA", 1), ("nodeB", 0), ("nodeB", 1), ("nodeC", 0)]

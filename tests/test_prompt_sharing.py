@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from helpers.trainer import make_actor
 
 import lichen.train.advantage as advantage_mod
 from lichen.models import load_model
@@ -14,11 +15,10 @@ from lichen.train.micro_batches import PromptGroups, StepBatch, plan_micro_batch
 from lichen.train.step_schedule import plan_cost, split_across_ranks
 from lichen.types import Sample, Status
 
-from helpers.trainer import make_actor
 
-
-def grouped_samples(vocab: int, *, prompts: int = 3, per_prompt: int = 4, seed: int = 0,
-                    rollout_lp: bool = True) -> list[Sample]:
+def grouped_samples(
+    vocab: int, *, prompts: int = 3, per_prompt: int = 4, seed: int = 0, rollout_lp: bool = True
+) -> list[Sample]:
     """`prompts` prompts x `per_prompt` samples, plus a sample whose prompt is a strict prefix of prompt 0's (same
     tokens, shorter: it must not share), one with a one-token response and one multi-turn sample whose response
     has loss-masked (tool output) tokens."""
@@ -27,9 +27,18 @@ def grouped_samples(vocab: int, *, prompts: int = 3, per_prompt: int = 4, seed: 
 
     def add(prompt: list[int], r: int, loss_mask=None) -> None:
         tokens = prompt + [rng.randrange(5, vocab) for _ in range(r)]
-        out.append(Sample(tokens=tokens, response_length=r, reward=0.0, status=Status.COMPLETED,
-                          group_index=len(out) // per_prompt, index=len(out),
-                          rollout_log_probs=[-2.0] * r if rollout_lp else None, loss_mask=loss_mask))
+        out.append(
+            Sample(
+                tokens=tokens,
+                response_length=r,
+                reward=0.0,
+                status=Status.COMPLETED,
+                group_index=len(out) // per_prompt,
+                index=len(out),
+                rollout_log_probs=[-2.0] * r if rollout_lp else None,
+                loss_mask=loss_mask,
+            )
+        )
 
     heads = [[rng.randrange(5, vocab) for _ in range(rng.randint(4, 8))] for _ in range(prompts)]
     for head in heads:
@@ -43,8 +52,11 @@ def grouped_samples(vocab: int, *, prompts: int = 3, per_prompt: int = 4, seed: 
 
 def fixed_advantages(monkeypatch, values: list[float]) -> None:
     adv = torch.tensor(values, dtype=torch.float64)
-    monkeypatch.setattr(advantage_mod, "compute_advantages", lambda cfg, samples, mask, kl=None, **plugin: (
-        adv[:, None].to(mask.dtype) * mask, {}))
+    monkeypatch.setattr(
+        advantage_mod,
+        "compute_advantages",
+        lambda cfg, samples, mask, kl=None, **plugin: (adv[:, None].to(mask.dtype) * mask, {}),
+    )
 
 
 def test_only_identical_prompts_share_and_widths_count_them_once():
@@ -124,14 +136,16 @@ def _rel(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a) / scale
 
 
-@pytest.mark.parametrize("extra", [
-    ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "60"],
-    ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--disable-zero-advantage-skip"],
-    ["--micro-batch-size", "2", "--entropy-coef", "0.01", "--num-steps-per-rollout", "3"],
-    ["--micro-batch-size", "3", "--use-lora", "--lora-rank", "4"],
-])
-def test_train_step_gradients_equal_the_unshared_layout_float64(tiny_ckpt, addition_data, tmp_path, monkeypatch,
-                                                                extra):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "60"],
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--disable-zero-advantage-skip"],
+        ["--micro-batch-size", "2", "--entropy-coef", "0.01", "--num-steps-per-rollout", "3"],
+        ["--micro-batch-size", "3", "--use-lora", "--lora-rank", "4"],
+    ],
+)
+def test_train_step_gradients_equal_the_unshared_layout_float64(tiny_ckpt, addition_data, tmp_path, monkeypatch, extra):
     actor = _double(make_actor(tiny_ckpt, addition_data, tmp_path, *extra))
     assert actor.share_prompts
     s = grouped_samples(actor.model.cfg.vocab_size, rollout_lp=False)  # float64: no fp32 mismatch metric
@@ -146,8 +160,19 @@ def test_train_step_gradients_equal_the_unshared_layout_float64(tiny_ckpt, addit
 
 
 def test_ppo_step_with_critic_on_the_shared_layout(tiny_ckpt, addition_data, tmp_path):
-    actor = _double(make_actor(tiny_ckpt, addition_data, tmp_path, "--advantage-estimator", "ppo",
-                               "--micro-batch-size", "4", "--num-critic-only-steps", "0"))
+    actor = _double(
+        make_actor(
+            tiny_ckpt,
+            addition_data,
+            tmp_path,
+            "--advantage-estimator",
+            "ppo",
+            "--micro-batch-size",
+            "4",
+            "--num-critic-only-steps",
+            "0",
+        )
+    )
     s = grouped_samples(actor.model.cfg.vocab_size, rollout_lp=False)
     for k, x in enumerate(s):
         x.reward = float(k % 3) - 1.0

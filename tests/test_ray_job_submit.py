@@ -38,10 +38,31 @@ def ray_head():
     env.update(RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled", PYTHONPATH=TESTS)  # the runs' reward plug-in is here
     dash = free_port()
     log = open(os.path.join(tmp, "head.log"), "w")
-    head = subprocess.Popen([os.path.join(BIN, "ray"), "start", "--head", "--block", "--port", str(free_port()),
-                             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard",
-                             "true", "--num-cpus", "4", "--num-gpus", "3", "--disable-usage-stats"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            os.path.join(BIN, "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--port",
+            str(free_port()),
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dash),
+            "--include-dashboard",
+            "true",
+            "--num-cpus",
+            "4",
+            "--num-gpus",
+            "3",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{dash}"
     try:
         deadline = time.monotonic() + HEAD_START_S
@@ -68,20 +89,41 @@ def ray_head():
 
 
 def _lichen_argv(tiny_ckpt: str, data: str, out, *extra: str) -> list[str]:
-    return [os.path.join(BIN, "lichen"), *base_args(tiny_ckpt, data, out, "--device", "cpu", "--num-threads", "1",
-                                                    "--runtime", "ray", *extra)]
+    return [
+        os.path.join(BIN, "lichen"),
+        *base_args(tiny_ckpt, data, out, "--device", "cpu", "--num-threads", "1", "--runtime", "ray", *extra),
+    ]
 
 
 @pytest.mark.slow
 def test_ray_job_submit_runs_lichen_train_on_the_head(ray_head, tiny_ckpt, addition_data, tmp_path):
     url, env = ray_head
     job = "lichen-job-test"
-    argv = _lichen_argv(tiny_ckpt, addition_data, tmp_path / "out", "--num-rollout", "2",
-                        "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1")
-    submit = subprocess.run([os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--submission-id", job,
-                             "--", *argv], env=env, capture_output=True, text=True, timeout=900)
-    status = subprocess.run([os.path.join(BIN, "ray"), "job", "status", "--address", url, job], env=env,
-                            capture_output=True, text=True, timeout=120)
+    argv = _lichen_argv(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "out",
+        "--num-rollout",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--rollout-num-gpus",
+        "1",
+    )
+    submit = subprocess.run(
+        [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--submission-id", job, "--", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    status = subprocess.run(
+        [os.path.join(BIN, "ray"), "job", "status", "--address", url, job],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     logs = submit.stdout + submit.stderr
     assert f"Job '{job}' succeeded" in status.stdout + status.stderr, logs[-4000:]
     assert "Connecting to existing Ray cluster" in logs  # the job's driver joined the head (RAY_ADDRESS)
@@ -91,14 +133,29 @@ def test_ray_job_submit_runs_lichen_train_on_the_head(ray_head, tiny_ckpt, addit
 
 
 @pytest.mark.slow
-def test_without_an_address_a_run_starts_its_own_ray_next_to_a_ray_start_head(ray_head, tiny_ckpt, addition_data,
-                                                                               tmp_path):
+def test_without_an_address_a_run_starts_its_own_ray_next_to_a_ray_start_head(
+    ray_head, tiny_ckpt, addition_data, tmp_path
+):
     """ray.init() without an address joins the cluster `ray start` recorded on this host, and refuses the options
     of an instance lichen sizes for the run: lichen asks for a local instance."""
     _, env = ray_head
-    run = subprocess.run(_lichen_argv(tiny_ckpt, addition_data, tmp_path / "out", "--num-rollout", "1",
-                                      "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"),
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        _lichen_argv(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "out",
+            "--num-rollout",
+            "1",
+            "--actor-num-gpus-per-node",
+            "1",
+            "--rollout-num-gpus",
+            "1",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     assert "Started a local Ray instance" in run.stderr
     assert [m["sync/weight_version"] for m in read_metrics(str(tmp_path / "out")) if "train/loss" in m] == [1]

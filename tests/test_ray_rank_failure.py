@@ -14,6 +14,7 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.dist_ranks import config, step_batch, trainer_argv  # noqa: E402
+
 from lichen.cluster.actor_group import RankFailed, RayTrainGroup  # noqa: E402
 from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
@@ -31,8 +32,14 @@ def raise_on_rank_1(args, samples, *, rewards, mask, kl):
 
 @pytest.fixture(scope="module")
 def ray_2_gpus():
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        num_gpus=2,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -40,16 +47,36 @@ def ray_2_gpus():
 def _two_ranks() -> RayCluster:
     # the ranks import this module's plug-in: its directory goes on their path (as a user ships plug-ins)
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    return RayCluster(ClusterConfig(ray_address=None, actor_num_nodes=1, actor_num_gpus_per_node=2,
-                                    rollout_num_gpus=0, rollout_num_gpus_per_engine=1, colocate=False,
-                                    debug_rollout_only=False, debug_train_only=True, external_engines=False,
-                                    device="cpu", train_env_vars={"PYTHONPATH": tests_dir}))
+    return RayCluster(
+        ClusterConfig(
+            ray_address=None,
+            actor_num_nodes=1,
+            actor_num_gpus_per_node=2,
+            rollout_num_gpus=0,
+            rollout_num_gpus_per_engine=1,
+            colocate=False,
+            debug_rollout_only=False,
+            debug_train_only=True,
+            external_engines=False,
+            device="cpu",
+            train_env_vars={"PYTHONPATH": tests_dir},
+        )
+    )
 
 
 @pytest.mark.slow
 def test_a_rank_that_raises_in_its_step_stops_the_group_at_once(ray_2_gpus, tiny_ckpt, addition_data, tmp_path):
-    cfg, args = config(trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--num-threads", "1",
-                                    "--custom-advantage-function-path", "test_ray_rank_failure.raise_on_rank_1"))
+    cfg, args = config(
+        trainer_argv(
+            tiny_ckpt,
+            addition_data,
+            str(tmp_path / "o"),
+            "--num-threads",
+            "1",
+            "--custom-advantage-function-path",
+            "test_ray_rank_failure.raise_on_rank_1",
+        )
+    )
     with open(os.path.join(tiny_ckpt, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     cluster = _two_ranks()

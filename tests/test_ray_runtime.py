@@ -15,6 +15,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.runs import base_args, read_dump, run  # noqa: E402
+
 from lichen.cli import main  # noqa: E402
 from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
 from lichen.cluster.engine_actors import RayEngineSet  # noqa: E402
@@ -28,16 +29,32 @@ def ray_8_gpus():
     # there (--train-env-vars applies to the trainer's own process) would show up in every actor.
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:
         del os.environ[key]
-    ray.init(address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=8,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
 
 def _cfg(**kw) -> ClusterConfig:
-    base = dict(ray_address=None, actor_num_nodes=1, actor_num_gpus_per_node=4, rollout_num_gpus=4,
-                rollout_num_gpus_per_engine=1, colocate=False, debug_rollout_only=False, debug_train_only=False,
-                external_engines=False, device="cpu", train_env_vars={"LICHEN_TEST_TRAIN": "1"})
+    base = dict(
+        ray_address=None,
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=4,
+        rollout_num_gpus=4,
+        rollout_num_gpus_per_engine=1,
+        colocate=False,
+        debug_rollout_only=False,
+        debug_train_only=False,
+        external_engines=False,
+        device="cpu",
+        train_env_vars={"LICHEN_TEST_TRAIN": "1"},
+    )
     return ClusterConfig(**{**base, **kw})
 
 
@@ -66,8 +83,9 @@ def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_8_gpus):
 
 
 def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_8_gpus):
-    cluster = RayCluster(_cfg(actor_num_gpus_per_node=8, rollout_num_gpus=8, rollout_num_gpus_per_engine=2,
-                              colocate=True))
+    cluster = RayCluster(
+        _cfg(actor_num_gpus_per_node=8, rollout_num_gpus=8, rollout_num_gpus_per_engine=2, colocate=True)
+    )
     try:
         ranks, engines = _seen(cluster)
     finally:
@@ -84,31 +102,57 @@ def test_offload_train_on_cuda_preloads_the_memory_saver_in_trainer_actors_only(
     lib = tmp_path / "torch_memory_saver_hook_mode_preload_cu12.abi3.so"
     lib.write_bytes(b"")
     monkeypatch.setattr("lichen.cluster.actor_group.memory_saver_hook", lambda: str(lib))
-    cluster = RayCluster(_cfg(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, device="cuda",
-                              offload_train=True))
+    cluster = RayCluster(
+        _cfg(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, device="cuda", offload_train=True)
+    )
     try:
         ranks, engines = _seen(cluster)
     finally:
         cluster.close()
     for r in ranks:
-        assert r["env"] == {"LICHEN_TEST_TRAIN": "1", "LD_PRELOAD": str(lib), "TMS_INIT_ENABLE": "1",
-                            "TMS_INIT_ENABLE_CPU_BACKUP": "1", "NCCL_CUMEM_ENABLE": "0"}
+        assert r["env"] == {
+            "LICHEN_TEST_TRAIN": "1",
+            "LD_PRELOAD": str(lib),
+            "TMS_INIT_ENABLE": "1",
+            "TMS_INIT_ENABLE_CPU_BACKUP": "1",
+            "NCCL_CUMEM_ENABLE": "0",
+        }
     assert all(e["env"] == {} for e in engines)  # engines: SGLang's own memory saver, through its flag
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--ray-address", "127.0.0.1:6379"], "--ray-address places Ray actors; add --runtime ray"),
-    (["--runtime", "ray"], "--runtime ray: give --rollout-num-gpus R"),
-    (["--runtime", "ray", "--rollout-num-gpus", "3", "--rollout-num-engines", "2"], "disagrees with"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ray-address", "127.0.0.1:6379"], "--ray-address places Ray actors; add --runtime ray"),
+        (["--runtime", "ray"], "--runtime ray: give --rollout-num-gpus R"),
+        (["--runtime", "ray", "--rollout-num-gpus", "3", "--rollout-num-engines", "2"], "disagrees with"),
+    ],
+)
 def test_ray_flags_are_checked(tiny_ckpt, addition_data, tmp_path, capsys, argv, message):
     assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1", *argv)) == 2
     assert message in capsys.readouterr().err
 
 
 def test_ray_layout_resolves_engine_count(tiny_ckpt, addition_data, tmp_path, capsys):
-    assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1", "--runtime", "ray",
-                          "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2")) == 0
+    assert (
+        main(
+            base_args(
+                tiny_ckpt,
+                addition_data,
+                tmp_path,
+                "--dry-run",
+                "--num-rollout",
+                "1",
+                "--runtime",
+                "ray",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--rollout-num-gpus",
+                "2",
+            )
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "rollout_num_engines: 2" in out and "actor_num_gpus_per_node: 2" in out
 
@@ -116,11 +160,34 @@ def test_ray_layout_resolves_engine_count(tiny_ckpt, addition_data, tmp_path, ca
 @pytest.mark.slow
 def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
     common = ["--num-rollout", "3", "--device", "cpu", "--num-threads", "1"]
-    local = run(base_args(tiny_ckpt, addition_data, tmp_path / "local", *common, "--rollout-num-engines", "2",
-                          "--save", str(tmp_path / "local_ckpt")))
-    rayrun = run(base_args(tiny_ckpt, addition_data, tmp_path / "ray", *common, "--runtime", "ray",
-                           "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
-                           "--save", str(tmp_path / "ray_ckpt")))
+    local = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "local",
+            *common,
+            "--rollout-num-engines",
+            "2",
+            "--save",
+            str(tmp_path / "local_ckpt"),
+        )
+    )
+    rayrun = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "ray",
+            *common,
+            "--runtime",
+            "ray",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "2",
+            "--save",
+            str(tmp_path / "ray_ckpt"),
+        )
+    )
     steps = [m for m in rayrun if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert {k for m in local if "train/loss" in m for k in m} == {k for m in steps for k in m}
@@ -148,6 +215,7 @@ def killing_actor_rollout(args, rollout_id, data_source, evaluation=False):
 
     engines = current().engine
     if rollout_id == 0:
+
         def kill() -> None:
             end = time.monotonic() + 60
             while engines.clients[0].in_flight == 0 and time.monotonic() < end:
@@ -161,26 +229,56 @@ def killing_actor_rollout(args, rollout_id, data_source, evaluation=False):
         killer.join()
         SEEN["reissued_from"] = list(engines.router.reissued_from)
     else:
-        SEEN["step1"] = {"in_rotation": engines.router.in_rotation(), "versions": engines.weight_versions(),
-                         "restarts": list(engines.monitor.restarts)}
+        SEEN["step1"] = {
+            "in_rotation": engines.router.in_rotation(),
+            "versions": engines.weight_versions(),
+            "restarts": list(engines.monitor.restarts),
+        }
         groups = generate_rollout(args, rollout_id, data_source)
     return groups
 
 
 @pytest.mark.slow
-def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(ray_8_gpus, tiny_ckpt, addition_data,
-                                                                            tmp_path):
+def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(
+    ray_8_gpus, tiny_ckpt, addition_data, tmp_path
+):
 
     SEEN.clear()
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "2", "--device", "cpu",
-                  "--num-threads", "1", "--runtime", "ray", "--rollout-num-gpus", "2",
-                  "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w"),
-                  "--sglang-server-concurrency", "1", "--use-fault-tolerance",
-                  "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "5",
-                  "--rollout-health-check-first-wait", "0",
-                  "--rollout-function-path", "test_ray_runtime.killing_actor_rollout",
-                  "--save-debug-rollout-data", dump))
+    run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "2",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--rollout-num-gpus",
+            "2",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+            "--sglang-server-concurrency",
+            "1",
+            "--use-fault-tolerance",
+            "--rollout-health-check-interval",
+            "0.5",
+            "--rollout-health-check-timeout",
+            "5",
+            "--rollout-health-check-first-wait",
+            "0",
+            "--rollout-function-path",
+            "test_ray_runtime.killing_actor_rollout",
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
     assert SEEN["in_flight_at_kill"] >= 1 and SEEN["reissued_from"][0] >= 1  # engine 0's requests were re-sent
     for k in range(2):  # every group whole, no index twice
         groups = read_dump(dump.format(rollout_id=k))["samples"]
@@ -192,12 +290,28 @@ def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(ray_8
 
 @pytest.mark.slow
 def test_ray_run_saved_on_two_ranks_resumes_on_one(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
-    common = ["--device", "cpu", "--num-threads", "1", "--runtime", "ray", "--rollout-num-gpus", "1",
-              "--save", str(tmp_path / "ckpt")]
-    run(base_args(tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "2", "--actor-num-gpus-per-node", "2",
-                  *common))
-    resumed = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "3", *common,
-                            "--load", str(tmp_path / "ckpt")))
+    common = [
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
+        "--runtime",
+        "ray",
+        "--rollout-num-gpus",
+        "1",
+        "--save",
+        str(tmp_path / "ckpt"),
+    ]
+    run(
+        base_args(
+            tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "2", "--actor-num-gpus-per-node", "2", *common
+        )
+    )
+    resumed = run(
+        base_args(
+            tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "3", *common, "--load", str(tmp_path / "ckpt")
+        )
+    )
     steps = [m for m in resumed if "train/loss" in m]
     assert [m["step"] for m in steps] == [3]  # only the step after the checkpoint of step 2
     assert steps[0]["sync/weight_version"] == 3

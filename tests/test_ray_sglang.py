@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lich
 
 from helpers.fake_sglang import write_fake_sglang  # noqa: E402
 from helpers.runs import base_args  # noqa: E402
+
 from lichen.cli import main  # noqa: E402
 from lichen.cluster.engine_actors import RayEngineSet, engine_env, sglang_command  # noqa: E402
 from lichen.cluster.runtime import RayCluster  # noqa: E402
@@ -23,8 +24,19 @@ from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 from lichen.config.engine_config import EngineConfig  # noqa: E402
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV  # noqa: E402
 
-LAYOUT = ["--runtime", "ray", "--rollout-engine-backend", "sglang", "--rollout-num-gpus", "4",
-          "--rollout-num-gpus-per-engine", "2", "--debug-rollout-only", "--sglang-mem-fraction-static", "0.7"]
+LAYOUT = [
+    "--runtime",
+    "ray",
+    "--rollout-engine-backend",
+    "sglang",
+    "--rollout-num-gpus",
+    "4",
+    "--rollout-num-gpus-per-engine",
+    "2",
+    "--debug-rollout-only",
+    "--sglang-mem-fraction-static",
+    "0.7",
+]
 
 
 def _engine_cfg(tiny_ckpt, addition_data, tmp_path) -> EngineConfig:
@@ -37,9 +49,26 @@ def test_an_engine_actor_starts_sglang_at_gpu_0_of_its_own_gpus(tiny_ckpt, addit
     assert cfg.num_engines == 2 and cfg.gpus_per_engine == 2
     # the same command for every engine: each server sees only its engine's GPUs
     assert sglang_command(cfg, port=31000, host="10.0.0.7", python="PY") == [
-        "PY", "-m", "sglang.launch_server", "--model-path", tiny_ckpt, "--host", "10.0.0.7", "--port", "31000",
-        "--tp-size", "2", "--base-gpu-id", "0", "--random-seed", "1234", "--dtype", "float32",
-        "--mem-fraction-static", "0.7"]
+        "PY",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        tiny_ckpt,
+        "--host",
+        "10.0.0.7",
+        "--port",
+        "31000",
+        "--tp-size",
+        "2",
+        "--base-gpu-id",
+        "0",
+        "--random-seed",
+        "1234",
+        "--dtype",
+        "float32",
+        "--mem-fraction-static",
+        "0.7",
+    ]
     assert engine_env({SERVE_KEY_ENV: "k"}, [6, 7]) == {SERVE_KEY_ENV: "k", "CUDA_VISIBLE_DEVICES": "6,7"}
 
 
@@ -55,8 +84,14 @@ def ray_with_fake_sglang(tmp_path_factory):
     fake = tmp_path_factory.mktemp("fake_sglang")
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAKE_SGLANG_DIR")}
     os.environ.update(write_fake_sglang(fake))
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=4,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     yield fake
     ray.shutdown()
     for k, v in saved.items():
@@ -67,13 +102,25 @@ def ray_with_fake_sglang(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_sglang_engines_started_by_ray_actors(ray_with_fake_sglang, tiny_ckpt, addition_data,
-                                                                   tmp_path):
+def test_two_tensor_parallel_sglang_engines_started_by_ray_actors(
+    ray_with_fake_sglang, tiny_ckpt, addition_data, tmp_path
+):
     cfg = _engine_cfg(tiny_ckpt, addition_data, tmp_path)
-    cluster = RayCluster(ClusterConfig(ray_address=None, actor_num_nodes=1, actor_num_gpus_per_node=1,
-                                       rollout_num_gpus=4, rollout_num_gpus_per_engine=2, colocate=False,
-                                       debug_rollout_only=True, debug_train_only=False, external_engines=False,
-                                       device="cpu", train_env_vars={}))
+    cluster = RayCluster(
+        ClusterConfig(
+            ray_address=None,
+            actor_num_nodes=1,
+            actor_num_gpus_per_node=1,
+            rollout_num_gpus=4,
+            rollout_num_gpus_per_engine=2,
+            colocate=False,
+            debug_rollout_only=True,
+            debug_train_only=False,
+            external_engines=False,
+            device="cpu",
+            train_env_vars={},
+        )
+    )
     engines = RayEngineSet(cluster, cfg)
     try:
         assert engines.admin_api_key is None  # SGLang takes its one key on every endpoint
@@ -113,16 +160,48 @@ def test_the_8_gpu_qwen3_example_resolves(tiny_ckpt, addition_data, tmp_path):
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "DRY_RUN": "1", "DEVICE": "cpu", "MODEL_DIR": tiny_ckpt, "DATA": addition_data,
-           "EVAL_DATA": addition_data, "WORK": str(tmp_path), "LICHEN": os.path.join(os.path.dirname(sys.executable),
-                                                                                       "lichen")}
-    run = subprocess.run(["bash", os.path.join(repo, "examples", "ray_gpu_qwen3_8gpus.sh")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "DEVICE": "cpu",
+        "MODEL_DIR": tiny_ckpt,
+        "DATA": addition_data,
+        "EVAL_DATA": addition_data,
+        "WORK": str(tmp_path),
+        "LICHEN": os.path.join(os.path.dirname(sys.executable), "lichen"),
+    }
+    run = subprocess.run(
+        ["bash", os.path.join(repo, "examples", "ray_gpu_qwen3_8gpus.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     resolved = dict(line.split(": ", 1) for line in run.stdout.splitlines() if ": " in line)
-    assert {k: resolved[k] for k in ("runtime", "colocate", "actor_num_gpus_per_node", "rollout_num_gpus",
-                                     "rollout_num_engines", "rollout_num_gpus_per_engine", "rollout_engine_backend",
-                                     "offload_train", "offload_rollout", "update_weight_transport")} == {
-        "runtime": "ray", "colocate": "true", "actor_num_gpus_per_node": "8", "rollout_num_gpus": "8",
-        "rollout_num_engines": "4", "rollout_num_gpus_per_engine": "2", "rollout_engine_backend": "sglang",
-        "offload_train": "true", "offload_rollout": "true", "update_weight_transport": "disk"}
+    assert {
+        k: resolved[k]
+        for k in (
+            "runtime",
+            "colocate",
+            "actor_num_gpus_per_node",
+            "rollout_num_gpus",
+            "rollout_num_engines",
+            "rollout_num_gpus_per_engine",
+            "rollout_engine_backend",
+            "offload_train",
+            "offload_rollout",
+            "update_weight_transport",
+        )
+    } == {
+        "runtime": "ray",
+        "colocate": "true",
+        "actor_num_gpus_per_node": "8",
+        "rollout_num_gpus": "8",
+        "rollout_num_engines": "4",
+        "rollout_num_gpus_per_engine": "2",
+        "rollout_engine_backend": "sglang",
+        "offload_train": "true",
+        "offload_rollout": "true",
+        "update_weight_transport": "disk",
+    }

@@ -72,9 +72,18 @@ def test_other_content_at_the_path_is_not_visibility(tmp_path):
 @pytest.mark.parametrize("mode", ["full", "delta"])
 def test_the_disk_transports_check_before_their_first_version(tmp_path, mode):
     shared = str(tmp_path / "versions")
-    cfg = SimpleNamespace(transport="disk", mode=mode, disk_dir=shared, local_dir=str(tmp_path / "local"),
-                          hf_checkpoint=None, delta_encoding="xor", delta_checksum="xxh3-128", full_interval=0,
-                          keep_files=False, post_write_path=None)
+    cfg = SimpleNamespace(
+        transport="disk",
+        mode=mode,
+        disk_dir=shared,
+        local_dir=str(tmp_path / "local"),
+        hf_checkpoint=None,
+        delta_encoding="xor",
+        delta_checksum="xxh3-128",
+        full_interval=0,
+        keep_files=False,
+        post_write_path=None,
+    )
     with pytest.raises(ConfigError, match="engine 0 .*cannot read the probe file"):
         sync._make_transport(_engines(NodeViews(shared, [str(tmp_path)])), cfg)
 

@@ -26,9 +26,15 @@ def test_without_the_hook_only_the_users_variables():
 
 
 def test_the_hook_is_preloaded_with_slimes_variables():
-    assert train_runtime_env({"A": "1"}, LIB) == {"env_vars": {
-        "A": "1", "LD_PRELOAD": LIB, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1",
-        "NCCL_CUMEM_ENABLE": "0"}}
+    assert train_runtime_env({"A": "1"}, LIB) == {
+        "env_vars": {
+            "A": "1",
+            "LD_PRELOAD": LIB,
+            "TMS_INIT_ENABLE": "1",
+            "TMS_INIT_ENABLE_CPU_BACKUP": "1",
+            "NCCL_CUMEM_ENABLE": "0",
+        }
+    }
 
 
 def test_the_users_preload_and_choices_are_kept():
@@ -71,9 +77,19 @@ def test_a_missing_package_or_library_is_one_clear_error(monkeypatch):
 
 
 def _ccfg(**kw) -> ClusterConfig:
-    base = dict(ray_address=None, actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=2,
-                rollout_num_gpus_per_engine=1, colocate=True, debug_rollout_only=False, debug_train_only=False,
-                external_engines=False, device="cuda", offload_train=True)
+    base = dict(
+        ray_address=None,
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=2,
+        rollout_num_gpus=2,
+        rollout_num_gpus_per_engine=1,
+        colocate=True,
+        debug_rollout_only=False,
+        debug_train_only=False,
+        external_engines=False,
+        device="cuda",
+        offload_train=True,
+    )
     return ClusterConfig(**{**base, **kw})
 
 
@@ -113,8 +129,15 @@ def test_a_rank_with_the_hook_pauses_and_resumes_through_it(monkeypatch):
     rank, calls = _rank(monkeypatch, train_runtime_env({}, LIB)["env_vars"])
     rank.offload()
     rank.onload()
-    assert calls == ["synchronize", "pause(default)", "pause(optimizer)", "pause(weights)",
-                     "resume(weights)", "resume(optimizer)", "resume(default)"]
+    assert calls == [
+        "synchronize",
+        "pause(default)",
+        "pause(optimizer)",
+        "pause(weights)",
+        "resume(weights)",
+        "resume(optimizer)",
+        "resume(default)",
+    ]
 
 
 def test_a_rank_without_the_hook_offloads_its_shards_as_before(monkeypatch):

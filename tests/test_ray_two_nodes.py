@@ -14,8 +14,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1,
-                                                           "object_store_memory": 100 * 1024 * 1024})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "object_store_memory": 100 * 1024 * 1024}
+    )
     cluster.add_node(num_cpus=2, num_gpus=1, object_store_memory=100 * 1024 * 1024)
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
@@ -24,13 +25,36 @@ def two_nodes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", [["--update-weight-transport", "nccl"],
-                                       ["--update-weight-transport", "disk", "--update-weight-mode", "full"]])
+@pytest.mark.parametrize(
+    "transport",
+    [["--update-weight-transport", "nccl"], ["--update-weight-transport", "disk", "--update-weight-mode", "full"]],
+)
 def test_colocated_across_two_nodes(two_nodes, tiny_ckpt, addition_data, tmp_path, capfd, transport):
     disk = ["--update-weight-disk-dir", str(tmp_path / "versions")] if "disk" in transport else []
-    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "out", "--num-rollout", "2", "--device", "cpu",
-                            "--num-threads", "1", "--runtime", "ray", "--colocate", "--actor-num-nodes", "2",
-                            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", *transport, *disk))
+    metrics = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "out",
+            "--num-rollout",
+            "2",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--colocate",
+            "--actor-num-nodes",
+            "2",
+            "--actor-num-gpus-per-node",
+            "1",
+            "--rollout-num-gpus",
+            "2",
+            *transport,
+            *disk,
+        )
+    )
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["sync/weight_version"] for m in steps] == [1, 2]
     assert all(m["train/train_rollout_logprob_abs_diff"] <= 1e-5 for m in steps)

@@ -16,22 +16,20 @@ import time
 
 import pytest
 import torch
+from helpers.batch_schedule import assert_mostly_same_generations
+from helpers.runs import THREADS, base_args, dumped_samples, run
 
 from lichen.cli import main
 from lichen.config import parse_train_args
+from lichen.config.engine_config import required_endpoints
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine, GenRequest
-from lichen.config.engine_config import required_endpoints
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 from lichen.sync.disk import push_full, write_version
-from lichen.weights.versions import version_dir
 from lichen.weights.hf_io import load_hf_state_dict
-
-from helpers.batch_schedule import assert_mostly_same_generations
-from helpers.runs import THREADS, base_args, dumped_samples, run
-
+from lichen.weights.versions import version_dir
 
 
 def requests(n: int = 10) -> list[GenRequest]:
@@ -39,8 +37,11 @@ def requests(n: int = 10) -> list[GenRequest]:
     for i in range(n):
         ids = [(7 * i + 3 * k) % 90 + 1 for k in range(3 + i % 5)]
         temperature, top_p = [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)][i % 3]
-        out.append(GenRequest(input_ids=ids, max_new_tokens=6 + i % 3, temperature=temperature, top_p=top_p,
-                              seed=derive_seed(7, 0, i)))
+        out.append(
+            GenRequest(
+                input_ids=ids, max_new_tokens=6 + i % 3, temperature=temperature, top_p=top_p, seed=derive_seed(7, 0, i)
+            )
+        )
     return out
 
 
@@ -50,7 +51,8 @@ def assert_same_results(remote, local, version: str) -> None:
     assert len(remote) == len(local)
     flips = assert_mostly_same_generations(
         [(r.output_ids, r.output_logprobs, loc.output_ids, loc.output_logprobs) for r, loc in zip(remote, local)],
-        max_flips=1)
+        max_flips=1,
+    )
     for r, loc in zip(remote, local):
         assert r.weight_version == version and r.prompt_tokens == loc.prompt_tokens
         if not flips:
@@ -125,8 +127,9 @@ def test_push_full_writes_checks_and_prunes_versions(pair, tiny_ckpt, tmp_path):
 
 def test_offload_onload_follow_the_memory_tags(pair):
     def released():
-        return [pair.run(c.call_json("GET", "/server_info"))["internal_states"][0]["released_memory"]
-                for c in pair.clients]
+        return [
+            pair.run(c.call_json("GET", "/server_info"))["internal_states"][0]["released_memory"] for c in pair.clients
+        ]
 
     pair.offload()
     assert released() == [["cuda_graph", "kv_cache", "weights"]] * 2
@@ -156,21 +159,50 @@ def test_server_engine_flags(tiny_ckpt, addition_data, tmp_path):
     need = required_endpoints(args)
     assert need["/update_weights_from_disk"] == "--update-weight-transport disk"
     assert need["/release_memory_occupation"] == "--offload-rollout"
-    _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-external-engine-addrs", "127.0.0.1:30000",
-           "http://h:1", "--rollout-external-engine-api-key-file", "k.key", *disk)
+    _parse(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--rollout-external-engine-addrs",
+        "127.0.0.1:30000",
+        "http://h:1",
+        "--rollout-external-engine-api-key-file",
+        "k.key",
+        *disk,
+    )
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--debug-rollout-only")  # no sync
     _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2")  # nccl (gloo on CPU), the default
-    _parse(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--update-weight-mode", "delta", *disk,
-           "--update-weight-local-checkpoint-dir", str(tmp_path))
+    _parse(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--rollout-num-engines",
+        "2",
+        "--update-weight-mode",
+        "delta",
+        *disk,
+        "--update-weight-local-checkpoint-dir",
+        str(tmp_path),
+    )
     cases = [
         (["--rollout-num-engines", "0", *disk], ConfigError, "--rollout-num-engines 0"),
-        (["--rollout-num-engines", "1", "--rollout-external-engine-addrs", "h:1", *disk], ConfigError,
-         "exclude each other"),
+        (
+            ["--rollout-num-engines", "1", "--rollout-external-engine-addrs", "h:1", *disk],
+            ConfigError,
+            "exclude each other",
+        ),
         (["--rollout-external-engine-addrs", "nohostport", *disk], ConfigError, "expected HOST:PORT"),
         (["--rollout-external-engine-addrs", "h:1", "h:1", *disk], ConfigError, "given twice"),
-        (["--rollout-external-engine-api-key-file", "k"], ConfigError, "only used with --rollout-external-engine-addrs"),
-        (["--rollout-external-engine-addrs", "h:1", "--rollout-max-batch-size", "4", *disk], ConfigError,
-         "--rollout-max-batch-size"),
+        (
+            ["--rollout-external-engine-api-key-file", "k"],
+            ConfigError,
+            "only used with --rollout-external-engine-addrs",
+        ),
+        (
+            ["--rollout-external-engine-addrs", "h:1", "--rollout-max-batch-size", "4", *disk],
+            ConfigError,
+            "--rollout-max-batch-size",
+        ),
         ([*disk], ConfigError, "--update-weight-transport applies to server engines"),
     ]
     for extra, kind, text in cases:
@@ -180,9 +212,19 @@ def test_server_engine_flags(tiny_ckpt, addition_data, tmp_path):
 
 
 def test_unreachable_external_engine_is_a_user_error(tiny_ckpt, addition_data, tmp_path, capsys):
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1",
-                     "--rollout-external-engine-addrs", "127.0.0.1:9", "--update-weight-transport", "disk",
-                     "--update-weight-disk-dir", str(tmp_path / "w"))
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "o",
+        "--num-rollout",
+        "1",
+        "--rollout-external-engine-addrs",
+        "127.0.0.1:9",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        str(tmp_path / "w"),
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--rollout-external-engine-addrs: cannot reach" in err and "127.0.0.1:9" in err
@@ -190,7 +232,7 @@ def test_unreachable_external_engine_is_a_user_error(tiny_ckpt, addition_data, t
 
 # ---- training over launched servers ---------------------------------------------------------------------------
 def _response(sample: dict) -> list[int]:
-    return sample["tokens"][len(sample["tokens"]) - sample["response_length"]:]
+    return sample["tokens"][len(sample["tokens"]) - sample["response_length"] :]
 
 
 def _samples(path: str) -> list[dict]:
@@ -200,12 +242,26 @@ def _samples(path: str) -> list[dict]:
 def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, addition_data, tmp_path, launched):
     common = ["--num-rollout", "3", "--offload-rollout", *THREADS]  # offload: release/resume around each sync
     dump = str(tmp_path / "{}" / "r_{{rollout_id}}.pt")
-    local = run(base_args(tiny_ckpt, addition_data, tmp_path / "a", *common,
-                          "--save-debug-rollout-data", dump.format("a")))
+    local = run(
+        base_args(tiny_ckpt, addition_data, tmp_path / "a", *common, "--save-debug-rollout-data", dump.format("a"))
+    )
     wdir = tmp_path / "weights"
-    remote = run(base_args(tiny_ckpt, addition_data, tmp_path / "b", *common,
-                           "--save-debug-rollout-data", dump.format("b"), "--rollout-num-engines", "2",
-                           "--update-weight-transport", "disk", "--update-weight-disk-dir", str(wdir)))
+    remote = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "b",
+            *common,
+            "--save-debug-rollout-data",
+            dump.format("b"),
+            "--rollout-num-engines",
+            "2",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(wdir),
+        )
+    )
     # One engine batch of 16 vs two servers' batches: a near-tied token can flip (docs/architecture.md#batch-schedules:
     # identical tokens only for identical batch schedules). Until a flip the runs are the same; after it they train
     # on other data.
@@ -225,7 +281,8 @@ def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, additi
             continue
         flips = assert_mostly_same_generations(
             [(_response(x), x["rollout_log_probs"], _response(y), y["rollout_log_probs"]) for x, y in zip(a, b)],
-            max_flips=2)
+            max_flips=2,
+        )
         for x, y in zip(a, b):
             if x["tokens"] == y["tokens"]:
                 x.pop("rollout_log_probs"), y.pop("rollout_log_probs")
@@ -247,10 +304,22 @@ def failing_rollout(args, rollout_id, prompts, manager):
 
 
 def test_servers_stop_when_the_run_raises(tiny_ckpt, addition_data, tmp_path, launched):
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "2", *THREADS,
-                     "--rollout-num-engines", "1", "--update-weight-transport", "disk",
-                     "--update-weight-disk-dir", str(tmp_path / "w"),
-                     "--rollout-function-path", "test_remote_rollout.failing_rollout")
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "o",
+        "--num-rollout",
+        "2",
+        *THREADS,
+        "--rollout-num-engines",
+        "1",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        str(tmp_path / "w"),
+        "--rollout-function-path",
+        "test_remote_rollout.failing_rollout",
+    )
     with pytest.raises(RuntimeError, match="rollout plug-in failed"):
         main(argv)
     assert len(launched) == 1 and not any(launched[0].alive())
@@ -285,8 +354,15 @@ def test_launched_servers_die_with_their_parent(tiny_ckpt):
     """Ctrl-C (SIGINT), SIGTERM and even SIGKILL of the launching process take its servers down."""
     sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
     errs = [tempfile.TemporaryFile(mode="w+") for _ in sigs]  # each parent's stderr, quoted if it hangs
-    parents = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _LAUNCH_AND_WAIT, tiny_ckpt],
-                                stdout=subprocess.PIPE, stderr=err, text=True) for err in errs]
+    parents = [
+        subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-c", _LAUNCH_AND_WAIT, tiny_ckpt],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        for err in errs
+    ]
     servers = []
     try:
         for p in parents:
@@ -304,8 +380,10 @@ def test_launched_servers_die_with_their_parent(tiny_ckpt):
                 p.send_signal(signal.SIGABRT)  # -X faulthandler prints every thread's stack
                 p.wait(30)
                 err.seek(0)
-                pytest.fail(f"the launcher did not exit within 180 s of {signal.Signals(sig).name}; its stderr:\n"
-                            f"{err.read()[-4000:]}")
+                pytest.fail(
+                    f"the launcher did not exit within 180 s of {signal.Signals(sig).name}; its stderr:\n"
+                    f"{err.read()[-4000:]}"
+                )
         assert codes[1] == 128 + signal.SIGTERM and codes[2] == -signal.SIGKILL
         end = time.monotonic() + 30
         while not all(_gone(pid) for pid in servers) and time.monotonic() < end:

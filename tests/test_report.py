@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-
 from helpers import chromium
 from helpers.runs import base_args, run
 
@@ -19,9 +18,29 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def run_dir(tiny_ckpt, addition_data, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("report_run")
-    run(base_args(tiny_ckpt, addition_data, out, "--num-rollout", str(STEPS), "--log-samples", "6", "--trace",
-                  "--save", str(out / "ckpt"), "--save-interval", "2", "--eval-prompt-data", "held",
-                  f"{addition_data}@[0:4]", "--eval-interval", "2", "--eval-max-response-len", "4"))
+    run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            out,
+            "--num-rollout",
+            str(STEPS),
+            "--log-samples",
+            "6",
+            "--trace",
+            "--save",
+            str(out / "ckpt"),
+            "--save-interval",
+            "2",
+            "--eval-prompt-data",
+            "held",
+            f"{addition_data}@[0:4]",
+            "--eval-interval",
+            "2",
+            "--eval-max-response-len",
+            "4",
+        )
+    )
     return str(out)
 
 
@@ -59,8 +78,21 @@ def test_sample_log_is_bounded_and_zero_turns_it_off(tmp_path):
     from lichen.observe.sample_log import MAX_TEXT, SampleLog, read_samples
     from lichen.types import Sample
 
-    groups = [[Sample(prompt="p" * 10_000, tokens=[1, 2, 3], response="r", response_length=2, reward=1.0,
-                      group_index=g, index=g * 3 + j) for j in range(3)] for g in range(4)]
+    groups = [
+        [
+            Sample(
+                prompt="p" * 10_000,
+                tokens=[1, 2, 3],
+                response="r",
+                response_length=2,
+                reward=1.0,
+                group_index=g,
+                index=g * 3 + j,
+            )
+            for j in range(3)
+        ]
+        for g in range(4)
+    ]
     assert SampleLog(str(tmp_path), 0).write(1, groups) is None
     assert read_samples(str(tmp_path)) == []
     SampleLog(str(tmp_path), 5).write(1, groups)
@@ -102,7 +134,9 @@ def test_trace_has_one_slice_per_phase_per_step(run_dir):
         for outer in ("generate", "eval"):
             if (outer, rid) in per:
                 o = per[(outer, rid)][0]
-                inside = [r for r in per[("reward", rid)] if o["ts"] <= r["ts"] <= r["ts"] + r["dur"] <= o["ts"] + o["dur"]]
+                inside = [
+                    r for r in per[("reward", rid)] if o["ts"] <= r["ts"] <= r["ts"] + r["dur"] <= o["ts"] + o["dur"]
+                ]
                 assert len(inside) == 1, (outer, rid)
     assert sorted(rid for (name, rid) in per if name == "save") == [1, 3, 4]
     assert sorted(rid for (name, rid) in per if name == "eval") == [-1, 1, 3, 4]  # before training, then due steps
@@ -121,8 +155,10 @@ def test_report_errors_are_one_line(tmp_path, capsys):
 def test_negative_observe_flags_are_one_line_errors(tiny_ckpt, addition_data, tmp_path, capsys):
     from lichen.cli import main
 
-    for flag, value, says in (("--log-samples", "-1", "--log-samples: must be 0 (off) or a positive number"),
-                              ("--watchdog-timeout", "-5", "--watchdog-timeout: must be 0 (off) or a positive")):
+    for flag, value, says in (
+        ("--log-samples", "-1", "--log-samples: must be 0 (off) or a positive number"),
+        ("--watchdog-timeout", "-5", "--watchdog-timeout: must be 0 (off) or a positive"),
+    ):
         assert main(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", flag, value)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("lichen train: error: " + says) and "\n" not in err, err
@@ -136,8 +172,11 @@ def test_report_is_self_contained(report, run_dir):
     assert html.count("</script>") == 2
 
 
-@pytest.mark.skipif(not chromium.available(), reason="Debian's chromium is not installed (scripts/setup.sh test "
-                    "installs it when run as root with apt-get); the browser test of the report cannot run")
+@pytest.mark.skipif(
+    not chromium.available(),
+    reason="Debian's chromium is not installed (scripts/setup.sh test "
+    "installs it when run as root with apt-get); the browser test of the report cannot run",
+)
 def test_report_opens_in_headless_chromium(report, run_dir):
     asyncio.run(_check_page(report, run_dir))
 
@@ -152,9 +191,17 @@ async def _check_page(report: str, run_dir: str) -> None:
         # every curve has as many points as steps logged
         counts = await page.js("""Object.fromEntries([...document.querySelectorAll('g.series')].map(
             g => [g.dataset.metric, g.querySelectorAll('circle.pt').length]))""")
-        for key in ("rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/ppo_kl",
-                    "train/pg_clipfrac", "train/train_rollout_logprob_abs_diff", "train/grad_norm", "train/lr",
-                    "memory/train_peak_rss_gb"):
+        for key in (
+            "rollout/reward_mean",
+            "rollout/response_length_mean",
+            "train/loss",
+            "train/ppo_kl",
+            "train/pg_clipfrac",
+            "train/train_rollout_logprob_abs_diff",
+            "train/grad_norm",
+            "train/lr",
+            "memory/train_peak_rss_gb",
+        ):
             assert counts[key] == STEPS, (key, counts)
         assert counts["eval/held/reward_mean"] == 4  # before training and at steps 2, 4, 5
         assert await page.js("document.querySelectorAll('svg.phases rect.bar.generate').length") == STEPS
@@ -175,8 +222,10 @@ async def _check_page(report: str, run_dir: str) -> None:
         assert 0 < await page.js(visible) == want < len(samples)
         # a row's tokens, coloured
         await page.js("document.querySelector('tr.sample-row:not([hidden])').click()")
-        assert await page.js("document.querySelectorAll('#sample-detail .tok').length") == \
-            next(s for s in samples if needle in s["prompt"])["response_length"]
+        assert (
+            await page.js("document.querySelectorAll('#sample-detail .tok').length")
+            == next(s for s in samples if needle in s["prompt"])["response_length"]
+        )
         assert page.errors == []
         png = await page.screenshot()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -236,13 +285,21 @@ def test_timeline_keeps_the_last_rollouts_and_unlabelled_slices_among_them(tmp_p
     from lichen.observe.trace import write_trace
 
     def x(name, rid, ts, dur, pid=1):
-        return {"name": name, "ph": "X", "pid": pid, "tid": 7, "ts": ts, "dur": dur,
-                "args": {} if rid is None else {"rollout_id": rid}}
+        return {
+            "name": name,
+            "ph": "X",
+            "pid": pid,
+            "tid": 7,
+            "ts": ts,
+            "dur": dur,
+            "args": {} if rid is None else {"rollout_id": rid},
+        }
 
     events = [x("generate", r, r * 100, 40) for r in range(30)] + [
         x("generate", None, 2920, 30, pid=2),  # an engine busy within the window, no rollout label
         x("generate", None, 50, 30, pid=2),  # one long before the window
-        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 7, "args": {"name": "MainThread"}}]
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 7, "args": {"name": "MainThread"}},
+    ]
     write_trace(str(tmp_path / "trace.json"), events)
     tl = _timeline(str(tmp_path), last_steps=20)
     assert sorted({s["rollout_id"] for s in tl["slices"]} - {None}) == list(range(10, 30))

@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import rm_plugins
 
 from lichen.errors import ConfigError
 from lichen.rewards import (
@@ -25,8 +26,6 @@ from lichen.rewards import (
 from lichen.rewards.math_grader import grade_math as math
 from lichen.rewards.rules import exact, extract_answer, last_boxed, leading_number, parse_number
 from lichen.types import Sample, Status
-
-import rm_plugins
 
 # the plug-in module lives beside this file; make it importable whatever pytest's import mode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +89,18 @@ def test_extract_answer_falls_back_to_last_number():
 
 @pytest.mark.parametrize(
     "text,want",
-    [("0.5", 0.5), (r"\frac{1}{2}", 0.5), (r"-\frac{3}{4}", -0.75), (r"\frac12", 0.5), ("3/4", 0.75),
-     ("1,000", 1000.0), (r"\frac{1}{0}", None), (r"\sqrt{2}", None), ("1.2.3", None), ("nan", None)],
+    [
+        ("0.5", 0.5),
+        (r"\frac{1}{2}", 0.5),
+        (r"-\frac{3}{4}", -0.75),
+        (r"\frac12", 0.5),
+        ("3/4", 0.75),
+        ("1,000", 1000.0),
+        (r"\frac{1}{0}", None),
+        (r"\sqrt{2}", None),
+        ("1.2.3", None),
+        ("nan", None),
+    ],
 )
 def test_parse_number(text, want):
     assert parse_number(text) == want
@@ -131,8 +140,18 @@ def test_get_rule_reward_unknown_lists_known():
         get_rule_reward("f1-score")
     msg = str(e.value)
     assert "--rm-type" in msg and "'f1-score'" in msg
-    for name in ("exact", "leading_number", "math", "dapo", "deepscaler", "f1", "gpqa", "code", "remote_rm",
-                 "boxed_f1"):
+    for name in (
+        "exact",
+        "leading_number",
+        "math",
+        "dapo",
+        "deepscaler",
+        "f1",
+        "gpqa",
+        "code",
+        "remote_rm",
+        "boxed_f1",
+    ):
         assert name in msg
 
 
@@ -367,11 +386,13 @@ def test_group_rm_failures():
     stats = score_samples(samples, fn, args, timeout=0.3)
     failed = dict(stats["failed"])
     assert failed == {
-        2: "RuntimeError: judge model unavailable", 3: "RuntimeError: judge model unavailable",
+        2: "RuntimeError: judge model unavailable",
+        3: "RuntimeError: judge model unavailable",
         4: "TypeError: --group-rm function must return one reward per sample (2), got 1 values",
         5: "TypeError: --group-rm function must return one reward per sample (2), got 1 values",
         7: "non-finite reward nan",  # only the sample with the bad value
-        8: "timeout after 0.3 s", 9: "timeout after 0.3 s",
+        8: "timeout after 0.3 s",
+        9: "timeout after 0.3 s",
     }
     assert [s.reward for s in samples[:2]] == [1.0, 1.0] and samples[6].reward == 1.0
     assert samples[6].status == Status.PENDING
@@ -454,9 +475,10 @@ def test_cancelling_the_batch_still_cancels():
 
 
 def test_huge_rewards_never_reach_the_advantages():
-    from lichen.train.advantage import sample_rewards
-    from lichen import algo
     import torch
+
+    from lichen import algo
+    from lichen.train.advantage import sample_rewards
 
     fn = build_reward_fn(None, "rm_plugins.base_exception_rm", None)
     samples = [make("r", index=i, mode=m) for i, m in enumerate(["ok", "huge", "big_but_fine", "ok"])]
@@ -464,6 +486,7 @@ def test_huge_rewards_never_reach_the_advantages():
         s.group_index = 0
     score_samples(samples, fn, None)
     valid = torch.tensor([s.status != Status.FAILED for s in samples])
-    adv, _ = algo.group_normalized_rewards(sample_rewards(samples, None), torch.zeros(4, dtype=torch.long), valid,
-                                           normalize=True, std_normalize=True)
+    adv, _ = algo.group_normalized_rewards(
+        sample_rewards(samples, None), torch.zeros(4, dtype=torch.long), valid, normalize=True, std_normalize=True
+    )
     assert torch.isfinite(adv).all(), adv

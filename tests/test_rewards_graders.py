@@ -321,8 +321,19 @@ def test_boxed_prefix_grades_only_the_last_box():
 
 def test_rm_type_names():
     names = known_rm_types()
-    for name in ("math", "math_lenient", "dapo", "deepscaler", "deepscaler_lenient", "f1", "gpqa", "code",
-                 "remote_rm", "boxed_math", "boxed_gpqa"):
+    for name in (
+        "math",
+        "math_lenient",
+        "dapo",
+        "deepscaler",
+        "deepscaler_lenient",
+        "f1",
+        "gpqa",
+        "code",
+        "remote_rm",
+        "boxed_math",
+        "boxed_gpqa",
+    ):
         assert name in names
         check_rm_type(name)
     for bad in ("boxed_code", "boxed_", "Math", "boxed_boxed_math"):

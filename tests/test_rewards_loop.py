@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-
 from helpers.runs import base_args, read_dump, run
 
 
@@ -33,8 +32,10 @@ def test_run_whose_every_sample_fails_stops_with_an_error(tiny_ckpt, addition_da
     assert main(argv) == 1
     err = capfd.readouterr().err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("lichen train: error: every sample failed in 2 consecutive rollout step(s) (steps 1-2; "
-                           "16 samples in the last, e.g. sample 0: KeyError: 'answer')"), last
+    assert last.startswith(
+        "lichen train: error: every sample failed in 2 consecutive rollout step(s) (steps 1-2; "
+        "16 samples in the last, e.g. sample 0: KeyError: 'answer')"
+    ), last
     assert "Traceback" not in err
     assert [m["step"] for m in read_metrics(str(out))] == [1]  # stopped at step 2, before training on it
 
@@ -47,8 +48,17 @@ def test_run_whose_every_sample_fails_stops_with_an_error(tiny_ckpt, addition_da
 
 def test_failing_verifier_samples_get_zero_weight(tiny_ckpt, addition_data, tmp_path, capfd):
     dump = str(tmp_path / "train_{rollout_id}.pt")
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", "--rollout-batch-size", "5",
-                     "--save-debug-train-data", dump)
+    argv = base_args(
+        tiny_ckpt,
+        addition_data,
+        tmp_path / "r",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "5",
+        "--save-debug-train-data",
+        dump,
+    )
     argv[argv.index("loop_plugins.digit_fraction")] = "test_rewards_loop.raise_on_tenth"
     rows = run(argv)
     assert len(rows) == 1  # the run completed
@@ -77,7 +87,8 @@ def test_eval_config_on_the_quickstart_model_logs_pass_at_k(tiny_ckpt, addition_
             row = json.loads(line)
             dst.write(json.dumps({"question": row["prompt"], "answer": row["label"]}) + "\n")
     cfg = tmp_path / "eval.yaml"
-    cfg.write_text(textwrap.dedent(f"""\
+    cfg.write_text(
+        textwrap.dedent(f"""\
         defaults:
           n_samples_per_eval_prompt: 2
           max_response_len: 4
@@ -93,9 +104,21 @@ def test_eval_config_on_the_quickstart_model_logs_pass_at_k(tiny_ckpt, addition_
             label_key: answer
             rm_type: boxed_exact
             temperature: 0.0
-        """))
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-rollout", "1", "--eval-interval", "1",
-                         "--eval-config", str(cfg)))
+        """)
+    )
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "1",
+            "--eval-interval",
+            "1",
+            "--eval-config",
+            str(cfg),
+        )
+    )
     evals = [m for m in rows if "eval/add/reward_mean" in m]
     assert [m["step"] for m in evals] == [0, 1]  # before training and after the last step
     for m in evals:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from lichen.errors import ConfigError
-from lichen.rewards import build_reward_fn, score_samples
-from lichen.config.rollout_config import RewardConfig
-from lichen.types import Sample, Status
-
 from helpers.reward_server import RewardServer
 from helpers.rollout import reward_config
+
+from lichen.config.rollout_config import RewardConfig
+from lichen.errors import ConfigError
+from lichen.rewards import build_reward_fn, score_samples
+from lichen.types import Sample, Status
 
 
 def rm_args(url: str, **kw) -> RewardConfig:

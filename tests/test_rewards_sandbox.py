@@ -11,6 +11,8 @@ import time
 import uuid
 
 import pytest
+from helpers.rollout import reward_config
+from helpers.sandbox_as_user import CAN_DROP, run_as_nobody
 
 from lichen.rewards import build_reward_fn, score_samples
 from lichen.rewards.code_reward import CodeReward, extract_code, outputs_match, parse_test_cases
@@ -23,8 +25,6 @@ from lichen.rewards.sandbox import (
     run_sandboxed_sync,
 )
 from lichen.types import Sample, Status
-from helpers.rollout import reward_config
-from helpers.sandbox_as_user import CAN_DROP, run_as_nobody
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces")
 
@@ -35,8 +35,9 @@ UID_BASE = 2_000_000_000 + (os.getpid() % 1000) * 256
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return resolve_sandbox(uid_base=UID_BASE,
-                           limits=SandboxLimits(timeout_s=TIMEOUT, memory_mb=256, max_procs=16, max_file_mb=1))
+    return resolve_sandbox(
+        uid_base=UID_BASE, limits=SandboxLimits(timeout_s=TIMEOUT, memory_mb=256, max_procs=16, max_file_mb=1)
+    )
 
 
 def live_sandbox_processes(uid_base: int) -> list[str]:
@@ -239,8 +240,13 @@ def test_extract_code_and_cases():
     assert kind == "checks" and [c.probe for c in cases[0].checks] == [{"expr": "f()"}]
     kind, cases = parse_test_cases({"fn_name": "f", "inputs": [[1, 2]], "outputs": [3]}, {})
     assert kind == "checks" and [c.probe for c in cases[0].checks] == [{"call": "f", "args": [1, 2]}]
-    for bad in (None, "not json", {"inputs": ["1"], "outputs": []}, [{"input": "1"}], {"fn_name": "a b",
-                                                                                     "inputs": [1], "outputs": [1]}):
+    for bad in (
+        None,
+        "not json",
+        {"inputs": ["1"], "outputs": []},
+        [{"input": "1"}],
+        {"fn_name": "a b", "inputs": [1], "outputs": [1]},
+    ):
         with pytest.raises(ValueError, match="code:"):
             parse_test_cases(bad, {})
 
@@ -335,8 +341,7 @@ def test_non_root_trainer_gets_a_user_namespace_sandbox():
 
     # the non-root trainer's own directory, outside any tmpfs the sandbox covers: only the minimal root keeps it
     # out of reach (the test runs as root, so one of these is writable unless the root file system is read-only)
-    base = next((d for d in ("/run", "/var/lib", "/opt", "/root")
-                 if os.path.isdir(d) and os.access(d, os.W_OK)), None)
+    base = next((d for d in ("/run", "/var/lib", "/opt", "/root") if os.path.isdir(d) and os.access(d, os.W_OK)), None)
     assert base is not None, "root found no writable directory outside /tmp (read-only root file system?)"
     owned = tempfile.mkdtemp(prefix="lichen-sandbox-test-", dir=base)
     try:
@@ -357,9 +362,12 @@ def test_code_samples_in_a_math_run_build_the_sandbox_on_first_use():
     args = reward_config(code_timeout=TIMEOUT, code_sandbox_uid_base=UID_BASE)
     fn = build_reward_fn("math", None, args)
     assert fn._code is None
-    samples = [Sample(response=r"\boxed{2}", label="2", index=0),
-               Sample(response=fenced("print(7)"), label={"inputs": [""], "outputs": ["7"]}, index=1,
-                      metadata={"rm_type": "code"})]
+    samples = [
+        Sample(response=r"\boxed{2}", label="2", index=0),
+        Sample(
+            response=fenced("print(7)"), label={"inputs": [""], "outputs": ["7"]}, index=1, metadata={"rm_type": "code"}
+        ),
+    ]
     stats = score_samples(samples, fn, args)
     assert stats["num_failed"] == 0 and [s.reward for s in samples] == [1.0, 1.0]
     assert fn._code is not None

@@ -14,6 +14,8 @@ import time
 import warnings
 
 import pytest
+from helpers.rollout import rollout_worker
+from helpers.runs import base_args
 
 from lichen.config import parse_train_args
 from lichen.errors import ConfigError
@@ -22,9 +24,6 @@ from lichen.rollout import context
 from lichen.rollout.base_types import RolloutFn, RolloutFnEvalOutput, RolloutFnTrainOutput
 from lichen.rollout.generate import generate_rollout
 from lichen.types import Sample, Status
-
-from helpers.rollout import rollout_worker
-from helpers.runs import base_args
 
 SEEN: dict = {}
 
@@ -72,8 +71,15 @@ def evaluates(args, rollout_id, data_source, evaluation=False):
     SEEN.update(args=args, rollout_id=rollout_id, evaluation=evaluation)
     ctx = context.current()
     name, (cfg, records) = next(iter(ctx.eval_sets.items()))
-    groups = [[Sample(prompt=r.prompt, tokens=ctx.encode(i, r, dataset=name), label=r.label, group_index=i,
-                      index=i * 2 + j) for j in range(2)] for i, r in enumerate(records[:3])]
+    groups = [
+        [
+            Sample(
+                prompt=r.prompt, tokens=ctx.encode(i, r, dataset=name), label=r.label, group_index=i, index=i * 2 + j
+            )
+            for j in range(2)
+        ]
+        for i, r in enumerate(records[:3])
+    ]
     _answer(groups, text=str(groups[0][0].label))  # every sample answers the first prompt's label
     return RolloutFnEvalOutput(data={name: {"samples": [s for g in groups for s in g]}}, metrics={"custom/x": 1.0})
 
@@ -115,8 +121,9 @@ def worker(tiny_ckpt, addition_data, tmp_path, engine):
 
     def make(*extra):
         SEEN.clear()
-        argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--n-samples-per-prompt",
-                         "2", *extra)
+        argv = base_args(
+            tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--n-samples-per-prompt", "2", *extra
+        )
         args = parse_train_args(argv[1:])
         made.append(rollout_worker(args, engine=engine))
         return made[-1]
@@ -175,8 +182,15 @@ def test_wrong_return_is_a_user_error(worker):
 
 
 def test_plugins_receive_the_full_resolved_args(worker, addition_data):
-    w = worker("--rollout-function-path", "test_rollout_contract.slime_style", "--custom-rm-path",
-               "test_rollout_contract.record_reward", "--eval-prompt-data", "add", addition_data)
+    w = worker(
+        "--rollout-function-path",
+        "test_rollout_contract.slime_style",
+        "--custom-rm-path",
+        "test_rollout_contract.record_reward",
+        "--eval-prompt-data",
+        "add",
+        addition_data,
+    )
     w.generate(0)
     args = SEEN["args"]
     assert args is w.args  # the namespace itself, not a copy or a config object
@@ -187,8 +201,17 @@ def test_plugins_receive_the_full_resolved_args(worker, addition_data):
 
 
 def test_eval_runs_through_the_same_contract(worker, addition_data):
-    w = worker("--eval-prompt-data", "add", addition_data, "--eval-function-path", "test_rollout_contract.evaluates",
-               "--custom-rm-path", "test_rollout_contract.record_reward", "--n-samples-per-eval-prompt", "2")
+    w = worker(
+        "--eval-prompt-data",
+        "add",
+        addition_data,
+        "--eval-function-path",
+        "test_rollout_contract.evaluates",
+        "--custom-rm-path",
+        "test_rollout_contract.record_reward",
+        "--n-samples-per-eval-prompt",
+        "2",
+    )
     metrics = w.eval(version=2)
     assert SEEN["evaluation"] is True and SEEN["rollout_id"] == 2 and SEEN["args"] is w.args
     # flat samples are grouped by prompt: 3 prompts x 2; only prompt 0's label was answered
@@ -209,8 +232,9 @@ def test_eval_runs_through_the_same_contract(worker, addition_data):
 
 def test_an_old_signature_function_cannot_evaluate(worker, addition_data):
     with pytest.warns(DeprecationWarning):
-        w = worker("--eval-prompt-data", "add", addition_data, "--eval-function-path",
-                   "test_rollout_contract.old_signature")
+        w = worker(
+            "--eval-prompt-data", "add", addition_data, "--eval-function-path", "test_rollout_contract.old_signature"
+        )
     with pytest.raises(ConfigError, match="--eval-function-path: a function with the old signature"):
         w.eval(version=0)
 
@@ -249,8 +273,14 @@ def test_data_source_get_and_add_samples_round_trip(worker):
 
 
 def test_the_rollout_scores_with_the_reward_flags(worker):
-    w = worker("--custom-rm-path", "test_rollout_contract.slow_or_hanging_reward", "--reward-concurrency", "2",
-               "--reward-timeout", "0.5")
+    w = worker(
+        "--custom-rm-path",
+        "test_rollout_contract.slow_or_hanging_reward",
+        "--reward-concurrency",
+        "2",
+        "--reward-timeout",
+        "0.5",
+    )
     IN_FLIGHT.update(now=0, max=0)
     t0 = time.perf_counter()
     groups, metrics = w.generate(0)

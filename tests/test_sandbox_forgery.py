@@ -75,11 +75,19 @@ def test_forged_results_score_nothing(grader, program):
 def test_correct_program_passes_every_form(grader):
     program = "import math\ndef add(a, b):\n    return a + b\ndef pair(x):\n    return (x, {x}, {'k': [x]}, b'x')\ndef positive(x):\n    return x > 0"
     asserts = ASSERTS + [
-        "assert add(1, 1) != 3", "assert add(2, 2) in [4, 5]", "assert not add(0, 0)", "assert add(1, 0)",
-        "assert math.isclose(add(0.1, 0.2), 0.3, rel_tol=1e-9)", "assert abs(add(1.5, 1) - 2.5) < 1e-9",
-        "assert pair(3) == (3, {3}, {'k': [3]}, b'x')", "assert set([add(1, 1)]) == set((2,))",
-        "assert add(10**9, 7) == 10**9 + 7", "assert add([0], [0] * 2) == [0] * 3",
-        "assert add(1, 2) == 3 and add(2, 3) == 5", "assert positive(1) is True", "assert positive(-1) is not True",
+        "assert add(1, 1) != 3",
+        "assert add(2, 2) in [4, 5]",
+        "assert not add(0, 0)",
+        "assert add(1, 0)",
+        "assert math.isclose(add(0.1, 0.2), 0.3, rel_tol=1e-9)",
+        "assert abs(add(1.5, 1) - 2.5) < 1e-9",
+        "assert pair(3) == (3, {3}, {'k': [3]}, b'x')",
+        "assert set([add(1, 1)]) == set((2,))",
+        "assert add(10**9, 7) == 10**9 + 7",
+        "assert add([0], [0] * 2) == [0] * 3",
+        "assert add(1, 2) == 3 and add(2, 3) == 5",
+        "assert positive(1) is True",
+        "assert positive(-1) is not True",
     ]
     assert grade(grader, program, asserts) == 1.0
     wrong = "def add(a, b):\n    return a - b\ndef pair(x):\n    return [x]"
@@ -115,8 +123,13 @@ raise SystemExit(1)
 
 def test_unsplittable_asserts_fail_closed(grader, caplog):
     program = "def add(a, b):\n    return a + b"
-    cases = ["assert all(add(i, i) == 2 * i for i in range(3))", "import os", "assert add(1, 1) == add(2, 0)",
-             "assert 1 < add(1, 1) < 3", "assert add(1, 1) is 2"]
+    cases = [
+        "assert all(add(i, i) == 2 * i for i in range(3))",
+        "import os",
+        "assert add(1, 1) == add(2, 0)",
+        "assert 1 < add(1, 1) < 3",
+        "assert add(1, 1) is 2",
+    ]
     for case in cases:
         assert split_assert(case).checks == []
     assert grade(grader, program, cases) == 0.0
@@ -124,8 +137,12 @@ def test_unsplittable_asserts_fail_closed(grader, caplog):
 
 
 def test_values_decode_to_plain_builtins():
-    assert decode({"tuple": [1, {"set": [2]}, {"dict": [["a", {"frozenset": []}]]}, {"bytes": "6869"}]}) == \
-        (1, {2}, {"a": frozenset()}, b"hi")
+    assert decode({"tuple": [1, {"set": [2]}, {"dict": [["a", {"frozenset": []}]]}, {"bytes": "6869"}]}) == (
+        1,
+        {2},
+        {"a": frozenset()},
+        b"hi",
+    )
     for bad in ({"object": []}, {"a": 1, "b": 2}, {"tuple": 3}):
         with pytest.raises(ValueError):
             decode(bad)
@@ -134,17 +151,26 @@ def test_values_decode_to_plain_builtins():
 
 def test_forgeries_score_nothing_through_the_reward_runner():
     # the path `lichen train --rm-type code` takes: the reward hub builds the sandbox, the runner scores samples
+    from helpers.rollout import reward_config
+
     from lichen.rewards import build_reward_fn, score_samples
     from lichen.types import Sample
-
-    from helpers.rollout import reward_config
 
     args = reward_config(code_timeout=5.0, code_memory_mb=256, code_max_procs=16, code_sandbox_uid_base=UID_BASE)
     fn = build_reward_fn("code", None, args)
     honest = "def add(a, b):\n    return a + b"
-    samples = [Sample(response=f"```python\n{program}\n```", label=label, index=i)
-               for i, (program, label) in enumerate([(ALWAYS_EQUAL, ASSERTS), (FRAME_FORGERY, ASSERTS),
-                                                     (ALWAYS_EQUAL, CALLS), (honest, ASSERTS), (honest, CALLS)])]
+    samples = [
+        Sample(response=f"```python\n{program}\n```", label=label, index=i)
+        for i, (program, label) in enumerate(
+            [
+                (ALWAYS_EQUAL, ASSERTS),
+                (FRAME_FORGERY, ASSERTS),
+                (ALWAYS_EQUAL, CALLS),
+                (honest, ASSERTS),
+                (honest, CALLS),
+            ]
+        )
+    ]
     stats = score_samples(samples, fn, args)
     assert stats["num_failed"] == 0
     assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 1.0, 1.0]

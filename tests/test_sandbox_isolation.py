@@ -28,8 +28,7 @@ as_nobody = pytest.mark.skipif(not CAN_DROP, reason="needs root (to drop to nobo
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return resolve_sandbox(uid_base=UID_BASE, limits=SandboxLimits(timeout_s=20.0, memory_mb=MEMORY_MB,
-                                                                    max_procs=16))
+    return resolve_sandbox(uid_base=UID_BASE, limits=SandboxLimits(timeout_s=20.0, memory_mb=MEMORY_MB, max_procs=16))
 
 
 # an escape: clear the parent-death signal, leave the session, fork more of the same, sleep
@@ -199,7 +198,8 @@ def test_program_sees_a_minimal_root(sandbox, host_secrets):
 
 # --------------------------------------------------------------------------------------- trainer as nobody
 
-_AS_NOBODY = r"""
+_AS_NOBODY = (
+    r"""
 import json, logging, sys
 sys.path.insert(0, sys.argv[1])  # argv[0] is '-c'
 logging.basicConfig(level=logging.WARNING)
@@ -215,7 +215,9 @@ out["hog"] = {"stdout": hog.stdout, "ok": hog.ok, "stderr": hog.stderr[-500:]}
 snoop = run_sandboxed_sync(sys.argv[4], config=cfg)
 out["snoop"] = {"stdout": snoop.stdout, "ok": snoop.ok, "stderr": snoop.stderr[-500:]}
 print(json.dumps(out))
-""" % MEMORY_MB
+"""
+    % MEMORY_MB
+)
 
 
 @as_nobody

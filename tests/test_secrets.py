@@ -30,27 +30,63 @@ from lichen.observe.secrets import (
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", [
-    "wandb_key", "--wandb-key", "rollout_external_engine_api_key", "WANDB_API_KEY", "HF_TOKEN", "hf_token",
-    "LICHEN_RM_API_KEY", "db_password", "client_secret_file", "AWS_SECRET_ACCESS_KEY", "apikey", "key", "token",
-    "--sglang-admin-api-key", "engine_keys", "OPENAI_API_KEY", "credentials",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "wandb_key",
+        "--wandb-key",
+        "rollout_external_engine_api_key",
+        "WANDB_API_KEY",
+        "HF_TOKEN",
+        "hf_token",
+        "LICHEN_RM_API_KEY",
+        "db_password",
+        "client_secret_file",
+        "AWS_SECRET_ACCESS_KEY",
+        "apikey",
+        "key",
+        "token",
+        "--sglang-admin-api-key",
+        "engine_keys",
+        "OPENAI_API_KEY",
+        "credentials",
+    ],
+)
 def test_secret_names(name):
     assert is_secret_name(name)
 
 
-@pytest.mark.parametrize("name", [
-    "input_key", "label_key", "metadata_key", "tool_key", "reward_key", "eval_reward_key", "rollout_stop_token_ids",
-    "max_tokens_per_gpu", "calculate_per_token_loss", "rollout_external_engine_api_key_file", "rm_api_key_file",
-    "sglang_passthrough", "pad_token", "TOKENIZERS_PARALLELISM", "wandb_project", "",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "input_key",
+        "label_key",
+        "metadata_key",
+        "tool_key",
+        "reward_key",
+        "eval_reward_key",
+        "rollout_stop_token_ids",
+        "max_tokens_per_gpu",
+        "calculate_per_token_loss",
+        "rollout_external_engine_api_key_file",
+        "rm_api_key_file",
+        "sglang_passthrough",
+        "pad_token",
+        "TOKENIZERS_PARALLELISM",
+        "wandb_project",
+        "",
+    ],
+)
 def test_names_that_are_not_secrets(name):
     assert not is_secret_name(name)
 
 
 def test_redact_config_nested_and_argv_lists():
     config = {
-        "wandb_key": "k-wandb-0001", "label_key": "answer", "tool_key": None, "rm_api_key_file": "/run/key",
+        "wandb_key": "k-wandb-0001",
+        "label_key": "answer",
+        "tool_key": None,
+        "rm_api_key_file": "/run/key",
         "train_env_vars": {"HF_TOKEN": "hf-tok-0002", "OMP_NUM_THREADS": "1"},
         "sglang_passthrough": ["--sglang-hf-token", "hf-tok-0003", "--sglang-x-secret=s-0004", "--sglang-tp", "2"],
         "eval_datasets": [{"name": "a", "api_key": "k-0005", "input_key": "q"}],
@@ -58,7 +94,10 @@ def test_redact_config_nested_and_argv_lists():
     }
     out = redact_config(config)
     assert out == {
-        "wandb_key": REDACTED, "label_key": "answer", "tool_key": None, "rm_api_key_file": "/run/key",
+        "wandb_key": REDACTED,
+        "label_key": "answer",
+        "tool_key": None,
+        "rm_api_key_file": "/run/key",
         "train_env_vars": {"HF_TOKEN": REDACTED, "OMP_NUM_THREADS": "1"},
         "sglang_passthrough": ["--sglang-hf-token", REDACTED, f"--sglang-x-secret={REDACTED}", "--sglang-tp", "2"],
         "eval_datasets": [{"name": "a", "api_key": REDACTED, "input_key": "q"}],
@@ -70,13 +109,23 @@ def test_redact_config_nested_and_argv_lists():
 def test_registered_secrets_are_scrubbed_from_text_and_argv(monkeypatch):
     forget_secrets()
     try:
-        register_secrets({"wandb_key": "k-wandb-0001", "rollout_external_engine_api_key": "abc"},
-                         environ={"MY_SERVICE_TOKEN": "env-tok-0006", "HOME": "/root-home-dir"})
+        register_secrets(
+            {"wandb_key": "k-wandb-0001", "rollout_external_engine_api_key": "abc"},
+            environ={"MY_SERVICE_TOKEN": "env-tok-0006", "HOME": "/root-home-dir"},
+        )
         assert redact_text("sent k-wandb-0001 and env-tok-0006 from /root-home-dir") == (
-            f"sent {REDACTED} and {REDACTED} from /root-home-dir")
-        assert redact_text("abc stays: too short to search for in free text") .startswith("abc")
+            f"sent {REDACTED} and {REDACTED} from /root-home-dir"
+        )
+        assert redact_text("abc stays: too short to search for in free text").startswith("abc")
         assert redact_argv(["lichen", "train", "--wandb-key", "k-wandb-0001", "--x-password=pw", "--lr", "1"]) == [
-            "lichen", "train", "--wandb-key", REDACTED, f"--x-password={REDACTED}", "--lr", "1"]
+            "lichen",
+            "train",
+            "--wandb-key",
+            REDACTED,
+            f"--x-password={REDACTED}",
+            "--lr",
+            "1",
+        ]
     finally:
         forget_secrets()
 
@@ -97,10 +146,30 @@ def test_dry_run_redacts_every_secret_flag(tiny_ckpt, addition_data, capsys):
 
     flags = _secret_string_flags()
     assert "--wandb-key" in flags  # the rule reaches the flags that exist; new ones are covered as they come
-    argv = ["train", "--hf-checkpoint", tiny_ckpt, "--prompt-data", addition_data, "--rm-type", "leading_number",
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--dry-run",
-            "--train-env-vars", json.dumps({"HF_TOKEN": "planted-env-0000"}),
-            "--rollout-engine-backend", "sglang", "--rollout-num-engines", "1", "--sglang-hf-token", "planted-sg-0000"]
+    argv = [
+        "train",
+        "--hf-checkpoint",
+        tiny_ckpt,
+        "--prompt-data",
+        addition_data,
+        "--rm-type",
+        "leading_number",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-rollout",
+        "1",
+        "--dry-run",
+        "--train-env-vars",
+        json.dumps({"HF_TOKEN": "planted-env-0000"}),
+        "--rollout-engine-backend",
+        "sglang",
+        "--rollout-num-engines",
+        "1",
+        "--sglang-hf-token",
+        "planted-sg-0000",
+    ]
     planted = {"planted-env-0000", "planted-sg-0000"}
     for i, flag in enumerate(flags):
         argv += [flag, f"planted-flag-{i:04d}"]
@@ -143,19 +212,52 @@ class _RewardServer(BaseHTTPRequestHandler):
 
 
 def test_planted_keys_appear_in_no_output_of_a_run(tiny_ckpt, addition_data, tmp_path):
-    keys = {"wandb": "planted-wandb-key-0123456789abcdef0123456789ab", "rm": "planted-rm-key-5b1e7c",
-            "hf": "planted-hf-token-77aa"}
+    keys = {
+        "wandb": "planted-wandb-key-0123456789abcdef0123456789ab",
+        "rm": "planted-rm-key-5b1e7c",
+        "hf": "planted-hf-token-77aa",
+    }
     _RewardServer.key, _RewardServer.seen = keys["rm"], []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _RewardServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "lichen.cli", "train", "--hf-checkpoint", tiny_ckpt, "--prompt-data", addition_data,
-            "--rm-type", "remote_rm", "--rm-url", f"http://127.0.0.1:{server.server_port}/score",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-            "--num-rollout", "2", "--output-dir", str(out), "--no-progress", "--save", str(out / "ckpt"),
-            "--save-debug-rollout-data", str(out / "dump_{rollout_id}.pt"),
-            "--use-tensorboard", "--use-wandb", "--wandb-mode", "offline", "--wandb-key", keys["wandb"],
-            "--train-env-vars", json.dumps({"HF_TOKEN": keys["hf"]})]
+    argv = [
+        sys.executable,
+        "-m",
+        "lichen.cli",
+        "train",
+        "--hf-checkpoint",
+        tiny_ckpt,
+        "--prompt-data",
+        addition_data,
+        "--rm-type",
+        "remote_rm",
+        "--rm-url",
+        f"http://127.0.0.1:{server.server_port}/score",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "4",
+        "--num-rollout",
+        "2",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--save",
+        str(out / "ckpt"),
+        "--save-debug-rollout-data",
+        str(out / "dump_{rollout_id}.pt"),
+        "--use-tensorboard",
+        "--use-wandb",
+        "--wandb-mode",
+        "offline",
+        "--wandb-key",
+        keys["wandb"],
+        "--train-env-vars",
+        json.dumps({"HF_TOKEN": keys["hf"]}),
+    ]
     env = {**os.environ, "LICHEN_RM_API_KEY": keys["rm"], "WANDB_SILENT": "true", "PYTHONPATH": REPO}
     try:
         proc = subprocess.run(argv, env=env, capture_output=True, timeout=600)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.serve_process import call, launch
 
 KEY, ADMIN = "s3cret-key", "admin-key"
@@ -16,8 +15,9 @@ KEY, ADMIN = "s3cret-key", "admin-key"
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("serve_auth") / "serve.log")
-    proc = launch(tiny_ckpt, "--host", "0.0.0.0", "--api-key", KEY, "--admin-api-key", ADMIN,
-                  "--num-threads", "1", log_path=log)  # clients reach 0.0.0.0 through 127.0.0.1
+    proc = launch(
+        tiny_ckpt, "--host", "0.0.0.0", "--api-key", KEY, "--admin-api-key", ADMIN, "--num-threads", "1", log_path=log
+    )  # clients reach 0.0.0.0 through 127.0.0.1
     yield proc
     proc.stop()
 
@@ -30,8 +30,12 @@ GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
 
 
 def test_refuses_a_public_address_without_a_key(tiny_ckpt):
-    r = subprocess.run([sys.executable, "-m", "lichen.cli", "serve", "--model", tiny_ckpt, "--host", "0.0.0.0",
-                        "--port", "0"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "lichen.cli", "serve", "--model", tiny_ckpt, "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--api-key" in r.stderr and "0.0.0.0" in r.stderr
 
 
@@ -64,8 +68,9 @@ def test_either_header_may_carry_the_key(server):
     # a client that sends a stale Bearer and the right x-api-key (or the other way round) is let in, as SGLang
     assert call(server.url + "/generate", GEN, headers={**bearer("wrong"), "x-api-key": KEY})[0] == 200
     assert call(server.url + "/generate", GEN, headers={**bearer(KEY), "x-api-key": "wrong"})[0] == 200
-    assert call(server.url + "/abort_request", {"abort_all": True},
-                headers={**bearer(KEY), "x-api-key": ADMIN})[0] == 200
+    assert (
+        call(server.url + "/abort_request", {"abort_all": True}, headers={**bearer(KEY), "x-api-key": ADMIN})[0] == 200
+    )
 
 
 def _cmdline(pid: int) -> str:
@@ -77,15 +82,39 @@ def test_keys_from_a_file_or_the_environment_stay_off_the_command_line(tiny_ckpt
     loose = tmp_path / "loose.key"
     loose.write_text(KEY + "\n")
     os.chmod(loose, 0o644)
-    r = subprocess.run([sys.executable, "-m", "lichen.cli", "serve", "--model", tiny_ckpt, "--port", "0",
-                        "--api-key-file", str(loose)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lichen.cli",
+            "serve",
+            "--model",
+            tiny_ckpt,
+            "--port",
+            "0",
+            "--api-key-file",
+            str(loose),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "chmod 600" in r.stderr and "Traceback" not in r.stderr
     assert KEY not in r.stderr
     key_file = tmp_path / "api.key"
     key_file.write_text(KEY + "\n")
     os.chmod(key_file, 0o600)
-    proc = launch(tiny_ckpt, "--host", "0.0.0.0", "--api-key-file", str(key_file), "--num-threads", "1",
-                  env={"LICHEN_ADMIN_API_KEY": ADMIN}, log_path=str(tmp_path / "serve.log"))
+    proc = launch(
+        tiny_ckpt,
+        "--host",
+        "0.0.0.0",
+        "--api-key-file",
+        str(key_file),
+        "--num-threads",
+        "1",
+        env={"LICHEN_ADMIN_API_KEY": ADMIN},
+        log_path=str(tmp_path / "serve.log"),
+    )
     try:
         assert KEY not in _cmdline(proc.proc.pid) and ADMIN not in _cmdline(proc.proc.pid)
         assert call(proc.url + "/generate", GEN)[0] == 401
@@ -109,8 +138,10 @@ def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
     try:
         url, pid = launcher.urls[0], launcher.pids[0]
         assert call(url + "/generate", GEN)[0] == 401  # any local user without the key
-        assert call(url + "/pull_weights", {"local_checkpoint_dir": "/x", "source_dir": "/y",
-                                            "target_version": 0})[0] == 401
+        assert (
+            call(url + "/pull_weights", {"local_checkpoint_dir": "/x", "source_dir": "/y", "target_version": 0})[0]
+            == 401
+        )
         assert call(url + "/flush_cache", headers=bearer(launcher.api_key))[0] == 401  # user key: no admin paths
         for key in (launcher.api_key, launcher.admin_api_key):
             assert key not in _cmdline(pid)
@@ -138,7 +169,11 @@ def test_external_engine_keys_come_from_a_file_or_the_environment(tmp_path, monk
     cfg.api_key_file = None
     assert external_keys(cfg) == ("from-env", ADMIN)
     # the old flag put the key on the command line: refused with one line saying where the key goes now
-    r = subprocess.run([sys.executable, "-m", "lichen.cli", "train", "--rollout-external-engine-api-key", KEY],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "lichen.cli", "train", "--rollout-external-engine-api-key", KEY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "was removed" in r.stderr and "--rollout-external-engine-api-key-file" in r.stderr
     assert "Traceback" not in r.stderr

@@ -45,15 +45,15 @@ def test_a_rows_noise_and_token_do_not_depend_on_its_batch():
     steps = torch.tensor([0, 3, 7, 2**33 + 5])  # steps wrap mod 2^32
     u = row_noise(seeds, steps, 40)
     for b in range(4):
-        assert torch.equal(u[b], row_noise(seeds[b:b + 1], steps[b:b + 1], 40)[0])
+        assert torch.equal(u[b], row_noise(seeds[b : b + 1], steps[b : b + 1], 40)[0])
     assert torch.equal(u[3], row_noise(seeds[3:], torch.tensor([5]), 40)[0])
     assert not torch.equal(u[0], u[2])  # same seed, another step
     logits = torch.randn(4, 40)
     args = (torch.full((4,), 0.9), torch.full((4,), 0.95), torch.full((4,), -1), seeds)
     tok, lp, _ = sample_rows(logits, *args, steps)
     for b in range(4):
-        one = sample_rows(logits[b:b + 1], *(a[b:b + 1] for a in args), steps[b:b + 1])
-        assert torch.equal(tok[b:b + 1], one[0]) and torch.equal(lp[b:b + 1], one[1])
+        one = sample_rows(logits[b : b + 1], *(a[b : b + 1] for a in args), steps[b : b + 1])
+        assert torch.equal(tok[b : b + 1], one[0]) and torch.equal(lp[b : b + 1], one[1])
 
 
 def run_staggered(engine, seqs, joins):
@@ -83,7 +83,7 @@ def test_joining_a_running_batch_gives_the_solo_tokens_and_exact_logprobs(engine
         assert len(s.output_ids) == n and s.finish == ("length", n)
         alone = engine.generate([GenRequest(p, n, temperature=0.8, seed=s.seed, ignore_eos=True)])[0]
         assert s.output_ids == alone.output_ids
-        ref = full_forward_logprobs(engine.model, p + s.output_ids, 0.8)[len(p) - 1:]
+        ref = full_forward_logprobs(engine.model, p + s.output_ids, 0.8)[len(p) - 1 :]
         diffs += [abs(a - b) for a, b in zip(s.output_logprobs, ref)]
     assert max(diffs) <= 1e-5, max(diffs)
 
@@ -153,7 +153,7 @@ def test_stop_strings_and_stop_ids(engine):
     while len(b):
         b.step("0")
     first = probe.output_ids.index(target)
-    assert by_id.finish == ("stop", target) and by_id.output_ids == probe.output_ids[:first + 1]
+    assert by_id.finish == ("stop", target) and by_id.output_ids == probe.output_ids[: first + 1]
     assert by_text.finish == ("stop", "<stop>") and len(by_text.output_ids) == 3
 
 
@@ -177,8 +177,9 @@ def test_scheduler_joins_concurrent_submissions_and_serialises_exclusive_calls(e
         while not sch.num_running:
             pass
         later = [seq([90 + i], 5, 10 + i, stop_ids=frozenset()) for i in range(2)]
-        fut = sch.call(lambda s: seen.append((s.num_running, [len(x.output_ids) for x in first + later])),
-                       exclusive=True)
+        fut = sch.call(
+            lambda s: seen.append((s.num_running, [len(x.output_ids) for x in first + later])), exclusive=True
+        )
         sch.submit(later)
         fut.result(timeout=30)
         # It ran after the batch drained, and before the later ones were admitted.

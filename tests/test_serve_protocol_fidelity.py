@@ -2,7 +2,6 @@
 (named per test) rather than answering something the client did not ask for."""
 
 import pytest
-
 from helpers.serve_process import call, launch
 
 CTX = 72
@@ -51,8 +50,16 @@ def test_ignore_eos_also_ignores_stop_token_ids(server):
 def test_first_input_logprob_is_null_for_any_start(server):
     ids = [20, 21, 22, 23, 24, 25]
     for start in (0, 2, 5):
-        st, out = gen(server, {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
-                               "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 0}})
+        st, out = gen(
+            server,
+            {
+                "input_ids": ids,
+                "return_logprob": True,
+                "logprob_start_len": start,
+                "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        )
         meta = out["meta_info"]
         lps = meta["input_token_logprobs"]
         assert st == 200 and lps[0][0] is None and meta["input_top_logprobs"][0] is None, (start, lps)
@@ -66,8 +73,9 @@ def test_context_length_is_exclusive_as_in_sglang(server):
     prompt = list(range(20, 30))
     st, body = gen(server, {"input_ids": prompt, "sampling_params": {"max_new_tokens": CTX - len(prompt)}})
     assert st == 400 and "maximum context length" in message(body)
-    st, out = gen(server, {"input_ids": prompt, "sampling_params": {"max_new_tokens": CTX - 1 - len(prompt),
-                                                                     "ignore_eos": True}})
+    st, out = gen(
+        server, {"input_ids": prompt, "sampling_params": {"max_new_tokens": CTX - 1 - len(prompt), "ignore_eos": True}}
+    )
     assert st == 200 and len(out["output_ids"]) == CTX - 1 - len(prompt)
     st, body = gen(server, {"input_ids": list(range(20, 20 + CTX)), "sampling_params": {"max_new_tokens": 0}})
     assert st == 400 and "longer than the model's context length" in message(body)

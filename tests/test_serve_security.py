@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.serve_process import call, launch
+
 from lichen.models.tiny import make_tiny_model
 
 NOBODY = 65534
@@ -45,27 +45,43 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, dirs, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("serve_sec") / "serve.log")
-    proc = launch(tiny_ckpt, "--num-threads", "1", "--weight-dir", str(dirs["weights"]),
-                  "--local-checkpoint-dir", str(dirs["local"]), "--max-sequences-per-request", "16",
-                  "--max-queued-sequences", "4", "--header-timeout", "1", "--max-batch-size", "100000000",
-                  log_path=log)
+    proc = launch(
+        tiny_ckpt,
+        "--num-threads",
+        "1",
+        "--weight-dir",
+        str(dirs["weights"]),
+        "--local-checkpoint-dir",
+        str(dirs["local"]),
+        "--max-sequences-per-request",
+        "16",
+        "--max-queued-sequences",
+        "4",
+        "--header-timeout",
+        "1",
+        "--max-batch-size",
+        "100000000",
+        log_path=log,
+    )
     yield proc
     proc.stop()
 
 
 def as_nobody(url: str, requests: list[tuple[str, dict]]) -> list[int]:
     """POST each (path, body) from a process running as uid/gid 65534; returns the statuses."""
-    code = ("import json, sys, urllib.error, urllib.request\n"
-            "def post(url, body):\n"
-            "    req = urllib.request.Request(url, data=json.dumps(body).encode(), method='POST',\n"
-            "                                 headers={'Content-Type': 'application/json'})\n"
-            "    try:\n"
-            "        with urllib.request.urlopen(req, timeout=60) as r:\n"
-            "            return r.status\n"
-            "    except urllib.error.HTTPError as e:\n"
-            "        return e.code\n"
-            "url, reqs = sys.argv[1], json.loads(sys.argv[2])\n"
-            "print(json.dumps([post(url + p, b) for p, b in reqs]))\n")
+    code = (
+        "import json, sys, urllib.error, urllib.request\n"
+        "def post(url, body):\n"
+        "    req = urllib.request.Request(url, data=json.dumps(body).encode(), method='POST',\n"
+        "                                 headers={'Content-Type': 'application/json'})\n"
+        "    try:\n"
+        "        with urllib.request.urlopen(req, timeout=60) as r:\n"
+        "            return r.status\n"
+        "    except urllib.error.HTTPError as e:\n"
+        "        return e.code\n"
+        "url, reqs = sys.argv[1], json.loads(sys.argv[2])\n"
+        "print(json.dumps([post(url + p, b) for p, b in reqs]))\n"
+    )
 
     def drop() -> None:
         os.setgroups([])
@@ -74,8 +90,15 @@ def as_nobody(url: str, requests: list[tuple[str, dict]]) -> list[int]:
 
     # the system interpreter: this checkout's may sit where the attacker cannot read (e.g. under /root)
     python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
-    out = subprocess.run([python, "-I", "-c", code, url, json.dumps(requests)], preexec_fn=drop,
-                         capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [python, "-I", "-c", code, url, json.dumps(requests)],
+        preexec_fn=drop,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -83,18 +106,29 @@ def as_nobody(url: str, requests: list[tuple[str, dict]]) -> list[int]:
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run the attacker as another user")
 def test_unprivileged_user_cannot_make_the_engine_write_or_delete_elsewhere(server, dirs, tiny_ckpt, tmp_path):
     os.symlink(dirs["victim"], dirs["local"] / "planted")  # a link inside the allowed dir leads out of it
-    other = make_tiny_model(str(dirs["other"]), hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                            seed=1, init_std=0.1)
+    other = make_tiny_model(
+        str(dirs["other"]), hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=1, init_std=0.1
+    )
     weights, victim = str(dirs["weights"]), str(dirs["victim"])
     attacks = [
         ("/pull_weights", {"local_checkpoint_dir": victim, "source_dir": weights, "target_version": 0}),
         ("/pull_weights", {"local_checkpoint_dir": victim, "source_dir": str(dirs["attacker"]), "target_version": 0}),
-        ("/pull_weights", {"local_checkpoint_dir": str(dirs["local"] / ".." / "victim"), "source_dir": weights,
-                           "target_version": 0}),
-        ("/pull_weights", {"local_checkpoint_dir": str(dirs["local"] / "planted"), "source_dir": weights,
-                           "target_version": 0}),
-        ("/pull_weights", {"local_checkpoint_dir": str(dirs["local"] / "x"), "source_dir": str(dirs["attacker"]),
-                           "target_version": 0}),
+        (
+            "/pull_weights",
+            {"local_checkpoint_dir": str(dirs["local"] / ".." / "victim"), "source_dir": weights, "target_version": 0},
+        ),
+        (
+            "/pull_weights",
+            {"local_checkpoint_dir": str(dirs["local"] / "planted"), "source_dir": weights, "target_version": 0},
+        ),
+        (
+            "/pull_weights",
+            {
+                "local_checkpoint_dir": str(dirs["local"] / "x"),
+                "source_dir": str(dirs["attacker"]),
+                "target_version": 0,
+            },
+        ),
         ("/update_weights_from_disk", {"model_path": other, "weight_version": "evil"}),
         ("/update_weights_from_disk", {"model_path": str(dirs["weights"] / ".." / "other")}),
     ]
@@ -160,8 +194,9 @@ def test_a_huge_n_is_refused_at_once_and_memory_stays_flat(server):
     body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1, "n": 703_490}}
     st, out = call(server.url + "/generate", body, timeout=60)
     assert st == 400 and "16 sequences" in out["error"]["message"]
-    st, out = call(server.url + "/v1/completions", {"model": "x", "prompt": [5, 6], "max_tokens": 1, "n": 703_490},
-                   timeout=60)
+    st, out = call(
+        server.url + "/v1/completions", {"model": "x", "prompt": [5, 6], "max_tokens": 1, "n": 703_490}, timeout=60
+    )
     assert st == 400 and "16 sequences" in out["message"]
     assert rss_kb(server.proc.pid) - before < 50_000  # kB
     assert call(server.url + "/generate", GEN)[0] == 200
@@ -174,12 +209,16 @@ def test_a_full_queue_answers_503_and_the_client_backs_off(server):
 
     assert call(server.url + "/pause_generation", {"mode": "abort"})[0] == 200
     outs: dict[int, list[str]] = {}
-    code = (f"import sys, json\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-            "from helpers.serve_process import call\n"
-            "st, out = call(sys.argv[1] + '/generate', json.loads(sys.argv[2]))\nprint(st, json.dumps(out))")
+    code = (
+        f"import sys, json\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from helpers.serve_process import call\n"
+        "st, out = call(sys.argv[1] + '/generate', json.loads(sys.argv[2]))\nprint(st, json.dumps(out))"
+    )
     # 6 requests while generation is paused: 4 wait at the gate (--max-queued-sequences 4), 2 are turned away
-    held = [subprocess.Popen([sys.executable, "-c", code, server.url, json.dumps(GEN)], stdout=subprocess.PIPE,
-                             text=True) for _ in range(6)]
+    held = [
+        subprocess.Popen([sys.executable, "-c", code, server.url, json.dumps(GEN)], stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
     try:
         deadline = time.monotonic() + 60
         while sum(p.poll() is not None for p in held) < 2:
@@ -216,8 +255,7 @@ def test_a_full_queue_answers_503_and_the_client_backs_off(server):
         assert res["meta_info"]["completion_tokens"] == 2 and attempts > 4
     finally:
         call(server.url + "/continue_generation", {})
-        sts = [outs[i][0] if i in outs else p.communicate(timeout=60)[0].split(" ", 1)[0]
-               for i, p in enumerate(held)]
+        sts = [outs[i][0] if i in outs else p.communicate(timeout=60)[0].split(" ", 1)[0] for i, p in enumerate(held)]
         assert sorted(sts) == ["200"] * 4 + ["503"] * 2
 
 
@@ -241,8 +279,12 @@ def test_slow_headers_are_cut_off(server):
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_rid(server):
     body = json.dumps({**LONG, "rid": "dropped"}).encode()
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     deadline = time.monotonic() + 30
     while call(server.url + "/v1/loads?include=core")[1]["loads"][0]["num_running_reqs"] < 1:
         assert time.monotonic() < deadline, "the request never started"
@@ -292,9 +334,17 @@ def test_launched_engines_get_the_runs_dirs_and_bounds(tmp_path):
 
     from lichen.engines.launch_args import launch_server_args
 
-    cfg = SimpleNamespace(device="cpu", max_batch_size=None, num_threads=1, num_engines=2,
-                          weight_dir=str(tmp_path / "w"), local_checkpoint_dir=str(tmp_path / "local"),
-                          concurrency=3000, max_prompt_len=100, max_response_len=200)
+    cfg = SimpleNamespace(
+        device="cpu",
+        max_batch_size=None,
+        num_threads=1,
+        num_engines=2,
+        weight_dir=str(tmp_path / "w"),
+        local_checkpoint_dir=str(tmp_path / "local"),
+        concurrency=3000,
+        max_prompt_len=100,
+        max_response_len=200,
+    )
     flags = launch_server_args(cfg)
     opt = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
     assert opt["--weight-dir"] == str(tmp_path / "w") and opt["--local-checkpoint-dir"] == str(tmp_path / "local")

@@ -29,12 +29,33 @@ from lichen.types import Sample, Status
 def base(tmp_path, monkeypatch) -> list[str]:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 102, "max_position_embeddings": 512}))
+    (tmp_path / "hf" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 102,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "2", "--num-rollout", "1"]
+    return [
+        "--hf-checkpoint",
+        "hf",
+        "--prompt-data",
+        "p.jsonl",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--num-rollout",
+        "1",
+    ]
 
 
 def row(base: list[str], *extra: str, flag: str):
@@ -121,8 +142,14 @@ def test_weight_decay_skips_biases_and_norm_weights():
 def test_warm_up_ramps_as_megatron():
     # Megatron's OptimizerParamScheduler: lr = max_lr * num_steps / warmup_steps while num_steps <= warmup_steps,
     # num_steps counting the optimizer steps already taken (0 for the first)
-    assert [lr_at(k, lr=1.0, min_lr=0.0, warmup=4, decay_iters=8, style="linear") for k in range(6)] == \
-        [0.0, 0.25, 0.5, 0.75, 1.0, 0.75]
+    assert [lr_at(k, lr=1.0, min_lr=0.0, warmup=4, decay_iters=8, style="linear") for k in range(6)] == [
+        0.0,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        0.75,
+    ]
 
 
 def test_weight_decay_and_lr_decay_style_given_are_slimes_left_out_differ(base):
@@ -152,8 +179,9 @@ def test_train_env_vars_are_set_in_lichens_own_process(base, monkeypatch):
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the test's own copy, restored afterwards
     os.environ.pop("LICHEN_TEST_ENV_X", None)
-    rc = lichen.cli.main(["train", *base, "--rm-type", "math", "--train-env-vars", '{"LICHEN_TEST_ENV_X": "1"}',
-                          "--dry-run"])
+    rc = lichen.cli.main(
+        ["train", *base, "--rm-type", "math", "--train-env-vars", '{"LICHEN_TEST_ENV_X": "1"}', "--dry-run"]
+    )
     assert rc == 0 and os.environ["LICHEN_TEST_ENV_X"] == "1"
     assert row(base, "--train-env-vars", "{}", flag="--train-env-vars").cls == DIFFERS_CLASS
     assert differs_note("--train-env-vars", ["{}"], local=False) == ""  # --runtime ray: slime's meaning
@@ -180,8 +208,16 @@ def test_moe_aux_loss_coeff_weighs_the_hf_modules_pooled_loss(base, tmp_path, la
     from lichen.models.tiny import make_tiny_model
 
     assert row(base, "--moe-aux-loss-coeff", "0.01", flag="--moe-aux-loss-coeff").cls == DIFFERS_CLASS
-    ckpt = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", hidden_size=32, num_layers=layers, num_heads=4,
-                           num_kv_heads=2, intermediate_size=48, max_position_embeddings=64)
+    ckpt = make_tiny_model(
+        str(tmp_path / "moe"),
+        arch="qwen3_moe",
+        hidden_size=32,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
     model = load_model(ckpt, impl="hf")
     with torch.no_grad():
         for name, p in model.named_parameters():

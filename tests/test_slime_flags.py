@@ -11,14 +11,36 @@ import yaml
 import lichen.cli
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.slime_flags import (
-    CHECKED, CLASSES, DEFAULT_DIFFERS, DIFFERS, DIFFERS_CLASS, MAPPED, NA_NO_EFFECT, NA_SHARDING, NOT_YET, REMOVED, SAME, SLIME_FLAGS,
-    UNKNOWN, VALUE_DIFFERS,
+    CHECKED,
+    CLASSES,
+    DEFAULT_DIFFERS,
+    DIFFERS,
+    DIFFERS_CLASS,
+    MAPPED,
+    NA_NO_EFFECT,
+    NA_SHARDING,
+    NOT_YET,
+    REMOVED,
+    SAME,
+    SLIME_FLAGS,
+    UNKNOWN,
+    VALUE_DIFFERS,
 )
 from lichen.errors import ConfigError
 
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 102, "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": True}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 102,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.fixture
@@ -27,8 +49,20 @@ def base(tmp_path, monkeypatch):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(TINY))
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", "hf", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "2", "--rm-type", "math", "--num-rollout", "100"]
+    return [
+        "--hf-checkpoint",
+        "hf",
+        "--prompt-data",
+        "prompts.jsonl",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rm-type",
+        "math",
+        "--num-rollout",
+        "100",
+    ]
 
 
 def parse(argv):
@@ -60,17 +94,41 @@ def test_same_class_keeps_lichens_flag(base):
 
 
 def test_mapped_flags_are_translated(base):
-    args, _ = parse(base + ["--recompute-granularity", "full", "--lr-warmup-fraction", "0.05", "--optimizer",
-                            "adam", "--wandb-exp-name", "run7", "--train-backend", "fsdp", "--balance-data",
-                            "--attn-implementation", "flash_attention_2"])
+    args, _ = parse(
+        base
+        + [
+            "--recompute-granularity",
+            "full",
+            "--lr-warmup-fraction",
+            "0.05",
+            "--optimizer",
+            "adam",
+            "--wandb-exp-name",
+            "run7",
+            "--train-backend",
+            "fsdp",
+            "--balance-data",
+            "--attn-implementation",
+            "flash_attention_2",
+        ]
+    )
     rows = rows_of(args)
     assert args.gradient_checkpointing is True
     assert args.lr_warmup_iters == 5  # 5% of 100 rollout steps x 1 optimizer step each
     assert args.wandb_run_name == "run7"
     assert args.train_backend == "torch"  # slime's FSDP backend is lichen's torch backend
-    assert {rows[f].cls for f in ("--recompute-granularity", "--lr-warmup-fraction", "--optimizer",
-                                  "--wandb-exp-name", "--train-backend", "--balance-data",
-                                  "--attn-implementation")} == {MAPPED}
+    assert {
+        rows[f].cls
+        for f in (
+            "--recompute-granularity",
+            "--lr-warmup-fraction",
+            "--optimizer",
+            "--wandb-exp-name",
+            "--train-backend",
+            "--balance-data",
+            "--attn-implementation",
+        )
+    } == {MAPPED}
 
 
 def test_mapped_flag_with_a_value_lichen_cannot_run_stops(base):
@@ -121,9 +179,20 @@ def test_checked_model_type_nothing_can_load_stops(base, tmp_path):
 
 
 def test_not_applicable_sharding_and_no_effect_are_accepted(base):
-    args, tables = parse(base + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
-                                 "--sequence-parallel", "--no-rope-fusion", "--use-mcore-models",
-                                 "--attention-dropout", "0.0"])
+    args, tables = parse(
+        base
+        + [
+            "--tensor-model-parallel-size",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--no-rope-fusion",
+            "--use-mcore-models",
+            "--attention-dropout",
+            "0.0",
+        ]
+    )
     rows = rows_of(args)
     assert rows["--tensor-model-parallel-size"].cls == NA_SHARDING
     assert rows["--no-rope-fusion"].cls == NA_NO_EFFECT and rows["--attention-dropout"].cls == NA_NO_EFFECT
@@ -136,12 +205,30 @@ def test_dropout_other_than_zero_is_not_available(base):
 
 
 def test_not_available_yet_and_removed_and_unknown_are_all_named_in_one_run(base):
-    message, tables = failure(base + ["--optimizer-cpu-offload", "--megatron-to-hf-mode", "bridge",
-                                      "--train-memory-margin-bytes", "5", "--frobnicate", "3", "--num-layers", "2",
-                                      "--rollout-batch-size", "0"])
-    for needle in ("4 flags stop this run", "--optimizer-cpu-offload", "--megatron-to-hf-mode was removed",
-                   "--train-memory-margin-bytes was removed", "unrecognized argument --frobnicate",
-                   "also: --rollout-batch-size 0"):  # and the first rule the remaining flags break
+    message, tables = failure(
+        base
+        + [
+            "--optimizer-cpu-offload",
+            "--megatron-to-hf-mode",
+            "bridge",
+            "--train-memory-margin-bytes",
+            "5",
+            "--frobnicate",
+            "3",
+            "--num-layers",
+            "2",
+            "--rollout-batch-size",
+            "0",
+        ]
+    )
+    for needle in (
+        "4 flags stop this run",
+        "--optimizer-cpu-offload",
+        "--megatron-to-hf-mode was removed",
+        "--train-memory-margin-bytes was removed",
+        "unrecognized argument --frobnicate",
+        "also: --rollout-batch-size 0",
+    ):  # and the first rule the remaining flags break
         assert needle in message, needle
     table = tables[0]
     assert f"{NOT_YET} | --optimizer-cpu-offload" in table and f"{REMOVED} | --megatron-to-hf-mode bridge" in table
@@ -154,8 +241,17 @@ def test_megatron_names_get_no_misleading_hint(base):
     assert "did you mean" not in tables[0]
 
 
-@pytest.mark.parametrize("flag", ["--no-load-optim", "--moe-input-jitter-eps", "--train-iters", "--router-ip",
-                                  "--lr-warmup-init", "--apply-layernorm-1p"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--no-load-optim",
+        "--moe-input-jitter-eps",
+        "--train-iters",
+        "--router-ip",
+        "--lr-warmup-init",
+        "--apply-layernorm-1p",
+    ],
+)
 def test_megatron_names_outside_the_table_get_no_unrelated_hint(base, flag):
     # difflib's default 0.6 once paired these with --no-offload-train, --kl-loss-coef, --train-env-vars, ...
     message, tables = failure(base + ["--use-mcore-models", flag, "1"])
@@ -169,10 +265,21 @@ def test_yaml_key_outside_the_table_gets_no_unrelated_hint(base, tmp_path):
 
 
 def test_more_megatron_switches_are_classified(base):
-    args, tables = parse(base + ["--use-flash-attn", "--tokenizer-type", "HuggingFaceTokenizer",
-                                 "--make-vocab-size-divisible-by", "128", "--distributed-timeout-minutes", "10"])
-    assert {r.cls for r in args._slime_rows if r.flag.startswith(("--use-f", "--tok", "--make", "--dist"))} == \
-        {NA_NO_EFFECT}
+    args, tables = parse(
+        base
+        + [
+            "--use-flash-attn",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--make-vocab-size-divisible-by",
+            "128",
+            "--distributed-timeout-minutes",
+            "10",
+        ]
+    )
+    assert {r.cls for r in args._slime_rows if r.flag.startswith(("--use-f", "--tok", "--make", "--dist"))} == {
+        NA_NO_EFFECT
+    }
     message, _ = failure(base + ["--fp16"])
     assert "--fp16: fp16 training (loss scaling) is not built" in message
 
@@ -253,8 +360,11 @@ def test_differences_from_slime_are_their_own_class(base):
 
 
 def test_counts_follow_the_class_order():
-    rows = [slime_compat.Row("--a", [], CHECKED, "", ""), slime_compat.Row("--b", [], SAME, "", ""),
-            slime_compat.Row("--c", [], CHECKED, "", "")]
+    rows = [
+        slime_compat.Row("--a", [], CHECKED, "", ""),
+        slime_compat.Row("--b", [], SAME, "", ""),
+        slime_compat.Row("--c", [], CHECKED, "", ""),
+    ]
     assert slime_compat.counts(rows) == {SAME: 1, CHECKED: 2}
 
 
@@ -270,8 +380,9 @@ def test_wandb_group_reaches_wandb(base, tmp_path, monkeypatch):
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    args = parse_train_args(base + ["--use-wandb", "--wandb-mode", "offline", "--wandb-group", "grp",
-                                    "--output-dir", str(tmp_path / "run")])
+    args = parse_train_args(
+        base + ["--use-wandb", "--wandb-mode", "offline", "--wandb-group", "grp", "--output-dir", str(tmp_path / "run")]
+    )
     MetricsLogger.from_config(ObserveConfig.from_args(args)).close()
     assert calls[0]["group"] == "grp"
 

@@ -22,10 +22,14 @@ SCRIPTS = {
     "run-qwen3-4B": (2, ["--ref-load", "torch_dist"]),
     # glm4, gpt_oss and glm4_moe_lite run on the generic HF path (a mapped row); the Megatron --ref-load stops them
     "run-glm4-9B": (2, ["torch_dist", "mapped | model_type glm4 | --model-impl hf"]),
-    "run-gpt-oss-20B": (2, ["--megatron-to-hf-mode was removed", "torch_dist",
-                            "mapped | model_type gpt_oss | --model-impl hf"]),
-    "run-glm4.7-30B-A3B": (2, ["--optimizer-cpu-offload", "--enable-mtp-training",
-                               "mapped | model_type glm4_moe_lite | --model-impl hf"]),
+    "run-gpt-oss-20B": (
+        2,
+        ["--megatron-to-hf-mode was removed", "torch_dist", "mapped | model_type gpt_oss | --model-impl hf"],
+    ),
+    "run-glm4.7-30B-A3B": (
+        2,
+        ["--optimizer-cpu-offload", "--enable-mtp-training", "mapped | model_type glm4_moe_lite | --model-impl hf"],
+    ),
     "run-qwen3-4B-debug-rollout-only": (0, []),
     "run-qwen3-4B-debug-train-only": (0, []),
 }
@@ -62,7 +66,7 @@ def test_each_slime_script_converts_and_dry_runs_in_one_invocation(base_dir, cap
         assert needle in out + err, needle  # the stop reasons on stderr, the table's rows on stdout
     # the complete table: every flag of the train.py command has its row
     command = read_script(str(path))
-    table = out[out.index("slime/Megatron flags"):]
+    table = out[out.index("slime/Megatron flags") :]
     for flag in {t.split("=")[0] for t in command.argv if t.startswith("--")}:
         assert re.search(rf"\| {re.escape(flag)}( |$)", table, re.M), flag
     counts = re.search(r"^counts: (.*)$", table, re.M).group(1)
@@ -92,7 +96,8 @@ def test_reader_sources_relative_files_arrays_arithmetic_and_env(tmp_path):
         "A=(\n   --lr 1e-6\n   # --lr 2e-6\n   --wandb-key ${NOT_SET_ANYWHERE}\n   --label-key 'it''s'\n)\n"
         'ENV="{\n  \\"env_vars\\": {\\"X\\": \\"${GIVEN:-dflt}\\"}\n}"\n'
         'ray job submit --runtime-env-json="${ENV}" \\\n   -- python3 train_async.py \\\n'
-        "   ${MODEL_ARGS[@]} \\\n   ${A[@]}\n")
+        "   ${MODEL_ARGS[@]} \\\n   ${A[@]}\n"
+    )
     command = read_script(str(tmp_path / "run.sh"), environ={})
     assert command.entry == "train_async.py"
     assert command.argv == ["--num-layers", "3", "--lr", "1e-6", "--wandb-key", "--label-key", "its"]

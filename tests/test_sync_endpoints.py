@@ -14,14 +14,14 @@ import os
 import pytest
 import torch
 import xxhash
+from helpers.serve_process import call as plain_call
 
 from lichen.engines.client import EngineError
 from lichen.engines.engine import Engine
 from lichen.engines.remote_engines import RemoteEngines
-from helpers.serve_process import call as plain_call
 from lichen.models import load_model
-from lichen.sync.disk_delta import DeltaSync
 from lichen.sync.disk import FullDiskSync
+from lichen.sync.disk_delta import DeltaSync
 from lichen.sync.distributed import BroadcastSync, buckets
 from lichen.sync.verify import WeightMismatchError, verify_engines, verify_in_process
 from lichen.weights import VersionMismatchError, apply_delta_to_checkpoint, list_versions, read_version_info
@@ -62,8 +62,9 @@ def checksums(pair: RemoteEngines) -> list[dict]:
 
 
 def pull(pair: RemoteEngines, local: str, source: str, version: int) -> list[dict]:
-    return pair.post_each("/pull_weights", {"local_checkpoint_dir": local, "source_dir": source,
-                                            "target_version": version})
+    return pair.post_each(
+        "/pull_weights", {"local_checkpoint_dir": local, "source_dir": source, "target_version": version}
+    )
 
 
 def xxh(t: torch.Tensor) -> str:
@@ -96,8 +97,9 @@ def test_broadcast_syncs_are_bit_exact_and_reuse_the_group(pair, tiny_ckpt):
             m = bs.push(iter(state.items()), version, F32)
             assert m["sync/buckets"] > 1 and m["sync/bytes"] == sum(v.numel() * 4 for v in state.values())
             assert_served(pair, state, version)
-            assert verify_engines(pair, lambda: iter(state.items()), F32, version=version)["sync/verified_tensors"] \
-                == 2 * len(state)
+            assert verify_engines(pair, lambda: iter(state.items()), F32, version=version)[
+                "sync/verified_tensors"
+            ] == 2 * len(state)
         assert bs.groups_formed == 1
         verify_engines(pair, lambda: iter(state.items()), F32, method="sampled", full=True)
     finally:
@@ -232,8 +234,9 @@ def test_late_joiner_seeds_from_newest_full_and_resume_starts_a_chain(pair, tiny
     # engine 0 "restarts": back on its base checkpoint, then joins with an empty local dir of its own
     url = pair.urls[0]
     _update(url, tiny_ckpt, "default")
-    st, body = call(url + "/pull_weights", {"local_checkpoint_dir": str(tmp_path / "late"), "source_dir": disk,
-                                             "target_version": 3})
+    st, body = call(
+        url + "/pull_weights", {"local_checkpoint_dir": str(tmp_path / "late"), "source_dir": disk, "target_version": 3}
+    )
     assert st == 200 and "seeded from 1" in body["message"] and body["deltas_applied"] == [2, 3]
     assert "Applied deltas" not in _update(url, str(tmp_path / "late"), "3")["message"]  # a reload
     assert_served(pair, state, 3)
@@ -305,8 +308,10 @@ def test_weight_endpoint_errors(pair, tmp_path):
     assert st == 400 and "/init_weights_update_group" in body["message"]
     st, body = call(base + "/update_weights_from_distributed", {**upd, "dtypes": ["float33"]})
     assert st == 400 and "float33" in body["message"]
-    st, body = call(base + "/pull_weights", {"local_checkpoint_dir": str(tmp_path / "l"),
-                                              "source_dir": str(tmp_path / "none"), "target_version": 2})
+    st, body = call(
+        base + "/pull_weights",
+        {"local_checkpoint_dir": str(tmp_path / "l"), "source_dir": str(tmp_path / "none"), "target_version": 2},
+    )
     assert st == 400 and body["success"] is False and "does not exist" in body["message"]
     assert call(base + "/pull_weights", {"local_checkpoint_dir": "x", "source_dir": "y"})[0] == 400
 
@@ -366,8 +371,15 @@ class FakeSGLang:
     def post_each(self, path, body):
         assert path == "/weights_checker" and body == {"action": "checksum"}
         info = {"tp_rank": 0, "tp_size": 1}
-        return [{"success": True, "message": "", "per_engine_checksum": s,
-                 "ranks": [{"checksums": {}, "per_gpu_checksum": s, "parallelism_info": info}]} for s in self.sums]
+        return [
+            {
+                "success": True,
+                "message": "",
+                "per_engine_checksum": s,
+                "ranks": [{"checksums": {}, "per_gpu_checksum": s, "parallelism_info": info}],
+            }
+            for s in self.sums
+        ]
 
     def get_weights_by_name(self, name, truncate_size=100):
         return [w[name][:truncate_size].float().tolist() for w in self.weights]
@@ -402,6 +414,7 @@ def test_a_failing_engine_ends_the_wait_at_once(monkeypatch):
 
     engines = RemoteEngines(["http://127.0.0.1:9", "http://127.0.0.1:10"])  # never contacted
     try:
+
         async def post_ok(c, path, body, timeout=None):
             if c.url.endswith(":9"):
                 raise EngineError(f"{c.url}{path} answered HTTP 400: group does not exist")

@@ -31,18 +31,48 @@ def remove_weights(path: str) -> None:
     os.remove(os.path.join(path, "model.safetensors"))
 
 
-@pytest.mark.parametrize("hook,want", [
-    ("corrupt_weights", "does not serve the trainer's weights after the sync to version 0: 1 tensor(s) differ"),
-    ("remove_weights", "weight sync to version 0 failed: engine http://127.0.0.1:"),
-])
+@pytest.mark.parametrize(
+    "hook,want",
+    [
+        ("corrupt_weights", "does not serve the trainer's weights after the sync to version 0: 1 tensor(s) differ"),
+        ("remove_weights", "weight sync to version 0 failed: engine http://127.0.0.1:"),
+    ],
+)
 def test_sync_failure_is_one_line_with_engine_and_version(tiny_ckpt, addition_data, tmp_path, hook, want):
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "lichen.cli", "train", "--hf-checkpoint", tiny_ckpt, "--prompt-data", addition_data,
-            "--rm-type", "leading_number", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "4", "--num-rollout", "1", "--output-dir", str(out), "--no-progress",
-            "--rollout-num-engines", "1", "--update-weight-transport", "disk", "--update-weight-mode", "full",
-            "--update-weight-disk-dir", str(out / "weights"),
-            "--custom-update-weight-post-write-path", f"test_sync_errors.{hook}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "lichen.cli",
+        "train",
+        "--hf-checkpoint",
+        tiny_ckpt,
+        "--prompt-data",
+        addition_data,
+        "--rm-type",
+        "leading_number",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "4",
+        "--num-rollout",
+        "1",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--rollout-num-engines",
+        "1",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-mode",
+        "full",
+        "--update-weight-disk-dir",
+        str(out / "weights"),
+        "--custom-update-weight-post-write-path",
+        f"test_sync_errors.{hook}",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, REPO])}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -47,8 +47,9 @@ def moved(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
 
 
 def post_tensor(pair, body: dict, headers: dict | None = None):
-    return plain_call(pair.urls[0] + "/update_weights_from_tensor", body,
-                      headers=admin(pair) if headers is None else headers)
+    return plain_call(
+        pair.urls[0] + "/update_weights_from_tensor", body, headers=admin(pair) if headers is None else headers
+    )
 
 
 def entry(named) -> str:
@@ -84,10 +85,17 @@ def test_handles_map_the_same_memory_in_an_unrelated_process():
     payload = entry(views)
     assert len(payload) < 2000
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom lichen.engines.tensor_payload import load_named_tensors\n"
-         "[(n, t)] = load_named_tensors(sys.stdin.readline().strip())\nprint(float(t[5, 7]), flush=True)\n"
-         "sys.stdin.readline()\nprint(float(t[5, 7]), flush=True)\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom lichen.engines.tensor_payload import load_named_tensors\n"
+            "[(n, t)] = load_named_tensors(sys.stdin.readline().strip())\nprint(float(t[5, 7]), flush=True)\n"
+            "sys.stdin.readline()\nprint(float(t[5, 7]), flush=True)\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         child.stdin.write(payload + "\n")
         child.stdin.flush()
@@ -126,18 +134,23 @@ def test_shared_segments_are_released_after_each_sync(pair, tiny_ckpt):
 
 def test_wrong_name_or_shape_is_refused_naming_it(pair):
     version = pair.weight_versions()[0]
-    st, body = post_tensor(pair, {"serialized_named_tensors": [entry([("model.nope.weight", torch.zeros(2))])],
-                                  "weight_version": "999"})
+    st, body = post_tensor(
+        pair, {"serialized_named_tensors": [entry([("model.nope.weight", torch.zeros(2))])], "weight_version": "999"}
+    )
     assert st == 400 and "model.nope.weight" in body["message"]
-    st, body = post_tensor(pair, {"serialized_named_tensors": [entry([(Q, torch.zeros(3, 3))])],
-                                  "weight_version": "999"})
+    st, body = post_tensor(
+        pair, {"serialized_named_tensors": [entry([(Q, torch.zeros(3, 3))])], "weight_version": "999"}
+    )
     assert st == 400 and Q in body["message"] and "(3, 3)" in body["message"]
     assert pair.weight_versions()[0] == version
 
 
 def test_admin_key_is_required(pair):
-    st, _ = post_tensor(pair, {"serialized_named_tensors": [entry([(Q, torch.zeros(64, 64))])]},
-                        headers={"Authorization": f"Bearer {pair.launcher.api_key}"})
+    st, _ = post_tensor(
+        pair,
+        {"serialized_named_tensors": [entry([(Q, torch.zeros(64, 64))])]},
+        headers={"Authorization": f"Bearer {pair.launcher.api_key}"},
+    )
     assert st == 401
 
 
@@ -184,8 +197,9 @@ def test_hostile_pickles_are_refused_and_never_run(pair, tmp_path, what):
     marker = tmp_path / "pwned"
     raw = hostile_payloads(str(marker))[what]
     version = pair.weight_versions()[0]
-    st, body = post_tensor(pair, {"serialized_named_tensors": [base64.b64encode(raw).decode()],
-                                  "weight_version": "666"})
+    st, body = post_tensor(
+        pair, {"serialized_named_tensors": [base64.b64encode(raw).decode()], "weight_version": "666"}
+    )
     assert st == 400 and body["success"] is False, body
     assert not marker.exists()
     assert pair.weight_versions()[0] == version
@@ -239,8 +253,16 @@ def flattened_bucket(meta_cls, named, lie: int = 0) -> str:
     parts, metas, at = [], [], 0
     for name, t in named:
         b = t.contiguous().flatten().view(torch.uint8)
-        metas.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=at, end_idx=at + b.numel() + lie,
-                              numel=b.numel() + lie))
+        metas.append(
+            meta_cls(
+                name=name,
+                shape=t.shape,
+                dtype=t.dtype,
+                start_idx=at,
+                end_idx=at + b.numel() + lie,
+                numel=b.numel() + lie,
+            )
+        )
         parts.append(b)
         at += b.numel()
     return entry({"flattened_tensor": torch.cat(parts), "metadata": metas})
@@ -249,24 +271,47 @@ def flattened_bucket(meta_cls, named, lie: int = 0) -> str:
 def test_slimes_flattened_bucket_format_is_read(pair, tiny_ckpt, sglang_bucket_class):
     state = moved(load_hf_state_dict(tiny_ckpt), 21)
     names = [Q, "model.norm.weight"]
-    st, body = post_tensor(pair, {"serialized_named_tensors": [flattened_bucket(sglang_bucket_class,
-                                                                                [(n, state[n]) for n in names])],
-                                  "load_format": "flattened_bucket", "weight_version": "21"})
+    st, body = post_tensor(
+        pair,
+        {
+            "serialized_named_tensors": [flattened_bucket(sglang_bucket_class, [(n, state[n]) for n in names])],
+            "load_format": "flattened_bucket",
+            "weight_version": "21",
+        },
+    )
     assert st == 200, body
     sums = served_sums(pair)[0]
     assert [sums[n] for n in names] == [xxh(state[n]) for n in names]
     assert pair.weight_versions()[0] == "21"
-    st, body = post_tensor(pair, {"serialized_named_tensors": [flattened_bucket(sglang_bucket_class,
-                                                                                [(Q, state[Q])], lie=4)],
-                                  "load_format": "flattened_bucket", "weight_version": "22"})
+    st, body = post_tensor(
+        pair,
+        {
+            "serialized_named_tensors": [flattened_bucket(sglang_bucket_class, [(Q, state[Q])], lie=4)],
+            "load_format": "flattened_bucket",
+            "weight_version": "22",
+        },
+    )
     assert st == 400 and Q in body["message"] and "inside the bucket" in body["message"]
     assert pair.weight_versions()[0] == "21"
 
 
 # ---- a training run -----------------------------------------------------------------------------------------
 def test_training_over_launched_engines_by_tensor_handles(tiny_ckpt, addition_data, tmp_path):
-    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", "--num-threads", "1",
-                            "--rollout-num-engines", "1", "--update-weight-transport", "tensor"))
+    metrics = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "3",
+            "--num-threads",
+            "1",
+            "--rollout-num-engines",
+            "1",
+            "--update-weight-transport",
+            "tensor",
+        )
+    )
     assert [m["sync/weight_version"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert m["sync/transport_tensor"] == 1 and m["sync/verified_tensors"] == 20
@@ -274,15 +319,19 @@ def test_training_over_launched_engines_by_tensor_handles(tiny_ckpt, addition_da
 
 
 # ---- where it cannot work -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("engines, needle", [
-    (["--rollout-external-engine-addrs", "127.0.0.1:9"], "--rollout-external-engine-addrs"),
-    ([], "the in-process engine"),
-])
+@pytest.mark.parametrize(
+    "engines, needle",
+    [
+        (["--rollout-external-engine-addrs", "127.0.0.1:9"], "--rollout-external-engine-addrs"),
+        ([], "the in-process engine"),
+    ],
+)
 def test_refused_with_exit_2_where_it_cannot_work(tiny_ckpt, addition_data, tmp_path, capsys, engines, needle):
     from lichen.cli import main
 
-    argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", *engines,
-                     "--update-weight-transport", "tensor")
+    argv = base_args(
+        tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", *engines, "--update-weight-transport", "tensor"
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--update-weight-transport" in err and needle in err and "Traceback" not in err

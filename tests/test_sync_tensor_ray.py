@@ -13,9 +13,28 @@ from helpers.runs import base_args, run  # noqa: E402
 
 @pytest.mark.slow
 def test_colocated_ray_run_syncs_by_tensor_handles(tiny_ckpt, addition_data, tmp_path, capfd):
-    metrics = run(base_args(tiny_ckpt, addition_data, tmp_path / "out", "--num-rollout", "2", "--device", "cpu",
-                            "--num-threads", "1", "--runtime", "ray", "--colocate", "--actor-num-gpus-per-node", "2",
-                            "--rollout-num-gpus", "2", "--update-weight-transport", "tensor"))
+    metrics = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "out",
+            "--num-rollout",
+            "2",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--colocate",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "2",
+            "--update-weight-transport",
+            "tensor",
+        )
+    )
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["sync/weight_version"] for m in steps] == [1, 2]
     assert all(m["sync/transport_tensor"] == 1 and m["sync/verified_tensors"] == 2 * 20 for m in steps)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers.runs import base_args, dumped_samples, pop_engines, run
 
 from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.launcher import EngineLauncher
-
-from helpers.runs import base_args, dumped_samples, pop_engines, run
 
 THREADS = ["--num-threads", "1"]
 
@@ -23,8 +22,12 @@ THREADS = ["--num-threads", "1"]
 @pytest.fixture(scope="module")
 def addrs(tiny_ckpt, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp())  # the runs' weight dirs are below it
-    launcher = EngineLauncher(tiny_ckpt, 2, server_args=[*THREADS, "--weight-dir", tmp, "--local-checkpoint-dir", tmp],
-                              log_dir=str(tmp_path_factory.mktemp("logs")))
+    launcher = EngineLauncher(
+        tiny_ckpt,
+        2,
+        server_args=[*THREADS, "--weight-dir", tmp, "--local-checkpoint-dir", tmp],
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+    )
     urls = launcher.start()
     # the runs use them as external engines: their keys go through the environment, as a user's would
     keys = {ENGINE_KEY_ENV: launcher.api_key, ENGINE_ADMIN_KEY_ENV: launcher.admin_api_key}
@@ -43,8 +46,11 @@ def addrs(tiny_ckpt, tmp_path_factory):
 def in_process(tiny_ckpt, addition_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("local")
     dump = str(out / "r_{rollout_id}.pt")
-    metrics = run(base_args(tiny_ckpt, addition_data, out / "o", "--num-rollout", "3", *THREADS,
-                            "--save-debug-rollout-data", dump))
+    metrics = run(
+        base_args(
+            tiny_ckpt, addition_data, out / "o", "--num-rollout", "3", *THREADS, "--save-debug-rollout-data", dump
+        )
+    )
     return dump, metrics
 
 
@@ -62,20 +68,43 @@ def _samples(path: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("transport", ["nccl", "disk-full", "disk-delta"])
-def test_three_steps_over_two_engines_match_in_process(tiny_ckpt, addition_data, tmp_path, addrs, in_process,
-                                                        transport):
+def test_three_steps_over_two_engines_match_in_process(
+    tiny_ckpt, addition_data, tmp_path, addrs, in_process, transport
+):
     local_dump, local_metrics = in_process
-    flags = {"nccl": [],
-             "disk-full": ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")],
-             "disk-delta": ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w"),
-                            "--update-weight-mode", "delta",
-                            "--update-weight-local-checkpoint-dir", str(tmp_path / "local")]}[transport]
+    flags = {
+        "nccl": [],
+        "disk-full": ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")],
+        "disk-delta": [
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+            "--update-weight-mode",
+            "delta",
+            "--update-weight-local-checkpoint-dir",
+            str(tmp_path / "local"),
+        ],
+    }[transport]
     if transport != "nccl":
         flags += ["--custom-update-weight-post-write-path", "test_sync_training.record_version"]
     WRITTEN.clear()
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    remote = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "3", *THREADS,
-                           "--save-debug-rollout-data", dump, "--rollout-external-engine-addrs", *addrs, *flags))
+    remote = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "3",
+            *THREADS,
+            "--save-debug-rollout-data",
+            dump,
+            "--rollout-external-engine-addrs",
+            *addrs,
+            *flags,
+        )
+    )
     for step in range(3):
         a, b = _samples(local_dump.format(rollout_id=step)), _samples(dump.format(rollout_id=step))
         assert len(a) == len(b) == 16

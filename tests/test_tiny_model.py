@@ -15,9 +15,12 @@ from lichen.models.tiny import _parser, make_tiny_model
 from lichen.models.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
-SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-             max_position_embeddings=128)
-TEXT = "Hello , World ! isn 't do n't .\n\n\tx = 1 + 22;  y = [a-b] * {c} / 'd' \"e\" ~`@#$%^&()_|\\<>?.\n\n  trailing  "
+SMALL = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=128
+)
+TEXT = (
+    "Hello , World ! isn 't do n't .\n\n\tx = 1 + 22;  y = [a-b] * {c} / 'd' \"e\" ~`@#$%^&()_|\\<>?.\n\n  trailing  "
+)
 SPECIAL = {"<|pad|>": 0, "<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<|unk|>": 4}
 # Independent statement of the vocabulary layout: specials, then printable ASCII in code order, then \n, \t.
 CHAR_ID = {**{chr(c): 5 + c - 32 for c in range(32, 127)}, "\n": 100, "\t": 101}
@@ -109,8 +112,16 @@ def test_config_round_trips_and_shapes_match_hf(models, arch):
 
 
 def test_weight_init_values(tmp_path):
-    path = make_tiny_model(str(tmp_path / "m"), arch="qwen2", hidden_size=64, num_heads=4, intermediate_size=128,
-                           num_layers=1, init_std=0.05, seed=3)
+    path = make_tiny_model(
+        str(tmp_path / "m"),
+        arch="qwen2",
+        hidden_size=64,
+        num_heads=4,
+        intermediate_size=128,
+        num_layers=1,
+        init_std=0.05,
+        seed=3,
+    )
     w = load_file(os.path.join(path, "model.safetensors"))
     emb = w["model.embed_tokens.weight"].double()
     # 102*64 samples of N(0, 0.05^2): sample std within ~3 % and mean within ~4 standard errors.
@@ -129,10 +140,21 @@ def test_same_arguments_give_byte_identical_directories(tmp_path):
     b = make_tiny_model(str(tmp_path / "b"), seed=7, **kwargs)
     c = make_tiny_model(str(tmp_path / "c"), seed=8, **kwargs)
     files = sorted(os.listdir(a))
-    assert files == sorted(os.listdir(b)) == sorted(os.listdir(c)) == sorted([
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-        "special_tokens_map.json", "generation_config.json",
-    ])
+    assert (
+        files
+        == sorted(os.listdir(b))
+        == sorted(os.listdir(c))
+        == sorted(
+            [
+                "config.json",
+                "model.safetensors",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "generation_config.json",
+            ]
+        )
+    )
     read = lambda d, f: open(os.path.join(d, f), "rb").read()  # noqa: E731
     for f in files:
         assert read(a, f) == read(b, f), f
@@ -177,7 +199,9 @@ def test_tokenizer_round_trips_through_autotokenizer(models, arch):
 def test_chat_template_and_encode_prompt(models, arch):
     tok = load_tokenizer(models[arch])
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1 =\t?"}]
-    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1 + 1 =\t?<|im_end|>\n<|im_start|>assistant\n"
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1 + 1 =\t?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == expected
     assert tok.apply_chat_template(msgs, tokenize=False) == expected[: -len("<|im_start|>assistant\n")]
 
@@ -201,7 +225,7 @@ def test_chat_template_and_encode_prompt(models, arch):
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
     with_tools = tok.decode(encode_prompt(tok, msgs[1:], apply_chat_template=True, tools=tools))
     assert with_tools.startswith("<|im_start|>system\n# Tools\n{") and '"calc"' in with_tools
-    assert with_tools.endswith(expected[expected.index("<|im_start|>user"):])
+    assert with_tools.endswith(expected[expected.index("<|im_start|>user") :])
 
     with pytest.raises(ConfigError, match="--apply-chat-template"):
         encode_prompt(tok, msgs, apply_chat_template=False)
@@ -240,9 +264,29 @@ def test_load_tokenizer_errors(tmp_path):
 
 def test_cli_writes_model_and_reports_parameter_count(tmp_path, capsys):
     out = tmp_path / "cli-model"
-    rc = cli_main(["make-tiny-model", str(out), "--arch", "qwen2", "--hidden-size", "16", "--num-heads", "2",
-                   "--num-kv-heads", "1", "--num-layers", "1", "--intermediate-size", "24",
-                   "--no-tie-word-embeddings", "--seed", "5", "--init-std", "0.1"])
+    rc = cli_main(
+        [
+            "make-tiny-model",
+            str(out),
+            "--arch",
+            "qwen2",
+            "--hidden-size",
+            "16",
+            "--num-heads",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--num-layers",
+            "1",
+            "--intermediate-size",
+            "24",
+            "--no-tie-word-embeddings",
+            "--seed",
+            "5",
+            "--init-std",
+            "0.1",
+        ]
+    )
     assert rc == 0
     line = capsys.readouterr().out.strip()
     assert "\n" not in line and str(out) in line
@@ -256,18 +300,21 @@ def test_cli_writes_model_and_reports_parameter_count(tmp_path, capsys):
     assert (cfg["num_key_value_heads"], cfg["tie_word_embeddings"], cfg["initializer_range"]) == (1, False, 0.1)
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--hidden-size", "0"], "--hidden-size"),
-    (["--num-layers", "-1"], "--num-layers"),
-    (["--intermediate-size", "0"], "--intermediate-size"),
-    (["--max-position-embeddings", "0"], "--max-position-embeddings"),
-    (["--hidden-size", "66", "--num-heads", "4"], "--num-heads"),
-    (["--hidden-size", "12", "--num-heads", "4"], "--hidden-size"),  # head dim 3 is odd
-    (["--num-heads", "4", "--num-kv-heads", "3"], "--num-kv-heads"),
-    (["--num-kv-heads", "0"], "--num-kv-heads"),
-    (["--init-std", "-0.1"], "--init-std"),
-    (["--seed", "-1"], "--seed"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--hidden-size", "0"], "--hidden-size"),
+        (["--num-layers", "-1"], "--num-layers"),
+        (["--intermediate-size", "0"], "--intermediate-size"),
+        (["--max-position-embeddings", "0"], "--max-position-embeddings"),
+        (["--hidden-size", "66", "--num-heads", "4"], "--num-heads"),
+        (["--hidden-size", "12", "--num-heads", "4"], "--hidden-size"),  # head dim 3 is odd
+        (["--num-heads", "4", "--num-kv-heads", "3"], "--num-kv-heads"),
+        (["--num-kv-heads", "0"], "--num-kv-heads"),
+        (["--init-std", "-0.1"], "--init-std"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
 def test_cli_rejects_bad_values(tmp_path, capsys, args, flag):
     out = tmp_path / "bad"
     assert cli_main(["make-tiny-model", str(out), *args]) == 2

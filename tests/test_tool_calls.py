@@ -13,37 +13,52 @@ import threading
 
 import openai
 import pytest
+from helpers.serve_process import launch
 
 from lichen.engines.tool_parsers import TaggedJsonParser, ToolCall, load_parser
 from lichen.errors import ConfigError
 
-from helpers.serve_process import launch
-
 P = TaggedJsonParser()
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b",
-                                           "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a+b",
+            "parameters": {"type": "object", "properties": {"a": {}, "b": {}}},
+        },
+    }
+]
 
 
 # ---- parsing ------------------------------------------------------------------------------------------------------
 def test_valid_calls_and_content_around_them():
     out = P.parse("Let me add.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 5'))
     assert out.content == "Let me add."
-    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("add", {"a": 1, "b": 2}),
-                                                                      ("add", {"a": 5, "b": 2})]
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("add", {"a": 5, "b": 2}),
+    ]
     assert len({c.id for c in out.calls}) == 2
     only = P.parse(CALL)
     assert only.content is None and len(only.calls) == 1
     # arguments given as a JSON string are read as the object they encode
-    assert json.loads(P.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
-                      .calls[0].arguments) == {"x": 1}
+    assert json.loads(
+        P.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>').calls[0].arguments
+    ) == {"x": 1}
 
 
-@pytest.mark.parametrize("text", ['<tool_call>{"name": "add", "arguments": {</tool_call>',  # bad JSON
-                                  '<tool_call>{"arguments": {}}</tool_call>',  # no name
-                                  '<tool_call>[1, 2]</tool_call>',  # not an object
-                                  '<tool_call>{"name": "f", "arguments": 3}</tool_call>',  # arguments not an object
-                                  'answer <tool_call>{"name": "add", "arguments": {}}'])  # never closed
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "add", "arguments": {</tool_call>',  # bad JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        "<tool_call>[1, 2]</tool_call>",  # not an object
+        '<tool_call>{"name": "f", "arguments": 3}</tool_call>',  # arguments not an object
+        'answer <tool_call>{"name": "add", "arguments": {}}',
+    ],
+)  # never closed
 def test_malformed_calls_stay_in_the_content(text):
     out = P.parse(text)
     assert out.calls == [] and out.content == text.strip()
@@ -60,9 +75,17 @@ def stream_all(parser, text: str, step: int = 1) -> tuple[str, list[ToolCall], l
     return content, calls, deltas
 
 
-@pytest.mark.parametrize("text", ["Let me add.\n" + CALL + "\nDone, it is 3.", CALL, "no call here at all",
-                                  "x <tool_call>{broken}</tool_call> y", "tail <tool_call>{\"name\": \"add\"",
-                                  "  spaced  \n" + CALL + "\n\n" + CALL + "\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Let me add.\n" + CALL + "\nDone, it is 3.",
+        CALL,
+        "no call here at all",
+        "x <tool_call>{broken}</tool_call> y",
+        'tail <tool_call>{"name": "add"',
+        "  spaced  \n" + CALL + "\n\n" + CALL + "\n",
+    ],
+)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_streaming_joins_to_the_parse_and_never_leaks_a_partial_tag(text, step):
     content, calls, deltas = stream_all(P, text, step)
@@ -70,7 +93,7 @@ def test_streaming_joins_to_the_parse_and_never_leaks_a_partial_tag(text, step):
     assert (content or None) == whole.content
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
     if whole.calls:  # no piece of a call that parsed was ever sent as content
-        assert not any("<tool" in d or "\"name\"" in d for d in deltas)
+        assert not any("<tool" in d or '"name"' in d for d in deltas)
 
 
 class UpperParser:
@@ -78,6 +101,7 @@ class UpperParser:
 
     def parse(self, text):
         from lichen.engines.tool_parsers import ParsedOutput
+
         return ParsedOutput(None, [ToolCall("upper", json.dumps({"text": text}))])
 
     def stream(self):
@@ -88,8 +112,11 @@ def test_parser_flag_names_builtins_plugins_and_refuses_the_rest():
     assert isinstance(load_parser("qwen25"), TaggedJsonParser)
     assert load_parser("none") is None
     assert isinstance(load_parser("test_tool_calls.UpperParser"), UpperParser)
-    for bad, words in (("mistral", "unknown parser"), ("test_tool_calls.nothing", "no attribute"),
-                       ("json.JSONDecoder", "needs parse(text) and stream()")):
+    for bad, words in (
+        ("mistral", "unknown parser"),
+        ("test_tool_calls.nothing", "no attribute"),
+        ("json.JSONDecoder", "needs parse(text) and stream()"),
+    ):
         with pytest.raises(ConfigError) as e:
             load_parser(bad)
         assert str(e.value).startswith(f"--tool-call-parser {bad!r}") and words in str(e.value)
@@ -143,6 +170,7 @@ class ScriptedServer:
 
         async def up():
             from aiohttp import web
+
             await self.server.start()
             self.runner = web.AppRunner(self.server.app())
             await self.runner.setup()
@@ -151,8 +179,9 @@ class ScriptedServer:
             self.port = site._server.sockets[0].getsockname()[1]
             started.set()
 
-        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(up()), self.loop.run_forever()),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=lambda: (self.loop.run_until_complete(up()), self.loop.run_forever()), daemon=True
+        )
         self.thread.start()
         assert started.wait(60)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
@@ -161,6 +190,7 @@ class ScriptedServer:
         async def down():
             await self.runner.cleanup()
             await self.server.stop()
+
         asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
@@ -195,21 +225,30 @@ def test_sdk_gets_tool_calls_and_sends_them_back(scripted):
     # the tools reached the template
     assert '"name": "add"' in s.tok.decode(s.prompts[-1])
     # the SDK's assistant message with tool_calls, and a tool result, render as the next prompt
-    s.client.chat.completions.create(model="tiny", tools=TOOLS, messages=[
-        *MSGS, choice.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": "3"}])
+    s.client.chat.completions.create(
+        model="tiny",
+        tools=TOOLS,
+        messages=[
+            *MSGS,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "3"},
+        ],
+    )
     assert s.tok.decode(s.prompts[-1]).endswith("<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_sdk_streams_tool_call_deltas(scripted):
     s = scripted("Sure.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 7'))
-    chunks = list(s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, stream=True,
-                                                   logprobs=True))
+    chunks = list(
+        s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, stream=True, logprobs=True)
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert content == "Sure."
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)["a"]) for tc in calls] == \
-        [(0, "add", 1), (1, "add", 7)]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)["a"]) for tc in calls] == [
+        (0, "add", 1),
+        (1, "add", 7),
+    ]
     assert all(tc.id and tc.type == "function" for tc in calls)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # log-probs of the tokens whose text was held (the calls) are sent too, each once
@@ -226,9 +265,16 @@ def test_without_tools_nothing_is_parsed(scripted):
     assert "# Tools" not in s.tok.decode(s.prompts[-1])  # "none": the model is not shown the tools
 
 
-@pytest.mark.parametrize("choice, words", [("required", "tool_choice \"required\" is not supported"),
-                                           ({"type": "function", "function": {"name": "add"}},
-                                            'tool_choice {"type": "function", "function": {"name": "add"}} is not')])
+@pytest.mark.parametrize(
+    "choice, words",
+    [
+        ("required", 'tool_choice "required" is not supported'),
+        (
+            {"type": "function", "function": {"name": "add"}},
+            'tool_choice {"type": "function", "function": {"name": "add"}} is not',
+        ),
+    ],
+)
 def test_tool_choice_that_forces_a_call_is_refused(scripted, choice, words):
     s = scripted(CALL)
     with pytest.raises(openai.BadRequestError) as e:
@@ -237,9 +283,11 @@ def test_tool_choice_that_forces_a_call_is_refused(scripted, choice, words):
 
 
 def test_template_that_ignores_tools_is_a_400_naming_it(scripted):
-    plain = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-             "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-             "{%- endif %}")
+    plain = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}"
+    )
     s = scripted(CALL, template=plain)
     with pytest.raises(openai.BadRequestError) as e:
         s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS)
@@ -269,8 +317,7 @@ def test_real_server_with_the_sdk(tiny_ckpt, tmp_path):
     bare = launch(str(no_tools), "--num-threads", "1")
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model=tiny_ckpt, messages=MSGS, tools=TOOLS, max_tokens=5,
-                                           temperature=0)
+        r = client.chat.completions.create(model=tiny_ckpt, messages=MSGS, tools=TOOLS, max_tokens=5, temperature=0)
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "upper" and r.usage.completion_tokens <= 5
         bare_client = openai.OpenAI(base_url=bare.url + "/v1", api_key="none", max_retries=0)

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import agentic_calculator as demo  # noqa: E402
+
 from lichen.models.tokenizer import load_tokenizer  # noqa: E402
 from lichen.rollout.tool_rollout import check_turn  # noqa: E402
 
@@ -28,14 +29,20 @@ def test_sft_trace_is_the_tool_rollouts_conversation_with_the_tool_turn_masked(t
     schemas = [{"type": "function", "function": demo.calc.schema}]
     call_len = traj.mask.index(0)
     tool_len = traj.mask[call_len:].index(1)
-    call, tool, answer = (traj.tokens[:call_len], traj.tokens[call_len:call_len + tool_len],
-                          traj.tokens[call_len + tool_len:])
+    call, tool, answer = (
+        traj.tokens[:call_len],
+        traj.tokens[call_len : call_len + tool_len],
+        traj.tokens[call_len + tool_len :],
+    )
     assert tok.decode(call) == "<calc>4821+3107</calc><|im_end|>" and tok.decode(answer) == "7928<|im_end|>"
     assert tok.decode(tool) == "\n<|im_start|>tool\n7928<|im_end|>\n<|im_start|>assistant\n"
     assert traj.mask == [1] * call_len + [0] * tool_len + [1] * len(answer)
     # the fidelity check of the tool rollout finds the trace's second turn equal to the template's rendering
-    messages = [{"role": "user", "content": "4821+3107="}, {"role": "assistant", "content": "<calc>4821+3107</calc>"},
-                {"role": "tool", "name": "calc", "content": "7928"}]
+    messages = [
+        {"role": "user", "content": "4821+3107="},
+        {"role": "assistant", "content": "<calc>4821+3107</calc>"},
+        {"role": "tool", "name": "calc", "content": "7928"},
+    ]
     assert check_turn(tok, messages, schemas, prompt + call + tool) is None
     assert check_turn(tok, messages[:1], schemas, prompt) is None
 
@@ -51,8 +58,9 @@ def test_cold_start_mix_answers_from_memory_or_calls_the_tool(tok):
     assert pick(types.SimpleNamespace(metadata=None)) is demo.tool_trace
 
 
-@pytest.mark.parametrize("flags", [["--mix-tool-fraction", "1.5"], ["--mix-tool-fraction", "-0.1"],
-                                   ["--mix-steps", "-1"]])
+@pytest.mark.parametrize(
+    "flags", [["--mix-tool-fraction", "1.5"], ["--mix-tool-fraction", "-0.1"], ["--mix-steps", "-1"]]
+)
 def test_bad_cold_start_flags_are_usage_errors(flags, capsys):
     with pytest.raises(SystemExit) as e:
         demo.parse_args(flags)
@@ -61,13 +69,18 @@ def test_bad_cold_start_flags_are_usage_errors(flags, capsys):
 
 def test_parser_and_reward():
     parsed = demo.CalcParser().parse("ok <calc>12+3</calc>")
-    assert parsed.content == "ok" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
-        [("calc", {"expr": "12+3"})]
+    assert parsed.content == "ok" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("calc", {"expr": "12+3"})
+    ]
     assert demo.CalcParser().parse("7928").calls == [] and demo.calc("4821+3107") == "7928"
 
     def sample(stop, last, label="7928"):
-        msgs = [{"role": "user", "content": "4821+3107="}, {"role": "assistant", "content": "<calc>4821+3107</calc>"},
-                {"role": "tool", "content": "7928"}, {"role": "assistant", "content": last}]
+        msgs = [
+            {"role": "user", "content": "4821+3107="},
+            {"role": "assistant", "content": "<calc>4821+3107</calc>"},
+            {"role": "tool", "content": "7928"},
+            {"role": "assistant", "content": last},
+        ]
         return types.SimpleNamespace(metadata={"messages": msgs, "stop": stop}, response="", label=label)
 
     assert demo.reward(None, sample("answer", "7928")) == 1.0
@@ -80,8 +93,12 @@ def test_sft_early_stop_rule_is_the_first_eval_reaching_the_target(tmp_path):
     assert demo.stop_step([(25, 0.0), (50, 0.39), (75, 0.4), (100, 0.9)], 0.4) == 75
     assert demo.stop_step([(25, 0.0), (50, 0.1)], 0.4) is None
     metrics = tmp_path / "metrics.jsonl"
-    rows = [{"step": 25, "eval/sft_eval/reward_mean": 0.2}, {"step": 26, "loss": 1.0},
-            {"step": 50, "eval/sft_eval/reward_mean": 0.5}, {"step": 50, "eval/heldout/reward_mean": 0.9}]
+    rows = [
+        {"step": 25, "eval/sft_eval/reward_mean": 0.2},
+        {"step": 26, "loss": 1.0},
+        {"step": 50, "eval/sft_eval/reward_mean": 0.5},
+        {"step": 50, "eval/heldout/reward_mean": 0.9},
+    ]
     stop = demo.EarlyStop(str(metrics), 0.4)
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     assert not stop("step 25/100 | loss 1.0 | eval sft_eval 0.200") and stop.step is None
@@ -101,8 +118,20 @@ def test_data_splits_share_no_problem(tmp_path):
     kinds = [r["metadata"]["sft_trace"] for r in rows[0]]  # the cold-start mix: drawn per training problem
     assert 0.4 < kinds.count("tool") / 300 < 0.6 and set(kinds) == {"tool", "direct"}
     assert all("metadata" not in r for split in rows[1:] for r in split)  # test and SFT-eval rows: plain
-    all_tool = demo.parse_args(["--seed", "3", "--train-problems", "300", "--heldout", "40", "--sft-eval-problems",
-                                "30", "--mix-tool-fraction", "1"])
+    all_tool = demo.parse_args(
+        [
+            "--seed",
+            "3",
+            "--train-problems",
+            "300",
+            "--heldout",
+            "40",
+            "--sft-eval-problems",
+            "30",
+            "--mix-tool-fraction",
+            "1",
+        ]
+    )
     paths = demo.make_data(all_tool, str(tmp_path / "all_tool"))
     again = [json.loads(line) for line in Path(paths[0]).read_text().splitlines()]
     assert [r["prompt"] for r in again] == [r["prompt"] for r in rows[0]]  # the fraction does not move the splits
@@ -115,12 +144,47 @@ def test_tiny_run_starts_rl_from_the_cold_start_mix_after_sft_stopped(tmp_path):
     import subprocess
 
     script = os.path.join(os.path.dirname(demo.__file__), "agentic_calculator.py")
-    r = subprocess.run([sys.executable, script, "--seed", "2", "--workdir", str(tmp_path), "--quiet", "--arms", "tool",
-                        "--train-problems", "100", "--heldout", "4", "--sft-eval-problems", "4",
-                        "--sft-steps", "40", "--sft-eval-every", "2", "--sft-batch", "4", "--sft-stop-accuracy", "0",
-                        "--mix-steps", "3", "--rl-steps", "1", "--rl-prompts", "2", "--rl-group", "2",
-                        "--rl-eval-every", "1"],
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--seed",
+            "2",
+            "--workdir",
+            str(tmp_path),
+            "--quiet",
+            "--arms",
+            "tool",
+            "--train-problems",
+            "100",
+            "--heldout",
+            "4",
+            "--sft-eval-problems",
+            "4",
+            "--sft-steps",
+            "40",
+            "--sft-eval-every",
+            "2",
+            "--sft-batch",
+            "4",
+            "--sft-stop-accuracy",
+            "0",
+            "--mix-steps",
+            "3",
+            "--rl-steps",
+            "1",
+            "--rl-prompts",
+            "2",
+            "--rl-group",
+            "2",
+            "--rl-eval-every",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     tool = json.loads((tmp_path / "seed2" / "summary.json").read_text())["arms"]["tool"]
     assert tool["sft_steps"] == 2 and tool["sft_stopped_early"] and tool["sft_eval_curve"] == [[2, 0.0]]

@@ -10,6 +10,8 @@ import asyncio
 import json
 
 import pytest
+from helpers.runs import base_args, dumped_samples, run
+from helpers.scripted_policy import scripted_generate
 
 from lichen.engines.engine import Engine, GenResult
 from lichen.engines.sampler import derive_seed
@@ -20,9 +22,6 @@ from lichen.rollout.custom_generate import run_custom_generate
 from lichen.rollout.tool_rollout import check_turn, first_mismatch, generate, tool_turn_ids
 from lichen.rollout.tools import load_tools, run_tool, schema_of
 from lichen.types import Sample, Status
-
-from helpers.runs import base_args, dumped_samples, run
-from helpers.scripted_policy import scripted_generate
 
 
 # ---- tools the tests name by dotted path ---------------------------------------------------------------------------
@@ -46,10 +45,17 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(tool_paths=["test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"], max_turns=4,
-                tool_timeout=5.0, tool_call_parser="hermes", check_token_fidelity=True, agent_function_path=None,
-                seed=5,
-                rollout_stop_token_ids=None, custom_generate_function_path="lichen.rollout.tool_rollout.generate")
+    base = dict(
+        tool_paths=["test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"],
+        max_turns=4,
+        tool_timeout=5.0,
+        tool_call_parser="hermes",
+        check_token_fidelity=True,
+        agent_function_path=None,
+        seed=5,
+        rollout_stop_token_ids=None,
+        custom_generate_function_path="lichen.rollout.tool_rollout.generate",
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -80,8 +86,9 @@ def rollout(tok, turns, budget=400, **kw):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     engine = ScriptedEngine(turns, im_end)
     sample = Sample(prompt="what is 1+2?", tokens=[1], index=0)
-    [out] = run_custom_generate(generate, _args(**kw), [sample], [{"max_new_tokens": budget, "sampling_seed": 11}],
-                                engine=engine, tokenizer=tok)
+    [out] = run_custom_generate(
+        generate, _args(**kw), [sample], [{"max_new_tokens": budget, "sampling_seed": 11}], engine=engine, tokenizer=tok
+    )
     return out, engine
 
 
@@ -98,8 +105,9 @@ def test_trajectory_is_the_engines_tokens_plus_the_templates_tool_turns(tok):
     assert out.tokens == prompt + turn1 + tool + turn2  # no turn re-encoded
     assert out.response_length == len(turn1 + tool + turn2)
     assert out.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
-    assert out.rollout_log_probs == pytest.approx([-0.1 * (k + 1) for k in range(len(turn1))] + [0.0] * len(tool)
-                                                  + [-0.1 * (k + 1) for k in range(len(turn2))])
+    assert out.rollout_log_probs == pytest.approx(
+        [-0.1 * (k + 1) for k in range(len(turn1))] + [0.0] * len(tool) + [-0.1 * (k + 1) for k in range(len(turn2))]
+    )
     assert out.status == Status.COMPLETED and out.weight_versions == ["7"]
     # each turn continues the exact history with the budget left and its own seed
     r1, r2 = engine.requests
@@ -109,8 +117,9 @@ def test_trajectory_is_the_engines_tokens_plus_the_templates_tool_turns(tok):
     # rewards see the whole trajectory
     md = out.metadata
     assert md["turns"] == 2 and md["stop"] == "answer" and md["token_fidelity"] is None
-    assert [(c["name"], json.loads(c["arguments"]), c["result"]) for c in md["tool_calls"]] == \
-        [("add", {"a": 1, "b": 2}, "3")]
+    assert [(c["name"], json.loads(c["arguments"]), c["result"]) for c in md["tool_calls"]] == [
+        ("add", {"a": 1, "b": 2}, "3")
+    ]
     assert [m["role"] for m in md["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert "It is 3." in out.response and "<tool_call>" in out.response
     # the sample log names the server of each turn
@@ -128,11 +137,10 @@ def test_fidelity_check_catches_a_retokenized_turn(tok):
     prompt_len = len(out.tokens) - out.response_length
     bad = out.metadata["token_fidelity"]
     assert bad == {"position": prompt_len + 3, "trained": spelled[0], "template": im_end}
-    assert out.tokens[prompt_len:prompt_len + len(turn1)] == turn1
+    assert out.tokens[prompt_len : prompt_len + len(turn1)] == turn1
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2], [1, 2, 3]) == {"position": 2, "trained": None, "template": 3}
-    assert check_turn(tok, [{"role": "user", "content": "x"}], None,
-                      encode_prompt(tok, "x", True)) is None
+    assert check_turn(tok, [{"role": "user", "content": "x"}], None, encode_prompt(tok, "x", True)) is None
 
 
 def test_turns_and_budget_end_the_trajectory(tok):
@@ -152,17 +160,25 @@ def test_turns_and_budget_end_the_trajectory(tok):
 def test_tools_async_timeouts_and_errors(tok):
     tools = load_tools(("test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"))
     assert schema_of(add, "add")["function"] == {
-        "name": "add", "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a"]}}
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a"],
+        },
+    }
     assert tools["boom"].schema == {"type": "function", "function": boom.schema}
 
     async def go():
-        return await asyncio.gather(run_tool(tools, "add", '{"a": 2, "b": 5}', 5),
-                                    run_tool(tools, "slow", '{"seconds": 0}', 5),
-                                    run_tool(tools, "slow", '{"seconds": 30}', 0.2),
-                                    run_tool(tools, "boom", "{}", 5), run_tool(tools, "nope", "{}", 5),
-                                    run_tool(tools, "add", '{"c": 1}', 5))
+        return await asyncio.gather(
+            run_tool(tools, "add", '{"a": 2, "b": 5}', 5),
+            run_tool(tools, "slow", '{"seconds": 0}', 5),
+            run_tool(tools, "slow", '{"seconds": 30}', 0.2),
+            run_tool(tools, "boom", "{}", 5),
+            run_tool(tools, "nope", "{}", 5),
+            run_tool(tools, "add", '{"c": 1}', 5),
+        )
 
     ok, woke, late, broke, unknown, bad = asyncio.run(go())
     assert (ok, woke) == ("7", "woke")
@@ -175,26 +191,44 @@ def test_tools_async_timeouts_and_errors(tok):
 # ---- flags ---------------------------------------------------------------------------------------------------------
 def _parse(tiny_ckpt, data, tmp_path, *extra):
     from lichen.config import parse_train_args
+
     return parse_train_args(base_args(tiny_ckpt, data, tmp_path / "o", "--num-rollout", "1", *extra)[1:])
 
 
 def test_flags_select_the_rollout_and_are_checked(tiny_ckpt, addition_data, tmp_path):
     args = _parse(tiny_ckpt, addition_data, tmp_path, "--apply-chat-template", "--tool-paths", "test_tool_rollout.add")
     assert args.custom_generate_function_path == "lichen.rollout.tool_rollout.generate"
-    args = _parse(tiny_ckpt, addition_data, tmp_path, "--apply-chat-template", "--agent-function-path",
-                  "helpers.agent_proxy.sdk_agent")
+    args = _parse(
+        tiny_ckpt,
+        addition_data,
+        tmp_path,
+        "--apply-chat-template",
+        "--agent-function-path",
+        "helpers.agent_proxy.sdk_agent",
+    )
     assert args.custom_generate_function_path == "lichen.rollout.agent_rollout.generate"
-    for extra, words in ((["--tool-paths", "test_tool_rollout.nothing"], "--tool-paths 'test_tool_rollout.nothing'"),
-                         (["--tool-paths", "test_tool_rollout.add"], "pass --apply-chat-template"),
-                         (["--max-turns", "0"], "--max-turns must be at least 1"),
-                         (["--tool-timeout", "0"], "--tool-timeout must be a positive"),
-                         (["--tool-call-parser", "mistral"], "--tool-call-parser 'mistral': unknown parser"),
-                         (["--apply-chat-template", "--agent-function-path", "helpers.agent_proxy.sdk_agent",
-                           "--tool-paths", "test_tool_rollout.add"], "exclude each other"),
-                         (["--apply-chat-template", "--agent-function-path", "test_tool_rollout.add"],
-                          "must be an async function"),
-                         (["--apply-chat-template", "--tool-paths", "test_tool_rollout.add", "--tool-call-parser",
-                           "none"], "--tool-call-parser none: the tool rollout")):
+    for extra, words in (
+        (["--tool-paths", "test_tool_rollout.nothing"], "--tool-paths 'test_tool_rollout.nothing'"),
+        (["--tool-paths", "test_tool_rollout.add"], "pass --apply-chat-template"),
+        (["--max-turns", "0"], "--max-turns must be at least 1"),
+        (["--tool-timeout", "0"], "--tool-timeout must be a positive"),
+        (["--tool-call-parser", "mistral"], "--tool-call-parser 'mistral': unknown parser"),
+        (
+            [
+                "--apply-chat-template",
+                "--agent-function-path",
+                "helpers.agent_proxy.sdk_agent",
+                "--tool-paths",
+                "test_tool_rollout.add",
+            ],
+            "exclude each other",
+        ),
+        (["--apply-chat-template", "--agent-function-path", "test_tool_rollout.add"], "must be an async function"),
+        (
+            ["--apply-chat-template", "--tool-paths", "test_tool_rollout.add", "--tool-call-parser", "none"],
+            "--tool-call-parser none: the tool rollout",
+        ),
+    ):
         with pytest.raises(ConfigError, match=words):
             _parse(tiny_ckpt, addition_data, tmp_path, *extra)
 
@@ -208,21 +242,36 @@ def test_training_step_trains_exactly_the_rollouts_tokens(tiny_ckpt, addition_da
     reply = scripted_generate(tok, lambda text: "3" if "<|im_start|>tool" in text else CALL, returned)
     monkeypatch.setattr(Engine, "generate", reply)
     dump = str(tmp_path / "r_{rollout_id}.pt")
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", "--num-threads", "1",
-                         "--apply-chat-template", "--rollout-max-response-len", "200",
-                         "--tool-paths", "test_tool_rollout.add", "--check-token-fidelity",
-                         "--save-debug-rollout-data", dump))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "o",
+            "--num-rollout",
+            "1",
+            "--num-threads",
+            "1",
+            "--apply-chat-template",
+            "--rollout-max-response-len",
+            "200",
+            "--tool-paths",
+            "test_tool_rollout.add",
+            "--check-token-fidelity",
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
     samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and len(returned) == 32
     calls = {tuple(inp): ids for inp, ids in returned}
     for s in samples:
         prompt = s["tokens"][: len(s["tokens"]) - s["response_length"]]
         turn1 = calls[tuple(prompt)]
-        rest = s["tokens"][len(prompt) + len(turn1):]
-        second_input = [inp for inp in calls if len(inp) > len(prompt) and list(inp[:len(prompt)]) == prompt]
+        rest = s["tokens"][len(prompt) + len(turn1) :]
+        second_input = [inp for inp in calls if len(inp) > len(prompt) and list(inp[: len(prompt)]) == prompt]
         (inp2,) = second_input
         turn2 = calls[inp2]
-        tool = list(inp2[len(prompt) + len(turn1):])
+        tool = list(inp2[len(prompt) + len(turn1) :])
         assert rest == tool + turn2  # the trained tokens are the engine's plus the template's tool turn
         assert s["loss_mask"] == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
         assert s["metadata"]["token_fidelity"] is None and s["metadata"]["tool_calls"][0]["result"] == "3"
@@ -233,12 +282,16 @@ def test_code_tool_runs_in_the_sandbox():
     """`lichen.rollout.tools.python`: model-written code runs sandboxed (no network), its output is the result."""
     tools = load_tools(("lichen.rollout.tools.python",))
     assert tools["python"].schema["function"]["parameters"]["required"] == ["code"]
-    code = ("import socket\nprint(6 * 7)\ntry:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
-            "except OSError as e:\n    print('no network')\nraise SystemExit(3)")
+    code = (
+        "import socket\nprint(6 * 7)\ntry:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+        "except OSError as e:\n    print('no network')\nraise SystemExit(3)"
+    )
 
     async def go():
-        return await asyncio.gather(run_tool(tools, "python", json.dumps({"code": code}), 60),
-                                    run_tool(tools, "python", json.dumps({"code": "1/0"}), 60))
+        return await asyncio.gather(
+            run_tool(tools, "python", json.dumps({"code": code}), 60),
+            run_tool(tools, "python", json.dumps({"code": "1/0"}), 60),
+        )
 
     ran, failed = asyncio.run(go())
     assert ran == "42\nno network\nexit code 3"

@@ -14,8 +14,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers import chromium  # noqa: E402
-from helpers.runs import base_args, run  # noqa: E402
 from helpers.reward_server import RewardServer  # noqa: E402
+from helpers.runs import base_args, run  # noqa: E402
 
 STEPS = 2
 SAMPLES = 16  # --rollout-batch-size 4 x --n-samples-per-prompt 4 (helpers.runs.base_args)
@@ -26,16 +26,42 @@ def run_dir(tiny_ckpt, addition_data, tmp_path_factory) -> str:
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
     out = tmp_path_factory.mktemp("lanes")
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        num_gpus=4,
+        include_dashboard=False,
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+    )
     try:
         with RewardServer() as rm:
-            argv = base_args(tiny_ckpt, addition_data, out, "--num-rollout", str(STEPS), "--device", "cpu",
-                             "--num-threads", "1", "--runtime", "ray", "--actor-num-gpus-per-node", "2",
-                             "--rollout-num-gpus", "2", "--rm-type", "remote_rm", "--rm-url", rm.url,
-                             "--trace", "--log-samples", str(SAMPLES))
+            argv = base_args(
+                tiny_ckpt,
+                addition_data,
+                out,
+                "--num-rollout",
+                str(STEPS),
+                "--device",
+                "cpu",
+                "--num-threads",
+                "1",
+                "--runtime",
+                "ray",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--rollout-num-gpus",
+                "2",
+                "--rm-type",
+                "remote_rm",
+                "--rm-url",
+                rm.url,
+                "--trace",
+                "--log-samples",
+                str(SAMPLES),
+            )
             k = argv.index("--custom-rm-path")  # the remote reward model instead
-            run(argv[:k] + argv[k + 2:])
+            run(argv[:k] + argv[k + 2 :])
             assert len(rm.requests) == STEPS * SAMPLES
     finally:
         ray.shutdown()
@@ -114,8 +140,11 @@ def test_sample_log_names_each_samples_engine(run_dir):
     assert {r["engine"] for r in rows} == urls and all(re.fullmatch(r"http://127\.0\.0\.1:\d+", u) for u in urls)
 
 
-@pytest.mark.skipif(not chromium.available(), reason="Debian's chromium is not installed (scripts/setup.sh test "
-                    "installs it when run as root with apt-get); the browser test of the report cannot run")
+@pytest.mark.skipif(
+    not chromium.available(),
+    reason="Debian's chromium is not installed (scripts/setup.sh test "
+    "installs it when run as root with apt-get); the browser test of the report cannot run",
+)
 def test_sample_browser_shows_and_filters_by_engine(run_dir):
     from lichen.cli import main
     from lichen.observe.sample_log import read_samples

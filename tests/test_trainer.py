@@ -5,17 +5,15 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.runs import base_args, final_weights, run
+from helpers.trainer import make_actor, ragged_samples
 
 from lichen.train.micro_batches import split_by_tokens
 from lichen.weights.hf_io import load_hf_state_dict
 
-from helpers.runs import base_args, final_weights, run
-from helpers.trainer import make_actor, ragged_samples
-
 
 def weights_after(tiny_ckpt, data, tmp_path, name, *extra):
-    run(base_args(tiny_ckpt, data, tmp_path / name, "--num-rollout", "2", "--save", str(tmp_path / f"c{name}"),
-                  *extra))
+    run(base_args(tiny_ckpt, data, tmp_path / name, "--num-rollout", "2", "--save", str(tmp_path / f"c{name}"), *extra))
     return final_weights(tmp_path / f"c{name}")
 
 
@@ -59,9 +57,15 @@ def scored_samples(actor, seed: int) -> list:
     return samples
 
 
-@pytest.mark.parametrize("split", [["--micro-batch-size", "1"], ["--micro-batch-size", "4"],
-                                   ["--micro-batch-size", "12"],
-                                   ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"]])
+@pytest.mark.parametrize(
+    "split",
+    [
+        ["--micro-batch-size", "1"],
+        ["--micro-batch-size", "4"],
+        ["--micro-batch-size", "12"],
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"],
+    ],
+)
 def test_step_gradient_does_not_depend_on_micro_batch_split(tiny_ckpt, addition_data, tmp_path, split):
     """GRPO through TrainActor.train (advantages from the rewards, loss, gradient accumulation, clipping off):
     every micro-batch split gives the float64 one-batch gradient up to float32 rounding."""
@@ -78,8 +82,11 @@ def test_split_runs_through_the_loop_train_and_move_the_weights(tiny_ckpt, addit
     """End to end (rollout -> train -> sync, 2 steps) every split trains; the split property itself is the
     gradient test above."""
     w0 = load_hf_state_dict(tiny_ckpt)
-    for name, split in [("m1", ["--micro-batch-size", "1"]), ("m16", ["--micro-batch-size", "16"]),
-                        ("dyn", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"])]:
+    for name, split in [
+        ("m1", ["--micro-batch-size", "1"]),
+        ("m16", ["--micro-batch-size", "16"]),
+        ("dyn", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"]),
+    ]:
         assert max_diff(weights_after(tiny_ckpt, addition_data, tmp_path, name, *split), w0) > 1e-5
 
 
@@ -93,8 +100,13 @@ def test_sorted_packed_skipping_step_equals_the_plain_one(tiny_ckpt, addition_da
     """Micro-batches over length-sorted, packed samples with zero-advantage samples skipped give the gradient of
     sample-order, one-row-per-sample micro-batches with every sample trained, and both the float64 one. The
     advantage plug-in is the one the loop loads by dotted path (checked end to end: it does skip)."""
-    flags = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "40",
-             "--custom-advantage-function-path", "test_trainer.odd_groups_without_signal")
+    flags = (
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "40",
+        "--custom-advantage-function-path",
+        "test_trainer.odd_groups_without_signal",
+    )
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "probe", "--num-rollout", "1", *flags))
     assert rows[0]["train/skipped_samples"] == 8  # 2 of the 4 groups have no signal
     actor = make_actor(tiny_ckpt, addition_data, tmp_path, *flags)
@@ -118,8 +130,23 @@ def test_bf16_and_gradient_checkpointing_run(tiny_ckpt, addition_data, tmp_path)
 def test_num_epoch_sets_the_number_of_steps_and_the_lr_decay(tiny_ckpt, addition_data, tmp_path):
     """The trainer's config carries the run's optimizer steps, known only once the epoch is resolved against the
     data set: a linear decay reaches --min-lr after exactly that many steps."""
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "r", "--num-epoch", "1", "--rollout-batch-size", "16",
-                         "--micro-batch-size", "16", "--lr-decay-style", "linear", "--min-lr", "0"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-epoch",
+            "1",
+            "--rollout-batch-size",
+            "16",
+            "--micro-batch-size",
+            "16",
+            "--lr-decay-style",
+            "linear",
+            "--min-lr",
+            "0",
+        )
+    )
     assert len(rows) == 64 // 16
     assert [r["train/lr"] for r in rows] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-9)
 
@@ -159,18 +186,43 @@ def test_tis_weights_truncate_and_icepop():
 
     old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     rollout = torch.log(torch.tensor([[0.1, 0.4, 0.9]]))  # ratios 5, 0.5, 1
-    assert torch.allclose(tis_weights(old, rollout, mode="truncate", clip_low=0.6, clip=2.0),
-                          torch.tensor([[2.0, 0.6, 1.0]]))
-    assert torch.allclose(tis_weights(old, rollout, mode="icepop", clip_low=0.6, clip=2.0),
-                          torch.tensor([[0.0, 0.0, 1.0]]))
+    assert torch.allclose(
+        tis_weights(old, rollout, mode="truncate", clip_low=0.6, clip=2.0), torch.tensor([[2.0, 0.6, 1.0]])
+    )
+    assert torch.allclose(
+        tis_weights(old, rollout, mode="icepop", clip_low=0.6, clip=2.0), torch.tensor([[0.0, 0.0, 1.0]])
+    )
 
 
 def test_tis_in_the_loop_and_custom_tis_contract(tiny_ckpt, addition_data, tmp_path):
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "t", "--num-rollout", "1", "--micro-batch-size", "4",
-                         "--use-tis", "--force-recompute-old-log-probs"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "t",
+            "--num-rollout",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--use-tis",
+            "--force-recompute-old-log-probs",
+        )
+    )
     assert rows[0]["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # engine and trainer agree on CPU
-    rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "z", "--num-rollout", "1", "--micro-batch-size", "4",
-                         "--use-tis", "--custom-tis-function-path", "loop_plugins.zero_tis"))
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "z",
+            "--num-rollout",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--use-tis",
+            "--custom-tis-function-path",
+            "loop_plugins.zero_tis",
+        )
+    )
     assert rows[0]["train/grad_norm"] == 0.0  # the plug-in's zero weights really reached the loss
 
 
@@ -186,8 +238,18 @@ def test_step_schedule_places_every_sample_once_per_optimizer_step(max_tokens):
     mask[3] = 0  # masked out: skipped whatever its advantage
     adv = torch.tensor([0.0, 1.0, 0.0, 2.0, -1.0, 0.0, 0.5, 0.0, 0.0, 3.0, 0.0, 1.0])[:, None] * torch.ones(12, 4)
     planner = MicroBatchPlanner(micro_batch_size=2, max_tokens=max_tokens)
-    steps = schedule_steps(planner, lengths, mask, adv, num_steps=3, skip=True, zero_advantage_is_zero_loss=True,
-                           needs_log_probs=False, record_first_log_probs=True, with_critic=True)
+    steps = schedule_steps(
+        planner,
+        lengths,
+        mask,
+        adv,
+        num_steps=3,
+        skip=True,
+        zero_advantage_is_zero_loss=True,
+        needs_log_probs=False,
+        record_first_log_probs=True,
+        with_critic=True,
+    )
     assert [s.indices for s in steps] == [list(range(k * 4, k * 4 + 4)) for k in range(3)]
     for s in steps:
         trained = [i for mb in s.trained for row in mb for i in row]

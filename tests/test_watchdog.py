@@ -34,20 +34,23 @@ def hang_forever(args, sample) -> float:
 
 def test_a_hanging_reward_is_dumped_naming_the_reward_phase(tiny_ckpt, addition_data, tmp_path):
     out = tmp_path / "run"
-    argv = base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--watchdog-timeout", "0.5",
-                     "--watchdog-wait")
+    argv = base_args(
+        tiny_ckpt, addition_data, out, "--num-rollout", "2", "--watchdog-timeout", "0.5", "--watchdog-wait"
+    )
     argv[argv.index("loop_plugins.digit_fraction")] = "test_watchdog.wait_for_dump"
     assert len(run(argv)) == 2  # --watchdog-wait: the run goes on once the reward returns
     dumps = _reward_dumps(out / "watchdog")
     assert dumps
     text = (out / "watchdog" / dumps[0]).read_text()
     first = text.splitlines()[0]
-    assert first.startswith("lichen watchdog: phase generate > reward has run longer than --watchdog-timeout 0.5 s"), first
+    assert first.startswith("lichen watchdog: phase generate > reward has run longer than --watchdog-timeout 0.5 s"), (
+        first
+    )
     assert "rank 0" in first
     assert "  generate (rollout 0): rank 0, thread 'MainThread'" in text
     assert "  reward (rollout 0): rank 0" in text
     assert "stacks of every thread of this process (faulthandler)" in text
-    assert 'in wait_for_dump' in text  # the hanging verifier's frame is in the dump
+    assert "in wait_for_dump" in text  # the hanging verifier's frame is in the dump
 
 
 def test_without_wait_a_hang_exits_with_code_3(tiny_ckpt, addition_data, tmp_path):
@@ -56,8 +59,9 @@ def test_without_wait_a_hang_exits_with_code_3(tiny_ckpt, addition_data, tmp_pat
     argv[argv.index("loop_plugins.digit_fraction")] = "test_watchdog.hang_forever"
     tests = os.path.dirname(__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "lichen.cli", *argv], env=env, capture_output=True, text=True,
-                          timeout=DEADLINE_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lichen.cli", *argv], env=env, capture_output=True, text=True, timeout=DEADLINE_S
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "watchdog: phase generate > reward still running" in proc.stderr
     dumps = sorted(os.listdir(out / "watchdog"))

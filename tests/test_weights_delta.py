@@ -15,8 +15,6 @@ import pytest
 import torch
 import zstandard
 
-from lichen.weights import delta_codec as D
-from lichen_bench.codec import bench_delta, perturb
 from lichen.weights import (
     DeltaError,
     apply_tensor,
@@ -26,6 +24,8 @@ from lichen.weights import (
     new_hasher,
     tensor_bytes,
 )
+from lichen.weights import delta_codec as D
+from lichen_bench.codec import bench_delta, perturb
 
 _INT_VIEW_T = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -43,20 +43,23 @@ def _old_new(dtype: torch.dtype, n: int = 5000, seed: int = 0) -> tuple[torch.Te
     idx = torch.randperm(n, generator=g)[: n // 20]
     new[idx[: len(idx) // 2]] = torch.randn(len(idx) // 2, generator=g).to(dtype)  # arbitrary new values
     ints = new.view(_INT_VIEW_T[dtype])
-    ints[idx[len(idx) // 2:]] ^= 1  # one-ulp moves
+    ints[idx[len(idx) // 2 :]] ^= 1  # one-ulp moves
     return old, new
 
 
 # ---------------------------------------------------------------- checksums
 
 
-@pytest.mark.parametrize("fmt,data,want", [
-    ("blake3", b"", "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"),
-    ("blake3", b"abc", "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"),
-    ("xxh3-128", b"", "99aa06d3014798d86001c324468d497f"),
-    ("adler32", b"Wikipedia", "11e60398"),
-    ("adler32", b"", "00000001"),
-])
+@pytest.mark.parametrize(
+    "fmt,data,want",
+    [
+        ("blake3", b"", "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"),
+        ("blake3", b"abc", "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"),
+        ("xxh3-128", b"", "99aa06d3014798d86001c324468d497f"),
+        ("adler32", b"Wikipedia", "11e60398"),
+        ("adler32", b"", "00000001"),
+    ],
+)
 def test_checksum_known_vectors(fmt, data, want):
     assert checksum(fmt, data) == want
     assert checksum(fmt, np.frombuffer(data, dtype=np.uint8)) == want
@@ -67,7 +70,7 @@ def test_incremental_hash_equals_one_shot(fmt):
     data = np.random.default_rng(0).integers(0, 256, 10_001, dtype=np.uint8)
     h = new_hasher(fmt)
     for s in range(0, data.size, 999):
-        h.update(data[s: s + 999])
+        h.update(data[s : s + 999])
     assert h.hexdigest() == checksum(fmt, data.tobytes())
 
 

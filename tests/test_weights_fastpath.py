@@ -17,11 +17,10 @@ import torch
 import zstandard
 
 import lichen.weights
-from lichen.weights import VersionPublisher, pull_weights, read_version_info, version_dir
+from lichen.weights import VersionPublisher, diff_kernel, pull_weights, read_version_info, version_dir
 from lichen.weights import delta_codec as D
-from lichen.weights import diff_kernel
-from lichen.weights.native import Native, Unavailable
 from lichen.weights import zstd_seq as Z
+from lichen.weights.native import Native, Unavailable
 from lichen.weights.parallel import parallel_map, serial_torch
 from lichen.weights.staging import LiveStage, reserve
 
@@ -38,7 +37,7 @@ def _naive_sequences(x: np.ndarray) -> list[tuple[int, int, int]]:
     covers the run widened to the zero bytes of its neighbouring words, minus one zero literal before it."""
     b = x.tolist()
     n_words = len(b) // 8
-    zero_word = [not any(b[8 * w: 8 * w + 8]) for w in range(n_words)]
+    zero_word = [not any(b[8 * w : 8 * w + 8]) for w in range(n_words)]
     out, prev_end, w = [], 0, 0
     while w < n_words:
         if not zero_word[w]:
@@ -64,8 +63,9 @@ def _naive_sequences(x: np.ndarray) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("chunk_words", [Z._PARSE_CHUNK_WORDS, 3])  # 3: runs cross many parse chunks
 def test_parse_matches_a_byte_by_byte_reference(chunk_words, monkeypatch):
     monkeypatch.setattr(Z, "_PARSE_CHUNK_WORDS", chunk_words)
-    for seed, (n, density) in enumerate([(0, 0.0), (5, 0.5), (8, 0.0), (64, 0.0), (203, 0.05), (1000, 0.02),
-                                          (2048, 0.3), (4099, 0.9), (777, 1.0)]):
+    for seed, (n, density) in enumerate(
+        [(0, 0.0), (5, 0.5), (8, 0.0), (64, 0.0), (203, 0.05), (1000, 0.02), (2048, 0.3), (4099, 0.9), (777, 1.0)]
+    ):
         x = _sparse(n, density, seed)
         got = [tuple(int(v) for v in row[:3]) for row in Z.Parser(x).finish()]
         assert got == _naive_sequences(x), (n, density)
@@ -73,9 +73,21 @@ def test_parse_matches_a_byte_by_byte_reference(chunk_words, monkeypatch):
 
 @needs_seq
 def test_sparse_frames_decode_exactly_with_python_zstandard():
-    cases = [_sparse(n, d, i) for i, (n, d) in enumerate([
-        (1, 1.0), (7, 0.0), (9, 0.5), (131_072, 0.02), (131_075, 0.3), (3 << 20, 0.0005), ((1 << 20) + 13, 0.9),
-        (3 << 20, 1.0)])]  # the last: incompressible, more than the first output buffer (the retry)
+    cases = [
+        _sparse(n, d, i)
+        for i, (n, d) in enumerate(
+            [
+                (1, 1.0),
+                (7, 0.0),
+                (9, 0.5),
+                (131_072, 0.02),
+                (131_075, 0.3),
+                (3 << 20, 0.0005),
+                ((1 << 20) + 13, 0.9),
+                (3 << 20, 1.0),
+            ]
+        )
+    ]  # the last: incompressible, more than the first output buffer (the retry)
     edge = np.zeros(3 << 20, np.uint8)  # zero runs that end exactly at, and run across, parse-chunk edges
     edge[(1 << 20) - 1], edge[(2 << 20) + 9], edge[-1] = 5, 7, 1
     for x in cases + [edge]:
@@ -99,8 +111,10 @@ def test_sparse_frame_is_smaller_than_zstd_level_1_on_a_bf16_step():
     x = (w.to(torch.bfloat16).view(torch.int16) ^ stepped.to(torch.bfloat16).view(torch.int16)).view(torch.uint8)
     x = x.numpy()
     ours = len(Z.compress_sparse(x))
-    print(f"\nbf16 step: {np.count_nonzero(x) / x.size:.2%} bytes changed, sparse frame {ours / x.size:.2%}, "
-          f"zstd -1 {len(zstandard.ZstdCompressor(level=1).compress(x)) / x.size:.2%}")
+    print(
+        f"\nbf16 step: {np.count_nonzero(x) / x.size:.2%} bytes changed, sparse frame {ours / x.size:.2%}, "
+        f"zstd -1 {len(zstandard.ZstdCompressor(level=1).compress(x)) / x.size:.2%}"
+    )
     assert ours < len(zstandard.ZstdCompressor(level=1).compress(x)) and ours < 0.05 * x.size
 
 
@@ -115,8 +129,10 @@ def test_encoder_falls_back_to_python_zstandard(monkeypatch):
 
 # ---------------------------------------------------------------- compiled diff + parse (lichen.weights.diff_kernel)
 
-needs_kernel = pytest.mark.skipif(not (Z.available() and diff_kernel.available()),
-                                  reason=f"compiled diff kernel: {diff_kernel.status()}; sequences: {Z.status()}")
+needs_kernel = pytest.mark.skipif(
+    not (Z.available() and diff_kernel.available()),
+    reason=f"compiled diff kernel: {diff_kernel.status()}; sequences: {Z.status()}",
+)
 
 
 def _kernel_diff(new: np.ndarray, old: np.ndarray, chunk: int, update: bool):
@@ -131,8 +147,20 @@ def _kernel_diff(new: np.ndarray, old: np.ndarray, chunk: int, update: bool):
 @needs_kernel
 @pytest.mark.parametrize("chunk", [8, 24, 4096, 1 << 20])  # 8: every word its own call; runs cross many calls
 def test_kernel_diff_matches_references(chunk):
-    for seed, (n, density) in enumerate([(0, 0.0), (5, 0.5), (8, 0.0), (64, 0.0), (203, 0.05), (1000, 0.02),
-                                          (2048, 0.3), (4099, 0.9), (777, 1.0), (65_541, 0.01)]):
+    for seed, (n, density) in enumerate(
+        [
+            (0, 0.0),
+            (5, 0.5),
+            (8, 0.0),
+            (64, 0.0),
+            (203, 0.05),
+            (1000, 0.02),
+            (2048, 0.3),
+            (4099, 0.9),
+            (777, 1.0),
+            (65_541, 0.01),
+        ]
+    ):
         old = _sparse(n, 0.7, 100 + seed)
         new = old ^ _sparse(n, density, seed)
         for update in (True, False):
@@ -255,7 +283,9 @@ def test_kernel_compiles_without_a_cache_directory(monkeypatch):
     monkeypatch.delitem(sys.modules, "lichen.weights._diff_kernel_jit")  # decorate again, under the patched njit
     monkeypatch.delattr(lichen.weights, "_diff_kernel_jit")
     assert diff_kernel.available(), diff_kernel.status()
-    assert type(diff_kernel._native.value.diff_parse._cache).__name__ == "NullCache"  # compiled without an on-disk cache
+    assert (
+        type(diff_kernel._native.value.diff_parse._cache).__name__ == "NullCache"
+    )  # compiled without an on-disk cache
 
 
 def test_kernel_can_be_turned_off(monkeypatch):
@@ -343,8 +373,9 @@ def test_apply_tensor_at_changes_only_its_region(encoding, tmp_path, monkeypatch
     path.write_bytes(head + old.tobytes() + tail)
     fd = os.open(path, os.O_RDWR)
     try:
-        assert D.apply_tensor_at(encoding, enc.payload, fd, len(head), old.size,
-                                 checksum_format="blake3") == enc.checksum
+        assert (
+            D.apply_tensor_at(encoding, enc.payload, fd, len(head), old.size, checksum_format="blake3") == enc.checksum
+        )
         assert path.read_bytes() == head + new.tobytes() + tail
         with pytest.raises(D.DeltaError, match="tensor holds 7776"):
             D.apply_tensor_at("xor", D.encode_tensor("xor", new, old).payload, fd, 0, old.size - 1)

@@ -14,10 +14,22 @@ import torch
 
 from lichen.weights import load_hf_metadata, load_hf_state_dict, safetensors_files, save_hf_checkpoint
 
-_NP_VIEW = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16,
-            torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-             torch.int32: "I32", torch.bool: "BOOL"}
+_NP_VIEW = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.bfloat16: np.uint16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
+_ST_DTYPE = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.bool: "BOOL",
+}
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -159,8 +171,13 @@ def test_dtype_cast_sizes_the_shards(tmp_path):
 def test_tied_and_shared_storage_weights(tmp_path, cap):
     emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
     buf = torch.arange(12, dtype=torch.float32)
-    sd = {"embed.weight": emb, "lm_head.weight": emb,  # tied: same tensor object
-          "a": buf[:6], "b": buf[6:], "c": buf.view(3, 4)}  # views of one storage
+    sd = {
+        "embed.weight": emb,
+        "lm_head.weight": emb,  # tied: same tensor object
+        "a": buf[:6],
+        "b": buf[6:],
+        "c": buf.view(3, 4),
+    }  # views of one storage
     save_hf_checkpoint(sd, str(tmp_path / "c"), max_shard_bytes=cap)
     loaded = load_hf_state_dict(str(tmp_path / "c"))
     _assert_bit_exact({k: v.contiguous() for k, v in sd.items()}, loaded)
@@ -172,18 +189,32 @@ def test_tied_and_shared_storage_weights(tmp_path, cap):
 def test_copy_files_and_config(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    keep = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-            "chat_template.jinja", "vocab.json", "merges.txt"]
-    drop = ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-            "pytorch_model.bin", "pytorch_model.bin.index.json", ".gitattributes"]
+    keep = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+    ]
+    drop = [
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+        ".gitattributes",
+    ]
     for name in keep + drop:
         (src / name).write_text(f"content of {name}")
     (src / "config.json").write_text(json.dumps({"model_type": "old"}))
     (src / "subdir").mkdir()
 
     sd = {"w": torch.ones(2)}
-    save_hf_checkpoint(sd, str(tmp_path / "a"), config={"model_type": "llama", "hidden_size": 8},
-                       copy_files_from=str(src))
+    save_hf_checkpoint(
+        sd, str(tmp_path / "a"), config={"model_type": "llama", "hidden_size": 8}, copy_files_from=str(src)
+    )
     assert sorted(os.listdir(tmp_path / "a")) == sorted(keep + ["config.json", "model.safetensors"])
     for name in keep:
         assert (tmp_path / "a" / name).read_text() == f"content of {name}"

@@ -135,7 +135,7 @@ def _reference_pull(local: str, source: str, target: int) -> None:
                 if name == "__metadata__":
                     continue
                 b, e = info["data_offsets"]
-                raw = zstandard.ZstdDecompressor().decompress(blob[8 + n + b: 8 + n + e])
+                raw = zstandard.ZstdDecompressor().decompress(blob[8 + n + b : 8 + n + e])
                 path, off, nbytes = _locate(local, name)
                 with open(path, "r+b") as f:
                     f.seek(off)
@@ -144,7 +144,7 @@ def _reference_pull(local: str, source: str, target: int) -> None:
                         new = bytes(np.frombuffer(bytes(old), np.uint8) ^ np.frombuffer(raw, np.uint8))
                     else:
                         (count,) = struct.unpack_from("<I", raw)
-                        for p, val in zip(struct.unpack_from(f"<{count}I", raw, 4), raw[4 + 4 * count:]):
+                        for p, val in zip(struct.unpack_from(f"<{count}I", raw, 4), raw[4 + 4 * count :]):
                             old[p] = val
                         new = bytes(old)
                     assert _hash(meta["checksum_format"], new) == h["__metadata__"][name], name
@@ -175,9 +175,14 @@ def test_full_then_delta_format(tmp_path):
     v2 = version_dir(str(tmp_path / "disk"), 2)
     assert (r2.kind, r2.base_version, r2.num_published) == ("delta", 1, 2)
     index = json.load(open(os.path.join(v2, INDEX)))
-    assert index["metadata"] == {"version": "000002", "base_version": "000001", "delta_encoding": "xor",
-                                 "compression_format": "zstd", "checksum_format": "blake3",
-                                 "chain_id": pub.chain_id}
+    assert index["metadata"] == {
+        "version": "000002",
+        "base_version": "000001",
+        "delta_encoding": "xor",
+        "compression_format": "zstd",
+        "checksum_format": "blake3",
+        "chain_id": pub.chain_id,
+    }
     assert sorted(index["weight_map"]) == ["model.layers.1.mlp.weight", "model.norm.weight"]
     for name, fname in index["weight_map"].items():
         n, h = _header(os.path.join(v2, fname))
@@ -223,8 +228,11 @@ def test_chain_full_delta_delta_reconstructs_exactly(tmp_path, encoding, fmt):
     sd = _model()
     disk, local, ref = str(tmp_path / "d"), str(tmp_path / "local"), str(tmp_path / "ref")
     pub = VersionPublisher(disk, encoding=encoding, checksum_format=fmt, dtype=torch.bfloat16)
-    for v, names in [(1, []), (2, ["model.layers.0.mlp.weight"]),
-                     (3, ["model.layers.2.mlp.weight", "model.embed_tokens.weight"])]:
+    for v, names in [
+        (1, []),
+        (2, ["model.layers.0.mlp.weight"]),
+        (3, ["model.layers.2.mlp.weight", "model.embed_tokens.weight"]),
+    ]:
         _change(sd, names, seed=v)
         assert pub.publish(sd, v).kind == ("full" if v == 1 else "delta")
         res = pull_weights(local, disk, v)
@@ -289,12 +297,14 @@ def test_mode_full_keeps_only_the_latest(tmp_path):
 def test_many_shards_and_post_write_hook(tmp_path):
     sd, disk, local, ref = _model(), str(tmp_path / "d"), str(tmp_path / "local"), str(tmp_path / "ref")
     written = []
-    pub = VersionPublisher(disk, dtype=torch.bfloat16, max_shard_bytes=100, post_write_hook=written.append,
-                           config={"model_type": "llama"})
+    pub = VersionPublisher(
+        disk, dtype=torch.bfloat16, max_shard_bytes=100, post_write_hook=written.append, config={"model_type": "llama"}
+    )
     pub.publish(sd, 1)
     shards = set(json.load(open(os.path.join(version_dir(disk, 1), INDEX)))["weight_map"].values())
     assert len(shards) >= 5 and json.load(open(os.path.join(version_dir(disk, 1), "config.json"))) == {
-        "model_type": "llama"}
+        "model_type": "llama"
+    }
     _change(sd, ["model.layers.0.mlp.weight", "model.layers.1.mlp.weight", "model.layers.2.mlp.weight"], seed=3)
     pub.publish(sd, 2)
     assert len(set(json.load(open(os.path.join(version_dir(disk, 2), INDEX)))["weight_map"].values())) >= 2
@@ -312,8 +322,10 @@ def test_sparse_change_delta_is_much_smaller(tmp_path):
     full = pub.publish(sd, 1)
     sd["w"] = perturb(sd["w"], 0.01, g)  # 1% of elements move by one ulp
     delta = pub.publish(sd, 2)
-    print(f"\nfull version {full.wire_bytes} B, 1%-changed delta {delta.wire_bytes} B, "
-          f"changed bytes {delta.changed_bytes}")
+    print(
+        f"\nfull version {full.wire_bytes} B, 1%-changed delta {delta.wire_bytes} B, "
+        f"changed bytes {delta.changed_bytes}"
+    )
     assert delta.wire_bytes < 0.04 * full.wire_bytes
 
 
@@ -395,9 +407,12 @@ def test_undecodable_delta_names_tensor_and_files(tmp_path, monkeypatch):
         return real(encoding, payload, fd, offset, nbytes, **kw)
 
     monkeypatch.setattr(P, "apply_tensor_at", broken)
-    with pytest.raises(DeltaError, match=r"tensor 'model.norm.weight' in .*weight_v000002/model-00001-of-00001"
-                                         r".safetensors \(applying to .*local/model-00001-of-00001.safetensors\): "
-                                         r"payload decodes to 7 bytes"):
+    with pytest.raises(
+        DeltaError,
+        match=r"tensor 'model.norm.weight' in .*weight_v000002/model-00001-of-00001"
+        r".safetensors \(applying to .*local/model-00001-of-00001.safetensors\): "
+        r"payload decodes to 7 bytes",
+    ):
         pull_weights(local, disk, 2)
     assert read_applied_version(local) is None
     monkeypatch.setattr(P, "apply_tensor_at", real)

@@ -18,9 +18,11 @@ SUITES = {
     "sync": ("lichen_bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
 }
 
-USAGE = "usage: lichen bench <suite> [options]\n\nsuites:\n" + "\n".join(
-    f"  {name:<9} {helptext}" for name, (_, helptext) in SUITES.items()
-) + "\n\nRun `lichen bench <suite> --help` for its options."
+USAGE = (
+    "usage: lichen bench <suite> [options]\n\nsuites:\n"
+    + "\n".join(f"  {name:<9} {helptext}" for name, (_, helptext) in SUITES.items())
+    + "\n\nRun `lichen bench <suite> --help` for its options."
+)
 
 
 def main(argv: list[str]) -> int:

@@ -15,9 +15,15 @@ def child_env(threads: int, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(extra or {})
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
-               PYTHONUNBUFFERED="1")
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -36,8 +42,14 @@ def run_child(cmd: list[str], log_path: str, *, timeout: float, threads: int, ex
                 killed = True
             time.sleep(0.05)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": proc.returncode, "timed_out": killed, "wall_s": time.perf_counter() - t0,
-            "maxrss_kib": usage.ru_maxrss, "cpu_s": usage.ru_utime + usage.ru_stime, "log": log_path}
+    return {
+        "rc": proc.returncode,
+        "timed_out": killed,
+        "wall_s": time.perf_counter() - t0,
+        "maxrss_kib": usage.ru_maxrss,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "log": log_path,
+    }
 
 
 def tail(path: str, n: int = 15) -> str:
@@ -62,4 +74,4 @@ def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     cut = argv.index("--")
-    return argv[:cut], argv[cut + 1:]
+    return argv[:cut], argv[cut + 1 :]

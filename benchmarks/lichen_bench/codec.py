@@ -11,8 +11,14 @@ import time
 import numpy as np
 import torch
 
-from lichen.weights.delta_codec import (apply_tensor, check_checksum_format, check_encoding, checksum, encode_tensor,
-                                        tensor_bytes)
+from lichen.weights.delta_codec import (
+    apply_tensor,
+    check_checksum_format,
+    check_encoding,
+    checksum,
+    encode_tensor,
+    tensor_bytes,
+)
 from lichen.weights.parallel import parallel_map
 
 
@@ -27,9 +33,18 @@ def perturb(t: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Ten
     return out
 
 
-def bench_delta(num_params: int, changed_fraction: float, *, dtype: torch.dtype = torch.bfloat16,
-                encoding: str = "xor", checksum_format: str = "xxh3-128", level: int = 1,
-                tensor_params: int = 1 << 22, num_threads: int | None = None, seed: int = 0) -> dict:
+def bench_delta(
+    num_params: int,
+    changed_fraction: float,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    encoding: str = "xor",
+    checksum_format: str = "xxh3-128",
+    level: int = 1,
+    tensor_params: int = 1 << 22,
+    num_threads: int | None = None,
+    seed: int = 0,
+) -> dict:
     """Size and speed of a full version against a delta, in memory (no disk), for `num_params` random weights
     (N(0, 0.02²) in `dtype`, split into tensors of `tensor_params`) of which a random `changed_fraction` move
     by one ulp.
@@ -56,29 +71,49 @@ def bench_delta(num_params: int, changed_fraction: float, *, dtype: torch.dtype 
     full_seconds = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    encoded = parallel_map(lambda i: encode_tensor(encoding, tensor_bytes(new[i]), snapshot[i],
-                                                   checksum_format=checksum_format, level=level, update_old=True),
-                           range(len(new)), num_threads)
+    encoded = parallel_map(
+        lambda i: encode_tensor(
+            encoding, tensor_bytes(new[i]), snapshot[i], checksum_format=checksum_format, level=level, update_old=True
+        ),
+        range(len(new)),
+        num_threads,
+    )
     encode_seconds = time.perf_counter() - t0
 
     targets = [tensor_bytes(t.clone()) for t in old]
     t0 = time.perf_counter()
-    digests = parallel_map(lambda i: None if encoded[i] is None else
-                           apply_tensor(encoding, encoded[i].payload, targets[i], checksum_format=checksum_format),
-                           range(len(new)), num_threads)
+    digests = parallel_map(
+        lambda i: (
+            None
+            if encoded[i] is None
+            else apply_tensor(encoding, encoded[i].payload, targets[i], checksum_format=checksum_format)
+        ),
+        range(len(new)),
+        num_threads,
+    )
     apply_seconds = time.perf_counter() - t0
     for i, t in enumerate(new):
         if not np.array_equal(targets[i], tensor_bytes(t)) or (
-                encoded[i] is not None and digests[i] != encoded[i].checksum):
+            encoded[i] is not None and digests[i] != encoded[i].checksum
+        ):
             raise AssertionError(f"bench_delta: tensor {i} did not round-trip")
 
     total = sum(t.numel() * t.element_size() for t in new)
     delta_bytes = sum(len(e.payload) for e in encoded if e is not None)
     return {
-        "num_params": num_params, "changed_fraction": changed_fraction, "dtype": str(dtype).replace("torch.", ""),
-        "encoding": encoding, "checksum_format": checksum_format, "engine_bytes": total,
+        "num_params": num_params,
+        "changed_fraction": changed_fraction,
+        "dtype": str(dtype).replace("torch.", ""),
+        "encoding": encoding,
+        "checksum_format": checksum_format,
+        "engine_bytes": total,
         "changed_bytes": sum(e.changed_bytes for e in encoded if e is not None),
-        "full_bytes": len(blob), "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / max(len(blob), 1),
-        "full_seconds": full_seconds, "encode_seconds": encode_seconds, "apply_seconds": apply_seconds,
-        "encode_bytes_per_s": total / max(encode_seconds, 1e-9), "apply_bytes_per_s": total / max(apply_seconds, 1e-9),
+        "full_bytes": len(blob),
+        "delta_bytes": delta_bytes,
+        "delta_ratio": delta_bytes / max(len(blob), 1),
+        "full_seconds": full_seconds,
+        "encode_seconds": encode_seconds,
+        "apply_seconds": apply_seconds,
+        "encode_bytes_per_s": total / max(encode_seconds, 1e-9),
+        "apply_bytes_per_s": total / max(apply_seconds, 1e-9),
     }

@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         rebuild.update(cpu=0.0, n=0)
         c0, t0 = time.process_time(), time.perf_counter()
         run_gen._lichen_generate(engine, tok, prompts, wl, a.seed + rep, lengths)
-        print(f"generate: {time.process_time() - c0:.2f} CPU-s ({time.perf_counter() - t0:.2f} s wall); "
-              f"cache rebuilds {rebuild['cpu']:.3f} CPU-s in {rebuild['n']}")
+        print(
+            f"generate: {time.process_time() - c0:.2f} CPU-s ({time.perf_counter() - t0:.2f} s wall); "
+            f"cache rebuilds {rebuild['cpu']:.3f} CPU-s in {rebuild['n']}"
+        )
     return 0
 
 

@@ -31,13 +31,16 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
+from lichen.errors import ConfigError
 from lichen_bench import runners
 from lichen_bench.machine import fresh_run_dir, load_check, machine_info, overloaded_summary
-from lichen_bench.warm_start import add_sft_args, check_sft_args, sft_flags, sft_warm_start, \
-    write_sft_data  # noqa: F401  (sft_flags, write_sft_data: part of this suite's interface)
-from lichen_bench.workloads import WORKLOADS, Workload, make_prompts, \
-    model_shape, write_prompts
-from lichen.errors import ConfigError
+from lichen_bench.warm_start import (
+    add_sft_args,
+    check_sft_args,
+    sft_warm_start,
+    write_sft_data,  # noqa: F401  (sft_flags, write_sft_data: part of this suite's interface)
+)
+from lichen_bench.workloads import WORKLOADS, Workload, make_prompts, model_shape, write_prompts
 
 CI_LOWER_TARGET = -0.05  # the bound on the CI's lower end (docs/performance.md)
 
@@ -96,13 +99,21 @@ def paired_ci(diffs: list[float], level: float = 0.95) -> dict:
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
     t = t_quantile(0.5 + level / 2, n - 1)
     half = t * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "t": t, "half_width": half, "lower": mean - half, "upper": mean + half,
-            "level": level}
+    return {
+        "n": n,
+        "mean": mean,
+        "sd": sd,
+        "t": t,
+        "half_width": half,
+        "lower": mean - half,
+        "upper": mean + half,
+        "level": level,
+    }
 
 
 def window_mean(curve: list, first: int, last: int) -> float | None:
     """Mean of `curve` over 1-based steps first..last (a step with no reward is left out)."""
-    vals = [x for x in curve[first - 1:last] if x is not None]
+    vals = [x for x in curve[first - 1 : last] if x is not None]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -113,9 +124,18 @@ def prepare_seed(wl: Workload, seed: int, a: argparse.Namespace, base: str, warm
     os.makedirs(d)  # `base` is this invocation's fresh run directory
     prompts = os.path.join(d, "prompts.jsonl")
     write_prompts(prompts, make_prompts(wl, a.steps, seed=seed))
-    return {"dir": d, "checkpoint": warm, "prompts": prompts, "steps": a.steps, "seed": seed, "threads": a.threads,
-            "timeout": a.timeout, "shape": model_shape(warm), "lichen_extra": list(a.lichen_arg or []),
-            "matmul": None}
+    return {
+        "dir": d,
+        "checkpoint": warm,
+        "prompts": prompts,
+        "steps": a.steps,
+        "seed": seed,
+        "threads": a.threads,
+        "timeout": a.timeout,
+        "shape": model_shape(warm),
+        "lichen_extra": list(a.lichen_arg or []),
+        "matmul": None,
+    }
 
 
 def run_one(wl: Workload, fw: str, ctx: dict, a: argparse.Namespace) -> dict:
@@ -126,24 +146,38 @@ def run_one(wl: Workload, fw: str, ctx: dict, a: argparse.Namespace) -> dict:
         print(f"[learning] seed {ctx['seed']} {fw}: {summary['error']}", file=sys.stderr, flush=True)
         return {"error": summary["error"]}
     curve = summary.get("reward_curve") or []
-    print(f"[learning] seed {ctx['seed']} {fw:<6}: reward " +
-          " ".join(f"{x:.2f}" if x is not None else "-" for x in curve) +
-          f"  ({summary.get('wall_s') or float('nan'):.1f}s)", flush=True)
-    return {"curve": curve, "early": window_mean(curve, 1, a.early_steps),
-            "late": window_mean(curve, a.late_from, a.steps), "wall_s": summary.get("wall_s"),
-            "step_time_s": summary.get("step_time_s"), "summary": summary}
+    print(
+        f"[learning] seed {ctx['seed']} {fw:<6}: reward "
+        + " ".join(f"{x:.2f}" if x is not None else "-" for x in curve)
+        + f"  ({summary.get('wall_s') or float('nan'):.1f}s)",
+        flush=True,
+    )
+    return {
+        "curve": curve,
+        "early": window_mean(curve, 1, a.early_steps),
+        "late": window_mean(curve, a.late_from, a.steps),
+        "wall_s": summary.get("wall_s"),
+        "step_time_s": summary.get("step_time_s"),
+        "summary": summary,
+    }
 
 
 def run_all(wl: Workload, a: argparse.Namespace, base: str, warm: str) -> tuple[list[dict], dict]:
     """Every (seed, framework) run, `--jobs` at a time; which framework goes first alternates by seed."""
     ctxs = {s: prepare_seed(wl, s, a, base, warm) for s in range(1, a.seeds + 1)}
-    tasks = [(s, fw) for s in ctxs for fw in (("lichen", "trl") if s % 2 else ("trl", "lichen"))
-             if not (fw == "trl" and a.skip_trl)]
+    tasks = [
+        (s, fw)
+        for s in ctxs
+        for fw in (("lichen", "trl") if s % 2 else ("trl", "lichen"))
+        if not (fw == "trl" and a.skip_trl)
+    ]
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # threads only wait on child processes
         futures = {task: pool.submit(run_one, wl, task[1], ctxs[task[0]], a) for task in tasks}
         done = {task: f.result() for task, f in futures.items()}
-    seeds = [{"seed": s, "order": [fw for (t, fw) in tasks if t == s],
-              **{fw: r for (t, fw), r in done.items() if t == s}} for s in ctxs]
+    seeds = [
+        {"seed": s, "order": [fw for (t, fw) in tasks if t == s], **{fw: r for (t, fw), r in done.items() if t == s}}
+        for s in ctxs
+    ]
     trl_info = next((c["trl_info"] for c in ctxs.values() if c.get("trl_info")), {})
     return seeds, trl_info
 
@@ -161,14 +195,24 @@ def analyse(seeds: list[dict], level: float = 0.95) -> dict:
     lich = [s["lichen"] for s in seeds if _ok(s.get("lichen"))]
     trl = [s["trl"] for s in seeds if _ok(s.get("trl"))]
     out = {
-        "paired_seeds": [s["seed"] for s in paired], "diffs": diffs, "ci": ci,
-        "lichen_early": mean([r["early"] for r in lich]), "lichen_late": mean([r["late"] for r in lich]),
-        "trl_early": mean([r["early"] for r in trl]), "trl_late": mean([r["late"] for r in trl]),
+        "paired_seeds": [s["seed"] for s in paired],
+        "diffs": diffs,
+        "ci": ci,
+        "lichen_early": mean([r["early"] for r in lich]),
+        "lichen_late": mean([r["late"] for r in lich]),
+        "trl_early": mean([r["early"] for r in trl]),
+        "trl_late": mean([r["late"] for r in trl]),
     }
-    out["target_ci"] = {"threshold": CI_LOWER_TARGET, "value": ci["lower"] if ci else None,
-                        "pass": bool(ci) and ci["lower"] >= CI_LOWER_TARGET}
-    out["target_improves"] = {"early": out["lichen_early"], "late": out["lichen_late"],
-                              "pass": out["lichen_late"] is not None and out["lichen_late"] > out["lichen_early"]}
+    out["target_ci"] = {
+        "threshold": CI_LOWER_TARGET,
+        "value": ci["lower"] if ci else None,
+        "pass": bool(ci) and ci["lower"] >= CI_LOWER_TARGET,
+    }
+    out["target_improves"] = {
+        "early": out["lichen_early"],
+        "late": out["lichen_late"],
+        "pass": out["lichen_late"] is not None and out["lichen_late"] > out["lichen_early"],
+    }
     return out
 
 
@@ -178,32 +222,45 @@ def _f(x, fmt: str = "{:.3f}") -> str:
 
 
 def format_table(seeds: list[dict], res: dict, early: int, late_from: int, steps: int) -> str:
-    e, l = f"1-{early}" if early > 1 else "1", f"{late_from}-{steps}" if late_from < steps else str(steps)
-    head = (f"{'seed':>4}  {'lichen ' + e:>12} {'lichen ' + l:>13}  {'TRL ' + e:>10} {'TRL ' + l:>10}  "
-            f"{'lichen-TRL ' + l:>17}")
+    e, l = f"1-{early}" if early > 1 else "1", f"{late_from}-{steps}" if late_from < steps else str(steps)  # noqa: E741
+    head = (
+        f"{'seed':>4}  {'lichen ' + e:>12} {'lichen ' + l:>13}  {'TRL ' + e:>10} {'TRL ' + l:>10}  "
+        f"{'lichen-TRL ' + l:>17}"
+    )
     lines = [f"mean reward per seed (steps {e} and {l})", head, "-" * len(head)]
     for s in seeds:
         li, tr = s.get("lichen") or {}, s.get("trl") or {}
         diff = li["late"] - tr["late"] if _ok(li) and _ok(tr) else None
-        lines.append(f"{s['seed']:>4}  {_f(li.get('early')):>12} {_f(li.get('late')):>13}  {_f(tr.get('early')):>10} "
-                     f"{_f(tr.get('late')):>10}  {_f(diff, '{:+.3f}'):>17}")
+        lines.append(
+            f"{s['seed']:>4}  {_f(li.get('early')):>12} {_f(li.get('late')):>13}  {_f(tr.get('early')):>10} "
+            f"{_f(tr.get('late')):>10}  {_f(diff, '{:+.3f}'):>17}"
+        )
     lines.append("-" * len(head))
     mean_diff = res["ci"]["mean"] if res["ci"] else None
-    lines.append(f"{'mean':>4}  {_f(res['lichen_early']):>12} {_f(res['lichen_late']):>13}  "
-                 f"{_f(res['trl_early']):>10} {_f(res['trl_late']):>10}  {_f(mean_diff, '{:+.3f}'):>17}")
+    lines.append(
+        f"{'mean':>4}  {_f(res['lichen_early']):>12} {_f(res['lichen_late']):>13}  "
+        f"{_f(res['trl_early']):>10} {_f(res['trl_late']):>10}  {_f(mean_diff, '{:+.3f}'):>17}"
+    )
     ci = res["ci"]
     if ci:
-        lines.append(f"\nlichen - TRL, mean reward steps {l}: {ci['mean']:+.4f}, 95% CI [{ci['lower']:+.4f}, "
-                     f"{ci['upper']:+.4f}] (n={ci['n']} seeds, sd {ci['sd']:.4f}, t_0.975,{ci['n'] - 1} = "
-                     f"{ci['t']:.4f})")
+        lines.append(
+            f"\nlichen - TRL, mean reward steps {l}: {ci['mean']:+.4f}, 95% CI [{ci['lower']:+.4f}, "
+            f"{ci['upper']:+.4f}] (n={ci['n']} seeds, sd {ci['sd']:.4f}, t_0.975,{ci['n'] - 1} = "
+            f"{ci['t']:.4f})"
+        )
     else:
-        lines.append(f"\nlichen - TRL: no 95% CI (needs both frameworks on at least 2 seeds; have "
-                     f"{len(res['paired_seeds'])})")
+        lines.append(
+            f"\nlichen - TRL: no 95% CI (needs both frameworks on at least 2 seeds; have {len(res['paired_seeds'])})"
+        )
     tc, ti = res["target_ci"], res["target_improves"]
-    lines.append(f"target 1, CI lower bound >= {tc['threshold']:+.2f}: {_f(tc['value'], '{:+.4f}')}  "
-                 f"{'PASS' if tc['pass'] else 'MISS'}")
-    lines.append(f"target 2, lichen mean reward steps {l} > steps {e}: {_f(ti['late'])} vs {_f(ti['early'])}  "
-                 f"{'PASS' if ti['pass'] else 'MISS'}")
+    lines.append(
+        f"target 1, CI lower bound >= {tc['threshold']:+.2f}: {_f(tc['value'], '{:+.4f}')}  "
+        f"{'PASS' if tc['pass'] else 'MISS'}"
+    )
+    lines.append(
+        f"target 2, lichen mean reward steps {l} > steps {e}: {_f(ti['late'])} vs {_f(ti['early'])}  "
+        f"{'PASS' if ti['pass'] else 'MISS'}"
+    )
     return "\n".join(lines)
 
 
@@ -242,29 +299,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lichen bench learning",
         description="SFT-warm-start the W1 model with lichen, then run lichen and TRL's GRPOTrainer from it on the "
-                    "same prompts for each seed; print per-seed mean rewards, the 95%% CI of lichen - TRL over the "
-                    "late steps and PASS/MISS for the learning targets (docs/performance.md). TRL comes from the `bench` extra.")
-    p.add_argument("--workload", choices=["w1", "smoke"], default="w1",
-                   help="w1: the W1 addition task; smoke: a tiny model and batch to check the plumbing (default: w1)")
+        "same prompts for each seed; print per-seed mean rewards, the 95%% CI of lichen - TRL over the "
+        "late steps and PASS/MISS for the learning targets (docs/performance.md). TRL comes from the `bench` extra.",
+    )
+    p.add_argument(
+        "--workload",
+        choices=["w1", "smoke"],
+        default="w1",
+        help="w1: the W1 addition task; smoke: a tiny model and batch to check the plumbing (default: w1)",
+    )
     p.add_argument("--seeds", type=int, default=10, help="run seeds 1..N, at least 2 (default: 10)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the workload's, w1 20)")
     p.add_argument("--early-steps", type=int, default=2, help="the early window is steps 1..N (default: 2)")
-    p.add_argument("--late-from", type=int, default=None,
-                   help="the late window is steps N..--steps (default: the second half, 11 for 20 steps)")
+    p.add_argument(
+        "--late-from",
+        type=int,
+        default=None,
+        help="the late window is steps N..--steps (default: the second half, 11 for 20 steps)",
+    )
     add_sft_args(p)
     p.add_argument("--skip-trl", action="store_true", help="run lichen only (no CI, target 1 is a MISS)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every child process (default: 2)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="framework runs at a time; rewards do not depend on it, wall time does (default: 1)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="framework runs at a time; rewards do not depend on it, wall time does (default: 1)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a child run is killed (default: 1800)")
-    p.add_argument("--work-dir", default=None,
-                   help="the random-init checkpoint is kept here; each invocation's SFT, prompts, logs and run "
-                        "outputs go to a new runs-NNN directory in it (default: a new temporary directory)")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="the random-init checkpoint is kept here; each invocation's SFT, prompts, logs and run "
+        "outputs go to a new runs-NNN directory in it (default: a new temporary directory)",
+    )
     p.add_argument("--out-json", default=None, help="write settings, every curve, the CI and the targets here")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed (default: only on errors)")
-    p.add_argument("--lichen-arg", action="append", metavar="FLAG",
-                   help="extra `lichen train` flag for the RL runs; repeatable, e.g. --lichen-arg=--micro-batch-size "
-                        "--lichen-arg=8")
+    p.add_argument(
+        "--lichen-arg",
+        action="append",
+        metavar="FLAG",
+        help="extra `lichen train` flag for the RL runs; repeatable, e.g. --lichen-arg=--micro-batch-size "
+        "--lichen-arg=8",
+    )
     return p
 
 
@@ -272,8 +349,14 @@ def _validate(a: argparse.Namespace, wl: Workload) -> None:
     a.steps = a.steps if a.steps is not None else wl.steps
     if a.late_from is None:
         a.late_from = a.steps // 2 + 1
-    checks = (("--seeds", a.seeds, 2), ("--steps", a.steps, 1), ("--early-steps", a.early_steps, 1),
-              ("--late-from", a.late_from, 1), ("--threads", a.threads, 1), ("--jobs", a.jobs, 1))
+    checks = (
+        ("--seeds", a.seeds, 2),
+        ("--steps", a.steps, 1),
+        ("--early-steps", a.early_steps, 1),
+        ("--late-from", a.late_from, 1),
+        ("--threads", a.threads, 1),
+        ("--jobs", a.jobs, 1),
+    )
     for flag, value, least in checks:
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
@@ -282,8 +365,10 @@ def _validate(a: argparse.Namespace, wl: Workload) -> None:
             raise ConfigError(f"{flag} {value} is past the last step (--steps {a.steps}); lower it or raise --steps")
     check_sft_args(a)
     if not a.skip_trl and importlib.util.find_spec("trl") is None:
-        raise ConfigError("TRL is not installed: install the bench extra (pip install -e '.[bench]') or pass "
-                          "--skip-trl to run lichen alone")
+        raise ConfigError(
+            "TRL is not installed: install the bench extra (pip install -e '.[bench]') or pass "
+            "--skip-trl to run lichen alone"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -294,28 +379,41 @@ def main(argv: list[str]) -> int:
     base = fresh_run_dir(work)
     machine = machine_info()
     cores = a.threads * a.jobs
-    print(f"[learning] machine: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, torch {machine['torch']}, "
-          f"{a.threads} threads per run, {a.jobs} run(s) at a time; this invocation's runs go to {base}", flush=True)
+    print(
+        f"[learning] machine: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, torch {machine['torch']}, "
+        f"{a.threads} threads per run, {a.jobs} run(s) at a time; this invocation's runs go to {base}",
+        flush=True,
+    )
     machine["load_checks"] = [load_check("learning", "before", cores, machine["loadavg_start"])]
     try:
-        sft = {"checkpoint": a.warm_start, "heldout_accuracy": None} if a.warm_start else \
-            sft_warm_start(wl, a, base, os.path.join(work, f"{wl.name}-init"))
+        sft = (
+            {"checkpoint": a.warm_start, "heldout_accuracy": None}
+            if a.warm_start
+            else sft_warm_start(wl, a, base, os.path.join(work, f"{wl.name}-init"))
+        )
     except RuntimeError as e:
         print(f"[learning] {e}", file=sys.stderr)
         return 1
     if not a.warm_start:
-        print(f"[learning] warm start: {sft['checkpoint']}; greedy accuracy on {sft['heldout']} held-out sums "
-              f"{_f(sft['heldout_accuracy'], '{:.1%}')} (SFT {sft['wall_s']:.0f}s wall, {sft['cpu_s']:.0f}s CPU)",
-              flush=True)
-    print(f"[learning] {wl.name}: {a.seeds} seeds x (lichen, TRL) x {a.steps} steps of {wl.prompts_per_step} prompts "
-          f"x {wl.group_size} samples, <= {wl.max_new_tokens} new tokens, lr {wl.lr}", flush=True)
+        print(
+            f"[learning] warm start: {sft['checkpoint']}; greedy accuracy on {sft['heldout']} held-out sums "
+            f"{_f(sft['heldout_accuracy'], '{:.1%}')} (SFT {sft['wall_s']:.0f}s wall, {sft['cpu_s']:.0f}s CPU)",
+            flush=True,
+        )
+    print(
+        f"[learning] {wl.name}: {a.seeds} seeds x (lichen, TRL) x {a.steps} steps of {wl.prompts_per_step} prompts "
+        f"x {wl.group_size} samples, <= {wl.max_new_tokens} new tokens, lr {wl.lr}",
+        flush=True,
+    )
     seeds, trl_info = run_all(wl, a, base, sft["checkpoint"])
     res = analyse(seeds)
     curves = mean_curves(seeds, a.steps)
     print()
     if sft.get("heldout_accuracy") is not None:
-        print(f"warm start (SFT {a.sft_steps} steps, lr {a.sft_lr}): greedy accuracy {sft['heldout_accuracy']:.1%} "
-              f"on {sft['heldout']} held-out sums")
+        print(
+            f"warm start (SFT {a.sft_steps} steps, lr {a.sft_lr}): greedy accuracy {sft['heldout_accuracy']:.1%} "
+            f"on {sft['heldout']} held-out sums"
+        )
     print(format_table(seeds, res, a.early_steps, a.late_from, a.steps))
     if curves:
         print()
@@ -326,12 +424,25 @@ def main(argv: list[str]) -> int:
     note = overloaded_summary(machine["load_checks"])
     if note:
         print(f"[learning] NOTE: {note}; the rewards do not depend on it, the wall times do")
-    errors = [f"seed {s['seed']} {fw}: {s[fw]['error']}" for s in seeds for fw in ("lichen", "trl")
-              if isinstance(s.get(fw), dict) and "error" in s[fw]]
+    errors = [
+        f"seed {s['seed']} {fw}: {s[fw]['error']}"
+        for s in seeds
+        for fw in ("lichen", "trl")
+        if isinstance(s.get(fw), dict) and "error" in s[fw]
+    ]
     if a.out_json:
-        full = {"command": "lichen bench learning " + " ".join(argv), "machine": machine, "workload": wl.to_dict(),
-                "settings": {k: v for k, v in vars(a).items() if k not in ("out_json",)}, "sft": sft,
-                "trl": trl_info, "seeds": seeds, "mean_curves": curves, "result": res, "errors": errors}
+        full = {
+            "command": "lichen bench learning " + " ".join(argv),
+            "machine": machine,
+            "workload": wl.to_dict(),
+            "settings": {k: v for k, v in vars(a).items() if k not in ("out_json",)},
+            "sft": sft,
+            "trl": trl_info,
+            "seeds": seeds,
+            "mean_curves": curves,
+            "result": res,
+            "errors": errors,
+        }
         with open(a.out_json, "w", encoding="utf-8") as f:
             json.dump(full, f, indent=1, default=str)
         print(f"[learning] report written to {a.out_json}")

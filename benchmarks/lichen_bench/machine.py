@@ -21,10 +21,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def code_version() -> dict:
     """The lichen commit measured and how many files differ from it (read-only git queries; None outside git)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                timeout=10)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "changed_files": None}
     if commit.returncode != 0:
@@ -47,8 +47,12 @@ def machine_info() -> dict:
 
     return {
         "code": code_version(),
-        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(),
-        "python": platform.python_version(), "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable_cpus(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "loadavg_start": load_average(),
     }
 
@@ -64,12 +68,20 @@ def load_check(tag: str, when: str, cores_used: int, load: tuple[float, float, f
     load = load if load is not None else load_average()
     over = load is not None and load[0] > cores_used
     text = "unknown" if load is None else " ".join(f"{x:.2f}" for x in load)
-    print(f"[{tag}] load average {when}: {text} (1/5/15 min); this benchmark uses {cores_used} core(s) of "
-          f"{usable_cpus()}", flush=True)
+    print(
+        f"[{tag}] load average {when}: {text} (1/5/15 min); this benchmark uses {cores_used} core(s) of "
+        f"{usable_cpus()}",
+        flush=True,
+    )
     if over:
-        print(warning_banner(f"{tag}: load average {load[0]:.2f} {when} exceeds the {cores_used} core(s) this "
-                             f"benchmark uses: other work competed for the CPUs, so its times and ratios are not "
-                             f"clean measurements"), flush=True)
+        print(
+            warning_banner(
+                f"{tag}: load average {load[0]:.2f} {when} exceeds the {cores_used} core(s) this "
+                f"benchmark uses: other work competed for the CPUs, so its times and ratios are not "
+                f"clean measurements"
+            ),
+            flush=True,
+        )
     return {"when": when, "loadavg": load, "cores_used": cores_used, "overloaded": over}
 
 

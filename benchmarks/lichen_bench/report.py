@@ -68,41 +68,48 @@ def lichen_steps(child: dict, metrics: list[dict]) -> list[dict]:
     for i, m in enumerate(records):
         inst = child["steps"][i] if i < len(child.get("steps", [])) else {}
         gen, train, step = m.get("time/generate"), m.get("time/train"), m["time/step"]
-        steps.append({
-            "step_time": step,
-            "generate_time": gen,
-            "train_time": train,
-            "engine_time": inst.get("engine_time"),
-            "reward_mean": m.get("rollout/reward_mean"),
-            "lengths": inst.get("lengths") or [],
-            "engine_tokens": inst.get("engine_tokens"),
-            "train_tokens": (inst.get("train_grad_tokens", 0) + inst.get("train_nograd_tokens", 0)) if inst else None,
-            "response_length_mean": m.get("rollout/response_length_mean"),
-            # samples with zero advantage get a forward but no backward (lichen/train/step_schedule.py)
-            "skipped_frac": (m.get("train/skipped_samples") or 0) / max(len(inst.get("lengths") or []), 1),
-            "skipped_samples": m.get("train/skipped_samples"),
-        })
+        steps.append(
+            {
+                "step_time": step,
+                "generate_time": gen,
+                "train_time": train,
+                "engine_time": inst.get("engine_time"),
+                "reward_mean": m.get("rollout/reward_mean"),
+                "lengths": inst.get("lengths") or [],
+                "engine_tokens": inst.get("engine_tokens"),
+                "train_tokens": (inst.get("train_grad_tokens", 0) + inst.get("train_nograd_tokens", 0))
+                if inst
+                else None,
+                "response_length_mean": m.get("rollout/response_length_mean"),
+                # samples with zero advantage get a forward but no backward (lichen/train/step_schedule.py)
+                "skipped_frac": (m.get("train/skipped_samples") or 0) / max(len(inst.get("lengths") or []), 1),
+                "skipped_samples": m.get("train/skipped_samples"),
+            }
+        )
     return steps
 
 
 def trl_steps(child: dict) -> list[dict]:
     steps = []
     for s in child.get("steps", []):
-        steps.append({
-            "step_time": s["step_time"],
-            "generate_time": s["generate_time"],
-            "train_time": s["train_time"],
-            "engine_time": s["engine_time"],
-            "reward_mean": s.get("reward_mean"),
-            "lengths": s["lengths"],
-            "engine_tokens": s["engine_tokens"],
-            "train_tokens": s["train_grad_tokens"] + s["train_nograd_tokens"],
-        })
+        steps.append(
+            {
+                "step_time": s["step_time"],
+                "generate_time": s["generate_time"],
+                "train_time": s["train_time"],
+                "engine_time": s["engine_time"],
+                "reward_mean": s.get("reward_mean"),
+                "lengths": s["lengths"],
+                "engine_tokens": s["engine_tokens"],
+                "train_tokens": s["train_grad_tokens"] + s["train_nograd_tokens"],
+            }
+        )
     return steps
 
 
-def summarize_run(steps: list[dict], shape: dict, matmul_flops: float | None, peak_rss_kib: int | None,
-                  wall_s: float | None) -> dict:
+def summarize_run(
+    steps: list[dict], shape: dict, matmul_flops: float | None, peak_rss_kib: int | None, wall_s: float | None
+) -> dict:
     """One run's numbers (see the module docstring for what is averaged and how)."""
     timed = _timed(steps)
     n = len(timed)
@@ -141,8 +148,9 @@ def summarize_run(steps: list[dict], shape: dict, matmul_flops: float | None, pe
         if out["train_s"]:
             # forward + backward = 3x the forward for trained samples; a skipped sample (zero advantage) only had
             # its forward, counted by its share of the step's samples
-            train_flops = sum(batch_forward_flops(shape, s["lengths"]) * (3 - 2 * s.get("skipped_frac", 0.0))
-                              for s in timed)
+            train_flops = sum(
+                batch_forward_flops(shape, s["lengths"]) * (3 - 2 * s.get("skipped_frac", 0.0)) for s in timed
+            )
             out["trainer_gflops"] = train_flops / (out["train_s"] * n) / 1e9
         apply_peak(out, matmul_flops)
     if all(s["engine_tokens"] is not None for s in timed):
@@ -191,8 +199,11 @@ def medians(runs: list[dict]) -> dict:
 
 
 def ratios(lichen: dict, trl: dict) -> dict:
-    return {key: lichen[key] / trl[key] for key, *_ in METRICS
-            if lichen.get(key) is not None and trl.get(key) not in (None, 0)}
+    return {
+        key: lichen[key] / trl[key]
+        for key, *_ in METRICS
+        if lichen.get(key) is not None and trl.get(key) not in (None, 0)
+    }
 
 
 def _fmt(fmt: str, value) -> str:
@@ -200,8 +211,16 @@ def _fmt(fmt: str, value) -> str:
 
 
 # the rows printed for lichen's zero-advantage-skip variant (the rest repeat the equal-work table)
-SKIP_VARIANT_KEYS = ("step_time_s", "step_time_median_s", "generate_s", "train_s", "train_median_s",
-                     "skipped_samples", "reward_mean", "peak_rss_mib")
+SKIP_VARIANT_KEYS = (
+    "step_time_s",
+    "step_time_median_s",
+    "generate_s",
+    "train_s",
+    "train_median_s",
+    "skipped_samples",
+    "reward_mean",
+    "peak_rss_mib",
+)
 
 
 def format_table(name: str, lichen: dict, trl: dict | None, ratio: dict, keys: tuple[str, ...] | None = None) -> str:
@@ -213,8 +232,10 @@ def format_table(name: str, lichen: dict, trl: dict | None, ratio: dict, keys: t
         if lichen.get(key) is None and (not trl or trl.get(key) is None):
             continue
         lab = f"{label} [{unit}]" if unit else label
-        lines.append(f"{lab:<46} {_fmt(fmt, lichen.get(key)):>12} "
-                     f"{_fmt(fmt, trl.get(key) if trl else None):>12} {_fmt('{:.3f}', ratio.get(key)):>11}")
+        lines.append(
+            f"{lab:<46} {_fmt(fmt, lichen.get(key)):>12} "
+            f"{_fmt(fmt, trl.get(key) if trl else None):>12} {_fmt('{:.3f}', ratio.get(key)):>11}"
+        )
     return "\n".join(lines)
 
 
@@ -224,9 +245,14 @@ def format_limits(name: str, gen: dict, shape: dict) -> str:
     mm = gen.get("matmul", {})
     peak = gen.get("peak_flops_per_s") or mm.get("best_flops_per_s")
     ends = [m.get("best_flops_per_s") for m in (mm, gen.get("matmul_end") or {}) if m.get("best_flops_per_s")]
-    lines = [f"limits ({name}): fp32 matmul {mm.get('size')}^3 on {mm.get('threads')} threads, best of "
-             f"{mm.get('repeats', '?')}: " + " / ".join(f"{x / 1e9:.1f}" for x in ends) + " GFLOP/s (before" +
-             (" / after the runs)" if len(ends) > 1 else ")") + f"; peak used: {_fmt('{:.1f}', peak / 1e9 if peak else None)}"]
+    lines = [
+        f"limits ({name}): fp32 matmul {mm.get('size')}^3 on {mm.get('threads')} threads, best of "
+        f"{mm.get('repeats', '?')}: "
+        + " / ".join(f"{x / 1e9:.1f}" for x in ends)
+        + " GFLOP/s (before"
+        + (" / after the runs)" if len(ends) > 1 else ")")
+        + f"; peak used: {_fmt('{:.1f}', peak / 1e9 if peak else None)}"
+    ]
     for key, label in (("hf", "HF model.generate"), ("lichen", "lichen Engine    ")):
         runs = gen.get(key) or []
         if not runs:
@@ -236,8 +262,10 @@ def format_limits(name: str, gen: dict, shape: dict) -> str:
         comp = statistics.median(x["computed_tokens"] for x in runs)
         useful = statistics.median(sum(useful_tokens(p, r) for p, r in x["lengths"]) for x in runs)
         frac = f", {gflops * 1e9 / peak:.3f} of matmul" if peak else ""
-        lines.append(f"  {label} on the step-1 batch (forced identical lengths): {tps:.1f} useful tok/s, {gflops:.2f} useful GFLOP/s{frac}; "
-                     f"positions computed/useful {comp:.0f}/{useful:.0f}")
+        lines.append(
+            f"  {label} on the step-1 batch (forced identical lengths): {tps:.1f} useful tok/s, {gflops:.2f} useful GFLOP/s{frac}; "
+            f"positions computed/useful {comp:.0f}/{useful:.0f}"
+        )
     hf, li = gen.get("hf_useful_tokens_per_s_median"), gen.get("lichen_useful_tokens_per_s_median")
     if hf and li:
         lines.append(f"  lichen Engine / HF generate useful tok/s: {li / hf:.2f}x")

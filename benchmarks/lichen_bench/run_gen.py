@@ -39,8 +39,8 @@ def _hf_generate(model, tokenizer, prompts, wl, lengths: list[int], seed) -> dic
     input_ids = torch.full((len(ids), P), pad, dtype=torch.long)
     mask = torch.zeros((len(ids), P), dtype=torch.long)
     for i, x in enumerate(ids):
-        input_ids[i, P - len(x):] = torch.tensor(x)
-        mask[i, P - len(x):] = 1
+        input_ids[i, P - len(x) :] = torch.tensor(x)
+        mask[i, P - len(x) :] = 1
     want = torch.tensor(lengths)
 
     class ForcedLengths(StoppingCriteria):
@@ -60,9 +60,18 @@ def _hf_generate(model, tokenizer, prompts, wl, lengths: list[int], seed) -> dic
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                             top_k=0, max_new_tokens=max(lengths), pad_token_id=pad, use_cache=True,
-                             stopping_criteria=StoppingCriteriaList([ForcedLengths()]))
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max(lengths),
+            pad_token_id=pad,
+            use_cache=True,
+            stopping_criteria=StoppingCriteriaList([ForcedLengths()]),
+        )
     dt = time.perf_counter() - t0
     model.forward = original
     if out.shape[1] - P != max(lengths):
@@ -75,9 +84,18 @@ def _lichen_generate(engine, tokenizer, prompts, wl, seed, lengths: list[int] | 
     from lichen.engines.engine import GenRequest
 
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    reqs = [GenRequest(input_ids=x, max_new_tokens=lengths[i] if lengths else wl.max_new_tokens, temperature=1.0,
-                       top_p=1.0, top_k=-1, seed=seed * 100003 + i, ignore_eos=bool(lengths))
-            for i, x in enumerate(ids)]
+    reqs = [
+        GenRequest(
+            input_ids=x,
+            max_new_tokens=lengths[i] if lengths else wl.max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            seed=seed * 100003 + i,
+            ignore_eos=bool(lengths),
+        )
+        for i, x in enumerate(ids)
+    ]
     counter = {"tokens": 0}
     model = engine.model
     original = type(model).forward
@@ -93,8 +111,11 @@ def _lichen_generate(engine, tokenizer, prompts, wl, seed, lengths: list[int] | 
     del model.forward
     if lengths and [len(r.output_ids) for r in res] != list(lengths):
         raise RuntimeError("lichen Engine did not produce the forced lengths")
-    return {"time": dt, "lengths": [[len(x), len(r.output_ids)] for x, r in zip(ids, res)],
-            "computed_tokens": counter["tokens"]}
+    return {
+        "time": dt,
+        "lengths": [[len(x), len(r.output_ids)] for x, r in zip(ids, res)],
+        "computed_tokens": counter["tokens"],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -167,7 +188,8 @@ def main(argv: list[str]) -> int:
         runs = result[key]
         if runs:
             result[f"{key}_useful_tokens_per_s_median"] = statistics.median(
-                sum(r for _, r in x["lengths"]) / x["time"] for x in runs)
+                sum(r for _, r in x["lengths"]) / x["time"] for x in runs
+            )
     result["self_maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open(a.result, "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -34,8 +34,14 @@ def _current() -> dict:
 
 
 def _new_step() -> dict:
-    return {"engine_tokens": 0, "train_grad_tokens": 0, "train_nograd_tokens": 0, "engine_time": 0.0,
-            "engine_forwards": 0, "lengths": []}
+    return {
+        "engine_tokens": 0,
+        "train_grad_tokens": 0,
+        "train_nograd_tokens": 0,
+        "engine_time": 0.0,
+        "engine_forwards": 0,
+        "lengths": [],
+    }
 
 
 def _wrap(module_name: str, class_name: str, attr: str, make_wrapper) -> None:
@@ -126,14 +132,17 @@ def main(argv: list[str]) -> int:
     have_steps = "lichen.rollout.manager.RolloutManager.generate" not in STATE["missing"]
     steps = [s for s in STATE["steps"] if s["lengths"]] if have_steps else STATE["steps"]
     with open(result_path, "w", encoding="utf-8") as f:
-        json.dump({
-            "rc": rc,
-            "wall_s": time.perf_counter() - t0,
-            "steps": steps,
-            "instrumentation_missing": STATE["missing"],
-            "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "torch_threads": _torch_threads(),
-        }, f)
+        json.dump(
+            {
+                "rc": rc,
+                "wall_s": time.perf_counter() - t0,
+                "steps": steps,
+                "instrumentation_missing": STATE["missing"],
+                "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "torch_threads": _torch_threads(),
+            },
+            f,
+        )
     return rc
 
 

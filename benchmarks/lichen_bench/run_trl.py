@@ -28,8 +28,16 @@ STATE: dict = {"phase": "train", "steps": [], "missing": []}
 
 
 def _new_step() -> dict:
-    return {"engine_tokens": 0, "train_grad_tokens": 0, "train_nograd_tokens": 0, "engine_time": 0.0,
-            "generate_time": 0.0, "engine_forwards": 0, "lengths": [], "rewards": []}
+    return {
+        "engine_tokens": 0,
+        "train_grad_tokens": 0,
+        "train_nograd_tokens": 0,
+        "engine_time": 0.0,
+        "generate_time": 0.0,
+        "engine_forwards": 0,
+        "lengths": [],
+        "rewards": [],
+    }
 
 
 def _current() -> dict:
@@ -105,6 +113,7 @@ def _instrument(trainer, model) -> None:
                 return original(*args, **kwargs)
             finally:
                 _current()["generate_time"] += time.perf_counter() - t0
+
         return inner
 
     def timed_single_turn(original):
@@ -119,6 +128,7 @@ def _instrument(trainer, model) -> None:
             completions = out[0]
             _current()["lengths"] += [[len(p), len(c)] for p, c in zip(prompt_ids, completions)]
             return out
+
         return inner
 
     def counting_forward(original):
@@ -126,6 +136,7 @@ def _instrument(trainer, model) -> None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             record_forward(_current(), STATE["phase"], positions(ids))
             return original(*args, **kwargs)
+
         return inner
 
     wrap_method(trainer, "_generate_and_score_completions", timed_generate_and_score)
@@ -169,8 +180,9 @@ def main(argv: list[str]) -> int:
         return out
 
     reward.__name__ = base_reward.__name__
-    config = GRPOConfig(**trl_config_kwargs(wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir,
-                                            grad_accum=a.grad_accum))
+    config = GRPOConfig(
+        **trl_config_kwargs(wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir, grad_accum=a.grad_accum)
+    )
 
     class StepClock(TrainerCallback):
         last = None
@@ -189,8 +201,14 @@ def main(argv: list[str]) -> int:
             rec["closed"] = True
             StepClock.last = now
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     _instrument(trainer, trainer.model)
     t_train = time.perf_counter()
     trainer.train()
@@ -203,20 +221,29 @@ def main(argv: list[str]) -> int:
         s["reward_mean"] = sum(s["rewards"]) / len(s["rewards"]) if s["rewards"] else None
         s.pop("rewards")
     with open(a.result, "w", encoding="utf-8") as f:
-        json.dump({
-            "rc": 0,
-            "wall_s": time.perf_counter() - t_start,
-            "train_wall_s": train_wall,
-            "steps": steps,
-            "instrumentation_missing": STATE["missing"],
-            "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "torch_threads": torch.get_num_threads(),
-            "versions": _versions(),
-            "config": {k: v for k, v in trl_config_kwargs(wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir,
-                                                          grad_accum=a.grad_accum).items() if k != "output_dir"},
-            "optim": str(config.optim),
-            "eos_token_ids": list(getattr(trainer, "eos_token_ids", []) or []),
-        }, f, default=str)
+        json.dump(
+            {
+                "rc": 0,
+                "wall_s": time.perf_counter() - t_start,
+                "train_wall_s": train_wall,
+                "steps": steps,
+                "instrumentation_missing": STATE["missing"],
+                "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "torch_threads": torch.get_num_threads(),
+                "versions": _versions(),
+                "config": {
+                    k: v
+                    for k, v in trl_config_kwargs(
+                        wl, steps=a.steps, seed=a.seed, output_dir=a.output_dir, grad_accum=a.grad_accum
+                    ).items()
+                    if k != "output_dir"
+                },
+                "optim": str(config.optim),
+                "eos_token_ids": list(getattr(trainer, "eos_token_ids", []) or []),
+            },
+            f,
+            default=str,
+        )
     return 0
 
 

@@ -23,19 +23,76 @@ LICHEN_TRAINER_FLAGS = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "409
 EQUAL_WORK_FLAGS = ("--disable-zero-advantage-skip",)
 
 
-def lichen_train_flags(wl: Workload, *, checkpoint: str, prompts: str, steps: int, seed: int, threads: int,
-                       output_dir: str, extra: list[str]) -> list[str]:
+def lichen_train_flags(
+    wl: Workload,
+    *,
+    checkpoint: str,
+    prompts: str,
+    steps: int,
+    seed: int,
+    threads: int,
+    output_dir: str,
+    extra: list[str],
+) -> list[str]:
     """`lichen train` flags equivalent to the TRL config in lichen_bench.run_trl.trl_config_kwargs."""
     return [
-        "--hf-checkpoint", checkpoint, "--prompt-data", prompts, "--custom-rm-path", LICHEN_REWARD_PATHS[wl.reward],
-        "--device", "cpu", "--num-threads", str(threads), "--seed", str(seed), "--output-dir", output_dir,
-        "--rollout-batch-size", str(wl.prompts_per_step), "--n-samples-per-prompt", str(wl.group_size),
-        "--rollout-max-response-len", str(wl.max_new_tokens), "--rollout-temperature", "1.0",
-        "--rollout-top-p", "1.0", "--rollout-top-k", "-1", "--num-rollout", str(steps),
-        "--num-steps-per-rollout", "1", "--advantage-estimator", "grpo", "--loss-agg-mode", "seq-mean-token-mean",
-        "--eps-clip", "0.2", "--eps-clip-high", "0.2", "--lr", repr(wl.lr), "--lr-decay-style", "constant",
-        "--lr-warmup-iters", "0", "--adam-beta1", "0.9", "--adam-beta2", "0.999", "--adam-eps", "1e-8",
-        "--weight-decay", "0.0", "--clip-grad", "1.0", "--no-progress", *LICHEN_TRAINER_FLAGS, *extra,
+        "--hf-checkpoint",
+        checkpoint,
+        "--prompt-data",
+        prompts,
+        "--custom-rm-path",
+        LICHEN_REWARD_PATHS[wl.reward],
+        "--device",
+        "cpu",
+        "--num-threads",
+        str(threads),
+        "--seed",
+        str(seed),
+        "--output-dir",
+        output_dir,
+        "--rollout-batch-size",
+        str(wl.prompts_per_step),
+        "--n-samples-per-prompt",
+        str(wl.group_size),
+        "--rollout-max-response-len",
+        str(wl.max_new_tokens),
+        "--rollout-temperature",
+        "1.0",
+        "--rollout-top-p",
+        "1.0",
+        "--rollout-top-k",
+        "-1",
+        "--num-rollout",
+        str(steps),
+        "--num-steps-per-rollout",
+        "1",
+        "--advantage-estimator",
+        "grpo",
+        "--loss-agg-mode",
+        "seq-mean-token-mean",
+        "--eps-clip",
+        "0.2",
+        "--eps-clip-high",
+        "0.2",
+        "--lr",
+        repr(wl.lr),
+        "--lr-decay-style",
+        "constant",
+        "--lr-warmup-iters",
+        "0",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.999",
+        "--adam-eps",
+        "1e-8",
+        "--weight-decay",
+        "0.0",
+        "--clip-grad",
+        "1.0",
+        "--no-progress",
+        *LICHEN_TRAINER_FLAGS,
+        *extra,
     ]
 
 
@@ -46,17 +103,30 @@ def _fresh(path: str) -> str:
     return path
 
 
-def run_lichen(wl: Workload, d: str, tag: str, ctx: dict, profile_path: str | None = None,
-               equal_work: bool = False) -> dict:
+def run_lichen(
+    wl: Workload, d: str, tag: str, ctx: dict, profile_path: str | None = None, equal_work: bool = False
+) -> dict:
     """One `lichen train` run; `equal_work` adds EQUAL_WORK_FLAGS (no zero-advantage backward is skipped)."""
     out_dir = _fresh(os.path.join(d, f"lichen-{tag}"))
     result = _fresh(os.path.join(d, f"lichen-{tag}.json"))
     extra = [*(EQUAL_WORK_FLAGS if equal_work else ()), *ctx["lichen_extra"]]
-    flags = lichen_train_flags(wl, checkpoint=ctx["checkpoint"], prompts=ctx["prompts"], steps=ctx["steps"],
-                               seed=ctx["seed"], threads=ctx["threads"], output_dir=out_dir, extra=extra)
-    child = run_child([sys.executable, "-m", "lichen_bench.run_lichen", result, "--", *flags],
-                      os.path.join(d, f"lichen-{tag}.log"), timeout=ctx["timeout"], threads=ctx["threads"],
-                      extra_env={"LICHEN_BENCH_PROFILE": profile_path} if profile_path else None)
+    flags = lichen_train_flags(
+        wl,
+        checkpoint=ctx["checkpoint"],
+        prompts=ctx["prompts"],
+        steps=ctx["steps"],
+        seed=ctx["seed"],
+        threads=ctx["threads"],
+        output_dir=out_dir,
+        extra=extra,
+    )
+    child = run_child(
+        [sys.executable, "-m", "lichen_bench.run_lichen", result, "--", *flags],
+        os.path.join(d, f"lichen-{tag}.log"),
+        timeout=ctx["timeout"],
+        threads=ctx["threads"],
+        extra_env={"LICHEN_BENCH_PROFILE": profile_path} if profile_path else None,
+    )
     data = load_json(result)
     if child["rc"] != 0 or data is None:
         return {"error": f"lichen run failed (rc {child['rc']}); log {child['log']}:\n{tail(child['log'])}"}
@@ -64,8 +134,10 @@ def run_lichen(wl: Workload, d: str, tag: str, ctx: dict, profile_path: str | No
 
     steps = report.lichen_steps(data, read_metrics(out_dir))
     if len(steps) != ctx["steps"]:
-        return {"error": f"lichen run in {out_dir} logged {len(steps)} steps for {ctx['steps']} run; its metrics are "
-                         f"not this run's alone"}
+        return {
+            "error": f"lichen run in {out_dir} logged {len(steps)} steps for {ctx['steps']} run; its metrics are "
+            f"not this run's alone"
+        }
     summary = report.summarize_run(steps, ctx["shape"], ctx["matmul"], child["maxrss_kib"], child["wall_s"])
     summary["cpu_s"] = child["cpu_s"]
     summary["torch_threads"] = data.get("torch_threads")
@@ -77,16 +149,35 @@ def run_trl(wl: Workload, d: str, tag: str, ctx: dict, grad_accum: int = 1, step
     """One TRL GRPOTrainer run; `grad_accum` > 1 splits each step's batch into that many accumulated micro-batches."""
     result = _fresh(os.path.join(d, f"trl-{tag}.json"))
     steps = steps or ctx["steps"]
-    cmd = [sys.executable, "-m", "lichen_bench.run_trl", result, "--workload", wl.name,
-           "--checkpoint", ctx["checkpoint"], "--prompts", ctx["prompts"], "--steps", str(steps),
-           "--seed", str(ctx["seed"]), "--threads", str(ctx["threads"]), "--grad-accum", str(grad_accum),
-           "--output-dir", _fresh(os.path.join(d, f"trl-{tag}"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lichen_bench.run_trl",
+        result,
+        "--workload",
+        wl.name,
+        "--checkpoint",
+        ctx["checkpoint"],
+        "--prompts",
+        ctx["prompts"],
+        "--steps",
+        str(steps),
+        "--seed",
+        str(ctx["seed"]),
+        "--threads",
+        str(ctx["threads"]),
+        "--grad-accum",
+        str(grad_accum),
+        "--output-dir",
+        _fresh(os.path.join(d, f"trl-{tag}")),
+    ]
     child = run_child(cmd, os.path.join(d, f"trl-{tag}.log"), timeout=ctx["timeout"], threads=ctx["threads"])
     data = load_json(result)
     if child["rc"] != 0 or data is None:
         return {"error": f"TRL run failed (rc {child['rc']}); log {child['log']}:\n{tail(child['log'])}"}
-    summary = report.summarize_run(report.trl_steps(data), ctx["shape"], ctx["matmul"], child["maxrss_kib"],
-                                   child["wall_s"])
+    summary = report.summarize_run(
+        report.trl_steps(data), ctx["shape"], ctx["matmul"], child["maxrss_kib"], child["wall_s"]
+    )
     summary["cpu_s"] = child["cpu_s"]
     summary["torch_threads"] = data.get("torch_threads")
     summary["instrumentation_missing"] = data.get("instrumentation_missing", [])
@@ -97,10 +188,28 @@ def run_trl(wl: Workload, d: str, tag: str, ctx: dict, grad_accum: int = 1, step
 
 def run_limits(wl: Workload, d: str, ctx: dict, *, repeats: int, skip_hf: bool, matmul_only: bool = False) -> dict:
     result = _fresh(os.path.join(d, "matmul-end.json" if matmul_only else "limits.json"))
-    cmd = [sys.executable, "-m", "lichen_bench.run_gen", result, "--workload", wl.name, "--checkpoint",
-           ctx["checkpoint"], "--prompts", ctx["prompts"], "--threads", str(ctx["threads"]), "--repeats",
-           str(repeats), "--seed", str(ctx["seed"])] + (["--skip-hf"] if skip_hf else []) + \
-        (["--matmul-only"] if matmul_only else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "lichen_bench.run_gen",
+            result,
+            "--workload",
+            wl.name,
+            "--checkpoint",
+            ctx["checkpoint"],
+            "--prompts",
+            ctx["prompts"],
+            "--threads",
+            str(ctx["threads"]),
+            "--repeats",
+            str(repeats),
+            "--seed",
+            str(ctx["seed"]),
+        ]
+        + (["--skip-hf"] if skip_hf else [])
+        + (["--matmul-only"] if matmul_only else [])
+    )
     child = run_child(cmd, result[:-5] + ".log", timeout=ctx["timeout"], threads=ctx["threads"])
     data = load_json(result)
     if child["rc"] != 0 or data is None:

@@ -51,22 +51,34 @@ TARGETS = {"xor_wire": 0.05, "publish_Bps": 1e9, "apply_Bps": 1e9, "e2e_speedup"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lichen bench sync", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lichen bench sync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--params", type=float, default=5e8, help="model size in parameters (default 5e8)")
     p.add_argument("--steps", type=int, default=3, help="AdamW steps, each followed by a timed sync (default 3)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     p.add_argument("--batch", type=int, default=2, help="sequences per training batch (default 2)")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="engine dtype (default bfloat16)")
-    p.add_argument("--bandwidth", type=float, default=100e6,
-                   help="shared file system bytes/s for the projection (default 100e6)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="engine dtype (default bfloat16)",
+    )
+    p.add_argument(
+        "--bandwidth", type=float, default=100e6, help="shared file system bytes/s for the projection (default 100e6)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads for trainer and engine (default 2)")
-    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS),
-                   help="what to run (default all four)")
-    p.add_argument("--work-dir", default=None, help="model, versions and logs (default: a temporary directory, "
-                   "removed afterwards)")
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=list(TRANSPORTS),
+        choices=list(TRANSPORTS),
+        help="what to run (default all four)",
+    )
+    p.add_argument(
+        "--work-dir", default=None, help="model, versions and logs (default: a temporary directory, removed afterwards)"
+    )
     p.add_argument("--json", default=None, help="write every measurement as JSON here")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -85,8 +97,12 @@ def model_shape(params: float) -> dict:
     h = 1024 if params >= 1e8 else 512 if params >= 1e7 else 128
     m = max(64, int(round(2.75 * h / 64)) * 64)
     per_layer = 4 * h * h + 3 * h * m
-    return {"hidden_size": h, "intermediate_size": m, "num_heads": max(2, h // 64),
-            "num_layers": max(1, int(round(params / per_layer)))}
+    return {
+        "hidden_size": h,
+        "intermediate_size": m,
+        "num_heads": max(2, h // 64),
+        "num_layers": max(1, int(round(params / per_layer))),
+    }
 
 
 def train_states(model_dir: str, args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
@@ -102,7 +118,7 @@ def train_states(model_dir: str, args: argparse.Namespace, dtype: torch.dtype) -
     pos = torch.arange(args.seq).expand(args.batch, -1)
 
     def snapshot() -> dict[str, torch.Tensor]:
-        return {n: p.detach().to(dtype).clone() for n, p in model.named_parameters()}
+        return {n: p.detach().to(dtype).clone() for n, p in model.named_parameters()}  # noqa: F821 (deleted after use)
 
     states = [snapshot()]
     for k in range(args.steps):
@@ -120,8 +136,8 @@ def train_states(model_dir: str, args: argparse.Namespace, dtype: torch.dtype) -
 
 
 def _transport(name: str, engines, work: str, model_dir: str):
-    from lichen.sync.disk_delta import DeltaSync
     from lichen.sync.disk import FullDiskSync
+    from lichen.sync.disk_delta import DeltaSync
     from lichen.sync.distributed import BroadcastSync
 
     root = os.path.join(work, name)
@@ -134,8 +150,13 @@ def _transport(name: str, engines, work: str, model_dir: str):
         from lichen.sync.tensor_handles import TensorSync
 
         return TensorSync(engines, buffer_size=512 * 1024**2)
-    return DeltaSync(engines, disk_dir=os.path.join(root, "w"), local_dir=os.path.join(root, "local"),
-                     hf_checkpoint=model_dir, encoding=name)
+    return DeltaSync(
+        engines,
+        disk_dir=os.path.join(root, "w"),
+        local_dir=os.path.join(root, "local"),
+        hf_checkpoint=model_dir,
+        encoding=name,
+    )
 
 
 def _cpu_seconds(pid: int | None) -> float:
@@ -150,8 +171,9 @@ def _cpu_seconds(pid: int | None) -> float:
         return 0.0
 
 
-def run_transport(name: str, engines, states, dtype: torch.dtype, work: str, model_dir: str,
-                  engine_pid: int | None = None) -> list[dict]:
+def run_transport(
+    name: str, engines, states, dtype: torch.dtype, work: str, model_dir: str, engine_pid: int | None = None
+) -> list[dict]:
     """Sync every state in order (version 1, 2, ...); the metrics of every sync but the first. Besides wall
     times, the CPU seconds the trainer process and the engine process spent in each sync (`cpu/trainer`,
     `cpu/engine`): what the sync costs whatever else the machine runs."""
@@ -185,6 +207,7 @@ def run_transport(name: str, engines, states, dtype: torch.dtype, work: str, mod
 
 def summarize(name: str, rows: list[dict], model_bytes: int, bandwidth: float) -> dict:
     """Means over the timed syncs of one transport (see the module doc for each field)."""
+
     def mean(key: str) -> float:
         return sum(float(r.get(key, 0.0) or 0.0) for r in rows) / len(rows)
 
@@ -193,15 +216,23 @@ def summarize(name: str, rows: list[dict], model_bytes: int, bandwidth: float) -
     pull = mean("time/sync_transfer") if name in ("xor", "overwrite") else 0.0
     apply = pull + mean("time/sync_apply") if disk else 0.0
     wire = mean("sync/bytes")
-    return {"transport": name, "wire_bytes": wire, "publish_s": publish, "pull_s": pull, "apply_s": apply,
-            "e2e_s": mean("time/e2e"), "e2e_each_s": [float(r["time/e2e"]) for r in rows],
-            "verify_s": mean("time/sync_verify"),
-            "request_bytes": mean("sync/request_bytes") if name == "tensor" else None,
-            "cpu_trainer_s": mean("cpu/trainer"), "cpu_engine_s": mean("cpu/engine"),
-            "changed_density": mean("sync/changed_density") if name in ("xor", "overwrite") else None,
-            "publish_Bps": model_bytes / publish if publish else None,
-            "apply_Bps": model_bytes / apply if apply else None,
-            "shared_fs_s": publish + wire / bandwidth + apply if disk else None}
+    return {
+        "transport": name,
+        "wire_bytes": wire,
+        "publish_s": publish,
+        "pull_s": pull,
+        "apply_s": apply,
+        "e2e_s": mean("time/e2e"),
+        "e2e_each_s": [float(r["time/e2e"]) for r in rows],
+        "verify_s": mean("time/sync_verify"),
+        "request_bytes": mean("sync/request_bytes") if name == "tensor" else None,
+        "cpu_trainer_s": mean("cpu/trainer"),
+        "cpu_engine_s": mean("cpu/engine"),
+        "changed_density": mean("sync/changed_density") if name in ("xor", "overwrite") else None,
+        "publish_Bps": model_bytes / publish if publish else None,
+        "apply_Bps": model_bytes / apply if apply else None,
+        "shared_fs_s": publish + wire / bandwidth + apply if disk else None,
+    }
 
 
 def fmt_bytes(n: float) -> str:
@@ -219,23 +250,31 @@ def checks(results: list[dict]) -> list[tuple[str, bool]]:
     if not (full and xor):
         return []
     return [
-        (f"delta xor wire <= {TARGETS['xor_wire']:.0%} of full", xor["wire_bytes"] / full["wire_bytes"]
-         <= TARGETS["xor_wire"]),
+        (
+            f"delta xor wire <= {TARGETS['xor_wire']:.0%} of full",
+            xor["wire_bytes"] / full["wire_bytes"] <= TARGETS["xor_wire"],
+        ),
         ("delta xor publish >= 1 GB/s", (xor["publish_Bps"] or 0) >= TARGETS["publish_Bps"]),
         ("delta xor apply >= 1 GB/s", (xor["apply_Bps"] or 0) >= TARGETS["apply_Bps"]),
         ("delta xor end-to-end >= 1.5x faster than full", full["e2e_s"] / xor["e2e_s"] >= TARGETS["e2e_speedup"]),
-        ("delta xor over the shared fs >= 4x faster than full",
-         full["shared_fs_s"] / xor["shared_fs_s"] >= TARGETS["shared_fs_speedup"]),
+        (
+            "delta xor over the shared fs >= 4x faster than full",
+            full["shared_fs_s"] / xor["shared_fs_s"] >= TARGETS["shared_fs_speedup"],
+        ),
     ]
 
 
 def report(results: list[dict], model_bytes: int, args: argparse.Namespace) -> list[str]:
     """Print the table and the target checks; returns the missed targets."""
     full = next((r for r in results if r["transport"] == "full"), None)
-    print(f"\nmodel: {model_bytes / 1e9:.3f} GB in {args.dtype}; {args.steps} AdamW step(s) at lr {args.lr:g}; "
-          f"means over the timed syncs; shared fs at {args.bandwidth / 1e6:g} MB/s")
-    print(f"{'transport':<10} {'changed':>8} {'wire':>10} {'/full':>7} {'publish':>10} {'apply':>10} "
-          f"{'sync s':>8} {'full/x':>7} {'shared-fs s':>12} {'full/x':>7}")
+    print(
+        f"\nmodel: {model_bytes / 1e9:.3f} GB in {args.dtype}; {args.steps} AdamW step(s) at lr {args.lr:g}; "
+        f"means over the timed syncs; shared fs at {args.bandwidth / 1e6:g} MB/s"
+    )
+    print(
+        f"{'transport':<10} {'changed':>8} {'wire':>10} {'/full':>7} {'publish':>10} {'apply':>10} "
+        f"{'sync s':>8} {'full/x':>7} {'shared-fs s':>12} {'full/x':>7}"
+    )
     for r in results:
         ratio = f"{r['wire_bytes'] / full['wire_bytes']:.2%}" if full else "-"
         speed = f"{full['e2e_s'] / r['e2e_s']:.2f}x" if full else "-"
@@ -244,17 +283,25 @@ def report(results: list[dict], model_bytes: int, args: argparse.Namespace) -> l
         changed = f"{r['changed_density']:.2%}" if r["changed_density"] is not None else "-"
         pub = f"{r['publish_Bps'] / 1e9:.2f} GB/s" if r["publish_Bps"] else "-"
         app = f"{r['apply_Bps'] / 1e9:.2f} GB/s" if r["apply_Bps"] else "-"
-        print(f"{r['transport']:<10} {changed:>8} {fmt_bytes(r['wire_bytes']):>10} {ratio:>7} {pub:>10} {app:>10} "
-              f"{r['e2e_s']:>8.3f} {speed:>7} {shared:>12} {sfs:>7}")
-    print("seconds per sync: publish / pull / pull + update / verify (not in the sync time) | CPU seconds of the "
-          "trainer / engine process")
+        print(
+            f"{r['transport']:<10} {changed:>8} {fmt_bytes(r['wire_bytes']):>10} {ratio:>7} {pub:>10} {app:>10} "
+            f"{r['e2e_s']:>8.3f} {speed:>7} {shared:>12} {sfs:>7}"
+        )
+    print(
+        "seconds per sync: publish / pull / pull + update / verify (not in the sync time) | CPU seconds of the "
+        "trainer / engine process"
+    )
     for r in results:
-        print(f"  {r['transport']:<10} {r['publish_s']:.3f} / {r['pull_s']:.3f} / {r['apply_s']:.3f} / "
-              f"{r['verify_s']:.3f} | {r['cpu_trainer_s']:.3f} / {r['cpu_engine_s']:.3f}")
+        print(
+            f"  {r['transport']:<10} {r['publish_s']:.3f} / {r['pull_s']:.3f} / {r['apply_s']:.3f} / "
+            f"{r['verify_s']:.3f} | {r['cpu_trainer_s']:.3f} / {r['cpu_engine_s']:.3f}"
+        )
     for r in results:
         if r.get("request_bytes") is not None:
-            print(f"  {r['transport']:<10} request bodies {fmt_bytes(r['request_bytes'])} per sync: handles, the "
-                  "weights stay in shared memory")
+            print(
+                f"  {r['transport']:<10} request bodies {fmt_bytes(r['request_bytes'])} per sync: handles, the "
+                "weights stay in shared memory"
+            )
     print("end-to-end seconds of each timed sync (the spread within one run):")
     for r in results:
         print(f"  {r['transport']:<10} " + " ".join(f"{x:.3f}" for x in r.get("e2e_each_s", [])))
@@ -293,9 +340,21 @@ def main(argv: list[str] | None = None) -> int:
     states = train_states(model_dir, args, dtype)
     model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
     # every transport's versions and local copy are below `work`: the only dirs the engine may use for weights
-    launcher = EngineLauncher(model_dir, 1, server_args=["--dtype", args.dtype, "--num-threads", str(args.threads),
-                                                         "--weight-dir", work, "--local-checkpoint-dir", work],
-                              log_dir=os.path.join(work, "logs"))
+    launcher = EngineLauncher(
+        model_dir,
+        1,
+        server_args=[
+            "--dtype",
+            args.dtype,
+            "--num-threads",
+            str(args.threads),
+            "--weight-dir",
+            work,
+            "--local-checkpoint-dir",
+            work,
+        ],
+        log_dir=os.path.join(work, "logs"),
+    )
     results, raw = [], {}
     try:
         engines = RemoteEngines(launcher.start(), launcher=launcher, concurrency=4, request_timeout=3600)
@@ -313,8 +372,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at end: {_load()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "shape": shape, "model_bytes": model_bytes, "summary": results,
-                       "syncs": raw, "missed_targets": missed}, f, indent=1)
+            json.dump(
+                {
+                    "settings": vars(args),
+                    "shape": shape,
+                    "model_bytes": model_bytes,
+                    "summary": results,
+                    "syncs": raw,
+                    "missed_targets": missed,
+                },
+                f,
+                indent=1,
+            )
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -14,11 +14,11 @@ import argparse
 import os
 import tempfile
 
+from lichen.errors import ConfigError
 from lichen_bench.children import tail
 from lichen_bench.machine import fresh_run_dir, load_check
 from lichen_bench.runners import run_lichen
 from lichen_bench.workloads import WORKLOADS, ensure_checkpoint, make_prompts, model_shape, write_prompts
-from lichen.errors import ConfigError
 
 ENV = "LICHEN_BENCH_TORCH_PROFILE"
 
@@ -73,8 +73,17 @@ def main(argv: list[str]) -> int:
     ckpt = ensure_checkpoint(wl, os.path.join(work, wl.name, "checkpoint"))
     prompts = os.path.join(d, "prompts.jsonl")
     write_prompts(prompts, make_prompts(wl, a.steps))
-    ctx = {"checkpoint": ckpt, "prompts": prompts, "steps": a.steps, "seed": a.seed, "threads": a.threads,
-           "timeout": 3600.0, "shape": model_shape(ckpt), "lichen_extra": list(a.lichen_arg or []), "matmul": None}
+    ctx = {
+        "checkpoint": ckpt,
+        "prompts": prompts,
+        "steps": a.steps,
+        "seed": a.seed,
+        "threads": a.threads,
+        "timeout": 3600.0,
+        "shape": model_shape(ckpt),
+        "lichen_extra": list(a.lichen_arg or []),
+        "matmul": None,
+    }
     prefix = os.path.join(d, "profile")
     os.environ[ENV] = f"{prefix}:{a.steps}:{a.rows}"  # read by lichen_bench.run_lichen in the child
     try:
@@ -85,8 +94,11 @@ def main(argv: list[str]) -> int:
     if "error" in summary:
         print(summary["error"])
         return 1
-    print(f"[profile] {wl.name}: step times " + " ".join(f"{x:.2f}s" for x in summary["step_times"]) +
-          f" (last step profiled); run in {d}")
+    print(
+        f"[profile] {wl.name}: step times "
+        + " ".join(f"{x:.2f}s" for x in summary["step_times"])
+        + f" (last step profiled); run in {d}"
+    )
     for name in ("engine", "train"):
         path = f"{prefix}-{name}-ops.txt"
         print(f"\n{name} (step {a.steps}), top operators by self CPU time:\n{tail(path, a.rows + 10)}")

@@ -25,13 +25,21 @@ OPERANDS = (10, 49)  # the operand range of the W1 prompts (lichen_bench.workloa
 def add_sft_args(p: argparse.ArgumentParser, *, warm_start_flag: str = "--warm-start") -> None:
     """The "SFT warm start" flag group, shared by the benchmarks that start W1 from it."""
     g = p.add_argument_group("SFT warm start")
-    g.add_argument(warm_start_flag, dest="warm_start", default=None,
-                   help="use this HF checkpoint as the W1 warm start and skip SFT")
+    g.add_argument(
+        warm_start_flag,
+        dest="warm_start",
+        default=None,
+        help="use this HF checkpoint as the W1 warm start and skip SFT",
+    )
     g.add_argument("--sft-steps", type=int, default=300, help="SFT optimizer steps (default: 300)")
     g.add_argument("--sft-batch", type=int, default=32, help="sums per SFT step (default: 32)")
     g.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate, constant (default: 1e-3)")
-    g.add_argument("--sft-heldout", type=int, default=200,
-                   help="sums held out of SFT to measure the warm start's greedy accuracy (default: 200)")
+    g.add_argument(
+        "--sft-heldout",
+        type=int,
+        default=200,
+        help="sums held out of SFT to measure the warm start's greedy accuracy (default: 200)",
+    )
     g.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT run and its data split (default: 0)")
 
 
@@ -50,18 +58,55 @@ def write_sft_data(d: str, heldout: int, seed: int) -> tuple[str, str, int]:
 def sft_flags(wl: Workload, a: argparse.Namespace, *, checkpoint: str, train: str, heldout: str, out: str) -> list[str]:
     """`lichen ...` argv of the SFT run: -log p(label + EOS | prompt), constant lr, one held-out eval at the end."""
     return [
-        "train", "--hf-checkpoint", checkpoint, "--device", "cpu", "--num-threads", str(a.threads),
-        "--seed", str(a.sft_seed), "--prompt-data", train, "--rollout-shuffle", "--rollout-seed", str(a.sft_seed),
-        "--custom-rm-path", LICHEN_REWARD_PATHS[wl.reward],
-        "--loss-type", "sft_loss", "--rollout-function-path", "lichen.rollout.sft.generate_rollout",
+        "train",
+        "--hf-checkpoint",
+        checkpoint,
+        "--device",
+        "cpu",
+        "--num-threads",
+        str(a.threads),
+        "--seed",
+        str(a.sft_seed),
+        "--prompt-data",
+        train,
+        "--rollout-shuffle",
+        "--rollout-seed",
+        str(a.sft_seed),
+        "--custom-rm-path",
+        LICHEN_REWARD_PATHS[wl.reward],
+        "--loss-type",
+        "sft_loss",
+        "--rollout-function-path",
+        "lichen.rollout.sft.generate_rollout",
         "--disable-rewards-normalization",  # SFT has no rewards; a group of 1 needs this
-        "--rollout-batch-size", str(a.sft_batch), "--n-samples-per-prompt", "1",
-        "--micro-batch-size", str(a.sft_batch), "--num-rollout", str(a.sft_steps), "--lr", repr(a.sft_lr),
-        "--lr-decay-style", "constant",
+        "--rollout-batch-size",
+        str(a.sft_batch),
+        "--n-samples-per-prompt",
+        "1",
+        "--micro-batch-size",
+        str(a.sft_batch),
+        "--num-rollout",
+        str(a.sft_steps),
+        "--lr",
+        repr(a.sft_lr),
+        "--lr-decay-style",
+        "constant",
         # greedy accuracy on the held-out sums once, after the last step
-        "--eval-prompt-data", "heldout", heldout, "--eval-interval", str(a.sft_steps), "--skip-eval-before-train",
-        "--eval-temperature", "0", "--eval-max-response-len", str(wl.max_new_tokens),
-        "--save", os.path.join(out, "checkpoints"), "--output-dir", out, "--no-progress",
+        "--eval-prompt-data",
+        "heldout",
+        heldout,
+        "--eval-interval",
+        str(a.sft_steps),
+        "--skip-eval-before-train",
+        "--eval-temperature",
+        "0",
+        "--eval-max-response-len",
+        str(wl.max_new_tokens),
+        "--save",
+        os.path.join(out, "checkpoints"),
+        "--output-dir",
+        out,
+        "--no-progress",
     ]
 
 
@@ -83,22 +128,35 @@ def sft_warm_start(wl: Workload, a: argparse.Namespace, base: str, init_dir: str
     os.makedirs(out)  # FileExistsError: the caller passed a directory that is not fresh
     train, heldout, n_train = write_sft_data(base, a.sft_heldout, a.sft_seed)
     flags = sft_flags(wl, a, checkpoint=ckpt, train=train, heldout=heldout, out=out)
-    print(f"[warm start] SFT: {a.sft_steps} steps x {a.sft_batch} sums (of {n_train}), lr {a.sft_lr}, "
-          f"from {ckpt}", flush=True)
-    child = run_child([sys.executable, "-m", "lichen.cli", *flags], os.path.join(base, "sft.log"),
-                      timeout=a.timeout, threads=a.threads)
+    print(
+        f"[warm start] SFT: {a.sft_steps} steps x {a.sft_batch} sums (of {n_train}), lr {a.sft_lr}, from {ckpt}",
+        flush=True,
+    )
+    child = run_child(
+        [sys.executable, "-m", "lichen.cli", *flags],
+        os.path.join(base, "sft.log"),
+        timeout=a.timeout,
+        threads=a.threads,
+    )
     try:
         hf = _latest_hf(os.path.join(out, "checkpoints"))
     except (OSError, ValueError) as e:
-        raise RuntimeError(f"SFT failed (rc {child['rc']}, {e}); log {child['log']}:\n{tail(child['log'])}")
+        raise RuntimeError(f"SFT failed (rc {child['rc']}, {e}); log {child['log']}:\n{tail(child['log'])}") from e
     acc = None
     from lichen.observe.metrics import read_metrics
 
     for m in read_metrics(out):
         if m.get("eval/heldout/reward_mean") is not None:
             acc = m["eval/heldout/reward_mean"]
-    return {"checkpoint": hf, "init_checkpoint": ckpt, "heldout_accuracy": acc, "heldout": a.sft_heldout,
-            "wall_s": child["wall_s"], "cpu_s": child["cpu_s"], "flags": flags}
+    return {
+        "checkpoint": hf,
+        "init_checkpoint": ckpt,
+        "heldout_accuracy": acc,
+        "heldout": a.sft_heldout,
+        "wall_s": child["wall_s"],
+        "cpu_s": child["cpu_s"],
+        "flags": flags,
+    }
 
 
 def check_sft_args(a: argparse.Namespace, warm_start_flag: str = "--warm-start") -> None:

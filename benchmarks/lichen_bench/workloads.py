@@ -52,14 +52,49 @@ class Workload:
 
 
 WORKLOADS = {
-    "w1": Workload("w1", hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, prompts_per_step=4,
-                   group_size=8, max_new_tokens=8, lr=1e-4, steps=20, reward="addition", warm_start=True,
-                   skip_variant=True),
-    "w2": Workload("w2", hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, prompts_per_step=8,
-                   group_size=8, max_new_tokens=256, lr=1e-6, steps=8, reward="digit_fraction"),
+    "w1": Workload(
+        "w1",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=4,
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=8,
+        lr=1e-4,
+        steps=20,
+        reward="addition",
+        warm_start=True,
+        skip_variant=True,
+    ),
+    "w2": Workload(
+        "w2",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=6,
+        num_heads=8,
+        prompts_per_step=8,
+        group_size=8,
+        max_new_tokens=256,
+        lr=1e-6,
+        steps=8,
+        reward="digit_fraction",
+    ),
     # seconds-long check of the harness plumbing (tests, first try on a new machine); not a benchmark
-    "smoke": Workload("smoke", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, prompts_per_step=2,
-                      group_size=2, max_new_tokens=4, lr=1e-4, steps=1, reward="addition", skip_variant=True),
+    "smoke": Workload(
+        "smoke",
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=4,
+        lr=1e-4,
+        steps=1,
+        reward="addition",
+        skip_variant=True,
+    ),
 }
 
 
@@ -147,10 +182,27 @@ def ensure_checkpoint(wl: Workload, directory: str) -> str:
     marker = os.path.join(directory, "model.safetensors")
     if os.path.isfile(marker):
         return directory
-    cmd = [sys.executable, "-m", "lichen.cli", "make-tiny-model", directory, "--arch", "llama",
-           "--hidden-size", str(wl.hidden_size), "--intermediate-size", str(wl.intermediate_size),
-           "--num-layers", str(wl.num_layers), "--num-heads", str(wl.num_heads), "--seed", str(wl.model_seed),
-           "--max-position-embeddings", str(max(512, 64 + wl.max_new_tokens))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lichen.cli",
+        "make-tiny-model",
+        directory,
+        "--arch",
+        "llama",
+        "--hidden-size",
+        str(wl.hidden_size),
+        "--intermediate-size",
+        str(wl.intermediate_size),
+        "--num-layers",
+        str(wl.num_layers),
+        "--num-heads",
+        str(wl.num_heads),
+        "--seed",
+        str(wl.model_seed),
+        "--max-position-embeddings",
+        str(max(512, 64 + wl.max_new_tokens)),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ConfigError(f"lichen make-tiny-model failed for workload {wl.name}: {proc.stderr.strip()[-400:]}")

@@ -24,9 +24,7 @@ def _scan_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _group_stats(
-    rewards: Tensor, group_ids: Tensor, valid: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+def _group_stats(rewards: Tensor, group_ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """Per-group valid count n_g and reward sum S_g (float64), each sample's group index, validity, #groups."""
     if not (rewards.dim() == group_ids.dim() == valid.dim() == 1) or not (
         rewards.shape == group_ids.shape == valid.shape
@@ -168,9 +166,7 @@ def _next_valid_values(values: Tensor, mask: Tensor) -> Tensor:
     return padded.gather(1, next_idx)
 
 
-def gae_advantages(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float
-) -> tuple[Tensor, Tensor]:
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation over the masked positions.
 
         delta_t = r_t + gamma * V_{t+1} - V_t      (V_{t+1}: value at the next valid position; 0 after the last)
@@ -195,9 +191,7 @@ def gae_advantages(
     return adv.to(out_dtype), returns.to(out_dtype)
 
 
-def reinforce_plus_plus_token_rewards(
-    scalar_rewards: Tensor, kl: Tensor, mask: Tensor, kl_coef: float
-) -> Tensor:
+def reinforce_plus_plus_token_rewards(scalar_rewards: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
     """REINFORCE++ token rewards: r_t = -kl_coef * kl_t on masked positions, plus the sample's scalar reward at
     its last valid response token. A sample with no valid token gets all zeros (its reward has nowhere to go).
     """

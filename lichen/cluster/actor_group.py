@@ -49,19 +49,40 @@ class TrainRankImpl:
     def where(self) -> dict:
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "port": _free_port(), "pid": os.getpid(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "env": reported_env()}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+            "port": _free_port(),
+            "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "env": reported_env(),
+        }
 
-    def setup(self, cfg: Any, plugin_args: Any, rank: int, world_size: int, master_addr: str, master_port: int,
-              backend: str | None, trainer_path: str = TRAINER) -> None:
+    def setup(
+        self,
+        cfg: Any,
+        plugin_args: Any,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str | None,
+        trainer_path: str = TRAINER,
+    ) -> None:
         from lichen.plugins import load_function
 
         cls = load_function(trainer_path, "trainer class")
         self.rank = rank
-        self.trainer = cls(cfg, plugin_args, rank=rank, world_size=world_size, master_addr=master_addr,
-                           master_port=master_port, backend=backend)
+        self.trainer = cls(
+            cfg,
+            plugin_args,
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+        )
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self.trainer, method, None)
@@ -87,8 +108,11 @@ def _rollout_id(method: str, args: tuple) -> int | None:
 
 def reported_env() -> dict[str, str]:
     """The variables of an actor's environment that tests check: their own, and the memory saver's hook."""
-    return {k: v for k, v in os.environ.items()
-            if k.startswith(("LICHEN_TEST_", "TMS_")) or k in ("LD_PRELOAD", "NCCL_CUMEM_ENABLE")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("LICHEN_TEST_", "TMS_")) or k in ("LD_PRELOAD", "NCCL_CUMEM_ENABLE")
+    }
 
 
 def _memory_saver_lib(ccfg: Any) -> str | None:
@@ -108,16 +132,20 @@ def rank_actor_cls():
 class RayTrainGroup:
     """N x G trainer ranks as Ray actors, behind the calls the loop makes on TrainActor."""
 
-    def __init__(self, cluster: RayCluster, cfg: Any, plugin_args: Any, *, trainer_path: str = TRAINER,
-                 setup: bool = True):
+    def __init__(
+        self, cluster: RayCluster, cfg: Any, plugin_args: Any, *, trainer_path: str = TRAINER, setup: bool = True
+    ):
         import ray
 
         self.cluster = cluster
         env = train_runtime_env(cluster.cfg.train_env_vars, _memory_saver_lib(cluster.cfg))
         cls = rank_actor_cls()
-        self.actors = [cls.options(num_cpus=0, num_gpus=RANK_GPU_SHARE, runtime_env=env,
-                                   scheduling_strategy=cluster.strategy(b)).remote()
-                       for b in cluster.placement.actor]
+        self.actors = [
+            cls.options(
+                num_cpus=0, num_gpus=RANK_GPU_SHARE, runtime_env=env, scheduling_strategy=cluster.strategy(b)
+            ).remote()
+            for b in cluster.placement.actor
+        ]
         self.where = ray.get([a.where.remote() for a in self.actors])
         self._full: dict | None = None  # rank 0's gathered weights, until the next train step or load
         self.failed = False  # a rank raised and every rank was killed
@@ -125,17 +153,26 @@ class RayTrainGroup:
             self._setup(cfg, plugin_args, trainer_path)
 
     def _setup(self, cfg: Any, plugin_args: Any, trainer_path: str) -> None:
-        import ray
 
         ips = {w["ip"] for w in self.where}
         master = "127.0.0.1" if ips == {self.cluster.driver_ip} else self.where[0]["ip"]
         backend = "nccl" if self.cluster.cfg.device == "cuda" else None  # None: DistTrainer picks by device
         n = len(self.actors)
         # all at once: each rank's init_process_group waits for the others
-        self._gather("setup", [a.setup.remote(cfg, plugin_args, rank, n, master, self.where[0]["port"], backend,
-                                              trainer_path) for rank, a in enumerate(self.actors)])
-        log.info("trainer: %d rank(s), on Ray nodes %s, process group at %s:%d", n,
-                 " ".join(w["node_id"][:8] for w in self.where), master, self.where[0]["port"])
+        self._gather(
+            "setup",
+            [
+                a.setup.remote(cfg, plugin_args, rank, n, master, self.where[0]["port"], backend, trainer_path)
+                for rank, a in enumerate(self.actors)
+            ],
+        )
+        log.info(
+            "trainer: %d rank(s), on Ray nodes %s, process group at %s:%d",
+            n,
+            " ".join(w["node_id"][:8] for w in self.where),
+            master,
+            self.where[0]["port"],
+        )
 
     def _all(self, method: str, *args: Any) -> list:
         return self._gather(method, [a.call.remote(method, *args) for a in self.actors])

@@ -58,15 +58,18 @@ class EngineHostImpl:
     def where(self) -> dict:
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "env": reported_env()}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "env": reported_env(),
+        }
 
     def start(self) -> str:
         import ray
 
-        from lichen.engines.launcher import EngineLauncher
         from lichen.engines.launch_args import launch_server_args
+        from lichen.engines.launcher import EngineLauncher
 
         cfg = self.cfg
         ip = ray.util.get_node_ip_address()
@@ -76,8 +79,16 @@ class EngineHostImpl:
         if _backend(cfg) == "sglang":
             self.launcher = self._sglang_launcher(host, env, log_dir)
         else:
-            self.launcher = EngineLauncher(cfg.model_path, 1, host=host, server_args=launch_server_args(cfg),
-                                           log_dir=log_dir, ready_timeout=READY_TIMEOUT_S, env=env, keyed=False)
+            self.launcher = EngineLauncher(
+                cfg.model_path,
+                1,
+                host=host,
+                server_args=launch_server_args(cfg),
+                log_dir=log_dir,
+                ready_timeout=READY_TIMEOUT_S,
+                env=env,
+                keyed=False,
+            )
         return self.launcher.start()[0]
 
     def _sglang_launcher(self, host: str, env: dict[str, str], log_dir: str | None) -> Any:
@@ -86,9 +97,15 @@ class EngineHostImpl:
         from lichen.engines.sglang_launcher import SGLangLauncher
 
         cfg = self.cfg
-        launcher = SGLangLauncher(lambda _i, port: sglang_command(cfg, port=port, host=host), 1,
-                                  log_dir=log_dir or tempfile.mkdtemp(prefix="lichen-sglang-"), host=host,
-                                  ready_timeout=SGLANG_READY_TIMEOUT_S, env=env, keyed=True)
+        launcher = SGLangLauncher(
+            lambda _i, port: sglang_command(cfg, port=port, host=host),
+            1,
+            log_dir=log_dir or tempfile.mkdtemp(prefix="lichen-sglang-"),
+            host=host,
+            ready_timeout=SGLANG_READY_TIMEOUT_S,
+            env=env,
+            keyed=True,
+        )
         # the run's key, the same on every engine (RemoteEngines sends one), instead of one of this launcher's own
         launcher.api_key = launcher.env[SERVE_KEY_ENV] = self.keys[SERVE_KEY_ENV]
         return launcher
@@ -114,6 +131,7 @@ class EngineHostImpl:
         if self.launcher is not None:
             self.launcher.stop()
 
+
 class RayEngineSet:
     """The engine actors of a run, with the launcher interface of lichen.engines (see the module doc)."""
 
@@ -133,9 +151,9 @@ class RayEngineSet:
         if self.admin_api_key:
             keys[SERVE_ADMIN_KEY_ENV] = self.admin_api_key
         # no runtime_env: --train-env-vars are the trainer's only
-        return self._host_cls.options(num_cpus=0, num_gpus=ENGINE_GPU_SHARE,
-                                      scheduling_strategy=self.cluster.strategy(bundles[0])).remote(
-            self.cfg, i, self.cluster.gpu_ids(bundles), self.cluster.driver_ip, keys)
+        return self._host_cls.options(
+            num_cpus=0, num_gpus=ENGINE_GPU_SHARE, scheduling_strategy=self.cluster.strategy(bundles[0])
+        ).remote(self.cfg, i, self.cluster.gpu_ids(bundles), self.cluster.driver_ip, keys)
 
     def start(self) -> list[str]:
         import ray

@@ -53,14 +53,16 @@ def place(layout: Layout) -> Placement:
     num_rollout = layout.rollout_num_gpus if has_engines else 0
     per_engine = layout.rollout_num_gpus_per_engine
     if num_rollout % per_engine:
-        raise ValueError(f"rollout_num_gpus {num_rollout} is not a multiple of rollout_num_gpus_per_engine "
-                         f"{per_engine}")
+        raise ValueError(
+            f"rollout_num_gpus {num_rollout} is not a multiple of rollout_num_gpus_per_engine {per_engine}"
+        )
     if layout.colocate:
         total, offset = max(num_actor, num_rollout), 0
     else:
         total, offset = num_actor + num_rollout, num_actor
-    engines = tuple(tuple(range(offset + i * per_engine, offset + (i + 1) * per_engine))
-                    for i in range(num_rollout // per_engine))
+    engines = tuple(
+        tuple(range(offset + i * per_engine, offset + (i + 1) * per_engine)) for i in range(num_rollout // per_engine)
+    )
     return Placement(num_bundles=total, actor=tuple(range(num_actor)), engines=engines)
 
 

@@ -26,11 +26,16 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 
 def layout_of(cfg: ClusterConfig) -> Layout:
-    return Layout(actor_num_nodes=cfg.actor_num_nodes, actor_num_gpus_per_node=cfg.actor_num_gpus_per_node,
-                  rollout_num_gpus=cfg.rollout_num_gpus,
-                  rollout_num_gpus_per_engine=cfg.rollout_num_gpus_per_engine, colocate=cfg.colocate,
-                  debug_rollout_only=cfg.debug_rollout_only, debug_train_only=cfg.debug_train_only,
-                  external_engines=cfg.external_engines or cfg.rollout_num_gpus == 0)
+    return Layout(
+        actor_num_nodes=cfg.actor_num_nodes,
+        actor_num_gpus_per_node=cfg.actor_num_gpus_per_node,
+        rollout_num_gpus=cfg.rollout_num_gpus,
+        rollout_num_gpus_per_engine=cfg.rollout_num_gpus_per_engine,
+        colocate=cfg.colocate,
+        debug_rollout_only=cfg.debug_rollout_only,
+        debug_train_only=cfg.debug_train_only,
+        external_engines=cfg.external_engines or cfg.rollout_num_gpus == 0,
+    )
 
 
 def _probe_actor_cls():
@@ -74,27 +79,35 @@ class RayCluster:
         if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
             have = ray.cluster_resources()
             remove_placement_group(pg)
-            raise ConfigError(f"--runtime ray: the layout needs {n} bundles of 1 GPU + 1 CPU, the Ray cluster has "
-                              f"{have.get('GPU', 0):g} GPUs and {have.get('CPU', 0):g} CPUs; lower "
-                              "--actor-num-gpus-per-node / --rollout-num-gpus or add nodes")
+            raise ConfigError(
+                f"--runtime ray: the layout needs {n} bundles of 1 GPU + 1 CPU, the Ray cluster has "
+                f"{have.get('GPU', 0):g} GPUs and {have.get('CPU', 0):g} CPUs; lower "
+                "--actor-num-gpus-per-node / --rollout-num-gpus or add nodes"
+            )
         probe = _probe_actor_cls()
-        actors = [probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
+        actors = [
+            probe.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            ).remote()
+            for i in range(n)
+        ]
         seen = ray.get([a.where.remote() for a in actors])
         for a in actors:
             ray.kill(a)
         order = bundle_order([BundleInfo(i, ip, node, gpu) for i, (ip, node, gpu) in enumerate(seen)])
         for logical, b in enumerate(order):
-            log.info("bundle %d: group index %d, node %s (%s), GPU %d", logical, b.index, b.node_id[:8], b.node_ip,
-                     b.gpu_id)
+            log.info(
+                "bundle %d: group index %d, node %s (%s), GPU %d", logical, b.index, b.node_id[:8], b.node_ip, b.gpu_id
+            )
         return pg, order
 
     def strategy(self, logical: int) -> Any:
         """The scheduling strategy that puts an actor on logical bundle `logical`."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                placement_group_bundle_index=self.order[logical].index)
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=self.order[logical].index
+        )
 
     def gpu_ids(self, logicals: tuple[int, ...]) -> list[int]:
         return [self.order[i].gpu_id for i in logicals]
@@ -120,9 +133,13 @@ def local_ray_options(num_bundles: int, num_cpus: int | None = None) -> dict:
     (ray.init() without an address would join that one, and refuse these options there)."""
     import torch
 
-    opts: dict = {"address": "local", "num_cpus": max(num_bundles, num_cpus or os.cpu_count() or 1),
-                  "include_dashboard": False,
-                  "object_store_memory": 256 * 1024 * 1024, "log_to_driver": True}
+    opts: dict = {
+        "address": "local",
+        "num_cpus": max(num_bundles, num_cpus or os.cpu_count() or 1),
+        "include_dashboard": False,
+        "object_store_memory": 256 * 1024 * 1024,
+        "log_to_driver": True,
+    }
     if not torch.cuda.is_available():
         opts["num_gpus"] = num_bundles  # Ray numbers them and sets CUDA_VISIBLE_DEVICES; CPU torch ignores it
     return opts

@@ -28,13 +28,17 @@ def memory_saver_hook() -> str:
     try:
         from torch_memory_saver.utils import get_binary_path_from_package
     except ImportError:
-        raise ConfigError("--offload-train with --runtime ray on CUDA pauses the trainer's memory with "
-                          "torch_memory_saver, which is not installed: pip install 'lichen[gpu]'") from None
+        raise ConfigError(
+            "--offload-train with --runtime ray on CUDA pauses the trainer's memory with "
+            "torch_memory_saver, which is not installed: pip install 'lichen[gpu]'"
+        ) from None
     try:
         return str(get_binary_path_from_package(HOOK_STEM))
     except RuntimeError as e:  # no CUDA runtime found, or not exactly one library for it
-        raise ConfigError(f"--offload-train: torch_memory_saver has no {HOOK_STEM} library for this machine ({e}); "
-                          "reinstall it (pip install 'lichen[gpu]') or drop --offload-train") from None
+        raise ConfigError(
+            f"--offload-train: torch_memory_saver has no {HOOK_STEM} library for this machine ({e}); "
+            "reinstall it (pip install 'lichen[gpu]') or drop --offload-train"
+        ) from None
 
 
 def train_runtime_env(train_env_vars: Mapping[str, str], memory_saver_lib: str | None = None) -> dict:
@@ -47,4 +51,3 @@ def train_runtime_env(train_env_vars: Mapping[str, str], memory_saver_lib: str |
         env.setdefault("TMS_INIT_ENABLE_CPU_BACKUP", "1")
         env.setdefault("NCCL_CUMEM_ENABLE", "0")
     return {"env_vars": env} if env else {}
-

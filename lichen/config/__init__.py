@@ -16,9 +16,24 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from lichen.config import algo, checkpoint, data, debug, eval, model, observe, placement, rewards, rollout, sampling, sync, train  # noqa: E501
-from lichen.config import lora
-from lichen.config import slime_compat, tools
+from lichen.config import (  # noqa: E501
+    algo,
+    checkpoint,
+    data,
+    debug,
+    eval,
+    lora,
+    model,
+    observe,
+    placement,
+    rewards,
+    rollout,
+    sampling,
+    slime_compat,
+    sync,
+    tools,
+    train,
+)
 from lichen.config.engine_config import EngineConfig, ObserveConfig, SyncConfig
 from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, option_actions
 from lichen.config.removed import REMOVED_FLAGS, check_removed
@@ -30,8 +45,23 @@ from lichen.config.yaml_config import find_config_path, load_yaml_config
 from lichen.errors import ConfigError
 
 # The order of the sections in --help.
-HELP_ORDER = (model, data, rollout, tools, rewards, sampling, train, lora, algo, placement, sync, debug, checkpoint, eval,
-              observe)
+HELP_ORDER = (
+    model,
+    data,
+    rollout,
+    tools,
+    rewards,
+    sampling,
+    train,
+    lora,
+    algo,
+    placement,
+    sync,
+    debug,
+    checkpoint,
+    eval,
+    observe,
+)
 
 __all__ = [
     "DataConfig",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_dotted_path, check_float, check_hf_dir, given
+from lichen.errors import ConfigError
 
 ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 # Estimators whose advantage is a reward minus a statistic of the prompt's group: with one sample per group and
@@ -80,13 +80,24 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="weight of a KL penalty subtracted from the reward (not combinable with --kl-loss-coef)",
     )
-    g.add_argument("--critic-load", default=None,
-                   help="HF checkpoint the PPO critic's backbone starts from (default: --hf-checkpoint)")
+    g.add_argument(
+        "--critic-load",
+        default=None,
+        help="HF checkpoint the PPO critic's backbone starts from (default: --hf-checkpoint)",
+    )
     g.add_argument("--critic-lr", type=float, default=None, help="learning rate of the PPO critic (default: --lr)")
-    g.add_argument("--value-clip", type=float, default=0.2,
-                   help="PPO value clipping: the new value may move at most this far from the old one (default 0.2)")
-    g.add_argument("--num-critic-only-steps", type=int, default=0,
-                   help="train only the critic for the first N rollout steps (default 0)")
+    g.add_argument(
+        "--value-clip",
+        type=float,
+        default=0.2,
+        help="PPO value clipping: the new value may move at most this far from the old one (default 0.2)",
+    )
+    g.add_argument(
+        "--num-critic-only-steps",
+        type=int,
+        default=0,
+        help="train only the critic for the first N rollout steps (default 0)",
+    )
     g.add_argument("--gamma", type=float, default=1.0, help="discount factor of returns")
     g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda")
     g.add_argument(
@@ -155,20 +166,30 @@ def check(args: argparse.Namespace) -> None:
         if args.num_critic_only_steps:
             raise ConfigError("--num-critic-only-steps is only used with --advantage-estimator ppo; drop it")
     if estimator == "ppo" and args.loss_type != "policy_loss":
-        raise ConfigError(f"--advantage-estimator ppo trains a critic for the policy loss; it cannot be combined with "
-                          f"--loss-type {args.loss_type}")
+        raise ConfigError(
+            f"--advantage-estimator ppo trains a critic for the policy loss; it cannot be combined with "
+            f"--loss-type {args.loss_type}"
+        )
     if args.kl_coef != 0 and estimator not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"):
-        raise ConfigError(f"--kl-coef (KL in the reward) is used by reinforce_plus_plus, reinforce_plus_plus_baseline "
-                          f"and ppo, not by --advantage-estimator {estimator}; use --use-kl-loss --kl-loss-coef instead")
+        raise ConfigError(
+            f"--kl-coef (KL in the reward) is used by reinforce_plus_plus, reinforce_plus_plus_baseline "
+            f"and ppo, not by --advantage-estimator {estimator}; use --use-kl-loss --kl-loss-coef instead"
+        )
     if args.eps_clip_c is not None and estimator in ("gspo", "cispo"):
-        raise ConfigError(f"--eps-clip-c (dual clip) applies to the PPO-style token loss, not to "
-                          f"--advantage-estimator {estimator}; drop it")
+        raise ConfigError(
+            f"--eps-clip-c (dual clip) applies to the PPO-style token loss, not to "
+            f"--advantage-estimator {estimator}; drop it"
+        )
     if args.custom_advantage_function_path is not None and estimator == "ppo":
-        raise ConfigError("--custom-advantage-function-path replaces group-based estimators; with "
-                          "--advantage-estimator ppo advantages come from the critic (GAE); drop one")
+        raise ConfigError(
+            "--custom-advantage-function-path replaces group-based estimators; with "
+            "--advantage-estimator ppo advantages come from the critic (GAE); drop one"
+        )
     if args.disable_rewards_normalization and estimator in ("rloo", "reinforce_plus_plus", "ppo"):
-        raise ConfigError(f"--disable-rewards-normalization has no effect with --advantage-estimator {estimator} "
-                          f"(it does not group-normalize rewards); drop it")
+        raise ConfigError(
+            f"--disable-rewards-normalization has no effect with --advantage-estimator {estimator} "
+            f"(it does not group-normalize rewards); drop it"
+        )
     if args.num_critic_only_steps < 0:
         raise ConfigError(f"--num-critic-only-steps {args.num_critic_only_steps}: must be >= 0")
     if args.value_clip is not None and args.value_clip <= 0:
@@ -181,8 +202,12 @@ def check(args: argparse.Namespace) -> None:
             "the batch); add it"
         )
     uses_advantages = getattr(args, "loss_type", "policy_loss") == "policy_loss"  # sft_loss ignores them
-    if (uses_advantages and not args.disable_rewards_normalization and args.n_samples_per_prompt == 1
-            and estimator in GROUP_ESTIMATORS):
+    if (
+        uses_advantages
+        and not args.disable_rewards_normalization
+        and args.n_samples_per_prompt == 1
+        and estimator in GROUP_ESTIMATORS
+    ):
         raise ConfigError(
             f"--advantage-estimator {estimator} with --n-samples-per-prompt 1 and group reward normalization: every "
             "advantage would be 0 (a reward minus the mean of a group of one); use --n-samples-per-prompt >= 2 or "
@@ -196,9 +221,7 @@ def check(args: argparse.Namespace) -> None:
     if not args.use_tis and (args.custom_tis_function_path is not None or "tis_mode" in given_set(args)):
         raise ConfigError("--custom-tis-function-path and --tis-mode need --use-tis")
     if args.use_tis and not (0.0 <= args.tis_clip_low < 1.0 < args.tis_clip):
-        raise ConfigError(
-            f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low < 1 < high"
-        )
+        raise ConfigError(f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low < 1 < high")
     check_dotted_path(args, "custom_tis_function_path")
     check_dotted_path(args, "custom_advantage_function_path")
     check_dotted_path(args, "custom_pg_loss_reducer_function_path")

@@ -65,40 +65,54 @@ def check(args: argparse.Namespace) -> None:
     if args.max_staleness is not None:
         check_int_at_least(args, "max_staleness", 0)
         if not args.fully_async:
-            raise ConfigError(f"--max-staleness {args.max_staleness} needs --fully-async (with --async a sample is at "
-                              "most --update-weights-interval versions old); add --fully-async or drop the flag")
+            raise ConfigError(
+                f"--max-staleness {args.max_staleness} needs --fully-async (with --async a sample is at "
+                "most --update-weights-interval versions old); add --fully-async or drop the flag"
+            )
     if args.async_train and args.fully_async:
         raise ConfigError("--async and --fully-async are two different drivers; give one of them")
     interval = args.update_weights_interval
     if not (args.async_train or args.fully_async):
         if interval != 1:
-            raise ConfigError(f"--update-weights-interval {interval} needs --async or --fully-async: the "
-                              "synchronous loop syncs after every step; add one of them or drop the flag")
+            raise ConfigError(
+                f"--update-weights-interval {interval} needs --async or --fully-async: the "
+                "synchronous loop syncs after every step; add one of them or drop the flag"
+            )
         return
     mode = "--fully-async" if args.fully_async else "--async"
     if args.fully_async:
         for dest in ("rollout_function_path", "custom_generate_function_path"):
             if getattr(args, dest):
                 flag = "--" + dest.replace("_", "-")
-                raise ConfigError(f"--fully-async is refused with {flag}: its worker makes and aborts the engine "
-                                  f"requests itself, in place of a rollout plug-in; drop {flag} or --fully-async")
+                raise ConfigError(
+                    f"--fully-async is refused with {flag}: its worker makes and aborts the engine "
+                    f"requests itself, in place of a rollout plug-in; drop {flag} or --fully-async"
+                )
     if args.colocate:
-        raise ConfigError(f"{mode} is refused with --colocate: generation and training run at the same time, so "
-                          f"they cannot take turns on the same devices; drop --colocate or {mode}")
+        raise ConfigError(
+            f"{mode} is refused with --colocate: generation and training run at the same time, so "
+            f"they cannot take turns on the same devices; drop --colocate or {mode}"
+        )
     for dest in ("offload_train", "offload_rollout"):
         if getattr(args, dest):
             flag = "--" + dest.replace("_", "-")
-            raise ConfigError(f"{mode} is refused with {flag}: both sides stay busy at once, neither can release "
-                              f"its memory; give --no-{flag[2:]} or drop {mode}")
+            raise ConfigError(
+                f"{mode} is refused with {flag}: both sides stay busy at once, neither can release "
+                f"its memory; give --no-{flag[2:]} or drop {mode}"
+            )
     if args.load_debug_rollout_data:
         raise ConfigError(f"{mode} has nothing to overlap with --load-debug-rollout-data (no generation); drop {mode}")
     if args.rollout_num_engines is None and args.rollout_external_engine_addrs is None:
-        raise ConfigError(f"{mode} needs server engines (--rollout-num-engines K or --rollout-external-engine-addrs): "
-                          "the in-process engine runs in the trainer's process on its device and threads, so "
-                          "generation could not overlap training")
+        raise ConfigError(
+            f"{mode} needs server engines (--rollout-num-engines K or --rollout-external-engine-addrs): "
+            "the in-process engine runs in the trainer's process on its device and threads, so "
+            "generation could not overlap training"
+        )
     # a checkpoint or an eval must see the engines at the version just trained: both fall on sync steps
     for dest, flag in (("save_interval", "--save-interval"), ("eval_interval", "--eval-interval")):
         value = getattr(args, dest)
         if value is not None and value % interval:
-            raise ConfigError(f"{flag} {value} with {mode}: give a multiple of --update-weights-interval {interval}, "
-                              "so that checkpoints and evals fall on the steps that sync the engines")
+            raise ConfigError(
+                f"{flag} {value} with {mode}: give a multiple of --update-weights-interval {interval}, "
+                "so that checkpoints and evals fall on the steps that sync the engines"
+            )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_int_at_least, check_not_torch_dist
+from lichen.errors import ConfigError
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -8,8 +8,8 @@ import os
 import re
 from typing import Any
 
-from lichen.errors import ConfigError
 from lichen.config.parser import flag_of
+from lichen.errors import ConfigError
 
 _SLICE_SUFFIX = re.compile(r"^(?P<path>.+)@\[[^\]]*\]$")
 
@@ -94,10 +94,12 @@ def is_torch_dist(path: str) -> bool:
 def check_not_torch_dist(path: str, flag: str) -> None:
     """slime scripts point --load / --ref-load at Megatron checkpoints; lichen reads Hugging Face ones."""
     if is_torch_dist(path):
-        fail(f"{flag} {path!r}: a Megatron torch_dist checkpoint (distributed shards, no config.json); lichen "
-             "loads Hugging Face checkpoints: give the HF directory it was converted from (for a reference model, "
-             "the --hf-checkpoint directory, or drop --ref-load), or convert it with slime's "
-             "tools/convert_torch_dist_to_hf.py")
+        fail(
+            f"{flag} {path!r}: a Megatron torch_dist checkpoint (distributed shards, no config.json); lichen "
+            "loads Hugging Face checkpoints: give the HF directory it was converted from (for a reference model, "
+            "the --hf-checkpoint directory, or drop --ref-load), or convert it with slime's "
+            "tools/convert_torch_dist_to_hf.py"
+        )
 
 
 def check_hf_dir(path: str, flag: str) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_data_file, check_int_at_least
+from lichen.errors import ConfigError
 from lichen.models.config import model_positions
 
 

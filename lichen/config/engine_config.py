@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 
-
 def required_endpoints(args: argparse.Namespace) -> dict[str, str]:
     """Endpoint path -> the feature (flag) of this run that needs it on every engine server."""
     need = {"/generate": "rollout", "/model_info": "weight-version checks", "/health": "health checks"}
@@ -83,8 +82,11 @@ class EngineConfig:
             admin_api_key_file=args.rollout_external_engine_admin_api_key_file,
             required=required_endpoints(args),
             device=args.device,
-            model_options={"impl": args.model_impl, "trust_remote_code": args.trust_remote_code,
-                           "gdn_backend": args.qwen_gdn_backend},
+            model_options={
+                "impl": args.model_impl,
+                "trust_remote_code": args.trust_remote_code,
+                "gdn_backend": args.qwen_gdn_backend,
+            },
             max_batch_size=args.rollout_max_batch_size,
             num_threads=args.num_threads,
             weight_dir=args.update_weight_disk_dir,
@@ -157,11 +159,19 @@ class ObserveConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ObserveConfig":
-        return cls(output_dir=args.output_dir, use_tensorboard=bool(args.use_tensorboard),
-                   use_wandb=bool(args.use_wandb), wandb_mode=args.wandb_mode, wandb_project=args.wandb_project,
-                   wandb_run_name=args.wandb_run_name, wandb_key=args.wandb_key,
-                   wandb_group=getattr(args, "wandb_group", None), run_config=dict(vars(args)),
-                   log_samples=int(getattr(args, "log_samples", 0) or 0), trace=bool(getattr(args, "trace", False)),
-                   watchdog_timeout=float(getattr(args, "watchdog_timeout", 0) or 0),
-                   watchdog_wait=bool(getattr(args, "watchdog_wait", False)),
-                   reward_key=getattr(args, "reward_key", None))
+        return cls(
+            output_dir=args.output_dir,
+            use_tensorboard=bool(args.use_tensorboard),
+            use_wandb=bool(args.use_wandb),
+            wandb_mode=args.wandb_mode,
+            wandb_project=args.wandb_project,
+            wandb_run_name=args.wandb_run_name,
+            wandb_key=args.wandb_key,
+            wandb_group=getattr(args, "wandb_group", None),
+            run_config=dict(vars(args)),
+            log_samples=int(getattr(args, "log_samples", 0) or 0),
+            trace=bool(getattr(args, "trace", False)),
+            watchdog_timeout=float(getattr(args, "watchdog_timeout", 0) or 0),
+            watchdog_wait=bool(getattr(args, "watchdog_wait", False)),
+            reward_key=getattr(args, "reward_key", None),
+        )

@@ -28,8 +28,8 @@ import argparse
 import difflib
 from typing import Any, Callable
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_data_file, check_float, check_int_at_least
+from lichen.errors import ConfigError
 
 
 def _str(v: Any) -> bool:
@@ -249,16 +249,21 @@ def load_eval_config(path: str) -> tuple[dict, list[dict]]:
         raise fail((), "the file must be a mapping with a `datasets:` list (and optionally `defaults:`)")
     for key in data:
         if key not in ("datasets", "defaults"):
-            raise fail((key,), f"unknown key {key!r}{_suggest(key, ('datasets', 'defaults'))}; the top level "
-                       "holds `datasets:` and `defaults:`")
+            raise fail(
+                (key,),
+                f"unknown key {key!r}{_suggest(key, ('datasets', 'defaults'))}; the top level "
+                "holds `datasets:` and `defaults:`",
+            )
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise fail(("defaults",), "`defaults:` must be a mapping of field: value")
     _check_fields(defaults, ("defaults",), fail, allow=set(EVAL_FIELDS) - set(_PER_DATASET_ONLY))
     datasets = data.get("datasets")
     if not isinstance(datasets, list) or not datasets:
-        raise fail(("datasets",) if "datasets" in data else (), "`datasets:` must be a non-empty list of entries "
-                   "with at least `name:` and `path:`")
+        raise fail(
+            ("datasets",) if "datasets" in data else (),
+            "`datasets:` must be a non-empty list of entries with at least `name:` and `path:`",
+        )
     entries = []
     for i, entry in enumerate(datasets):
         if not isinstance(entry, dict):

@@ -20,50 +20,104 @@ from lichen.config.parser import flag_of
 from lichen.errors import NotAvailableYet
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # peft's adapter directory
-_LORA_DESTS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_bias", "lora_target_preset", "lora_target_modules",
-               "lora_exclude_modules", "lora_learning_rate", "lora_weight_decay", "lora_load", "save_lora",
-               "lora_rollout_sync_mode", "lora_save_merged_hf")
+_LORA_DESTS = (
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_bias",
+    "lora_target_preset",
+    "lora_target_modules",
+    "lora_exclude_modules",
+    "lora_learning_rate",
+    "lora_weight_decay",
+    "lora_load",
+    "save_lora",
+    "lora_rollout_sync_mode",
+    "lora_save_merged_hf",
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("LoRA (docs/lora.md)")
-    g.add_argument("--use-lora", action="store_true",
-                   help="train low-rank adapters (peft) on the frozen policy instead of every weight (default: off)")
+    g.add_argument(
+        "--use-lora",
+        action="store_true",
+        help="train low-rank adapters (peft) on the frozen policy instead of every weight (default: off)",
+    )
     g.add_argument("--lora-rank", type=int, default=64, help="adapter rank r")
     g.add_argument("--lora-alpha", type=float, default=128.0, help="adapter alpha; the update is scaled by alpha / r")
-    g.add_argument("--lora-dropout", type=float, default=0.0,
-                   help="dropout on the adapter input; only 0 runs: training is on-policy, and a random adapter "
-                   "forward would make the trainer's log-probs disagree with the policy that sampled")
+    g.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        help="dropout on the adapter input; only 0 runs: training is on-policy, and a random adapter "
+        "forward would make the trainer's log-probs disagree with the policy that sampled",
+    )
     g.add_argument("--lora-bias", choices=["none"], default="none", help="adapter biases: none (slime's only value)")
-    g.add_argument("--lora-target-preset", choices=sorted(PRESETS), default=None,
-                   help=f"slime's named set of adapted modules, mapped onto Hugging Face module names (default: "
-                   f"{DEFAULT_PRESET}: attention and dense MLP projections). Never routers, embeddings or the LM "
-                   "head. Routed experts (moe_routed_experts, moe_mlp, moe_language_all) are adapted through their "
-                   "stacked parameters, one adapter per expert (docs/lora.md)")
-    g.add_argument("--lora-target-modules", nargs="*", default=None, metavar="REGEX",
-                   help="regexes (re.search) over module names instead of a preset: Hugging Face names "
-                   "(self_attn.q_proj), or slime's Megatron names (self_attention.linear_qkv), translated; "
-                   "pieces with no HF counterpart are refused (default: the preset)")
-    g.add_argument("--lora-exclude-modules", nargs="*", default=None, metavar="REGEX",
-                   help="regexes of modules never adapted, replacing the default list (default: embeddings, LM "
-                   "head, vision tower, MoE routers)")
-    g.add_argument("--lora-learning-rate", type=float, default=None,
-                   help="learning rate of the adapters (default: --lr)")
-    g.add_argument("--lora-weight-decay", type=float, default=0.0,
-                   help="weight decay of the adapters; replaces --weight-decay with --use-lora, as in slime")
-    g.add_argument("--lora-load", metavar="DIR", default=None,
-                   help="start the adapters from this adapter directory (--save-lora's output: peft's "
-                   "adapter_config.json + adapter_model.safetensors); a --load resume restores its own "
-                   "(default: fresh adapters, B = 0)")
-    g.add_argument("--save-lora", metavar="TEMPLATE", default=None,
-                   help="with every checkpoint also write the adapters to this directory, {rollout_id} filled in "
-                   "(needs --save; default: adapters only inside the checkpoints)")
-    g.add_argument("--lora-rollout-sync-mode", choices=["merged", "native_adapter"], default="merged",
-                   help="how the engines get the policy: merged full weights W + alpha/r * B A; native_adapter "
-                   "is refused (lichen's engines load full weights only)")
-    g.add_argument("--lora-save-merged-hf", metavar="TEMPLATE", default=None,
-                   help="with every checkpoint also write the merged policy as a Hugging Face checkpoint here, "
-                   "{rollout_id} filled in (needs --save; default: the checkpoint's hf/ holds it)")
+    g.add_argument(
+        "--lora-target-preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help=f"slime's named set of adapted modules, mapped onto Hugging Face module names (default: "
+        f"{DEFAULT_PRESET}: attention and dense MLP projections). Never routers, embeddings or the LM "
+        "head. Routed experts (moe_routed_experts, moe_mlp, moe_language_all) are adapted through their "
+        "stacked parameters, one adapter per expert (docs/lora.md)",
+    )
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        metavar="REGEX",
+        help="regexes (re.search) over module names instead of a preset: Hugging Face names "
+        "(self_attn.q_proj), or slime's Megatron names (self_attention.linear_qkv), translated; "
+        "pieces with no HF counterpart are refused (default: the preset)",
+    )
+    g.add_argument(
+        "--lora-exclude-modules",
+        nargs="*",
+        default=None,
+        metavar="REGEX",
+        help="regexes of modules never adapted, replacing the default list (default: embeddings, LM "
+        "head, vision tower, MoE routers)",
+    )
+    g.add_argument(
+        "--lora-learning-rate", type=float, default=None, help="learning rate of the adapters (default: --lr)"
+    )
+    g.add_argument(
+        "--lora-weight-decay",
+        type=float,
+        default=0.0,
+        help="weight decay of the adapters; replaces --weight-decay with --use-lora, as in slime",
+    )
+    g.add_argument(
+        "--lora-load",
+        metavar="DIR",
+        default=None,
+        help="start the adapters from this adapter directory (--save-lora's output: peft's "
+        "adapter_config.json + adapter_model.safetensors); a --load resume restores its own "
+        "(default: fresh adapters, B = 0)",
+    )
+    g.add_argument(
+        "--save-lora",
+        metavar="TEMPLATE",
+        default=None,
+        help="with every checkpoint also write the adapters to this directory, {rollout_id} filled in "
+        "(needs --save; default: adapters only inside the checkpoints)",
+    )
+    g.add_argument(
+        "--lora-rollout-sync-mode",
+        choices=["merged", "native_adapter"],
+        default="merged",
+        help="how the engines get the policy: merged full weights W + alpha/r * B A; native_adapter "
+        "is refused (lichen's engines load full weights only)",
+    )
+    g.add_argument(
+        "--lora-save-merged-hf",
+        metavar="TEMPLATE",
+        default=None,
+        help="with every checkpoint also write the merged policy as a Hugging Face checkpoint here, "
+        "{rollout_id} filled in (needs --save; default: the checkpoint's hf/ holds it)",
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -79,19 +133,27 @@ def check(args: argparse.Namespace) -> None:
     check_float(args, "lora_learning_rate", low=0, low_open=True)
     check_float(args, "lora_weight_decay", low=0)
     if args.lora_dropout != 0:
-        fail(f"--lora-dropout {args.lora_dropout}: only 0 runs: training is on-policy, and dropout in the adapters "
-             "would make the trainer's log-probs disagree with the policy that sampled; use --lora-dropout 0")
+        fail(
+            f"--lora-dropout {args.lora_dropout}: only 0 runs: training is on-policy, and dropout in the adapters "
+            "would make the trainer's log-probs disagree with the policy that sampled; use --lora-dropout 0"
+        )
     if args.lora_rollout_sync_mode == "native_adapter":
-        raise NotAvailableYet("--lora-rollout-sync-mode native_adapter is not available yet: lichen's engines (in "
-                              "process and lichen serve) load full weights only and have no adapter endpoint; use "
-                              "--lora-rollout-sync-mode merged")
+        raise NotAvailableYet(
+            "--lora-rollout-sync-mode native_adapter is not available yet: lichen's engines (in "
+            "process and lichen serve) load full weights only and have no adapter endpoint; use "
+            "--lora-rollout-sync-mode merged"
+        )
     if args.ref_load is not None:
-        fail("--ref-load with --use-lora: the reference policy is the base model, i.e. the same module with its "
-             "adapters disabled (no second model); remove --ref-load")
+        fail(
+            "--ref-load with --use-lora: the reference policy is the base model, i.e. the same module with its "
+            "adapters disabled (no second model); remove --ref-load"
+        )
     # slime refuses both (slime/utils/lora_config.py, validate_lora_args): a critic is not adapter-based, and the
     # OPD teacher's snapshot has no adapter bookkeeping
-    for refused, why in ((args.advantage_estimator == "ppo", "--advantage-estimator ppo (its critic is a full model)"),
-                         (args.use_opd, "--use-opd")):
+    for refused, why in (
+        (args.advantage_estimator == "ppo", "--advantage-estimator ppo (its critic is a full model)"),
+        (args.use_opd, "--use-opd"),
+    ):
         if refused:
             raise NotAvailableYet(f"--use-lora with {why} is not available yet; drop one of them")
     for dest in ("save_lora", "lora_save_merged_hf"):
@@ -112,8 +174,10 @@ def _check_template(args: argparse.Namespace, dest: str) -> None:
     try:
         template.format(rollout_id=0)
     except (KeyError, IndexError, ValueError) as e:
-        fail(f"{flag_of(dest)} {template!r}: not a template with {{rollout_id}} only ({e!r}); e.g. "
-             "out/lora_{rollout_id}")
+        fail(
+            f"{flag_of(dest)} {template!r}: not a template with {{rollout_id}} only ({e!r}); e.g. "
+            "out/lora_{rollout_id}"
+        )
 
 
 def _check_targets(cfg: LoraConfig, hf_checkpoint: str) -> None:
@@ -126,15 +190,23 @@ def _check_targets(cfg: LoraConfig, hf_checkpoint: str) -> None:
         fail(f"--lora-target-modules selects {never[0]}: embeddings and the LM head are never adapted; exclude them")
     if not adapted:
         flag = "--lora-target-modules" if cfg.preset is None else f"--lora-target-preset {cfg.preset}"
-        fail(f"{flag} adapts no module of --hf-checkpoint {hf_checkpoint} (its linear modules: "
-             f"{', '.join(collapse_layers(names)[:8])}); choose a preset or regexes that match (docs/lora.md)")
+        fail(
+            f"{flag} adapts no module of --hf-checkpoint {hf_checkpoint} (its linear modules: "
+            f"{', '.join(collapse_layers(names)[:8])}); choose a preset or regexes that match (docs/lora.md)"
+        )
 
 
 # transformers stacks a checkpoint's per-expert projections into one parameter per MoE layer (Mixtral-style w1/w3/w2
 # too); a checkpoint may also store them stacked already (gpt-oss). Either way the module's name is the stacked one.
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
-_STACKED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "gate_up_proj", "w3": "gate_up_proj",
-            "down_proj": "down_proj", "w2": "down_proj"}
+_STACKED = {
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "w1": "gate_up_proj",
+    "w3": "gate_up_proj",
+    "down_proj": "down_proj",
+    "w2": "down_proj",
+}
 
 
 def checkpoint_targets(model_dir: str) -> list[str] | None:
@@ -171,7 +243,7 @@ def collapse_layers(names: list[str]) -> list[str]:
     groups: dict[str, list[int]] = {}
     for name in names:
         m = re.search(r"\.layers\.(\d+)\.", name)
-        key = name if m is None else name[: m.start(1)] + "{}" + name[m.end(1):]
+        key = name if m is None else name[: m.start(1)] + "{}" + name[m.end(1) :]
         groups.setdefault(key, []).append(-1 if m is None else int(m.group(1)))
     out = []
     for key, layers in groups.items():
@@ -196,8 +268,9 @@ def preset_listing(module_names: list[str]) -> list[tuple[str, str]]:
             m = re.match(r"^(?:.*\.)?layers\.(\{[^}]*\}|\d+)\.(.*)$", name)
             span, leaf = (f"layers {m.group(1)}", m.group(2)) if m else ("other", name)
             spans.setdefault(span, []).append(f"`{leaf}`")
-        rows.setdefault("; ".join(f"{span}: {', '.join(leaves)}" for span, leaves in spans.items()) or "none",
-                        []).append(preset)
+        rows.setdefault(
+            "; ".join(f"{span}: {', '.join(leaves)}" for span, leaves in spans.items()) or "none", []
+        ).append(preset)
     return [(", ".join(presets), adapted) for adapted, presets in rows.items()]
 
 
@@ -211,6 +284,7 @@ def describe(args: argparse.Namespace) -> str:
     if names is None:
         return head + ": no safetensors in --hf-checkpoint to list the adapted modules from"
     adapted = cfg.adapted(names)
-    return (f"{head}: {len(adapted)} of the checkpoint's {len(names)} weight matrices adapted: "
-            f"{', '.join(collapse_layers(adapted))}")
-
+    return (
+        f"{head}: {len(adapted)} of the checkpoint's {len(names)} weight matrices adapted: "
+        f"{', '.join(collapse_layers(adapted))}"
+    )

@@ -49,12 +49,17 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_PRESET = "dense_language"  # slime's default
 # slime's default excludes (embedding, output_layer, visual) in HF names, plus the MoE routers
-DEFAULT_EXCLUDES = (r"(?:^|\.)embed_tokens$", r"(?:^|\.)lm_head$", r"(?:^|\.)visual(?:\.|$)",
-                    r"(?:^|\.)mlp\.(?:gate|router|shared_expert_gate)$")
+DEFAULT_EXCLUDES = (
+    r"(?:^|\.)embed_tokens$",
+    r"(?:^|\.)lm_head$",
+    r"(?:^|\.)visual(?:\.|$)",
+    r"(?:^|\.)mlp\.(?:gate|router|shared_expert_gate)$",
+)
 
 # Megatron name pieces with an HF counterpart, replaced in this order inside a slime regex.
 _MEGATRON_TO_HF = (
-    (r"decoder\.layers", r"layers"), ("decoder.layers", "layers"),
+    (r"decoder\.layers", r"layers"),
+    ("decoder.layers", "layers"),
     ("self_attention", "self_attn"),
     ("shared_experts", "shared_experts?"),
     ("linear_qkv", "(?:q_proj|k_proj|v_proj)"),
@@ -67,14 +72,20 @@ _MEGATRON_TO_HF = (
 # Megatron pieces without one lichen can adapt: a pattern holding one is refused, with the reason. (Routed experts
 # translate: `mlp.experts.linear_fc1` -> `mlp.experts.(?:...|gate_up_proj)`, the stacked parameter's name.)
 _UNTRANSLATABLE = (
-    (re.compile(r"linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj"),
-     "Megatron's MLA projections have no one-to-one HF module; name HF's (q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
-     "kv_b_proj, o_proj) instead"),
-    (re.compile(r"in_proj_qkv(?!z)|in_proj_[zab]\b|in_proj_[ab](?!a)"),
-     "Megatron splits Gated DeltaNet's input projection differently from HF; name HF's in_proj_qkvz / in_proj_ba"),
+    (
+        re.compile(r"linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj"),
+        "Megatron's MLA projections have no one-to-one HF module; name HF's (q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+        "kv_b_proj, o_proj) instead",
+    ),
+    (
+        re.compile(r"in_proj_qkv(?!z)|in_proj_[zab]\b|in_proj_[ab](?!a)"),
+        "Megatron splits Gated DeltaNet's input projection differently from HF; name HF's in_proj_qkvz / in_proj_ba",
+    ),
 )
-_MEGATRON_PIECES = re.compile(r"decoder|self_attention|linear_qkv|linear_proj|linear_fc[12]|output_layer|"
-                              r"embedding|linear_q_|linear_kv_|in_proj_qkv(?!z)|in_proj_[zab]\b")
+_MEGATRON_PIECES = re.compile(
+    r"decoder|self_attention|linear_qkv|linear_proj|linear_fc[12]|output_layer|"
+    r"embedding|linear_q_|linear_kv_|in_proj_qkv(?!z)|in_proj_[zab]\b"
+)
 
 
 def translate_pattern(pattern: str, flag: str) -> str:
@@ -109,6 +120,7 @@ def resolve_patterns(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[s
         excludes = tuple(translate_pattern(p, "--lora-exclude-modules") for p in args.lora_exclude_modules)
     return targets, excludes
 
+
 # Never adapted, whatever the patterns say: lichen computes logits from the head's (or the tied embedding's)
 # weight directly, so an adapter there would train nothing and still change the merged weights the engines get.
 NEVER_ADAPTED = re.compile(r"(?:^|\.)(?:lm_head|embed_tokens)$")
@@ -138,8 +150,11 @@ class LoraConfig:
         """The names among `module_names` that a target pattern finds and no exclude pattern does, in order."""
         targets = [re.compile(p) for p in self.targets]
         excludes = [re.compile(p) for p in self.excludes]
-        return [name for name in module_names
-                if any(t.search(name) for t in targets) and not any(e.search(name) for e in excludes)]
+        return [
+            name
+            for name in module_names
+            if any(t.search(name) for t in targets) and not any(e.search(name) for e in excludes)
+        ]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LoraConfig | None":
@@ -148,9 +163,15 @@ class LoraConfig:
             return None
         targets, excludes = resolve_patterns(args)
         return cls(
-            rank=args.lora_rank, alpha=args.lora_alpha, targets=targets, excludes=excludes,
+            rank=args.lora_rank,
+            alpha=args.lora_alpha,
+            targets=targets,
+            excludes=excludes,
             preset=None if args.lora_target_modules else args.lora_target_preset or DEFAULT_PRESET,
             lr=args.lora_learning_rate if args.lora_learning_rate is not None else args.lr,
-            weight_decay=args.lora_weight_decay, load=args.lora_load, save_lora=args.save_lora,
-            save_merged_hf=args.lora_save_merged_hf, sync_mode=args.lora_rollout_sync_mode,
+            weight_decay=args.lora_weight_decay,
+            load=args.lora_load,
+            save_lora=args.save_lora,
+            save_merged_hf=args.lora_save_merged_hf,
+            sync_mode=args.lora_rollout_sync_mode,
         )

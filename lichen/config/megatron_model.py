@@ -44,16 +44,27 @@ SHAPE_FIELDS: dict[str, tuple[Field, dict[str, Field]]] = {
     "--hidden-size": ("hidden_size", {}),
     "--ffn-hidden-size": ("intermediate_size", {}),
     "--num-attention-heads": ("num_attention_heads", {}),
-    "--num-query-groups": (("num_key_value_heads", lambda c: c.get("num_key_value_heads",
-                                                                   c.get("num_attention_heads"))), {}),
+    "--num-query-groups": (
+        ("num_key_value_heads", lambda c: c.get("num_key_value_heads", c.get("num_attention_heads"))),
+        {},
+    ),
     "--kv-channels": (("head_dim", _head_dim), {}),
     # Megatron pads --vocab-size to a multiple of its TP size internally; the flag itself is the unpadded size
     "--vocab-size": ("vocab_size", {}),
-    "--num-experts": ("num_experts", {"gpt_oss": _LOCAL_EXPERTS, "mixtral": _LOCAL_EXPERTS,
-                                      "deepseek_v3": _ROUTED_EXPERTS, "glm4_moe": _ROUTED_EXPERTS,
-                                      "glm4_moe_lite": _ROUTED_EXPERTS}),
-    "--moe-ffn-hidden-size": ("moe_intermediate_size", {"gpt_oss": "intermediate_size",
-                                                        "mixtral": "intermediate_size"}),
+    "--num-experts": (
+        "num_experts",
+        {
+            "gpt_oss": _LOCAL_EXPERTS,
+            "mixtral": _LOCAL_EXPERTS,
+            "deepseek_v3": _ROUTED_EXPERTS,
+            "glm4_moe": _ROUTED_EXPERTS,
+            "glm4_moe_lite": _ROUTED_EXPERTS,
+        },
+    ),
+    "--moe-ffn-hidden-size": (
+        "moe_intermediate_size",
+        {"gpt_oss": "intermediate_size", "mixtral": "intermediate_size"},
+    ),
     "--moe-shared-expert-intermediate-size": (("shared expert size", _shared_expert), {}),
     "--q-lora-rank": ("q_lora_rank", {}),
     "--kv-lora-rank": ("kv_lora_rank", {}),
@@ -69,8 +80,10 @@ WARN_FIELDS: dict[str, tuple[Field, dict[str, Field]]] = {
     "--rotary-base": (("rope_theta", _rope_theta), {}),
     "--norm-epsilon": ("rms_norm_eps", {}),
     "--rotary-percent": (("partial_rotary_factor", lambda c: c.get("partial_rotary_factor", 1.0)), {}),
-    "--untie-embeddings-and-output-weights": (("not tie_word_embeddings",
-                                               lambda c: not c.get("tie_word_embeddings", False)), {}),
+    "--untie-embeddings-and-output-weights": (
+        ("not tie_word_embeddings", lambda c: not c.get("tie_word_embeddings", False)),
+        {},
+    ),
 }
 
 
@@ -108,6 +121,8 @@ def check_flag(flag: str, values: list[str], config: dict, hf_dir: str) -> tuple
     if _same(given, hf_value):
         return f"matches {where} = {hf_value}", False
     if shape:
-        return (f"{flag} {given} but {where} = {hf_value}: a weight shape differs; is --hf-checkpoint the model "
-                "this script was written for?"), True
+        return (
+            f"{flag} {given} but {where} = {hf_value}: a weight shape differs; is --hf-checkpoint the model "
+            "this script was written for?"
+        ), True
     return f"warning: {flag} {given} but {where} = {hf_value}", False

@@ -7,8 +7,8 @@ import json
 import os
 import time
 
-from lichen.errors import ConfigError, NotAvailableYet
 from lichen.config.checks import check_hf_dir, check_int_at_least
+from lichen.errors import ConfigError, NotAvailableYet
 
 ENV_VARS_EXAMPLE = '{"OMP_NUM_THREADS": "2"}'
 SEED_MAX = 2**32 - 1
@@ -27,8 +27,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dry-run",
         action="store_true",
-        help="resolve and check every flag, print the resolved configuration as YAML and exit without loading "
-        "anything",
+        help="resolve and check every flag, print the resolved configuration as YAML and exit without loading anything",
     )
     g.add_argument("--seed", type=int, default=1234, help="global random seed (sampling seeds derive from it)")
     g.add_argument(
@@ -86,8 +85,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--ref-load",
         metavar="PATH",
         default=None,
-        help="HF checkpoint of the reference model for KL terms (default: the --hf-checkpoint weights; "
-        "version 0)",
+        help="HF checkpoint of the reference model for KL terms (default: the --hf-checkpoint weights; version 0)",
     )
     g.add_argument(
         "--device",
@@ -148,7 +146,7 @@ def parse_env_vars(text: str | dict) -> dict[str, str]:
         if not isinstance(val, str):
             raise ConfigError(
                 f"--train-env-vars: the value of {key!r} is {json.dumps(val)}, not a string; {expected} "
-                f"(quote numbers: \"2\")"
+                f'(quote numbers: "2")'
             )
     return dict(value)
 

@@ -69,8 +69,10 @@ def check(args: argparse.Namespace) -> None:
     if not args.wandb_project:
         raise ConfigError("--wandb-project: must not be empty")
     if args.log_samples < 0:
-        raise ConfigError(f"--log-samples: must be 0 (off) or a positive number of samples per step, got "
-                          f"{args.log_samples}")
+        raise ConfigError(
+            f"--log-samples: must be 0 (off) or a positive number of samples per step, got {args.log_samples}"
+        )
     if args.watchdog_timeout < 0:
-        raise ConfigError(f"--watchdog-timeout: must be 0 (off) or a positive number of seconds, got "
-                          f"{args.watchdog_timeout:g}")
+        raise ConfigError(
+            f"--watchdog-timeout: must be 0 (off) or a positive number of seconds, got {args.watchdog_timeout:g}"
+        )

@@ -50,15 +50,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--offload, else off)",
     )
     r = parser.add_argument_group("Ray runtime (--runtime ray)")
-    r.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray instance)")
-    r.add_argument("--actor-num-nodes", type=int, default=None, metavar="N",
-                   help="nodes of trainer ranks (default: 1)")
-    r.add_argument("--actor-num-gpus-per-node", type=int, default=None, metavar="G",
-                   help="trainer ranks per node, one device each (default: 1)")
-    r.add_argument("--rollout-num-gpus", type=int, default=None, metavar="R",
-                   help="devices for the engines (default: --rollout-num-engines x --rollout-num-gpus-per-engine, "
-                   "else with --colocate the trainer's devices)")
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray instance)",
+    )
+    r.add_argument("--actor-num-nodes", type=int, default=None, metavar="N", help="nodes of trainer ranks (default: 1)")
+    r.add_argument(
+        "--actor-num-gpus-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="trainer ranks per node, one device each (default: 1)",
+    )
+    r.add_argument(
+        "--rollout-num-gpus",
+        type=int,
+        default=None,
+        metavar="R",
+        help="devices for the engines (default: --rollout-num-engines x --rollout-num-gpus-per-engine, "
+        "else with --colocate the trainer's devices)",
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -101,14 +114,19 @@ def _check_ray(args: argparse.Namespace) -> None:
         elif args.colocate:
             args.rollout_num_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
         else:
-            raise ConfigError("--runtime ray: give --rollout-num-gpus R (devices for the engines) or "
-                              "--rollout-num-engines K")
+            raise ConfigError(
+                "--runtime ray: give --rollout-num-gpus R (devices for the engines) or --rollout-num-engines K"
+            )
     if args.rollout_num_gpus < 1 or args.rollout_num_gpus % per_engine:
-        raise ConfigError(f"--rollout-num-gpus {args.rollout_num_gpus}: give a positive multiple of "
-                          f"--rollout-num-gpus-per-engine {per_engine}")
+        raise ConfigError(
+            f"--rollout-num-gpus {args.rollout_num_gpus}: give a positive multiple of "
+            f"--rollout-num-gpus-per-engine {per_engine}"
+        )
     engines = args.rollout_num_gpus // per_engine
     if args.rollout_num_engines not in (None, engines):
-        raise ConfigError(f"--rollout-num-engines {args.rollout_num_engines} disagrees with --rollout-num-gpus "
-                          f"{args.rollout_num_gpus} / --rollout-num-gpus-per-engine {per_engine} = {engines}; "
-                          "give one of them")
+        raise ConfigError(
+            f"--rollout-num-engines {args.rollout_num_engines} disagrees with --rollout-num-gpus "
+            f"{args.rollout_num_gpus} / --rollout-num-gpus-per-engine {per_engine} = {engines}; "
+            "give one of them"
+        )
     args.rollout_num_engines = engines  # Ray actors launch the engine servers (lichen.cluster.engine_actors)

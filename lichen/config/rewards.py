@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_float, check_int_at_least
+from lichen.errors import ConfigError
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rewards")
-    g.add_argument(
-        "--reward-concurrency", type=int, default=16, help="verifier calls in flight at once per batch"
-    )
+    g.add_argument("--reward-concurrency", type=int, default=16, help="verifier calls in flight at once per batch")
     g.add_argument(
         "--reward-timeout",
         type=float,

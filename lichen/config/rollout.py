@@ -13,8 +13,8 @@ import argparse
 import difflib
 import re
 
-from lichen.errors import ConfigError, NotAvailableYet
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
+from lichen.errors import ConfigError, NotAvailableYet
 from lichen.models.config import model_config_value
 
 SGLANG_PREFIX = "--sglang-"
@@ -237,8 +237,10 @@ def check(args: argparse.Namespace) -> None:
     for token_id in args.rollout_stop_token_ids or []:
         if token_id < 0 or (vocab is not None and token_id >= vocab):
             where = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise ConfigError(f"--rollout-stop-token-ids: {token_id} is not a token id of the model (must be in "
-                              f"{where}); the model could never generate it, so it would never stop a response")
+            raise ConfigError(
+                f"--rollout-stop-token-ids: {token_id} is not a token id of the model (must be in "
+                f"{where}); the model could never generate it, so it would never stop a response"
+            )
     check_int_at_least(args, "sglang_server_concurrency", 1)
     check_int_at_least(args, "rollout_max_batch_size", 1)
     if args.rollout_external_engine_addrs is not None and args.rollout_max_batch_size is not None:
@@ -250,8 +252,7 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--rm-type and --custom-rm-path exclude each other: give exactly one reward")
     if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
         raise ConfigError(
-            "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path "
-            "module.function"
+            "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path module.function"
         )
     for dest in ("custom_rm_path", "rollout_function_path", "eval_function_path", "custom_generate_function_path"):
         check_dotted_path(args, dest)
@@ -260,8 +261,9 @@ def check(args: argparse.Namespace) -> None:
 
         from lichen.plugins import load_function
 
-        if not inspect.iscoroutinefunction(load_function(args.custom_generate_function_path,
-                                                         "--custom-generate-function-path")):
+        if not inspect.iscoroutinefunction(
+            load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+        ):
             raise ConfigError(
                 f"--custom-generate-function-path {args.custom_generate_function_path!r}: must be an async function "
                 "`async def fn(args, sample, sampling_params) -> Sample | list[Sample]`"
@@ -330,9 +332,11 @@ def _check_sglang_launch(args: argparse.Namespace) -> None:
 def _check_fault_tolerance(args: argparse.Namespace) -> None:
     """--use-fault-tolerance and the --rollout-health-check-* flags (resolved to their defaults here)."""
     # slime's defaults (lichen.engines.health has the same): first check after 300 s, then every 10 s, 5 s to answer
-    health = (("rollout_health_check_interval", 10.0, True),
-              ("rollout_health_check_timeout", 5.0, True),
-              ("rollout_health_check_first_wait", 300.0, False))
+    health = (
+        ("rollout_health_check_interval", 10.0, True),
+        ("rollout_health_check_timeout", 5.0, True),
+        ("rollout_health_check_first_wait", 300.0, False),
+    )
     if not getattr(args, "use_fault_tolerance", False):
         for dest, _, _ in health:
             if getattr(args, dest, None) is not None:

@@ -11,7 +11,6 @@ import argparse
 from dataclasses import dataclass, replace
 
 
-
 @dataclass(frozen=True)
 class SamplingConfig:
     """How one batch of samples is drawn from the engines."""
@@ -40,9 +39,14 @@ class SamplingConfig:
 
     def for_eval(self, dataset: dict) -> "SamplingConfig":
         """This sampling with an eval data set's own settings (an entry of RolloutConfig.eval_datasets)."""
-        return replace(self, n_samples_per_prompt=dataset["n_samples_per_eval_prompt"],
-                       temperature=dataset["temperature"], top_p=dataset["top_p"], top_k=dataset["top_k"],
-                       max_response_len=dataset["max_response_len"])
+        return replace(
+            self,
+            n_samples_per_prompt=dataset["n_samples_per_eval_prompt"],
+            temperature=dataset["temperature"],
+            top_p=dataset["top_p"],
+            top_k=dataset["top_k"],
+            max_response_len=dataset["max_response_len"],
+        )
 
     def response_budget(self, num_tokens: int, max_new_tokens: int) -> int:
         """Tokens a sample holding `num_tokens` may still generate: min(max_new_tokens, --rollout-max-context-len -
@@ -76,13 +80,24 @@ class RewardConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
-        return cls(rm_type=args.rm_type, custom_rm_path=args.custom_rm_path, group_rm=bool(args.group_rm),
-                   reward_key=args.reward_key, concurrency=args.reward_concurrency, timeout=args.reward_timeout,
-                   code_timeout=args.code_timeout, code_memory_mb=args.code_memory_mb,
-                   code_max_procs=args.code_max_procs, code_max_file_mb=args.code_max_file_mb,
-                   code_sandbox_python=args.code_sandbox_python, code_sandbox_uid_base=args.code_sandbox_uid_base,
-                   rm_url=args.rm_url, rm_max_retries=args.rm_max_retries, rm_retry_backoff=args.rm_retry_backoff,
-                   rm_api_key_file=args.rm_api_key_file)
+        return cls(
+            rm_type=args.rm_type,
+            custom_rm_path=args.custom_rm_path,
+            group_rm=bool(args.group_rm),
+            reward_key=args.reward_key,
+            concurrency=args.reward_concurrency,
+            timeout=args.reward_timeout,
+            code_timeout=args.code_timeout,
+            code_memory_mb=args.code_memory_mb,
+            code_max_procs=args.code_max_procs,
+            code_max_file_mb=args.code_max_file_mb,
+            code_sandbox_python=args.code_sandbox_python,
+            code_sandbox_uid_base=args.code_sandbox_uid_base,
+            rm_url=args.rm_url,
+            rm_max_retries=args.rm_max_retries,
+            rm_retry_backoff=args.rm_retry_backoff,
+            rm_api_key_file=args.rm_api_key_file,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,16 +118,26 @@ class DataConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
-        return cls(prompt_data=args.prompt_data, input_key=args.input_key, label_key=args.label_key,
-                   metadata_key=args.metadata_key, tool_key=args.tool_key, skip_bad_rows=bool(args.skip_bad_rows),
-                   apply_chat_template=bool(args.apply_chat_template), max_prompt_len=args.rollout_max_prompt_len,
-                   batch_size=args.rollout_batch_size, shuffle=bool(args.rollout_shuffle), seed=args.rollout_seed)
+        return cls(
+            prompt_data=args.prompt_data,
+            input_key=args.input_key,
+            label_key=args.label_key,
+            metadata_key=args.metadata_key,
+            tool_key=args.tool_key,
+            skip_bad_rows=bool(args.skip_bad_rows),
+            apply_chat_template=bool(args.apply_chat_template),
+            max_prompt_len=args.rollout_max_prompt_len,
+            batch_size=args.rollout_batch_size,
+            shuffle=bool(args.rollout_shuffle),
+            seed=args.rollout_seed,
+        )
 
     @property
     def record_keys(self) -> dict:
         """The keyword arguments of lichen.data.load_prompt_dataset naming the record's fields."""
-        return dict(input_key=self.input_key, label_key=self.label_key, metadata_key=self.metadata_key,
-                    tool_key=self.tool_key)
+        return dict(
+            input_key=self.input_key, label_key=self.label_key, metadata_key=self.metadata_key, tool_key=self.tool_key
+        )
 
 
 @dataclass(frozen=True)
@@ -149,8 +174,11 @@ class RolloutConfig:
         return cls(
             hf_checkpoint=args.hf_checkpoint,
             device=args.device,
-            model_options={"impl": args.model_impl, "trust_remote_code": args.trust_remote_code,
-                           "gdn_backend": args.qwen_gdn_backend},
+            model_options={
+                "impl": args.model_impl,
+                "trust_remote_code": args.trust_remote_code,
+                "gdn_backend": args.qwen_gdn_backend,
+            },
             engine_max_batch_size=args.rollout_max_batch_size,
             use_engine_servers=bool(args.rollout_num_engines or args.rollout_external_engine_addrs),
             data=DataConfig.from_args(args),

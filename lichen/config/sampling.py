@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_dotted_path, given
+from lichen.errors import ConfigError
 
 BUILTIN_NONZERO_STD = "lichen.rollout.filters.check_reward_nonzero_std"
 # seed keys are rollout_id * 1000 + round (lichen.rollout.generate.SEED_ROUND_STRIDE): rounds must stay below it
@@ -99,11 +99,15 @@ def _check_overlong(args: argparse.Namespace) -> None:
 def _check_dynamic_sampling(args: argparse.Namespace) -> None:
     path = args.dynamic_sampling_filter_path
     if path is None:
-        for dest, flag in (("over_sampling_batch_size", "--over-sampling-batch-size"),
-                           ("dynamic_sampling_max_rounds", "--dynamic-sampling-max-rounds")):
+        for dest, flag in (
+            ("over_sampling_batch_size", "--over-sampling-batch-size"),
+            ("dynamic_sampling_max_rounds", "--dynamic-sampling-max-rounds"),
+        ):
             if given(args, dest):
-                raise ConfigError(f"{flag} needs --dynamic-sampling-filter-path MODULE.FUNCTION (e.g. "
-                                  f"{BUILTIN_NONZERO_STD}): without a filter there is one round and no over-sampling")
+                raise ConfigError(
+                    f"{flag} needs --dynamic-sampling-filter-path MODULE.FUNCTION (e.g. "
+                    f"{BUILTIN_NONZERO_STD}): without a filter there is one round and no over-sampling"
+                )
         return
     if args.num_epoch is not None:
         raise ConfigError(
@@ -132,8 +136,10 @@ def _check_dynamic_sampling(args: argparse.Namespace) -> None:
 def _check_partial_rollout(args: argparse.Namespace) -> None:
     if not args.partial_rollout:
         if args.mask_offpolicy_in_partial_rollout:
-            raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout: without it no sample "
-                              "spans two weight versions, so there is nothing to mask")
+            raise ConfigError(
+                "--mask-offpolicy-in-partial-rollout needs --partial-rollout: without it no sample "
+                "spans two weight versions, so there is nothing to mask"
+            )
         return
     if args.dynamic_sampling_filter_path is None:
         raise ConfigError(

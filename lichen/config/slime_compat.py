@@ -17,16 +17,31 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lichen.config.megatron_model import check_flag
-from lichen.observe.secrets import is_secret_name
 from lichen.config.removed import removed_message
 from lichen.config.slime_flags import (
-    BLOCKING, CHECKED, CLASSES, DEFAULT_DIFFERS, DIFFERS_CLASS, HINT_CUTOFF, MAPPED, NOT_YET, RAY_PLACEMENT, RAY_PLACEMENT_LOCAL,
-    REMOVED, SAME, SLIME_FLAGS, UNKNOWN, VALUE_ALIASES, FlagRule, differs_note,
+    BLOCKING,
+    CHECKED,
+    CLASSES,
+    DEFAULT_DIFFERS,
+    DIFFERS_CLASS,
+    HINT_CUTOFF,
+    MAPPED,
+    NOT_YET,
+    RAY_PLACEMENT,
+    RAY_PLACEMENT_LOCAL,
+    REMOVED,
+    SAME,
+    SLIME_FLAGS,
+    UNKNOWN,
+    VALUE_ALIASES,
+    FlagRule,
+    differs_note,
 )
+from lichen.observe.secrets import is_secret_name
 
 SGLANG_PREFIX = "--sglang-"
 _QUIET = {"--dry-run", "--config"}
-  # lichen's own controls of this invocation: not slime flags to classify
+# lichen's own controls of this invocation: not slime flags to classify
 
 
 @dataclass
@@ -55,8 +70,15 @@ class Scan:
     @property
     def slime(self) -> bool:
         """Whether slime/Megatron flags were given: only then is the table printed."""
-        return any(r.flag in SLIME_FLAGS or r.flag in VALUE_ALIASES and r.cls == MAPPED or r.flag.endswith(".py")
-                   or r.flag == "(rollout engines)" or r.cls == RAY_PLACEMENT_LOCAL.cls for r in self.rows)
+        return any(
+            r.flag in SLIME_FLAGS
+            or r.flag in VALUE_ALIASES
+            and r.cls == MAPPED
+            or r.flag.endswith(".py")
+            or r.flag == "(rollout engines)"
+            or r.cls == RAY_PLACEMENT_LOCAL.cls
+            for r in self.rows
+        )
 
     def values(self, flag: str) -> list[str] | None:
         for row in self.rows:
@@ -71,7 +93,7 @@ def _take_values(argv: list[str], i: int) -> tuple[list[str], int]:
     j = i + 1
     while j < len(argv) and not argv[j].startswith("--"):
         j += 1
-    return argv[i + 1:j], j
+    return argv[i + 1 : j], j
 
 
 def scan(argv: list[str], known_flags: set[str], extra_rows: list[Row] | None = None) -> Scan:
@@ -101,8 +123,11 @@ def scan(argv: list[str], known_flags: set[str], extra_rows: list[Row] | None = 
         out.kept += _slime_engines(out)
     if out.slime:  # a slime script that leaves a flag out gets lichen's default: say where it is not slime's
         given = {r.flag for r in out.rows}
-        out.rows += [Row(flag, [], DIFFERS_CLASS, "lichen's default", note)
-                     for flag, note in DEFAULT_DIFFERS.items() if flag not in given]
+        out.rows += [
+            Row(flag, [], DIFFERS_CLASS, "lichen's default", note)
+            for flag, note in DEFAULT_DIFFERS.items()
+            if flag not in given
+        ]
     return out
 
 
@@ -122,8 +147,11 @@ def _slime_engines(out: Scan) -> list[str]:
     given = {r.flag for r in out.rows}
     per_engine = out.values("--rollout-num-gpus-per-engine")
     wants_sglang = per_engine is not None or any(f.startswith(SGLANG_PREFIX) for f in given)
-    if not wants_sglang or given & {"--rollout-num-engines", "--rollout-engine-backend",
-                                    "--rollout-external-engine-addrs"}:
+    if not wants_sglang or given & {
+        "--rollout-num-engines",
+        "--rollout-engine-backend",
+        "--rollout-external-engine-addrs",
+    }:
         return []
     rollout_gpus = out.values("--rollout-num-gpus")
     nodes, per_node = out.values("--actor-num-nodes"), out.values("--actor-num-gpus-per-node")
@@ -137,9 +165,16 @@ def _slime_engines(out: Scan) -> list[str]:
         engines = max(1, gpus // int(per_engine[0] if per_engine else 1))
     except (ValueError, IndexError):
         return []
-    out.rows.append(Row("(rollout engines)", [], MAPPED, f"--rollout-engine-backend sglang --rollout-num-engines "
-                        f"{engines}", f"slime launches {gpus} rollout GPUs / {per_engine[0] if per_engine else 1} "
-                        "per engine SGLang servers; so does lichen"))
+    out.rows.append(
+        Row(
+            "(rollout engines)",
+            [],
+            MAPPED,
+            f"--rollout-engine-backend sglang --rollout-num-engines {engines}",
+            f"slime launches {gpus} rollout GPUs / {per_engine[0] if per_engine else 1} "
+            "per engine SGLang servers; so does lichen",
+        )
+    )
     return ["--rollout-engine-backend", "sglang", "--rollout-num-engines", str(engines)]
 
 
@@ -147,8 +182,9 @@ def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan,
     aliases = VALUE_ALIASES.get(name, {})
     if values and values[0] in aliases:
         lichen_value = aliases[values[0]]
-        out.rows.append(Row(name, values, MAPPED, f"{name} {lichen_value}", f"slime's {values[0]} is lichen's "
-                            f"{lichen_value}"))
+        out.rows.append(
+            Row(name, values, MAPPED, f"{name} {lichen_value}", f"slime's {values[0]} is lichen's {lichen_value}")
+        )
         return [f"{name}={lichen_value}"] if eq else [name, lichen_value] + values[1:]
     if name.startswith(SGLANG_PREFIX):
         out.rows.append(Row(name, values, SAME, "passed to the SGLang servers lichen launches", ""))
@@ -248,15 +284,23 @@ def _model_type_row(out: Scan, config: dict, args: argparse.Namespace) -> None:
     if model_type in SUPPORTED_MODEL_TYPES and args.model_impl != "hf":
         return
     try:
-        impl = check_loadable(config, f"{args.hf_checkpoint}/config.json", impl=args.model_impl,
-                              trust_remote_code=args.trust_remote_code)
+        impl = check_loadable(
+            config, f"{args.hf_checkpoint}/config.json", impl=args.model_impl, trust_remote_code=args.trust_remote_code
+        )
     except ConfigError as e:
         out.rows.append(Row("model_type", [str(model_type)], NOT_YET, ", ".join(SUPPORTED_MODEL_TYPES), str(e)))
         return
     if impl == "hf":
-        out.rows.append(Row("model_type", [str(model_type)], MAPPED, "--model-impl hf (transformers' "
-                            "AutoModelForCausalLM)", f"lichen's own code covers {', '.join(SUPPORTED_MODEL_TYPES)}; "
-                            "this type runs on the generic HF path (docs/models.md)"))
+        out.rows.append(
+            Row(
+                "model_type",
+                [str(model_type)],
+                MAPPED,
+                "--model-impl hf (transformers' AutoModelForCausalLM)",
+                f"lichen's own code covers {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                "this type runs on the generic HF path (docs/models.md)",
+            )
+        )
 
 
 def _read_config(hf_dir: str | None) -> dict | None:

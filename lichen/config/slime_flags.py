@@ -43,80 +43,232 @@ _SHAPE = "memory layout only: lichen shards with FSDP2, the numbers do not chang
 
 # Megatron model-architecture flags: compared with the --hf-checkpoint config.json (lichen.config.megatron_model).
 CHECKED_FLAGS = (
-    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
-    "--kv-channels", "--vocab-size", "--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
-    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mtp-num-layers",
-    "--moe-router-topk", "--max-position-embeddings", "--rotary-base", "--norm-epsilon", "--rotary-percent",
-    "--untie-embeddings-and-output-weights", "--add-qkv-bias", "--qk-layernorm", "--swiglu", "--normalization",
-    "--moe-layer-freq", "--group-query-attention", "--use-rotary-position-embeddings", "--position-embedding-type",
-    "--disable-bias-linear", "--post-self-attn-layernorm", "--post-mlp-layernorm", "--rotary-interleaved", "--spec",
-    "--multi-latent-attention", "--moe-router-score-function", "--moe-router-pre-softmax",
-    "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
-    "--moe-router-load-balancing-type", "--init-method-std",
+    "--num-layers",
+    "--hidden-size",
+    "--ffn-hidden-size",
+    "--num-attention-heads",
+    "--num-query-groups",
+    "--kv-channels",
+    "--vocab-size",
+    "--num-experts",
+    "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size",
+    "--q-lora-rank",
+    "--kv-lora-rank",
+    "--qk-head-dim",
+    "--qk-pos-emb-head-dim",
+    "--v-head-dim",
+    "--mtp-num-layers",
+    "--moe-router-topk",
+    "--max-position-embeddings",
+    "--rotary-base",
+    "--norm-epsilon",
+    "--rotary-percent",
+    "--untie-embeddings-and-output-weights",
+    "--add-qkv-bias",
+    "--qk-layernorm",
+    "--swiglu",
+    "--normalization",
+    "--moe-layer-freq",
+    "--group-query-attention",
+    "--use-rotary-position-embeddings",
+    "--position-embedding-type",
+    "--disable-bias-linear",
+    "--post-self-attn-layernorm",
+    "--post-mlp-layernorm",
+    "--rotary-interleaved",
+    "--spec",
+    "--multi-latent-attention",
+    "--moe-router-score-function",
+    "--moe-router-pre-softmax",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-topk-scaling-factor",
+    "--moe-router-bias-update-rate",
+    "--moe-router-load-balancing-type",
+    "--init-method-std",
 )
 
 SLIME_FLAGS: dict[str, FlagRule] = {
-    **_rules(CHECKED, "config.json of --hf-checkpoint", "Megatron builds the model from flags; lichen reads "
-             "config.json, so the flag is compared with it", *CHECKED_FLAGS),
-    **_rules(NA_SHARDING, _SHARDING_INSTEAD, _SHAPE,
-             "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-             "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
-             "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-             "--num-layers-per-virtual-pipeline-stage", "--use-distributed-optimizer", "--overlap-grad-reduce",
-             "--overlap-param-gather", "--seq-length"),
-    **_rules(NA_SHARDING, "gradient checkpointing of every layer (--gradient-checkpointing)",
-             "which layers Megatron recomputes changes memory, not the result",
-             "--recompute-method", "--recompute-num-layers"),
-    **_rules(NA_SHARDING, "the local runtime: one process, engines by --colocate / --rollout-num-engines",
-             "Ray placement of slime's actors", "--num-gpus-per-node", "--critic-num-nodes",
-             "--critic-num-gpus-per-node"),
-    **_rules(NA_NO_EFFECT, "ignored", "a Megatron kernel choice or fusion switch; the math is the same",
-             "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
-             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--use-mcore-models",
-             "--attention-backend", "--transformer-impl", "--moe-grouped-gemm", "--moe-permute-fusion",
-             "--moe-token-dispatcher-type", "--moe-enable-deepep", "--moe-router-dtype", "--moe-token-drop-policy",
-             "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--cross-entropy-loss-fusion",
-             "--cross-entropy-fusion-impl", "--log-interval", "--timing-log-level", "--log-throughput"),
-    **_rules(NA_NO_EFFECT, "ignored", "Megatron's attention kernel, mask layout, memory housekeeping, process "
-             "group or logging setting; the math is the same", "--use-flash-attn", "--qkv-format",
-             "--no-create-attention-mask-in-dataloader", "--manual-gc", "--manual-gc-interval",
-             "--empty-unused-memory-level", "--distributed-backend", "--distributed-timeout-minutes",
-             "--data-cache-path", "--log-params-norm", "--use-legacy-models"),
-    **_rules(NA_NO_EFFECT, "the tokenizer of --hf-checkpoint", "slime tokenizes with the --hf-checkpoint "
-             "tokenizer too; Megatron's own tokenizer settings are unused", "--tokenizer-type", "--tokenizer-model"),
-    **_rules(NA_NO_EFFECT, "config.json's vocabulary size", "Megatron pads the embedding for its tensor "
-             "parallelism; the padded rows are never used", "--make-vocab-size-divisible-by"),
-    **_rules(NA_NO_EFFECT, "lichen's checkpoint format (HF weights + optimizer state)", "Megatron's checkpoint file "
-             "format", "--ckpt-format"),
+    **_rules(
+        CHECKED,
+        "config.json of --hf-checkpoint",
+        "Megatron builds the model from flags; lichen reads config.json, so the flag is compared with it",
+        *CHECKED_FLAGS,
+    ),
+    **_rules(
+        NA_SHARDING,
+        _SHARDING_INSTEAD,
+        _SHAPE,
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+        "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size",
+        "--sequence-parallel",
+        "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--seq-length",
+    ),
+    **_rules(
+        NA_SHARDING,
+        "gradient checkpointing of every layer (--gradient-checkpointing)",
+        "which layers Megatron recomputes changes memory, not the result",
+        "--recompute-method",
+        "--recompute-num-layers",
+    ),
+    **_rules(
+        NA_SHARDING,
+        "the local runtime: one process, engines by --colocate / --rollout-num-engines",
+        "Ray placement of slime's actors",
+        "--num-gpus-per-node",
+        "--critic-num-nodes",
+        "--critic-num-gpus-per-node",
+    ),
+    **_rules(
+        NA_NO_EFFECT,
+        "ignored",
+        "a Megatron kernel choice or fusion switch; the math is the same",
+        "--no-rope-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--no-bias-swiglu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-bias-gelu-fusion",
+        "--use-mcore-models",
+        "--attention-backend",
+        "--transformer-impl",
+        "--moe-grouped-gemm",
+        "--moe-permute-fusion",
+        "--moe-token-dispatcher-type",
+        "--moe-enable-deepep",
+        "--moe-router-dtype",
+        "--moe-token-drop-policy",
+        "--attention-softmax-in-fp32",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--cross-entropy-loss-fusion",
+        "--cross-entropy-fusion-impl",
+        "--log-interval",
+        "--timing-log-level",
+        "--log-throughput",
+    ),
+    **_rules(
+        NA_NO_EFFECT,
+        "ignored",
+        "Megatron's attention kernel, mask layout, memory housekeeping, process "
+        "group or logging setting; the math is the same",
+        "--use-flash-attn",
+        "--qkv-format",
+        "--no-create-attention-mask-in-dataloader",
+        "--manual-gc",
+        "--manual-gc-interval",
+        "--empty-unused-memory-level",
+        "--distributed-backend",
+        "--distributed-timeout-minutes",
+        "--data-cache-path",
+        "--log-params-norm",
+        "--use-legacy-models",
+    ),
+    **_rules(
+        NA_NO_EFFECT,
+        "the tokenizer of --hf-checkpoint",
+        "slime tokenizes with the --hf-checkpoint tokenizer too; Megatron's own tokenizer settings are unused",
+        "--tokenizer-type",
+        "--tokenizer-model",
+    ),
+    **_rules(
+        NA_NO_EFFECT,
+        "config.json's vocabulary size",
+        "Megatron pads the embedding for its tensor parallelism; the padded rows are never used",
+        "--make-vocab-size-divisible-by",
+    ),
+    **_rules(
+        NA_NO_EFFECT,
+        "lichen's checkpoint format (HF weights + optimizer state)",
+        "Megatron's checkpoint file format",
+        "--ckpt-format",
+    ),
     **_rules(NOT_YET, "--bf16 (or float32, the default)", "fp16 training (loss scaling) is not built", "--fp16"),
-    **_rules(NA_NO_EFFECT, "no dropout (lichen's models have none)", "0.0 is the only value lichen runs; "
-             "another value is refused", "--attention-dropout", "--hidden-dropout"),
-    **_rules(NA_SHARDING, "adapters on every selected module (one rank holds whole weights)",
-             "slime's exceptions for tensor-parallel-replicated modules; lichen has no tensor parallelism",
-             "--lora-allow-replicated-modules"),
-    **_rules(NA_NO_EFFECT, "ignored", "slime's per-step LoRA gradient diagnostics; the training is the same",
-             "--lora-debug"),
+    **_rules(
+        NA_NO_EFFECT,
+        "no dropout (lichen's models have none)",
+        "0.0 is the only value lichen runs; another value is refused",
+        "--attention-dropout",
+        "--hidden-dropout",
+    ),
+    **_rules(
+        NA_SHARDING,
+        "adapters on every selected module (one rank holds whole weights)",
+        "slime's exceptions for tensor-parallel-replicated modules; lichen has no tensor parallelism",
+        "--lora-allow-replicated-modules",
+    ),
+    **_rules(
+        NA_NO_EFFECT, "ignored", "slime's per-step LoRA gradient diagnostics; the training is the same", "--lora-debug"
+    ),
     **_rules(MAPPED, "--gradient-checkpointing", "Megatron's activation recompute", "--recompute-granularity"),
-    **_rules(MAPPED, "--lr-warmup-iters = round(fraction x optimizer steps of the run)",
-             "Megatron gives warm-up as a fraction of the decay length", "--lr-warmup-fraction"),
-    **_rules(MAPPED, "AdamW (lichen's only optimizer); adam is accepted, others refused",
-             "Megatron's adam is AdamW with decoupled weight decay", "--optimizer"),
+    **_rules(
+        MAPPED,
+        "--lr-warmup-iters = round(fraction x optimizer steps of the run)",
+        "Megatron gives warm-up as a fraction of the decay length",
+        "--lr-warmup-fraction",
+    ),
+    **_rules(
+        MAPPED,
+        "AdamW (lichen's only optimizer); adam is accepted, others refused",
+        "Megatron's adam is AdamW with decoupled weight decay",
+        "--optimizer",
+    ),
     **_rules(MAPPED, "--wandb-run-name", "slime's name for the W&B run name", "--wandb-exp-name"),
-    **_rules(MAPPED, "lichen's one attention implementation (torch scaled_dot_product_attention)",
-             "the FSDP backend's HF attention choice; the result is the same", "--attn-implementation"),
-    **_rules(MAPPED, "nothing to balance: one trainer rank holds the whole global batch",
-             "balances tokens across data-parallel ranks", "--balance-data"),
-    **_rules(MAPPED, "weights sync after every rollout step (only 1 is accepted)",
-             "slime syncs every N rollouts", "--update-weights-interval"),
-    **_rules(NOT_YET, "--offload-train (optimizer state leaves the device between steps)",
-             "Megatron's CPU optimizer step is not built", "--optimizer-cpu-offload",
-             "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"),
-    **_rules(NOT_YET, "train without the MTP head", "multi-token-prediction training is not built",
-             "--enable-mtp-training", "--mtp-loss-scaling-factor"),
-    **_rules(NOT_YET, "--bf16", "fp8 / int4 training paths are not built", "--fp8-format", "--fp8-recipe",
-             "--fp8-param-gather"),
-    **_rules(NOT_YET, "--moe-aux-loss-coeff (the load-balancing loss) only", "Megatron's router z-loss is not "
-             "built", "--moe-z-loss-coeff"),
+    **_rules(
+        MAPPED,
+        "lichen's one attention implementation (torch scaled_dot_product_attention)",
+        "the FSDP backend's HF attention choice; the result is the same",
+        "--attn-implementation",
+    ),
+    **_rules(
+        MAPPED,
+        "nothing to balance: one trainer rank holds the whole global batch",
+        "balances tokens across data-parallel ranks",
+        "--balance-data",
+    ),
+    **_rules(
+        MAPPED,
+        "weights sync after every rollout step (only 1 is accepted)",
+        "slime syncs every N rollouts",
+        "--update-weights-interval",
+    ),
+    **_rules(
+        NOT_YET,
+        "--offload-train (optimizer state leaves the device between steps)",
+        "Megatron's CPU optimizer step is not built",
+        "--optimizer-cpu-offload",
+        "--overlap-cpu-optimizer-d2h-h2d",
+        "--use-precision-aware-optimizer",
+    ),
+    **_rules(
+        NOT_YET,
+        "train without the MTP head",
+        "multi-token-prediction training is not built",
+        "--enable-mtp-training",
+        "--mtp-loss-scaling-factor",
+    ),
+    **_rules(
+        NOT_YET,
+        "--bf16",
+        "fp8 / int4 training paths are not built",
+        "--fp8-format",
+        "--fp8-recipe",
+        "--fp8-param-gather",
+    ),
+    **_rules(
+        NOT_YET,
+        "--moe-aux-loss-coeff (the load-balancing loss) only",
+        "Megatron's router z-loss is not built",
+        "--moe-z-loss-coeff",
+    ),
 }
 
 # A "did you mean" hint for an unknown flag only from this similarity on (difflib's ratio): a typo of a lichen
@@ -127,9 +279,11 @@ HINT_CUTOFF = 0.88
 # slime's Ray placement flags are lichen's too, for --runtime ray; with the local runtime (one process) they
 # place nothing, so a slime script keeps running there with them listed as not applicable.
 RAY_PLACEMENT = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus")
-RAY_PLACEMENT_LOCAL = FlagRule(NA_SHARDING, "the local runtime: one process, engines by --colocate / "
-                               "--rollout-num-engines", "Ray placement of slime's actors; with --runtime ray they "
-                               "place lichen's actors the same way")
+RAY_PLACEMENT_LOCAL = FlagRule(
+    NA_SHARDING,
+    "the local runtime: one process, engines by --colocate / --rollout-num-engines",
+    "Ray placement of slime's actors; with --runtime ray they place lichen's actors the same way",
+)
 
 # Values of a lichen flag that slime spells differently: flag -> {slime value: lichen value}.
 VALUE_ALIASES: dict[str, dict[str, str]] = {
@@ -154,10 +308,12 @@ DIFFERS: dict[str, str] = {
     "only, as lichen's --runtime ray)",
     "--colocate": "with --runtime local the trainer and the engines share the one device with or without "
     "--colocate, which only turns the offloads on; --runtime ray lays bundles out as slime",
-    **{flag: "names Hugging Face modules: slime's presets mapped, its Megatron regexes translated where one HF "
-       "module matches, routed experts adapted as stacked parameters with one adapter per expert (slime: one shared "
-       "by all experts), MLA projections adapted (docs/lora.md#targets)"
-       for flag in ("--lora-target-preset", "--lora-target-modules", "--lora-exclude-modules")},
+    **{
+        flag: "names Hugging Face modules: slime's presets mapped, its Megatron regexes translated where one HF "
+        "module matches, routed experts adapted as stacked parameters with one adapter per expert (slime: one shared "
+        "by all experts), MLA projections adapted (docs/lora.md#targets)"
+        for flag in ("--lora-target-preset", "--lora-target-modules", "--lora-exclude-modules")
+    },
     "--moe-aux-loss-coeff": "when > 0, weighs the transformers module's own load-balancing loss (router statistics "
     "pooled over all MoE layers, ~top-k when balanced; Megatron sums per-layer losses normalised by top-k, ~1 per "
     "layer), on the HF path, for MoE types whose module defines one; ignored with a warning elsewhere "
@@ -169,15 +325,16 @@ LOCAL_RUNTIME_ONLY = ("--train-env-vars", "--colocate")  # with --runtime ray th
 
 # lichen defaults that are not slime's: a slime script that leaves the flag out gets a "differs" row saying so.
 DEFAULT_DIFFERS: dict[str, str] = {
-    "--weight-decay": "not given: lichen's default 0.0 (slime 0.01 via Megatron); give --weight-decay 0.01 for "
-    "slime's",
+    "--weight-decay": "not given: lichen's default 0.0 (slime 0.01 via Megatron); give --weight-decay 0.01 for slime's",
     "--lr-decay-style": "not given: lichen's default constant (slime linear via Megatron); give --lr-decay-style "
     "linear for slime's",
 }
 
 # Differences that only some values of a flag have: flag -> {value: note}.
-_MATH_EQUIVALENCE = ("\\boxed only, as slime; equivalence by math-verify (slime: MATH normalisation + sympy), so an "
-                     "edge case such as an unreduced fraction can grade differently")
+_MATH_EQUIVALENCE = (
+    "\\boxed only, as slime; equivalence by math-verify (slime: MATH normalisation + sympy), so an "
+    "edge case such as an unreduced fraction can grade differently"
+)
 VALUE_DIFFERS: dict[str, dict[str, str]] = {
     "--rm-type": {
         "math": _MATH_EQUIVALENCE,

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 from lichen.errors import ConfigError
 
-_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}"
-                  r"|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(
+    r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}"
+    r"|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))"
+)
 _ARRAY_REF = re.compile(r"^\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}$")
 _ARITH = re.compile(r"\$\(\((?P<expr>[^()]*)\)\)")
 _ASSIGN = re.compile(r"^(?:export\s+)?(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<rest>.*)$", re.S)
@@ -44,8 +46,10 @@ def read_script(path: str, environ: dict[str, str] | None = None) -> SlimeComman
     reader = _Reader(dict(os.environ if environ is None else environ))
     reader.run_file(path)
     if reader.command is None:
-        raise ConfigError(f"{path}: no `python3 train.py ...` / `train_async.py` command found; give a slime "
-                          "launch script (scripts/run-*.sh)")
+        raise ConfigError(
+            f"{path}: no `python3 train.py ...` / `train_async.py` command found; give a slime "
+            "launch script (scripts/run-*.sh)"
+        )
     reader.command.unset_vars = sorted(reader.unset)
     return reader.command
 
@@ -86,7 +90,7 @@ class _Reader:
 
     def _assign(self, name: str, rest: str, script_dir: str) -> None:
         if rest.startswith("("):
-            self.arrays[name] = self.words(rest[1:rest.rindex(")")] if ")" in rest else rest[1:])
+            self.arrays[name] = self.words(rest[1 : rest.rindex(")")] if ")" in rest else rest[1:])
         elif "BASH_SOURCE" in rest:  # SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
             self.vars[name] = script_dir
         elif "$(" in rest and not rest.startswith("$(("):
@@ -101,8 +105,9 @@ class _Reader:
 
     def _names(self, expr: str) -> str:
         """Bare variable names inside $(( )) (bash arithmetic reads them without $)."""
-        return re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda m: self.vars.get(m.group(0), self.environ.get(m.group(0), "0")),
-                      expr)
+        return re.sub(
+            r"[A-Za-z_][A-Za-z0-9_]*", lambda m: self.vars.get(m.group(0), self.environ.get(m.group(0), "0")), expr
+        )
 
     def _value(self, m: re.Match) -> str:
         name = m.group("braced") or m.group("plain")
@@ -138,13 +143,13 @@ class _Reader:
             if c == "'":
                 j = raw.find("'", i + 1)
                 j = len(raw) if j < 0 else j
-                out.append(raw[i + 1:j])
+                out.append(raw[i + 1 : j])
                 quoted, i = True, j + 1
             elif c == '"':
                 seg: list[str] = []
                 j = i + 1
                 while j < len(raw) and raw[j] != '"':
-                    if raw[j] == "\\" and raw[j + 1:j + 2] in ('"', "\\", "$", "`"):
+                    if raw[j] == "\\" and raw[j + 1 : j + 2] in ('"', "\\", "$", "`"):
                         j += 1
                     seg.append(raw[j])
                     j += 1
@@ -166,7 +171,7 @@ class _Reader:
             m = _ENTRY.search(word)
             if m and i > 0 and os.path.basename(words[i - 1]).startswith("python"):
                 env = _runtime_env(words[:i], self.script)
-                self.command = SlimeCommand(self.script, m.group("entry"), words[i + 1:], env)
+                self.command = SlimeCommand(self.script, m.group("entry"), words[i + 1 :], env)
                 return
 
 
@@ -212,7 +217,7 @@ def split_statements(text: str) -> list[str]:
         elif c in "\"'":
             quote = c
             buf.append(c)
-        elif c == "\\" and text[i + 1:i + 2] == "\n":
+        elif c == "\\" and text[i + 1 : i + 2] == "\n":
             buf.append(" ")
             i += 1
         elif c == "#" and (not buf or buf[-1] in " \t\n("):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError
 from lichen.config import async_mode
 from lichen.config.checks import check_int_at_least, given
+from lichen.errors import ConfigError
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 
@@ -125,12 +125,16 @@ def check(args: argparse.Namespace) -> None:
             if getattr(args, dest) is not None:
                 raise ConfigError(f"{flag} is only used with --update-weight-mode delta; add it or drop {flag}")
     if args.update_weight_transport != "disk" and getattr(args, "custom_update_weight_post_write_path", None):
-        raise ConfigError("--custom-update-weight-post-write-path is only used with --update-weight-transport disk; "
-                          "add it or drop the hook")
+        raise ConfigError(
+            "--custom-update-weight-post-write-path is only used with --update-weight-transport disk; "
+            "add it or drop the hook"
+        )
     if args.update_weight_transport == "tensor" and args.rollout_external_engine_addrs is not None:
-        raise ConfigError("--update-weight-transport tensor needs engines lichen launches on this host (it sends "
-                          "handles to this process's memory); external servers (--rollout-external-engine-addrs) "
-                          "cannot map it: use --update-weight-transport nccl or disk")
+        raise ConfigError(
+            "--update-weight-transport tensor needs engines lichen launches on this host (it sends "
+            "handles to this process's memory); external servers (--rollout-external-engine-addrs) "
+            "cannot map it: use --update-weight-transport nccl or disk"
+        )
     if args.update_weight_transport == "disk":
         if args.update_weight_disk_dir is None:
             raise ConfigError("--update-weight-transport disk needs --update-weight-disk-dir DIR")

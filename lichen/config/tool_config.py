@@ -19,6 +19,11 @@ class ToolConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ToolConfig":
-        return cls(tool_paths=tuple(args.tool_paths or ()), max_turns=args.max_turns, timeout=args.tool_timeout,
-                   parser=args.tool_call_parser, check_fidelity=bool(args.check_token_fidelity),
-                   agent_path=args.agent_function_path)
+        return cls(
+            tool_paths=tuple(args.tool_paths or ()),
+            max_turns=args.max_turns,
+            timeout=args.tool_timeout,
+            parser=args.tool_call_parser,
+            check_fidelity=bool(args.check_token_fidelity),
+            agent_path=args.agent_function_path,
+        )

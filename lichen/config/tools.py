@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+
 from lichen.errors import ConfigError
 
 TOOL_ROLLOUT = "lichen.rollout.tool_rollout.generate"
@@ -30,10 +31,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "through an OpenAI-compatible base URL of its own (the agent proxy) and each of its sessions becomes "
         f"training samples; selects {AGENT_ROLLOUT} (default: none)",
     )
-    g.add_argument("--max-turns", type=int, default=8,
-                   help="most assistant turns per trajectory in the tool rollout (default 8)")
-    g.add_argument("--tool-timeout", type=float, default=30.0,
-                   help="seconds one tool call may take; past it the policy gets 'error: timed out' (default 30)")
+    g.add_argument(
+        "--max-turns", type=int, default=8, help="most assistant turns per trajectory in the tool rollout (default 8)"
+    )
+    g.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=30.0,
+        help="seconds one tool call may take; past it the policy gets 'error: timed out' (default 30)",
+    )
     g.add_argument(
         "--tool-call-parser",
         metavar="NAME|PATH",
@@ -60,8 +66,10 @@ def check(args: argparse.Namespace) -> None:
 
     parser = load_parser(args.tool_call_parser, "--tool-call-parser")
     if parser is None and (args.tool_paths or args.agent_function_path):
-        raise ConfigError("--tool-call-parser none: the tool rollout and the agent proxy read tool calls; give "
-                          "hermes or a parser's dotted path")
+        raise ConfigError(
+            "--tool-call-parser none: the tool rollout and the agent proxy read tool calls; give "
+            "hermes or a parser's dotted path"
+        )
     if args.agent_function_path is not None:
         _check_agent(args)
     if not args.tool_paths:
@@ -69,8 +77,9 @@ def check(args: argparse.Namespace) -> None:
     for path in args.tool_paths:
         load_function(path, "--tool-paths")
     if not args.apply_chat_template:
-        raise ConfigError("--tool-paths: tools are shown to the policy by the chat template; pass "
-                          "--apply-chat-template")
+        raise ConfigError(
+            "--tool-paths: tools are shown to the policy by the chat template; pass --apply-chat-template"
+        )
     if args.custom_generate_function_path is None:
         args.custom_generate_function_path = TOOL_ROLLOUT
 
@@ -81,13 +90,18 @@ def _check_agent(args: argparse.Namespace) -> None:
     from lichen.plugins import load_function
 
     if args.tool_paths:
-        raise ConfigError("--agent-function-path and --tool-paths exclude each other: an external agent runs its "
-                          "own tools; give one of them")
+        raise ConfigError(
+            "--agent-function-path and --tool-paths exclude each other: an external agent runs its "
+            "own tools; give one of them"
+        )
     if not inspect.iscoroutinefunction(load_function(args.agent_function_path, "--agent-function-path")):
-        raise ConfigError(f"--agent-function-path {args.agent_function_path!r}: must be an async function "
-                          "`async def fn(base_url: str, sample) -> None`")
+        raise ConfigError(
+            f"--agent-function-path {args.agent_function_path!r}: must be an async function "
+            "`async def fn(base_url: str, sample) -> None`"
+        )
     if not args.apply_chat_template:
-        raise ConfigError("--agent-function-path: the agent's messages are rendered by the chat template; pass "
-                          "--apply-chat-template")
+        raise ConfigError(
+            "--agent-function-path: the agent's messages are rendered by the chat template; pass --apply-chat-template"
+        )
     if args.custom_generate_function_path is None:
         args.custom_generate_function_path = AGENT_ROLLOUT

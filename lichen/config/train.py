@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.errors import ConfigError
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least, given
+from lichen.errors import ConfigError
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +37,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--global-batch-size",
         type=int,
         default=None,
-        help="samples per optimizer step (default: rollout-batch-size * n-samples-per-prompt / "
-        "num-steps-per-rollout)",
+        help="samples per optimizer step (default: rollout-batch-size * n-samples-per-prompt / num-steps-per-rollout)",
     )
     g.add_argument(
         "--num-steps-per-rollout",
@@ -56,8 +55,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--use-dynamic-batch-size",
         action="store_true",
-        help="pack micro-batches by token count (--max-tokens-per-gpu) instead of --micro-batch-size "
-        "(default: off)",
+        help="pack micro-batches by token count (--max-tokens-per-gpu) instead of --micro-batch-size (default: off)",
     )
     g.add_argument(
         "--max-tokens-per-gpu",
@@ -163,8 +161,7 @@ def _resolve_batch(args: argparse.Namespace) -> None:
     else:
         if per_rollout % steps:
             raise ConfigError(
-                f"--num-steps-per-rollout {steps} does not divide the rollout: {shape}; pick a divisor of "
-                f"{per_rollout}"
+                f"--num-steps-per-rollout {steps} does not divide the rollout: {shape}; pick a divisor of {per_rollout}"
             )
         args.global_batch_size = per_rollout // steps
     check_int_at_least(args, "micro_batch_size", 1)

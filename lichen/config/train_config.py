@@ -31,8 +31,9 @@ class OptimizerConfig:
     decay_style: str
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, lr: float | None = None,
-                  weight_decay: float | None = None) -> "OptimizerConfig":
+    def from_args(
+        cls, args: argparse.Namespace, lr: float | None = None, weight_decay: float | None = None
+    ) -> "OptimizerConfig":
         """`lr` and `weight_decay` override --lr and --weight-decay (the critic's --critic-lr, LoRA's
         --lora-learning-rate and --lora-weight-decay); the decay length needs args.num_rollout resolved."""
         return cls(
@@ -128,8 +129,11 @@ class TrainerConfig:
     @property
     def model_options(self) -> dict:
         """load_model's keyword arguments for the code that runs the model (--model-impl and friends)."""
-        return {"impl": self.model_impl, "trust_remote_code": self.trust_remote_code,
-                "gdn_backend": self.qwen_gdn_backend}
+        return {
+            "impl": self.model_impl,
+            "trust_remote_code": self.trust_remote_code,
+            "gdn_backend": self.qwen_gdn_backend,
+        }
 
     @property
     def needs_ref_model(self) -> bool:
@@ -139,10 +143,12 @@ class TrainerConfig:
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
         lora = LoraConfig.from_args(args)
         return from_same_named_flags(
-            cls, args,
+            cls,
+            args,
             temperature=args.rollout_temperature,
             max_response_len=args.rollout_max_response_len,
-            optimizer=OptimizerConfig.from_args(args) if lora is None
+            optimizer=OptimizerConfig.from_args(args)
+            if lora is None
             else OptimizerConfig.from_args(args, lr=lora.lr, weight_decay=lora.weight_decay),
             lora=lora,
             critic_optimizer=OptimizerConfig.from_args(args, lr=args.critic_lr or args.lr),

@@ -9,11 +9,39 @@ from __future__ import annotations
 
 import argparse
 
-from lichen.config import (algo, checkpoint, data, debug, eval, lora, model, observe, placement, rollout, sampling, sync,
-                           tools, train)
+from lichen.config import (
+    algo,
+    checkpoint,
+    data,
+    debug,
+    eval,
+    lora,
+    model,
+    observe,
+    placement,
+    rollout,
+    sampling,
+    sync,
+    tools,
+    train,
+)
 
-CHECK_ORDER = (model, debug, placement, data, rollout, tools, sampling, train, algo, sync, checkpoint, lora, eval,
-               observe)
+CHECK_ORDER = (
+    model,
+    debug,
+    placement,
+    data,
+    rollout,
+    tools,
+    sampling,
+    train,
+    algo,
+    sync,
+    checkpoint,
+    lora,
+    eval,
+    observe,
+)
 
 
 def resolve_and_validate(args: argparse.Namespace) -> argparse.Namespace:

@@ -22,11 +22,11 @@ from typing import Any
 
 import yaml
 
-from lichen.errors import ConfigError
 from lichen.config.parser import option_actions
 from lichen.config.removed import removed_message
 from lichen.config.rollout import SGLANG_PREFIX
 from lichen.config.slime_flags import HINT_CUTOFF, SLIME_FLAGS
+from lichen.errors import ConfigError
 
 
 def find_config_path(argv: list[str]) -> str | None:
@@ -65,9 +65,7 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[s
                 f"{path}:{root.start_mark.line + 1}: the config must be a mapping of flag names to values "
                 "(e.g. `rollout-batch-size: 8`)"
             )
-        entries = [
-            (key_node, loader.construct_object(value_node, deep=True)) for key_node, value_node in root.value
-        ]
+        entries = [(key_node, loader.construct_object(value_node, deep=True)) for key_node, value_node in root.value]
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path!r}: not valid YAML: {_yaml_problem(e)}") from None
     finally:
@@ -100,9 +98,11 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[s
                 continue
             rule = SLIME_FLAGS.get(flag)
             if rule is not None:  # no fuzzy hint: --num-layers is not --num-threads
-                raise ConfigError(f"{where}: {flag} is a slime/Megatron flag ({rule.cls}: {rule.lichen}); a config "
-                                  "file takes lichen flags only: give it on the command line, where the flag table "
-                                  "classifies it, or convert the script with lichen port-slime")
+                raise ConfigError(
+                    f"{where}: {flag} is a slime/Megatron flag ({rule.cls}: {rule.lichen}); a config "
+                    "file takes lichen flags only: give it on the command line, where the flag table "
+                    "classifies it, or convert the script with lichen port-slime"
+                )
             close = difflib.get_close_matches(flag, known_flags, n=1, cutoff=HINT_CUTOFF)
             hint = f"; did you mean {close[0].lstrip('-')}?" if close else "; see lichen train --help"
             raise ConfigError(f"{where}: unknown flag {flag}{hint}")

@@ -162,8 +162,10 @@ def _parse_line(path: str, lineno: int, raw: bytes) -> dict | DataError:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
-                         "line); save the file as UTF-8")
+        return DataError(
+            f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+            "line); save the file as UTF-8"
+        )
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -240,8 +242,7 @@ def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
         return value
     if not isinstance(value, list):
         raise DataError(
-            f"{where}: prompt under key {key!r} must be a string or a list of chat messages, got "
-            f"{type(value).__name__}"
+            f"{where}: prompt under key {key!r} must be a string or a list of chat messages, got {type(value).__name__}"
         )
     if not value:
         raise DataError(f"{where}: prompt under key {key!r} is an empty message list")

@@ -17,8 +17,15 @@ from lichen.errors import DataError
 logger = logging.getLogger(__name__)
 
 
-def fit_prompts(records: list[PromptRecord], encode: Callable[[int, PromptRecord], list[int]], *, path: str,
-                max_prompt_len: int | None, skip_bad_rows: bool, what: str = "--prompt-data") -> list[PromptRecord]:
+def fit_prompts(
+    records: list[PromptRecord],
+    encode: Callable[[int, PromptRecord], list[int]],
+    *,
+    path: str,
+    max_prompt_len: int | None,
+    skip_bad_rows: bool,
+    what: str = "--prompt-data",
+) -> list[PromptRecord]:
     """The records whose encoded prompt (`encode(index, record)`) is non-empty and at most `max_prompt_len`
     tokens (None: no limit); logs how many were dropped and why."""
     kept, too_long, empty = [], 0, 0
@@ -37,13 +44,22 @@ def fit_prompts(records: list[PromptRecord], encode: Callable[[int, PromptRecord
         else:
             kept.append(record)
     if too_long:
-        logger.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens (no room left "
-                       "under --rollout-max-context-len)", what, too_long, len(records), max_prompt_len)
+        logger.warning(
+            "%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens (no room left "
+            "under --rollout-max-context-len)",
+            what,
+            too_long,
+            len(records),
+            max_prompt_len,
+        )
     if empty:
-        logger.warning("%s: skipped %d of %d prompts that encode to no tokens (--skip-bad-rows)", what, empty,
-                       len(records))
+        logger.warning(
+            "%s: skipped %d of %d prompts that encode to no tokens (--skip-bad-rows)", what, empty, len(records)
+        )
     if not kept:
-        raise DataError(f"{what} {path}: none of the {len(records)} prompts fits (longer than "
-                        f"--rollout-max-prompt-len {max_prompt_len} tokens or empty); raise --rollout-max-context-len "
-                        "or use shorter prompts")
+        raise DataError(
+            f"{what} {path}: none of the {len(records)} prompts fits (longer than "
+            f"--rollout-max-prompt-len {max_prompt_len} tokens or empty); raise --rollout-max-context-len "
+            "or use shorter prompts"
+        )
     return kept

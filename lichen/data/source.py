@@ -148,6 +148,9 @@ class PromptSource:
             logger.warning(
                 "data source resumed with shuffle=%s seed=%s but saved with shuffle=%s seed=%s; prompt order will "
                 "differ from the original run",
-                self.shuffle, self.seed, state.get("shuffle"), state.get("seed"),
+                self.shuffle,
+                self.seed,
+                state.get("shuffle"),
+                state.get("seed"),
             )
         self._epoch, self._offset = epoch, offset

@@ -19,15 +19,28 @@ import hmac
 import secrets
 from typing import Mapping
 
-
 # SGLang's ADMIN_OPTIONAL endpoints plus lichen's weight endpoints: an admin key, when set, is required here (and
 # the plain key is not accepted); otherwise the plain key is. Paths under OPEN_PREFIXES need no key at all.
-ADMIN_PATHS = frozenset({
-    "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
-    "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name",
-    "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-    "/pull_weights", "/weights_checker", "/debug/stacks", "/update_weights_from_tensor",
-})
+ADMIN_PATHS = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/get_weights_by_name",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/pull_weights",
+        "/weights_checker",
+        "/debug/stacks",
+        "/update_weights_from_tensor",
+    }
+)
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 SERVE_KEY_ENV = "LICHEN_API_KEY"

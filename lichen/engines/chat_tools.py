@@ -18,10 +18,10 @@ def check_tools(body: dict) -> list[dict] | None:
     tools = body.get("tools")
     if not tools:
         return None
-    expect(tools, (list,), "tools", "a list of {\"type\": \"function\", \"function\": {...}}")
+    expect(tools, (list,), "tools", 'a list of {"type": "function", "function": {...}}')
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+            raise _bad(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
         if not isinstance(t["function"].get("name"), str) or not t["function"]["name"]:
             raise _bad(f"tools[{i}].function.name must be a non-empty string")
     return tools
@@ -43,13 +43,17 @@ def tool_mode(body: dict, parser: Any, parser_flag: str) -> tuple[list[dict] | N
         shown = json.dumps(choice)[:80]
         if tools is None:
             raise _bad(f"tool_choice {shown} needs tools; send tools or leave tool_choice out")
-        raise _bad(f"tool_choice {shown} is not supported by lichen serve (forcing a call needs constrained "
-                   "decoding); use \"auto\" or \"none\"")
+        raise _bad(
+            f"tool_choice {shown} is not supported by lichen serve (forcing a call needs constrained "
+            'decoding); use "auto" or "none"'
+        )
     if tools is None:
-        raise _bad("tool_choice \"auto\" needs tools; send tools or leave tool_choice out")
+        raise _bad('tool_choice "auto" needs tools; send tools or leave tool_choice out')
     if parser is None:
-        raise _bad(f"this server parses no tool calls ({parser_flag} none), so tools would be ignored; restart it "
-                   f"with {parser_flag} hermes or leave tools out")
+        raise _bad(
+            f"this server parses no tool calls ({parser_flag} none), so tools would be ignored; restart it "
+            f"with {parser_flag} hermes or leave tools out"
+        )
     return tools, True
 
 
@@ -81,6 +85,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
 def refuse_ignored_tools(with_tools: str, without_tools: str, template_source: str) -> None:
     """A template that renders the same prompt with and without `tools` never shows them to the model: 400."""
     if with_tools == without_tools:
-        raise _bad(f"the chat template of {template_source} ignores `tools` (the prompt is the same with and "
-                   "without them), so the model would never see them; serve a model whose chat template renders "
-                   "tools, or leave tools out")
+        raise _bad(
+            f"the chat template of {template_source} ignores `tools` (the prompt is the same with and "
+            "without them), so the model would never see them; serve a model whose chat template renders "
+            "tools, or leave tools out"
+        )

@@ -90,8 +90,7 @@ def generate_payload(req: GenRequest, *, rid: str | None = None) -> dict:
         sp["stop_token_ids"] = [int(t) for t in req.stop_token_ids]
     if req.ignore_eos:
         sp["ignore_eos"] = True
-    body: dict[str, Any] = {"input_ids": [int(t) for t in req.input_ids], "sampling_params": sp,
-                            "return_logprob": True}
+    body: dict[str, Any] = {"input_ids": [int(t) for t in req.input_ids], "sampling_params": sp, "return_logprob": True}
     if rid is not None:
         body["rid"] = rid
     return body
@@ -104,8 +103,10 @@ def result_from_output(out: Any, url: str = "") -> GenResult:
     meta = out["meta_info"]
     triples = meta.get("output_token_logprobs")
     if triples is None:
-        raise EngineError(f"{url}/generate: the answer has no meta_info.output_token_logprobs although "
-                          "return_logprob was sent; this server does not follow SGLang's protocol")
+        raise EngineError(
+            f"{url}/generate: the answer has no meta_info.output_token_logprobs although "
+            "return_logprob was sent; this server does not follow SGLang's protocol"
+        )
     tokens = [int(t[1]) for t in triples]
     logprobs = [float(t[0]) for t in triples]
     finish = meta.get("finish_reason") or {}
@@ -121,10 +122,19 @@ class EngineClient:
     the router balances on it. `attempts` counts HTTP attempts made (retries included).
     """
 
-    def __init__(self, url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
-                 concurrency: int = 512, max_retries: int = 3, retry_delay: float = 0.5,
-                 connect_timeout: float = 10.0, request_timeout: float | None = None,
-                 overload_timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        concurrency: int = 512,
+        max_retries: int = 3,
+        retry_delay: float = 0.5,
+        connect_timeout: float = 10.0,
+        request_timeout: float | None = None,
+        overload_timeout: float = 600.0,
+    ):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.url = normalize_url(url)
@@ -156,8 +166,16 @@ class EngineClient:
             await self._session.close()
         self._session = None
 
-    async def request(self, method: str, path: str, body: Any = None, *, params: dict | None = None,
-                      timeout: float | None = None, retry: bool = True) -> tuple[int, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict | None = None,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> tuple[int, Any]:
         """One HTTP call with retries on connection errors and 502/503/504. Returns (status, JSON body, or text
         when the body is not JSON, or None when it is empty). Raises EngineUnavailable when every attempt
         failed to connect."""
@@ -194,8 +212,10 @@ class EngineClient:
             if status in RETRY_STATUSES and attempt < tries:
                 continue
             return status, _decode(raw)
-        raise EngineUnavailable(f"{self.url}{path}: no answer after {tries} attempt(s) "
-                                f"({type(last).__name__}: {last}); is the server running?")
+        raise EngineUnavailable(
+            f"{self.url}{path}: no answer after {tries} attempt(s) "
+            f"({type(last).__name__}: {last}); is the server running?"
+        )
 
     async def call_json(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
         """`request`, raising EngineRequestError unless the status is 2xx."""
@@ -239,8 +259,11 @@ class EngineClient:
         async with self._generate_slot():
             self.attempts += 1
             try:
-                async with self._session.post(self.url + "/generate", data=json.dumps({**payload, "stream": True}),
-                                              headers=self._headers("/generate", json_body=True)) as resp:
+                async with self._session.post(
+                    self.url + "/generate",
+                    data=json.dumps({**payload, "stream": True}),
+                    headers=self._headers("/generate", json_body=True),
+                ) as resp:
                     if resp.status != 200:
                         raise EngineRequestError(self.url, "/generate", resp.status, _decode(await resp.read()))
                     async for out in _sse_objects(resp):
@@ -265,8 +288,9 @@ class EngineClient:
             return False
         return status == 200
 
-    async def wait_healthy(self, timeout: float = 120.0, path: str = "/health", interval: float = 0.2, *,
-                           reachable: bool = False) -> None:
+    async def wait_healthy(
+        self, timeout: float = 120.0, path: str = "/health", interval: float = 0.2, *, reachable: bool = False
+    ) -> None:
         """Poll `path` until it answers 200; EngineUnavailable after `timeout` s. With `reachable`, a server
         that cannot be connected to at all (after the retries) fails at once: only a server that answers, but
         not yet 200 (SGLang answers 503 while it starts), is waited for."""
@@ -274,8 +298,9 @@ class EngineClient:
         end = loop.time() + timeout
         while True:
             try:
-                status, _ = await self.request("GET", path, timeout=max(1.0, min(10.0, end - loop.time())),
-                                               retry=reachable)
+                status, _ = await self.request(
+                    "GET", path, timeout=max(1.0, min(10.0, end - loop.time())), retry=reachable
+                )
             except EngineUnavailable:
                 if reachable:
                     raise
@@ -285,8 +310,9 @@ class EngineClient:
             if status == 200:
                 return
             if loop.time() >= end:
-                raise EngineUnavailable(f"{self.url}{path} did not answer 200 within {timeout:g} s "
-                                        f"(last status: {status})")
+                raise EngineUnavailable(
+                    f"{self.url}{path} did not answer 200 within {timeout:g} s (last status: {status})"
+                )
             await asyncio.sleep(interval)
 
     async def model_info(self) -> dict:
@@ -311,8 +337,9 @@ class EngineClient:
                 raise EngineRequestError(self.url, "/flush_cache", status, body)
             if i + 1 < attempts:
                 await asyncio.sleep(delay)
-        raise EngineError(f"{self.url}/flush_cache kept answering 400 (requests still running) "
-                          f"after {attempts} attempts")
+        raise EngineError(
+            f"{self.url}/flush_cache kept answering 400 (requests still running) after {attempts} attempts"
+        )
 
 
 def _decode(raw: bytes) -> Any:

@@ -87,10 +87,12 @@ def context_error(prompt_tokens: int, max_new_tokens: int | None, context_length
     if n >= ctx:
         return f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
     if max_new_tokens is not None and n + max_new_tokens >= ctx:
-        return (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
-                f"total of {n + max_new_tokens} tokens: {n} tokens from the input messages and {max_new_tokens} "
-                "tokens for the completion. Please reduce the number of tokens in the input messages or the "
-                "completion to fit within the limit.")
+        return (
+            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
+            f"total of {n + max_new_tokens} tokens: {n} tokens from the input messages and {max_new_tokens} "
+            "tokens for the completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit."
+        )
     return None
 
 
@@ -102,8 +104,8 @@ def left_padded(seqs: list[Seq], pad: int, device) -> tuple[torch.Tensor, torch.
     ids = torch.full((B, P), pad, dtype=torch.long)
     valid = torch.zeros((B, P), dtype=torch.bool)
     for i, c in enumerate(ctx):
-        ids[i, P - lens[i]:] = torch.tensor(c, dtype=torch.long)
-        valid[i, P - lens[i]:] = True
+        ids[i, P - lens[i] :] = torch.tensor(c, dtype=torch.long)
+        valid[i, P - lens[i] :] = True
     ids, valid = ids.to(device), valid.to(device)
     return ids, valid, (valid.long().cumsum(-1) - 1).clamp(min=0), lens
 
@@ -125,8 +127,7 @@ class DecodeBatch:
     `stop_text(seq)` (optional) returns the stop string that the decoded output now ends with, or None.
     """
 
-    def __init__(self, model: CausalLM, *, pad_token_id: int = 0,
-                 stop_text: Callable[[Seq], str | None] | None = None):
+    def __init__(self, model: CausalLM, *, pad_token_id: int = 0, stop_text: Callable[[Seq], str | None] | None = None):
         self.model = model
         self.pad = pad_token_id
         self.stop_text = stop_text
@@ -181,7 +182,7 @@ class DecodeBatch:
         for i, s in enumerate(todo):
             if s.input_logprob_start >= 0 and s.input_logprobs is None:
                 u = src[i]
-                self._score_prompt(s, hidden[u, P - lens[u]:P - lens[u] + len(s.input_ids)])
+                self._score_prompt(s, hidden[u, P - lens[u] : P - lens[u] + len(s.input_ids)])
         keep = []
         for i, s in enumerate(todo):
             if s.remaining <= 0:
@@ -193,8 +194,10 @@ class DecodeBatch:
             k = torch.tensor([src[i] for i in keep], dtype=torch.long, device=dev)
             part = {
                 "rows": [todo[i] for i in keep],
-                "k": [t.index_select(0, k) for t in cache.k], "v": [t.index_select(0, k) for t in cache.v],
-                "valid": valid.index_select(0, k), "next_pos": pos[:, -1].index_select(0, k) + 1,
+                "k": [t.index_select(0, k) for t in cache.k],
+                "v": [t.index_select(0, k) for t in cache.v],
+                "valid": valid.index_select(0, k),
+                "next_pos": pos[:, -1].index_select(0, k) + 1,
                 "tokens": torch.zeros(len(keep), dtype=torch.long, device=dev),
                 "logits": logits.index_select(0, k),
             }
@@ -227,7 +230,7 @@ class DecodeBatch:
         picks: list = list(vals)
         if first < n:
             t = s.temperature if s.temperature > 0 else 1.0
-            logp = torch.log_softmax(self.model.logits(h[first - 1:n - 1]).float() / t, dim=-1)
+            logp = torch.log_softmax(self.model.logits(h[first - 1 : n - 1]).float() / t, dim=-1)
             target = torch.tensor(s.input_ids[first:n], dtype=torch.long, device=logp.device)
             vals += logp.gather(-1, target[:, None]).squeeze(-1).tolist()
             for r in range(logp.shape[0]):
@@ -253,8 +256,11 @@ class DecodeBatch:
         start = int(used.long().argmax()) if bool(used.any()) else L
         return {
             "rows": self.rows if rows is None else [self.rows[j] for j in rows],
-            "k": [sel(t[:, :, start:L]) for t in self.cache.k], "v": [sel(t[:, :, start:L]) for t in self.cache.v],
-            "valid": valid[:, start:], "next_pos": sel(self.next_pos), "tokens": sel(self.tokens),
+            "k": [sel(t[:, :, start:L]) for t in self.cache.k],
+            "v": [sel(t[:, :, start:L]) for t in self.cache.v],
+            "valid": valid[:, start:],
+            "next_pos": sel(self.next_pos),
+            "tokens": sel(self.tokens),
             "logits": sel(self.logits),
         }
 
@@ -283,12 +289,12 @@ class DecodeBatch:
         for p in parts:
             n, w = len(p["rows"]), p["valid"].shape[1]
             for layer in range(cfg.num_layers):
-                cache.k[layer][b:b + n, :, :L - w] = 0
-                cache.v[layer][b:b + n, :, :L - w] = 0
-                cache.k[layer][b:b + n, :, L - w:L] = p["k"][layer]
-                cache.v[layer][b:b + n, :, L - w:L] = p["v"][layer]
-            key_valid[b:b + n, :L - w] = False
-            key_valid[b:b + n, L - w:L] = p["valid"]
+                cache.k[layer][b : b + n, :, : L - w] = 0
+                cache.v[layer][b : b + n, :, : L - w] = 0
+                cache.k[layer][b : b + n, :, L - w : L] = p["k"][layer]
+                cache.v[layer][b : b + n, :, L - w : L] = p["v"][layer]
+            key_valid[b : b + n, : L - w] = False
+            key_valid[b : b + n, L - w : L] = p["valid"]
             b += n
         self.rows = rows
         self.cache, self.key_valid = cache, key_valid
@@ -334,7 +340,7 @@ class DecodeBatch:
         self.cache.length = L - start
         self.key_valid = self.key_valid[:, start:]
         self.rows = [self.rows[j] for j in order]
-        self.padded = not bool(self.key_valid[:, :L - start].all())
+        self.padded = not bool(self.key_valid[:, : L - start].all())
         self.n_dead = 0
 
     # ---- stepping -----------------------------------------------------------------------------------------
@@ -386,7 +392,7 @@ class DecodeBatch:
         if self.cache.length >= self.cache.k[0].shape[2]:  # out of slots: rebuild with room for more
             self._rebuild([self._current_part()])
         L = self.cache.length
-        step_mask = self.key_valid[:, None, None, :L + 1] if self.padded else None
+        step_mask = self.key_valid[:, None, None, : L + 1] if self.padded else None
         hidden = self.model(self.tokens[:, None], self.next_pos[:, None], cache=self.cache, attn_mask=step_mask)
         self.logits = self.model.logits(hidden[:, -1])
         self.next_pos = self.next_pos + 1

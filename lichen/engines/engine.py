@@ -71,8 +71,9 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, device="cpu", dtype=torch.float32, model_options: dict | None = None,
-                        **kwargs) -> "Engine":
+    def from_pretrained(
+        cls, model_dir: str, *, device="cpu", dtype=torch.float32, model_options: dict | None = None, **kwargs
+    ) -> "Engine":
         """`model_options`: load_model's impl / trust_remote_code / gdn_backend (--model-impl and friends)."""
         from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -113,8 +114,11 @@ class Engine:
         except (OSError, UserError, ValueError, KeyError) as e:
             raise ValueError(f"cannot load {model_dir!r}: {e}") from e
         mine = self.model.cfg
-        diff = [f"{k}: {getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in vars(mine)
-                if k != "max_position_embeddings" and getattr(cfg, k) != getattr(mine, k)]
+        diff = [
+            f"{k}: {getattr(cfg, k)!r} (serving {getattr(mine, k)!r})"
+            for k in vars(mine)
+            if k != "max_position_embeddings" and getattr(cfg, k) != getattr(mine, k)
+        ]
         if diff:
             raise ValueError(f"{model_dir!r} has a different model config: {'; '.join(diff)}")
         if mine.tie_word_embeddings:
@@ -122,8 +126,11 @@ class Engine:
         params = dict(self.model.named_parameters())
         problems = [f"missing {n}" for n in params if n not in state]
         problems += [f"unexpected {n}" for n in state if n not in params]
-        problems += [f"{n}: shape {tuple(state[n].shape)} != {tuple(p.shape)}" for n, p in params.items()
-                     if n in state and state[n].shape != p.shape]
+        problems += [
+            f"{n}: shape {tuple(state[n].shape)} != {tuple(p.shape)}"
+            for n, p in params.items()
+            if n in state and state[n].shape != p.shape
+        ]
         if problems:
             raise ValueError(f"{model_dir!r} does not match the served model: {', '.join(problems[:5])}")
         return state
@@ -153,9 +160,15 @@ class Engine:
 
     # ---- generation ---------------------------------------------------------------------------------------
     def make_seq(self, r: GenRequest) -> Seq:
-        return Seq(input_ids=list(r.input_ids), max_new_tokens=max(0, r.max_new_tokens), temperature=r.temperature,
-                   top_p=r.top_p, top_k=r.top_k, seed=r.seed,
-                   stop_ids=stop_ids(r.ignore_eos, self.eos_token_ids, r.stop_token_ids))
+        return Seq(
+            input_ids=list(r.input_ids),
+            max_new_tokens=max(0, r.max_new_tokens),
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=r.seed,
+            stop_ids=stop_ids(r.ignore_eos, self.eos_token_ids, r.stop_token_ids),
+        )
 
     def new_batch(self, stop_text=None) -> DecodeBatch:
         if getattr(self.model, "is_hf", False):
@@ -164,8 +177,9 @@ class Engine:
             return HFDecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
         return DecodeBatch(self.model, pad_token_id=self.pad_token_id, stop_text=stop_text)
 
-    def generate(self, requests: list[GenRequest],
-                 on_step: Callable[[list[Seq]], Iterable[int] | None] | None = None) -> list[GenResult]:
+    def generate(
+        self, requests: list[GenRequest], on_step: Callable[[list[Seq]], Iterable[int] | None] | None = None
+    ) -> list[GenResult]:
         """Results are returned in request order. At most `max_batch_size` sequences decode at once; when rows
         finish, the next requests (in order) take their place. `on_step(seqs)` (one Seq per request, in order) is
         called after every decode step, for streaming; it must not change them. It may return the indices of
@@ -198,5 +212,9 @@ class Engine:
                         s.finish, s.finish_version = ("abort", STOPPED), self.weight_version
                 pending = deque(s for s in pending if id(s) not in gone)
                 batch.abort([s for s in batch.live() if id(s) in gone], STOPPED, self.weight_version)
-        return [GenResult(s.output_ids, s.output_logprobs, s.finish[0], len(s.input_ids),
-                          s.finish_version or self.weight_version) for s in seqs]
+        return [
+            GenResult(
+                s.output_ids, s.output_logprobs, s.finish[0], len(s.input_ids), s.finish_version or self.weight_version
+            )
+            for s in seqs
+        ]

@@ -49,11 +49,20 @@ class HealthMonitor:
     `restarts[i]` counts restarts of engine i; `states[i]` is one of active / down / restarting / pending.
     """
 
-    def __init__(self, engines: Any, *, interval: float = DEFAULT_INTERVAL, timeout: float = DEFAULT_TIMEOUT,
-                 first_wait: float = DEFAULT_FIRST_WAIT, launcher: Any = None, restart_timeout: float = 600.0):
+    def __init__(
+        self,
+        engines: Any,
+        *,
+        interval: float = DEFAULT_INTERVAL,
+        timeout: float = DEFAULT_TIMEOUT,
+        first_wait: float = DEFAULT_FIRST_WAIT,
+        launcher: Any = None,
+        restart_timeout: float = 600.0,
+    ):
         if interval <= 0 or timeout <= 0 or first_wait < 0:
-            raise ValueError(f"health check interval {interval} and timeout {timeout} must be > 0, "
-                             f"first wait {first_wait} >= 0")
+            raise ValueError(
+                f"health check interval {interval} and timeout {timeout} must be > 0, first wait {first_wait} >= 0"
+            )
         self.engines = engines
         self.launcher = launcher
         self.interval, self.timeout, self.first_wait = interval, timeout, first_wait
@@ -72,6 +81,7 @@ class HealthMonitor:
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start watching (callable from any thread; the watchers run on the engines' loop)."""
+
         async def begin() -> None:
             self._tasks = [asyncio.ensure_future(self._watch(i)) for i in range(len(self.states))]
 
@@ -109,7 +119,8 @@ class HealthMonitor:
         self.probes[index] += 1
         try:
             status, _ = await asyncio.wait_for(
-                client.request("GET", "/health_generate", timeout=self.timeout, retry=False), self.timeout + 1.0)
+                client.request("GET", "/health_generate", timeout=self.timeout, retry=False), self.timeout + 1.0
+            )
         except (EngineUnavailable, asyncio.TimeoutError) as e:
             what = "no answer" if isinstance(e, asyncio.TimeoutError) else "unreachable"
             return False, f"/health_generate: {what} within {self.timeout:g} s"
@@ -151,8 +162,11 @@ class HealthMonitor:
             return
         self.states[index] = DOWN
         if self.launcher is None:
-            log.error("engine %s is down (%s); lichen did not launch it, so it is probed until it answers again",
-                      self.engines.clients[index].url, reason)
+            log.error(
+                "engine %s is down (%s); lichen did not launch it, so it is probed until it answers again",
+                self.engines.clients[index].url,
+                reason,
+            )
             return
         if not self.stopping:
             self._begin_restart(index)
@@ -193,8 +207,10 @@ class HealthMonitor:
                 log.error("engine %d could not re-join: %s", index, e)
                 self.on_down(index, f"re-join failed: {e}")
         else:  # a sync or pause under way, or a sync to come, takes it in
-            log.info("engine %s stays out of rotation until the next weight sync brings it to the current "
-                     "version", engines.clients[index].url)
+            log.info(
+                "engine %s stays out of rotation until the next weight sync brings it to the current version",
+                engines.clients[index].url,
+            )
 
     async def join(self, index: int, *, catch_up: bool) -> None:
         """Put engine `index` (out of rotation, alive) back into rotation, with `catch_up` first loading the last
@@ -208,8 +224,11 @@ class HealthMonitor:
             await c.call_json("POST", "/release_memory_occupation", {"tags": sorted(engines.released)})
         self.states[index] = ACTIVE
         engines.router.restore(index)
-        log.info("engine %s is back in rotation (weight version %s)", c.url,
-                 engines.last_weights[1] if engines.last_weights else "as launched")
+        log.info(
+            "engine %s is back in rotation (weight version %s)",
+            c.url,
+            engines.last_weights[1] if engines.last_weights else "as launched",
+        )
 
     async def settle(self, timeout: float | None = None) -> None:
         """Wait for the restarts in progress (a weight sync then brings those engines up to date too)."""

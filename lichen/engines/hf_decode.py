@@ -51,7 +51,7 @@ class HFDecodeBatch(DecodeBatch):
         hidden, past = self.model.decode(ids, pos, keys.long(), None)
         for i, s in enumerate(rows):
             if s.input_logprob_start >= 0 and s.input_logprobs is None:
-                self._score_prompt(s, hidden[i, P - lens[i]:P - lens[i] + len(s.input_ids)])
+                self._score_prompt(s, hidden[i, P - lens[i] : P - lens[i] + len(s.input_ids)])
         for s in rows:
             if s.remaining <= 0:  # a scoring request: nothing to generate
                 self._finish(s, ("length", len(s.output_ids)), version)
@@ -78,7 +78,6 @@ class HFDecodeBatch(DecodeBatch):
             self._compact()  # the rebuild gives every live row its next logits
             return
         self.keys = torch.cat([self.keys, torch.ones_like(self.keys[:, :1])], dim=1)
-        hidden, self.past = self.model.decode(self.tokens[:, None], self.next_pos[:, None], self.keys.long(),
-                                              self.past)
+        hidden, self.past = self.model.decode(self.tokens[:, None], self.next_pos[:, None], self.keys.long(), self.past)
         self.logits = self.model.logits(hidden[:, -1])
         self.next_pos = self.next_pos + 1

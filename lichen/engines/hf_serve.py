@@ -18,7 +18,12 @@ REFUSED = {
 async def refuse_untested(request: web.Request, handler):
     feature = REFUSED.get(request.path)
     if feature is not None:
-        return web.json_response({"success": False, "message": f"{request.path}: {feature} is not supported on "
-                                  "the generic HF model path (--model-impl hf); see docs/models.md#serve"},
-                                 status=400)
+        return web.json_response(
+            {
+                "success": False,
+                "message": f"{request.path}: {feature} is not supported on "
+                "the generic HF model path (--model-impl hf); see docs/models.md#serve",
+            },
+            status=400,
+        )
     return await handler(request)

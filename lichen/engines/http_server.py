@@ -23,9 +23,22 @@ from lichen.engines import openai_api, tensor_update, weight_endpoints
 from lichen.engines.auth import key_for_path, request_has_key
 from lichen.engines.engine import Engine
 from lichen.engines.limits import Limits, Overloaded, free_memory_bytes, job_tokens, torch_itemsize
-from lichen.engines.protocol import (Detok, Facts, Job, LockedTokenizer, OutputOptions, RequestError, Sampling,
-                                     abort_status, error_body, expect, generate_output, loads, make_job,
-                                     parse_generate)
+from lichen.engines.protocol import (
+    Detok,
+    Facts,
+    Job,
+    LockedTokenizer,
+    OutputOptions,
+    RequestError,
+    Sampling,
+    abort_status,
+    error_body,
+    expect,
+    generate_output,
+    loads,
+    make_job,
+    parse_generate,
+)
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.engines.weight_paths import WeightDirs
 from lichen.observe.metrics import get_logger
@@ -36,8 +49,10 @@ log = get_logger(__name__)
 
 # Generation: a client that goes away aborts its request (and frees its rid); every other call runs to its end.
 CANCELLABLE_PATHS = frozenset({"/generate", "/health_generate", "/v1/completions", "/v1/chat/completions"})
-FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-            "requests, the operation will not be performed.)\n")
+FLUSH_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+    "requests, the operation will not be performed.)\n"
+)
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
 
 
@@ -46,11 +61,25 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 class LichenServer:
-    def __init__(self, engine: Engine, tokenizer: Any, *, model_path: str, served_model_name: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 admin_api_key: str | None = None, max_running: int = 256, context_length: int | None = None,
-                 health_timeout: float = 20.0, architectures: list[str] | None = None,
-                 limits: Limits | None = None, weight_dirs: WeightDirs | None = None, tool_parser: Any = None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        *,
+        model_path: str,
+        served_model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        max_running: int = 256,
+        context_length: int | None = None,
+        health_timeout: float = 20.0,
+        architectures: list[str] | None = None,
+        limits: Limits | None = None,
+        weight_dirs: WeightDirs | None = None,
+        tool_parser: Any = None,
+    ):
         cfg = engine.model.cfg
         tokenizer = LockedTokenizer(tokenizer)
         self.engine = engine
@@ -64,11 +93,17 @@ class LichenServer:
         self.health_timeout = health_timeout
         self.tool_parser = tool_parser  # lichen.engines.tool_parsers; None: requests with tools are refused
         self.architectures = architectures or []
-        self.facts = Facts(tokenizer, cfg.vocab_size, context_length or cfg.max_position_embeddings,
-                           list(engine.eos_token_ids), max_request_sequences=self.limits.max_request_sequences)
+        self.facts = Facts(
+            tokenizer,
+            cfg.vocab_size,
+            context_length or cfg.max_position_embeddings,
+            list(engine.eos_token_ids),
+            max_request_sequences=self.limits.max_request_sequences,
+        )
         self.detok = Detok(tokenizer)
-        self.scheduler = Scheduler(engine, max_running=max_running, on_events=self._on_events,
-                                   stop_text=self.detok.stop_text)
+        self.scheduler = Scheduler(
+            engine, max_running=max_running, on_events=self._on_events, stop_text=self.detok.stop_text
+        )
         self.jobs: dict[str, Job] = {}
         self.paused = False
         self.started = time.time()
@@ -331,34 +366,64 @@ class LichenServer:
     # ---- information --------------------------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.engine.model.cfg
-        return json_response({
-            "model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
-            "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
-            "architectures": self.architectures, "served_model_name": self.served_model_name, "load_format": "auto",
-        })
+        return json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": cfg.model_type,
+                "architectures": self.architectures,
+                "served_model_name": self.served_model_name,
+                "load_format": "auto",
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         eng, sch = self.engine, self.scheduler
         ctx = self.facts.context_length
-        return json_response({
-            "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
-            "served_model_name": self.served_model_name, "host": self.host, "port": self.port,
-            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "disaggregation_mode": "null",
-            # releasing memory frees device memory only off the CPU (Engine.offload does nothing on CPU)
-            "enable_memory_saver": eng.device.type != "cpu", "skip_tokenizer_init": False,
-            "weight_version": eng.weight_version,
-            "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.device),
-            "max_running_requests": sch.max_running, "max_total_num_tokens": self.kv_capacity(),
-            "max_req_input_len": ctx - 1, "context_length": ctx, "startup_time": self.started,
-            "api_key_required": self.api_key is not None,
-            "max_sequences_per_request": self.limits.max_request_sequences,
-            "max_queued_sequences": self.limits.max_queued_sequences,
-            "max_queued_tokens": self.limits.max_queued_tokens,
-            "internal_states": [{"paused": self.paused, "released_memory": sorted(sch.released),
-                                 "num_running_reqs": sch.num_running, "num_waiting_reqs": sch.num_waiting}],
-            "version": f"lichen-{__version__}", "kv_events": None,
-        })
+        return json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.tokenizer_path,
+                "served_model_name": self.served_model_name,
+                "host": self.host,
+                "port": self.port,
+                "tp_size": 1,
+                "dp_size": 1,
+                "pp_size": 1,
+                "ep_size": 1,
+                "disaggregation_mode": "null",
+                # releasing memory frees device memory only off the CPU (Engine.offload does nothing on CPU)
+                "enable_memory_saver": eng.device.type != "cpu",
+                "skip_tokenizer_init": False,
+                "weight_version": eng.weight_version,
+                "dtype": str(eng.dtype).replace("torch.", ""),
+                "device": str(eng.device),
+                "max_running_requests": sch.max_running,
+                "max_total_num_tokens": self.kv_capacity(),
+                "max_req_input_len": ctx - 1,
+                "context_length": ctx,
+                "startup_time": self.started,
+                "api_key_required": self.api_key is not None,
+                "max_sequences_per_request": self.limits.max_request_sequences,
+                "max_queued_sequences": self.limits.max_queued_sequences,
+                "max_queued_tokens": self.limits.max_queued_tokens,
+                "internal_states": [
+                    {
+                        "paused": self.paused,
+                        "released_memory": sorted(sch.released),
+                        "num_running_reqs": sch.num_running,
+                        "num_waiting_reqs": sch.num_waiting,
+                    }
+                ],
+                "version": f"lichen-{__version__}",
+                "kv_events": None,
+            }
+        )
 
     async def weight_version_gone(self, request: web.Request) -> web.Response:
         msg = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
@@ -375,8 +440,10 @@ class LichenServer:
     async def loads(self, request: web.Request) -> web.Response:
         include = set(request.query.get("include", "all").split(","))
         if not include <= LOAD_SECTIONS:
-            raise RequestError(f"include: unknown section(s) {sorted(include - LOAD_SECTIONS)}; "
-                               f"choose from {sorted(LOAD_SECTIONS)}", shape="object")
+            raise RequestError(
+                f"include: unknown section(s) {sorted(include - LOAD_SECTIONS)}; choose from {sorted(LOAD_SECTIONS)}",
+                shape="object",
+            )
         if request.query.get("format", "json") != "json":
             raise RequestError("format: lichen serve answers json only", shape="object")
         sch = self.scheduler
@@ -384,25 +451,49 @@ class LichenServer:
         total = self.kv_capacity()
         now = datetime.now(timezone.utc).isoformat()
         load = {
-            "timestamp": now, "dp_rank": 0, "num_running_reqs": sch.num_running, "num_waiting_reqs": sch.num_waiting,
+            "timestamp": now,
+            "dp_rank": 0,
+            "num_running_reqs": sch.num_running,
+            "num_waiting_reqs": sch.num_waiting,
             "num_waiting_uncached_tokens": sch.waiting_tokens,
-            "num_used_tokens": used, "num_total_tokens": total, "num_active_tokens": used,
-            "max_total_num_tokens": total, "max_running_requests": sch.max_running,
-            "token_usage": used / total if total else 0.0, "gen_throughput": self._throughput(),
-            "cache_hit_rate": 0.0, "utilization": sch.num_running / sch.max_running,
-            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+            "num_used_tokens": used,
+            "num_total_tokens": total,
+            "num_active_tokens": used,
+            "max_total_num_tokens": total,
+            "max_running_requests": sch.max_running,
+            "token_usage": used / total if total else 0.0,
+            "gen_throughput": self._throughput(),
+            "cache_hit_rate": 0.0,
+            "utilization": sch.num_running / sch.max_running,
+            "total_prefill_uncached_tokens": 0,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
         }
         dev = self.engine.device
-        return json_response({"timestamp": now, "version": f"lichen-{__version__}",
-                              "accelerator": None if dev.type == "cpu" else str(dev),
-                              "num_accelerators": 0 if dev.type == "cpu" else 1,
-                              "loads": [load]})
+        return json_response(
+            {
+                "timestamp": now,
+                "version": f"lichen-{__version__}",
+                "accelerator": None if dev.type == "cpu" else str(dev),
+                "num_accelerators": 0 if dev.type == "cpu" else 1,
+                "loads": [load],
+            }
+        )
 
     async def get_load(self, request: web.Request) -> web.Response:
         sch = self.scheduler
-        return json_response([{"dp_rank": 0, "num_reqs": sch.num_running + sch.num_waiting,
-                               "num_waiting_reqs": sch.num_waiting, "num_tokens": sch.cache_tokens,
-                               "num_pending_tokens": 0, "ts_tic": time.time()}])
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": sch.num_running + sch.num_waiting,
+                    "num_waiting_reqs": sch.num_waiting,
+                    "num_tokens": sch.cache_tokens,
+                    "num_pending_tokens": 0,
+                    "ts_tic": time.time(),
+                }
+            ]
+        )
 
     # ---- control ------------------------------------------------------------------------------------------
     def _flushable(self) -> bool:
@@ -420,8 +511,10 @@ class LichenServer:
         if self._flushable():
             return web.Response(text=FLUSH_OK)
         sch = self.scheduler
-        return web.Response(status=400, text=f"Flush cache failed: {sch.num_running} running and "
-                                             f"{sch.num_waiting} waiting request(s).\n")
+        return web.Response(
+            status=400,
+            text=f"Flush cache failed: {sch.num_running} running and {sch.num_waiting} waiting request(s).\n",
+        )
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._object(request)
@@ -490,8 +583,9 @@ class LichenServer:
         try:
             state = await asyncio.to_thread(self.engine.read_checkpoint, real)
         except ValueError as e:  # the old weights keep serving
-            return json_response({"success": False, "message": f"Failed to update weights: {e}",
-                                  "num_paused_requests": paused}, 400)
+            return json_response(
+                {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": paused}, 400
+            )
 
         def apply(s: Scheduler) -> None:
             s.engine.apply_state(state)
@@ -513,8 +607,9 @@ class LichenServer:
             s.engine.weight_version = version
 
         await self.control(setv)
-        return json_response({"success": True, "message": f"Weight version updated to {version}",
-                              "new_version": version})
+        return json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await self._object(request)

@@ -19,7 +19,13 @@ def launch_server_args(cfg: Any) -> list[str]:
     """`lichen serve` flags for launched engines (`cfg` an EngineConfig): the trainer's device and dtype (float32,
     as the in-process engine) and model code (--model-impl and friends), the batch cap, the CPU threads split between the engines, the run's weight
     directories (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
-    out = ["--device", str(cfg.device or "auto"), "--dtype", "float32", *launch_model_args(getattr(cfg, "model_options", None))]
+    out = [
+        "--device",
+        str(cfg.device or "auto"),
+        "--dtype",
+        "float32",
+        *launch_model_args(getattr(cfg, "model_options", None)),
+    ]
     if cfg.max_batch_size:
         out += ["--max-batch-size", str(cfg.max_batch_size)]
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_engines)
@@ -47,8 +53,18 @@ def launch_limits(cfg: Any) -> list[str]:
 def external_keys(cfg: Any) -> tuple[str | None, str | None]:
     """(API key, admin key) of external servers: from the key files (`cfg.api_key_file`, `cfg.admin_api_key_file`)
     or the environment (LICHEN_ENGINE_API_KEY, LICHEN_ENGINE_ADMIN_API_KEY), never from the command line."""
-    api = resolve_key(flag_value=None, file_path=cfg.api_key_file, env=ENGINE_KEY_ENV, flag="",
-                      file_flag="--rollout-external-engine-api-key-file")
-    admin = resolve_key(flag_value=None, file_path=cfg.admin_api_key_file, env=ENGINE_ADMIN_KEY_ENV, flag="",
-                        file_flag="--rollout-external-engine-admin-api-key-file")
+    api = resolve_key(
+        flag_value=None,
+        file_path=cfg.api_key_file,
+        env=ENGINE_KEY_ENV,
+        flag="",
+        file_flag="--rollout-external-engine-api-key-file",
+    )
+    admin = resolve_key(
+        flag_value=None,
+        file_path=cfg.admin_api_key_file,
+        env=ENGINE_ADMIN_KEY_ENV,
+        flag="",
+        file_flag="--rollout-external-engine-admin-api-key-file",
+    )
     return api, admin

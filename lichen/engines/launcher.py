@@ -83,14 +83,25 @@ class EngineLauncher(ServerSet):
     up. `keyed`: give the servers fresh random keys (see the module doc).
     """
 
-    def __init__(self, model: str, num_engines: int, *, host: str = "127.0.0.1", server_args: Sequence[str] = (),
-                 log_dir: str | None = None, ready_timeout: float = 300.0, env: dict | None = None,
-                 keyed: bool = True):
+    def __init__(
+        self,
+        model: str,
+        num_engines: int,
+        *,
+        host: str = "127.0.0.1",
+        server_args: Sequence[str] = (),
+        log_dir: str | None = None,
+        ready_timeout: float = 300.0,
+        env: dict | None = None,
+        keyed: bool = True,
+    ):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         if any(a.startswith(("--api-key", "--admin-api-key")) for a in server_args):
-            raise ValueError("server_args must not carry keys (every local user can read a command line); "
-                             "the launcher keys the servers through their environment")
+            raise ValueError(
+                "server_args must not carry keys (every local user can read a command line); "
+                "the launcher keys the servers through their environment"
+            )
         self.model, self.num_engines, self.host = model, num_engines, host
         self.server_args = list(server_args)
         self.log_dir = log_dir
@@ -128,8 +139,18 @@ class EngineLauncher(ServerSet):
         return self.urls
 
     def _spawn(self, i: int) -> ServerProcess:
-        serve = ["-m", "lichen.cli", "serve", "--model", self.model, "--host", self.host, "--port", "0",
-                 *self.server_args]
+        serve = [
+            "-m",
+            "lichen.cli",
+            "serve",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            "0",
+            *self.server_args,
+        ]
         if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
             cmd = [sys.executable, "-c", _PDEATHSIG_WRAPPER, str(os.getpid()), *serve]
         else:
@@ -142,8 +163,9 @@ class EngineLauncher(ServerSet):
         os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"engine_{i}.log")
         with open(log_path, "ab") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, **self.env, **self._key_env})
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **self.env, **self._key_env}
+            )
         return ServerProcess(proc, self.host, [sys.executable, *serve], log_path)
 
     def restart(self, index: int) -> str:
@@ -198,4 +220,3 @@ class EngineLauncher(ServerSet):
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers if s.port is not None]
-

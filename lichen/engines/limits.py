@@ -25,8 +25,12 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from lichen.engines.protocol import RequestError
-from lichen.engines.serve import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_QUEUED_SEQUENCES, DEFAULT_MAX_QUEUED_TOKENS,
-                                  DEFAULT_MAX_REQUEST_SEQUENCES)
+from lichen.engines.serve import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_QUEUED_SEQUENCES,
+    DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_MAX_REQUEST_SEQUENCES,
+)
 
 
 class Overloaded(RequestError):
@@ -46,13 +50,17 @@ class Limits:
     def admit(self, seqs: int, tokens: int, queued_seqs: int, queued_tokens: int) -> None:
         """Raise unless `seqs` sequences of `tokens` tokens fit beside what is queued."""
         if seqs > self.max_queued_sequences or tokens > self.max_queued_tokens:
-            raise RequestError(f"the request needs {seqs} sequences and {tokens} tokens (prompt + max_new_tokens), "
-                               f"more than this server ever queues ({self.max_queued_sequences} sequences, "
-                               f"{self.max_queued_tokens} tokens: --max-queued-sequences, --max-queued-tokens); "
-                               "split it or lower max_new_tokens")
+            raise RequestError(
+                f"the request needs {seqs} sequences and {tokens} tokens (prompt + max_new_tokens), "
+                f"more than this server ever queues ({self.max_queued_sequences} sequences, "
+                f"{self.max_queued_tokens} tokens: --max-queued-sequences, --max-queued-tokens); "
+                "split it or lower max_new_tokens"
+            )
         if queued_seqs + seqs > self.max_queued_sequences or queued_tokens + tokens > self.max_queued_tokens:
-            raise Overloaded(f"server busy: {queued_seqs} sequences ({queued_tokens} tokens) queued, the limit is "
-                             f"{self.max_queued_sequences} sequences and {self.max_queued_tokens} tokens; retry later")
+            raise Overloaded(
+                f"server busy: {queued_seqs} sequences ({queued_tokens} tokens) queued, the limit is "
+                f"{self.max_queued_sequences} sequences and {self.max_queued_tokens} tokens; retry later"
+            )
 
 
 def job_tokens(job: Any) -> int:

@@ -18,11 +18,23 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from lichen.engines.chat_tools import refuse_ignored_tools, template_messages, tool_mode
-from lichen.engines.protocol import (Job, OutputOptions, RequestError, abort_status, bool_field, error_body,
-                                     expect, int_field, int_list, loads, make_job, output_text, parse_sampling,
-                                     stream_error)
+from lichen.engines.protocol import (
+    Job,
+    OutputOptions,
+    RequestError,
+    abort_status,
+    bool_field,
+    error_body,
+    expect,
+    int_field,
+    int_list,
+    loads,
+    make_job,
+    output_text,
+    parse_sampling,
+    stream_error,
+)
 from lichen.engines.tool_parsers import tool_finish_reason
-
 from lichen.observe.metrics import get_logger
 
 if TYPE_CHECKING:
@@ -32,13 +44,27 @@ log = get_logger(__name__)
 
 
 # OpenAI / SGLang-extra request keys that map onto sampling_params (request key -> sampling key).
-_SAMPLING_MAP = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "n": "n", "stop": "stop",
-                 "seed": "sampling_seed", "min_p": "min_p", "stop_token_ids": "stop_token_ids",
-                 "no_stop_trim": "no_stop_trim", "ignore_eos": "ignore_eos",
-                 "skip_special_tokens": "skip_special_tokens",
-                 "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-                 "presence_penalty": "presence_penalty", "min_tokens": "min_new_tokens", "regex": "regex",
-                 "json_schema": "json_schema", "ebnf": "ebnf", "logit_bias": "logit_bias"}
+_SAMPLING_MAP = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "n": "n",
+    "stop": "stop",
+    "seed": "sampling_seed",
+    "min_p": "min_p",
+    "stop_token_ids": "stop_token_ids",
+    "no_stop_trim": "no_stop_trim",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "min_tokens": "min_new_tokens",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
+}
 
 
 def add_routes(app: web.Application, server: "LichenServer") -> None:
@@ -49,8 +75,14 @@ def add_routes(app: web.Application, server: "LichenServer") -> None:
 
 
 def _card(server: "LichenServer") -> dict:
-    return {"id": server.served_model_name, "object": "model", "created": int(server.started),
-            "owned_by": "lichen", "root": server.model_path, "max_model_len": server.facts.context_length}
+    return {
+        "id": server.served_model_name,
+        "object": "model",
+        "created": int(server.started),
+        "owned_by": "lichen",
+        "root": server.model_path,
+        "max_model_len": server.facts.context_length,
+    }
 
 
 async def models(server: "LichenServer", request: web.Request) -> web.Response:
@@ -60,9 +92,17 @@ async def models(server: "LichenServer", request: web.Request) -> web.Response:
 async def model_card(server: "LichenServer", request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name != server.served_model_name:
-        return web.json_response({"error": {"message": f"The model '{name}' does not exist",
-                                            "type": "invalid_request_error", "param": "model",
-                                            "code": "model_not_found"}}, status=404)
+        return web.json_response(
+            {
+                "error": {
+                    "message": f"The model '{name}' does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+            status=404,
+        )
     return web.json_response(_card(server))
 
 
@@ -78,8 +118,9 @@ def _sampling(body: dict, max_new: Any):
     return parse_sampling(sp, "request")
 
 
-def _jobs(server: "LichenServer", prompts: list[list[int]], body: dict, max_new: Any, opts: OutputOptions,
-          stream: bool) -> list[Job]:
+def _jobs(
+    server: "LichenServer", prompts: list[list[int]], body: dict, max_new: Any, opts: OutputOptions, stream: bool
+) -> list[Job]:
     sp = _sampling(body, max_new)
     base = body.get("rid") or uuid.uuid4().hex
     expect(base, (str,), "rid", "a string")
@@ -138,7 +179,7 @@ class _Delta:
         full = prefix + output_text(job, server.detok, n, final)
         if not final:
             full = _held(full, job.seq.stop_strings)
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
         if delta:
             self.text = full
         start, self.tokens = self.tokens, n
@@ -210,9 +251,12 @@ def _completion_logprobs(server, job: Job, start: int, end: int, top: int, echo:
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in pairs], "text_offset": offsets,
-            "top_logprobs": [None if p is None else {d.token(t, False): lp for lp, t in p} for p in tops]
-            if top else None}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in pairs],
+        "text_offset": offsets,
+        "top_logprobs": [None if p is None else {d.token(t, False): lp for lp, t in p} for p in tops] if top else None,
+    }
 
 
 async def completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
@@ -229,10 +273,13 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
     max_new = int_field(body, "max_tokens", 16, "")
     if max_new <= 0:  # SGLang's CompletionRequest validator: 0 would answer an empty completion
         raise RequestError(f"max_tokens must be positive, got {max_new}", shape="object")
-    opts = OutputOptions(return_logprob=lp is not None, logprob_start_len=0 if (echo and lp is not None) else -1,
-                         top_logprobs_num=lp or 0,
-                         skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
-                         no_stop_trim=bool_field(body, "no_stop_trim", False, ""))
+    opts = OutputOptions(
+        return_logprob=lp is not None,
+        logprob_start_len=0 if (echo and lp is not None) else -1,
+        top_logprobs_num=lp or 0,
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
+        no_stop_trim=bool_field(body, "no_stop_trim", False, ""),
+    )
     jobs = _jobs(server, prompts, body, max_new, opts, stream)
     n = len(jobs) // len(prompts)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
@@ -246,8 +293,14 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
         def chunks(job, k):
             if job is None:
                 if usage:
-                    yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": _usage(prompts, jobs)}
+                    yield {
+                        "id": cid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": _usage(prompts, jobs),
+                    }
                 return
             st = state[job.index]
             delta, a, b = st.step(job, server, k, prefix(job))
@@ -258,9 +311,21 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
             if lp is not None:
                 logprobs = _completion_logprobs(server, job, a, b, lp, echo and not st.started, 0)
             st.started = True
-            yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [{"index": job.index, "text": delta, "logprobs": logprobs, "finish_reason": reason,
-                                "matched_stop": matched}]}
+            yield {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": job.index,
+                        "text": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                        "matched_stop": matched,
+                    }
+                ],
+            }
 
         return await sse_stream(request, server, jobs, chunks)
     await server.run_jobs(jobs)
@@ -274,11 +339,20 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
         if lp is not None:
             logprobs = _completion_logprobs(server, job, 0, len(job.seq.output_ids), lp, echo, 0)
         text = prefix(job) + output_text(job, server.detok, len(job.seq.output_ids), True)
-        choices.append({"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                        "matched_stop": matched})
-    return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
-                              "choices": choices, "usage": _usage(prompts, jobs),
-                              "metadata": {"weight_version": server.engine.weight_version}})
+        choices.append(
+            {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
+        )
+    return web.json_response(
+        {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _usage(prompts, jobs),
+            "metadata": {"weight_version": server.engine.weight_version},
+        }
+    )
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
@@ -292,8 +366,9 @@ def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -
         expect(m, (dict,), f"messages[{i}]", "an object with role and content")
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool", "developer"):
-            raise RequestError(f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
-                               shape="object")
+            raise RequestError(
+                f"messages[{i}].role must be system, user, assistant or tool, got {role!r}", shape="object"
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is supported
             parts = []
@@ -324,8 +399,9 @@ def _apply_template(tok, messages: list[dict], kwargs: dict) -> str:
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # a template error is the request's fault
-        raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                           shape="object") from None
+        raise RequestError(
+            f"the chat template failed on these messages: {type(e).__name__}: {e}", shape="object"
+        ) from None
     if isinstance(text, list):
         (text,) = text
     return text
@@ -352,10 +428,13 @@ def _refuse_response_format(body: dict) -> None:
     rf = body.get("response_format")
     if rf is None:
         return
-    expect(rf, (dict,), "response_format", "an object such as {\"type\": \"text\"}")
+    expect(rf, (dict,), "response_format", 'an object such as {"type": "text"}')
     if rf.get("type") != "text":
-        raise RequestError(f"response_format {json.dumps(rf)[:80]} is not supported by lichen serve (no constrained "
-                           "decoding); leave it out or use {\"type\": \"text\"}", shape="object")
+        raise RequestError(
+            f"response_format {json.dumps(rf)[:80]} is not supported by lichen serve (no constrained "
+            'decoding); leave it out or use {"type": "text"}',
+            shape="object",
+        )
 
 
 async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
@@ -370,9 +449,12 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
     stream = bool_field(body, "stream", False, "")
     usage = _stream_options(body) if stream else False
     max_new = body.get("max_completion_tokens", body.get("max_tokens"))
-    opts = OutputOptions(return_logprob=want_lp, top_logprobs_num=top if want_lp else 0,
-                         skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
-                         no_stop_trim=bool_field(body, "no_stop_trim", False, ""))
+    opts = OutputOptions(
+        return_logprob=want_lp,
+        top_logprobs_num=top if want_lp else 0,
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
+        no_stop_trim=bool_field(body, "no_stop_trim", False, ""),
+    )
     jobs = _jobs(server, [ids], body, max_new, opts, stream)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
     if stream:
@@ -389,8 +471,17 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
             st = state[job.index]
             if not st.started:
                 st.started = True
-                yield {**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
+                yield {
+                    **base,
+                    "choices": [
+                        {
+                            "index": job.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
             delta, _, b = st.step(job, server, k)
             reason, matched = _finish(job) if k is None else (None, None)
             msg: dict = {}
@@ -426,11 +517,23 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
             parsed = server.tool_parser.parse(content)
             content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
             reason = tool_finish_reason(reason, len(parsed.calls))
-        choices.append({"index": job.index,
-                        "message": {"role": "assistant", "content": content, "reasoning_content": None,
-                                    "tool_calls": calls},
-                        "logprobs": _chat_logprobs(server, job, 0, n, top) if want_lp else None,
-                        "finish_reason": reason, "matched_stop": matched})
-    return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                              "choices": choices, "usage": _usage([ids], jobs),
-                              "metadata": {"weight_version": server.engine.weight_version}})
+        choices.append(
+            {
+                "index": job.index,
+                "message": {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": calls},
+                "logprobs": _chat_logprobs(server, job, 0, n, top) if want_lp else None,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+        )
+    return web.json_response(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _usage([ids], jobs),
+            "metadata": {"weight_version": server.engine.weight_version},
+        }
+    )

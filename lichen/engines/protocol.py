@@ -99,12 +99,28 @@ def int_list(v: Any, where: str) -> list[int]:
 
 # ---- sampling parameters ----------------------------------------------------------------------------------
 # Keys whose effect lichen's engine does not implement: accepted only at their neutral value.
-_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0}
+_NEUTRAL = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+}
 _UNSUPPORTED_IF_SET = ("regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "logit_bias")
 _IGNORED = ("spaces_between_special_tokens", "custom_params", "stream_interval")
-_HANDLED = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-            "skip_special_tokens", "no_stop_trim", "n", "sampling_seed")
+_HANDLED = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "n",
+    "sampling_seed",
+)
 SAMPLING_KEYS = frozenset(_HANDLED + _IGNORED + _UNSUPPORTED_IF_SET + tuple(_NEUTRAL))
 
 
@@ -169,9 +185,19 @@ def parse_sampling(sp: Any, where: str = "sampling_params") -> Sampling:
     seed = int_field(sp, "sampling_seed", None, w)
     for key in _IGNORED[:1]:
         bool_field(sp, key, True, w)
-    return Sampling(max_new, 0.0 if temperature < 1e-6 else temperature, top_p, top_k,
-                    tuple(s for s in stop if s), tuple(stop_ids), bool_field(sp, "ignore_eos", False, w),
-                    bool_field(sp, "skip_special_tokens", True, w), bool_field(sp, "no_stop_trim", False, w), n, seed)
+    return Sampling(
+        max_new,
+        0.0 if temperature < 1e-6 else temperature,
+        top_p,
+        top_k,
+        tuple(s for s in stop if s),
+        tuple(stop_ids),
+        bool_field(sp, "ignore_eos", False, w),
+        bool_field(sp, "skip_special_tokens", True, w),
+        bool_field(sp, "no_stop_trim", False, w),
+        n,
+        seed,
+    )
 
 
 # ---- jobs -------------------------------------------------------------------------------------------------
@@ -226,16 +252,20 @@ def check_ids(ids: list[int], facts: Facts, max_new: int | None, where: str) -> 
     return ctx - 1 - n if max_new is None else max_new
 
 
-def make_job(rid: str, index: int, ids: list[int], sp: Sampling, sample: int, opts: OutputOptions,
-             facts: Facts, where: str) -> Job:
+def make_job(
+    rid: str, index: int, ids: list[int], sp: Sampling, sample: int, opts: OutputOptions, facts: Facts, where: str
+) -> Job:
     cap = facts.max_request_sequences
     if cap is not None and index >= cap:  # refused at the first job past the cap, before the rest are built
-        raise RequestError(f"the request asks for more than {cap} sequences (prompts x n); this server takes at "
-                           f"most {cap} per request (lichen serve --max-sequences-per-request); split it")
+        raise RequestError(
+            f"the request asks for more than {cap} sequences (prompts x n); this server takes at "
+            f"most {cap} per request (lichen serve --max-sequences-per-request); split it"
+        )
     max_new = check_ids(ids, facts, sp.max_new_tokens, where)
     if opts.logprob_start_len > len(ids):
-        raise RequestError(f"logprob_start_len ({opts.logprob_start_len}) is longer than the prompt "
-                           f"({len(ids)} tokens)")
+        raise RequestError(
+            f"logprob_start_len ({opts.logprob_start_len}) is longer than the prompt ({len(ids)} tokens)"
+        )
     # The n samples of one request draw from distinct seeds derived from the request's seed.
     if sp.seed is None:
         seed = secrets.randbits(32)
@@ -243,11 +273,19 @@ def make_job(rid: str, index: int, ids: list[int], sp: Sampling, sample: int, op
         seed = sp.seed if sp.n == 1 else derive_seed(sp.seed, sample)
     stop = stop_ids(sp.ignore_eos, facts.eos_ids, sp.stop_token_ids)
     score = opts.return_logprob and opts.logprob_start_len >= 0
-    seq = Seq(input_ids=list(ids), max_new_tokens=max_new, temperature=sp.temperature, top_p=sp.top_p,
-              top_k=sp.top_k, seed=seed, stop_ids=stop, stop_strings=sp.stop,
-              input_logprob_start=opts.logprob_start_len if score else -1,
-              top_logprobs_num=opts.top_logprobs_num if opts.return_logprob else 0,
-              token_ids_logprob=opts.token_ids_logprob if opts.return_logprob else None)
+    seq = Seq(
+        input_ids=list(ids),
+        max_new_tokens=max_new,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        seed=seed,
+        stop_ids=stop,
+        stop_strings=sp.stop,
+        input_logprob_start=opts.logprob_start_len if score else -1,
+        top_logprobs_num=opts.top_logprobs_num if opts.return_logprob else 0,
+        token_ids_logprob=opts.token_ids_logprob if opts.return_logprob else None,
+    )
     job = Job(rid=rid, index=index, seq=seq, opts=opts)
     seq.tag = job
     return job
@@ -263,9 +301,17 @@ def _per_prompt(body: dict, key: str, batch: int, default: Any) -> list:
 
 
 # Top-level fields lichen cannot honour: rejected when set to anything but their neutral value.
-_TOP_UNSUPPORTED = {"input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
-                    "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
-                    "return_routed_experts": False, "return_entropy": False}
+_TOP_UNSUPPORTED = {
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "lora_path": None,
+    "custom_logit_processor": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "return_entropy": False,
+}
 
 
 def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
@@ -293,8 +339,11 @@ def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
     else:
         expect(input_ids, (list,), "input_ids", "a list of integers or a list of lists of integers")
         batched = bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = [int_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if batched else \
-            [int_list(input_ids, "input_ids")]
+        prompts = (
+            [int_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)]
+            if batched
+            else [int_list(input_ids, "input_ids")]
+        )
     if batched and not prompts:
         raise RequestError("input_ids cannot be empty." if text is None else "text cannot be an empty list.")
     B = len(prompts)
@@ -338,8 +387,9 @@ def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
             if not 0 <= t < facts.vocab_size:
                 raise RequestError(f"token_ids_logprob: token id {t} is outside the vocabulary")
         sp = samplings[i]
-        opts = OutputOptions(return_logprob[i], start_len[i], top_num[i], ids_lps[i], text_in_lp,
-                             sp.skip_special_tokens, sp.no_stop_trim)
+        opts = OutputOptions(
+            return_logprob[i], start_len[i], top_num[i], ids_lps[i], text_in_lp, sp.skip_special_tokens, sp.no_stop_trim
+        )
         for j in range(n):
             k = i * n + j
             if isinstance(rid, list):
@@ -418,8 +468,12 @@ def finish_json(finish: tuple | None) -> dict | None:
         return {"type": "stop", "matched": finish[1]}
     if kind == "length":
         return {"type": "length", "length": finish[1]}
-    return {"type": "abort", "message": finish[1], "status_code": finish[2] if len(finish) > 2 else None,
-            "err_type": None}
+    return {
+        "type": "abort",
+        "message": finish[1],
+        "status_code": finish[2] if len(finish) > 2 else None,
+        "err_type": None,
+    }
 
 
 def output_text(job: Job, detok: Detok, n: int, final: bool) -> str:
@@ -457,8 +511,9 @@ def generate_output(job: Job, detok: Detok, current_version: str, n: int | None 
     final = n is None
     n = len(seq.output_ids) if final else n
     spans = version_spans(seq, n)
-    version = (seq.finish_version if final and seq.finish_version else None) or \
-        (spans[-1]["version"] if spans else current_version)
+    version = (seq.finish_version if final and seq.finish_version else None) or (
+        spans[-1]["version"] if spans else current_version
+    )
     meta = {
         "id": job.rid,
         "finish_reason": finish_json(seq.finish) if final else None,
@@ -475,18 +530,20 @@ def generate_output(job: Job, detok: Detok, current_version: str, n: int | None 
         out_pairs = list(zip(seq.output_logprobs[:n], seq.output_ids[:n]))
         meta["output_token_logprobs"] = _triples(out_pairs, detok, w, skip)
         if opts.logprob_start_len >= 0 and seq.input_logprobs is not None:
-            ids = seq.input_ids[opts.logprob_start_len:]
+            ids = seq.input_ids[opts.logprob_start_len :]
             meta["input_token_logprobs"] = _triples(zip(seq.input_logprobs, ids), detok, w, skip)
         else:
             meta["input_token_logprobs"] = []
         if opts.top_logprobs_num > 0:
             meta["output_top_logprobs"] = [_triples(p, detok, w, skip) for p in seq.output_top[:n]]
-            meta["input_top_logprobs"] = [None if p is None else _triples(p, detok, w, skip)
-                                          for p in (seq.input_top or [])]
+            meta["input_top_logprobs"] = [
+                None if p is None else _triples(p, detok, w, skip) for p in (seq.input_top or [])
+            ]
         if opts.token_ids_logprob:
             meta["output_token_ids_logprobs"] = [_triples(p, detok, w, skip) for p in seq.output_ids_lp[:n]]
-            meta["input_token_ids_logprobs"] = [None if p is None else _triples(p, detok, w, skip)
-                                                for p in (seq.input_ids_lp or [])]
+            meta["input_token_ids_logprobs"] = [
+                None if p is None else _triples(p, detok, w, skip) for p in (seq.input_ids_lp or [])
+            ]
     return {"text": output_text(job, detok, n, final), "output_ids": list(seq.output_ids[:n]), "meta_info": meta}
 
 
@@ -501,8 +558,14 @@ def abort_status(job: Job) -> int | None:
 async def stream_error(resp: Any, e: Exception) -> None:
     """An error after the stream started: one error event, then [DONE] (SGLang's shape,
     docs/architecture.md#engine-errors)."""
-    err = {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request_error", "code": 400,
-                     "retryable": False}}
+    err = {
+        "error": {
+            "message": f"{type(e).__name__}: {e}",
+            "type": "invalid_request_error",
+            "code": 400,
+            "retryable": False,
+        }
+    }
     try:
         await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
     except ConnectionResetError:

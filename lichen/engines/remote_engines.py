@@ -43,8 +43,15 @@ from typing import Any, AsyncIterator, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
 from lichen.engines.auth import ENGINE_KEY_ENV
-from lichen.engines.client import (EngineClient, EngineError, EngineRequestError, EngineUnavailable,
-                                   generate_payload, normalize_url, result_from_output)
+from lichen.engines.client import (
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailable,
+    generate_payload,
+    normalize_url,
+    result_from_output,
+)
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.launch_args import external_keys, launch_server_args
 from lichen.engines.router import Router
@@ -67,18 +74,37 @@ class RemoteEngines:
 
     is_remote = True
 
-    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, admin_api_key: str | None = None,
-                 concurrency: int = 512, max_retries: int = 3, retry_delay: float = 0.5, failover: bool = False,
-                 launcher: Any = None, request_timeout: float | None = None):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        concurrency: int = 512,
+        max_retries: int = 3,
+        retry_delay: float = 0.5,
+        failover: bool = False,
+        launcher: Any = None,
+        request_timeout: float | None = None,
+    ):
         if not urls:
             raise ValueError("RemoteEngines needs at least one engine URL")
         self.launcher = launcher
         # the keys of engines a launcher started (it made them for this run) unless given
         api_key = api_key or getattr(launcher, "api_key", None)
         admin_api_key = admin_api_key or getattr(launcher, "admin_api_key", None)
-        self.clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_api_key, concurrency=concurrency,
-                                     max_retries=max_retries, retry_delay=retry_delay,
-                                     request_timeout=request_timeout) for u in urls]
+        self.clients = [
+            EngineClient(
+                u,
+                api_key=api_key,
+                admin_api_key=admin_api_key,
+                concurrency=concurrency,
+                max_retries=max_retries,
+                retry_delay=retry_delay,
+                request_timeout=request_timeout,
+            )
+            for u in urls
+        ]
         self.router = Router(self.clients, failover=failover)
         self.released: set[str] = set()
         self.monitor: Any = None  # a HealthMonitor once start_health_monitor() ran
@@ -109,8 +135,10 @@ class RemoteEngines:
                 coro.close()  # never scheduled: close it so Python does not warn that it was never awaited
             if self._closed:
                 raise EngineError("these engines are closed")
-            raise RuntimeError("RemoteEngines.run/generate called on the engines' own event loop (it would wait "
-                               "for itself); await agenerate(...) there instead")
+            raise RuntimeError(
+                "RemoteEngines.run/generate called on the engines' own event loop (it would wait "
+                "for itself); await agenerate(...) there instead"
+            )
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
@@ -142,6 +170,7 @@ class RemoteEngines:
     def debug_stacks(self, timeout: float = 10.0) -> dict[str, str]:
         """{url: every thread's stack} of each server (`GET /debug/stacks`), or why it gave none; for the hang
         watchdog, so it never raises and waits at most `timeout` seconds."""
+
         async def ask(c: EngineClient) -> str:
             try:
                 status, body = await c.request("GET", "/debug/stacks", timeout=timeout, retry=False)
@@ -159,10 +188,12 @@ class RemoteEngines:
 
     def debug_trace(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
         """{url: its `GET /debug/trace?since=` answer} of the servers that gave one (lichen serve), for --trace."""
+
         async def ask(c: EngineClient) -> dict | None:
             try:
-                status, body = await c.request("GET", "/debug/trace", params={"since": repr(since)}, timeout=timeout,
-                                               retry=False)
+                status, body = await c.request(
+                    "GET", "/debug/trace", params={"since": repr(since)}, timeout=timeout, retry=False
+                )
             except Exception:
                 return None
             return body if status == 200 and isinstance(body, dict) else None
@@ -195,8 +226,9 @@ class RemoteEngines:
                 self.monitor.resume()
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def generate(self, requests: list[GenRequest], session_ids: Sequence[str | None] | None = None, *,
-                 allow_abort: bool = False) -> list[GenResult]:
+    def generate(
+        self, requests: list[GenRequest], session_ids: Sequence[str | None] | None = None, *, allow_abort: bool = False
+    ) -> list[GenResult]:
         """Results in request order. An aborted request raises EngineError unless `allow_abort`."""
         if not requests:
             return []
@@ -208,14 +240,16 @@ class RemoteEngines:
         sids = session_ids if session_ids is not None else [None] * len(requests)
         return await gather_or_cancel(self.agenerate(r, s, allow_abort=allow_abort) for r, s in zip(requests, sids))
 
-    async def agenerate(self, request: GenRequest, session_id: str | None = None, *, rid: str | None = None,
-                        allow_abort: bool = False) -> GenResult:
+    async def agenerate(
+        self, request: GenRequest, session_id: str | None = None, *, rid: str | None = None, allow_abort: bool = False
+    ) -> GenResult:
         """One request, on the engines' loop (see `run`)."""
         index, out = await self.router.generate(generate_payload(request, rid=rid or uuid.uuid4().hex), session_id)
         return self._result(index, out, allow_abort)
 
-    async def agenerate_stream(self, request: GenRequest, session_id: str | None = None, *,
-                               rid: str | None = None) -> AsyncIterator[GenResult]:
+    async def agenerate_stream(
+        self, request: GenRequest, session_id: str | None = None, *, rid: str | None = None
+    ) -> AsyncIterator[GenResult]:
         """`agenerate` as it grows (the agent proxy streams it): GenResults of the output so far with finish_reason
         None, then the final one. Not re-sent on failover (Router.generate_stream)."""
         payload = generate_payload(request, rid=rid or uuid.uuid4().hex)
@@ -240,6 +274,7 @@ class RemoteEngines:
     # ---- state and control --------------------------------------------------------------------------------
     def weight_versions(self) -> list[str | None]:
         """The version each engine in rotation reports (an engine lost meanwhile is left out)."""
+
         async def get() -> list[str | None]:
             clients = self._active()
             versions = await self._each(lambda c: c.weight_version(), clients)
@@ -271,8 +306,9 @@ class RemoteEngines:
                 try:
                     await self.monitor.join(index, catch_up=True)
                 except Exception as e:  # noqa: BLE001 - it stays out; the engines in rotation are up to date
-                    log.error("engine %s could not load weight version %s to re-join: %s",
-                              self.clients[index].url, version, e)
+                    log.error(
+                        "engine %s could not load weight version %s to re-join: %s", self.clients[index].url, version, e
+                    )
                     self.monitor.on_down(index, f"weight update failed: {e}")
 
     async def _update_one(self, c: EngineClient, path: str, version: str) -> None:
@@ -280,9 +316,11 @@ class RemoteEngines:
         failure: BaseException | None = None
         try:
             await c.flush_cache()
-            status, body = await c.request("POST", "/update_weights_from_disk",
-                                            {"model_path": path, "weight_version": version,
-                                             "abort_all_requests": False})
+            status, body = await c.request(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": version, "abort_all_requests": False},
+            )
             if status != 200 or not (isinstance(body, dict) and body.get("success")):
                 raise EngineRequestError(c.url, "/update_weights_from_disk", status, body)
             got = await c.weight_version()
@@ -305,6 +343,7 @@ class RemoteEngines:
     def pause_generation(self, mode: str = "abort") -> None:
         """POST /pause_generation {mode} to every engine; health probes stay suspended until
         `continue_generation()` (a paused engine does not answer /health_generate)."""
+
         async def pause() -> None:
             if self.monitor is not None and not self._paused:
                 self.monitor.suspend()
@@ -328,6 +367,7 @@ class RemoteEngines:
         """For a transport that brings every engine in rotation to the new version itself (the broadcast): wait
         for restarts in progress and put restarted engines back into rotation before the sync reaches them
         (update_weights_from_disk does this itself). Returns their indices."""
+
         async def admit() -> list[int]:
             async with self._probes_suspended():
                 await self.monitor.settle()
@@ -344,9 +384,14 @@ class RemoteEngines:
 
         if not self.router.failover:
             raise ValueError("a health monitor needs failover=True (requests of a failed engine are re-sent)")
-        self.monitor = HealthMonitor(self, interval=interval, timeout=timeout, first_wait=first_wait,
-                                     launcher=self.launcher,
-                                     restart_timeout=float(getattr(self.launcher, "ready_timeout", 600.0)))
+        self.monitor = HealthMonitor(
+            self,
+            interval=interval,
+            timeout=timeout,
+            first_wait=first_wait,
+            launcher=self.launcher,
+            restart_timeout=float(getattr(self.launcher, "ready_timeout", 600.0)),
+        )
         self.router.on_down = self.monitor.on_down
         # a request that finds every engine out waits for a restarted one rather than failing the step
         self.router.no_engine_wait = self.monitor.restart_timeout
@@ -383,6 +428,7 @@ class RemoteEngines:
         todo = [t for t in MEMORY_TAGS if t in want and t in self.released]
         if not todo:
             return
+
         async def resume() -> None:
             async with self._probes_suspended():
                 await self._each(lambda c: c.call_json("POST", "/resume_memory_occupation", {"tags": todo}))
@@ -460,6 +506,7 @@ class RemoteEngines:
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group on every engine in rotation; an engine that does not know it is fine (as slime)."""
+
         async def destroy(c: EngineClient) -> None:
             await c.request("POST", "/destroy_weights_update_group", {"group_name": group_name}, retry=False)
 
@@ -477,6 +524,7 @@ class RemoteEngines:
 
     def missing_endpoints(self, paths: Sequence[str]) -> dict[str, list[str]]:
         """url -> the paths of `paths` that engine does not route."""
+
         async def probe(c: EngineClient) -> list[str]:
             found = await asyncio.gather(*[c.has_endpoint(p) for p in paths])
             return [p for p, ok in zip(paths, found) if not ok]
@@ -488,10 +536,14 @@ class RemoteEngines:
         """Raise ConfigError naming every engine that lacks an endpoint of `needed` (path -> what needs it)."""
         missing = self.missing_endpoints(list(needed))
         if missing:
-            parts = [f"{url} lacks " + ", ".join(f"{p} (needed by {needed[p]})" for p in paths)
-                     for url, paths in missing.items()]
-            raise ConfigError("engine server endpoints missing: " + "; ".join(parts) + ". Use lichen serve or an "
-                              "SGLang release that has them")
+            parts = [
+                f"{url} lacks " + ", ".join(f"{p} (needed by {needed[p]})" for p in paths)
+                for url, paths in missing.items()
+            ]
+            raise ConfigError(
+                "engine server endpoints missing: " + "; ".join(parts) + ". Use lichen serve or an "
+                "SGLang release that has them"
+            )
 
     # ---- construction from an EngineConfig -----------------------------------------------------------------
     @classmethod
@@ -509,8 +561,9 @@ class RemoteEngines:
 
                 launcher = SGLangLauncher.from_config(cfg)
             else:
-                launcher = EngineLauncher(cfg.model_path, cfg.num_engines, server_args=launch_server_args(cfg),
-                                          log_dir=cfg.log_dir)
+                launcher = EngineLauncher(
+                    cfg.model_path, cfg.num_engines, server_args=launch_server_args(cfg), log_dir=cfg.log_dir
+                )
             urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-engines"
         else:
             urls = [normalize_url(a) for a in cfg.addresses]
@@ -518,15 +571,23 @@ class RemoteEngines:
             flag = "--rollout-external-engine-addrs"
         engines = None
         try:
-            engines = cls(urls, api_key=api_key, admin_api_key=admin_key, concurrency=cfg.concurrency,
-                          launcher=launcher, failover=cfg.failover)
+            engines = cls(
+                urls,
+                api_key=api_key,
+                admin_api_key=admin_key,
+                concurrency=cfg.concurrency,
+                launcher=launcher,
+                failover=cfg.failover,
+            )
             try:
                 engines.wait_healthy(timeout=120.0, reachable=True)
                 infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
             except EngineRequestError as e:
                 if e.status in (401, 403):
-                    raise ConfigError(f"{flag}: {e.url} refused the key ({e.status}); give the server's key with "
-                                      f"--rollout-external-engine-api-key-file FILE or ${ENGINE_KEY_ENV}") from None
+                    raise ConfigError(
+                        f"{flag}: {e.url} refused the key ({e.status}); give the server's key with "
+                        f"--rollout-external-engine-api-key-file FILE or ${ENGINE_KEY_ENV}"
+                    ) from None
                 raise
             except EngineUnavailable as e:
                 raise ConfigError(f"{flag}: cannot reach an engine server: {e}") from None
@@ -540,8 +601,9 @@ class RemoteEngines:
         for url, info in zip(urls, infos):
             log.info("engine %s: model %s, weight version %s", url, info.get("model_path"), info.get("weight_version"))
         if cfg.failover:
-            engines.start_health_monitor(interval=cfg.health_interval, timeout=cfg.health_timeout,
-                                         first_wait=cfg.health_first_wait)
+            engines.start_health_monitor(
+                interval=cfg.health_interval, timeout=cfg.health_timeout, first_wait=cfg.health_first_wait
+            )
         return engines
 
     # ---- shutdown -----------------------------------------------------------------------------------------

@@ -35,8 +35,14 @@ class NoEngineAvailable(EngineUnavailable):
 
 
 class Router:
-    def __init__(self, clients: Sequence[EngineClient], *, failover: bool = False, max_sessions: int = 100_000,
-                 no_engine_wait: float = 0.0):
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        *,
+        failover: bool = False,
+        max_sessions: int = 100_000,
+        no_engine_wait: float = 0.0,
+    ):
         if not clients:
             raise ValueError("a router needs at least one engine")
         self.clients = list(clients)
@@ -80,8 +86,12 @@ class Router:
                 attempt.cancel()
                 taken += 1
         if was_active:
-            log.warning("engine %s out of rotation (%s); %d request(s) it held are re-sent to other engines",
-                        self.clients[index].url, reason, taken)
+            log.warning(
+                "engine %s out of rotation (%s); %d request(s) it held are re-sent to other engines",
+                self.clients[index].url,
+                reason,
+                taken,
+            )
             if self.on_down is not None:
                 self.on_down(index, reason)
         return taken
@@ -177,5 +187,9 @@ class Router:
             await c.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"routed": list(self.routed), "reissued": self.reissued, "reissued_from": list(self.reissued_from),
-                "in_rotation": self.in_rotation()}
+        return {
+            "routed": list(self.routed),
+            "reissued": self.reissued,
+            "reissued_from": list(self.reissued_from),
+            "in_rotation": self.in_rotation(),
+        }

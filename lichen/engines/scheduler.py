@@ -34,9 +34,14 @@ class SchedulerError(Exception):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, max_running: int,
-                 on_events: Callable[[list[tuple[Seq, int]], list[Seq]], None],
-                 stop_text: Callable[[Seq], str | None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_running: int,
+        on_events: Callable[[list[tuple[Seq, int]], list[Seq]], None],
+        stop_text: Callable[[Seq], str | None] | None = None,
+    ):
         self.engine = engine
         self.batch = engine.new_batch(stop_text)
         self.max_running = max_running
@@ -139,7 +144,8 @@ class Scheduler:
         if not self.idle():
             raise SchedulerError(
                 f"cannot release memory with {self.num_running} running and {self.num_waiting} waiting request(s); "
-                "pause generation (mode abort) or abort them first")
+                "pause generation (mode abort) or abort them first"
+            )
         again = [t for t in tags if t in self.released]
         if again:
             raise SchedulerError(f"memory tag(s) {again} already released")
@@ -181,7 +187,7 @@ class Scheduler:
                         self._call(fn, fut)
             if stopping:
                 self.abort(None, "server is shutting down")
-                for fn, fut in self._exclusive:
+                for _fn, fut in self._exclusive:
                     fut.set_exception(SchedulerError("server is shutting down"))
                 self._emit()
                 return
@@ -249,4 +255,3 @@ class Scheduler:
                 self.on_events(progress, done)
             except Exception:
                 log.error("event delivery failed:\n%s", traceback.format_exc())
-

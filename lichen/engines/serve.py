@@ -43,54 +43,110 @@ DEFAULT_HEADER_TIMEOUT = 20.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lichen serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", "--model-path", dest="model", required=True,
-                   help="Hugging Face checkpoint directory (llama, qwen2, qwen3) with its tokenizer")
+    p = argparse.ArgumentParser(
+        prog="lichen serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        required=True,
+        help="Hugging Face checkpoint directory (llama, qwen2, qwen3) with its tokenizer",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)")
     p.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default 30000)")
-    p.add_argument("--api-key", default=None,
-                   help="key clients must send (Authorization: Bearer KEY or x-api-key); visible to every local user "
-                        "in `ps`: prefer --api-key-file or $LICHEN_API_KEY")
-    p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="read the API key from FILE (one line; must not be readable by group or others)")
-    p.add_argument("--admin-api-key", default=None,
-                   help="key for control endpoints (abort, pause, weights, memory); then the API key is not accepted "
-                        "there; prefer --admin-api-key-file or $LICHEN_ADMIN_API_KEY")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="key clients must send (Authorization: Bearer KEY or x-api-key); visible to every local user "
+        "in `ps`: prefer --api-key-file or $LICHEN_API_KEY",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="read the API key from FILE (one line; must not be readable by group or others)",
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="key for control endpoints (abort, pause, weights, memory); then the API key is not accepted "
+        "there; prefer --admin-api-key-file or $LICHEN_ADMIN_API_KEY",
+    )
     p.add_argument("--admin-api-key-file", default=None, metavar="FILE", help="read the admin key from FILE")
-    p.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
-                   help="a directory weight requests may read from (/pull_weights source_dir, "
-                        "/update_weights_from_disk model_path: DIR or below it); repeat for several (default: only "
-                        "--model)")
-    p.add_argument("--local-checkpoint-dir", default=None, metavar="DIR",
-                   help="the only directory /pull_weights may write its local copy to (default: none; pulls are "
-                        "refused)")
+    p.add_argument(
+        "--weight-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory weight requests may read from (/pull_weights source_dir, "
+        "/update_weights_from_disk model_path: DIR or below it); repeat for several (default: only "
+        "--model)",
+    )
+    p.add_argument(
+        "--local-checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="the only directory /pull_weights may write its local copy to (default: none; pulls are refused)",
+    )
     for flag, default, what in (
-            ("--max-sequences-per-request", DEFAULT_MAX_REQUEST_SEQUENCES,
-             "most sequences (prompts x n) one request may ask for; more is a 400"),
-            ("--max-queued-sequences", DEFAULT_MAX_QUEUED_SEQUENCES,
-             "most sequences accepted and not yet answered; a request past it gets 503 with Retry-After"),
-            ("--max-queued-tokens", DEFAULT_MAX_QUEUED_TOKENS,
-             "most prompt + max_new_tokens tokens accepted and not yet answered; past it 503")):
+        (
+            "--max-sequences-per-request",
+            DEFAULT_MAX_REQUEST_SEQUENCES,
+            "most sequences (prompts x n) one request may ask for; more is a 400",
+        ),
+        (
+            "--max-queued-sequences",
+            DEFAULT_MAX_QUEUED_SEQUENCES,
+            "most sequences accepted and not yet answered; a request past it gets 503 with Retry-After",
+        ),
+        (
+            "--max-queued-tokens",
+            DEFAULT_MAX_QUEUED_TOKENS,
+            "most prompt + max_new_tokens tokens accepted and not yet answered; past it 503",
+        ),
+    ):
         p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a connection has to send a request's headers before it is closed "
-                        f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a connection has to send a request's headers before it is closed "
+        f"(default {DEFAULT_HEADER_TIMEOUT:g})",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, ... or auto (cuda when available)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and compute dtype (default float32)")
-    p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=256,
-                   help="most sequences decoding at once; more wait in a queue (default 256)")
+    p.add_argument(
+        "--max-batch-size",
+        "--max-running-requests",
+        dest="max_batch_size",
+        type=int,
+        default=256,
+        help="most sequences decoding at once; more wait in a queue (default 256)",
+    )
     p.add_argument("--weight-version", default="default", help="weight_version reported until an update sets one")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: the --model path)")
-    p.add_argument("--context-length", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the config's max_position_embeddings)")
-    p.add_argument("--health-check-timeout", type=float, default=None,
-                   help="seconds /health_generate waits for a generation before answering 503 "
-                        "(default: $SGLANG_HEALTH_CHECK_TIMEOUT or 20)")
-    p.add_argument("--tool-call-parser", default="hermes", metavar="NAME|PATH",
-                   help="how tool calls are read from chat output: hermes (= qwen, qwen25, qwen3: "
-                        "<tool_call>{json}</tool_call>), none (requests with tools are refused), or a dotted path to "
-                        "a parser factory (docs/agentic.md; default hermes)")
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the config's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--health-check-timeout",
+        type=float,
+        default=None,
+        help="seconds /health_generate waits for a generation before answering 503 "
+        "(default: $SGLANG_HEALTH_CHECK_TIMEOUT or 20)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        metavar="NAME|PATH",
+        help="how tool calls are read from chat output: hermes (= qwen, qwen25, qwen3: "
+        "<tool_call>{json}</tool_call>), none (requests with tools are refused), or a dotted path to "
+        "a parser factory (docs/agentic.md; default hermes)",
+    )
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_model_impl_args(p)
     return p
@@ -108,22 +164,37 @@ def is_loopback(host: str) -> bool:
 def resolve_keys(args: argparse.Namespace) -> None:
     """Fill args.api_key / args.admin_api_key from the flag, the key file or the environment (then removed from
     it, so nothing this server starts inherits it)."""
-    args.api_key = resolve_key(flag_value=args.api_key, file_path=args.api_key_file, env=SERVE_KEY_ENV,
-                               flag="--api-key", file_flag="--api-key-file", pop_env=True)
-    args.admin_api_key = resolve_key(flag_value=args.admin_api_key, file_path=args.admin_api_key_file,
-                                     env=SERVE_ADMIN_KEY_ENV, flag="--admin-api-key", file_flag="--admin-api-key-file",
-                                     pop_env=True)
+    args.api_key = resolve_key(
+        flag_value=args.api_key,
+        file_path=args.api_key_file,
+        env=SERVE_KEY_ENV,
+        flag="--api-key",
+        file_flag="--api-key-file",
+        pop_env=True,
+    )
+    args.admin_api_key = resolve_key(
+        flag_value=args.admin_api_key,
+        file_path=args.admin_api_key_file,
+        env=SERVE_ADMIN_KEY_ENV,
+        flag="--admin-api-key",
+        file_flag="--admin-api-key-file",
+        pop_env=True,
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
     resolve_keys(args)
     if not is_loopback(args.host) and not args.api_key:
-        raise ConfigError(f"--host {args.host} exposes the server beyond this machine; give a key with "
-                          f"--api-key-file FILE or ${SERVE_KEY_ENV} (clients then send 'Authorization: Bearer KEY') "
-                          "or bind --host 127.0.0.1")
-    for flag, value, low in (("--max-sequences-per-request", args.max_sequences_per_request, 1),
-                             ("--max-queued-sequences", args.max_queued_sequences, 1),
-                             ("--max-queued-tokens", args.max_queued_tokens, 1)):
+        raise ConfigError(
+            f"--host {args.host} exposes the server beyond this machine; give a key with "
+            f"--api-key-file FILE or ${SERVE_KEY_ENV} (clients then send 'Authorization: Bearer KEY') "
+            "or bind --host 127.0.0.1"
+        )
+    for flag, value, low in (
+        ("--max-sequences-per-request", args.max_sequences_per_request, 1),
+        ("--max-queued-sequences", args.max_queued_sequences, 1),
+        ("--max-queued-tokens", args.max_queued_tokens, 1),
+    ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
     if not args.header_timeout > 0:
@@ -135,8 +206,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.context_length is not None and args.context_length < 2:
         raise ConfigError(f"--context-length must be at least 2, got {args.context_length}")
     if not os.path.isdir(args.model):
-        raise ConfigError(f"--model {args.model!r}: no such directory; pass a Hugging Face checkpoint directory "
-                          "(`lichen make-tiny-model DIR` writes a small one)")
+        raise ConfigError(
+            f"--model {args.model!r}: no such directory; pass a Hugging Face checkpoint directory "
+            "(`lichen make-tiny-model DIR` writes a small one)"
+        )
     check_model_limits(args)
     check_model_flags(args, args.model, "--model")
     args.tool_parser = load_parser(args.tool_call_parser)
@@ -151,8 +224,10 @@ def check_model_limits(args: argparse.Namespace) -> None:
 
     positions = model_positions(args.model)
     if args.context_length is not None and args.context_length > positions:
-        raise ConfigError(f"--context-length {args.context_length} is above the {positions} positions of the model "
-                          f"({args.model}/config.json max_position_embeddings); use at most {positions}")
+        raise ConfigError(
+            f"--context-length {args.context_length} is above the {positions} positions of the model "
+            f"({args.model}/config.json max_position_embeddings); use at most {positions}"
+        )
     timeout, source = args.health_check_timeout, "--health-check-timeout"
     if timeout is None and os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") is not None:
         source = "$SGLANG_HEALTH_CHECK_TIMEOUT"
@@ -182,21 +257,39 @@ def load_server(args: argparse.Namespace):
     tok = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype), **model_options(args))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    engine = Engine(model, eos_token_ids=eos_token_ids(tok, args.model), pad_token_id=pad,
-                    max_batch_size=args.max_batch_size, weight_version=args.weight_version)
+    engine = Engine(
+        model,
+        eos_token_ids=eos_token_ids(tok, args.model),
+        pad_token_id=pad,
+        max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version,
+    )
     with open(os.path.join(args.model, "config.json")) as f:
         architectures = json.load(f).get("architectures") or []
     timeout = args.health_check_timeout
     if timeout is None:
         timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
-    limits = Limits(args.max_sequences_per_request, args.max_queued_sequences, args.max_queued_tokens,
-                    args.header_timeout)
+    limits = Limits(
+        args.max_sequences_per_request, args.max_queued_sequences, args.max_queued_tokens, args.header_timeout
+    )
     dirs = WeightDirs(args.model, args.weight_dir, args.local_checkpoint_dir)
-    return LichenServer(engine, tok, model_path=args.model, served_model_name=args.served_model_name,
-                        host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
-                        max_running=args.max_batch_size, context_length=args.context_length,
-                        health_timeout=timeout, architectures=architectures, limits=limits, weight_dirs=dirs,
-                        tool_parser=args.tool_parser)
+    return LichenServer(
+        engine,
+        tok,
+        model_path=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_running=args.max_batch_size,
+        context_length=args.context_length,
+        health_timeout=timeout,
+        architectures=architectures,
+        limits=limits,
+        weight_dirs=dirs,
+        tool_parser=args.tool_parser,
+    )
 
 
 async def serve(server, host: str, port: int) -> None:
@@ -206,8 +299,14 @@ async def serve(server, host: str, port: int) -> None:
 
     await server.start()
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its generation
-    runner = BoundedAppRunner(server.app(), header_timeout=server.limits.header_timeout, access_log=None,
-                              handle_signals=False, shutdown_timeout=5.0, handler_cancellation=True)
+    runner = BoundedAppRunner(
+        server.app(),
+        header_timeout=server.limits.header_timeout,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=5.0,
+        handler_cancellation=True,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -223,8 +322,11 @@ async def serve(server, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     shown = f"[{host}]" if ":" in host else host
-    print(f"lichen serve: ready at http://{shown}:{bound} (model {server.model_path}, device {server.engine.device}, "
-          f"dtype {str(server.engine.dtype).replace('torch.', '')})", flush=True)
+    print(
+        f"lichen serve: ready at http://{shown}:{bound} (model {server.model_path}, device {server.engine.device}, "
+        f"dtype {str(server.engine.dtype).replace('torch.', '')})",
+        flush=True,
+    )
     await stop.wait()
     print("lichen serve: shutting down", file=sys.stderr, flush=True)
     await server.stop()  # aborts what runs: callers get their partial output before the sockets close

@@ -45,8 +45,9 @@ class ServerProcess:
                 if self.log_path and os.path.exists(self.log_path):
                     with open(self.log_path, errors="replace") as f:
                         tail = f.read()[-2000:]
-                raise RuntimeError(f"lichen serve did not start (exit {self.proc.returncode}): "
-                                   f"{' '.join(self.cmd)}\n{tail}")
+                raise RuntimeError(
+                    f"lichen serve did not start (exit {self.proc.returncode}): {' '.join(self.cmd)}\n{tail}"
+                )
             time.sleep(0.05)
         self.port = self._found[0]
         return self

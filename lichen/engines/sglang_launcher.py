@@ -70,7 +70,7 @@ class SGLangLaunchError(UserError):
 
 def sglang_flag(token: str) -> str:
     """`--sglang-mem-fraction-static=0.7` -> `--mem-fraction-static`."""
-    return "--" + token.split("=", 1)[0][len(SGLANG_PREFIX):]
+    return "--" + token.split("=", 1)[0][len(SGLANG_PREFIX) :]
 
 
 def check_passthrough(tokens: Sequence[str], max_batch_size: int | None = None) -> None:
@@ -92,21 +92,35 @@ def check_passthrough(tokens: Sequence[str], max_batch_size: int | None = None) 
 
 def translate_passthrough(tokens: Sequence[str]) -> list[str]:
     """`--sglang-<flag>` -> `--<flag>`; values and everything else verbatim."""
-    return ["--" + t[len(SGLANG_PREFIX):] if t.startswith(SGLANG_PREFIX) else t for t in tokens]
+    return ["--" + t[len(SGLANG_PREFIX) :] if t.startswith(SGLANG_PREFIX) else t for t in tokens]
 
 
-def build_sglang_command(cfg: Any, *, engine_index: int, port: int, host: str = "127.0.0.1",
-                         python: str | None = None) -> list[str]:
+def build_sglang_command(
+    cfg: Any, *, engine_index: int, port: int, host: str = "127.0.0.1", python: str | None = None
+) -> list[str]:
     """The exact command that starts engine `engine_index` of EngineConfig `cfg` (see the module docstring)."""
     passthrough = list(cfg.passthrough)
     check_passthrough(passthrough, cfg.max_batch_size)
     tp = int(cfg.gpus_per_engine)
-    cmd = [python or sys.executable, "-m", "sglang.launch_server",
-           "--model-path", str(cfg.model_path),
-           "--host", host, "--port", str(port),
-           "--tp-size", str(tp), "--base-gpu-id", str(engine_index * tp),
-           "--random-seed", str(cfg.seed),
-           "--dtype", cfg.sglang_dtype]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(cfg.model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp),
+        "--base-gpu-id",
+        str(engine_index * tp),
+        "--random-seed",
+        str(cfg.seed),
+        "--dtype",
+        cfg.sglang_dtype,
+    ]
     given = {sglang_flag(t) for t in passthrough if t.startswith(SGLANG_PREFIX)}
     if cfg.memory_saver and "--enable-memory-saver" not in given:
         cmd.append("--enable-memory-saver")
@@ -167,8 +181,18 @@ class SGLangLauncher(ServerSet):
     the servers a fresh random API key, through their environment (see keyed_command), never on their command
     line; `api_key` is what clients send (`admin_api_key` stays None: SGLang then takes the key everywhere)."""
 
-    def __init__(self, command_for: Any, num_engines: int, *, log_dir: str, host: str = "127.0.0.1",
-                 ready_timeout: float = 1800.0, env: dict | None = None, poll: float = 1.0, keyed: bool = False):
+    def __init__(
+        self,
+        command_for: Any,
+        num_engines: int,
+        *,
+        log_dir: str,
+        host: str = "127.0.0.1",
+        ready_timeout: float = 1800.0,
+        env: dict | None = None,
+        poll: float = 1.0,
+        keyed: bool = False,
+    ):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.command_for, self.num_engines, self.host = command_for, num_engines, host
@@ -186,6 +210,7 @@ class SGLangLauncher(ServerSet):
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> "SGLangLauncher":
         """The launcher of `cfg.num_engines` SGLang servers of EngineConfig `cfg`, keyed per run."""
+
         def command_for(i: int, port: int) -> list[str]:
             return build_sglang_command(cfg, engine_index=i, port=port)
 
@@ -217,21 +242,26 @@ class SGLangLauncher(ServerSet):
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             out.write(f"\n[lichen] starting: {' '.join(cmd)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **self.env})
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env}
+            )
         shown = f"[{self.host}]" if ":" in self.host else self.host
         return _Server(proc, f"http://{shown}:{port}", cmd, log_path)
 
     def _wait_ready(self, s: _Server, end: float) -> None:
         while True:
             if s.proc.poll() is not None:
-                raise SGLangLaunchError(f"--rollout-engine-backend sglang: an SGLang server exited with code "
-                                        f"{s.proc.returncode}: {' '.join(s.cmd)}\n{_tail(s.log_path)}")
+                raise SGLangLaunchError(
+                    f"--rollout-engine-backend sglang: an SGLang server exited with code "
+                    f"{s.proc.returncode}: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
+                )
             if _answers_200(s.url + "/health_generate"):
                 return
             if time.monotonic() > end:
-                raise SGLangLaunchError(f"--rollout-engine-backend sglang: {s.url} did not answer /health_generate "
-                                        f"within {self.ready_timeout:g} s: {' '.join(s.cmd)}\n{_tail(s.log_path)}")
+                raise SGLangLaunchError(
+                    f"--rollout-engine-backend sglang: {s.url} did not answer /health_generate "
+                    f"within {self.ready_timeout:g} s: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
+                )
             time.sleep(self.poll)
 
     def restart(self, i: int) -> str:
@@ -255,7 +285,6 @@ class SGLangLauncher(ServerSet):
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
-
 
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:

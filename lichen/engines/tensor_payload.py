@@ -40,8 +40,10 @@ from torch.multiprocessing import reductions
 SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")  # what torch's file_system strategy names a segment
 MAX_DIMS = 16
-DTYPES = {name: getattr(torch, name) for name in (
-    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
 
 
 class PayloadError(ValueError):
@@ -94,8 +96,9 @@ def _shm_file(handle: Any, size: int) -> None:
     try:
         st = os.stat(path)
     except OSError as e:
-        raise PayloadError(f"shared memory {handle.decode()} cannot be opened here ({e.strerror}): the sender must "
-                           "run on this host") from None
+        raise PayloadError(
+            f"shared memory {handle.decode()} cannot be opened here ({e.strerror}): the sender must run on this host"
+        ) from None
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         raise PayloadError(f"shared memory {handle.decode()} is not a file of this server's user")
     if st.st_size < size:
@@ -103,8 +106,11 @@ def _shm_file(handle: Any, size: int) -> None:
 
 
 def _manager(manager: Any) -> None:
-    if not isinstance(manager, bytes) or os.path.basename(manager) != b"manager.sock" or \
-            not os.path.basename(os.path.dirname(manager)).startswith(b"torch-shm-dir-"):
+    if (
+        not isinstance(manager, bytes)
+        or os.path.basename(manager) != b"manager.sock"
+        or not os.path.basename(os.path.dirname(manager)).startswith(b"torch-shm-dir-")
+    ):
         raise PayloadError(f"shared memory manager {manager!r} is not a torch shm manager socket")
     try:
         st = os.stat(manager)
@@ -145,8 +151,9 @@ def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
     if len(shape) != len(stride):
         raise PayloadError("rebuild_tensor: size and stride differ in length")
     if all(shape) and offset + sum((n - 1) * s for n, s in zip(shape, stride)) >= storage._size():
-        raise PayloadError(f"a tensor of size {shape} at offset {offset} runs past its storage of "
-                           f"{storage._size()} elements")
+        raise PayloadError(
+            f"a tensor of size {shape} at offset {offset} runs past its storage of {storage._size()} elements"
+        )
     return reductions.rebuild_tensor(torch.Tensor, storage, (offset, torch.Size(shape), stride, False))
 
 
@@ -157,17 +164,42 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
         raise PayloadError("the payload holds CUDA IPC handles, and this server has no CUDA device")
     if len(args) != 15:
         raise PayloadError("rebuild_cuda_tensor: unexpected arguments")
-    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, nbytes, storage_offset, _grad,
-     ref_handle, ref_offset, event_handle, sync) = args
-    if not (_is(tensor_cls, "Tensor") or _is(tensor_cls, "Parameter")) or not (
-            _is(storage_cls, "TypedStorage") or _is(storage_cls, "UntypedStorage")) or dtype not in DTYPES.values():
+    (
+        tensor_cls,
+        size,
+        stride,
+        offset,
+        storage_cls,
+        dtype,
+        device,
+        handle,
+        nbytes,
+        storage_offset,
+        _grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        sync,
+    ) = args
+    if (
+        not (_is(tensor_cls, "Tensor") or _is(tensor_cls, "Parameter"))
+        or not (_is(storage_cls, "TypedStorage") or _is(storage_cls, "UntypedStorage"))
+        or dtype not in DTYPES.values()
+    ):
         raise PayloadError("rebuild_cuda_tensor: expected tensor and storage classes and a dtype")
     _ints(size, "a tensor size"), _ints(stride, "a tensor stride")
-    for v, what in ((offset, "a tensor offset"), (nbytes, "a storage size"), (storage_offset, "a storage offset"),
-                    (ref_offset, "a ref-counter offset")):
+    for v, what in (
+        (offset, "a tensor offset"),
+        (nbytes, "a storage size"),
+        (storage_offset, "a storage offset"),
+        (ref_offset, "a ref-counter offset"),
+    ):
         _int(v, what)
-    if not all(isinstance(h, bytes) for h in (handle, ref_handle)) or not isinstance(sync, bool) or \
-            not (event_handle is None or isinstance(event_handle, bytes)):
+    if (
+        not all(isinstance(h, bytes) for h in (handle, ref_handle))
+        or not isinstance(sync, bool)
+        or not (event_handle is None or isinstance(event_handle, bytes))
+    ):
         raise PayloadError("rebuild_cuda_tensor: handles must be bytes")
     _shm_file(ref_handle, 1)
     if isinstance(device, str):
@@ -178,9 +210,23 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     elif _int(device, "a device index") >= torch.cuda.device_count():
         raise PayloadError(f"device index {device} is not visible to this server")
     storage_type = torch.UntypedStorage if _is(storage_cls, "UntypedStorage") else torch.TypedStorage
-    return reductions.rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, storage_type,
-                                          dtype, device, handle, nbytes, storage_offset, False, ref_handle,
-                                          ref_offset, event_handle, sync)
+    return reductions.rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(size),
+        tuple(stride),
+        offset,
+        storage_type,
+        dtype,
+        device,
+        handle,
+        nbytes,
+        storage_offset,
+        False,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        sync,
+    )
 
 
 class FlatMeta:
@@ -194,8 +240,10 @@ class FlatMeta:
 
 
 # where SGLang's releases define it (slime pickles it by its own import of SGLang)
-FLAT_META = {(m, "FlattenedTensorMetadata") for m in (
-    "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.model_executor.model_runner")}
+FLAT_META = {
+    (m, "FlattenedTensorMetadata")
+    for m in ("sglang.srt.weight_sync.tensor_bucket", "sglang.srt.model_executor.model_runner")
+}
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
 ALLOWED: dict[tuple[str, str], Any] = {
@@ -208,8 +256,12 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): _latin1,
     **{("torch", name): dtype for name, dtype in DTYPES.items()},
 }
-CLASSES = {("torch.storage", "UntypedStorage"): "UntypedStorage", ("torch.storage", "TypedStorage"): "TypedStorage",
-           ("torch", "Tensor"): "Tensor", ("torch.nn.parameter", "Parameter"): "Parameter"}
+CLASSES = {
+    ("torch.storage", "UntypedStorage"): "UntypedStorage",
+    ("torch.storage", "TypedStorage"): "TypedStorage",
+    ("torch", "Tensor"): "Tensor",
+    ("torch.nn.parameter", "Parameter"): "Parameter",
+}
 
 
 class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table can be narrowed, the C one's not
@@ -223,8 +275,9 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table c
         try:
             return ALLOWED[(module, name)]
         except KeyError:
-            raise PayloadError(f"the payload names {module}.{name}, which is not one of torch's tensor rebuild "
-                               "functions") from None
+            raise PayloadError(
+                f"the payload names {module}.{name}, which is not one of torch's tensor rebuild functions"
+            ) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise PayloadError("persistent ids are not accepted")
@@ -244,8 +297,13 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table c
 def _flattened_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
     """SGLang's FlattenedTensorBucket: views of one uint8 tensor, each checked to lie inside it."""
     flat, metas = obj.get("flattened_tensor"), obj.get("metadata")
-    if set(obj) != {"flattened_tensor", "metadata"} or not isinstance(flat, torch.Tensor) or \
-            flat.dtype != torch.uint8 or flat.dim() != 1 or not isinstance(metas, list):
+    if (
+        set(obj) != {"flattened_tensor", "metadata"}
+        or not isinstance(flat, torch.Tensor)
+        or flat.dtype != torch.uint8
+        or flat.dim() != 1
+        or not isinstance(metas, list)
+    ):
         raise PayloadError("a flattened_bucket entry must be {flattened_tensor: a 1-D uint8 tensor, metadata: [...]}")
     out = []
     for m in metas:
@@ -255,8 +313,10 @@ def _flattened_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
         start, end = _int(m.start_idx, "start_idx"), _int(m.end_idx, "end_idx")
         nbytes = shape.numel() * m.dtype.itemsize
         if end - start != nbytes or m.numel != nbytes or end > flat.numel():
-            raise PayloadError(f"{m.name}: bytes [{start}, {end}) do not hold {tuple(shape)} {m.dtype} inside the "
-                               f"bucket of {flat.numel()} bytes")
+            raise PayloadError(
+                f"{m.name}: bytes [{start}, {end}) do not hold {tuple(shape)} {m.dtype} inside the "
+                f"bucket of {flat.numel()} bytes"
+            )
         out.append((m.name, flat[start:end].view(m.dtype).view(shape)))
     return out
 
@@ -281,7 +341,7 @@ def load_named_tensors(entry: Any, load_format: str | None = None) -> list[tuple
             raise PayloadError("a flattened_bucket entry must be {flattened_tensor, metadata}")
         return _flattened_bucket(obj)
     if not isinstance(obj, list) or not all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in obj):
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor) for p in obj
+    ):
         raise PayloadError("the payload must be a list of (name, tensor) pairs (load_format null)")
     return obj

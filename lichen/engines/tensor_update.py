@@ -36,14 +36,21 @@ class TensorUpdate:
     async def handle(self, request: web.Request) -> web.Response:
         server = self.server
         body = await server._object(request)
-        entries = expect(body.get("serialized_named_tensors"), (list,), "serialized_named_tensors",
-                         "a list of base64 strings, one per TP rank")
+        entries = expect(
+            body.get("serialized_named_tensors"),
+            (list,),
+            "serialized_named_tensors",
+            "a list of base64 strings, one per TP rank",
+        )
         if not entries:
             return _reply(False, "serialized_named_tensors is empty; it needs one entry per TP rank")
         fmt = body.get("load_format")
         if fmt not in LOAD_FORMATS:
-            return _reply(False, f"load_format {fmt!r} is not supported here (null or 'direct': a list of "
-                                 "(name, tensor) pairs; 'flattened_bucket')")
+            return _reply(
+                False,
+                f"load_format {fmt!r} is not supported here (null or 'direct': a list of "
+                "(name, tensor) pairs; 'flattened_bucket')",
+            )
         version = body.get("weight_version")
         if version is not None:
             expect(version, (str,), "weight_version", "a string")
@@ -56,13 +63,14 @@ class TensorUpdate:
                 named = await asyncio.to_thread(load_named_tensors, entries[0], fmt)
             except PayloadError as e:
                 log.warning("refused /update_weights_from_tensor: %s", e)
-                return _reply(False, f"Failed to read serialized_named_tensors[0]: {e}. The weights were not "
-                                     "changed.")
+                return _reply(False, f"Failed to read serialized_named_tensors[0]: {e}. The weights were not changed.")
             names, tensors = [n for n, _ in named], [t for _, t in named]
             problems = endpoints._check_named(names, tensors)
             if problems:
-                return _reply(False, f"Failed to update parameter online: {'; '.join(problems[:5])}. "
-                                     "The weights were not changed.")
+                return _reply(
+                    False,
+                    f"Failed to update parameter online: {'; '.join(problems[:5])}. The weights were not changed.",
+                )
             await server._abort_all_if(body, False)
 
             def apply(s) -> None:

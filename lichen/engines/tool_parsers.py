@@ -136,7 +136,7 @@ class TaggedJsonStream:
         self.sent_any = False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        segs, used = self.parser.segments(text[self.done:], final)
+        segs, used = self.parser.segments(text[self.done :], final)
         self.done += used
         content, calls = [], []
         for s in segs:
@@ -147,14 +147,18 @@ class TaggedJsonStream:
             if body.strip():
                 lead = self.held + body if self.sent_any else body.lstrip()
                 content.append(lead)
-                self.sent_any, self.held = True, s[len(body):]
+                self.sent_any, self.held = True, s[len(body) :]
             else:
                 self.held += s
         return "".join(content), calls
 
 
-BUILTIN: dict[str, Callable[[], ToolCallParser]] = {"hermes": TaggedJsonParser, "qwen": TaggedJsonParser,
-                                                     "qwen25": TaggedJsonParser, "qwen3": TaggedJsonParser}
+BUILTIN: dict[str, Callable[[], ToolCallParser]] = {
+    "hermes": TaggedJsonParser,
+    "qwen": TaggedJsonParser,
+    "qwen25": TaggedJsonParser,
+    "qwen3": TaggedJsonParser,
+}
 
 
 def tool_finish_reason(reason: str | None, calls: int) -> str | None:
@@ -169,8 +173,10 @@ def load_parser(name: str | None, flag: str = FLAG) -> ToolCallParser | None:
     if name in BUILTIN:
         return BUILTIN[name]()
     if "." not in name:
-        raise ConfigError(f"{flag} {name!r}: unknown parser; use one of {sorted(BUILTIN)}, none, or a dotted path "
-                          "package.module.Factory")
+        raise ConfigError(
+            f"{flag} {name!r}: unknown parser; use one of {sorted(BUILTIN)}, none, or a dotted path "
+            "package.module.Factory"
+        )
     parser = load_function(name, flag)()
     if not callable(getattr(parser, "parse", None)) or not callable(getattr(parser, "stream", None)):
         raise ConfigError(f"{flag} {name!r}: what it returns needs parse(text) and stream() methods")

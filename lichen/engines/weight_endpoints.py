@@ -42,27 +42,44 @@ from aiohttp import web
 
 from lichen.engines.protocol import RequestError, expect
 from lichen.observe.metrics import get_logger
-from lichen.weights.wire import (BACKENDS, DEFAULT_GROUP, WeightGroup, checksum_body, nbytes, open_group,
-                                 parse_dtype, unflatten_tensors)
+from lichen.weights.wire import (
+    BACKENDS,
+    DEFAULT_GROUP,
+    WeightGroup,
+    checksum_body,
+    nbytes,
+    open_group,
+    parse_dtype,
+    unflatten_tensors,
+)
 
 log = get_logger(__name__)
 
-def apply_delta_live(params: dict[str, torch.Tensor], delta_dir: str, *, held_version: int,
-                     chain_id: str | None, num_threads: int | None = None) -> int:
+
+def apply_delta_live(
+    params: dict[str, torch.Tensor],
+    delta_dir: str,
+    *,
+    held_version: int,
+    chain_id: str | None,
+    num_threads: int | None = None,
+) -> int:
     """Move served parameters from `held_version` to the delta version in `delta_dir` (lichen.weights.pull.
     apply_delta_in_place); returns the number of tensors changed."""
     from lichen.weights.pull import apply_delta_in_place
 
-    return apply_delta_in_place(params, delta_dir, held_version=held_version, chain_id=chain_id,
-                                num_threads=num_threads)
+    return apply_delta_in_place(
+        params, delta_dir, held_version=held_version, chain_id=chain_id, num_threads=num_threads
+    )
 
 
 def _reply(success: bool, message: str, status: int | None = None, **extra: Any) -> web.Response:
     import json
 
     body = {"success": success, "message": message, **extra}
-    return web.Response(body=json.dumps(body).encode(), status=status or (200 if success else 400),
-                        content_type="application/json")
+    return web.Response(
+        body=json.dumps(body).encode(), status=status or (200 if success else 400), content_type="application/json"
+    )
 
 
 @dataclass
@@ -135,15 +152,23 @@ class WeightEndpoints:
         if backend not in BACKENDS:
             return _reply(False, f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if backend == "nccl" and self.engine.device.type != "cuda":
-            return _reply(False, f"backend nccl needs a CUDA device; this server runs on {self.engine.device}: "
-                                 "use backend gloo")
+            return _reply(
+                False, f"backend nccl needs a CUDA device; this server runs on {self.engine.device}: use backend gloo"
+            )
         if not 0 < rank < world:
             return _reply(False, f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer)")
         if name in self.groups:
             return _reply(False, f"group {name!r} already exists; destroy it first")
         try:
-            group = await asyncio.to_thread(open_group, backend=backend, master_address=address, master_port=port,
-                                            rank=rank, world_size=world, group_name=name)
+            group = await asyncio.to_thread(
+                open_group,
+                backend=backend,
+                master_address=address,
+                master_port=port,
+                rank=rank,
+                world_size=world,
+                group_name=name,
+            )
         except Exception as e:
             return _reply(False, f"Failed to init custom process group {name!r}: {type(e).__name__}: {e}")
         self.groups[name] = group
@@ -165,8 +190,11 @@ class WeightEndpoints:
         dtypes = expect(body.get("dtypes"), (list,), "dtypes", "a list of dtype names")
         shapes = expect(body.get("shapes"), (list,), "shapes", "a list of shapes")
         if not len(names) == len(dtypes) == len(shapes):
-            raise RequestError(f"names, dtypes and shapes must have one entry each per tensor; got {len(names)}, "
-                               f"{len(dtypes)} and {len(shapes)}", shape="object")
+            raise RequestError(
+                f"names, dtypes and shapes must have one entry each per tensor; got {len(names)}, "
+                f"{len(dtypes)} and {len(shapes)}",
+                shape="object",
+            )
         name = expect(body.get("group_name", DEFAULT_GROUP), (str,), "group_name", "a string")
         version = body.get("weight_version")
         if version is not None:
@@ -187,8 +215,9 @@ class WeightEndpoints:
 
         def receive() -> list[torch.Tensor]:
             if fmt == "flattened_bucket":
-                flat = torch.empty(sum(nbytes(d, s) for d, s in zip(torch_dtypes, shapes)), dtype=torch.uint8,
-                                   device=device)
+                flat = torch.empty(
+                    sum(nbytes(d, s) for d, s in zip(torch_dtypes, shapes)), dtype=torch.uint8, device=device
+                )
                 group.broadcast(flat)
                 return unflatten_tensors(flat, torch_dtypes, shapes)
             out = []
@@ -202,12 +231,17 @@ class WeightEndpoints:
             try:
                 tensors = await asyncio.to_thread(receive)
             except Exception as e:
-                return _reply(False, f"Failed to receive the broadcast of group {name!r}: {type(e).__name__}: {e}. "
-                                     "The weights were not changed.")
+                return _reply(
+                    False,
+                    f"Failed to receive the broadcast of group {name!r}: {type(e).__name__}: {e}. "
+                    "The weights were not changed.",
+                )
             problems = self._check_named(names, tensors)
             if problems:
-                return _reply(False, f"Failed to update parameter online: {'; '.join(problems[:5])}. "
-                                     "The weights were not changed.")
+                return _reply(
+                    False,
+                    f"Failed to update parameter online: {'; '.join(problems[:5])}. The weights were not changed.",
+                )
 
             def apply(s) -> None:
                 params = self._params()
@@ -248,8 +282,7 @@ class WeightEndpoints:
         async with self._lock:  # a stage reads the served weights: no update may swap them meanwhile
             stage = self._stage_for_pull()
             try:
-                res = await asyncio.to_thread(pull_weights, local, source, target, base_dir=self.base_dir,
-                                              stage=stage)
+                res = await asyncio.to_thread(pull_weights, local, source, target, base_dir=self.base_dir, stage=stage)
             except Exception as e:
                 log.error("pull_weights to version %d failed: %s", target, e)
                 return _reply(False, "".join(traceback.format_exception_only(type(e), e)).strip())
@@ -257,11 +290,20 @@ class WeightEndpoints:
                 if stage is not None and not stage.usable:
                     self._set_held(self.held)  # drops it
             self.pulled[local] = source
-        what = ("already at that version" if res.noop else
-                f"seeded from {res.seeded_from}" if res.seeded_from is not None else "continued its chain")
+        what = (
+            "already at that version"
+            if res.noop
+            else f"seeded from {res.seeded_from}"
+            if res.seeded_from is not None
+            else "continued its chain"
+        )
         deltas = f", applied deltas {res.deltas_applied}" if res.deltas_applied else ""
-        return _reply(True, f"Pulled weights to version {target} ({what}{deltas}; read {res.bytes_read} bytes in "
-                            f"{res.seconds:.3f} s).", bytes_read=res.bytes_read, deltas_applied=res.deltas_applied)
+        return _reply(
+            True,
+            f"Pulled weights to version {target} ({what}{deltas}; read {res.bytes_read} bytes in {res.seconds:.3f} s).",
+            bytes_read=res.bytes_read,
+            deltas_applied=res.deltas_applied,
+        )
 
     def _live_plan(self, local: str) -> tuple[list[str], Held] | None:
         """The delta dirs that take the served weights to what `local` holds, or None when a reload is needed."""
@@ -307,8 +349,13 @@ class WeightEndpoints:
                 sch = self.server.scheduler
                 paused = sch.num_running + sch.num_waiting if self.server.paused else 0
                 stage, self.stage = self.stage, None
-                staged = (stage is not None and stage.usable and stage.version == target.version
-                          and stage.base_version == self.held.version and stage.chain_id == target.chain_id)
+                staged = (
+                    stage is not None
+                    and stage.usable
+                    and stage.version == target.version
+                    and stage.base_version == self.held.version
+                    and stage.chain_id == target.chain_id
+                )
                 if stage is not None and not staged:
                     stage.release()
 
@@ -323,8 +370,9 @@ class WeightEndpoints:
                     params = self._params()
                     cur, changed = self.held.version, 0
                     for d in dirs:
-                        changed += apply_delta_live(params, d, held_version=cur, chain_id=target.chain_id,
-                                                    num_threads=torch.get_num_threads())
+                        changed += apply_delta_live(
+                            params, d, held_version=cur, chain_id=target.chain_id, num_threads=torch.get_num_threads()
+                        )
                         cur = read_version_info(d).version
                         self.held = Held(cur, target.chain_id)
                     if version is not None:
@@ -339,11 +387,16 @@ class WeightEndpoints:
                 else:
                     self.server.set_model_path(path)
                     how = "staged" if staged else "live_delta"
-                    self.last_update = {"mode": how, "versions": [read_version_info(d).version for d in dirs],
-                                        "tensors_changed": changed}
-                    msg = (f"Succeeded to update model weights. Applied deltas {self.last_update['versions']} "
-                           f"({changed} tensors) to the live weights"
-                           + (" (decoded and verified at pull time)." if staged else "."))
+                    self.last_update = {
+                        "mode": how,
+                        "versions": [read_version_info(d).version for d in dirs],
+                        "tensors_changed": changed,
+                    }
+                    msg = (
+                        f"Succeeded to update model weights. Applied deltas {self.last_update['versions']} "
+                        f"({changed} tensors) to the live weights"
+                        + (" (decoded and verified at pull time)." if staged else ".")
+                    )
                     if version:
                         msg += f" Weight version updated to {version}."
                     return _reply(True, msg, num_paused_requests=paused)
@@ -375,12 +428,14 @@ class WeightEndpoints:
             body = await self.server.control(lambda s: checksum_body(s.engine.model.named_parameters()))
             return web.json_response(body)
         if action == "snapshot":
+
             def snap(s) -> int:
                 self.snapshot = {n: p.detach().to("cpu", copy=True) for n, p in s.engine.model.named_parameters()}
                 return len(self.snapshot)
 
             return _reply(True, f"Snapshot of {await self.server.control(snap)} tensors taken.")
         if action == "reset_tensors":
+
             def reset(s) -> None:
                 gen = torch.Generator(device="cpu").manual_seed(0)
                 with torch.no_grad():
@@ -397,14 +452,20 @@ class WeightEndpoints:
             def compare(s) -> list[str]:
                 params = dict(s.engine.model.named_parameters())
                 bad = sorted(set(params) ^ set(self.snapshot))
-                bad += [n for n, p in params.items() if n in self.snapshot
-                        and not torch.equal(p.detach().to("cpu"), self.snapshot[n])]
+                bad += [
+                    n
+                    for n, p in params.items()
+                    if n in self.snapshot and not torch.equal(p.detach().to("cpu"), self.snapshot[n])
+                ]
                 return bad
 
             bad = await self.server.control(compare)
             if bad:
-                return _reply(False, f"check tensor equality failed: {len(bad)} tensor(s) differ from the snapshot: "
-                                     f"{', '.join(bad[:20])}")
+                return _reply(
+                    False,
+                    f"check tensor equality failed: {len(bad)} tensor(s) differ from the snapshot: "
+                    f"{', '.join(bad[:20])}",
+                )
             return _reply(True, f"All {len(self.snapshot)} tensors equal the snapshot.")
         return _reply(False, f"unknown action {action!r}; expected checksum, snapshot, reset_tensors or compare")
 

@@ -44,8 +44,10 @@ class WeightDirs:
         self.local_dir = None if local_dir is None else _real(local_dir)
 
     def _refuse(self, field: str, path: str, allowed: str) -> Forbidden:
-        return Forbidden(f"{field} {path!r} is not a directory this server may use ({allowed}); start lichen serve "
-                         "with --weight-dir / --local-checkpoint-dir naming it")
+        return Forbidden(
+            f"{field} {path!r} is not a directory this server may use ({allowed}); start lichen serve "
+            "with --weight-dir / --local-checkpoint-dir naming it"
+        )
 
     def source(self, path: str) -> str:
         """A pull's `source_dir`: a --weight-dir or below one. Returns the resolved path."""
@@ -58,7 +60,9 @@ class WeightDirs:
         """A pull's `local_checkpoint_dir`: the --local-checkpoint-dir or below it. Returns the resolved path."""
         real = _real(path)
         if self.local_dir is None or not _within(real, self.local_dir):
-            raise self._refuse("local_checkpoint_dir", path, f"--local-checkpoint-dir: {self.local_dir or 'none given'}")
+            raise self._refuse(
+                "local_checkpoint_dir", path, f"--local-checkpoint-dir: {self.local_dir or 'none given'}"
+            )
         return real
 
     def model(self, path: str) -> str:

@@ -62,7 +62,10 @@ class ModelConfig:
         rope_theta = d.get("rope_theta")
         if rope_theta is None and isinstance(rope_scaling, dict):
             rope_theta = rope_scaling.get("rope_theta")
-        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
             rope_scaling = None
         if model_type == "qwen2":  # Qwen2 always has q/k/v biases and no o bias
             attention_bias, o_bias = True, False
@@ -94,6 +97,8 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
-            raise ConfigError(f"no config.json in {model_dir!r}: --hf-checkpoint must be a Hugging Face model directory")
+            raise ConfigError(
+                f"no config.json in {model_dir!r}: --hf-checkpoint must be a Hugging Face model directory"
+            )
         with open(path) as f:
             return cls.from_dict(json.load(f), source=path)

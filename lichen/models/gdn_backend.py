@@ -36,8 +36,11 @@ def resolve_gdn_backend(requested: str | None) -> str:
     fla / flashqla cannot run here, naming the missing package or device."""
     if requested is None:
         chosen = "fla" if _cuda() and importlib.util.find_spec("fla") is not None else "torch"
-        log.info("--qwen-gdn-backend unset: using %s (%s)", chosen,
-                 "CUDA and the fla package are present" if chosen == "fla" else "needs CUDA and the fla package")
+        log.info(
+            "--qwen-gdn-backend unset: using %s (%s)",
+            chosen,
+            "CUDA and the fla package are present" if chosen == "fla" else "needs CUDA and the fla package",
+        )
         return chosen
     if requested not in GDN_BACKENDS:
         raise ConfigError(f"--qwen-gdn-backend {requested!r}: choose one of {', '.join(GDN_BACKENDS)}")
@@ -45,14 +48,20 @@ def resolve_gdn_backend(requested: str | None) -> str:
         return requested
     module, dist = _PACKAGES[requested]
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"--qwen-gdn-backend {requested}: the {dist} package (import {module}) is not installed; "
-                          "install it or use --qwen-gdn-backend torch (CPU reference implementation)")
+        raise ConfigError(
+            f"--qwen-gdn-backend {requested}: the {dist} package (import {module}) is not installed; "
+            "install it or use --qwen-gdn-backend torch (CPU reference implementation)"
+        )
     if not _cuda():
-        raise ConfigError(f"--qwen-gdn-backend {requested}: its kernels need a CUDA device and none is visible; use "
-                          "--qwen-gdn-backend torch")
+        raise ConfigError(
+            f"--qwen-gdn-backend {requested}: its kernels need a CUDA device and none is visible; use "
+            "--qwen-gdn-backend torch"
+        )
     if requested == "flashqla":
-        raise ConfigError("--qwen-gdn-backend flashqla: lichen's generic HF path does not bind FlashQLA's kernels "
-                          "yet; use --qwen-gdn-backend fla (or torch)")
+        raise ConfigError(
+            "--qwen-gdn-backend flashqla: lichen's generic HF path does not bind FlashQLA's kernels "
+            "yet; use --qwen-gdn-backend fla (or torch)"
+        )
     return requested
 
 
@@ -73,8 +82,10 @@ def apply_gdn_backend(model_type: str | None, backend: str | None) -> str | None
     backend = resolve_gdn_backend(backend) if backend is None else backend
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     if not hasattr(modeling, "_lichen_gdn_original"):
-        modeling._lichen_gdn_original = (modeling.torch_chunk_gated_delta_rule,
-                                         modeling.torch_recurrent_gated_delta_rule)
+        modeling._lichen_gdn_original = (
+            modeling.torch_chunk_gated_delta_rule,
+            modeling.torch_recurrent_gated_delta_rule,
+        )
     chunk, recurrent = _kernels(backend, *modeling._lichen_gdn_original)
     modeling.torch_chunk_gated_delta_rule = chunk
     modeling.torch_recurrent_gated_delta_rule = recurrent

@@ -25,40 +25,120 @@ MAX_TINY_PARAMETERS = 10_000_000
 # code path: several experts with top-2 routing, a dense first layer where the model has one, shared experts,
 # MLA's low-rank q/kv, Qwen3-Next's linear-attention layers next to a full-attention one, gpt-oss's sliding window.
 HF_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+    ),
     "glm4": ("glm4", dict(partial_rotary_factor=0.5, attention_bias=True)),
-    "glm4_moe": ("glm4_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                  n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                  partial_rotary_factor=0.5, use_qk_norm=True)),
-    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    "qwen3_next": ("qwen3_next", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
-                                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                      linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2)),
-    "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, v_head_dim=16,
-                                        rope_interleave=True)),
+    "glm4_moe": (
+        "glm4_moe",
+        dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+        ),
+    ),
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
+    "qwen3_next": (
+        "qwen3_next",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
+        ),
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            rope_interleave=True,
+        ),
+    ),
 }
 
 
-def hf_config(arch: str, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-              intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool, rope_theta: float,
-              rms_norm_eps: float, init_std: float, vocab_size: int, pad_id: int, eos_id: int) -> Any:
+def hf_config(
+    arch: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    rope_theta: float,
+    rms_norm_eps: float,
+    init_std: float,
+    vocab_size: int,
+    pad_id: int,
+    eos_id: int,
+) -> Any:
     """The transformers config object of a tiny `arch` model (nothing is allocated)."""
     from transformers import AutoConfig
 
     model_type, extra = HF_ARCHS[arch]
     head_dim = hidden_size // num_heads
     fields: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=max_position_embeddings, initializer_range=init_std,
-        rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, attention_dropout=0.0, use_cache=True,
-        torch_dtype="float32", **extra,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        rms_norm_eps=rms_norm_eps,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        attention_dropout=0.0,
+        use_cache=True,
+        torch_dtype="float32",
+        **extra,
     )
     if model_type == "deepseek_v3":  # MLA: the rotary part of each head has its own width, which head_dim names
         fields["qk_rope_head_dim"] = fields["head_dim"] = head_dim // 2
@@ -69,8 +149,9 @@ def hf_config(arch: str, *, hidden_size: int, num_layers: int, num_heads: int, n
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
         fields["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if model_type == "qwen3_next":
-        fields["layer_types"] = ["full_attention" if (i + 1) % 2 == 0 else "linear_attention"
-                                 for i in range(num_layers)]
+        fields["layer_types"] = [
+            "full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(num_layers)
+        ]
     return AutoConfig.for_model(model_type, **fields)
 
 

@@ -49,12 +49,16 @@ class HFModelInfo:
     def from_config(cls, config: Any) -> "HFModelInfo":
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = int(getattr(text, "num_attention_heads", 1) or 1)
-        return cls(model_type=config.model_type, vocab_size=text.vocab_size,
-                   max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 4096),
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                   num_layers=int(getattr(text, "num_hidden_layers", 0)), hidden_size=int(text.hidden_size),
-                   num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-                   head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads))
+        return cls(
+            model_type=config.model_type,
+            vocab_size=text.vocab_size,
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 4096),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            num_layers=int(getattr(text, "num_hidden_layers", 0)),
+            hidden_size=int(text.hidden_size),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        )
 
 
 class HFCausalLM(nn.Module):
@@ -144,8 +148,9 @@ class HFCausalLM(nn.Module):
             return None
         return self.load_balancing_loss_fn(logits, self.hf.num_experts, self.hf.num_experts_per_tok, token_mask)
 
-    def _run_base(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  back: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_base(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, back: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The decoder's last hidden states; when recording, keeps the router logits (rows of the unpacked
         layout gathered back to the caller's flat [rows * T] positions by `back`)."""
         record = self.__dict__.get("_record_router", False) and torch.is_grad_enabled()
@@ -156,8 +161,13 @@ class HFCausalLM(nn.Module):
             self.__dict__["_router_logits"] = logits if back is None else tuple(x.index_select(0, back) for x in logits)
         return out.last_hidden_state
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final hidden states [rows, T, H] of right-padded rows (causal); a packed `attn_mask` is unpacked."""
         if cache is not None:
             raise TypeError("HFCausalLM: decoding goes through decode() (lichen.engines.hf_decode)")
@@ -181,7 +191,7 @@ class HFCausalLM(nn.Module):
         back = torch.empty(rows * T, dtype=torch.long)
         for i, (start, n) in enumerate(segments):
             src[i, :n] = torch.arange(start, start + n)
-            back[start:start + n] = torch.arange(i * width, i * width + n)
+            back[start : start + n] = torch.arange(i * width, i * width + n)
         dev = input_ids.device
         src, back = src.to(dev), back.to(dev)
         ids = input_ids.reshape(-1)[src]
@@ -190,12 +200,14 @@ class HFCausalLM(nn.Module):
         # gathered straight into [rows, T, H] (a new tensor, not a view: FSDP2 warns about a root returning views)
         return hidden.reshape(-1, hidden.shape[-1])[back.view(rows, T)]
 
-    def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-               past: Any) -> tuple[torch.Tensor, Any]:
+    def decode(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, past: Any
+    ) -> tuple[torch.Tensor, Any]:
         """One cached forward: (hidden [B, T, H], the cache). `attention_mask` [B, keys] marks real keys (left
         padding); `past` None starts a new cache of the module's own kind."""
-        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=past,
-                        use_cache=True)
+        out = self.base(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=past, use_cache=True
+        )
         return out.last_hidden_state, out.cache
 
     def read_state(self, model_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -203,8 +215,11 @@ class HFCausalLM(nn.Module):
         layout and the module layout load); ValueError when its config differs."""
         module = load_hf_module(model_dir, dtype=dtype, device="cpu", trust_remote_code=self.trust_remote_code)
         theirs = HFModelInfo.from_config(module.config)
-        diff = [f"{k}: {getattr(theirs, k)!r} (serving {getattr(self.cfg, k)!r})" for k in vars(self.cfg)
-                if k != "max_position_embeddings" and getattr(theirs, k) != getattr(self.cfg, k)]
+        diff = [
+            f"{k}: {getattr(theirs, k)!r} (serving {getattr(self.cfg, k)!r})"
+            for k in vars(self.cfg)
+            if k != "max_position_embeddings" and getattr(theirs, k) != getattr(self.cfg, k)
+        ]
         if diff:
             raise ValueError(f"{model_dir!r} has a different model config: {'; '.join(diff)}")
         return {n: p.detach() for n, p in HFCausalLM(module).named_parameters()}
@@ -218,16 +233,22 @@ def read_config_json(model_dir: str) -> dict:
         return json.load(f)
 
 
-def load_hf_module(model_dir: str, *, dtype: torch.dtype, device: str | torch.device,
-                   trust_remote_code: bool = False) -> nn.Module:
+def load_hf_module(
+    model_dir: str, *, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool = False
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     return module.to(device)
 
 
-def load_hf_model(model_dir: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  trust_remote_code: bool = False) -> HFCausalLM:
+def load_hf_model(
+    model_dir: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> HFCausalLM:
     """The checkpoint as `HFCausalLM` (weights through `from_pretrained`)."""
     module = load_hf_module(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     return HFCausalLM(module, trust_remote_code=trust_remote_code)

@@ -39,12 +39,16 @@ def check_loadable(config: dict, source: str, *, impl: str, trust_remote_code: b
     native = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     remote = _remote_causal_lm(config)
     if remote and not native and not trust_remote_code:
-        raise ConfigError(f"{source}: model_type {model_type!r} loads through the checkpoint's own code "
-                          f"({remote}); pass --trust-remote-code to run it (it executes that code)")
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} loads through the checkpoint's own code "
+            f"({remote}); pass --trust-remote-code to run it (it executes that code)"
+        )
     if not native and not remote:
-        raise ConfigError(f"{source}: transformers {transformers.__version__} has no causal-LM class for model_type "
-                          f"{model_type!r} and the checkpoint ships no code; lichen implements "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)} and runs any type AutoModelForCausalLM loads")
+        raise ConfigError(
+            f"{source}: transformers {transformers.__version__} has no causal-LM class for model_type "
+            f"{model_type!r} and the checkpoint ships no code; lichen implements "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} and runs any type AutoModelForCausalLM loads"
+        )
     return chosen
 
 
@@ -69,5 +73,8 @@ def check_model_flags(args: Any, model_dir: str, flag: str) -> None:
 
 def model_options(args: Any) -> dict:
     """load_model's keyword arguments from the resolved flags (lichen train's or lichen serve's)."""
-    return {"impl": args.model_impl, "trust_remote_code": bool(args.trust_remote_code),
-            "gdn_backend": args.qwen_gdn_backend}
+    return {
+        "impl": args.model_impl,
+        "trust_remote_code": bool(args.trust_remote_code),
+        "gdn_backend": args.qwen_gdn_backend,
+    }

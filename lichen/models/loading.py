@@ -23,19 +23,28 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model_impl(model_type: str | None, impl: str = "auto") -> str:
-    """"lichen" or "hf" for a checkpoint of `model_type` under --model-impl `impl`."""
+    """ "lichen" or "hf" for a checkpoint of `model_type` under --model-impl `impl`."""
     if impl not in MODEL_IMPLS:
         raise ConfigError(f"--model-impl {impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
     if impl == "lichen" and model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"--model-impl lichen: model_type {model_type!r} has no lichen implementation (lichen "
-                          f"implements {', '.join(SUPPORTED_MODEL_TYPES)}); use --model-impl auto or hf")
+        raise ConfigError(
+            f"--model-impl lichen: model_type {model_type!r} has no lichen implementation (lichen "
+            f"implements {', '.join(SUPPORTED_MODEL_TYPES)}); use --model-impl auto or hf"
+        )
     if impl == "auto":
         return "lichen" if model_type in SUPPORTED_MODEL_TYPES else "hf"
     return impl
 
 
-def load_model(model_dir: str, *, device: "str | torch.device" = "cpu", dtype: "torch.dtype | None" = None,
-               impl: str = "auto", trust_remote_code: bool = False, gdn_backend: str | None = None):
+def load_model(
+    model_dir: str,
+    *,
+    device: "str | torch.device" = "cpu",
+    dtype: "torch.dtype | None" = None,
+    impl: str = "auto",
+    trust_remote_code: bool = False,
+    gdn_backend: str | None = None,
+):
     """The model for `model_dir` (a CausalLM, or an HFCausalLM on the generic path) with its weights; fp32 unless
     `dtype` is given."""
     import torch
@@ -47,7 +56,8 @@ def load_model(model_dir: str, *, device: "str | torch.device" = "cpu", dtype: "
     chosen = resolve_model_impl(model_type, impl)
     # the default choice (lichen's own code for a type it implements) is quiet; the generic path is announced
     (log.debug if impl == "auto" and chosen == "lichen" else log.info)(
-        "model %s: model_type %s, --model-impl %s -> %s implementation", model_dir, model_type, impl, chosen)
+        "model %s: model_type %s, --model-impl %s -> %s implementation", model_dir, model_type, impl, chosen
+    )
     if chosen == "hf":
         from lichen.models.gdn_backend import apply_gdn_backend
         from lichen.models.hf_model import load_hf_model
@@ -73,5 +83,7 @@ def load_lichen_model(model_dir: str, *, device: "str | torch.device", dtype: "t
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{model_dir}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model.to(dtype=dtype)

@@ -99,8 +99,16 @@ def build_tokenizer():
     return tok
 
 
-def _validate(arch: str, sizes: dict[str, int], num_heads: int, num_kv_heads: int, hidden_size: int,
-              rope_theta: float, rms_norm_eps: float, init_std: float) -> None:
+def _validate(
+    arch: str,
+    sizes: dict[str, int],
+    num_heads: int,
+    num_kv_heads: int,
+    hidden_size: int,
+    rope_theta: float,
+    rms_norm_eps: float,
+    init_std: float,
+) -> None:
     if arch not in ARCHS and arch not in HF_ARCHS:
         raise ConfigError(f"--arch {arch!r} is not supported; choose one of {', '.join(all_archs())}")
     for flag, value in sizes.items():
@@ -126,9 +134,20 @@ def _validate(arch: str, sizes: dict[str, int], num_heads: int, num_kv_heads: in
             raise ConfigError(f"{flag} must be a positive finite number, got {value!r}")
 
 
-def _config(arch: str, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-            intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool,
-            rope_theta: float, rms_norm_eps: float, init_std: float) -> dict:
+def _config(
+    arch: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    rope_theta: float,
+    rms_norm_eps: float,
+    init_std: float,
+) -> dict:
     model_type, architecture = ARCHS[arch]
     ids = {tok: i for i, tok in enumerate(token_strings())}
     # Written in the classic (transformers 4.x) layout that hub checkpoints and SGLang use; 5.x reads it too.
@@ -224,8 +243,14 @@ def _init_weights(cfg: dict, seed: int, init_std: float) -> dict:
 
 def _tokenizer_config(model_max_length: int) -> dict:
     added = {
-        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
+        str(i): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, tok in enumerate(SPECIAL_TOKENS)
     }
     return {
@@ -290,10 +315,18 @@ def make_tiny_model(
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"output path {out_dir!r} exists and is not a directory; pass a directory path")
 
-    dims = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                tie_word_embeddings=tie_word_embeddings, rope_theta=float(rope_theta),
-                rms_norm_eps=float(rms_norm_eps), init_std=float(init_std))
+    dims = dict(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(rms_norm_eps),
+        init_std=float(init_std),
+    )
     if arch in HF_ARCHS:
         _write_hf_arch(out_dir, arch, dims, seed)
     else:
@@ -310,19 +343,25 @@ def make_tiny_model(
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8", newline="\n") as f:
         f.write(build_tokenizer().to_str(pretty=True) + "\n")
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(max_position_embeddings))
-    _write_json(os.path.join(out_dir, "special_tokens_map.json"), {
-        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": UNK_TOKEN,
-    })
+    _write_json(
+        os.path.join(out_dir, "special_tokens_map.json"),
+        {
+            "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "unk_token": UNK_TOKEN,
+        },
+    )
     ids = {tok: i for i, tok in enumerate(token_strings())}
-    _write_json(os.path.join(out_dir, "generation_config.json"), {
-        "bos_token_id": ids[EOS_TOKEN],
-        # Chat turns end with <|im_end|>; plain completions with <|endoftext|>.
-        "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
-        "pad_token_id": ids[PAD_TOKEN],
-    })
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {
+            "bos_token_id": ids[EOS_TOKEN],
+            # Chat turns end with <|im_end|>; plain completions with <|endoftext|>.
+            "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+            "pad_token_id": ids[PAD_TOKEN],
+        },
+    )
     return out_dir
 
 
@@ -353,37 +392,66 @@ def _parser() -> argparse.ArgumentParser:
         "tokenizer with a ChatML chat template) to OUT. The same arguments give byte-identical files.",
     )
     p.add_argument("out", metavar="OUT", help="output directory (created if missing; files in it are overwritten)")
-    p.add_argument("--arch", choices=all_archs(), default="llama",
-                   help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k RMSNorm), implemented by lichen; "
-                   "qwen3_moe, glm4, glm4_moe, gpt_oss, qwen3_next, deepseek_v3 built through transformers (run "
-                   "with the generic HF path, docs/models.md) (default: llama)")
+    p.add_argument(
+        "--arch",
+        choices=all_archs(),
+        default="llama",
+        help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k RMSNorm), implemented by lichen; "
+        "qwen3_moe, glm4, glm4_moe, gpt_oss, qwen3_next, deepseek_v3 built through transformers (run "
+        "with the generic HF path, docs/models.md) (default: llama)",
+    )
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default: 64)")
     p.add_argument("--num-layers", type=int, default=2, help="number of decoder layers (default: 2)")
-    p.add_argument("--num-heads", type=int, default=4,
-                   help="attention heads; must divide --hidden-size into an even head dim (default: 4)")
-    p.add_argument("--num-kv-heads", type=int, default=None,
-                   help="key/value heads for grouped-query attention; must divide --num-heads "
-                   "(default: same as --num-heads)")
+    p.add_argument(
+        "--num-heads",
+        type=int,
+        default=4,
+        help="attention heads; must divide --hidden-size into an even head dim (default: 4)",
+    )
+    p.add_argument(
+        "--num-kv-heads",
+        type=int,
+        default=None,
+        help="key/value heads for grouped-query attention; must divide --num-heads (default: same as --num-heads)",
+    )
     p.add_argument("--intermediate-size", type=int, default=256, help="MLP inner width (default: 256)")
-    p.add_argument("--max-position-embeddings", type=int, default=512,
-                   help="longest sequence the config declares (default: 512)")
-    p.add_argument("--no-tie-word-embeddings", dest="tie_word_embeddings", action="store_false",
-                   help="write a separate lm_head.weight instead of reusing the input embedding")
+    p.add_argument(
+        "--max-position-embeddings", type=int, default=512, help="longest sequence the config declares (default: 512)"
+    )
+    p.add_argument(
+        "--no-tie-word-embeddings",
+        dest="tie_word_embeddings",
+        action="store_false",
+        help="write a separate lm_head.weight instead of reusing the input embedding",
+    )
     p.add_argument("--rope-theta", type=float, default=10000.0, help="rotary embedding base (default: 10000)")
     p.add_argument("--rms-norm-eps", type=float, default=1e-6, help="RMSNorm epsilon (default: 1e-6)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default: 0)")
-    p.add_argument("--init-std", type=float, default=0.02,
-                   help="standard deviation of the normal init of weight matrices (default: 0.02)")
+    p.add_argument(
+        "--init-std",
+        type=float,
+        default=0.02,
+        help="standard deviation of the normal init of weight matrices (default: 0.02)",
+    )
     return p
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     out = make_tiny_model(
-        args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=args.tie_word_embeddings,
-        rope_theta=args.rope_theta, rms_norm_eps=args.rms_norm_eps, seed=args.seed, init_std=args.init_std,
+        args.out,
+        arch=args.arch,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_word_embeddings,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=args.rms_norm_eps,
+        seed=args.seed,
+        init_std=args.init_std,
     )
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)

@@ -77,9 +77,7 @@ def eos_token_ids(tokenizer: Any, model_dir: str | None) -> list[int]:
 def _check_messages(prompt: list) -> list[dict]:
     for i, m in enumerate(prompt):
         if not isinstance(m, dict) or "role" not in m:
-            raise DataError(
-                f"chat prompt message {i} is {m!r}; each message must be a dict with 'role' and 'content'"
-            )
+            raise DataError(f"chat prompt message {i} is {m!r}; each message must be a dict with 'role' and 'content'")
     return list(prompt)
 
 

@@ -103,7 +103,9 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         gqa = cfg.num_kv_heads != cfg.num_heads
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask, enable_gqa=gqa
+            )
         else:
             start, end = cache.length, cache.length + T
             cache.k[self.layer_idx][:, :, start:end] = k

@@ -31,8 +31,10 @@ def _import_wandb() -> Any:
     try:
         import wandb
     except ImportError as e:
-        raise ConfigError("--use-wandb needs the wandb package, which is not installed: run `pip install wandb` "
-                          "(or install lichen with the `wandb` extra: pip install 'lichen[wandb]')") from e
+        raise ConfigError(
+            "--use-wandb needs the wandb package, which is not installed: run `pip install wandb` "
+            "(or install lichen with the `wandb` extra: pip install 'lichen[wandb]')"
+        ) from e
     return wandb
 
 
@@ -40,9 +42,11 @@ def _tensorboard_writer(log_dir: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ConfigError("--use-tensorboard needs the tensorboard package, which is not installed: run "
-                          "`pip install tensorboard` (or the `tensorboard` extra: pip install "
-                          "'lichen[tensorboard]')") from e
+        raise ConfigError(
+            "--use-tensorboard needs the tensorboard package, which is not installed: run "
+            "`pip install tensorboard` (or the `tensorboard` extra: pip install "
+            "'lichen[tensorboard]')"
+        ) from e
     return SummaryWriter(log_dir=log_dir)
 
 
@@ -72,9 +76,19 @@ class MetricsLogger:
     `config` is recorded with its secrets redacted.
     """
 
-    def __init__(self, output_dir: str, *, use_tensorboard: bool = False, use_wandb: bool = False,
-                 wandb_mode: str = "offline", wandb_project: str = "lichen", wandb_run_name: str | None = None,
-                 wandb_key: str | None = None, config: dict | None = None, wandb_group: str | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        use_tensorboard: bool = False,
+        use_wandb: bool = False,
+        wandb_mode: str = "offline",
+        wandb_project: str = "lichen",
+        wandb_run_name: str | None = None,
+        wandb_key: str | None = None,
+        config: dict | None = None,
+        wandb_group: str | None = None,
+    ) -> None:
         if use_wandb and wandb_mode not in WANDB_MODES:
             raise ConfigError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}; got {wandb_mode!r}")
         self.output_dir = output_dir
@@ -93,8 +107,14 @@ class MetricsLogger:
                 extra = {"settings": wandb.Settings(api_key=wandb_key)} if wandb_key else {}
                 if wandb_group:
                     extra["group"] = wandb_group
-                self._wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, mode=wandb_mode,
-                                             dir=output_dir, config=redact_config(_public(config or {})), **extra)
+                self._wandb_run = wandb.init(
+                    project=wandb_project,
+                    name=wandb_run_name,
+                    mode=wandb_mode,
+                    dir=output_dir,
+                    config=redact_config(_public(config or {})),
+                    **extra,
+                )
         except BaseException:
             self.close()
             raise
@@ -109,9 +129,17 @@ class MetricsLogger:
     @classmethod
     def from_config(cls, cfg: Any) -> MetricsLogger:
         """The sinks ObserveConfig `cfg` asks for, under `cfg.output_dir`."""
-        return cls(cfg.output_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
-                   wandb_mode=cfg.wandb_mode, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
-                   wandb_key=cfg.wandb_key, config=dict(cfg.run_config), wandb_group=cfg.wandb_group)
+        return cls(
+            cfg.output_dir,
+            use_tensorboard=cfg.use_tensorboard,
+            use_wandb=cfg.use_wandb,
+            wandb_mode=cfg.wandb_mode,
+            wandb_project=cfg.wandb_project,
+            wandb_run_name=cfg.wandb_run_name,
+            wandb_key=cfg.wandb_key,
+            config=dict(cfg.run_config),
+            wandb_group=cfg.wandb_group,
+        )
 
     def log(self, step: int, metrics: dict[str, float | int], prefix: str | None = None) -> None:
         """Record `metrics` at `step`; with `prefix`, key "k" is recorded as "prefix/k"."""
@@ -223,8 +251,9 @@ def format_step_line(rollout_id: int, metrics: dict) -> str:
         m = _EVAL_REWARD.match(key)
         if m and value is not None:
             parts.append(f"eval {m.group(1)} {float(value):.3f}")
-    times = [f"{label} {_fmt_seconds(float(metrics[key]))}" for key, label in _TIME_FIELDS
-             if metrics.get(key) is not None]
+    times = [
+        f"{label} {_fmt_seconds(float(metrics[key]))}" for key, label in _TIME_FIELDS if metrics.get(key) is not None
+    ]
     if times:
         parts.append(" ".join(times))
     return " | ".join(parts)

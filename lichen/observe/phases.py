@@ -161,4 +161,3 @@ def tracker() -> PhaseTracker:
 def phase(name: str, step: int | None = None, *, memory: bool = False, **args: Any):
     """`with phase("reward"):` on the process-wide tracker."""
     return _TRACKER.phase(name, step, memory=memory, **args)
-

@@ -9,8 +9,9 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 
-def progress(iterable: Iterable[Any] | None = None, *, total: int | None = None, desc: str = "",
-             disable: bool = False) -> tqdm:
+def progress(
+    iterable: Iterable[Any] | None = None, *, total: int | None = None, desc: str = "", disable: bool = False
+) -> tqdm:
     """A tqdm bar on stderr that follows the terminal width. Use as an iterator wrapper, or without `iterable`
     call `.update(n)` and `.close()` (or use it as a context manager). `disable=True` makes it silent."""
     return tqdm(iterable, total=total, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=True)

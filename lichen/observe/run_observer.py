@@ -21,8 +21,14 @@ from typing import Any, Callable, Sequence
 
 from lichen.observe.phases import PhaseRecord, PhaseTracker, tracker
 from lichen.observe.sample_log import SampleLog
-from lichen.observe.trace import (REMOTE_PID_BASE, TRACE_FILE, records_from_payload, remote_lanes, trace_events,
-                                  write_trace)
+from lichen.observe.trace import (
+    REMOTE_PID_BASE,
+    TRACE_FILE,
+    records_from_payload,
+    remote_lanes,
+    trace_events,
+    write_trace,
+)
 from lichen.observe.watchdog import Watchdog
 from lichen.types import Sample
 
@@ -30,8 +36,15 @@ MAX_ENGINE_RECORDS = 100_000  # per engine, the oldest go first
 
 
 class RunObserver:
-    def __init__(self, cfg: Any, *, engines: Sequence[Any] = (), decode: Callable[[list[int]], str] | None = None,
-                 phases: PhaseTracker | None = None, sources: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        engines: Sequence[Any] = (),
+        decode: Callable[[list[int]], str] | None = None,
+        phases: PhaseTracker | None = None,
+        sources: Sequence[Any] = (),
+    ) -> None:
         self.cfg = cfg
         self.phases = phases or tracker()
         self.t0 = time.time()
@@ -41,16 +54,25 @@ class RunObserver:
         self.engine_pids: dict[str, int] = {}
         self.process_names: dict[str, str] = {}
         self._engine_since = self.t0
-        self.watchdog = (Watchdog(cfg.output_dir, cfg.watchdog_timeout, wait=cfg.watchdog_wait,
-                                  engine_stacks=engine_stacks_of(engines), phases=self.phases).start()
-                         if cfg.watchdog_timeout > 0 else None)
+        self.watchdog = (
+            Watchdog(
+                cfg.output_dir,
+                cfg.watchdog_timeout,
+                wait=cfg.watchdog_wait,
+                engine_stacks=engine_stacks_of(engines),
+                phases=self.phases,
+            ).start()
+            if cfg.watchdog_timeout > 0
+            else None
+        )
 
     def phase(self, name: str, step: int | None = None):
         """A top-level phase of the loop: timed for the trace, watched, and its peak memory measured."""
         return self.phases.phase(name, step, memory=True)
 
-    def step_done(self, step: int, batch: Sequence[Sequence[Sample]] | None, metrics: dict,
-                  token_values: dict | None = None) -> None:
+    def step_done(
+        self, step: int, batch: Sequence[Sequence[Sample]] | None, metrics: dict, token_values: dict | None = None
+    ) -> None:
         """After the loop's step `step` (the step number of metrics.jsonl): adds the memory metrics of its phases
         to `metrics`, logs its samples, rewrites the trace."""
         metrics.update(self.phases.take_memory())
@@ -71,8 +93,11 @@ class RunObserver:
                     if (r.start, r.thread_id, r.name) in seen:
                         continue
                     if r.step is None:  # e.g. the driver's generate (or eval) a busy period served
-                        r.step = max(((m.start, m.step) for m in mine if m.start <= r.start <= (m.end or r.start)),
-                                     default=(0, None), key=lambda x: x[0])[1]
+                        r.step = max(
+                            ((m.start, m.step) for m in mine if m.start <= r.start <= (m.end or r.start)),
+                            default=(0, None),
+                            key=lambda x: x[0],
+                        )[1]
                     records.append(r)
                 del records[:-MAX_ENGINE_RECORDS]
                 self.engine_pids[url] = int(payload.get("pid", 0))
@@ -87,14 +112,23 @@ class RunObserver:
             self._fetch_engine_records()
         own, remote = remote_lanes(r for r in self.phases.finished() if r.start >= self.t0)
         ranks_apart = any(n.startswith("trainer rank") for n in self.process_names.values())
-        events = trace_events(own, t0=self.t0, pid=os.getpid(),
-                              process_name="lichen train (driver)" if ranks_apart else "lichen train (driver, rank 0)")
+        events = trace_events(
+            own,
+            t0=self.t0,
+            pid=os.getpid(),
+            process_name="lichen train (driver)" if ranks_apart else "lichen train (driver, rank 0)",
+        )
         for url, records in self.engine_records.items():
-            events += trace_events([r for r in records if r.start >= self.t0], t0=self.t0,
-                                   pid=self.engine_pids[url], process_name=self.process_names[url])
+            events += trace_events(
+                [r for r in records if r.start >= self.t0],
+                t0=self.t0,
+                pid=self.engine_pids[url],
+                process_name=self.process_names[url],
+            )
         for k, (name, records) in enumerate(sorted(remote.items())):
-            events += trace_events(records, t0=self.t0, pid=REMOTE_PID_BASE + k,
-                                   process_name=f"{name} (requests as the driver timed them)")
+            events += trace_events(
+                records, t0=self.t0, pid=REMOTE_PID_BASE + k, process_name=f"{name} (requests as the driver timed them)"
+            )
         write_trace(os.path.join(self.cfg.output_dir, TRACE_FILE), events)
 
     def close(self) -> None:

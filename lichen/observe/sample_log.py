@@ -56,10 +56,15 @@ def _floats(values: Any) -> list[float | None] | None:
     return [round(float(v), 5) if math.isfinite(float(v)) else None for v in values]
 
 
-def sample_record(s: Sample, step: int, *, reward_key: str | None = None,
-                  decode: Callable[[list[int]], str] | None = None,
-                  trainer_log_probs: Sequence[float] | None = None,
-                  advantages: Sequence[float] | None = None) -> dict:
+def sample_record(
+    s: Sample,
+    step: int,
+    *,
+    reward_key: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    trainer_log_probs: Sequence[float] | None = None,
+    advantages: Sequence[float] | None = None,
+) -> dict:
     """One line of the sample log (see the module docstring)."""
     try:
         reward: float | None = s.scalar_reward(reward_key)
@@ -68,14 +73,21 @@ def sample_record(s: Sample, step: int, *, reward_key: str | None = None,
     meta = s.metadata or {}
     tokens = list(s.response_tokens)
     rec: dict[str, Any] = {
-        "step": step, "group_index": s.group_index, "index": s.index, "prompt": _cut(s.prompt),
-        "response": _cut(s.response), "label": _cut(s.label if isinstance(s.label, (str, int, float)) else
-                                                     json.dumps(s.label, default=str)),
+        "step": step,
+        "group_index": s.group_index,
+        "index": s.index,
+        "prompt": _cut(s.prompt),
+        "response": _cut(s.response),
+        "label": _cut(s.label if isinstance(s.label, (str, int, float)) else json.dumps(s.label, default=str)),
         "reward": reward if reward is None or math.isfinite(reward) else None,
-        "status": getattr(s.status, "value", str(s.status)), "weight_versions": list(s.weight_versions),
-        "prompt_length": s.prompt_length, "response_length": s.response_length, "tokens": tokens,
+        "status": getattr(s.status, "value", str(s.status)),
+        "weight_versions": list(s.weight_versions),
+        "prompt_length": s.prompt_length,
+        "response_length": s.response_length,
+        "tokens": tokens,
         "rollout_log_probs": _floats(s.rollout_log_probs),
-        "trainer_log_probs": _floats(trainer_log_probs), "advantages": _floats(advantages),
+        "trainer_log_probs": _floats(trainer_log_probs),
+        "advantages": _floats(advantages),
     }
     if isinstance(s.reward, dict):
         rec["reward_detail"] = json.loads(json.dumps(s.reward, default=str))
@@ -95,8 +107,14 @@ def sample_record(s: Sample, step: int, *, reward_key: str | None = None,
 class SampleLog:
     """Writes each step's file; `n` = 0 writes nothing."""
 
-    def __init__(self, output_dir: str, n: int, *, reward_key: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        n: int,
+        *,
+        reward_key: str | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
         self.output_dir, self.n, self.reward_key, self.decode = output_dir, n, reward_key, decode
 
     def write(self, step: int, groups: Sequence[Sequence[Sample]], token_values: dict | None = None) -> str | None:

@@ -25,14 +25,45 @@ from typing import Any, Iterable, Mapping
 REDACTED = "<redacted>"
 MIN_SCRUB_LEN = 6
 
-_SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials",
-                           "apikey"})
+_SECRET_WORDS = frozenset(
+    {"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials", "apikey"}
+)
 # words before a final key/token that make it a name of data, not a credential
-_NOT_SECRET_BEFORE = frozenset({
-    "input", "label", "metadata", "tool", "tools", "reward", "sort", "group", "dict", "column", "cache", "primary",
-    "foreign", "partition", "lookup", "seed", "rng", "pad", "eos", "bos", "unk", "sep", "cls", "mask", "stop",
-    "special", "start", "end", "image", "audio", "video",
-})
+_NOT_SECRET_BEFORE = frozenset(
+    {
+        "input",
+        "label",
+        "metadata",
+        "tool",
+        "tools",
+        "reward",
+        "sort",
+        "group",
+        "dict",
+        "column",
+        "cache",
+        "primary",
+        "foreign",
+        "partition",
+        "lookup",
+        "seed",
+        "rng",
+        "pad",
+        "eos",
+        "bos",
+        "unk",
+        "sep",
+        "cls",
+        "mask",
+        "stop",
+        "special",
+        "start",
+        "end",
+        "image",
+        "audio",
+        "video",
+    }
+)
 
 _lock = threading.Lock()
 _registered: set[str] = set()

@@ -37,11 +37,22 @@ def trace_events(records: Iterable[PhaseRecord], *, t0: float, pid: int, process
             continue
         threads.setdefault(r.thread_id, r.thread_name)
         args = {"rollout_id": r.step, **r.args} if r.step is not None else dict(r.args)
-        events.append({"name": r.name, "cat": "phase", "ph": "X", "pid": pid, "tid": r.thread_id,
-                       "ts": round((r.start - t0) * 1e6, 3), "dur": round((r.end - r.start) * 1e6, 3),
-                       "args": args})
-    events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-               for tid, name in threads.items()]
+        events.append(
+            {
+                "name": r.name,
+                "cat": "phase",
+                "ph": "X",
+                "pid": pid,
+                "tid": r.thread_id,
+                "ts": round((r.start - t0) * 1e6, 3),
+                "dur": round((r.end - r.start) * 1e6, 3),
+                "args": args,
+            }
+        )
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+        for tid, name in threads.items()
+    ]
     return events
 
 
@@ -49,8 +60,18 @@ def trace_payload(since: float, process_name: str | None = None) -> dict:
     """This process' finished phases that ended after `since`, as plain data (lichen serve's GET /debug/trace, a
     Ray trainer rank's `trace` call): {"pid", "now", "records": [{name, step, start, end, thread_id, thread_name,
     args}]}, and "process_name" when given (the lane's name in the driver's trace)."""
-    records = [{"name": r.name, "step": r.step, "start": r.start, "end": r.end, "thread_id": r.thread_id,
-                "thread_name": r.thread_name, "args": r.args} for r in tracker().finished(since)]
+    records = [
+        {
+            "name": r.name,
+            "step": r.step,
+            "start": r.start,
+            "end": r.end,
+            "thread_id": r.thread_id,
+            "thread_name": r.thread_name,
+            "args": r.args,
+        }
+        for r in tracker().finished(since)
+    ]
     out = {"pid": os.getpid(), "now": time.time(), "records": records}
     if process_name:
         out["process_name"] = process_name
@@ -70,7 +91,7 @@ def remote_lanes(records: Iterable[PhaseRecord]) -> tuple[list[PhaseRecord], dic
         placed = []
         for r in sorted(recs, key=lambda r: r.start):
             slot = next((k for k, t in enumerate(free_at) if t <= r.start), len(free_at))
-            free_at[slot:slot + 1] = [r.end or r.start]
+            free_at[slot : slot + 1] = [r.end or r.start]
             args = {k: v for k, v in r.args.items() if k != REMOTE_ARG}
             placed.append(PhaseRecord(r.name, r.step, r.start, slot + 1, f"request slot {slot + 1}", args, r.end))
         remote[name] = placed
@@ -78,8 +99,18 @@ def remote_lanes(records: Iterable[PhaseRecord]) -> tuple[list[PhaseRecord], dic
 
 
 def records_from_payload(payload: dict) -> list[PhaseRecord]:
-    return [PhaseRecord(r["name"], r.get("step"), float(r["start"]), int(r["thread_id"]), str(r["thread_name"]),
-                        dict(r.get("args") or {}), float(r["end"])) for r in payload.get("records", [])]
+    return [
+        PhaseRecord(
+            r["name"],
+            r.get("step"),
+            float(r["start"]),
+            int(r["thread_id"]),
+            str(r["thread_name"]),
+            dict(r.get("args") or {}),
+            float(r["end"]),
+        )
+        for r in payload.get("records", [])
+    ]
 
 
 def write_trace(path: str, events: list[dict]) -> None:

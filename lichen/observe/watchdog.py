@@ -24,7 +24,8 @@ import traceback
 from typing import Callable
 
 from lichen.observe.metrics import get_logger
-from lichen.observe.phases import PhaseRecord, PhaseTracker, tracker as default_tracker
+from lichen.observe.phases import PhaseRecord, PhaseTracker
+from lichen.observe.phases import tracker as default_tracker
 
 log = get_logger(__name__)
 
@@ -43,18 +44,30 @@ def thread_stacks() -> str:
 
 def describe(active: list[PhaseRecord], now: float, rank: int = 0) -> list[str]:
     """One line per running phase, outermost first."""
-    return [f"  {r.name}" + (f" (rollout {r.step})" if r.step is not None else "")
-            + f": rank {rank}, thread {r.thread_name!r}, running {now - r.start:.1f} s"
-            + (f", {r.args}" if r.args else "") for r in active]
+    return [
+        f"  {r.name}"
+        + (f" (rollout {r.step})" if r.step is not None else "")
+        + f": rank {rank}, thread {r.thread_name!r}, running {now - r.start:.1f} s"
+        + (f", {r.args}" if r.args else "")
+        for r in active
+    ]
 
 
 class Watchdog:
     """See the module docstring. `engine_stacks()` returns {engine address: its stacks or why none came}."""
 
-    def __init__(self, output_dir: str, timeout: float, *, wait: bool = False, rank: int = 0,
-                 engine_stacks: Callable[[], dict[str, str]] | None = None,
-                 phases: PhaseTracker | None = None, exit_fn: Callable[[int], None] = os._exit,
-                 poll: float | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        timeout: float,
+        *,
+        wait: bool = False,
+        rank: int = 0,
+        engine_stacks: Callable[[], dict[str, str]] | None = None,
+        phases: PhaseTracker | None = None,
+        exit_fn: Callable[[int], None] = os._exit,
+        poll: float | None = None,
+    ) -> None:
         self.output_dir, self.timeout, self.wait, self.rank = output_dir, float(timeout), wait, rank
         self.engine_stacks = engine_stacks
         self.phases = phases or default_tracker()
@@ -98,9 +111,14 @@ class Watchdog:
         self._last_dump = {id(oldest): timeouts}
         path = self.dump(active, now, timeouts)
         if timeouts >= 2 and not self.wait:
-            log.error("watchdog: phase %s still running after %.0f s (2 x --watchdog-timeout): exiting with code "
-                      "%d; stacks in %s (--watchdog-wait keeps waiting instead)", " > ".join(r.name for r in active),
-                      now - oldest.start, EXIT_CODE, path)
+            log.error(
+                "watchdog: phase %s still running after %.0f s (2 x --watchdog-timeout): exiting with code "
+                "%d; stacks in %s (--watchdog-wait keeps waiting instead)",
+                " > ".join(r.name for r in active),
+                now - oldest.start,
+                EXIT_CODE,
+                path,
+            )
             self.exit_fn(EXIT_CODE)
         return path
 
@@ -113,8 +131,10 @@ class Watchdog:
         path = os.path.join(folder, f"hang_{stamp}_{timeouts}_{re.sub(r'[^A-Za-z0-9_.-]', '_', inner.name)}.txt")
         engines = self._engine_stacks()
         with open(path, "w", encoding="utf-8") as f:
-            f.write(f"lichen watchdog: phase {chain} has run longer than --watchdog-timeout {self.timeout:g} s "
-                    f"(pid {os.getpid()}, rank {self.rank})\n\nrunning phases (outermost first):\n")
+            f.write(
+                f"lichen watchdog: phase {chain} has run longer than --watchdog-timeout {self.timeout:g} s "
+                f"(pid {os.getpid()}, rank {self.rank})\n\nrunning phases (outermost first):\n"
+            )
             f.write("\n".join(describe(active, now, self.rank)) + "\n")
             f.write(f"engines: {', '.join(engines) if engines else 'in-process (their threads are below)'}\n")
             f.write("\n---- stacks of every thread of this process (faulthandler) ----\n")
@@ -123,8 +143,14 @@ class Watchdog:
             for address, text in engines.items():
                 f.write(f"\n---- engine {address}: stacks ----\n{text.rstrip()}\n")
         self.dumps.append(path)
-        log.warning("watchdog: phase %s (rollout %s) has run %.1f s, longer than --watchdog-timeout %g s: stacks "
-                    "written to %s", chain, inner.step, now - active[0].start, self.timeout, path)
+        log.warning(
+            "watchdog: phase %s (rollout %s) has run %.1f s, longer than --watchdog-timeout %g s: stacks written to %s",
+            chain,
+            inner.step,
+            now - active[0].start,
+            self.timeout,
+            path,
+        )
         return path
 
     def _engine_stacks(self) -> dict[str, str]:

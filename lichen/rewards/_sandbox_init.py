@@ -111,7 +111,7 @@ def expose(root, path, depth=0):
             link = os.readlink(current)
             if not os.path.lexists(target):
                 os.symlink(link, target)
-            rest = "/".join(parts[i + 1:])
+            rest = "/".join(parts[i + 1 :])
             return expose(root, os.path.normpath(os.path.join(os.path.dirname(current), link, rest)), depth + 1)
         if os.path.lexists(target) and (i < len(parts) - 1 or os.path.ismount(target)):
             continue  # a directory on the way, or already exposed (also inside an exposed parent)
@@ -137,8 +137,12 @@ def build_root(req):
     for name in DEVICES:
         open(root + "/dev/" + name, "w").close()
         bind("/dev/" + name, root + "/dev/" + name, MS_NOSUID | MS_NOEXEC)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, root + "/dev/" + name)
     os.mkdir(root + "/proc", 0o555)
     try:  # a /proc that shows only this PID namespace; not every container allows it
@@ -209,8 +213,14 @@ def child(req, stdin_fd, go_fd):
         check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
         # after setresuid: changing credentials clears the parent-death signal
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(pdeathsig)")
-        env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONHASHSEED": "0", "TMPDIR": WORKDIR}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": WORKDIR,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "TMPDIR": WORKDIR,
+        }
         python = req["python"]
         os.execve(python, [python, "-I"] + req["argv"], env)
     except BaseException as e:  # anything before exec: report and leave
@@ -264,7 +274,7 @@ def main():
 def _write_all(fd, data):
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 if __name__ == "__main__":

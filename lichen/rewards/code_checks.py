@@ -54,7 +54,7 @@ def decode(value: Any) -> Any:
     if isinstance(value, dict):
         if len(value) != 1:
             raise ValueError("not a tagged value")
-        (tag, items), = value.items()
+        ((tag, items),) = value.items()
         if tag == "bytes" and isinstance(items, str):
             return bytes.fromhex(items)
         if not isinstance(items, list):
@@ -74,11 +74,29 @@ def decode(value: Any) -> Any:
 # ------------------------------------------------------------------------ expected values (trusted side)
 
 _SAFE_CALLS: dict[str, Callable] = {
-    "set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict, "sorted": sorted,
-    "float": float, "int": int, "str": str, "bool": bool, "abs": abs, "round": round, "bytes": bytes,
+    "set": set,
+    "frozenset": frozenset,
+    "tuple": tuple,
+    "list": list,
+    "dict": dict,
+    "sorted": sorted,
+    "float": float,
+    "int": int,
+    "str": str,
+    "bool": bool,
+    "abs": abs,
+    "round": round,
+    "bytes": bytes,
 }
-_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-          ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_ARITH = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 
 
 def _number(x: Any) -> bool:
@@ -109,11 +127,20 @@ def safe_eval(node: ast.AST) -> Any:
             except (ArithmeticError, ValueError) as e:
                 raise Unsplittable(f"expected value raises {type(e).__name__}") from None
         seq, times = (a, b) if type(b) is int else (b, a)
-        if (isinstance(node.op, ast.Mult) and type(seq) in (list, tuple, str) and type(times) is int
-                and len(seq) * times <= 1_000_000):  # `[0] * 5`
+        if (
+            isinstance(node.op, ast.Mult)
+            and type(seq) in (list, tuple, str)
+            and type(times) is int
+            and len(seq) * times <= 1_000_000
+        ):  # `[0] * 5`
             return seq * times
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SAFE_CALLS
-            and not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords)):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _SAFE_CALLS
+        and not any(isinstance(a, ast.Starred) for a in node.args)
+        and all(k.arg for k in node.keywords)
+    ):
         args = [safe_eval(a) for a in node.args]
         kwargs = {k.arg: safe_eval(k.value) for k in node.keywords}
         try:
@@ -133,9 +160,16 @@ def _try_safe(node: ast.AST) -> tuple[bool, Any]:
 # -------------------------------------------------------------------------------------- assert parsing
 
 _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
-    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-    ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
 }
 _MIRROR = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE}
 
@@ -153,6 +187,7 @@ def _guarded(fn: Callable[[Any], bool]) -> Callable[[Any], bool]:
             return bool(fn(value))
         except Exception:  # e.g. a str compared with < to an int: the program's value is wrong
             return False
+
     return verdict
 
 
@@ -191,9 +226,16 @@ def _isclose_check(call: ast.Call) -> Check:
 def _abs_diff_check(node: ast.Compare) -> Check | None:
     """`abs(P - E) < T` (or `<=`, either order inside abs), else None."""
     left = node.left
-    if not (len(node.ops) == 1 and isinstance(node.ops[0], (ast.Lt, ast.LtE)) and isinstance(left, ast.Call)
-            and isinstance(left.func, ast.Name) and left.func.id == "abs" and len(left.args) == 1
-            and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub)):
+    if not (
+        len(node.ops) == 1
+        and isinstance(node.ops[0], (ast.Lt, ast.LtE))
+        and isinstance(left, ast.Call)
+        and isinstance(left.func, ast.Name)
+        and left.func.id == "abs"
+        and len(left.args) == 1
+        and isinstance(left.args[0], ast.BinOp)
+        and isinstance(left.args[0].op, ast.Sub)
+    ):
         return None
     tol = safe_eval(node.comparators[0])
     diff = left.args[0]
@@ -207,8 +249,12 @@ def _abs_diff_check(node: ast.Compare) -> Check | None:
 
 def _is_isclose(node: ast.AST) -> bool:
     func = node.func if isinstance(node, ast.Call) else None
-    return (isinstance(func, ast.Attribute) and func.attr == "isclose" and isinstance(func.value, ast.Name)
-            and func.value.id == "math") or (isinstance(func, ast.Name) and func.id == "isclose")
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "isclose"
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "math"
+    ) or (isinstance(func, ast.Name) and func.id == "isclose")
 
 
 def _checks(test: ast.AST) -> list[Check]:
@@ -236,8 +282,9 @@ def split_assert(source: str) -> Case:
             raise Unsplittable("a test case must consist of assert statements")
         return Case([c for s in tree.body for c in _checks(s.test)], source)
     except (Unsplittable, SyntaxError, RecursionError, MemoryError) as e:
-        logger.warning("code reward: test case %r cannot be checked outside the sandbox (%s); it counts as failed",
-                       source[:200], e)
+        logger.warning(
+            "code reward: test case %r cannot be checked outside the sandbox (%s); it counts as failed", source[:200], e
+        )
         return Case([], source, str(e))
 
 
@@ -247,6 +294,7 @@ def split_assert(source: str) -> Case:
 def lenient_equal(got: Any, want: Any) -> bool:
     """Call-based comparison: tuples as lists, floats within 1e-6 relative, and an expected one-element list
     also matches the bare element (as in APPS)."""
+
     def plain(x: Any) -> Any:
         if isinstance(x, (list, tuple)):
             return [plain(v) for v in x]
@@ -271,8 +319,9 @@ def lenient_equal(got: Any, want: Any) -> bool:
 def call_case(fn_name: str, args: Any, want: Any) -> Case:
     args = args if isinstance(args, list) else [args]
     json.dumps(args)  # the arguments travel as JSON: refuse anything else here, not in the sandbox
-    return Case([Check({"call": fn_name, "args": args}, _guarded(lambda v: lenient_equal(v, want)))],
-                f"{fn_name}(*{args!r})")
+    return Case(
+        [Check({"call": fn_name, "args": args}, _guarded(lambda v: lenient_equal(v, want)))], f"{fn_name}(*{args!r})"
+    )
 
 
 def parse_report(stdout: str, count: int) -> dict[int, Any]:

@@ -128,8 +128,13 @@ class CodeReward:
         if not probes:
             return 0
         header = json.dumps({"probes": probes}) + "\n"
-        result = await run_sandboxed(program, config=self._config(self.case_timeout_s * len(cases)),
-                                     stdin=header, files={"harness.py": HARNESS}, argv=["harness.py"])
+        result = await run_sandboxed(
+            program,
+            config=self._config(self.case_timeout_s * len(cases)),
+            stdin=header,
+            files={"harness.py": HARNESS},
+            argv=["harness.py"],
+        )
         values = parse_report(result.stdout, len(probes))
         passed, k = 0, 0
         for case in cases:

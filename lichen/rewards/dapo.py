@@ -26,13 +26,54 @@ from lichen.rewards.rules import last_boxed, normalize_answer, parse_number
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
 _ASSIGN = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?!=)")
 _UNITS = (
-    "degrees", "degree", "units", "unit", "dollars", "dollar", "cents", "cent", "meters", "meter", "cm", "mm",
-    "km", "inches", "inch", "feet", "foot", "ft", "miles", "mile", "hours", "hour", "minutes", "minute",
-    "seconds", "second", "sq", "square", "cubic", "mph", "pounds", "pound", "kg", "grams", "gram", "points",
-    "point", "years", "year", "days", "day", "people", "students", "marbles",
+    "degrees",
+    "degree",
+    "units",
+    "unit",
+    "dollars",
+    "dollar",
+    "cents",
+    "cent",
+    "meters",
+    "meter",
+    "cm",
+    "mm",
+    "km",
+    "inches",
+    "inch",
+    "feet",
+    "foot",
+    "ft",
+    "miles",
+    "mile",
+    "hours",
+    "hour",
+    "minutes",
+    "minute",
+    "seconds",
+    "second",
+    "sq",
+    "square",
+    "cubic",
+    "mph",
+    "pounds",
+    "pound",
+    "kg",
+    "grams",
+    "gram",
+    "points",
+    "point",
+    "years",
+    "year",
+    "days",
+    "day",
+    "people",
+    "students",
+    "marbles",
 )
-_TRAILING_UNITS = re.compile(r"(?:\s*(?:\\text\{\s*|\\mbox\{\s*|\\mathrm\{\s*)?(?:" + "|".join(_UNITS) +
-                             r")\b\}?\.?)+\s*$", re.IGNORECASE)
+_TRAILING_UNITS = re.compile(
+    r"(?:\s*(?:\\text\{\s*|\\mbox\{\s*|\\mathrm\{\s*)?(?:" + "|".join(_UNITS) + r")\b\}?\.?)+\s*$", re.IGNORECASE
+)
 _FRAC_DIGITS = re.compile(r"\\frac(\d)(\d)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")

@@ -75,8 +75,10 @@ def known_rm_types() -> list[str]:
 
 
 def check_rm_type(rm_type: str, flag: str = "--rm-type") -> None:
-    if rm_type not in RULES and rm_type not in ASYNC_TYPES and not (
-        rm_type.startswith(BOXED_PREFIX) and rm_type[len(BOXED_PREFIX):] in BOXABLE
+    if (
+        rm_type not in RULES
+        and rm_type not in ASYNC_TYPES
+        and not (rm_type.startswith(BOXED_PREFIX) and rm_type[len(BOXED_PREFIX) :] in BOXABLE)
     ):
         raise ConfigError(
             f"{flag} {rm_type!r} is not a known rm type; known: {', '.join(known_rm_types())} (or give "
@@ -90,7 +92,7 @@ def get_rule_reward(rm_type: str, flag: str = "--rm-type") -> RuleFn:
     if rm_type in ASYNC_TYPES:
         raise ConfigError(f"{flag} {rm_type!r} runs asynchronously; it has no plain rule function")
     if rm_type.startswith(BOXED_PREFIX):
-        inner_name = rm_type[len(BOXED_PREFIX):]
+        inner_name = rm_type[len(BOXED_PREFIX) :]
         inner = BOXABLE[inner_name]
 
         def boxed(response: str, label: Any, metadata: dict | None = None) -> float | dict:
@@ -148,8 +150,9 @@ class RewardHub:
                 from lichen.rewards.sandbox import SandboxLimits, resolve_sandbox
 
                 c = self._settings("code")
-                limits = SandboxLimits(memory_mb=c.code_memory_mb, max_procs=c.code_max_procs,
-                                       max_file_mb=c.code_max_file_mb)
+                limits = SandboxLimits(
+                    memory_mb=c.code_memory_mb, max_procs=c.code_max_procs, max_file_mb=c.code_max_file_mb
+                )
                 sandbox = resolve_sandbox(c.code_sandbox_python, uid_base=c.code_sandbox_uid_base, limits=limits)
                 self._code = CodeReward(sandbox, case_timeout_s=c.code_timeout)
             return self._code
@@ -163,9 +166,14 @@ class RewardHub:
                 if not c.rm_url:
                     raise ConfigError("rm type remote_rm needs --rm-url http(s)://host:port/path")
                 # no --reward-timeout (0 or none) still bounds each HTTP request
-                self._remote = RemoteRM(c.rm_url, max_retries=c.rm_max_retries, backoff_s=c.rm_retry_backoff,
-                                        request_timeout_s=c.timeout or 60.0, max_concurrency=c.concurrency,
-                                        api_key=rm_api_key(c.rm_api_key_file))
+                self._remote = RemoteRM(
+                    c.rm_url,
+                    max_retries=c.rm_max_retries,
+                    backoff_s=c.rm_retry_backoff,
+                    request_timeout_s=c.timeout or 60.0,
+                    max_concurrency=c.concurrency,
+                    api_key=rm_api_key(c.rm_api_key_file),
+                )
             return self._remote
 
     @contextlib.asynccontextmanager
@@ -191,4 +199,3 @@ class RewardHub:
         except ConfigError as e:  # a per-sample type: this sample fails, the run goes on
             raise ValueError(str(e)) from None
         return rule(sample.response, sample.label, metadata)
-

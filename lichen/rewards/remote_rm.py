@@ -46,8 +46,16 @@ def _aiohttp() -> Any:
 
 
 class RemoteRM:
-    def __init__(self, url: str, *, max_retries: int = 3, backoff_s: float = 0.5, request_timeout_s: float = 60.0,
-                 max_concurrency: int = 64, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        request_timeout_s: float = 60.0,
+        max_concurrency: int = 64,
+        api_key: str | None = None,
+    ) -> None:
         if not url or not url.startswith(("http://", "https://")):
             raise ConfigError(f"--rm-url {url!r}: give the reward endpoint as http(s)://host:port/path")
         _aiohttp()
@@ -115,8 +123,9 @@ def rm_api_key(key_file: str | None) -> str | None:
     """The remote RM's key: from `--rm-api-key-file`, else LICHEN_RM_API_KEY, else None (no key sent)."""
     from lichen.key_files import resolve_key
 
-    return resolve_key(flag_value=None, file_path=key_file, env=RM_KEY_ENV, flag=RM_KEY_ENV,
-                       file_flag="--rm-api-key-file")
+    return resolve_key(
+        flag_value=None, file_path=key_file, env=RM_KEY_ENV, flag=RM_KEY_ENV, file_flag="--rm-api-key-file"
+    )
 
 
 def _parse_reward(text: str, url: str) -> float | dict:

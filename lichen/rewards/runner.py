@@ -66,7 +66,7 @@ class GroupReward:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
     def __call__(self, args: Any, samples: list[Sample]) -> Any:
         return self.fn(args, samples)
@@ -75,8 +75,9 @@ class GroupReward:
         return f"GroupReward({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
-def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, cfg: Any = None, *,
-                    group: bool = False) -> RewardFn:
+def build_reward_fn(
+    rm_type: str | None, custom_rm_path: str | None, cfg: Any = None, *, group: bool = False
+) -> RewardFn:
     """`--custom-rm-path` (taking precedence) loaded as `fn(args, sample)` (as `fn(args, samples)` of one group
     when `group`, --group-rm), else the hub's `--rm-type` grader set up with `cfg` (lichen's RewardConfig)."""
     if custom_rm_path:
@@ -87,8 +88,7 @@ def build_reward_fn(rm_type: str | None, custom_rm_path: str | None, cfg: Any = 
     if rm_type:
         return RewardHub(rm_type, cfg)
     raise ConfigError(
-        f"no reward function: give --rm-type (one of {', '.join(known_rm_types())}) or --custom-rm-path "
-        f"module.function"
+        f"no reward function: give --rm-type (one of {', '.join(known_rm_types())}) or --custom-rm-path module.function"
     )
 
 
@@ -138,7 +138,7 @@ async def score_samples_async(
     is_async = getattr(reward_fn, "is_async", None)
     if is_async is None:
         is_async = inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
-            getattr(reward_fn, "__call__", None)
+            getattr(reward_fn, "__call__", None)  # noqa: B004
         )
 
     async def invoke(payload: Any) -> tuple[Any, str | None]:
@@ -201,7 +201,7 @@ async def score_samples_async(
     context = getattr(reward_fn, "batch_context", None)
     # a named phase, so the hang watchdog and the trace can tell the verifier's time from the engines'
     with phase("reward", num_samples=len(samples)):
-        async with (context() if context is not None else contextlib.nullcontext()):
+        async with context() if context is not None else contextlib.nullcontext():
             try:
                 causes = [c for part in await asyncio.gather(*jobs) for c in part]
             except _Interrupted:

@@ -190,23 +190,32 @@ def find_python(explicit: str | None, root: bool) -> str:
     )
 
 
-def resolve_sandbox(python: str | None = None, uid_base: int = DEFAULT_UID_BASE,
-                    limits: SandboxLimits | None = None) -> SandboxConfig:
+def resolve_sandbox(
+    python: str | None = None, uid_base: int = DEFAULT_UID_BASE, limits: SandboxLimits | None = None
+) -> SandboxConfig:
     """Pick the mode for this process, find what the run's root must show and where its cgroup goes, and check,
     by running a probe, that the isolation really holds."""
     root = os.geteuid() == 0
     python = find_python(python, root)
-    config = SandboxConfig(python=python, mode="root" if root else "userns", uid_base=uid_base,
-                           limits=limits or SandboxLimits(), expose=interpreter_paths(python),
-                           cgroup=find_cgroup_parent())
+    config = SandboxConfig(
+        python=python,
+        mode="root" if root else "userns",
+        uid_base=uid_base,
+        limits=limits or SandboxLimits(),
+        expose=interpreter_paths(python),
+        cgroup=find_cgroup_parent(),
+    )
     if config.cgroup is None:
         config.limits = split_memory(config.limits)
         logger.warning(
             "code sandbox: no cgroup with a memory controller can be made here (%s); each run's %d MiB are "
             "bounded by allowing %d process(es) of %d MiB address space each instead. Run as root or give this "
             "user a delegated cgroup for a per-run memory limit.",
-            "not root" if not root else "cgroup file system not writable", config.limits.memory_mb,
-            config.limits.max_procs, config.limits.memory_mb // config.limits.max_procs)
+            "not root" if not root else "cgroup file system not writable",
+            config.limits.memory_mb,
+            config.limits.max_procs,
+            config.limits.memory_mb // config.limits.max_procs,
+        )
     check_sandbox(config)
     return config
 
@@ -256,8 +265,9 @@ def check_sandbox(config: SandboxConfig) -> dict:
     return {"uid": int(uid), "mode": config.mode, "python": config.python, "interfaces": interfaces}
 
 
-async def run_sandboxed(source: str, *, config: SandboxConfig, stdin: str = "", files: dict | None = None,
-                        argv: list[str] | None = None) -> SandboxResult:
+async def run_sandboxed(
+    source: str, *, config: SandboxConfig, stdin: str = "", files: dict | None = None, argv: list[str] | None = None
+) -> SandboxResult:
     """Run `source` (saved as solution.py; `files` are written beside it) with `argv` (default: solution.py).
 
     Returns its exit code and output; a timeout or output overflow kills the whole sandbox and is reported in
@@ -291,8 +301,9 @@ async def run_sandboxed(source: str, *, config: SandboxConfig, stdin: str = "", 
             "cgroup_fd": cgroup.procs_fd if cgroup else None,
         }
         pass_fds = (control_child.fileno(),) + ((cgroup.procs_fd,) if cgroup else ())
-        result = await _run_launcher(json.dumps(request).encode(), config.limits, pass_fds, control_child,
-                                     _Namespace(control))
+        result = await _run_launcher(
+            json.dumps(request).encode(), config.limits, pass_fds, control_child, _Namespace(control)
+        )
         if cgroup is not None:
             result.details["memory_peak_bytes"] = cgroup.peak_bytes()
     finally:
@@ -331,18 +342,29 @@ class _Namespace:
         try:
             # readable once PID 1 has exited, which it does only after every other process of its namespace
             if not select.select([pidfd], [], [], REAP_TIMEOUT_S)[0]:
-                logger.warning("code sandbox: namespace %s still alive %.0f s after SIGKILL",
-                               self.info.get("ns"), REAP_TIMEOUT_S)
+                logger.warning(
+                    "code sandbox: namespace %s still alive %.0f s after SIGKILL", self.info.get("ns"), REAP_TIMEOUT_S
+                )
         finally:
             os.close(pidfd)
 
 
-async def _run_launcher(payload: bytes, limits: SandboxLimits, pass_fds: tuple[int, ...],
-                        control_child: socket.socket, namespace: _Namespace) -> SandboxResult:
+async def _run_launcher(
+    payload: bytes,
+    limits: SandboxLimits,
+    pass_fds: tuple[int, ...],
+    control_child: socket.socket,
+    namespace: _Namespace,
+) -> SandboxResult:
     start = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", LAUNCHER,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-I",
+        "-S",
+        LAUNCHER,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         start_new_session=True,  # its own process group, killed whole on timeout
         pass_fds=pass_fds,
     )
@@ -427,7 +449,8 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def run_sandboxed_sync(source: str, *, config: SandboxConfig, stdin: str = "", files: dict | None = None,
-                       argv: list[str] | None = None) -> SandboxResult:
+def run_sandboxed_sync(
+    source: str, *, config: SandboxConfig, stdin: str = "", files: dict | None = None, argv: list[str] | None = None
+) -> SandboxResult:
     """`run_sandboxed` for synchronous callers (not from inside a running event loop)."""
     return asyncio.run(run_sandboxed(source, config=config, stdin=stdin, files=files, argv=argv))

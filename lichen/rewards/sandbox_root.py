@@ -37,19 +37,22 @@ def elf_interpreter(path: str) -> str | None:
         is64, little = head[4] == 2, head[5] == 1
         end = "<" if little else ">"
         if is64:
-            phoff, = struct.unpack(end + "Q", head[32:40])
+            (phoff,) = struct.unpack(end + "Q", head[32:40])
             phentsize, phnum = struct.unpack(end + "HH", head[54:58])
         else:
-            phoff, = struct.unpack(end + "I", head[28:32])
+            (phoff,) = struct.unpack(end + "I", head[28:32])
             phentsize, phnum = struct.unpack(end + "HH", head[42:46])
         for i in range(phnum):
             f.seek(phoff + i * phentsize)
             entry = f.read(phentsize)
-            ptype, = struct.unpack(end + "I", entry[:4])
+            (ptype,) = struct.unpack(end + "I", entry[:4])
             if ptype != PT_INTERP:
                 continue
-            offset, size = (struct.unpack(end + "QQ", entry[8:16] + entry[32:40]) if is64
-                            else struct.unpack(end + "II", entry[4:8] + entry[16:20]))
+            offset, size = (
+                struct.unpack(end + "QQ", entry[8:16] + entry[32:40])
+                if is64
+                else struct.unpack(end + "II", entry[4:8] + entry[16:20])
+            )
             f.seek(offset)
             return f.read(size).rstrip(b"\0").decode()
     return None
@@ -58,8 +61,9 @@ def elf_interpreter(path: str) -> str | None:
 def interpreter_paths(python: str) -> list[str]:
     """Host paths the sandbox exposes read-only for `python` to run: parents before children, no duplicates."""
     try:
-        out = subprocess.run([python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60,
-                             check=True, cwd="/").stdout
+        out = subprocess.run(
+            [python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True, cwd="/"
+        ).stdout
         found = json.loads(out.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         raise ConfigError(f"--code-sandbox-python {python}: cannot ask it for its library paths ({e})") from None
@@ -69,9 +73,10 @@ def interpreter_paths(python: str) -> list[str]:
         paths.add(loader)
     for path in list(paths):
         if path.startswith("/tmp/") or path == "/tmp":
-            raise ConfigError(f"--code-sandbox-python {python}: {path} lies under /tmp, where the sandbox "
-                              "builds its own root; use an interpreter installed elsewhere")
+            raise ConfigError(
+                f"--code-sandbox-python {python}: {path} lies under /tmp, where the sandbox "
+                "builds its own root; use an interpreter installed elsewhere"
+            )
     # a directory that another exposed one contains is exposed with it
     ordered = sorted(paths, key=lambda p: (p.count("/"), p))
-    return [p for i, p in enumerate(ordered)
-            if not any(p.startswith(q.rstrip("/") + "/") for q in ordered[:i])]
+    return [p for i, p in enumerate(ordered) if not any(p.startswith(q.rstrip("/") + "/") for q in ordered[:i])]

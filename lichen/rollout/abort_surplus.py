@@ -42,13 +42,21 @@ log = get_logger(__name__)
 
 def can_abort(cfg: Any, engine: Any) -> bool:
     """Rounds stop early only over engines lichen can abort, and only for requests lichen itself makes."""
-    return (all(hasattr(engine, a) for a in ("agenerate", "submit", "abort_all"))
-            and not cfg.custom_generate_function_path)
+    return (
+        all(hasattr(engine, a) for a in ("agenerate", "submit", "abort_all")) and not cfg.custom_generate_function_path
+    )
 
 
-def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_filter: Any, need: int,
-                   resumed: list[list[Sample]] = (), buffer: PartialBuffer | None = None,
-                   ) -> tuple[list[list[Sample]], list[bool], dict]:
+def generate_round(
+    ctx: RolloutContext,
+    prompts: list,
+    *,
+    seed_key: int,
+    group_filter: Any,
+    need: int,
+    resumed: list[list[Sample]] = (),
+    buffer: PartialBuffer | None = None,
+) -> tuple[list[list[Sample]], list[bool], dict]:
     """One round: (groups decided, keep flag per group, stats). Stats: reward_time_s, failed, aborted_groups,
     aborted_requests, buffered_groups. Groups after the `need`-th kept one are aborted and not returned; with a
     `buffer` (--partial-rollout) they are put into it. `resumed` groups (from the buffer) take positions
@@ -102,15 +110,19 @@ def generate_round(ctx: RolloutContext, prompts: list, *, seed_key: int, group_f
         stats["aborted_requests"] = _cancel_surplus(engine, futures)
     else:
         stats["aborted_requests"] = drain(engine, futures, gate)
-        for members in plan[len(groups):]:
+        for members in plan[len(groups) :]:
             results = [None if k is None else result_or_none(futures[k]) for k, _ in members]
             buffer.put([member_sample(ctx, base, res, True) for (_, base), res in zip(members, results)])
         stats["buffered_groups"] = len(plan) - len(groups)
     stats["aborted_groups"] = len(plan) - len(groups)
     if stats["aborted_groups"]:
-        log.info("dynamic sampling: %d groups kept; aborted the %d requests of the %d later groups of this round%s",
-                 need, stats["aborted_requests"], stats["aborted_groups"],
-                 " (their groups go to the partial-rollout buffer)" if gate is not None else "")
+        log.info(
+            "dynamic sampling: %d groups kept; aborted the %d requests of the %d later groups of this round%s",
+            need,
+            stats["aborted_requests"],
+            stats["aborted_groups"],
+            " (their groups go to the partial-rollout buffer)" if gate is not None else "",
+        )
     return groups, keep, stats
 
 

@@ -72,13 +72,22 @@ def _continues(earlier: list[dict], later: list[dict]) -> bool:
 
 
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status
+    )
 
 
 class AgentProxy:
-    def __init__(self, engine: Any, tokenizer: Any, *, parser: ToolCallParser | None = None,
-                 max_new_tokens: int = 1024, model_name: str = "lichen-policy", check_fidelity: bool = False):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        parser: ToolCallParser | None = None,
+        max_new_tokens: int = 1024,
+        model_name: str = "lichen-policy",
+        check_fidelity: bool = False,
+    ):
         self.engine, self.tok = engine, tokenizer
         self.check_fidelity = check_fidelity
         self.parser = parser or load_parser("hermes")
@@ -125,7 +134,7 @@ class AgentProxy:
             history = last.prompt_ids + last.output_ids
             done = self.tok.decode(history, skip_special_tokens=False)
             if text.startswith(done):
-                return history + self._encode(text[len(done):])
+                return history + self._encode(text[len(done) :])
         return self._encode(text)
 
     async def _chat(self, request: web.Request) -> web.Response:
@@ -145,16 +154,28 @@ class AgentProxy:
         session = self.sessions.setdefault(sid, Session())
         text = self._render(session, body, tools)
         ids = self._prompt_ids(session, text)
-        req = GenRequest(input_ids=ids, max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
-                         temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                         seed=int(body.get("seed") or uuid.uuid4().int % 2**31))
+        req = GenRequest(
+            input_ids=ids,
+            max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            seed=int(body.get("seed") or uuid.uuid4().int % 2**31),
+        )
         turn = Turn(ids, [], [], "", "", "", body["messages"], text)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
-            reply = ReplyStream(self.tok, self.parser if parse else None, logprobs=bool(body.get("logprobs")),
-                                cid=cid, model=self.model_name)
-            return await reply.run(request, generation(self.engine, req, sid),
-                                   lambda res, content, calls: self._record(session, turn, res, content, calls))
+            reply = ReplyStream(
+                self.tok,
+                self.parser if parse else None,
+                logprobs=bool(body.get("logprobs")),
+                cid=cid,
+                model=self.model_name,
+            )
+            return await reply.run(
+                request,
+                generation(self.engine, req, sid),
+                lambda res, content, calls: self._record(session, turn, res, content, calls),
+            )
         res = await self.engine.agenerate(req, sid)
         if request.transport is None:  # the client went away meanwhile: as for a stream, nothing is recorded
             return _error("the client closed the connection", 499)
@@ -169,19 +190,35 @@ class AgentProxy:
         if body.get("logprobs"):
             lps = {"content": token_logprobs(self.tok, res.output_ids, res.output_logprobs)}
         n = len(res.output_ids)
-        return web.json_response({
-            "id": cid, "object": "chat.completion", "created": 0, "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": calls},
-                         "logprobs": lps, "finish_reason": reason}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}})
+        return web.json_response(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": 0,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                        "logprobs": lps,
+                        "finish_reason": reason,
+                    }
+                ],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
+            }
+        )
 
-    def _record(self, session: Session, turn: Turn, res: GenResult, content: str | None,
-                calls: list[dict] | None) -> None:
+    def _record(
+        self, session: Session, turn: Turn, res: GenResult, content: str | None, calls: list[dict] | None
+    ) -> None:
         """The request's turn, once its reply was written to the client (a stream's last chunk); `content` and
         `calls` as the client got them (the key under which the raw text is rendered back when the agent returns
         the message)."""
-        turn.output_ids, turn.logprobs, turn.finish_reason = list(res.output_ids), list(res.output_logprobs), \
-            res.finish_reason
+        turn.output_ids, turn.logprobs, turn.finish_reason = (
+            list(res.output_ids),
+            list(res.output_logprobs),
+            res.finish_reason,
+        )
         turn.weight_version, turn.engine = res.weight_version, res.engine
         session.turns.append(turn)
         session.raw[_message_key(content, calls)] = self.tok.decode(res.output_ids, skip_special_tokens=True)
@@ -196,7 +233,7 @@ class AgentProxy:
             if chains:
                 last = turns[chains[-1][-1]]
                 have = last.prompt_ids + last.output_ids
-                if turn.prompt_ids[:len(have)] == have:
+                if turn.prompt_ids[: len(have)] == have:
                     chains[-1].append(k)
                     continue
             chains.append([k])
@@ -217,9 +254,15 @@ class AgentProxy:
         if self.check_fidelity:
             fidelity = sample.metadata["token_fidelity"] = self.fidelity(turns, chain[-1])
             if fidelity is not None:
-                log.warning("agent proxy: session %s chain %d differs from apply_chat_template of its conversation "
-                            "at token %d (trained %s, template %s)", session_id, c, fidelity["position"],
-                            fidelity["trained"], fidelity["template"])
+                log.warning(
+                    "agent proxy: session %s chain %d differs from apply_chat_template of its conversation "
+                    "at token %d (trained %s, template %s)",
+                    session_id,
+                    c,
+                    fidelity["position"],
+                    fidelity["trained"],
+                    fidelity["template"],
+                )
         return sample
 
     def fidelity(self, turns: list[Turn], k: int) -> dict | None:
@@ -233,9 +276,9 @@ class AgentProxy:
         length): the first token where the agent's version of the conversation departs from what is trained."""
         last = turns[k]
         trained = last.prompt_ids + last.output_ids
-        later = next((t for t in turns[k + 1:] if _continues(last.messages, t.messages)), None)
+        later = next((t for t in turns[k + 1 :] if _continues(last.messages, t.messages)), None)
         if later is not None:
-            return first_mismatch(trained, self._encode(later.text)[:len(trained)])
+            return first_mismatch(trained, self._encode(later.text)[: len(trained)])
         return first_mismatch(trained, self._encode(last.text) + last.output_ids)
 
     def _encode(self, text: str) -> list[int]:

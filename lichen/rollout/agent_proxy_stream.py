@@ -28,8 +28,9 @@ from lichen.engines.tool_parsers import ToolCallParser, tool_finish_reason
 
 def token_logprobs(tok: Any, ids: list[int], logprobs: list[float]) -> list[dict]:
     """OpenAI's `logprobs.content` entries of some output tokens."""
-    return [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-            for t, lp in zip(ids, logprobs)]
+    return [
+        {"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(ids, logprobs)
+    ]
 
 
 def generation(engine: Any, request: GenRequest, session_id: str) -> AsyncIterator[GenResult]:
@@ -57,8 +58,7 @@ class ReplyStream:
         self.lp_sent = 0  # tokens whose log-probs were sent
         self.calls: list[dict] = []
 
-    async def run(self, request: web.Request, results: AsyncIterator[GenResult], record: Record) \
-            -> web.StreamResponse:
+    async def run(self, request: web.Request, results: AsyncIterator[GenResult], record: Record) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
@@ -87,7 +87,7 @@ class ReplyStream:
                 msg["tool_calls"] = [c.openai(len(self.calls) + k) for k, c in enumerate(calls)]
                 self.calls += [c.openai() for c in calls]
         else:
-            delta = text[len(self.text):] if text.startswith(self.text) else ""
+            delta = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text += delta
         if delta:
             msg = {"content": delta, **msg}
@@ -96,8 +96,11 @@ class ReplyStream:
             n = len(res.output_ids)
             lps = None
             if self.want_lp:  # every token since the last chunk, also those whose text was held back
-                lps = {"content": token_logprobs(self.tok, res.output_ids[self.lp_sent:n],
-                                                 res.output_logprobs[self.lp_sent:n])}
+                lps = {
+                    "content": token_logprobs(
+                        self.tok, res.output_ids[self.lp_sent : n], res.output_logprobs[self.lp_sent : n]
+                    )
+                }
                 self.lp_sent = n
             await self._write(resp, msg, lps, reason)
 

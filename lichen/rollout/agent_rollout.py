@@ -44,9 +44,14 @@ class _RolloutEngine:
         params = self.params[session_id]
         k = self.count[session_id] = self.count.get(session_id, 0) + 1
         seed = int(params["sampling_seed"])
-        return request_from_params(request.input_ids, {
-            **params, "max_new_tokens": max(1, min(request.max_new_tokens, int(params["max_new_tokens"]))),
-            "sampling_seed": seed if k == 1 else derive_seed(seed, k - 1)})
+        return request_from_params(
+            request.input_ids,
+            {
+                **params,
+                "max_new_tokens": max(1, min(request.max_new_tokens, int(params["max_new_tokens"]))),
+                "sampling_seed": seed if k == 1 else derive_seed(seed, k - 1),
+            },
+        )
 
     async def agenerate(self, request: GenRequest, session_id: str | None = None) -> GenResult:
         return await self.ctx.engine.agenerate(self._request(request, session_id), session_id)
@@ -59,8 +64,12 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sam
     """The custom generate function (see the module docstring)."""
     cfg = ToolConfig.from_args(args)
     agent = load_function(cfg.agent_path, FLAG)
-    proxy = AgentProxy(_RolloutEngine(current()), current().tokenizer,
-                       parser=load_parser(cfg.parser, "--tool-call-parser"), check_fidelity=cfg.check_fidelity)
+    proxy = AgentProxy(
+        _RolloutEngine(current()),
+        current().tokenizer,
+        parser=load_parser(cfg.parser, "--tool-call-parser"),
+        check_fidelity=cfg.check_fidelity,
+    )
     await proxy.start()  # one per trajectory: its sessions and sockets end with it
     sid = f"sample{sample.index}"
     proxy.engine.params[sid] = sampling_params

@@ -76,13 +76,22 @@ class RolloutFn:
             warnings.warn(message, DeprecationWarning, stacklevel=3)
             log.warning("%s", message)  # DeprecationWarnings are hidden by default outside __main__
 
-    def call(self, args: Any, rollout_id: int, data_source: Any, *, evaluation: bool,
-             legacy_call: Callable[[], Any] | None = None) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    def call(
+        self,
+        args: Any,
+        rollout_id: int,
+        data_source: Any,
+        *,
+        evaluation: bool,
+        legacy_call: Callable[[], Any] | None = None,
+    ) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
         """fn(args, rollout_id, data_source, evaluation=...); `legacy_call` runs an old-signature fn instead."""
         if self.legacy:
             if evaluation or legacy_call is None:
-                raise ConfigError(f"{self.flag}: a function with the old signature fn(args, rollout_id, prompts, "
-                                  "manager) cannot evaluate; give it the parameter evaluation=False")
+                raise ConfigError(
+                    f"{self.flag}: a function with the old signature fn(args, rollout_id, prompts, "
+                    "manager) cannot evaluate; give it the parameter evaluation=False"
+                )
             output = legacy_call()
         else:
             output = self.fn(args, rollout_id, data_source, evaluation=evaluation)
@@ -95,11 +104,14 @@ def normalize_output(output: Any, *, evaluation: bool, flag: str) -> RolloutFnTr
     if isinstance(output, want):
         return output
     if isinstance(output, (RolloutFnTrainOutput, RolloutFnEvalOutput)):
-        raise ConfigError(f"{flag}: returned {type(output).__name__} for evaluation={evaluation}; return "
-                          f"{want.__name__}")
+        raise ConfigError(
+            f"{flag}: returned {type(output).__name__} for evaluation={evaluation}; return {want.__name__}"
+        )
     if evaluation and isinstance(output, dict):
         return RolloutFnEvalOutput(data=output)
     if not evaluation and isinstance(output, list) and all(isinstance(g, list) for g in output):
         return RolloutFnTrainOutput(samples=output)
-    raise ConfigError(f"{flag}: returned a {type(output).__name__}; return {want.__name__} (lichen.rollout."
-                      f"base_types) or {'a dict of data sets' if evaluation else 'a list of groups of Samples'}")
+    raise ConfigError(
+        f"{flag}: returned a {type(output).__name__}; return {want.__name__} (lichen.rollout."
+        f"base_types) or {'a dict of data sets' if evaluation else 'a list of groups of Samples'}"
+    )

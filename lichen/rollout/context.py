@@ -30,8 +30,17 @@ if TYPE_CHECKING:  # rollout does not import lichen.config at run time (docs/arc
 class RolloutContext:
     """The engine, tokenizer, rewards and eval sets of one rollout worker (see the module docstring)."""
 
-    def __init__(self, *, args: Any, config: "RolloutConfig", engine: Any, tokenizer: Any, reward_fn: Any = None,
-                 eval_sets: dict | None = None, eval_reward_fns: dict | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        args: Any,
+        config: "RolloutConfig",
+        engine: Any,
+        tokenizer: Any,
+        reward_fn: Any = None,
+        eval_sets: dict | None = None,
+        eval_reward_fns: dict | None = None,
+    ) -> None:
         self.args = args  # opaque here: only handed on to user plug-ins
         self.config = config
         self.engine = engine
@@ -51,8 +60,11 @@ class RolloutContext:
         return self._encoded[key]
 
     def encode_record(self, record: Any, dataset: str | None = None) -> list[int]:
-        chat = (self.config.data.apply_chat_template if dataset is None
-                else self.eval_sets[dataset][0]["apply_chat_template"])
+        chat = (
+            self.config.data.apply_chat_template
+            if dataset is None
+            else self.eval_sets[dataset][0]["apply_chat_template"]
+        )
         return encode_prompt(self.tokenizer, record.prompt, chat, record.tools)
 
 
@@ -64,8 +76,10 @@ def current() -> RolloutContext:
     try:
         return _CURRENT.get()
     except LookupError:
-        raise RuntimeError("lichen.rollout.context.current() is only available inside a rollout or eval function "
-                           "called by lichen's rollout worker") from None
+        raise RuntimeError(
+            "lichen.rollout.context.current() is only available inside a rollout or eval function "
+            "called by lichen's rollout worker"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -43,8 +43,18 @@ from lichen.types import Sample, Status
 
 FLAG = "--custom-generate-function-path"
 # sampling_params keys a request may carry; the ones without meaning for lichen's engines are accepted and ignored.
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "ignore_eos",
-                 "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"}
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "sampling_seed",
+    "ignore_eos",
+    "no_stop_trim",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+}
 
 
 class CustomGenerateError(UserError):
@@ -59,8 +69,9 @@ class GenerateContext:
     tokenizer: Any
     engine: Any  # has `async agenerate(GenRequest, session_id=None) -> GenResult`
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *,
-                       session_id: str | None = None) -> GenResult:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None
+    ) -> GenResult:
         """One engine call; `session_id` keeps a multi-turn conversation on one server (prefix cache)."""
         return await self.engine.agenerate(request_from_params(input_ids, sampling_params), session_id)
 
@@ -73,8 +84,10 @@ def current() -> GenerateContext:
     try:
         return _CONTEXT.get()
     except LookupError:
-        raise RuntimeError("lichen.rollout.custom_generate.current() is only available inside a custom generate "
-                           "function called by lichen's rollout") from None
+        raise RuntimeError(
+            "lichen.rollout.custom_generate.current() is only available inside a custom generate "
+            "function called by lichen's rollout"
+        ) from None
 
 
 async def generate(input_ids: list[int], sampling_params: dict, *, session_id: str | None = None) -> GenResult:
@@ -86,8 +99,10 @@ def request_from_params(input_ids: list[int], sampling_params: dict) -> GenReque
     """SGLang-style sampling_params -> GenRequest; an unknown key is an error (it would be silently ignored)."""
     unknown = sorted(set(sampling_params) - SAMPLING_KEYS)
     if unknown:
-        raise CustomGenerateError(f"{FLAG}: sampling_params key(s) {unknown} are not supported by lichen's engine "
-                                  f"requests; use {sorted(SAMPLING_KEYS)}")
+        raise CustomGenerateError(
+            f"{FLAG}: sampling_params key(s) {unknown} are not supported by lichen's engine "
+            f"requests; use {sorted(SAMPLING_KEYS)}"
+        )
     if not input_ids:
         raise CustomGenerateError(f"{FLAG}: an engine call needs at least one input token")
     return GenRequest(
@@ -168,8 +183,7 @@ class BatchingEngine:
                 out.put_nowait(res)
 
 
-def _publisher(loop: asyncio.AbstractEventLoop,
-               streams: list[tuple[int, asyncio.Queue, threading.Event]]) -> Callable:
+def _publisher(loop: asyncio.AbstractEventLoop, streams: list[tuple[int, asyncio.Queue, threading.Event]]) -> Callable:
     """`Engine.generate`'s on_step for the streaming requests of a batch: each step's new tokens and log-probs
     to the request's queue, and the requests whose reader left, to stop. It runs in the worker thread between
     steps, when the seqs hold still."""
@@ -192,13 +206,16 @@ def _publisher(loop: asyncio.AbstractEventLoop,
 def load_custom_generate(path: str) -> Callable[..., Awaitable]:
     fn = load_function(path, FLAG)
     if not inspect.iscoroutinefunction(fn):
-        raise CustomGenerateError(f"{FLAG} {path!r}: must be an async function "
-                                  "`async def fn(args, sample, sampling_params) -> Sample | list[Sample]`")
+        raise CustomGenerateError(
+            f"{FLAG} {path!r}: must be an async function "
+            "`async def fn(args, sample, sampling_params) -> Sample | list[Sample]`"
+        )
     return fn
 
 
-def run_custom_generate(fn: Callable[..., Awaitable], args: Any, samples: list[Sample], params: list[dict], *,
-                        engine: Any, tokenizer: Any) -> list[Any]:
+def run_custom_generate(
+    fn: Callable[..., Awaitable], args: Any, samples: list[Sample], params: list[dict], *, engine: Any, tokenizer: Any
+) -> list[Any]:
     """fn(args, sample, params) for every sample, all at once; returns what each call returned."""
     is_async = hasattr(engine, "agenerate")  # RemoteEngines, or an async engine of the caller's
     remote = is_async and hasattr(engine, "run")  # runs coroutines on its own event loop
@@ -231,8 +248,9 @@ def run_custom_generate(fn: Callable[..., Awaitable], args: Any, samples: list[S
     return out["value"]
 
 
-def build_custom_samples(ctx: Any, prompts: list, sampling: Any, *, seed_key: int,
-                         encode: Callable[[int, Any], list[int]]) -> list[list[Sample]]:
+def build_custom_samples(
+    ctx: Any, prompts: list, sampling: Any, *, seed_key: int, encode: Callable[[int, Any], list[int]]
+) -> list[list[Sample]]:
     """lichen.rollout.samples.build_samples with the custom generate function making each sample (`ctx`: the
     rollout's RolloutContext, `sampling`: a SamplingConfig)."""
     fn = load_custom_generate(ctx.config.custom_generate_function_path)
@@ -241,15 +259,29 @@ def build_custom_samples(ctx: Any, prompts: list, sampling: Any, *, seed_key: in
     for pos, (data_index, record) in enumerate(prompts):
         ids = list(encode(data_index, record))
         for j in range(n):
-            samples.append(Sample(prompt=record.prompt, tokens=list(ids), label=record.label,
-                                  status=Status.PENDING,
-                                  metadata={**(record.metadata or {}), "prompt_index": data_index},
-                                  group_index=pos, index=pos * n + j))
+            samples.append(
+                Sample(
+                    prompt=record.prompt,
+                    tokens=list(ids),
+                    label=record.label,
+                    status=Status.PENDING,
+                    metadata={**(record.metadata or {}), "prompt_index": data_index},
+                    group_index=pos,
+                    index=pos * n + j,
+                )
+            )
             # the same per-sample budget as lichen's own requests
             budget = sampling.response_budget(len(ids), sampling.max_response_len)
-            params.append({"max_new_tokens": budget, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                           "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids),
-                           "sampling_seed": derive_seed(sampling.seed, seed_key, pos, j)})
+            params.append(
+                {
+                    "max_new_tokens": budget,
+                    "temperature": sampling.temperature,
+                    "top_p": sampling.top_p,
+                    "top_k": sampling.top_k,
+                    "stop_token_ids": list(sampling.stop_token_ids),
+                    "sampling_seed": derive_seed(sampling.seed, seed_key, pos, j),
+                }
+            )
     outputs = run_custom_generate(fn, ctx.args, samples, params, engine=ctx.engine, tokenizer=ctx.tokenizer)
     groups: list[list[Sample]] = [[] for _ in prompts]
     renumber = False

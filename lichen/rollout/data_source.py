@@ -20,8 +20,9 @@ from lichen.types import Sample, Status
 
 
 class RolloutDataSource(DataSource):
-    def __init__(self, source: PromptSource, *, n_samples_per_prompt: int,
-                 encode: Callable[[int, Any], list[int]]) -> None:
+    def __init__(
+        self, source: PromptSource, *, n_samples_per_prompt: int, encode: Callable[[int, Any], list[int]]
+    ) -> None:
         self.source = source
         self.buffer = PartialBuffer()
         self.n_samples_per_prompt = n_samples_per_prompt
@@ -46,9 +47,18 @@ class RolloutDataSource(DataSource):
         n = self.n_samples_per_prompt
         for data_index, record in self.get_prompts(num_samples - len(groups)):
             ids = self._encode(data_index, record)
-            groups.append([Sample(prompt=record.prompt, tokens=list(ids), label=record.label, status=Status.PENDING,
-                                  metadata={**(record.metadata or {}), "prompt_index": data_index})
-                           for _ in range(n)])
+            groups.append(
+                [
+                    Sample(
+                        prompt=record.prompt,
+                        tokens=list(ids),
+                        label=record.label,
+                        status=Status.PENDING,
+                        metadata={**(record.metadata or {}), "prompt_index": data_index},
+                    )
+                    for _ in range(n)
+                ]
+            )
         for g, group in enumerate(groups):
             for j, s in enumerate(group):
                 s.group_index, s.index = g, g * n + j

@@ -76,12 +76,16 @@ def tool_use_metrics(samples: list[Sample]) -> dict:
     if not traj:
         return {}
     n = len(traj)
-    out = {"tool_call_ratio": sum(bool(s.metadata["tool_calls"]) for s in traj) / n,
-           "tool_calls_mean": sum(len(s.metadata["tool_calls"]) for s in traj) / n,
-           "turns_mean": sum(s.metadata.get("turns") or 0 for s in traj) / n}
+    out = {
+        "tool_call_ratio": sum(bool(s.metadata["tool_calls"]) for s in traj) / n,
+        "tool_calls_mean": sum(len(s.metadata["tool_calls"]) for s in traj) / n,
+        "turns_mean": sum(s.metadata.get("turns") or 0 for s in traj) / n,
+    }
     checked = [s for s in traj if "token_fidelity" in s.metadata]
     if checked:
-        out["token_fidelity_mismatch_ratio"] = sum(s.metadata["token_fidelity"] is not None for s in checked) / len(checked)
+        out["token_fidelity_mismatch_ratio"] = sum(s.metadata["token_fidelity"] is not None for s in checked) / len(
+            checked
+        )
     return out
 
 
@@ -90,8 +94,12 @@ def load_eval_sets(configs: tuple[dict, ...] | list[dict]) -> dict:
     out = {}
     for cfg in configs:
         records = load_prompt_dataset(
-            cfg["path"], input_key=cfg["input_key"], label_key=cfg["label_key"],
-            metadata_key=cfg["metadata_key"], tool_key=cfg["tool_key"], flag=f"eval data set {cfg['name']!r}",
+            cfg["path"],
+            input_key=cfg["input_key"],
+            label_key=cfg["label_key"],
+            metadata_key=cfg["metadata_key"],
+            tool_key=cfg["tool_key"],
+            flag=f"eval data set {cfg['name']!r}",
         )
         out[cfg["name"]] = (cfg, records)
     return out
@@ -118,12 +126,20 @@ def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalO
     data: dict = {}
     reward_time = 0.0
     for name, (cfg, records) in ctx.eval_sets.items():
-        groups = build_samples(ctx, list(enumerate(records)), ctx.config.sampling.for_eval(cfg), seed_key=-1,
-                               encode=lambda i, record, _name=name: ctx.encode(i, record, dataset=_name))
+        groups = build_samples(
+            ctx,
+            list(enumerate(records)),
+            ctx.config.sampling.for_eval(cfg),
+            seed_key=-1,
+            encode=lambda i, record, _name=name: ctx.encode(i, record, dataset=_name),
+        )
         samples = [s for g in groups for s in g]
         reward_time += score(ctx, samples, ctx.eval_reward_fns[name])["reward_time_s"]
-        data[name] = {"samples": groups, "rewards": [s.scalar_reward(cfg["reward_key"]) for s in samples],
-                      "truncated": [s.status == Status.TRUNCATED for s in samples]}
+        data[name] = {
+            "samples": groups,
+            "rewards": [s.scalar_reward(cfg["reward_key"]) for s in samples],
+            "truncated": [s.status == Status.TRUNCATED for s in samples],
+        }
     return RolloutFnEvalOutput(data, {"time/eval_reward": reward_time})
 
 

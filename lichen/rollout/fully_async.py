@@ -63,8 +63,11 @@ class _Flight:
 
     def complete(self, results: list) -> bool:
         """Every request sent and answered without an abort (else the group is continued later)."""
-        return all(res is not None and res.finish_reason != "abort"
-                   for (k, _), res in zip(self.members, results) if k is not None)
+        return all(
+            res is not None and res.finish_reason != "abort"
+            for (k, _), res in zip(self.members, results)
+            if k is not None
+        )
 
     def results(self, tolerant: bool) -> list:
         get = result_or_none if tolerant else (lambda f: f.result())
@@ -163,16 +166,18 @@ class FullyAsyncRollout:
         metrics = rollout_metrics(out, self._cfg.reward.reward_key)
         metrics.update(staleness_metrics(out, rollout_id))
         metrics.update(overlong_metrics(s for g in out for s in g))
-        metrics.update({
-            "rollout/fully_async_ready_groups": ready,
-            "rollout/partial_buffer_groups": held,
-            "rollout/fully_async_stale_dropped": step["stale_dropped"],
-            "rollout/fully_async_stale_masked": step["stale_masked"],
-            "rollout/fully_async_aborted_requests": step["aborted_requests"],
-            "rollout/fully_async_requeued_groups": step["requeued"],
-            "time/reward": step["reward_time"],
-            "time/generate": time.perf_counter() - t0,
-        })
+        metrics.update(
+            {
+                "rollout/fully_async_ready_groups": ready,
+                "rollout/partial_buffer_groups": held,
+                "rollout/fully_async_stale_dropped": step["stale_dropped"],
+                "rollout/fully_async_stale_masked": step["stale_masked"],
+                "rollout/fully_async_aborted_requests": step["aborted_requests"],
+                "rollout/fully_async_requeued_groups": step["requeued"],
+                "time/reward": step["reward_time"],
+                "time/generate": time.perf_counter() - t0,
+            }
+        )
         if self._filter is not None:
             metrics["rollout/dynamic_sampling_dropped_groups"] = step["filtered"]
             metrics["rollout/dynamic_sampling_passed_groups"] = step["passed"]
@@ -189,8 +194,11 @@ class FullyAsyncRollout:
             if not self._paused:
                 raise RuntimeError("FullyAsyncRollout.state_dict() needs the worker paused (pause() first)")
             state = dict(self.inner.state_dict())  # data position + the partial buffer
-            state[STATE_KEY] = {"ready": to_plain([[s.to_dict() for s in g] for g in self._ready]),
-                                "serial": self.serial, "totals": dict(self.totals)}
+            state[STATE_KEY] = {
+                "ready": to_plain([[s.to_dict() for s in g] for g in self._ready]),
+                "serial": self.serial,
+                "totals": dict(self.totals),
+            }
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -246,8 +254,7 @@ class FullyAsyncRollout:
         return self._mode != "run" or any(f.done() for f in self._flights) or self._room()
 
     def _room(self) -> bool:
-        return (len(self._flights) < self._on_engines_cap
-                and len(self._flights) + len(self._ready) < self._ahead_cap)
+        return len(self._flights) < self._on_engines_cap and len(self._flights) + len(self._ready) < self._ahead_cap
 
     def _wake(self, _future: Any = None) -> None:
         with self._cv:
@@ -295,8 +302,9 @@ class FullyAsyncRollout:
             if not flight.complete(results):
                 self._requeue(flight, results)  # aborted by someone else (an engine restart): continue it later
             else:
-                self._finish([member_sample(self._ctx, base, res, False)
-                              for (_, base), res in zip(flight.members, results)])
+                self._finish(
+                    [member_sample(self._ctx, base, res, False) for (_, base), res in zip(flight.members, results)]
+                )
 
     def _finish(self, group: list[Sample]) -> None:
         stats = score(self._ctx, group)
@@ -315,8 +323,9 @@ class FullyAsyncRollout:
             self._cv.notify_all()
 
     def _requeue(self, flight: _Flight, results: list) -> None:
-        self._source.buffer.put([member_sample(self._ctx, base, res, True)
-                                 for (_, base), res in zip(flight.members, results)])
+        self._source.buffer.put(
+            [member_sample(self._ctx, base, res, True) for (_, base), res in zip(flight.members, results)]
+        )
         with self._cv:
             self._step["requeued"] += 1
 
@@ -334,8 +343,9 @@ class FullyAsyncRollout:
         for flight in flights:
             results = flight.results(tolerant=True)
             if flight.complete(results) and not tolerant:
-                self._finish([member_sample(self._ctx, base, res, False)
-                              for (_, base), res in zip(flight.members, results)])
+                self._finish(
+                    [member_sample(self._ctx, base, res, False) for (_, base), res in zip(flight.members, results)]
+                )
             else:
                 self._requeue(flight, results)
 

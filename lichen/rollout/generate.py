@@ -62,8 +62,12 @@ SEED_ROUND_STRIDE = 1000
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     """lichen's rollout function (see the module docstring and lichen.rollout.base_types)."""
     if isinstance(data_source, list):  # called the old way, generate_rollout(args, rollout_id, prompts, manager)
-        warnings.warn("generate_rollout(args, rollout_id, prompts, manager) is deprecated; call "
-                      "generate_rollout(args, rollout_id, data_source)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "generate_rollout(args, rollout_id, prompts, manager) is deprecated; call "
+            "generate_rollout(args, rollout_id, data_source)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         manager, prompts = evaluation, data_source
         ctx = current()
         out = train_rollout(ctx, rollout_id, manager.data_source, prompts)
@@ -97,8 +101,9 @@ def _generate_scored(ctx: RolloutContext, prompts: list, *, seed_key: int) -> tu
     return groups, stats
 
 
-def _dynamic_sampling_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any,
-                              prompts: list) -> RolloutFnTrainOutput:
+def _dynamic_sampling_rollout(
+    ctx: RolloutContext, rollout_id: int, data_source: Any, prompts: list
+) -> RolloutFnTrainOutput:
     cfg = ctx.config
     args = ctx.args
     path = cfg.dynamic_sampling_filter_path
@@ -130,8 +135,15 @@ def _dynamic_sampling_rollout(ctx: RolloutContext, rollout_id: int, data_source:
         consumed += len(batch)
         seed_key = rollout_id * SEED_ROUND_STRIDE + r
         if abortable:  # server engines: stop generating once enough groups are kept
-            groups, keep, stats = abort_surplus_round(ctx, batch, seed_key=seed_key, group_filter=group_filter,
-                                                      need=target - len(passed), resumed=resumed, buffer=partial)
+            groups, keep, stats = abort_surplus_round(
+                ctx,
+                batch,
+                seed_key=seed_key,
+                group_filter=group_filter,
+                need=target - len(passed),
+                resumed=resumed,
+                buffer=partial,
+            )
             aborted += stats["aborted_groups"]
         else:
             groups, stats = _generate_scored(ctx, batch, seed_key=seed_key)
@@ -150,8 +162,12 @@ def _dynamic_sampling_rollout(ctx: RolloutContext, rollout_id: int, data_source:
     selected = passed[:target]
     surplus = len(passed) - len(selected)
     if surplus:
-        log.info("dynamic sampling: %d groups passed the filter beyond --rollout-batch-size %d; discarded (their "
-                 "prompts are spent for this epoch)", surplus, target)
+        log.info(
+            "dynamic sampling: %d groups passed the filter beyond --rollout-batch-size %d; discarded (their "
+            "prompts are spent for this epoch)",
+            surplus,
+            target,
+        )
     uneven = fillers = 0
     if len(selected) < target:
         trainable = trainable_group_count(len(selected), n, steps)
@@ -173,7 +189,13 @@ def _dynamic_sampling_rollout(ctx: RolloutContext, rollout_id: int, data_source:
         log.warning(
             "dynamic sampling: only %d of %d groups passed --dynamic-sampling-filter-path %s in %d round(s) "
             "(--dynamic-sampling-max-rounds %d); training this step on %d groups%s",
-            len(passed), target, path, rounds, max_rounds, len(selected), why,
+            len(passed),
+            target,
+            path,
+            rounds,
+            max_rounds,
+            len(selected),
+            why,
         )
     renumber_groups(selected)
 
@@ -188,8 +210,15 @@ def _dynamic_sampling_rollout(ctx: RolloutContext, rollout_id: int, data_source:
         "rollout/dynamic_sampling_aborted_groups": aborted,
         "rollout/dynamic_sampling_kept_groups": len(selected),
         "rollout/dynamic_sampling_pass_rate": len(passed) / max(generated, 1),
-        **({"rollout/partial_buffer_groups": len(partial), "rollout/partial_resumed_groups": num_resumed,
-            "rollout/partial_resumed_tokens": resumed_tokens} if partial is not None else {}),
+        **(
+            {
+                "rollout/partial_buffer_groups": len(partial),
+                "rollout/partial_resumed_groups": num_resumed,
+                "rollout/partial_resumed_tokens": resumed_tokens,
+            }
+            if partial is not None
+            else {}
+        ),
         **overlong_metrics(s for g in selected for s in g),
         "time/reward": reward_time,
     }

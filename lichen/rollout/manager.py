@@ -64,8 +64,11 @@ def dump_rollout(path_template: str, rollout_id: int, groups: list[list[Sample]]
     converted: list[str] = []
     samples = to_plain([[s.to_dict() for s in g] for g in groups], converted, "samples")
     if converted:
-        log.warning("--save-debug-rollout-data: %d value(s) that are not plain data were stored as strings, e.g. %s",
-                    len(converted), ", ".join(converted[:3]))
+        log.warning(
+            "--save-debug-rollout-data: %d value(s) that are not plain data were stored as strings, e.g. %s",
+            len(converted),
+            ", ".join(converted[:3]),
+        )
     save_plain({"rollout_id": rollout_id, "samples": samples}, path)
     return path
 
@@ -75,36 +78,48 @@ class RolloutManager:
     namespace, is only handed to user plug-ins; `engine_cfg` (an EngineConfig) launches or connects the engine
     servers when the flags ask for them, unless `engine` is given."""
 
-    def __init__(self, cfg: "RolloutConfig", args: Any, engine: Any = None, *,
-                 engine_cfg: "EngineConfig | None" = None) -> None:
+    def __init__(
+        self, cfg: "RolloutConfig", args: Any, engine: Any = None, *, engine_cfg: "EngineConfig | None" = None
+    ) -> None:
         self.cfg = cfg
         self.args = args
         ctx = RolloutContext(args=args, config=cfg, engine=None, tokenizer=load_tokenizer(cfg.hf_checkpoint))
         d = cfg.data
         records = load_prompt_dataset(d.prompt_data, **d.record_keys, skip_bad_rows=d.skip_bad_rows)
         # checked at load, not mid-run: a prompt with no room under the context is never sent (lichen.data.fit)
-        kept = fit_prompts(records, lambda i, r: ctx.encode_record(r), path=parse_spec(d.prompt_data)[0],
-                           max_prompt_len=d.max_prompt_len, skip_bad_rows=d.skip_bad_rows)
+        kept = fit_prompts(
+            records,
+            lambda i, r: ctx.encode_record(r),
+            path=parse_spec(d.prompt_data)[0],
+            max_prompt_len=d.max_prompt_len,
+            skip_bad_rows=d.skip_bad_rows,
+        )
         self.num_filtered_prompts = len(records) - len(kept)
         source = PromptSource(kept, batch_size=d.batch_size, shuffle=d.shuffle, seed=d.seed)
-        self.data_source = RolloutDataSource(source, n_samples_per_prompt=cfg.sampling.n_samples_per_prompt,
-                                             encode=ctx.encode)
+        self.data_source = RolloutDataSource(
+            source, n_samples_per_prompt=cfg.sampling.n_samples_per_prompt, encode=ctx.encode
+        )
         ctx.eval_sets = load_eval_sets(cfg.eval_datasets)  # name -> (config, records); fitted below
         ctx.eval_sets = {name: (c, self._fit_eval(ctx, name, c, recs)) for name, (c, recs) in ctx.eval_sets.items()}
         if engine is None and cfg.use_engine_servers:
             from lichen.engines.remote_engines import RemoteEngines
 
             if engine_cfg is None:
-                raise TypeError("RolloutManager: engine servers are configured but no engine_cfg (EngineConfig) "
-                                "was given")
+                raise TypeError(
+                    "RolloutManager: engine servers are configured but no engine_cfg (EngineConfig) was given"
+                )
             engine = RemoteEngines.from_config(engine_cfg)  # launched or external servers; close() stops launched
         if engine is None:
-            engine = Engine.from_pretrained(cfg.hf_checkpoint, device=resolve_device(cfg.device),
-                                            max_batch_size=cfg.engine_max_batch_size,
-                                            model_options=cfg.model_options)
+            engine = Engine.from_pretrained(
+                cfg.hf_checkpoint,
+                device=resolve_device(cfg.device),
+                max_batch_size=cfg.engine_max_batch_size,
+                model_options=cfg.model_options,
+            )
         ctx.engine = engine
-        ctx.reward_fn = build_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward,
-                                        group=cfg.reward.group_rm)
+        ctx.reward_fn = build_reward_fn(
+            cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward, group=cfg.reward.group_rm
+        )
         ctx.eval_reward_fns = build_eval_reward_fns(cfg.reward, ctx.eval_sets, ctx.reward_fn)
         self.context = ctx
         self.rollout_fn = _rollout_fn(cfg.rollout_function_path, "--rollout-function-path")
@@ -117,9 +132,14 @@ class RolloutManager:
 
     def _fit_eval(self, ctx: RolloutContext, name: str, cfg: dict, records: list) -> list:
         """The eval set's prompts that fit the context, encoded as eval encodes them (its own chat setting)."""
-        return fit_prompts(records, lambda _, r: ctx.encode_record(r, name), path=parse_spec(cfg["path"])[0],
-                           max_prompt_len=self.cfg.data.max_prompt_len, skip_bad_rows=False,
-                           what=f"eval data set {name!r}")
+        return fit_prompts(
+            records,
+            lambda _, r: ctx.encode_record(r, name),
+            path=parse_spec(cfg["path"])[0],
+            max_prompt_len=self.cfg.data.max_prompt_len,
+            skip_bad_rows=False,
+            what=f"eval data set {name!r}",
+        )
 
     @property
     def engines(self) -> list:
@@ -133,9 +153,13 @@ class RolloutManager:
         t0 = time.perf_counter()
         self.context.metrics = {}
         with active(self.context):
-            out = self.rollout_fn.call(self.args, rollout_id, self.data_source, evaluation=False,
-                                       legacy_call=lambda: self.rollout_fn.fn(self.args, rollout_id,
-                                                                              self._legacy_prompts(), self))
+            out = self.rollout_fn.call(
+                self.args,
+                rollout_id,
+                self.data_source,
+                evaluation=False,
+                legacy_call=lambda: self.rollout_fn.fn(self.args, rollout_id, self._legacy_prompts(), self),
+            )
         groups = out.samples
         metrics = rollout_metrics(groups, self.cfg.reward.reward_key)
         metrics.update(self.context.metrics)
@@ -163,9 +187,11 @@ class RolloutManager:
         self.data_source.load_state_dict(state)
         held = self.data_source.buffer
         if len(held) and not self.cfg.partial_rollout:
-            log.warning("the checkpoint holds %d partially generated groups but --partial-rollout is off: they are "
-                        "dropped (their prompts stay spent); resume with --partial-rollout to continue them",
-                        len(held))
+            log.warning(
+                "the checkpoint holds %d partially generated groups but --partial-rollout is off: they are "
+                "dropped (their prompts stay spent); resume with --partial-rollout to continue them",
+                len(held),
+            )
             held.clear()
 
     def offload(self) -> None:
@@ -210,7 +236,9 @@ class RolloutManager:
 
 def _rollout_fn(path: str | None, flag: str) -> RolloutFn:
     """The plug-in at `path` (lichen's generate_rollout when none) under the rollout function contract."""
-    return RolloutFn(load_function(path, flag), flag=flag, path=path) if path else RolloutFn(generate_rollout, flag=flag)
+    return (
+        RolloutFn(load_function(path, flag), flag=flag, path=path) if path else RolloutFn(generate_rollout, flag=flag)
+    )
 
 
 class ReplayRollout:

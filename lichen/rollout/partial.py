@@ -145,8 +145,9 @@ def to_buffered(sample: Sample, finish: str | None) -> Sample:
     return sample
 
 
-def extend_sample(sample: Sample, res: GenResult, decode: Callable[[list[int]], str], *,
-                  mask_offpolicy: bool) -> Sample:
+def extend_sample(
+    sample: Sample, res: GenResult, decode: Callable[[list[int]], str], *, mask_offpolicy: bool
+) -> Sample:
     """A copy of buffered `sample` with the continuation `res` appended as a new segment (none when `res` has no
     tokens), its status from res's finish reason and its loss mask recomputed (see `offpolicy_loss_mask`)."""
     out = Sample.from_dict(sample.to_dict())

@@ -19,8 +19,9 @@ from lichen.types import Sample, Status
 Encode = Callable[[int, Any], list[int]]  # (data index, record) -> prompt ids
 
 
-def sample_requests(sampling: Any, prompts: list, encode: Encode, *, seed_key: int,
-                    first_pos: int = 0) -> tuple[list[GenRequest], list[tuple]]:
+def sample_requests(
+    sampling: Any, prompts: list, encode: Encode, *, seed_key: int, first_pos: int = 0
+) -> tuple[list[GenRequest], list[tuple]]:
     """`sampling.n_samples_per_prompt` requests per prompt, and per request its owner (pos, j, data_index, record,
     ids); a sample's seed is derive_seed(--seed, seed_key, pos, j). The prompts take round positions first_pos,
     first_pos + 1, ... (resumed partial groups come before them)."""
@@ -68,8 +69,9 @@ def engine_of(res: GenResult) -> dict:
     return {"engine": res.engine} if res.engine else {}
 
 
-def build_samples(ctx: RolloutContext, prompts: list, sampling: Any, *, seed_key: int,
-                  encode: Encode | None = None) -> list[list[Sample]]:
+def build_samples(
+    ctx: RolloutContext, prompts: list, sampling: Any, *, seed_key: int, encode: Encode | None = None
+) -> list[list[Sample]]:
     """Generate `sampling.n_samples_per_prompt` samples for each prompt; a sample's seed is
     derive_seed(--seed, seed_key, prompt pos, j). `encode` defaults to the training prompts' encoding."""
     encode = encode or ctx.encode
@@ -87,8 +89,9 @@ def score(ctx: RolloutContext, samples: list[Sample], reward_fn: Any = None) -> 
     """score_samples with the configured limits; stats always carry reward_time_s."""
     reward = ctx.config.reward
     t0 = time.perf_counter()
-    stats = score_samples(samples, reward_fn or ctx.reward_fn, ctx.args, concurrency=reward.concurrency,
-                          timeout=reward.timeout)
+    stats = score_samples(
+        samples, reward_fn or ctx.reward_fn, ctx.args, concurrency=reward.concurrency, timeout=reward.timeout
+    )
     return {**stats, "reward_time_s": stats.get("reward_time_s", time.perf_counter() - t0)}
 
 
@@ -96,6 +99,10 @@ def shape(cfg: Any, samples: list[Sample]) -> None:
     """The DAPO overlong penalty, when --overlong-buffer-len is set; after scoring, before any filter, so the
     filter sees the reward the trainer will see."""
     if cfg.overlong_buffer_len is not None:
-        apply_overlong_penalty(samples, max_response_len=cfg.sampling.max_response_len,
-                               buffer_len=cfg.overlong_buffer_len, factor=cfg.overlong_penalty_factor,
-                               reward_key=cfg.reward.reward_key)
+        apply_overlong_penalty(
+            samples,
+            max_response_len=cfg.sampling.max_response_len,
+            buffer_len=cfg.overlong_buffer_len,
+            factor=cfg.overlong_penalty_factor,
+            reward_key=cfg.reward.reward_key,
+        )

@@ -17,8 +17,9 @@ from lichen.rollout.eval import eval_rollout
 from lichen.types import Status
 
 
-def generate_rollout(args: Any, rollout_id: int, data_source: Any,
-                     evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+def generate_rollout(
+    args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     if evaluation:
         return eval_rollout(args, rollout_id, data_source)
     ctx = current()
@@ -28,8 +29,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any,
     for group in groups:
         label = group[0].label
         if label is None:
-            raise DataError(f"--loss-type sft_loss: prompt {group[0].metadata['prompt_index']} of --prompt-data has "
-                            f"no {args.label_key!r}")
+            raise DataError(
+                f"--loss-type sft_loss: prompt {group[0].metadata['prompt_index']} of --prompt-data has "
+                f"no {args.label_key!r}"
+            )
         resp = tok.encode(str(label), add_special_tokens=False) + ([eos] if eos is not None else [])
         for s in group:
             s.tokens = list(s.tokens) + resp

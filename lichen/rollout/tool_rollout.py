@@ -60,11 +60,13 @@ def tool_turn_ids(tok, tool_messages: list[dict], ended_with: str | None) -> lis
     head = _render(tok, _ANCHOR, None, True) + "a"
     full = _render(tok, [*_ANCHOR, {"role": "assistant", "content": "a"}, *tool_messages], None, True)
     if not full.startswith(head):
-        raise ValueError("the chat template renders an assistant message differently from its generation prompt "
-                         "followed by the content; the tool rollout cannot place tool messages after a turn")
-    suffix = full[len(head):]
+        raise ValueError(
+            "the chat template renders an assistant message differently from its generation prompt "
+            "followed by the content; the tool rollout cannot place tool messages after a turn"
+        )
+    suffix = full[len(head) :]
     if ended_with and suffix.startswith(ended_with):
-        suffix = suffix[len(ended_with):]
+        suffix = suffix[len(ended_with) :]
     return list(tok.encode(suffix, add_special_tokens=False))
 
 
@@ -75,8 +77,11 @@ def first_mismatch(trained: list[int], reference: list[int]) -> dict | None:
             return {"position": k, "trained": a, "template": b}
     if len(trained) != len(reference):
         k = min(len(trained), len(reference))
-        return {"position": k, "trained": trained[k] if k < len(trained) else None,
-                "template": reference[k] if k < len(reference) else None}
+        return {
+            "position": k,
+            "trained": trained[k] if k < len(trained) else None,
+            "template": reference[k] if k < len(reference) else None,
+        }
     return None
 
 
@@ -110,8 +115,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
             break
         if cfg.check_fidelity and fidelity is None:
             fidelity = check_turn(tok, messages, schemas, prompt + traj.tokens)
-        params = {**sampling_params, "max_new_tokens": budget,
-                  "sampling_seed": seed if turn == 0 else derive_seed(seed, turn)}
+        params = {
+            **sampling_params,
+            "max_new_tokens": budget,
+            "sampling_seed": seed if turn == 0 else derive_seed(seed, turn),
+        }
         res = await ctx.generate(prompt + traj.tokens, params, session_id=f"tools-{seed}")
         turns += 1
         traj.add_policy(res.output_ids, res.output_logprobs, res.weight_version, res.engine)
@@ -130,16 +138,21 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
             tool_messages.append({"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r})
         messages += tool_messages
         ended = tok.decode(res.output_ids[-1:], skip_special_tokens=False) if res.output_ids else None
-        tool_ids = tool_turn_ids(tok, tool_messages, ended)[:max(budget, 0)]
+        tool_ids = tool_turn_ids(tok, tool_messages, ended)[: max(budget, 0)]
         traj.add_context(tool_ids)
         budget -= len(tool_ids)
         if budget <= 0:
             stop = "budget"
             break
     if fidelity is not None:
-        log.warning("tool rollout: sample %d differs from apply_chat_template of its conversation at token %d "
-                    "(trained %s, template %s)", sample.index, fidelity["position"], fidelity["trained"],
-                    fidelity["template"])
+        log.warning(
+            "tool rollout: sample %d differs from apply_chat_template of its conversation at token %d "
+            "(trained %s, template %s)",
+            sample.index,
+            fidelity["position"],
+            fidelity["trained"],
+            fidelity["template"],
+        )
     traj.fill(sample, tok, prompt, status)
     sample.metadata.update(messages=messages, tool_calls=calls_made, turns=turns, stop=stop)
     if cfg.check_fidelity:

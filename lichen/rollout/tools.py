@@ -31,15 +31,23 @@ def schema_of(fn: Callable[..., Any], name: str) -> dict:
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        ann = p.annotation if not isinstance(p.annotation, str) else {t.__name__: t for t in _JSON_TYPES}.get(
-            p.annotation, inspect.Parameter.empty)
+        ann = (
+            p.annotation
+            if not isinstance(p.annotation, str)
+            else {t.__name__: t for t in _JSON_TYPES}.get(p.annotation, inspect.Parameter.empty)
+        )
         props[p.name] = {"type": _JSON_TYPES[ann]} if ann in _JSON_TYPES else {}
         if p.default is inspect.Parameter.empty:
             required.append(p.name)
     doc = (inspect.getdoc(fn) or "").strip().splitlines()
-    return {"type": "function", "function": {"name": name, "description": doc[0] if doc else "",
-                                             "parameters": {"type": "object", "properties": props,
-                                                            "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": doc[0] if doc else "",
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 def load_tools(paths: tuple[str, ...]) -> dict[str, Tool]:

@@ -77,8 +77,11 @@ def push(trainer, rollout, version: int, cfg: Any = None) -> dict:
     for engine in engines:
         if hasattr(engine, "model"):
             verify_in_process(engine, named(), version)
-    return {"time/sync": time.perf_counter() - t0, "time/sync_verify": time.perf_counter() - t1,
-            "sync/weight_version": version}
+    return {
+        "time/sync": time.perf_counter() - t0,
+        "time/sync_verify": time.perf_counter() - t1,
+        "sync/weight_version": version,
+    }
 
 
 def _state(engines: Any, cfg: Any) -> dict:
@@ -88,8 +91,9 @@ def _state(engines: Any, cfg: Any) -> dict:
         transport, mode = cfg.transport, cfg.mode
         need = _ENDPOINTS.get(transport if transport in ("nccl", "tensor") else mode, ())
         if need:
-            engines.require_endpoints({p: f"--update-weight-transport {transport} --update-weight-mode {mode}"
-                                       for p in need})
+            engines.require_endpoints(
+                {p: f"--update-weight-transport {transport} --update-weight-mode {mode}" for p in need}
+            )
         st = {"dtype": engine_dtype(engines.server_infos()), "transport": _make_transport(engines, cfg)}
         setattr(engines, _STATE_ATTR, st)
     return st
@@ -123,17 +127,30 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
     if mode == "delta":
         from lichen.sync.disk_delta import DeltaSync
 
-        return DeltaSync(engines, disk_dir=cfg.disk_dir, local_dir=cfg.local_dir, hf_checkpoint=cfg.hf_checkpoint,
-                         encoding=cfg.delta_encoding, checksum_format=cfg.delta_checksum,
-                         full_interval=cfg.full_interval, keep_files=cfg.keep_files,
-                         post_write_hook=_post_write_hook(cfg))
+        return DeltaSync(
+            engines,
+            disk_dir=cfg.disk_dir,
+            local_dir=cfg.local_dir,
+            hf_checkpoint=cfg.hf_checkpoint,
+            encoding=cfg.delta_encoding,
+            checksum_format=cfg.delta_checksum,
+            full_interval=cfg.full_interval,
+            keep_files=cfg.keep_files,
+            post_write_hook=_post_write_hook(cfg),
+        )
     if mode == "full":
         from lichen.sync.disk import FullDiskSync
 
-        return FullDiskSync(engines, disk_dir=cfg.disk_dir, hf_checkpoint=cfg.hf_checkpoint,
-                            keep_files=cfg.keep_files, post_write_hook=_post_write_hook(cfg))
-    raise NotAvailableYet(f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is "
-                          "not available")
+        return FullDiskSync(
+            engines,
+            disk_dir=cfg.disk_dir,
+            hf_checkpoint=cfg.hf_checkpoint,
+            keep_files=cfg.keep_files,
+            post_write_hook=_post_write_hook(cfg),
+        )
+    raise NotAvailableYet(
+        f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is not available"
+    )
 
 
 def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
@@ -148,13 +165,22 @@ def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
             raise SyncError(f"weight sync to version {version} failed: engine {e}") from e
         stale = [(url, v) for url, v in zip(eng.active_urls(), versions) if v != str(version)]
         if stale:
-            raise StaleEngineError(f"engines {[u for u, _ in stale]} report weight versions {[v for _, v in stale]} "
-                                   f"after the sync to version {version}")
-        metrics.update(verify_engines(eng, trainer.named_weights, st["dtype"], version=version,
-                                      full=cfg.check_all_weights))
+            raise StaleEngineError(
+                f"engines {[u for u, _ in stale]} report weight versions {[v for _, v in stale]} "
+                f"after the sync to version {version}"
+            )
+        metrics.update(
+            verify_engines(eng, trainer.named_weights, st["dtype"], version=version, full=cfg.check_all_weights)
+        )
     metrics["time/sync"] = time.perf_counter() - t0
-    log.debug("weight sync to version %d over %s/%s: %s bytes on the wire, %.3f s", version,
-             cfg.transport, cfg.mode, metrics.get("sync/bytes"), metrics["time/sync"])
+    log.debug(
+        "weight sync to version %d over %s/%s: %s bytes on the wire, %.3f s",
+        version,
+        cfg.transport,
+        cfg.mode,
+        metrics.get("sync/bytes"),
+        metrics["time/sync"],
+    )
     return metrics
 
 

@@ -25,14 +25,16 @@ import torch
 from lichen.weights.hf_io import save_hf_checkpoint
 from lichen.weights.versions import list_versions, version_dir
 
+
 def write_version(named_weights: Iterable, root: str, version: int, hf_checkpoint: str) -> str:
     """Write the weights as `root/weight_v{version:06d}` (atomically); returns that path."""
     path = version_dir(os.path.abspath(root), int(version))
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
     state = {name: tensor for name, tensor in named_weights}
-    save_hf_checkpoint(state, path, config=config, copy_files_from=hf_checkpoint,
-                       metadata={"weight_version": str(version)})
+    save_hf_checkpoint(
+        state, path, config=config, copy_files_from=hf_checkpoint, metadata={"weight_version": str(version)}
+    )
     return path
 
 
@@ -48,8 +50,16 @@ def remove_other_versions(root: str, keep: int) -> list[str]:
     return removed
 
 
-def push_full(trainer: Any, engines: list, version: int, *, disk_dir: str, hf_checkpoint: str,
-              keep_files: bool = False, post_write_hook: Callable[[str], None] | None = None) -> dict:
+def push_full(
+    trainer: Any,
+    engines: list,
+    version: int,
+    *,
+    disk_dir: str,
+    hf_checkpoint: str,
+    keep_files: bool = False,
+    post_write_hook: Callable[[str], None] | None = None,
+) -> dict:
     """Publish the trainer's weights as version `version` to every engine through `disk_dir`; returns metrics."""
     from lichen.sync import StaleEngineError
 
@@ -63,22 +73,37 @@ def push_full(trainer: Any, engines: list, version: int, *, disk_dir: str, hf_ch
     t2 = time.perf_counter()
     stale = [(i, e.weight_version) for i, e in enumerate(engines) if e.weight_version != str(version)]
     if stale:
-        raise StaleEngineError(f"engines {[i for i, _ in stale]} report weight versions {[v for _, v in stale]} "
-                               f"after loading {path!r} as version {version}")
+        raise StaleEngineError(
+            f"engines {[i for i, _ in stale]} report weight versions {[v for _, v in stale]} "
+            f"after loading {path!r} as version {version}"
+        )
     if not keep_files:
         remove_other_versions(disk_dir, version)
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    return {"time/sync": time.perf_counter() - t0, "time/sync_write": t1 - t0, "time/sync_load": t2 - t1,
-            "time/sync_publish": t1 - t0, "time/sync_apply": t2 - t1,
-            "sync/weight_version": version, "sync/bytes": size}
+    return {
+        "time/sync": time.perf_counter() - t0,
+        "time/sync_write": t1 - t0,
+        "time/sync_load": t2 - t1,
+        "time/sync_publish": t1 - t0,
+        "time/sync_apply": t2 - t1,
+        "sync/weight_version": version,
+        "sync/bytes": size,
+    }
 
 
 class FullDiskSync:
     """push_full as a transport object (lichen.sync keeps one per RemoteEngines). The checkpoint is written in
     the engine dtype, so the bytes on disk are the bytes the engines serve."""
 
-    def __init__(self, engines: Any, *, disk_dir: str, hf_checkpoint: str, keep_files: bool = False,
-                 post_write_hook: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        engines: Any,
+        *,
+        disk_dir: str,
+        hf_checkpoint: str,
+        keep_files: bool = False,
+        post_write_hook: Callable[[str], None] | None = None,
+    ):
         self.engines, self.disk_dir, self.hf_checkpoint = engines, disk_dir, hf_checkpoint
         self.keep_files, self.post_write_hook = keep_files, post_write_hook
 
@@ -90,8 +115,15 @@ class FullDiskSync:
         class _Trainer:
             named_weights = staticmethod(cast)
 
-        m = push_full(_Trainer(), [self.engines], version, disk_dir=self.disk_dir, hf_checkpoint=self.hf_checkpoint,
-                      keep_files=self.keep_files, post_write_hook=self.post_write_hook)
+        m = push_full(
+            _Trainer(),
+            [self.engines],
+            version,
+            disk_dir=self.disk_dir,
+            hf_checkpoint=self.hf_checkpoint,
+            keep_files=self.keep_files,
+            post_write_hook=self.post_write_hook,
+        )
         m.pop("time/sync", None)
         m["sync/total_bytes"] = m["sync/bytes"]
         return m

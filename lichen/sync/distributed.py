@@ -54,8 +54,9 @@ def engine_nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
     return t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
 
 
-def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                 buffer_size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def plan_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, buffer_size: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The (name, tensor) pairs in order, grouped into lists of at most `buffer_size` bytes in the engine dtype
     (a larger tensor forms a bucket of its own); nothing is copied."""
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -71,8 +72,12 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
         yield bucket
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, buffer_size: int,
-            device: torch.device | str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    buffer_size: int,
+    device: torch.device | str | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """plan_buckets with each tensor detached, floating-point ones cast to `dtype`, and moved to `device`."""
     for bucket in plan_buckets(named, dtype, buffer_size):
         out = []
@@ -111,8 +116,16 @@ class BroadcastSync:
     """The trainer's side of the broadcast transport for one RemoteEngines. `backend` None picks nccl when the
     trainer's weights are on a CUDA device, else gloo."""
 
-    def __init__(self, engines: Any, *, buffer_size: int, backend: str | None = None, group_name: str = GROUP_NAME,
-                 timeout_s: float = GROUP_TIMEOUT_S, flattened: bool = True):
+    def __init__(
+        self,
+        engines: Any,
+        *,
+        buffer_size: int,
+        backend: str | None = None,
+        group_name: str = GROUP_NAME,
+        timeout_s: float = GROUP_TIMEOUT_S,
+        flattened: bool = True,
+    ):
         self.engines, self.buffer_size, self.backend = engines, int(buffer_size), backend
         self.group_name, self.timeout_s, self.flattened = group_name, timeout_s, flattened
         self.group = None
@@ -128,25 +141,45 @@ class BroadcastSync:
         store = master_store(host, world, self.timeout_s)
         payloads, offset = [], 1
         for tp in tps:
-            payloads.append({"master_address": host, "master_port": store.port, "rank_offset": offset,
-                             "world_size": world, "group_name": self.group_name, "backend": backend})
+            payloads.append(
+                {
+                    "master_address": host,
+                    "master_port": store.port,
+                    "rank_offset": offset,
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": backend,
+                }
+            )
             offset += tp
         self.engines.destroy_weights_update_group(self.group_name)  # one left by a trainer that died (no-op else)
-        pending = self.engines.post_each("/init_weights_update_group", payloads, timeout=self.timeout_s + 30,
-                                         wait=False)
+        pending = self.engines.post_each(
+            "/init_weights_update_group", payloads, timeout=self.timeout_s + 30, wait=False
+        )
         try:
             group = _while_engines_answer(
-                lambda: open_group(backend=backend, master_address=host, master_port=store.port, rank=0,
-                                   world_size=world, group_name=self.group_name, timeout_s=self.timeout_s,
-                                   store=store), pending, "lichen-weight-group")
+                lambda: open_group(
+                    backend=backend,
+                    master_address=host,
+                    master_port=store.port,
+                    rank=0,
+                    world_size=world,
+                    group_name=self.group_name,
+                    timeout_s=self.timeout_s,
+                    store=store,
+                ),
+                pending,
+                "lichen-weight-group",
+            )
         except BaseException:
             pending.cancel()
             raise
         pending.result(self.timeout_s + 60)
         self.group, self.members, self.backend = group, tuple(urls), backend
         self.groups_formed += 1
-        log.info("weight broadcast group %r formed: trainer + %d engine rank(s) over %s", self.group_name,
-                 world - 1, backend)
+        log.info(
+            "weight broadcast group %r formed: trainer + %d engine rank(s) over %s", self.group_name, world - 1, backend
+        )
 
     def close(self) -> None:
         """Leave the group on both sides (engines that are gone are skipped)."""
@@ -161,8 +194,11 @@ class BroadcastSync:
 
     def _ensure_group(self, device: torch.device) -> None:
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
-        if self.group is not None and self.members == tuple(self.engines.active_urls()) and \
-                self.group.backend == backend:
+        if (
+            self.group is not None
+            and self.members == tuple(self.engines.active_urls())
+            and self.group.backend == backend
+        ):
             return
         self.close()  # membership changed (an engine restarted or left rotation): a new group
         self.open(backend)
@@ -199,13 +235,18 @@ class BroadcastSync:
         sent = count = 0
         with self.engines.paused():
             for bucket in buckets(all_named(), dtype, self.buffer_size, send_device):
-                payload = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                           "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                           "weight_version": str(version)}
+                payload = {
+                    "names": [n for n, _ in bucket],
+                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": self.group_name,
+                    "weight_version": str(version),
+                }
                 if self.flattened:
                     payload["load_format"] = "flattened_bucket"
-                pending = self.engines.post_each("/update_weights_from_distributed", payload,
-                                                 timeout=self.timeout_s + 30, wait=False)
+                pending = self.engines.post_each(
+                    "/update_weights_from_distributed", payload, timeout=self.timeout_s + 30, wait=False
+                )
                 if self.flattened:
                     flat = flatten_tensors(t for _, t in bucket)
                     self._broadcast(flat, pending)
@@ -216,5 +257,10 @@ class BroadcastSync:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += 1
         t2 = time.perf_counter()
-        return {"sync/bytes": sent, "sync/total_bytes": sent, "sync/buckets": count,
-                "time/sync_group": t1 - t0, "time/sync_transfer": t2 - t1}
+        return {
+            "sync/bytes": sent,
+            "sync/total_bytes": sent,
+            "sync/buckets": count,
+            "time/sync_group": t1 - t0,
+            "time/sync_transfer": t2 - t1,
+        }

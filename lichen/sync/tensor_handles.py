@@ -59,12 +59,15 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
     fn, args = reductions.reduce_tensor(t)
     if t.is_cuda:  # the GPU's UUID, not this process's index of it
         uuid = str(torch.cuda.get_device_properties(args[CUDA_DEVICE_ARG]).uuid)
-        args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1:])
+        args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
     return fn, args
 
 
-_OVERRIDES = {torch.UntypedStorage: _reduce_cpu_storage, torch.Tensor: _reduce_tensor,
-              torch.nn.Parameter: _reduce_tensor}
+_OVERRIDES = {
+    torch.UntypedStorage: _reduce_cpu_storage,
+    torch.Tensor: _reduce_tensor,
+    torch.nn.Parameter: _reduce_tensor,
+}
 
 
 class _HandlePickler(ForkingPickler):
@@ -96,8 +99,9 @@ def shm_free_bytes(path: str = SHM_DIR) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def fill_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+def fill_bucket(
+    bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
     """One flat uint8 tensor holding `bucket` cast to `dtype` (floating tensors), in shared memory on CPU; returns
     it and the (name, view of it) pairs to serialize."""
     offsets, total = [], 0
@@ -110,14 +114,15 @@ def fill_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
             raise ConfigError(
                 f"--update-weight-transport tensor: a bucket of {total} bytes does not fit in {SHM_DIR} ({free} bytes "
                 f"free); lower --update-weight-buffer-size (a tensor larger than it still needs its own size there) "
-                "or give the machine more shared memory (docker: --shm-size)")
+                "or give the machine more shared memory (docker: --shm-size)"
+            )
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     if device.type == "cpu":
         flat.untyped_storage()._share_filename_cpu_()  # into /dev/shm before any byte is written
     views = []
     for (name, t), off in zip(bucket, offsets):
         want = dtype if t.is_floating_point() else t.dtype
-        view = flat[off:off + engine_nbytes(t, dtype)].view(want).view(t.shape)
+        view = flat[off : off + engine_nbytes(t, dtype)].view(want).view(t.shape)
         view.copy_(t.detach())
         views.append((name, view))
     return flat, views
@@ -132,8 +137,15 @@ class TensorSync:
     @staticmethod
     def _bodies(views: list[tuple[str, torch.Tensor]], version: int, tp_sizes: list[int]) -> list[dict]:
         """One request body per engine: an entry per TP rank, each its own serialization (its own reference)."""
-        return [{"serialized_named_tensors": [serialize(views) for _ in range(tp)], "load_format": None,
-                 "flush_cache": False, "weight_version": str(version)} for tp in tp_sizes]
+        return [
+            {
+                "serialized_named_tensors": [serialize(views) for _ in range(tp)],
+                "load_format": None,
+                "flush_cache": False,
+                "weight_version": str(version),
+            }
+            for tp in tp_sizes
+        ]
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
         """Send the weights as version `version` in the engine dtype; returns metrics (bytes, buckets, seconds)."""
@@ -159,6 +171,11 @@ class TensorSync:
                 del views, flat  # only now: every engine has copied the bucket out
                 sent += sum(engine_nbytes(t, dtype) for _, t in bucket)
                 count += 1
-        return {"sync/bytes": sent, "sync/total_bytes": sent, "sync/buckets": count,
-                "sync/request_bytes": body_bytes, "time/sync_publish": fill_s,
-                "time/sync_transfer": time.perf_counter() - t0 - fill_s}
+        return {
+            "sync/bytes": sent,
+            "sync/total_bytes": sent,
+            "sync/buckets": count,
+            "sync/request_bytes": body_bytes,
+            "time/sync_publish": fill_s,
+            "time/sync_transfer": time.perf_counter() - t0 - fill_s,
+        }

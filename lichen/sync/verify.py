@@ -60,8 +60,11 @@ def _describe(url: str, version: Any, missing: list[str], extra: list[str], diff
         parts.append(f"{len(missing)} trainer tensor(s) the engine does not serve: {', '.join(missing[:10])}")
     if extra:
         parts.append(f"{len(extra)} served tensor(s) the trainer does not have: {', '.join(extra[:10])}")
-    return (f"engine {url} does not serve the trainer's weights after the sync to version {version}: "
-            + "; ".join(parts) + ". The run stops: the engines would generate with other weights than trained.")
+    return (
+        f"engine {url} does not serve the trainer's weights after the sync to version {version}: "
+        + "; ".join(parts)
+        + ". The run stops: the engines would generate with other weights than trained."
+    )
 
 
 def compare_checksums(url: str, expected: dict[str, str], body: dict, version: Any) -> int:
@@ -100,14 +103,22 @@ def _same_across_engines(urls: list[str], bodies: list, version: Any) -> None:
             continue
         layout = tuple(sorted(json.dumps(r.get("parallelism_info"), sort_keys=True) for r in b.get("ranks") or []))
         if layout in seen and seen[layout][1] != b["per_engine_checksum"]:
-            raise WeightMismatchError(f"engines {seen[layout][0]} and {url} serve different weights after the sync to "
-                                      f"version {version} (their /weights_checker checksums differ)")
+            raise WeightMismatchError(
+                f"engines {seen[layout][0]} and {url} serve different weights after the sync to "
+                f"version {version} (their /weights_checker checksums differ)"
+            )
         seen.setdefault(layout, (url, b["per_engine_checksum"]))
 
 
-def verify_engines(engines: Any, named_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                   dtype: torch.dtype, *, version: Any = None, full: bool = False,
-                   method: str = "auto") -> dict:
+def verify_engines(
+    engines: Any,
+    named_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    dtype: torch.dtype,
+    *,
+    version: Any = None,
+    full: bool = False,
+    method: str = "auto",
+) -> dict:
     """Check every engine of `engines` (a RemoteEngines) against `named_weights()`; returns metrics.
 
     method "auto": checksums where the engine answers them in lichen's format, else sampled rows;
@@ -121,8 +132,9 @@ def verify_engines(engines: Any, named_weights: Callable[[], Iterable[tuple[str,
         except Exception:
             if method == "checksum":
                 raise
-        if bodies is not None and not all(isinstance(b, dict) and b.get("checksum_format") == CHECKSUM_FORMAT
-                                          for b in bodies):
+        if bodies is not None and not all(
+            isinstance(b, dict) and b.get("checksum_format") == CHECKSUM_FORMAT for b in bodies
+        ):
             if method == "checksum":
                 raise WeightMismatchError(f"the engines {urls} do not report {CHECKSUM_FORMAT} weight checksums")
             _same_across_engines(urls, bodies, version)
@@ -141,8 +153,10 @@ def verify_engines(engines: Any, named_weights: Callable[[], Iterable[tuple[str,
         try:
             answers = engines.get_weights_by_name(name, rows)
         except Exception as e:
-            raise WeightMismatchError(f"cannot read tensor {name!r} back from the engines ({e}); "
-                                      f"engines {urls} after the sync to version {version}") from None
+            raise WeightMismatchError(
+                f"cannot read tensor {name!r} back from the engines ({e}); "
+                f"engines {urls} after the sync to version {version}"
+            ) from None
         for url, rows_got in zip(urls, answers):
             got = torch.tensor(rows_got, dtype=torch.float32)
             if got.shape != want.shape or not torch.equal(got, want):

@@ -27,12 +27,15 @@ log = get_logger(__name__)
 PROBE_PREFIX = ".lichen-probe-"  # not a `weight_v*` name: version listings never see it
 
 
-DISK_ADVICE = ("give a directory that every engine's node shares under the same path (a shared file system), or "
-               "use --update-weight-transport nccl")
+DISK_ADVICE = (
+    "give a directory that every engine's node shares under the same path (a shared file system), or "
+    "use --update-weight-transport nccl"
+)
 
 
-def check_dir_visible(engines: Any, directory: str | None, flag: str = "--update-weight-disk-dir",
-                      advice: str = DISK_ADVICE) -> int:
+def check_dir_visible(
+    engines: Any, directory: str | None, flag: str = "--update-weight-disk-dir", advice: str = DISK_ADVICE
+) -> int:
     """Raise ConfigError unless every engine of `engines` (a RemoteEngines) reads, by content, a probe file written
     in `directory` now; returns how many engines were asked (0: none can be, see the module doc)."""
     read_each = getattr(getattr(engines, "launcher", None), "read_each", None)
@@ -54,7 +57,8 @@ def check_dir_visible(engines: Any, directory: str | None, flag: str = "--update
         what = s.get("error") or "it read other content: a directory of that name on its own node, not this one"
         raise ConfigError(
             f"{flag} {directory}: engine {i} ({s.get('where', '?')}) cannot read the probe file {path} that lichen "
-            f"wrote there ({what}); {advice}")
+            f"wrote there ({what}); {advice}"
+        )
     log.info("%s %s: visible to all %d engines (each read the probe file back)", flag, directory, len(seen))
     return len(seen)
 
@@ -65,6 +69,10 @@ def check_same_host(engines: Any, shm_dir: str = "/dev/shm") -> int:
     an engine on another machine reads nothing there. Skipped where the directory does not exist."""
     if not os.path.isdir(shm_dir):
         return 0
-    return check_dir_visible(engines, shm_dir, "--update-weight-transport tensor",
-                             "the engines must run on the trainer's host (colocated) to map its memory; use "
-                             "--update-weight-transport nccl or disk for engines on other nodes")
+    return check_dir_visible(
+        engines,
+        shm_dir,
+        "--update-weight-transport tensor",
+        "the engines must run on the trainer's host (colocated) to map its memory; use "
+        "--update-weight-transport nccl or disk for engines on other nodes",
+    )

@@ -79,10 +79,17 @@ class TrainActor:
         if cfg.lora is not None:
             self._apply_lora()
         self.ref_model = self._reference_model() if cfg.needs_ref_model else None
-        self.teacher_model = _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options) if cfg.use_opd else None
+        self.teacher_model = (
+            _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options) if cfg.use_opd else None
+        )
         opt = cfg.optimizer  # with --use-lora: the adapters' learning rate and weight decay
-        self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad], lr=opt.lr,
-                                    betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        self.optimizer = make_adamw(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
         self.log_probs = LogProbs(self.device, cfg.temperature, cfg.bf16)
         # Exact fast paths (switched off only by tests that compare against the plain computation): micro-batches
         # over length-sorted samples packed several to a row, and no backward for samples whose loss terms are all
@@ -100,7 +107,8 @@ class TrainActor:
         self._offloaded = False
         self.plugins = LossPlugins(
             custom_loss=_plugin(cfg.custom_loss_function_path, "--custom-loss-function-path")
-            if cfg.loss_type == "custom_loss" else None,
+            if cfg.loss_type == "custom_loss"
+            else None,
             pg_reducer=_plugin(cfg.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path"),
             tis_fn=_plugin(cfg.custom_tis_function_path, "--custom-tis-function-path") if cfg.use_tis else None,
             args=plugin_args,
@@ -193,22 +201,31 @@ class TrainActor:
     # ---- the train step -----------------------------------------------------------------------------------
     def planner(self) -> MicroBatchPlanner:
         cfg = self.cfg
-        return MicroBatchPlanner(cfg.micro_batch_size, cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
-                                 sort=self.sort_by_length, pack=self.pack_sequences)
+        return MicroBatchPlanner(
+            cfg.micro_batch_size,
+            cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
+            sort=self.sort_by_length,
+            pack=self.pack_sequences,
+        )
 
     def train(self, rollout_id: int, batch: list[list[Sample]]) -> dict:
         """One train step on a rollout step's groups of samples; returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        tb = TrainBatch.from_samples([s for group in batch for s in group], self.pad_id, self.device,
-                                     share_prompts=self.share_prompts and self.pack_sequences)
+        tb = TrainBatch.from_samples(
+            [s for group in batch for s in group],
+            self.pad_id,
+            self.device,
+            share_prompts=self.share_prompts and self.pack_sequences,
+        )
         planner = self.planner()
         no_grad_plans = planner.no_grad(list(range(tb.num_samples)), tb.host.input_lengths, tb.host.sharing)
         # 1. log-probs (and critic values)
         recomputed_old = self._log_probs_phase(tb, no_grad_plans)
         # 2. advantages
-        tb.advantages, tb.returns, metrics = advantage.step_advantages(cfg, tb, self.custom_advantage,
-                                                                       self.plugins.args)
+        tb.advantages, tb.returns, metrics = advantage.step_advantages(
+            cfg, tb, self.custom_advantage, self.plugins.args
+        )
         if cfg.save_debug_train_data:
             self._dump(rollout_id, tb)
         use_tis = cfg.use_tis and tb.rollout_log_probs is not None and cfg.loss_type == "policy_loss"
@@ -217,20 +234,28 @@ class TrainActor:
         record = tb.rollout_log_probs is not None and (tb.old_log_probs is None or tb.old_is_rollout)
         # 3. the schedule of every optimizer step, before any of them runs
         steps = schedule_steps(
-            planner, tb.host.input_lengths, tb.mask, tb.advantages, num_steps=cfg.num_steps_per_rollout,
+            planner,
+            tb.host.input_lengths,
+            tb.mask,
+            tb.advantages,
+            num_steps=cfg.num_steps_per_rollout,
             skip=self.skip_zero_advantage and self.plugins.pg_reducer is None,
             zero_advantage_is_zero_loss=self._zero_advantage_is_zero_loss(),
             # Skipped rows still feed metrics that read their log-probs: ppo_kl and clipfrac against given old
             # log-probs, TIS weights (and the mismatch metric, see `record`). Otherwise their shares are exactly 0.
             needs_log_probs=tb.old_log_probs is not None or use_tis,
-            record_first_log_probs=record, with_critic=self.critic is not None, sharing=tb.host.sharing)
+            record_first_log_probs=record,
+            with_critic=self.critic is not None,
+            sharing=tb.host.sharing,
+        )
         trainer_lp = torch.zeros_like(tb.mask) if record else None
         critic_only = self.critic is not None and rollout_id < cfg.num_critic_only_steps
         per_step: list[dict] = []
         for plan in steps:  # 4. per optimizer step: the critic's step, then loss/backward per micro-batch + step
             if self.critic is not None:
-                for key, value in self.critic.train_step(tb, plan.critic, global_counts(tb.mask[plan.indices],
-                                                                                        cfg.max_response_len)).items():
+                for key, value in self.critic.train_step(
+                    tb, plan.critic, global_counts(tb.mask[plan.indices], cfg.max_response_len)
+                ).items():
                     metrics[key] = metrics.get(key, 0.0) + value / cfg.num_steps_per_rollout
             if critic_only:
                 continue
@@ -279,17 +304,24 @@ class TrainActor:
         """Whether a zero-advantage sample adds exactly 0 to the loss: only the built-in policy losses are -A
         times a factor, and no entropy, KL or router load-balancing term reads the sample."""
         cfg = self.cfg
-        return (cfg.loss_type == "policy_loss" and self.plugins.custom_loss is None and cfg.entropy_coef == 0
-                and not (cfg.use_kl_loss and self.ref_model is not None) and not self.router_aux.active)
+        return (
+            cfg.loss_type == "policy_loss"
+            and self.plugins.custom_loss is None
+            and cfg.entropy_coef == 0
+            and not (cfg.use_kl_loss and self.ref_model is not None)
+            and not self.router_aux.active
+        )
 
-    def _optimizer_step(self, tb: TrainBatch, plan: OptimizerStepPlan, use_tis: bool,
-                        trainer_lp: torch.Tensor | None) -> dict:
+    def _optimizer_step(
+        self, tb: TrainBatch, plan: OptimizerStepPlan, use_tis: bool, trainer_lp: torch.Tensor | None
+    ) -> dict:
         """Phases 3 and 4 for one global batch: each micro-batch's share of the loss and its backward, then clip
         and one AdamW step. `trainer_lp`, when given, receives the training forward's log-probs."""
         cfg = self.cfg
         counts = global_counts(tb.mask[plan.indices], cfg.max_response_len)
-        terms = self.loss.begin_step(counts, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis,
-                                     device=self.device)
+        terms = self.loss.begin_step(
+            counts, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis, device=self.device
+        )
 
         def loss_of(mb_plan) -> torch.Tensor:
             mb = tb.host.micro(mb_plan, self.device)
@@ -309,22 +341,36 @@ class TrainActor:
                     p.grad = torch.zeros_like(p)
         totals = self._step_totals(terms, trainer_lp)
         opt = cfg.optimizer
-        lr = lr_at(self.opt_step, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_iters, decay_iters=opt.decay_iters,
-                   style=opt.decay_style)
+        lr = lr_at(
+            self.opt_step,
+            lr=opt.lr,
+            min_lr=opt.min_lr,
+            warmup=opt.warmup_iters,
+            decay_iters=opt.decay_iters,
+            style=opt.decay_style,
+        )
         set_lr(self.optimizer, lr)
-        grad_norm, stepped = clip_and_step(self.optimizer, self.model.parameters(), clip_grad=opt.clip_grad,
-                                           has_samples=counts["global_num_samples"] > 0)
+        grad_norm, stepped = clip_and_step(
+            self.optimizer,
+            self.model.parameters(),
+            clip_grad=opt.clip_grad,
+            has_samples=counts["global_num_samples"] > 0,
+        )
         if not stepped:
-            log.warning("skipping optimizer step %d: %s", self.opt_step,
-                        "no trainable samples" if counts["global_num_samples"] == 0 else f"grad norm {float(grad_norm)}")
+            log.warning(
+                "skipping optimizer step %d: %s",
+                self.opt_step,
+                "no trainable samples" if counts["global_num_samples"] == 0 else f"grad norm {float(grad_norm)}",
+            )
         self.opt_step += 1
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = lr
         totals["skipped_samples"] = float(len(plan.skipped))
         return totals
 
-    def _run_micro_batches(self, tb: TrainBatch, plan: OptimizerStepPlan,
-                           loss_of: Callable[[Plan], torch.Tensor]) -> None:
+    def _run_micro_batches(
+        self, tb: TrainBatch, plan: OptimizerStepPlan, loss_of: Callable[[Plan], torch.Tensor]
+    ) -> None:
         """The backward of every trained micro-batch, then the no-grad forward of every observed one. (A rank of
         the multi-rank trainer, lichen.train.dist_trainer, runs its share of them.)"""
         for mb_plan in plan.trained:
@@ -343,11 +389,17 @@ class TrainActor:
         path = self.cfg.save_debug_train_data.format(rollout_id=rollout_id)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
-        torch.save({
-            "rollout_id": rollout_id,
-            "samples": [s.to_dict() for s in tb.samples],
-            "rewards": advantage.sample_rewards(tb.samples, self.cfg.reward_key),
-            "advantages": cpu(tb.advantages), "mask": cpu(tb.mask), "old_log_probs": cpu(tb.old_log_probs),
-            "ref_log_probs": cpu(tb.ref_log_probs), "rollout_log_probs": cpu(tb.rollout_log_probs),
-            "values": cpu(tb.values),
-        }, path)
+        torch.save(
+            {
+                "rollout_id": rollout_id,
+                "samples": [s.to_dict() for s in tb.samples],
+                "rewards": advantage.sample_rewards(tb.samples, self.cfg.reward_key),
+                "advantages": cpu(tb.advantages),
+                "mask": cpu(tb.mask),
+                "old_log_probs": cpu(tb.old_log_probs),
+                "ref_log_probs": cpu(tb.ref_log_probs),
+                "rollout_log_probs": cpu(tb.rollout_log_probs),
+                "values": cpu(tb.values),
+            },
+            path,
+        )

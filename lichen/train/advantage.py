@@ -29,8 +29,9 @@ def sample_rewards(samples: list[Sample], reward_key: str | None) -> torch.Tenso
     )
 
 
-def step_advantages(cfg: TrainerConfig, tb: TrainBatch, custom_fn=None, plugin_args: Any = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+def step_advantages(
+    cfg: TrainerConfig, tb: TrainBatch, custom_fn=None, plugin_args: Any = None
+) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """(advantages [n, R], GAE returns [n, R] or None, metrics) of the step.
 
     `custom_fn` is the loaded --custom-advantage-function-path plug-in; it receives the opaque `plugin_args`.
@@ -51,21 +52,26 @@ def step_advantages(cfg: TrainerConfig, tb: TrainBatch, custom_fn=None, plugin_a
         adv, adv_metrics = compute_advantages(cfg, tb.samples, mask, kl, custom_fn=custom_fn, plugin_args=plugin_args)
         metrics.update(adv_metrics)
     if tb.teacher_log_probs is not None:
-        policy = tb.old_log_probs if tb.old_log_probs is not None else (
-            tb.rollout_log_probs if tb.rollout_log_probs is not None else tb.policy_log_probs)
+        policy = (
+            tb.old_log_probs
+            if tb.old_log_probs is not None
+            else (tb.rollout_log_probs if tb.rollout_log_probs is not None else tb.policy_log_probs)
+        )
         reverse_kl = (policy - tb.teacher_log_probs) * mask
         adv = adv - cfg.opd_kl_coef * reverse_kl
         metrics["train/opd_reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
     return adv, returns, metrics
 
 
-def critic_advantages(cfg: TrainerConfig, samples: list[Sample], values: torch.Tensor, mask: torch.Tensor,
-                      kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def critic_advantages(
+    cfg: TrainerConfig, samples: list[Sample], values: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """--advantage-estimator ppo: GAE over token rewards (-kl_coef * KL_t, plus the reward at the last token)
     with the critic's values; returns (advantages, returns)."""
     kl_tok = kl if kl is not None else torch.zeros_like(mask)
     token_rewards = algo.reinforce_plus_plus_token_rewards(
-        sample_rewards(samples, cfg.reward_key).to(mask.device), kl_tok, mask, cfg.kl_coef)
+        sample_rewards(samples, cfg.reward_key).to(mask.device), kl_tok, mask, cfg.kl_coef
+    )
     adv, returns = algo.gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lambd)
     if cfg.normalize_advantages:
         adv = algo.whiten(adv, mask)

@@ -37,8 +37,16 @@ import torch
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.torch_files import load_plain, save_plain
-from lichen.train.ckpt_integrity import (MANIFEST, NO_MANIFEST, CheckpointDamaged, atomic_write_text, remove_manifest,
-                                         remove_stale_temps, verify, write_manifest)
+from lichen.train.ckpt_integrity import (
+    MANIFEST,
+    NO_MANIFEST,
+    CheckpointDamaged,
+    atomic_write_text,
+    remove_manifest,
+    remove_stale_temps,
+    verify,
+    write_manifest,
+)
 from lichen.weights.hf_io import save_hf_checkpoint
 
 log = get_logger(__name__)
@@ -61,8 +69,13 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "bit_generator": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -73,8 +86,9 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"].cpu())
     n = state["numpy"]
-    np.random.set_state((n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -98,8 +112,10 @@ def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) ->
     state = trainer.state_dict()
     weights = {k: v.detach() for k, v in state["model"].items()}
     save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
-    save_plain({"format": STATE_FORMAT, "optimizer": state["optimizer"], "opt_step": state["opt_step"],
-                "rng": rng_state()}, os.path.join(d, TRAINER_STATE))
+    save_plain(
+        {"format": STATE_FORMAT, "optimizer": state["optimizer"], "opt_step": state["opt_step"], "rng": rng_state()},
+        os.path.join(d, TRAINER_STATE),
+    )
     if "lora" in state:  # --use-lora: hf/ is the merged policy; the adapters are what a resume restores
         from lichen.train import lora
 
@@ -168,15 +184,30 @@ def find_latest(load_dir: str) -> int | None:
             problems.append(f"{name}/{e}")
             continue
         if latest is not None and rollout_id < latest:
-            log.warning("!!! --load %s: %s. Resuming from the newest intact checkpoint, %s, instead: rollout ids "
-                        "%d..%d run again.", load_dir, _summary(problems), name, rollout_id + 1, latest)
+            log.warning(
+                "!!! --load %s: %s. Resuming from the newest intact checkpoint, %s, instead: rollout ids "
+                "%d..%d run again.",
+                load_dir,
+                _summary(problems),
+                name,
+                rollout_id + 1,
+                latest,
+            )
         elif problems or latest is None:
-            log.warning("!!! --load %s: %s. Resuming from the newest intact checkpoint, %s.", load_dir,
-                        _summary(problems or [f"no {LATEST}"]), name)
+            log.warning(
+                "!!! --load %s: %s. Resuming from the newest intact checkpoint, %s.",
+                load_dir,
+                _summary(problems or [f"no {LATEST}"]),
+                name,
+            )
         return rollout_id
     if latest is None and latest_problem is None:
-        log.warning("--load %s: no %s and no finished checkpoint (%s): starting from --hf-checkpoint", load_dir,
-                    LATEST, _summary(problems))
+        log.warning(
+            "--load %s: no %s and no finished checkpoint (%s): starting from --hf-checkpoint",
+            load_dir,
+            LATEST,
+            _summary(problems),
+        )
         return None
     raise _no_intact_checkpoint(load_dir, ids, problems)
 
@@ -188,11 +219,13 @@ def _no_intact_checkpoint(load_dir: str, ids: list[int], problems: list[str]) ->
             f"--load {load_dir}: its checkpoints have no {MANIFEST}: they were written by a lichen from before "
             "checkpoint checksums (their trainer_state.pt cannot be loaded safely), or their saves did not finish. "
             f"Resume them with the lichen version that wrote them, or start from the weights with --hf-checkpoint "
-            f"{newest} (a fresh optimizer) and without --load")
+            f"{newest} (a fresh optimizer) and without --load"
+        )
     return ConfigError(
         f"--load {load_dir}: no intact checkpoint to resume from: {_summary(problems)}. Restore the damaged files, "
         f"start from a checkpoint's weights with --hf-checkpoint {newest} and without --load, or drop --load to "
-        "start from the --hf-checkpoint you gave")
+        "start from the --hf-checkpoint you gave"
+    )
 
 
 def _summary(problems: list[str], most: int = 3) -> str:
@@ -206,23 +239,31 @@ def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
 
     d = iter_dir(load_dir, rollout_id)
     if not os.path.isdir(os.path.join(d, "hf")) or not os.path.isfile(os.path.join(d, TRAINER_STATE)):
-        raise ConfigError(f"checkpoint {d} has no trainer state (hf/, {TRAINER_STATE}): it was saved with "
-                          "--debug-rollout-only; resume it with --debug-rollout-only, or start without --load")
+        raise ConfigError(
+            f"checkpoint {d} has no trainer state (hf/, {TRAINER_STATE}): it was saved with "
+            "--debug-rollout-only; resume it with --debug-rollout-only, or start without --load"
+        )
     state = load_plain(os.path.join(d, TRAINER_STATE), "checkpoint file")
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise ConfigError(f"checkpoint {d}/{TRAINER_STATE}: not format {STATE_FORMAT} (written by another version "
-                          f"of lichen?); start from its weights with --hf-checkpoint {d}/hf")
+        raise ConfigError(
+            f"checkpoint {d}/{TRAINER_STATE}: not format {STATE_FORMAT} (written by another version "
+            f"of lichen?); start from its weights with --hf-checkpoint {d}/hf"
+        )
     restored = {"optimizer": state["optimizer"], "opt_step": state["opt_step"]}
     if _lora_of(trainer) is not None:
         from lichen.train.lora import read_adapter
 
         if not os.path.isdir(os.path.join(d, LORA_DIR)):
-            raise ConfigError(f"checkpoint {d} has no {LORA_DIR}/: it was saved without --use-lora; resume it "
-                              f"without --use-lora, or start adapters on its weights with --hf-checkpoint {d}/hf")
+            raise ConfigError(
+                f"checkpoint {d} has no {LORA_DIR}/: it was saved without --use-lora; resume it "
+                f"without --use-lora, or start adapters on its weights with --hf-checkpoint {d}/hf"
+            )
         restored["lora"] = read_adapter(os.path.join(d, LORA_DIR))
     elif os.path.isdir(os.path.join(d, LORA_DIR)):
-        raise ConfigError(f"checkpoint {d} was saved with --use-lora: resume it with --use-lora and the same "
-                          f"targets and rank, or start from its merged weights with --hf-checkpoint {d}/hf")
+        raise ConfigError(
+            f"checkpoint {d} was saved with --use-lora: resume it with --use-lora and the same "
+            f"targets and rank, or start from its merged weights with --hf-checkpoint {d}/hf"
+        )
     else:
         restored["model"] = load_hf_state_dict(os.path.join(d, "hf"), device=str(trainer.device))
     if "critic" in trainer.state_dict():
@@ -241,8 +282,10 @@ def read_critic_state(directory: str) -> dict:
     critic's load_state_dict copies them onto its device)."""
     path = os.path.join(directory, CRITIC_FILE)
     if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint {directory} has no {CRITIC_FILE}: it was saved without "
-                          "--advantage-estimator ppo; resume it with the estimator it was saved with")
+        raise ConfigError(
+            f"checkpoint {directory} has no {CRITIC_FILE}: it was saved without "
+            "--advantage-estimator ppo; resume it with the estimator it was saved with"
+        )
     return load_plain(path, "checkpoint file")
 
 

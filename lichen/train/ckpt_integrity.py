@@ -61,8 +61,13 @@ def checkpoint_files(directory: str) -> list[str]:
 
 def file_entries(directory: str, rels: list[str]) -> dict[str, dict]:
     """The manifest entries (size, digest) of the files `rels` of the checkpoint in `directory`."""
-    return {rel: {"size": os.path.getsize(os.path.join(directory, rel)),
-                  ALGORITHM: file_digest(os.path.join(directory, rel))} for rel in rels}
+    return {
+        rel: {
+            "size": os.path.getsize(os.path.join(directory, rel)),
+            ALGORITHM: file_digest(os.path.join(directory, rel)),
+        }
+        for rel in rels
+    }
 
 
 def write_manifest(directory: str, files: dict[str, dict] | None = None) -> None:
@@ -70,8 +75,10 @@ def write_manifest(directory: str, files: dict[str, dict] | None = None) -> None
     their shares), by default every file of the checkpoint in `directory`, hashed here."""
     if files is None:
         files = file_entries(directory, checkpoint_files(directory))
-    atomic_write_text(os.path.join(directory, MANIFEST),
-                      json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1, sort_keys=True))
+    atomic_write_text(
+        os.path.join(directory, MANIFEST),
+        json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1, sort_keys=True),
+    )
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -105,8 +112,13 @@ def _read_manifest(directory: str) -> dict:
     if (manifest.get("algorithm") if isinstance(manifest, dict) else None) != ALGORITHM or not isinstance(files, dict):
         raise CheckpointDamaged(MANIFEST, f"not a lichen checksum manifest (expected format {FORMAT}, {ALGORITHM})")
     for rel, entry in files.items():
-        if (os.path.isabs(rel) or ".." in rel.split("/") or not isinstance(entry, dict)
-                or not isinstance(entry.get("size"), int) or not isinstance(entry.get(ALGORITHM), str)):
+        if (
+            os.path.isabs(rel)
+            or ".." in rel.split("/")
+            or not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get(ALGORITHM), str)
+        ):
             raise CheckpointDamaged(MANIFEST, f"damaged entry {rel!r}")
     return files
 
@@ -169,8 +181,11 @@ def remove_stale_temps(save_dir: str) -> list[str]:
     `iter_*` checkpoints, never one whose owner may still be writing it; returns the paths removed."""
     if not os.path.isdir(save_dir):
         return []
-    parents = [save_dir] + [os.path.join(save_dir, d) for d in sorted(os.listdir(save_dir))
-                            if d.startswith("iter_") and os.path.isdir(os.path.join(save_dir, d))]
+    parents = [save_dir] + [
+        os.path.join(save_dir, d)
+        for d in sorted(os.listdir(save_dir))
+        if d.startswith("iter_") and os.path.isdir(os.path.join(save_dir, d))
+    ]
     removed = []
     for parent in parents:
         for name in os.listdir(parent):

@@ -47,8 +47,9 @@ class Critic:
 
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        backbone = load_model(cfg.critic_load or cfg.hf_checkpoint, device=device, dtype=torch.float32,
-                              **cfg.model_options)
+        backbone = load_model(
+            cfg.critic_load or cfg.hf_checkpoint, device=device, dtype=torch.float32, **cfg.model_options
+        )
         backbone.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = ValueModel(backbone).to(device)
         self.model.train()
@@ -90,12 +91,17 @@ class Critic:
             return loss
 
         total, clipfrac = self._backward(tb, plans, loss_of, sums).tolist()
-        grad_norm, _ = clip_and_step(self.optimizer, self.model.parameters(), clip_grad=cfg.critic_optimizer.clip_grad,
-                                     has_samples=counts["global_num_samples"] > 0)
+        grad_norm, _ = clip_and_step(
+            self.optimizer,
+            self.model.parameters(),
+            clip_grad=cfg.critic_optimizer.clip_grad,
+            has_samples=counts["global_num_samples"] > 0,
+        )
         return {"critic/value_loss": total, "critic/value_clipfrac": clipfrac, "critic/grad_norm": float(grad_norm)}
 
-    def _backward(self, tb: TrainBatch, plans: list[Plan], loss_of: Callable[[Plan], torch.Tensor],
-                  sums: torch.Tensor) -> torch.Tensor:
+    def _backward(
+        self, tb: TrainBatch, plans: list[Plan], loss_of: Callable[[Plan], torch.Tensor], sums: torch.Tensor
+    ) -> torch.Tensor:
         """The backward of every micro-batch; returns `sums` (the multi-rank critic runs its share and sums them
         over the ranks, lichen.train.dist_critic)."""
         for plan in plans:

@@ -39,8 +39,9 @@ class RankCritic(Critic):
         fsdp.reshard(self.model)
         return fsdp.all_reduce_sum(out)
 
-    def _backward(self, tb: TrainBatch, plans: list[Plan], loss_of: Callable[[Plan], torch.Tensor],
-                  sums: torch.Tensor) -> torch.Tensor:
+    def _backward(
+        self, tb: TrainBatch, plans: list[Plan], loss_of: Callable[[Plan], torch.Tensor], sums: torch.Tensor
+    ) -> torch.Tensor:
         for plan in split_across_ranks(plans, tb.host.input_lengths, self.world_size, tb.host.sharing)[self.rank]:
             (loss_of(plan) if plan is not None else self._empty_forward(tb.host)).backward()
         fsdp.reshard(self.model)  # parameters() are the sharded ones again, with their gradients

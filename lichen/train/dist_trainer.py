@@ -31,8 +31,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from lichen.config.train_config import TrainerConfig
 from lichen.devices import resolve_device
@@ -40,8 +44,15 @@ from lichen.errors import ConfigError
 from lichen.train import fsdp, memory_saver
 from lichen.train.actor import TrainActor
 from lichen.train.checkpoint import LATEST, LORA_DIR, iter_dir
-from lichen.train.ckpt_integrity import (CheckpointDamaged, atomic_write_text, checkpoint_files, file_entries,
-                                         remove_manifest, verify, write_manifest)
+from lichen.train.ckpt_integrity import (
+    CheckpointDamaged,
+    atomic_write_text,
+    checkpoint_files,
+    file_entries,
+    remove_manifest,
+    verify,
+    write_manifest,
+)
 from lichen.train.log_probs import LogProbs
 from lichen.train.loss import StepTerms
 from lichen.train.micro_batches import Plan, StepBatch
@@ -76,8 +87,15 @@ class RankLogProbs(LogProbs):
 class _RankActor(TrainActor):
     """TrainActor whose models are FSDP2-sharded and whose micro-batches are this rank's share."""
 
-    def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int,
-                 memory: memory_saver.TaggedMemory | None = None):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        plugin_args: Any,
+        *,
+        rank: int,
+        world_size: int,
+        memory: memory_saver.TaggedMemory | None = None,
+    ):
         self.rank, self.world_size = rank, world_size
         self.memory = memory or memory_saver.TaggedMemory()
         super().__init__(cfg, plugin_args)
@@ -86,8 +104,13 @@ class _RankActor(TrainActor):
                 if isinstance(model, torch.nn.Module):  # (a LoRA reference is the policy's module: sharded once)
                     fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
-        self.optimizer = make_adamw([p for p in self.model.parameters() if p.requires_grad],  # LoRA: adapters only
-                                    lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        self.optimizer = make_adamw(
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: adapters only
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
         self.memory.tag_optimizer(self.optimizer)  # its state, created at the first step
         self.log_probs = RankLogProbs(self.device, cfg.temperature, cfg.bf16, rank=rank, world_size=world_size)
 
@@ -96,8 +119,9 @@ class _RankActor(TrainActor):
 
         return RankCritic(self.cfg, self.device, rank=self.rank, world_size=self.world_size)
 
-    def _run_micro_batches(self, tb: TrainBatch, plan: OptimizerStepPlan,
-                           loss_of: Callable[[Plan], torch.Tensor]) -> None:
+    def _run_micro_batches(
+        self, tb: TrainBatch, plan: OptimizerStepPlan, loss_of: Callable[[Plan], torch.Tensor]
+    ) -> None:
         """This rank's share of the step's micro-batches, padded with empty ones to every rank's count."""
         lengths = tb.host.input_lengths
         for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size, tb.host.sharing)[self.rank]:
@@ -123,12 +147,22 @@ class _RankActor(TrainActor):
 class DistTrainer:
     """One trainer rank; every rank gets the same global batch and returns the same metrics."""
 
-    def __init__(self, cfg: TrainerConfig, plugin_args: Any, *, rank: int, world_size: int, master_addr: str,
-                 master_port: int, backend: str | None = None):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        plugin_args: Any,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str | None = None,
+    ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         backend = backend or fsdp.default_backend(resolve_device(cfg.device))
-        fsdp.init_process_group(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                                backend=backend)
+        fsdp.init_process_group(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, backend=backend
+        )
         self.memory = memory_saver.for_this_process()  # tagged torch_memory_saver regions when its hook is here
         self.actor = _RankActor(cfg, plugin_args, rank=rank, world_size=world_size, memory=self.memory)
 
@@ -168,12 +202,17 @@ class DistTrainer:
 
     def _sharded_state(self) -> dict:
         a = self.actor
-        state = {"model": get_model_state_dict(a.model), "optimizer": get_optimizer_state_dict(a.model, a.optimizer),
-                 "opt_step": torch.tensor(a.opt_step, dtype=torch.int64)}
+        state = {
+            "model": get_model_state_dict(a.model),
+            "optimizer": get_optimizer_state_dict(a.model, a.optimizer),
+            "opt_step": torch.tensor(a.opt_step, dtype=torch.int64),
+        }
         if a.critic is not None:
             c = a.critic
-            state["critic"] = {"model": get_model_state_dict(c.model),
-                               "optimizer": get_optimizer_state_dict(c.model, c.optimizer)}
+            state["critic"] = {
+                "model": get_model_state_dict(c.model),
+                "optimizer": get_optimizer_state_dict(c.model, c.optimizer),
+            }
         return state
 
     def save(self, ckpt_dir: str, rollout_id: int) -> None:
@@ -189,13 +228,15 @@ class DistTrainer:
             if self.cfg.lora is not None:  # hf/ is the merged policy; lora/ the adapters (as a single-rank save)
                 from lichen.train import lora
 
-                weights = lora.export_rank0(self.actor, weights, os.path.join(d, LORA_DIR), rollout_id,
-                                            self.cfg.hf_checkpoint)
+                weights = lora.export_rank0(
+                    self.actor, weights, os.path.join(d, LORA_DIR), rollout_id, self.cfg.hf_checkpoint
+                )
             with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
                 config = json.load(f)
             save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=self.cfg.hf_checkpoint)
-            atomic_write_text(os.path.join(d, "meta.json"),
-                              json.dumps({"rollout_id": rollout_id, "world_size": self.world_size}))
+            atomic_write_text(
+                os.path.join(d, "meta.json"), json.dumps({"rollout_id": rollout_id, "world_size": self.world_size})
+            )
         dist.barrier()  # every rank's shards are written before they are hashed and `latest` names the checkpoint
         self._write_manifest(d)
         if self.rank == 0:
@@ -211,7 +252,7 @@ class DistTrainer:
         """Each rank hashes its share of the checkpoint's files (rank 0's listing); rank 0 writes checksums.json."""
         rels = self._from_rank0(checkpoint_files(d) if self.rank == 0 else None)
         parts: list[dict] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(parts, file_entries(d, rels[self.rank::self.world_size]))
+        dist.all_gather_object(parts, file_entries(d, rels[self.rank :: self.world_size]))
         if self.rank == 0:
             write_manifest(d, {rel: e for part in parts for rel, e in part.items()})
 
@@ -238,8 +279,10 @@ class DistTrainer:
                 with open(latest) as f:
                     rollout_id = int(f.read().strip())
             except (OSError, ValueError) as e:
-                raise ConfigError(f"{latest}: no readable checkpoint id ({e}); point --load at a directory that "
-                                  "a distributed run saved into") from None
+                raise ConfigError(
+                    f"{latest}: no readable checkpoint id ({e}); point --load at a directory that "
+                    "a distributed run saved into"
+                ) from None
         d = os.path.join(iter_dir(ckpt_dir, rollout_id), DIST_DIR)
         if not os.path.isdir(d):
             raise ConfigError(f"{d}: missing; this checkpoint was not saved by a multi-rank trainer")

@@ -21,11 +21,17 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
-                       timeout_s: float = 600.0) -> None:
+def init_process_group(
+    *, rank: int, world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float = 600.0
+) -> None:
     """Join the trainer's process group over TCP at master_addr:master_port (rank 0 hosts the store)."""
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

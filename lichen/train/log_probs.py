@@ -1,6 +1,6 @@
 """Per-token log-probs of a model on micro-batches: the training forward and the no-grad passes of a step.
 
-    log pi(token) = log_softmax(logits / T)[token] at each response position (docs/architecture.md#log-prob-convention)
+log pi(token) = log_softmax(logits / T)[token] at each response position (docs/architecture.md#log-prob-convention)
 """
 
 from __future__ import annotations

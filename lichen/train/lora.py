@@ -60,8 +60,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     if never:
         raise ConfigError(f"--lora-target-modules selects {never[0]}: embeddings and the LM head are never adapted")
     if not names:
-        raise ConfigError(f"--use-lora adapts no Linear module of the policy (its Linear modules: "
-                          f"{', '.join(linear[:6])}, ...); choose a preset or --lora-target-modules that match")
+        raise ConfigError(
+            f"--use-lora adapts no Linear module of the policy (its Linear modules: "
+            f"{', '.join(linear[:6])}, ...); choose a preset or --lora-target-modules that match"
+        )
     inject_adapter_in_model(peft_config(cfg, names, stacked), model, adapter_name=ADAPTER)
     for pname, p in model.named_parameters():
         p.requires_grad_(".lora_" in pname)
@@ -74,9 +76,16 @@ def peft_config(cfg: LoraConfig, names: list[str], stacked: list[str], base: str
     is_param = set(stacked)
     params = [n for n in names if n in is_param]
     modules = [n for n in names if n not in is_param]
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
-                          target_modules=modules or None, target_parameters=params or None,
-                          task_type="CAUSAL_LM", base_model_name_or_path=base)
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=modules or None,
+        target_parameters=params or None,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLayer]]:
@@ -196,17 +205,22 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source:
     own = adapter_state(model)
     if set(state) != set(own):
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        raise ConfigError(f"{source}: its adapters are not this run's (missing {missing[:2]}, unexpected "
-                          f"{extra[:2]}); use the same --lora-target-preset / --lora-target-modules it was saved with")
+        raise ConfigError(
+            f"{source}: its adapters are not this run's (missing {missing[:2]}, unexpected "
+            f"{extra[:2]}); use the same --lora-target-preset / --lora-target-modules it was saved with"
+        )
     bad = [k for k in own if own[k].shape != state[k].shape]
     if bad:
-        raise ConfigError(f"{source}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, this run's "
-                          f"{tuple(own[bad[0]].shape)}; use the --lora-rank it was saved with")
+        raise ConfigError(
+            f"{source}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, this run's "
+            f"{tuple(own[bad[0]].shape)}; use the --lora-rank it was saved with"
+        )
     set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
 
 
-def save_adapter(model: nn.Module, cfg: LoraConfig, directory: str, base: str,
-                 state: dict[str, torch.Tensor] | None = None) -> None:
+def save_adapter(
+    model: nn.Module, cfg: LoraConfig, directory: str, base: str, state: dict[str, torch.Tensor] | None = None
+) -> None:
     """Write peft's adapter directory: adapter_model.safetensors (fp32) + adapter_config.json; the adapters are the
     model's own, or `state`'s (adapter_state)."""
     os.makedirs(directory, exist_ok=True)
@@ -226,8 +240,13 @@ def read_adapter(directory: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in safetensors.torch.load_file(path).items()}
 
 
-def save_exports(trainer, merged: dict[str, torch.Tensor], rollout_id: int, hf_checkpoint: str,
-                 state: dict[str, torch.Tensor] | None = None) -> None:
+def save_exports(
+    trainer,
+    merged: dict[str, torch.Tensor],
+    rollout_id: int,
+    hf_checkpoint: str,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
     """--save-lora and --lora-save-merged-hf: the adapters (the model's own, or `state`'s) and the merged policy,
     {rollout_id} filled in."""
     cfg: LoraConfig = trainer.cfg.lora
@@ -236,12 +255,14 @@ def save_exports(trainer, merged: dict[str, torch.Tensor], rollout_id: int, hf_c
     if cfg.save_merged_hf:
         with open(os.path.join(hf_checkpoint, "config.json")) as f:
             config = json.load(f)
-        save_hf_checkpoint(merged, cfg.save_merged_hf.format(rollout_id=rollout_id), config=config,
-                           copy_files_from=hf_checkpoint)
+        save_hf_checkpoint(
+            merged, cfg.save_merged_hf.format(rollout_id=rollout_id), config=config, copy_files_from=hf_checkpoint
+        )
 
 
-def export_rank0(trainer, state: dict[str, torch.Tensor], directory: str, rollout_id: int,
-                 hf_checkpoint: str) -> dict[str, torch.Tensor]:
+def export_rank0(
+    trainer, state: dict[str, torch.Tensor], directory: str, rollout_id: int, hf_checkpoint: str
+) -> dict[str, torch.Tensor]:
     """A multi-rank LoRA checkpoint, on rank 0, from `state` (the policy's tensors gathered from every rank's
     shards): writes the adapter directory `directory`, --save-lora and --lora-save-merged-hf; returns the merged
     policy (the checkpoint's hf/)."""

@@ -29,8 +29,9 @@ class LossPlugins:
     args: Any = None
 
 
-def tis_weights(old: torch.Tensor, rollout_lp: torch.Tensor, *, mode: str, clip_low: float, clip: float
-                ) -> torch.Tensor:
+def tis_weights(
+    old: torch.Tensor, rollout_lp: torch.Tensor, *, mode: str, clip_low: float, clip: float
+) -> torch.Tensor:
     """Importance weight of the trainer's old policy over the engine's: w = exp(old - rollout), per token.
 
     truncate: clip(w, low, high); icepop: w where low <= w <= high, else 0. Detached: a weight, not a path.
@@ -90,8 +91,15 @@ class StepLoss:
             keys.append("moe_aux_loss")
         return StepTerms(counts, use_tis, {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys})
 
-    def micro_batch(self, tb: TrainBatch, rows: list[int], logp: torch.Tensor, entropy: torch.Tensor | None,
-                    step: StepTerms, router_aux: torch.Tensor | None = None) -> torch.Tensor:
+    def micro_batch(
+        self,
+        tb: TrainBatch,
+        rows: list[int],
+        logp: torch.Tensor,
+        entropy: torch.Tensor | None,
+        step: StepTerms,
+        router_aux: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """This micro-batch's share of the global-batch loss from its training log-probs `logp` [b, r] (rows
         `rows` of the step), plus --moe-aux-loss-coeff x `router_aux` (its share of the router's load-balancing
         loss, lichen.train.router_aux); adds its metric shares to `step.sums`."""
@@ -106,8 +114,12 @@ class StepLoss:
         elif plugins.custom_loss is not None:
             # lichen aggregates a custom per-token loss with --loss-agg-mode like every built-in loss.
             samples: list[Sample] = [tb.samples[i] for i in rows]
-            per_tok, pg = plugins.custom_loss(plugins.args, log_probs=logp, old_log_probs=old, advantages=adv, mask=m,
-                                              samples=samples), None
+            per_tok, pg = (
+                plugins.custom_loss(
+                    plugins.args, log_probs=logp, old_log_probs=old, advantages=adv, mask=m, samples=samples
+                ),
+                None,
+            )
         else:
             pg, m = _policy_terms(cfg, logp, old, adv, m)
             per_tok = pg["loss"]

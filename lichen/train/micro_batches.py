@@ -111,7 +111,7 @@ def first_fit(items: list[int], lengths: list[int], capacity: int, sort: bool = 
     placed first-fit in descending length (in the given order when not `sort`)."""
     bins: list[list[int]] = []
     free: list[int] = []
-    for i in (order_by_length(items, lengths) if sort else items):
+    for i in order_by_length(items, lengths) if sort else items:
         for b, room in enumerate(free):
             if lengths[i] <= room:
                 bins[b].append(i)
@@ -146,8 +146,9 @@ class StepBatch:
         k = torch.arange(R, dtype=torch.long)[None]
         inside = k < torch.tensor(self.response_lengths, dtype=torch.long).reshape(n, 1)
         self.resp_index = torch.where(inside, prompt - 1 + k, torch.zeros((), dtype=torch.long))
-        self.resp_tokens = _pad_rows([s.response_tokens if s.response_length else [] for s in samples], R, pad_id,
-                                     torch.long)
+        self.resp_tokens = _pad_rows(
+            [s.response_tokens if s.response_length else [] for s in samples], R, pad_id, torch.long
+        )
         masks = []
         for s in samples:
             if s.status == Status.FAILED:
@@ -293,8 +294,16 @@ def _greedy_groups(items: list, width_of, max_tokens: int) -> list[list]:
     return out
 
 
-def plan_micro_batches(indices: list[int], lengths: list[int], *, micro_batch_size: int, max_tokens: int | None,
-                       sort: bool = True, pack: bool = True, sharing: PromptGroups | None = None) -> list[Plan]:
+def plan_micro_batches(
+    indices: list[int],
+    lengths: list[int],
+    *,
+    micro_batch_size: int,
+    max_tokens: int | None,
+    sort: bool = True,
+    pack: bool = True,
+    sharing: PromptGroups | None = None,
+) -> list[Plan]:
     """Micro-batches of `indices`, each a list of model rows, each row a list of sample indices.
 
     - token budget (`max_tokens` set): computed size rows x widest row <= max_tokens (a single sample longer than
@@ -309,8 +318,9 @@ def plan_micro_batches(indices: list[int], lengths: list[int], *, micro_batch_si
     """
     order = order_by_length(indices, lengths) if sort else list(indices)
     if pack and sharing is not None:
-        return _plan_shared(order, lengths, sharing, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
-                            sort=sort)
+        return _plan_shared(
+            order, lengths, sharing, micro_batch_size=micro_batch_size, max_tokens=max_tokens, sort=sort
+        )
     if max_tokens:
         if not pack:
             return [[[i] for i in mb] for mb in split_by_tokens(order, lengths, max_tokens)]
@@ -324,15 +334,24 @@ def plan_micro_batches(indices: list[int], lengths: list[int], *, micro_batch_si
     return [first_fit(mb, lengths, max(lengths[i] for i in mb), sort=sort) for mb in chunks]
 
 
-def _plan_shared(order: list[int], lengths: list[int], sharing: PromptGroups, *, micro_batch_size: int,
-                 max_tokens: int | None, sort: bool) -> list[Plan]:
+def _plan_shared(
+    order: list[int],
+    lengths: list[int],
+    sharing: PromptGroups,
+    *,
+    micro_batch_size: int,
+    max_tokens: int | None,
+    sort: bool,
+) -> list[Plan]:
     """plan_micro_batches with packing over groups of samples sharing a prompt (see there)."""
     width = lambda unit: sharing.row_width(unit, lengths)  # noqa: E731
 
     def rows_of(units: list[list[int]], capacity: int) -> list[list[int]]:
         widths = [width(u) for u in units]
-        return [[i for k in row for i in units[k]] for row in first_fit(list(range(len(units))), widths, capacity,
-                                                                          sort=sort)]
+        return [
+            [i for k in row for i in units[k]]
+            for row in first_fit(list(range(len(units))), widths, capacity, sort=sort)
+        ]
 
     units = sharing.units(order)
     if sort:

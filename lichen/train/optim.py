@@ -20,7 +20,7 @@ _FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def adamw_implementation(params: list[torch.Tensor]) -> str:
-    """"fused" when every parameter's device type and dtype have torch's fused AdamW kernel, else "foreach"."""
+    """ "fused" when every parameter's device type and dtype have torch's fused AdamW kernel, else "foreach"."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     fused_devices = set(_get_fused_kernels_supported_devices())
@@ -29,8 +29,15 @@ def adamw_implementation(params: list[torch.Tensor]) -> str:
     return "foreach"
 
 
-def make_adamw(params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
-               weight_decay: float, implementation: str | None = None) -> torch.optim.AdamW:
+def make_adamw(
+    params: Iterable[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    implementation: str | None = None,
+) -> torch.optim.AdamW:
     """torch.optim.AdamW over `params` with `implementation` ("fused", "foreach" or "single"; default: the fastest
     supported, see adamw_implementation)."""
     params = [p for p in params]
@@ -38,8 +45,9 @@ def make_adamw(params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float,
     if kind not in ("fused", "foreach", "single"):
         raise ValueError(f"unknown AdamW implementation {kind!r}; choose fused, foreach or single")
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[kind]
-    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=betas, eps=eps,
-                             weight_decay=weight_decay, **flags)
+    return torch.optim.AdamW(
+        decay_groups(params, weight_decay), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags
+    )
 
 
 def decay_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
@@ -52,8 +60,9 @@ def decay_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], *, clip_grad: float,
-                  has_samples: bool) -> tuple[torch.Tensor, bool]:
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], *, clip_grad: float, has_samples: bool
+) -> tuple[torch.Tensor, bool]:
     """Clip the global gradient norm to `clip_grad` (0: measure only) and step, unless the global batch had no
     trainable sample or the norm is not finite. Returns (grad norm, whether the optimizer stepped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))

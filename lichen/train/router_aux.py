@@ -45,15 +45,20 @@ class RouterAuxLoss:
         self.active = coeff > 0 and has_loss
         if coeff > 0 and not has_loss:
             kind = getattr(getattr(model, "cfg", None), "model_type", type(model).__name__)
-            log.warning("--moe-aux-loss-coeff %g is ignored: model_type %s has no router load-balancing loss (a dense "
-                        "model, or MoE routing balanced without one; docs/models.md#moe)", coeff, kind)
+            log.warning(
+                "--moe-aux-loss-coeff %g is ignored: model_type %s has no router load-balancing loss (a dense "
+                "model, or MoE routing balanced without one; docs/models.md#moe)",
+                coeff,
+                kind,
+            )
 
     def recording(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around the training forward: the model keeps its router logits (nothing when inactive)."""
         return model.recording_router_logits() if self.active else contextlib.nullcontext()
 
-    def share(self, model: nn.Module, plan: Plan, lengths: list[int], trained: list[Plan],
-              device: torch.device) -> torch.Tensor | None:
+    def share(
+        self, model: nn.Module, plan: Plan, lengths: list[int], trained: list[Plan], device: torch.device
+    ) -> torch.Tensor | None:
         """aux(tokens of micro-batch `plan`) * n_m / N (see the module docstring), or None when inactive or when
         the forward recorded nothing (a no-grad pass). `lengths`: every sample's input length; `trained`: the
         optimizer step's trained micro-batches, whose tokens are N."""

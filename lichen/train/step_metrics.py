@@ -16,8 +16,9 @@ from lichen.types import Status
 log = get_logger(__name__)
 
 
-def step_metrics(tb: TrainBatch, per_step: list[dict], trainer_log_probs: torch.Tensor | None,
-                 recomputed_old: bool) -> dict:
+def step_metrics(
+    tb: TrainBatch, per_step: list[dict], trainer_log_probs: torch.Tensor | None, recomputed_old: bool
+) -> dict:
     """Metrics of a train step from the per-optimizer-step totals `per_step`; `trainer_log_probs` [n, R] are the
     trainer's for the mismatch metric (None without engine log-probs)."""
     metrics: dict = {}
@@ -34,6 +35,7 @@ def step_metrics(tb: TrainBatch, per_step: list[dict], trainer_log_probs: torch.
     if recomputed_old and abs(metrics["train/ppo_kl_first_step"]) > 1e-4:
         log.warning(
             "invariant: first-step ppo_kl = %.3g with recomputed old log-probs (expected ~0): the trainer's "
-            "log-probs depend on how samples are batched", metrics["train/ppo_kl_first_step"]
+            "log-probs depend on how samples are batched",
+            metrics["train/ppo_kl_first_step"],
         )
     return metrics

@@ -32,13 +32,26 @@ class MicroBatchPlanner:
 
     def train(self, indices: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> list[Plan]:
         """`sharing`: the step's prompt groups, None when every sample computes its own prompt."""
-        return plan_micro_batches(indices, lengths, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
-                                  sort=self.sort, pack=self.pack, sharing=sharing)
+        return plan_micro_batches(
+            indices,
+            lengths,
+            micro_batch_size=self.micro_batch_size,
+            max_tokens=self.max_tokens,
+            sort=self.sort,
+            pack=self.pack,
+            sharing=sharing,
+        )
 
     def no_grad(self, indices: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> list[Plan]:
-        return plan_micro_batches(indices, lengths, micro_batch_size=max(2 * self.micro_batch_size, 1),
-                                  max_tokens=2 * self.max_tokens if self.max_tokens else None,
-                                  sort=self.sort, pack=self.pack, sharing=sharing)
+        return plan_micro_batches(
+            indices,
+            lengths,
+            micro_batch_size=max(2 * self.micro_batch_size, 1),
+            max_tokens=2 * self.max_tokens if self.max_tokens else None,
+            sort=self.sort,
+            pack=self.pack,
+            sharing=sharing,
+        )
 
 
 @dataclass(frozen=True)
@@ -57,8 +70,9 @@ class OptimizerStepPlan:
         return len(self.trained) + len(self.observed)
 
 
-def zero_share_rows(idx: list[int], mask: torch.Tensor, adv: torch.Tensor, *, zero_advantage_is_zero_loss: bool,
-                    needs_log_probs: bool) -> tuple[list[int], list[int]]:
+def zero_share_rows(
+    idx: list[int], mask: torch.Tensor, adv: torch.Tensor, *, zero_advantage_is_zero_loss: bool, needs_log_probs: bool
+) -> tuple[list[int], list[int]]:
     """Rows of the global batch `idx` whose share of the loss is exactly 0 for any log-probs: no backward.
 
     A row whose loss mask is all 0 adds nothing to any aggregated term. A row whose advantage is 0 on every masked
@@ -78,10 +92,20 @@ def zero_share_rows(idx: list[int], mask: torch.Tensor, adv: torch.Tensor, *, ze
     return skipped, observed
 
 
-def schedule_steps(planner: MicroBatchPlanner, lengths: list[int], mask: torch.Tensor, adv: torch.Tensor, *,
-                   num_steps: int, skip: bool, zero_advantage_is_zero_loss: bool, needs_log_probs: bool,
-                   record_first_log_probs: bool, with_critic: bool,
-                   sharing: PromptGroups | None = None) -> list[OptimizerStepPlan]:
+def schedule_steps(
+    planner: MicroBatchPlanner,
+    lengths: list[int],
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    num_steps: int,
+    skip: bool,
+    zero_advantage_is_zero_loss: bool,
+    needs_log_probs: bool,
+    record_first_log_probs: bool,
+    with_critic: bool,
+    sharing: PromptGroups | None = None,
+) -> list[OptimizerStepPlan]:
     """The plan of every optimizer step of a train step over `len(lengths)` samples.
 
     `skip`: drop rows whose loss share is exactly 0 from the backward; `needs_log_probs`: the skipped rows' log-probs
@@ -95,14 +119,29 @@ def schedule_steps(planner: MicroBatchPlanner, lengths: list[int], mask: torch.T
     for k in range(num_steps):
         idx = list(range(k * size, (k + 1) * size))
         record = record_first_log_probs and k == 0
-        skipped, observed = zero_share_rows(idx, mask, adv, zero_advantage_is_zero_loss=zero_advantage_is_zero_loss,
-                                            needs_log_probs=needs_log_probs or record) if skip else ([], [])
+        skipped, observed = (
+            zero_share_rows(
+                idx,
+                mask,
+                adv,
+                zero_advantage_is_zero_loss=zero_advantage_is_zero_loss,
+                needs_log_probs=needs_log_probs or record,
+            )
+            if skip
+            else ([], [])
+        )
         dropped = set(skipped)
         trained = [i for i in idx if i not in dropped]
-        steps.append(OptimizerStepPlan(
-            indices=idx, trained=planner.train(trained, lengths, sharing),
-            observed=planner.no_grad(observed, lengths, sharing), skipped=skipped,
-            critic=planner.train(idx, lengths, sharing) if with_critic else [], record_log_probs=record))
+        steps.append(
+            OptimizerStepPlan(
+                indices=idx,
+                trained=planner.train(trained, lengths, sharing),
+                observed=planner.no_grad(observed, lengths, sharing),
+                skipped=skipped,
+                critic=planner.train(idx, lengths, sharing) if with_critic else [],
+                record_log_probs=record,
+            )
+        )
     return steps
 
 
@@ -111,8 +150,9 @@ def plan_cost(plan: Plan, lengths: list[int], sharing: PromptGroups | None = Non
     return len(plan) * max(row_width(row, lengths, sharing) for row in plan)
 
 
-def split_across_ranks(plans: list[Plan], lengths: list[int], world_size: int,
-                       sharing: PromptGroups | None = None) -> list[list[Plan | None]]:
+def split_across_ranks(
+    plans: list[Plan], lengths: list[int], world_size: int, sharing: PromptGroups | None = None
+) -> list[list[Plan | None]]:
     """The micro-batches of ONE global-batch schedule dealt to `world_size` ranks, balanced by padded tokens.
 
     Longest-processing-time first: each micro-batch (largest first, ties in schedule order) goes to the rank with

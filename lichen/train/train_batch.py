@@ -30,8 +30,9 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # GAE returns, the critic's targets
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], pad_id: int, device: torch.device,
-                     share_prompts: bool = False) -> "TrainBatch":
+    def from_samples(
+        cls, samples: list[Sample], pad_id: int, device: torch.device, share_prompts: bool = False
+    ) -> "TrainBatch":
         """`share_prompts`: samples with identical prompts compute them once (lichen.train.micro_batches)."""
         host = StepBatch(samples, pad_id, share_prompts)  # padded once, on the host
         return cls(host=host, mask=host.resp_mask.to(device), rollout_log_probs=host.rollout_log_probs(device))
@@ -57,5 +58,8 @@ class TrainBatch:
 def global_counts(mask: torch.Tensor, max_response_len: int) -> dict:
     """The denominators of a global batch's loss (lichen.algo.aggregate_loss), from its [b, R] loss mask: every
     micro-batch's share is normalized by the whole global batch, skipped samples included."""
-    return dict(global_num_samples=int((mask.sum(-1) > 0).sum()), global_num_tokens=int(mask.sum()),
-                max_response_len=max_response_len)
+    return dict(
+        global_num_samples=int((mask.sum(-1) > 0).sum()),
+        global_num_tokens=int(mask.sum()),
+        max_response_len=max_response_len,
+    )

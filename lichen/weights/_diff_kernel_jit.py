@@ -167,4 +167,3 @@ def changed_bytes(x, old, old_is_new, pos, val):
             val[c] = old[i] if old_is_new else old[i] ^ x[i]
             c += 1
     return c
-

@@ -60,8 +60,10 @@ class ChecksumMismatchError(DeltaError):
         self.mismatches = mismatches  # (tensor name, file)
         shown = "; ".join(f"tensor {n!r} in {f}" for n, f in mismatches[:10])
         more = f" (and {len(mismatches) - 10} more)" if len(mismatches) > 10 else ""
-        super().__init__(f"checksum mismatch for {len(mismatches)} tensor(s) after applying {where}: {shown}{more}."
-                         " The published files or the local copy are corrupt; the version was not applied.")
+        super().__init__(
+            f"checksum mismatch for {len(mismatches)} tensor(s) after applying {where}: {shown}{more}."
+            " The published files or the local copy are corrupt; the version was not applied."
+        )
 
 
 class VersionMismatchError(DeltaError):
@@ -76,8 +78,7 @@ def check_encoding(encoding: str) -> str:
 
 def check_checksum_format(checksum_format: str) -> str:
     if checksum_format not in CHECKSUM_FORMATS:
-        raise ValueError(f"unknown checksum format {checksum_format!r}; "
-                         f"expected one of {', '.join(CHECKSUM_FORMATS)}")
+        raise ValueError(f"unknown checksum format {checksum_format!r}; expected one of {', '.join(CHECKSUM_FORMATS)}")
     return checksum_format
 
 
@@ -152,8 +153,15 @@ def _chunk_bytes(itemsize: int = 1) -> int:
     return max(itemsize, CHUNK_BYTES // itemsize * itemsize)
 
 
-def _diff_pass(encoding: str, n: int, fill: Callable[[int, int, np.ndarray], None], old: np.ndarray, hasher,
-               update_old: bool, itemsize: int = 1) -> tuple[np.ndarray, int, zstd_seq.Parser | None]:
+def _diff_pass(
+    encoding: str,
+    n: int,
+    fill: Callable[[int, int, np.ndarray], None],
+    old: np.ndarray,
+    hasher,
+    update_old: bool,
+    itemsize: int = 1,
+) -> tuple[np.ndarray, int, zstd_seq.Parser | None]:
     """One streaming pass over `n` bytes: `fill(start, stop, out)` writes the new bytes [start, stop) into a
     per-thread buffer, which is hashed, then turned into `new ^ old` in place; `old` takes the new bytes where they
     differ (with `update_old`). Returns (the xor bytes in the per-thread buffer, count of nonzero xor bytes, the
@@ -188,8 +196,15 @@ def _diff_pass(encoding: str, n: int, fill: Callable[[int, int, np.ndarray], Non
     return delta, changed, parser
 
 
-def _payload(encoding: str, delta: np.ndarray, old: np.ndarray, changed: int, level: int,
-             old_is_new: bool, parser: zstd_seq.Parser | None = None) -> bytes:
+def _payload(
+    encoding: str,
+    delta: np.ndarray,
+    old: np.ndarray,
+    changed: int,
+    level: int,
+    old_is_new: bool,
+    parser: zstd_seq.Parser | None = None,
+) -> bytes:
     """The zstd payload of the xor bytes `delta` (see the module doc). For overwrite, the new byte values are
     `old` where `old_is_new` (the snapshot was updated), else `old ^ delta`."""
     if encoding == "xor":
@@ -198,8 +213,9 @@ def _payload(encoding: str, delta: np.ndarray, old: np.ndarray, changed: int, le
     if diff_kernel.available() and sys.byteorder == "little":  # one compiled pass writes the raw payload
         raw = np.empty(4 + 5 * changed, np.uint8)
         raw[:4] = np.frombuffer(changed.to_bytes(4, "little"), np.uint8)
-        found = diff_kernel.changed_bytes(delta, old, old_is_new, raw[4: 4 + 4 * changed].view(np.uint32),
-                                          raw[4 + 4 * changed:])
+        found = diff_kernel.changed_bytes(
+            delta, old, old_is_new, raw[4 : 4 + 4 * changed].view(np.uint32), raw[4 + 4 * changed :]
+        )
         if found != changed:
             raise AssertionError(f"overwrite: {found} changed bytes found, {changed} counted")
         return zstandard.ZstdCompressor(level=level).compress(raw)
@@ -216,12 +232,12 @@ def _nonzero_positions(x: np.ndarray) -> np.ndarray:
     parts = []
     step = max(1, _chunk_bytes() // 8)
     for w0 in range(0, n_words, step):
-        words = x[8 * w0: 8 * min(w0 + step, n_words)].view(np.uint64)
+        words = x[8 * w0 : 8 * min(w0 + step, n_words)].view(np.uint64)
         hit = np.flatnonzero(words)
         if hit.size:
-            inner = np.flatnonzero(x[8 * w0: 8 * w0 + 8 * words.size].reshape(-1, 8)[hit])
+            inner = np.flatnonzero(x[8 * w0 : 8 * w0 + 8 * words.size].reshape(-1, 8)[hit])
             parts.append(8 * (hit[inner >> 3] + w0) + (inner & 7))
-    tail = np.flatnonzero(x[8 * n_words:])
+    tail = np.flatnonzero(x[8 * n_words :])
     if tail.size:
         parts.append(tail + 8 * n_words)
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -232,12 +248,15 @@ def _check_pair(encoding: str, n: int, old: np.ndarray, update_old: bool) -> Non
     if update_old and not old.flags.writeable:
         raise ValueError("update_old needs a writable old array")
     if encoding == "overwrite" and n > _U32_LIMIT:
-        raise DeltaError(f"overwrite deltas address bytes with u32 offsets; a tensor of {n} bytes is too large "
-                         "(use the xor encoding)")
+        raise DeltaError(
+            f"overwrite deltas address bytes with u32 offsets; a tensor of {n} bytes is too large "
+            "(use the xor encoding)"
+        )
 
 
-def encode_tensor(encoding: str, new, old, *, checksum_format: str | None = None, level: int = 1,
-                  update_old: bool = False) -> EncodedTensor | None:
+def encode_tensor(
+    encoding: str, new, old, *, checksum_format: str | None = None, level: int = 1, update_old: bool = False
+) -> EncodedTensor | None:
     """The delta payload taking bytes `old` to bytes `new` (equal lengths), or None when they are identical.
 
     With `update_old`, `old` is overwritten with `new` where they differ (the snapshot then equals `new`),
@@ -249,16 +268,27 @@ def encode_tensor(encoding: str, new, old, *, checksum_format: str | None = None
         raise ValueError(f"new and old bytes differ in length: {new.size} vs {old.size}")
     _check_pair(encoding, new.size, old, update_old)
     hasher = new_hasher(checksum_format) if checksum_format else None
-    delta, changed, parser = _diff_pass(encoding, new.size, lambda a, b, out: np.copyto(out, new[a:b]), old, hasher,
-                                        update_old)
+    delta, changed, parser = _diff_pass(
+        encoding, new.size, lambda a, b, out: np.copyto(out, new[a:b]), old, hasher, update_old
+    )
     if not changed:
         return None
-    return EncodedTensor(_payload(encoding, delta, old, changed, level, update_old, parser), changed,
-                         hasher.hexdigest() if hasher is not None else None)
+    return EncodedTensor(
+        _payload(encoding, delta, old, changed, level, update_old, parser),
+        changed,
+        hasher.hexdigest() if hasher is not None else None,
+    )
 
 
-def encode_tensor_cast(encoding: str, tensor: torch.Tensor, old: np.ndarray, dtype: torch.dtype, *,
-                       checksum_format: str | None = None, level: int = 1) -> EncodedTensor | None:
+def encode_tensor_cast(
+    encoding: str,
+    tensor: torch.Tensor,
+    old: np.ndarray,
+    dtype: torch.dtype,
+    *,
+    checksum_format: str | None = None,
+    level: int = 1,
+) -> EncodedTensor | None:
     """`encode_tensor(encoding, bytes of tensor.to(dtype), old, update_old=True)` without materialising the cast
     tensor: each chunk is cast by torch straight into the per-thread buffer (bit-identical to `.to(dtype)`).
     `tensor` is a CPU tensor of any dtype with `old.size / dtype itemsize` elements; `old` (the snapshot, a
@@ -274,13 +304,16 @@ def encode_tensor_cast(encoding: str, tensor: torch.Tensor, old: np.ndarray, dty
     hasher = new_hasher(checksum_format) if checksum_format else None
 
     def fill(start: int, stop: int, out: np.ndarray) -> None:
-        torch.from_numpy(out).view(dtype).copy_(flat[start // itemsize: stop // itemsize])
+        torch.from_numpy(out).view(dtype).copy_(flat[start // itemsize : stop // itemsize])
 
     delta, changed, parser = _diff_pass(encoding, old.size, fill, old, hasher, True, itemsize)
     if not changed:
         return None
-    return EncodedTensor(_payload(encoding, delta, old, changed, level, True, parser), changed,
-                         hasher.hexdigest() if hasher is not None else None)
+    return EncodedTensor(
+        _payload(encoding, delta, old, changed, level, True, parser),
+        changed,
+        hasher.hexdigest() if hasher is not None else None,
+    )
 
 
 def cast_checksum(checksum_format: str, tensor: torch.Tensor, dtype: torch.dtype) -> str:
@@ -298,7 +331,7 @@ def cast_checksum(checksum_format: str, tensor: torch.Tensor, dtype: torch.dtype
     step = _chunk_bytes(itemsize) // itemsize
     buf = _scratch("cast", min(step, flat.numel()) * itemsize)
     for start in range(0, flat.numel(), step):
-        part = flat[start: start + step]
+        part = flat[start : start + step]
         out = buf[: part.numel() * itemsize]
         torch.from_numpy(out).view(dtype).copy_(part)
         hasher.update(out)
@@ -322,8 +355,7 @@ def _decompress_all(payload) -> bytes:
         raise DeltaError(f"cannot decompress the zstd payload ({e})") from None
 
 
-def apply_tensor(encoding: str, payload, target, *, checksum_format: str | None = None,
-                 source=None) -> str | None:
+def apply_tensor(encoding: str, payload, target, *, checksum_format: str | None = None, source=None) -> str | None:
     """Apply one payload to the bytes `target` in place; return the checksum of the result (None without
     `checksum_format`). With `source` (bytes of the same length), the old bytes are read from `source` and only
     the result goes to `target` (one pass; `source` is not changed unless it is `target`). Raises DeltaError for
@@ -339,9 +371,10 @@ def apply_tensor(encoding: str, payload, target, *, checksum_format: str | None 
     n = target.size
     hasher = new_hasher(checksum_format) if checksum_format else None
     if encoding == "xor":
+
         def sink(pos: int, delta: np.ndarray) -> None:
-            out = target[pos: pos + delta.size]
-            np.bitwise_xor(old[pos: pos + delta.size], delta, out=out)
+            out = target[pos : pos + delta.size]
+            np.bitwise_xor(old[pos : pos + delta.size], delta, out=out)
             if hasher is not None:
                 hasher.update(out)
 
@@ -358,7 +391,7 @@ def apply_tensor(encoding: str, payload, target, *, checksum_format: str | None 
             raise DeltaError(f"overwrite offset {int(pos.max())} is outside the {n}-byte tensor")
         if old is not target:
             np.copyto(target, old)
-        target[pos] = raw[4 + 4 * count:]
+        target[pos] = raw[4 + 4 * count :]
         if hasher is not None:
             hasher.update(target)
     return hasher.hexdigest() if hasher is not None else None
@@ -404,8 +437,9 @@ def write_at(fd: int, data: np.ndarray, offset: int) -> None:
         view, offset = view[done:], offset + done
 
 
-def apply_tensor_at(encoding: str, payload, fd: int, offset: int, nbytes: int, *,
-                    checksum_format: str | None = None) -> str | None:
+def apply_tensor_at(
+    encoding: str, payload, fd: int, offset: int, nbytes: int, *, checksum_format: str | None = None
+) -> str | None:
     """`apply_tensor` to the `nbytes` bytes at `offset` of the open file `fd` (read-write), through pread/pwrite of
     per-thread chunks (thread-safe: explicit offsets). Not mmap: a write fault per 4 KiB page of a file whose page
     cache holds small pages (e.g. one made by copy_file_range) costs ~8x the copy. A payload found bad midway may

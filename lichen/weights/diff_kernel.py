@@ -68,7 +68,7 @@ def available() -> bool:
 
 
 def status() -> str:
-    """"ok" or "unavailable: <why>"."""
+    """ "ok" or "unavailable: <why>"."""
     return _native.status()
 
 
@@ -77,8 +77,16 @@ def warm() -> None:
     _native.get()
 
 
-def diff_parse(d: np.ndarray, o: np.ndarray, update: bool, w0: int, state: np.ndarray, prev: np.ndarray,
-               rows: np.ndarray, scratch: np.ndarray) -> None:
+def diff_parse(
+    d: np.ndarray,
+    o: np.ndarray,
+    update: bool,
+    w0: int,
+    state: np.ndarray,
+    prev: np.ndarray,
+    rows: np.ndarray,
+    scratch: np.ndarray,
+) -> None:
     """The kernel described in the module doc (call `available()` first); `scratch`: a uint8 array of at least
     d.size rounded up to a multiple of 64 elements (the per-word nonzero flags)."""
     _native.value.diff_parse(d, o, update, w0, state, prev, rows, scratch)
@@ -100,4 +108,3 @@ def xor_count(d: np.ndarray, o: np.ndarray, update: bool) -> int:
     """d = d ^ o over uint8 arrays of equal length (o = the old d where `update`); returns the count of nonzero
     bytes of the result. Call `available()` first."""
     return int(_native.value.xor_count(d, o, update))
-

@@ -38,8 +38,9 @@ def _stored_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * torch.empty((), dtype=out_dtype).element_size()
 
 
-def _plan_shards(state_dict: dict[str, torch.Tensor], max_shard_bytes: int,
-                 dtype: torch.dtype | None) -> list[list[str]]:
+def _plan_shards(
+    state_dict: dict[str, torch.Tensor], max_shard_bytes: int, dtype: torch.dtype | None
+) -> list[list[str]]:
     """Greedy, in the state dict's order: start a new shard when the next tensor would overflow the current one.
 
     A tensor larger than `max_shard_bytes` gets a shard of its own (tensors are never split).
@@ -56,8 +57,9 @@ def _plan_shards(state_dict: dict[str, torch.Tensor], max_shard_bytes: int,
     return shards
 
 
-def _prepare_shard(state_dict: dict[str, torch.Tensor], names: list[str],
-                   dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _prepare_shard(
+    state_dict: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
     """CPU, contiguous, cast copies of one shard's tensors; tensors that share storage are cloned apart.
 
     Only one shard is materialised at a time, so saving a model from GPU needs host memory for one shard.
@@ -157,8 +159,15 @@ def save_hf_checkpoint(
         shutil.rmtree(tmp_dir)
     os.makedirs(tmp_dir)
     try:
-        _write_checkpoint(state_dict, tmp_dir, config=config, copy_files_from=copy_files_from,
-                          max_shard_bytes=max_shard_bytes, dtype=dtype, metadata=metadata)
+        _write_checkpoint(
+            state_dict,
+            tmp_dir,
+            config=config,
+            copy_files_from=copy_files_from,
+            max_shard_bytes=max_shard_bytes,
+            dtype=dtype,
+            metadata=metadata,
+        )
         for fname in os.listdir(tmp_dir):
             _fsync_file(os.path.join(tmp_dir, fname))
         _fsync_dir(tmp_dir)
@@ -168,14 +177,22 @@ def save_hf_checkpoint(
     _swap_into_place(tmp_dir, out_dir)
 
 
-def _write_checkpoint(state_dict: dict[str, torch.Tensor], dst: str, *, config: dict | None,
-                      copy_files_from: str | None, max_shard_bytes: int, dtype: torch.dtype | None,
-                      metadata: dict | None) -> None:
+def _write_checkpoint(
+    state_dict: dict[str, torch.Tensor],
+    dst: str,
+    *,
+    config: dict | None,
+    copy_files_from: str | None,
+    max_shard_bytes: int,
+    dtype: torch.dtype | None,
+    metadata: dict | None,
+) -> None:
     header = _header_metadata(metadata)
     shards = _plan_shards(state_dict, max_shard_bytes, dtype)
     if len(shards) == 1:
-        safetensors.torch.save_file(_prepare_shard(state_dict, shards[0], dtype),
-                                    os.path.join(dst, SINGLE_FILE), metadata=header)
+        safetensors.torch.save_file(
+            _prepare_shard(state_dict, shards[0], dtype), os.path.join(dst, SINGLE_FILE), metadata=header
+        )
     else:
         weight_map: dict[str, str] = {}
         total = 0
@@ -186,8 +203,10 @@ def _write_checkpoint(state_dict: dict[str, torch.Tensor], dst: str, *, config: 
             safetensors.torch.save_file(tensors, os.path.join(dst, fname), metadata=header)
             del tensors
             weight_map.update({name: fname for name in names})
-        _write_json(os.path.join(dst, INDEX_FILE),
-                    {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map})
+        _write_json(
+            os.path.join(dst, INDEX_FILE),
+            {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map},
+        )
     if copy_files_from is not None:
         _copy_side_files(copy_files_from, dst, skip_config=config is not None)
     if config is not None:
@@ -231,15 +250,17 @@ def safetensors_files(model_dir: str) -> list[str]:
         files = [os.path.join(model_dir, fname) for fname in sorted(set(weight_map.values()))]
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
-            raise FileNotFoundError(f"{index_path} names shard(s) that do not exist: "
-                                    f"{', '.join(os.path.basename(p) for p in missing)}")
+            raise FileNotFoundError(
+                f"{index_path} names shard(s) that do not exist: {', '.join(os.path.basename(p) for p in missing)}"
+            )
         return files
     single = os.path.join(model_dir, SINGLE_FILE)
     return [single] if os.path.isfile(single) else []
 
 
-def load_hf_state_dict(model_dir: str, *, device: str = "cpu",
-                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_hf_state_dict(
+    model_dir: str, *, device: str = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Read an HF safetensors checkpoint (single file or sharded index) into a name -> tensor dict on `device`.
 
     `dtype` casts floating-point tensors only. A missing directory or one without safetensors weights raises
@@ -250,10 +271,13 @@ def load_hf_state_dict(model_dir: str, *, device: str = "cpu",
         present = sorted(os.listdir(model_dir))
         hint = ""
         if any(f.endswith(".bin") for f in present):
-            hint = (" It has PyTorch .bin weights; convert them to safetensors "
-                    "(save_pretrained(safe_serialization=True)).")
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {model_dir!r} "
-                                f"(found: {', '.join(present) or 'nothing'}).{hint}")
+            hint = (
+                " It has PyTorch .bin weights; convert them to safetensors (save_pretrained(safe_serialization=True))."
+            )
+        raise FileNotFoundError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {model_dir!r} "
+            f"(found: {', '.join(present) or 'nothing'}).{hint}"
+        )
     state: dict[str, torch.Tensor] = {}
     for path in files:
         part = safetensors.torch.load_file(path, device=device)

@@ -52,6 +52,6 @@ class Native:
         return self.get() is not None
 
     def status(self) -> str:
-        """"ok" or "unavailable: <why>"."""
+        """ "ok" or "unavailable: <why>"."""
         self.get()
         return self.state

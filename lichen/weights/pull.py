@@ -109,8 +109,10 @@ def _write_json(path: str, obj: object) -> None:
 
 
 def _write_state(local_dir: str, version: int, chain_id: str | None) -> None:
-    _write_json(os.path.join(local_dir, SYNC_DIR, _STATE),
-                {"version": f"{version:06d}", "chain_id": chain_id, "boot_id": _boot_id()})
+    _write_json(
+        os.path.join(local_dir, SYNC_DIR, _STATE),
+        {"version": f"{version:06d}", "chain_id": chain_id, "boot_id": _boot_id()},
+    )
 
 
 def _invalidate_state(local_dir: str) -> None:
@@ -128,8 +130,9 @@ def written_files(local_dir: str) -> set[str]:
     except FileNotFoundError:
         return set()
     except ValueError as e:
-        raise DeltaError(f"{local_dir}/{SYNC_DIR}/{_FILES}: damaged ({e}); remove the local copy (the whole directory) to reseed "
-                         "it") from None
+        raise DeltaError(
+            f"{local_dir}/{SYNC_DIR}/{_FILES}: damaged ({e}); remove the local copy (the whole directory) to reseed it"
+        ) from None
     return {n for n in names if isinstance(n, str) and _plain_name(n)}
 
 
@@ -163,11 +166,13 @@ def _info(source_dir: str, version: int) -> VersionInfo:
         raise FileNotFoundError(
             f"published weight version {version} is missing: {version_dir(source_dir, version)} does not exist "
             "(versions older than the newest full one are deleted unless --update-weight-disk-keep-files; "
-            "pull a version at or after the newest full one)") from None
+            "pull a version at or after the newest full one)"
+        ) from None
 
 
-def plan_pull(source_dir: str, target_version: int, applied: int | None,
-              applied_chain: str | None = None) -> tuple[int | None, list[int]]:
+def plan_pull(
+    source_dir: str, target_version: int, applied: int | None, applied_chain: str | None = None
+) -> tuple[int | None, list[int]]:
     """(seed, deltas): the full version to copy first (None: continue from `applied`; 0: the base checkpoint)
     and the delta versions to apply after it, in order, to go from `applied` to `target_version`."""
     if target_version < 0:
@@ -189,9 +194,17 @@ def plan_pull(source_dir: str, target_version: int, applied: int | None,
     return start, list(range(start + 1, target_version + 1))
 
 
-def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int, *, base_dir: str | None = None,
-                 pre_read_hook: Callable[[str, int], None] | None = None, verify: bool = True,
-                 num_threads: int | None = None, stage: LiveStage | None = None) -> PullResult:
+def pull_weights(
+    local_checkpoint_dir: str,
+    source_dir: str,
+    target_version: int,
+    *,
+    base_dir: str | None = None,
+    pre_read_hook: Callable[[str, int], None] | None = None,
+    verify: bool = True,
+    num_threads: int | None = None,
+    stage: LiveStage | None = None,
+) -> PullResult:
     """Bring `local_checkpoint_dir` to `target_version` of the versions under `source_dir` (see the module doc).
 
     `base_dir` is version 0 (the engine's own checkpoint): the seed when no full version is published at or
@@ -216,25 +229,30 @@ def pull_weights(local_checkpoint_dir: str, source_dir: str, target_version: int
         seed, deltas = plan_pull(source_dir, target_version, applied, None if state is None else state.get("chain_id"))
         if seed is None and not deltas:
             return PullResult(target_version, None, [], 0, time.perf_counter() - t0, True)
-        if stage is not None and (seed is not None or applied != stage.version
-                                  or (state or {}).get("chain_id") != stage.chain_id):
+        if stage is not None and (
+            seed is not None or applied != stage.version or (state or {}).get("chain_id") != stage.chain_id
+        ):
             stage.fail(f"the local copy holds version {applied}, not the staged version {stage.version}")
             stage = None
         bytes_read = 0
         if seed is not None:
             if seed == 0:
                 if base_dir is None:
-                    raise DeltaError(f"no full version at or below {target_version} under {source_dir!r} and no base "
-                                     "checkpoint (version 0) given to seed from; a chain starts with a full version")
+                    raise DeltaError(
+                        f"no full version at or below {target_version} under {source_dir!r} and no base "
+                        "checkpoint (version 0) given to seed from; a chain starts with a full version"
+                    )
                 src, chain = base_dir, None
             else:
                 src = version_dir(source_dir, seed)
                 chain = read_version_info(src).chain_id
-            bytes_read += seed_local_checkpoint(src, local, seed, chain_id=chain, verify=verify,
-                                                num_threads=num_threads)
+            bytes_read += seed_local_checkpoint(
+                src, local, seed, chain_id=chain, verify=verify, num_threads=num_threads
+            )
         for v in deltas:
-            bytes_read += apply_delta_to_checkpoint(local, version_dir(source_dir, v), num_threads=num_threads,
-                                                    stage=stage)
+            bytes_read += apply_delta_to_checkpoint(
+                local, version_dir(source_dir, v), num_threads=num_threads, stage=stage
+            )
     return PullResult(target_version, seed, deltas, bytes_read, time.perf_counter() - t0, False)
 
 
@@ -245,8 +263,15 @@ def _copy_private(src: str, tmp: str) -> None:
         shutil.copyfileobj(inp, out, 16 * 1024**2)
 
 
-def seed_local_checkpoint(src_dir: str, local_checkpoint_dir: str, version: int, *, chain_id: str | None = None,
-                          verify: bool = True, num_threads: int | None = None) -> int:
+def seed_local_checkpoint(
+    src_dir: str,
+    local_checkpoint_dir: str,
+    version: int,
+    *,
+    chain_id: str | None = None,
+    verify: bool = True,
+    num_threads: int | None = None,
+) -> int:
     """Make the local dir hold a copy of the full checkpoint `src_dir` (the regular files it has; links are
     skipped), check the sizes and, with `verify`, the per-tensor checksums its shards carry; record `version`.
     Returns bytes copied. The caller holds the lock.
@@ -258,12 +283,13 @@ def seed_local_checkpoint(src_dir: str, local_checkpoint_dir: str, version: int,
     os.makedirs(os.path.join(local_checkpoint_dir, SYNC_DIR), mode=0o700, exist_ok=True)
     _invalidate_state(local_checkpoint_dir)
     ours = written_files(local_checkpoint_dir)
-    files = sorted(e.name for e in os.scandir(src_dir)
-                   if e.is_file(follow_symlinks=False) and _plain_name(e.name))
+    files = sorted(e.name for e in os.scandir(src_dir) if e.is_file(follow_symlinks=False) and _plain_name(e.name))
     foreign = [n for n in files if n not in ours and os.path.lexists(os.path.join(local_checkpoint_dir, n))]
     if foreign:
-        raise DeltaError(f"{local_checkpoint_dir} holds {foreign[:5]}, which no pull wrote; lichen does not replace "
-                         "files it did not write: move them away or use an empty --update-weight-local-checkpoint-dir")
+        raise DeltaError(
+            f"{local_checkpoint_dir} holds {foreign[:5]}, which no pull wrote; lichen does not replace "
+            "files it did not write: move them away or use an empty --update-weight-local-checkpoint-dir"
+        )
     _write_files(local_checkpoint_dir, ours | set(files))  # recorded before writing: a crash leaves no stray file
     copied = 0
     for name in files:
@@ -324,8 +350,9 @@ def tensor_locations(ckpt_dir: str, only: set[str] | None = None) -> dict[str, t
     return out
 
 
-def verify_checkpoint(ckpt_dir: str, checksum_format: str, *, num_threads: int | None = None,
-                      only: set[str] | None = None) -> list[tuple[str, str]]:
+def verify_checkpoint(
+    ckpt_dir: str, checksum_format: str, *, num_threads: int | None = None, only: set[str] | None = None
+) -> list[tuple[str, str]]:
     """(tensor, file) for every tensor whose bytes do not match the checksum in its shard's `__metadata__`
     (a tensor without a recorded checksum counts as a mismatch); only the files named in `only`, when given."""
     check_checksum_format(checksum_format)
@@ -333,8 +360,11 @@ def verify_checkpoint(ckpt_dir: str, checksum_format: str, *, num_threads: int |
     for path in sorted({p for p, _, _ in tensor_locations(ckpt_dir, only).values()}):
         n, header = read_safetensors_header(path)
         sums = header.get("__metadata__") or {}
-        items += [(name, path, 8 + n + m["data_offsets"][0], m["data_offsets"][1] - m["data_offsets"][0],
-                   sums.get(name)) for name, m in header.items() if name != "__metadata__"]
+        items += [
+            (name, path, 8 + n + m["data_offsets"][0], m["data_offsets"][1] - m["data_offsets"][0], sums.get(name))
+            for name, m in header.items()
+            if name != "__metadata__"
+        ]
 
     def check(item) -> tuple[str, str] | None:
         name, path, offset, nbytes, want = item
@@ -343,7 +373,7 @@ def verify_checkpoint(ckpt_dir: str, checksum_format: str, *, num_threads: int |
                 got = checksum(checksum_format, b"")
             else:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    got = checksum(checksum_format, memoryview(mm)[offset: offset + nbytes])
+                    got = checksum(checksum_format, memoryview(mm)[offset : offset + nbytes])
         return None if got == want else (name, path)
 
     return [r for r in parallel_map(check, items, num_threads) if r is not None]
@@ -376,8 +406,10 @@ def delta_payloads(info: VersionInfo) -> tuple[list[tuple[str, str, memoryview, 
         n, header = read_safetensors_header(path)
         names = header.keys() - {"__metadata__"}
         if names != expected:
-            raise DeltaError(f"{path}: holds tensors {sorted(names - expected)[:5]} the index does not map to it and "
-                             f"lacks {sorted(expected - names)[:5]}")
+            raise DeltaError(
+                f"{path}: holds tensors {sorted(names - expected)[:5]} the index does not map to it and "
+                f"lacks {sorted(expected - names)[:5]}"
+            )
         sums = header.get("__metadata__") or {}
         view = memoryview(blob)
         for name in sorted(names):
@@ -387,7 +419,7 @@ def delta_payloads(info: VersionInfo) -> tuple[list[tuple[str, str, memoryview, 
             if name not in sums:
                 raise DeltaError(f"{path}: no checksum recorded for tensor {name!r} in the file's __metadata__")
             begin, end = meta["data_offsets"]
-            items.append((name, path, view[8 + n + begin: 8 + n + end], sums[name]))
+            items.append((name, path, view[8 + n + begin : 8 + n + end], sums[name]))
     return items, read
 
 
@@ -409,8 +441,9 @@ def _staged(stage: LiveStage, name: str, info: VersionInfo, payload, want: str) 
     return True
 
 
-def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_threads: int | None = None,
-                              stage: LiveStage | None = None) -> int:
+def apply_delta_to_checkpoint(
+    local_checkpoint_dir: str, delta_dir: str, *, num_threads: int | None = None, stage: LiveStage | None = None
+) -> int:
     """Apply one delta version in place to the local checkpoint (caller holds the lock); returns bytes read.
     With `stage`, each payload is also applied to the staging buffers (see pull_weights); the stage moves to this
     version when every staged checksum matched, else it is marked failed.
@@ -424,11 +457,15 @@ def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_
     applied = None if state is None else state["version"]
     if applied != info.base_version:
         held = "no recorded version" if applied is None else f"version {applied}"
-        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version}, but "
-                                   f"{local_checkpoint_dir} holds {held}")
+        raise VersionMismatchError(
+            f"out-of-order delta: {delta_dir} builds on version {info.base_version}, but "
+            f"{local_checkpoint_dir} holds {held}"
+        )
     if info.chain_id is not None and state.get("chain_id") not in (None, info.chain_id):
-        raise VersionMismatchError(f"{delta_dir} belongs to another publishing chain than "
-                                   f"{local_checkpoint_dir} (a restarted run); pull its newest full version first")
+        raise VersionMismatchError(
+            f"{delta_dir} belongs to another publishing chain than "
+            f"{local_checkpoint_dir} (a restarted run); pull its newest full version first"
+        )
     items, read = delta_payloads(info)
     if items:
         locations = tensor_locations(local_checkpoint_dir, written_files(local_checkpoint_dir))
@@ -451,8 +488,9 @@ def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_
                     except OSError as e:
                         return name, f"{dfile} (writing to {path})", str(e)
                 try:
-                    got = apply_tensor_at(info.delta_encoding, payload, fds[path], offset, nbytes,
-                                          checksum_format=info.checksum_format)
+                    got = apply_tensor_at(
+                        info.delta_encoding, payload, fds[path], offset, nbytes, checksum_format=info.checksum_format
+                    )
                 except DeltaError as e:
                     return name, f"{dfile} (applying to {path})", str(e)
                 return None if got == want else (name, f"{dfile} -> {path}", None)
@@ -474,8 +512,14 @@ def apply_delta_to_checkpoint(local_checkpoint_dir: str, delta_dir: str, *, num_
     return read
 
 
-def apply_delta_to_tensors(tensors: Mapping[str, torch.Tensor], delta_dir: str, *, held_version: int | None,
-                           held_chain_id: str | None = None, num_threads: int | None = None) -> int:
+def apply_delta_to_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    delta_dir: str,
+    *,
+    held_version: int | None,
+    held_chain_id: str | None = None,
+    num_threads: int | None = None,
+) -> int:
     """Move live tensors (name -> tensor, any device) from `held_version` to the delta version in `delta_dir`.
 
     Every changed tensor's new bytes are computed and checked against its checksum first; only when all match
@@ -485,8 +529,10 @@ def apply_delta_to_tensors(tensors: Mapping[str, torch.Tensor], delta_dir: str, 
     info = read_version_info(delta_dir)
     _check_delta_meta(info)
     if held_version != info.base_version:
-        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version}, "
-                                   f"but the engine holds {held_version}")
+        raise VersionMismatchError(
+            f"out-of-order delta: {delta_dir} builds on version {info.base_version}, "
+            f"but the engine holds {held_version}"
+        )
     if info.chain_id is not None and held_chain_id is not None and held_chain_id != info.chain_id:
         raise VersionMismatchError(f"{delta_dir} belongs to another publishing chain than the engine's weights")
     items, _ = delta_payloads(info)
@@ -516,8 +562,14 @@ def apply_delta_to_tensors(tensors: Mapping[str, torch.Tensor], delta_dir: str, 
     return len(decoded)
 
 
-def apply_delta_in_place(params: Mapping[str, torch.Tensor], delta_dir: str, *, held_version: int,
-                         chain_id: str | None, num_threads: int | None = None) -> int:
+def apply_delta_in_place(
+    params: Mapping[str, torch.Tensor],
+    delta_dir: str,
+    *,
+    held_version: int,
+    chain_id: str | None,
+    num_threads: int | None = None,
+) -> int:
     """Move served parameters from `held_version` to the delta version in `delta_dir`; returns tensors changed.
 
     CPU parameters are changed in place (one pass over each changed tensor: decompress, apply, hash); a payload
@@ -525,12 +577,15 @@ def apply_delta_in_place(params: Mapping[str, torch.Tensor], delta_dir: str, *, 
     unknown state: the caller reloads the verified local checkpoint. Parameters on an accelerator go through
     apply_delta_to_tensors (every checksum checked before any tensor is written)."""
     if any(p.device.type != "cpu" or not p.is_contiguous() for p in params.values()):
-        return apply_delta_to_tensors(params, delta_dir, held_version=held_version, held_chain_id=chain_id,
-                                      num_threads=num_threads)
+        return apply_delta_to_tensors(
+            params, delta_dir, held_version=held_version, held_chain_id=chain_id, num_threads=num_threads
+        )
     info = read_version_info(delta_dir)
     if info.base_version != held_version or (chain_id is not None and info.chain_id not in (None, chain_id)):
-        raise VersionMismatchError(f"out-of-order delta: {delta_dir} builds on version {info.base_version} of chain "
-                                   f"{info.chain_id}, the engine holds {held_version} of {chain_id}")
+        raise VersionMismatchError(
+            f"out-of-order delta: {delta_dir} builds on version {info.base_version} of chain "
+            f"{info.chain_id}, the engine holds {held_version} of {chain_id}"
+        )
     items, _ = delta_payloads(info)  # checks the encoding, compression and checksum format too
     missing = [name for name, *_ in items if name not in params]
     if missing:
@@ -539,8 +594,9 @@ def apply_delta_in_place(params: Mapping[str, torch.Tensor], delta_dir: str, *, 
     def one(item) -> tuple[str, str, str | None] | None:
         name, dfile, payload, want = item
         try:
-            got = apply_tensor(info.delta_encoding, payload, tensor_bytes(params[name].data),
-                               checksum_format=info.checksum_format)
+            got = apply_tensor(
+                info.delta_encoding, payload, tensor_bytes(params[name].data), checksum_format=info.checksum_format
+            )
         except DeltaError as e:
             return name, dfile, str(e)
         return None if got == want else (name, dfile, None)

@@ -32,8 +32,13 @@ class LiveStage:
     """Staged new bytes for some of `params` (name -> live CPU contiguous tensor), on top of the served version
     `base_version` of chain `chain_id`. `spare` holds buffers from earlier stages (reused, name -> tensor)."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], base_version: int, chain_id: str | None,
-                 spare: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        base_version: int,
+        chain_id: str | None,
+        spare: dict[str, torch.Tensor] | None = None,
+    ):
         for name, p in params.items():
             if p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(f"a live stage needs CPU contiguous parameters; {name!r} is not")

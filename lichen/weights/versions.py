@@ -97,8 +97,10 @@ def read_version_info(path: str) -> VersionInfo:
     if not os.path.isfile(index_path):
         shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if shards != [SINGLE_FILE]:
-            raise DeltaError(f"{path}: no {INDEX_FILE}; a version without an index must be a full checkpoint "
-                             f"with a single {SINGLE_FILE} (found: {', '.join(shards) or 'no weights'})")
+            raise DeltaError(
+                f"{path}: no {INDEX_FILE}; a version without an index must be a full checkpoint "
+                f"with a single {SINGLE_FILE} (found: {', '.join(shards) or 'no weights'})"
+            )
         return VersionInfo(path, dir_version, False, None, None, None, None, None)
     try:
         with open(index_path, encoding="utf-8") as f:
@@ -112,8 +114,17 @@ def read_version_info(path: str) -> VersionInfo:
         raise DeltaError(f"{index_path}: damaged index ({type(e).__name__}: {e})") from None
     if dir_version is not None and version != dir_version:
         raise DeltaError(f"{index_path}: metadata version {version} does not match the directory name")
-    return VersionInfo(path, version, is_delta, base, meta.get("delta_encoding"), meta.get("compression_format"),
-                       meta.get("checksum_format"), meta.get("chain_id"), weight_map)
+    return VersionInfo(
+        path,
+        version,
+        is_delta,
+        base,
+        meta.get("delta_encoding"),
+        meta.get("compression_format"),
+        meta.get("checksum_format"),
+        meta.get("chain_id"),
+        weight_map,
+    )
 
 
 def read_safetensors_header(path: str) -> tuple[int, dict]:
@@ -189,11 +200,23 @@ class VersionPublisher:
     `post_write_hook(path)` runs after each version is in place (e.g. to flush an object-store mount).
     """
 
-    def __init__(self, disk_dir: str, *, mode: str = "delta", encoding: str = "xor",
-                 checksum_format: str = "xxh3-128", full_interval: int = 0, keep_files: bool = False,
-                 dtype: torch.dtype | None = None, level: int = 1, max_shard_bytes: int = 5 * 1024**3,
-                 config: dict | None = None, copy_files_from: str | None = None,
-                 post_write_hook: Callable[[str], None] | None = None, num_threads: int | None = None):
+    def __init__(
+        self,
+        disk_dir: str,
+        *,
+        mode: str = "delta",
+        encoding: str = "xor",
+        checksum_format: str = "xxh3-128",
+        full_interval: int = 0,
+        keep_files: bool = False,
+        dtype: torch.dtype | None = None,
+        level: int = 1,
+        max_shard_bytes: int = 5 * 1024**3,
+        config: dict | None = None,
+        copy_files_from: str | None = None,
+        post_write_hook: Callable[[str], None] | None = None,
+        num_threads: int | None = None,
+    ):
         if mode not in ("full", "delta"):
             raise ValueError(f"unknown update-weight mode {mode!r}; expected 'full' or 'delta'")
         if full_interval < 0:
@@ -264,9 +287,20 @@ class VersionPublisher:
             delete_versions(self.disk_dir, older)
             deleted = sorted(deleted + older)
         total = sum(_engine_nbytes(t, self.dtype) for t in state_dict.values())
-        return PublishResult(version, "full" if reason else "delta", final, None if reason else version - 1,
-                             reason or "delta", len(state_dict), num_published, total, changed, wire,
-                             time.perf_counter() - t0, deleted)
+        return PublishResult(
+            version,
+            "full" if reason else "delta",
+            final,
+            None if reason else version - 1,
+            reason or "delta",
+            len(state_dict),
+            num_published,
+            total,
+            changed,
+            wire,
+            time.perf_counter() - t0,
+            deleted,
+        )
 
     def _full_reason(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
         if self.mode == "full":
@@ -279,8 +313,8 @@ class VersionPublisher:
             return f"full interval {self.full_interval}"
         snap = self._snapshot
         if list(snap) != list(state_dict) or any(
-                snap[k].shape != v.shape or snap[k].dtype != _engine_dtype(v, self.dtype)
-                for k, v in state_dict.items()):
+            snap[k].shape != v.shape or snap[k].dtype != _engine_dtype(v, self.dtype) for k, v in state_dict.items()
+        ):
             return "tensor names, shapes or dtypes changed"
         return ""
 
@@ -312,18 +346,27 @@ class VersionPublisher:
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             copies = {n: _engine_copy(state_dict[n], self.dtype) for n in shard}
-            sums = parallel_map(lambda n: checksum(self.checksum_format, tensor_bytes(copies[n])), shard,
-                                self.num_threads)
+            sums = parallel_map(
+                lambda n: checksum(self.checksum_format, tensor_bytes(copies[n])), shard, self.num_threads
+            )
             header = {"format": "pt", **dict(zip(shard, sums))}
             safetensors.torch.save_file(copies, os.path.join(dst, fname), metadata=header)
             total += sum(t.numel() * t.element_size() for t in copies.values())
             weight_map.update({n: fname for n in shard})
             if keep:
                 snapshot.update(copies)
-        _write_json(os.path.join(dst, INDEX_FILE), {
-            "metadata": {"total_size": total, "version": f"{version:06d}", "checksum_format": self.checksum_format,
-                         "chain_id": self.chain_id},
-            "weight_map": weight_map})
+        _write_json(
+            os.path.join(dst, INDEX_FILE),
+            {
+                "metadata": {
+                    "total_size": total,
+                    "version": f"{version:06d}",
+                    "checksum_format": self.checksum_format,
+                    "chain_id": self.chain_id,
+                },
+                "weight_map": weight_map,
+            },
+        )
         if self.copy_files_from is not None:
             _copy_side_files(self.copy_files_from, dst, skip_config=self.config is not None)
         if self.config is not None:
@@ -337,9 +380,17 @@ class VersionPublisher:
         names = list(state_dict)
         # The snapshot advances as tensors are encoded; a failure after this point resets the publisher.
         encoded = parallel_map(
-            lambda n: encode_tensor_cast(self.encoding, state_dict[n], tensor_bytes(snap[n]), snap[n].dtype,
-                                         checksum_format=self.checksum_format, level=self.level),
-            names, self.num_threads)
+            lambda n: encode_tensor_cast(
+                self.encoding,
+                state_dict[n],
+                tensor_bytes(snap[n]),
+                snap[n].dtype,
+                checksum_format=self.checksum_format,
+                level=self.level,
+            ),
+            names,
+            self.num_threads,
+        )
         changed = {n: e for n, e in zip(names, encoded) if e is not None}
         shards: list[list[str]] = []
         used = 0
@@ -353,14 +404,24 @@ class VersionPublisher:
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             arrays = {n: np.frombuffer(changed[n].payload, dtype=np.uint8) for n in shard}
-            safetensors.numpy.save_file(arrays, os.path.join(dst, fname),
-                                        metadata={n: changed[n].checksum for n in shard})
+            safetensors.numpy.save_file(
+                arrays, os.path.join(dst, fname), metadata={n: changed[n].checksum for n in shard}
+            )
             weight_map.update({n: fname for n in shard})
-        _write_json(os.path.join(dst, INDEX_FILE), {
-            "metadata": {"version": f"{version:06d}", "base_version": f"{version - 1:06d}",
-                         "delta_encoding": self.encoding, "compression_format": COMPRESSION_FORMAT,
-                         "checksum_format": self.checksum_format, "chain_id": self.chain_id},
-            "weight_map": weight_map})
+        _write_json(
+            os.path.join(dst, INDEX_FILE),
+            {
+                "metadata": {
+                    "version": f"{version:06d}",
+                    "base_version": f"{version - 1:06d}",
+                    "delta_encoding": self.encoding,
+                    "compression_format": COMPRESSION_FORMAT,
+                    "checksum_format": self.checksum_format,
+                    "chain_id": self.chain_id,
+                },
+                "weight_map": weight_map,
+            },
+        )
         return len(changed), sum(e.changed_bytes for e in changed.values())
 
 

@@ -53,12 +53,22 @@ class WeightGroup:
 
 def master_store(host: str, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Any:
     """The rank-0 TCPStore on a free port (read it back from `.port`): no port is picked in advance."""
-    return torch.distributed.TCPStore(host, 0, world_size, True, datetime.timedelta(seconds=timeout_s),
-                                      wait_for_workers=False)
+    return torch.distributed.TCPStore(
+        host, 0, world_size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
-def open_group(*, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-               group_name: str, timeout_s: float = GROUP_TIMEOUT_S, store: Any = None) -> WeightGroup:
+def open_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = GROUP_TIMEOUT_S,
+    store: Any = None,
+) -> WeightGroup:
     """Join (rank > 0) or create (rank 0, with its `master_store`) the group; returns once every rank joined."""
     dist = torch.distributed
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -107,7 +117,7 @@ def unflatten_tensors(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: lis
     out, offset = [], 0
     for dtype, shape in zip(dtypes, shapes):
         size = nbytes(dtype, shape)
-        out.append(flat[offset: offset + size].view(dtype).reshape(shape))
+        out.append(flat[offset : offset + size].view(dtype).reshape(shape))
         offset += size
     if offset != flat.numel():
         raise ValueError(f"the bucket holds {flat.numel()} bytes but its tensors need {offset}")
@@ -133,6 +143,10 @@ def checksum_body(named: Iterable[tuple[str, torch.Tensor]]) -> dict:
     sums = {name: tensor_checksum(t) for name, t in named}
     per_gpu = overall_checksum(sums)
     info = {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
-    return {"success": True, "message": f"Checksums of {len(sums)} tensors.", "checksum_format": CHECKSUM_FORMAT,
-            "ranks": [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": info}],
-            "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()}
+    return {
+        "success": True,
+        "message": f"Checksums of {len(sums)} tensors.",
+        "checksum_format": CHECKSUM_FORMAT,
+        "ranks": [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": info}],
+        "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest(),
+    }

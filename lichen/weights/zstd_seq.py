@@ -85,8 +85,12 @@ def _open_library():
 def _self_test() -> str | None:
     """Round-trip awkward inputs (empty, tiny, dense, sparse, multi-block) through python-zstandard's decoder."""
     rng = np.random.default_rng(1234)
-    cases = [np.zeros(0, np.uint8), np.zeros(5, np.uint8), np.arange(1, 12, dtype=np.uint8),
-             np.zeros(300_001, np.uint8)]
+    cases = [
+        np.zeros(0, np.uint8),
+        np.zeros(5, np.uint8),
+        np.arange(1, 12, dtype=np.uint8),
+        np.zeros(300_001, np.uint8),
+    ]
     for n, density in ((4099, 0.3), (300_003, 0.02), (300_000, 0.9), (200_000, 0.0005)):
         cases.append(((rng.random(n) < density) * rng.integers(1, 256, n)).astype(np.uint8))
     for x in cases:
@@ -122,7 +126,7 @@ def available() -> bool:
 
 
 def status() -> str:
-    """"ok" or "unavailable: <why>"."""
+    """ "ok" or "unavailable: <why>"."""
     return _native.status()
 
 
@@ -207,12 +211,20 @@ class Parser:
             flags = getattr(_local, "flags", None)
             if flags is None or flags.size < w1 - w0 + 64:
                 flags = _local.flags = np.empty(max(w1 - w0 + 64, _PARSE_CHUNK_WORDS + 64), np.uint8)
-            diff_kernel.diff_parse(self.words[w0:w1], old[8 * w0: 8 * w1].view(np.uint64), update_old, w0,
-                                   self.kernel_state, self.kernel_prev, self.rows, flags)
+            diff_kernel.diff_parse(
+                self.words[w0:w1],
+                old[8 * w0 : 8 * w1].view(np.uint64),
+                update_old,
+                w0,
+                self.kernel_state,
+                self.kernel_prev,
+                self.rows,
+                flags,
+            )
             changed = int(self.kernel_state[3]) - before
             self.fed = w1
         if stop > 8 * w1:  # the last few bytes of x (not a whole word): literals at the end of the frame
-            changed += diff_kernel.xor_count(self.x[8 * w1: stop], old[8 * w1: stop], update_old)
+            changed += diff_kernel.xor_count(self.x[8 * w1 : stop], old[8 * w1 : stop], update_old)
         return changed
 
     def _finish_kernel(self) -> None:
@@ -256,7 +268,7 @@ class Parser:
         edges = np.empty(change.size + lead + trail, np.int64)
         if lead:
             edges[0] = w0
-        np.add(change, w0 + 1, out=edges[lead: lead + change.size])
+        np.add(change, w0 + 1, out=edges[lead : lead + change.size])
         if trail:
             edges[-1] = w1
         lo, hi = edges[0::2], edges[1::2]
@@ -285,7 +297,7 @@ class Parser:
             end += _LOWEST[_byte_mask(words[hi])]
         k, c = lo.size, self.count
         self._reserve(c, k)
-        out = self.rows[c: c + k]
+        out = self.rows[c : c + k]
         out[0, 1] = start[0] - self.prev_end
         np.subtract(start[1:], end[:-1], out=out[1:, 1], casting="unsafe")
         np.subtract(end, start, out=out[:, 2], casting="unsafe")
@@ -312,9 +324,11 @@ def _compress(x: np.ndarray, level: int, parser: Parser | None = None) -> bytes:
     seqs = (parser or Parser(x)).finish()
     # libzstd trusts the sequences (no validation): never let a parse error read outside x
     if seqs.shape[0]:
-        covered, shortest = (diff_kernel.row_totals(seqs) if diff_kernel.available() else
-                             (int(seqs[:, 1].sum(dtype=np.int64)) + int(seqs[:, 2].sum(dtype=np.int64)),
-                              int(seqs[:, 2].min())))
+        covered, shortest = (
+            diff_kernel.row_totals(seqs)
+            if diff_kernel.available()
+            else (int(seqs[:, 1].sum(dtype=np.int64)) + int(seqs[:, 2].sum(dtype=np.int64)), int(seqs[:, 2].min()))
+        )
         if covered > x.size or shortest < 3:
             raise AssertionError("zstd_seq: the parse does not fit the input")
     # A sparse input compresses to a few percent: start with an eighth of the worst case, retry with all of it.
@@ -322,8 +336,9 @@ def _compress(x: np.ndarray, level: int, parser: Parser | None = None) -> bytes:
         if ctx.out.size < cap:
             ctx.out = np.empty(cap, np.uint8)
         _check(ctx.lib.ZSTD_CCtx_reset(ctx.cctx, _ZSTD_RESET_SESSION_ONLY))
-        size = ctx.lib.ZSTD_compressSequences(ctx.cctx, ctx.out.ctypes.data, cap, seqs.ctypes.data, seqs.shape[0],
-                                              x.ctypes.data, x.size)
+        size = ctx.lib.ZSTD_compressSequences(
+            ctx.cctx, ctx.out.ctypes.data, cap, seqs.ctypes.data, seqs.shape[0], x.ctypes.data, x.size
+        )
         if not ctx.lib.ZSTD_isError(size):
             return ctx.out[:size].tobytes()
         if b"too small" not in ctx.lib.ZSTD_getErrorName(size):

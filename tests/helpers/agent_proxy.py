@@ -66,8 +66,11 @@ def agent(client: openai.OpenAI, number: str, out: dict, stream: bool = False) -
     (call,) = r1.choices[0].message.tool_calls
     args = json.loads(call.function.arguments)
     msg = r1.choices[0].message
-    assistant = {"role": "assistant", "content": msg.content,
-                 "tool_calls": [c.model_dump(include={"id", "type", "function"}) for c in msg.tool_calls]}
+    assistant = {
+        "role": "assistant",
+        "content": msg.content,
+        "tool_calls": [c.model_dump(include={"id", "type", "function"}) for c in msg.tool_calls],
+    }
     messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
     r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     out[number] = (r1.choices[0].finish_reason, r2.choices[0].message.content)
@@ -80,6 +83,8 @@ async def sdk_agent(base_url, sample):
     r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=0.0)
     (call,) = r1.choices[0].message.tool_calls
     args = json.loads(call.function.arguments)
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    messages += [
+        r1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])},
+    ]
     await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=10**6)

@@ -20,8 +20,17 @@ from typing import Any
 import aiohttp
 
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--remote-debugging-port=0", "--window-size=1280,1000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--remote-debugging-port=0",
+    "--window-size=1280,1000",
+]
 
 
 def available() -> bool:
@@ -49,8 +58,9 @@ class Page:
                 d = params["exceptionDetails"]
                 self.errors.append(f"exception: {d.get('exception', {}).get('description') or d.get('text')}")
             elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-                self.errors.append("console: " + " ".join(str(a.get("value", a.get("description")))
-                                                          for a in params.get("args", [])))
+                self.errors.append(
+                    "console: " + " ".join(str(a.get("value", a.get("description"))) for a in params.get("args", []))
+                )
             elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
                 self.errors.append(f"log: {params['entry'].get('text')} {params['entry'].get('url', '')}")
             elif method == "Page.loadEventFired":
@@ -87,8 +97,11 @@ class Browser:
 
     async def __aenter__(self) -> Page:
         self.profile = tempfile.mkdtemp(prefix="lichen-chromium-")
-        self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = os.path.join(self.profile, "DevToolsActivePort")
         deadline = time.monotonic() + 60
         while not (os.path.exists(port_file) and open(port_file).read().count("\n") >= 1):

@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers.trainer import ragged_samples
 from lichen.config import TrainerConfig, parse_train_args
 from lichen.train.actor import TrainActor
 from lichen.train.dist_trainer import DistTrainer
 from lichen.types import Sample
-
-from helpers.trainer import ragged_samples
 
 
 def free_port() -> int:
@@ -48,10 +47,32 @@ def run_ranks(worker, world_size: int, *args) -> None:
 
 
 def trainer_argv(tiny_ckpt: str, data: str, out: str, *extra: str) -> list[str]:
-    return ["--hf-checkpoint", tiny_ckpt, "--prompt-data", data, "--custom-rm-path", "loop_plugins.digit_fraction",
-            "--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "14",
-            "--lr", "1e-3", "--clip-grad", "0", "--num-rollout", "4", "--micro-batch-size", "2",
-            "--output-dir", out, "--no-progress", *extra]
+    return [
+        "--hf-checkpoint",
+        tiny_ckpt,
+        "--prompt-data",
+        data,
+        "--custom-rm-path",
+        "loop_plugins.digit_fraction",
+        "--rollout-batch-size",
+        "3",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "14",
+        "--lr",
+        "1e-3",
+        "--clip-grad",
+        "0",
+        "--num-rollout",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--output-dir",
+        out,
+        "--no-progress",
+        *extra,
+    ]
 
 
 def config(argv: list[str]):
@@ -90,8 +111,9 @@ def grads_worker(rank: int, world_size: int, argv: list[str], port: int, out: st
     t.close()
 
 
-def resume_worker(rank: int, world_size: int, argv: list[str], ports: list[int], out: str, ckpt: str,
-                  steps: int) -> None:
+def resume_worker(
+    rank: int, world_size: int, argv: list[str], ports: list[int], out: str, ckpt: str, steps: int
+) -> None:
     """N steps straight; N/2 steps + save; load + N/2 steps: rank 0's full weights of each."""
     torch.set_num_threads(1)
     half = steps // 2
@@ -111,8 +133,10 @@ def resume_worker(rank: int, world_size: int, argv: list[str], ports: list[int],
     loaded = t.full_state_dict()
     for k in range(start, steps):
         t.train(k, step_batch(_vocab(t), k))
-    torch.save({"straight": straight, "at_save": at_save, "loaded": loaded, "resumed": t.full_state_dict(),
-                "start": start}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(
+        {"straight": straight, "at_save": at_save, "loaded": loaded, "resumed": t.full_state_dict(), "start": start},
+        os.path.join(out, f"rank{rank}.pt"),
+    )
     t.close()
 
 
@@ -199,8 +223,7 @@ def fsdp_units_worker(rank: int, world_size: int, ckpt: str, port: int, out: str
     from lichen.models.loading import load_model
     from lichen.train import fsdp
 
-    fsdp.init_process_group(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                            backend="gloo")
+    fsdp.init_process_group(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, backend="gloo")
     model = load_model(ckpt, impl="hf")
     layers = fsdp.decoder_layers(model)
     fsdp.shard(model, layers=layers, bf16=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-FAKE_LAUNCH_SERVER = r'''
+FAKE_LAUNCH_SERVER = r"""
 import json, os, sys, threading, time
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
 
@@ -96,13 +96,22 @@ class H(BaseHTTPRequestHandler):
 server = ThreadingHTTPServer((opt("--host"), int(opt("--port"))), H)
 server.daemon_threads = True
 server.serve_forever()
-'''
+"""
 
 
 def fake_sglang_command(i: int, port: int) -> list[str]:
     """The launch command of fake SGLang server `i` (a `command_for` for SGLangLauncher)."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
-            "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
 def write_fake_sglang(root) -> dict:
@@ -112,5 +121,4 @@ def write_fake_sglang(root) -> dict:
     pkg.mkdir(exist_ok=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
-    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-            "FAKE_SGLANG_DIR": str(root)}
+    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), "FAKE_SGLANG_DIR": str(root)}

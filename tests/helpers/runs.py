@@ -12,9 +12,25 @@ THREADS = ["--num-threads", "1"]  # for launched servers: 2 loaded cores, more t
 
 def base_args(ckpt, data, out, *extra):
     return [
-        "train", "--hf-checkpoint", ckpt, "--prompt-data", data, "--custom-rm-path", "loop_plugins.digit_fraction",
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
-        "--lr", "1e-3", "--output-dir", str(out), "--no-progress", *extra,
+        "train",
+        "--hf-checkpoint",
+        ckpt,
+        "--prompt-data",
+        data,
+        "--custom-rm-path",
+        "loop_plugins.digit_fraction",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "8",
+        "--lr",
+        "1e-3",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        *extra,
     ]
 
 

@@ -18,11 +18,12 @@ def readable_package() -> str:
     nobody runs has none of the venv's packages."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readable = tempfile.mkdtemp(prefix="lichen-sandbox-pkg-")
-    shutil.copytree(os.path.join(root, "lichen"), os.path.join(readable, "lichen"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(root, "lichen"), os.path.join(readable, "lichen"), ignore=shutil.ignore_patterns("__pycache__")
+    )
     with open(os.path.join(readable, "lichen", "rewards", "__init__.py"), "w"):
         pass
-    for d, dirs, files in os.walk(readable):
+    for d, _dirs, files in os.walk(readable):
         os.chmod(d, 0o755)
         for name in files:
             os.chmod(os.path.join(d, name), 0o644)
@@ -34,9 +35,23 @@ def run_as_nobody(script: str, *args: str, timeout: float = 120) -> tuple[dict, 
     Returns that JSON and the process's stderr."""
     package = readable_package()
     try:
-        proc = subprocess.run(["/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                               "/usr/bin/python3", "-c", script, package, *args],
-                              capture_output=True, text=True, timeout=timeout, cwd="/")
+        proc = subprocess.run(
+            [
+                "/usr/bin/setpriv",
+                f"--reuid={NOBODY}",
+                f"--regid={NOBODY}",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+                script,
+                package,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd="/",
+        )
     finally:
         shutil.rmtree(package, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr

@@ -15,8 +15,20 @@ from lichen.models import load_model
 def server_and_reference(ckpt: str, tmp_path_factory, *server_args: str):
     """Yield (the server process, the checkpoint loaded here); they load concurrently. Stops the server after."""
     log = str(tmp_path_factory.mktemp("serve_log") / "serve.log")
-    proc = launch(ckpt, "--num-threads", "1", "--health-check-timeout", "3", "--weight-version", "0",
-                  "--weight-dir", str(tmp_path_factory.getbasetemp()), *server_args, log_path=log, wait=False)
+    proc = launch(
+        ckpt,
+        "--num-threads",
+        "1",
+        "--health-check-timeout",
+        "3",
+        "--weight-version",
+        "0",
+        "--weight-dir",
+        str(tmp_path_factory.getbasetemp()),
+        *server_args,
+        log_path=log,
+        wait=False,
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

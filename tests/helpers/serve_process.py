@@ -13,8 +13,15 @@ from typing import Any
 from lichen.engines.server_process import ServerProcess
 
 
-def launch(model: str, *args: str, host: str = "127.0.0.1", timeout: float = 120.0, wait: bool = True,
-           log_path: str | None = None, env: dict | None = None) -> ServerProcess:
+def launch(
+    model: str,
+    *args: str,
+    host: str = "127.0.0.1",
+    timeout: float = 120.0,
+    wait: bool = True,
+    log_path: str | None = None,
+    env: dict | None = None,
+) -> ServerProcess:
     """Start `python -m lichen.cli serve --model MODEL --host HOST --port 0 ARGS...`; with `wait`, wait until ready.
 
     `host` is where clients connect (127.0.0.1 also for a server bound to 0.0.0.0 via `--host` in ARGS).
@@ -27,16 +34,22 @@ def launch(model: str, *args: str, host: str = "127.0.0.1", timeout: float = 120
         cmd += ["--port", "0"]
     cmd += list(args)
     err = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
     if log_path:
         err.close()
     server = ServerProcess(proc, host, cmd, log_path)
     return server.wait_ready(timeout) if wait else server
 
 
-def call(url: str, body: Any = None, *, method: str | None = None, headers: dict | None = None,
-         timeout: float = 60.0, raw: bytes | None = None) -> tuple[int, Any]:
+def call(
+    url: str,
+    body: Any = None,
+    *,
+    method: str | None = None,
+    headers: dict | None = None,
+    timeout: float = 60.0,
+    raw: bytes | None = None,
+) -> tuple[int, Any]:
     """One blocking HTTP request; returns (status, parsed JSON body, or text when not JSON, or None when empty)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     hdrs = {"Content-Type": "application/json"} if data is not None else {}
@@ -57,8 +70,12 @@ def call(url: str, body: Any = None, *, method: str | None = None, headers: dict
 
 def stream(url: str, body: Any, *, headers: dict | None = None, timeout: float = 60.0):
     """POST and yield each SSE `data:` payload (parsed JSON, or the string "[DONE]")."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method="POST",
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:
             line = line.strip()

@@ -14,10 +14,12 @@ def main(argv: list[str]) -> int:
         prog="lichen report",
         description="Write a run directory (the --output-dir of `lichen train`) as one self-contained HTML page: "
         "curves, step time by phase, memory per phase, a sample browser (--log-samples), the config and the "
-        "checkpoints. It needs no network to open; run it again to refresh the page of a run still going.")
+        "checkpoints. It needs no network to open; run it again to refresh the page of a run still going.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's --output-dir (holds metrics.jsonl)")
-    p.add_argument("-o", "--output", metavar="FILE", default=None,
-                   help="where to write the page (default: RUN_DIR/report.html)")
+    p.add_argument(
+        "-o", "--output", metavar="FILE", default=None, help="where to write the page (default: RUN_DIR/report.html)"
+    )
     args = p.parse_args(argv)
     out = args.output or os.path.join(args.run_dir, "report.html")
     page = render(collect(args.run_dir))

@@ -41,10 +41,17 @@ def _checkpoints(save_dir: str | None) -> list[dict]:
         except (OSError, ValueError):
             pass
         size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
-        out.append({"name": name, "path": path, "rollout_id": int(m.group(1)),
-                    "weight_version": meta.get("weight_version"), "bytes": size,
-                    "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path))),
-                    "latest": latest == int(m.group(1))})
+        out.append(
+            {
+                "name": name,
+                "path": path,
+                "rollout_id": int(m.group(1)),
+                "weight_version": meta.get("weight_version"),
+                "bytes": size,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path))),
+                "latest": latest == int(m.group(1)),
+            }
+        )
     return out
 
 
@@ -75,12 +82,23 @@ def _timeline(run_dir: str, last_steps: int = TIMELINE_STEPS) -> dict | None:
     # slices of no known rollout (an engine busy while the driver trains, with --async) within the same window
     lo, hi = min(e["ts"] for e in kept), max(e["ts"] + e["dur"] for e in kept)
     slices = kept + [e for e in slices if e.get("args", {}).get("rollout_id") is None and lo <= e["ts"] <= hi]
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     lanes = sorted({(e["pid"], e["tid"]) for e in slices})
-    return {"lanes": [names.get(lane, f"thread {lane[1]}") for lane in lanes],
-            "slices": [{"lane": lanes.index((e["pid"], e["tid"])), "name": e["name"], "ts": e["ts"], "dur": e["dur"],
-                        "rollout_id": e["args"].get("rollout_id")} for e in slices]}
+    return {
+        "lanes": [names.get(lane, f"thread {lane[1]}") for lane in lanes],
+        "slices": [
+            {
+                "lane": lanes.index((e["pid"], e["tid"])),
+                "name": e["name"],
+                "ts": e["ts"],
+                "dur": e["dur"],
+                "rollout_id": e["args"].get("rollout_id"),
+            }
+            for e in slices
+        ],
+    }
 
 
 def collect(run_dir: str) -> dict[str, Any]:

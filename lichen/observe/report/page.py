@@ -17,10 +17,10 @@ def render(data: dict[str, Any]) -> str:
     payload = json.dumps(data, allow_nan=False, default=str).replace("<", "\\u003c")
     title = html.escape(f"lichen report: {data.get('run_dir', '')}")
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<meta name=\"generator\" content=\"lichen report\"><title>{title}</title>"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="generator" content="lichen report"><title>{title}</title>'
         f"<style>{_asset('report.css')}</style></head><body>"
         "<noscript>This report draws its charts with JavaScript; enable it to see them.</noscript>"
-        f"<script id=\"report-data\" type=\"application/json\">{payload}</script>"
+        f'<script id="report-data" type="application/json">{payload}</script>'
         f"<script>{_asset('report.js')}</script></body></html>\n"
     )

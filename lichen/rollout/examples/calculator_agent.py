@@ -32,13 +32,21 @@ CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 MAX_TURNS = 4
 _MAX_POWER = 64  # keeps `9**9**9` from taking the machine down
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def calculate(expr: str) -> str:
     """The value of an arithmetic expression as text (integers without a decimal point), or 'error: ...'."""
+
     def ev(node: ast.AST):
         if isinstance(node, ast.Expression):
             return ev(node.body)
@@ -76,7 +84,7 @@ def find_call(tokenizer, output_ids: list[int]) -> tuple[int, str] | None:
     start = text.rfind(CALL_OPEN, 0, end)
     if start < 0:
         return None
-    expr = text[start + len(CALL_OPEN):end]
+    expr = text[start + len(CALL_OPEN) : end]
     for k in range(1, len(output_ids) + 1):  # the fewest tokens whose text holds the whole call
         if CALL_CLOSE in tokenizer.decode(output_ids[:k], skip_special_tokens=True):
             return k, expr
@@ -96,8 +104,11 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     for turn in range(MAX_TURNS):
         if budget <= 0:
             break
-        params = {**sampling_params, "max_new_tokens": budget,
-                  "sampling_seed": seed if turn == 0 else derive_seed(seed, turn)}
+        params = {
+            **sampling_params,
+            "max_new_tokens": budget,
+            "sampling_seed": seed if turn == 0 else derive_seed(seed, turn),
+        }
         res = await ctx.generate(prompt + traj.tokens, params, session_id=f"calc-{seed}")
         call = find_call(tok, res.output_ids)
         if call is None:
@@ -108,7 +119,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         calls += 1
         traj.add_policy(res.output_ids[:k], res.output_logprobs[:k], res.weight_version, res.engine)
         budget -= k
-        tool = tok.encode(f"{RESULT_OPEN}{calculate(expr)}{RESULT_CLOSE}", add_special_tokens=False)[:max(budget, 0)]
+        tool = tok.encode(f"{RESULT_OPEN}{calculate(expr)}{RESULT_CLOSE}", add_special_tokens=False)[: max(budget, 0)]
         traj.add_context(tool)
         budget -= len(tool)
     traj.fill(sample, tok, prompt, status)
