@@ -1,5 +1,5 @@
 # Two entry points (README "Quick start"): `make quickstart` and `make test`. Both set up .venv first.
-.PHONY: setup setup-test quickstart test test-avx2 bench-quickstart
+.PHONY: setup setup-test quickstart test test-avx2 test-latest static-checks bench-quickstart
 
 setup:
 	scripts/setup.sh
@@ -12,6 +12,21 @@ quickstart: setup
 
 test: setup-test
 	.venv/bin/python -m pytest -n 2 -q -rs tests
+
+# The suite on the newest versions pyproject.toml allows (not the tested set in constraints/tested.txt), in its
+# own environment. On success it marks .venv-latest green: scripts/freeze_constraints.sh then makes that set the
+# tested one. Run it before resolving an issue.
+test-latest:
+	LICHEN_VENV=.venv-latest LICHEN_LATEST=1 scripts/setup.sh test
+	.venv-latest/bin/python -m pytest -n 2 -q -rs tests
+	touch .venv-latest/.suite-green
+
+# Lint, format and type checks (CI runs them first). The type check fails only on errors beyond
+# scripts/mypy_baseline.txt, which may only shrink: `scripts/check_types.py --update` after fixing some.
+static-checks: setup-test
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/python scripts/check_types.py
 
 # The numeric tests again on the AVX2 kernels (float results differ from AVX-512 in the last bits): CI runs both
 # families on every machine.

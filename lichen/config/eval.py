@@ -306,6 +306,7 @@ def _key_lines(node: Any, at: tuple = ()) -> dict:
             out.update(_key_lines(v, key))
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            out[(*at, i)] = item.start_mark.line + 1
-            out.update(_key_lines(item, (*at, i)))
+            key = (*at, i)
+            out[key] = item.start_mark.line + 1
+            out.update(_key_lines(item, key))
     return out
