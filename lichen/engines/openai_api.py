@@ -22,6 +22,7 @@ from lichen.engines.protocol import (
     Job,
     OutputOptions,
     RequestError,
+    Sampling,
     abort_status,
     bool_field,
     error_body,
@@ -112,7 +113,8 @@ async def _read(request: web.Request) -> dict:
     return expect(loads(await request.read()), (dict,), "the request body", "a JSON object")
 
 
-def _sampling(body: dict, max_new: Any):
+def request_sampling(body: dict, max_new: Any) -> Sampling:
+    """The sampling settings of an OpenAI request body, checked as `/generate`'s (also the agent proxy's)."""
     sp = {dst: body[src] for src, dst in _SAMPLING_MAP.items() if body.get(src) is not None}
     sp["max_new_tokens"] = max_new
     return parse_sampling(sp, "request")
@@ -121,7 +123,7 @@ def _sampling(body: dict, max_new: Any):
 def _jobs(
     server: "LichenServer", prompts: list[list[int]], body: dict, max_new: Any, opts: OutputOptions, stream: bool
 ) -> list[Job]:
-    sp = _sampling(body, max_new)
+    sp = request_sampling(body, max_new)
     base = body.get("rid") or uuid.uuid4().hex
     expect(base, (str,), "rid", "a string")
     jobs = []
@@ -356,7 +358,9 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
-def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -> list[int]:
+def chat_messages(body: dict) -> list[dict]:
+    """The request's `messages`, checked (roles, text content) with text content parts joined (also the agent
+    proxy's)."""
     messages = body.get("messages")
     expect(messages, (list,), "messages", "a list of messages")
     if not messages:
@@ -380,6 +384,11 @@ def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -
         elif content is not None:
             expect(content, (str,), f"messages[{i}].content", "a string or a list of content parts")
         norm.append({**m, "content": content if content is not None else ""})
+    return norm
+
+
+def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -> list[int]:
+    norm = chat_messages(body)
     if body.get("continue_final_message"):
         raise RequestError("continue_final_message is not supported by lichen serve", shape="object")
     tok = server.facts.tokenizer
@@ -422,7 +431,7 @@ def _chat_logprobs(server, job: Job, start: int, end: int, top: int) -> dict:
     return {"content": content}
 
 
-def _refuse_response_format(body: dict) -> None:
+def refuse_response_format(body: dict) -> None:
     """JSON mode / JSON schema need constrained decoding, which lichen's engine does not do: refuse them rather
     than answer plain text as if they were honoured. {"type": "text"} is the plain text it gives anyway."""
     rf = body.get("response_format")
@@ -439,7 +448,7 @@ def _refuse_response_format(body: dict) -> None:
 
 async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
     body = await _read(request)
-    _refuse_response_format(body)
+    refuse_response_format(body)
     tools, parse = tool_mode(body, server.tool_parser, "--tool-call-parser")
     ids = _render_chat(server, body, tools)
     want_lp = bool_field(body, "logprobs", False, "")
