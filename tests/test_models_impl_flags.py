@@ -3,6 +3,7 @@ the loaders pick (docs/models.md)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 
@@ -125,7 +126,39 @@ def test_gdn_chunked_matches_recurrent_on_cpu():
     out_c, final_c = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=16, **kw)
     out_r, final_r = m.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
     assert (out_c - out_r).abs().max() < 1e-5 and (final_c - final_r).abs().max() < 1e-5
-    assert m.torch_chunk_gated_delta_rule is m._lichen_gdn_original[0].__wrapped__  # the reference code is bound
+    # the bound functions are the reference code itself, not transformers' dispatch (which runs fla when present)
+    for fn, name in (
+        (m.torch_chunk_gated_delta_rule, "torch_chunk_gated_delta_rule"),
+        (m.torch_recurrent_gated_delta_rule, "torch_recurrent_gated_delta_rule"),
+    ):
+        assert inspect.isfunction(fn) and fn.__code__.co_name == name and not hasattr(fn, "__wrapped__")
+        assert inspect.getsourcefile(fn) == inspect.getsourcefile(m)
+
+
+def test_gdn_torch_backend_is_what_a_qwen3_next_layer_runs(tmp_path, monkeypatch):
+    """The kernels lichen binds are the ones the model's Gated DeltaNet layers call: a prompt runs the chunked
+    kernel, one decode step the recurrent one."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    d = make_tiny_model(str(tmp_path / "next"), arch="qwen3_next", **SMALL)
+    model = load_model(d, gdn_backend="torch")
+    calls = {"chunk": 0, "recurrent": 0}
+
+    def spy(key, fn):
+        def run(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+
+        return run
+
+    monkeypatch.setattr(m, "torch_chunk_gated_delta_rule", spy("chunk", m.torch_chunk_gated_delta_rule))
+    monkeypatch.setattr(m, "torch_recurrent_gated_delta_rule", spy("recurrent", m.torch_recurrent_gated_delta_rule))
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        out = model.hf(ids, use_cache=True)
+        assert calls["chunk"] >= 1 and calls["recurrent"] == 0
+        model.hf(torch.tensor([[13]]), past_key_values=out.past_key_values, use_cache=True)
+    assert calls["recurrent"] >= 1
 
 
 def test_model_impl_auto_picks_and_logs(tmp_path, caplog):

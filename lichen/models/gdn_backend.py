@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from lichen.errors import ConfigError
 
 GDN_BACKENDS = ("fla", "flashqla", "torch")
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # types with Gated DeltaNet layers in transformers
 _PACKAGES = {"fla": ("fla", "flash-linear-attention"), "flashqla": ("flash_qla", "FlashQLA (QwenLM/FlashQLA)")}
+_CHUNK, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"  # transformers' names
 log = logging.getLogger(__name__)
 
 
@@ -65,10 +69,51 @@ def resolve_gdn_backend(requested: str | None) -> str:
     return requested
 
 
-def _kernels(backend: str, chunk, recurrent) -> tuple:
+def reference_kernel(fn: Callable, name: str) -> Callable | None:
+    """transformers' plain PyTorch function `name` under whatever dispatch wraps it, or None if it cannot be found.
+
+    transformers wraps the reference code in a dispatcher (functools.wraps, so `__wrapped__` leads back), and with
+    the `kernels` package installed that dispatcher is itself wrapped in an nn.Module whose forward closes over it.
+    Neither layer is a public interface, so this walks both kinds of link (``__wrapped__`` and closure cells) and
+    accepts only a plain function whose code is named `name` (the reference's own code object, not a wrapper)."""
+    seen: set[int] = set()
+    todo: list[Any] = [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        code = getattr(f, "__code__", None)
+        if code is not None and code.co_name == name and not hasattr(f, "__wrapped__"):
+            return f
+        if hasattr(f, "__wrapped__"):
+            todo.append(f.__wrapped__)
+        forward = getattr(type(f), "forward", None) if not inspect.isfunction(f) else None
+        for holder in (f, forward):
+            for cell in getattr(holder, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if callable(value):
+                    todo.append(value)
+    return None
+
+
+def _kernels(backend: str, chunk: Callable, recurrent: Callable) -> tuple[Callable, Callable]:
     """(chunked, recurrent) gated-delta-rule functions of `backend`, from transformers' bound ones."""
-    if backend == "torch":  # transformers' wrappers keep the reference code as __wrapped__ (functools.wraps)
-        return getattr(chunk, "__wrapped__", chunk), getattr(recurrent, "__wrapped__", recurrent)
+    if backend == "torch":
+        found = [reference_kernel(f, n) for f, n in ((chunk, _CHUNK), (recurrent, _RECURRENT))]
+        if found[0] is not None and found[1] is not None:
+            return found[0], found[1]
+        # transformers changed how it wraps them: its dispatcher still runs the reference code wherever fla does not
+        # run (no fla package, or CPU inputs), which is where the torch backend is chosen automatically.
+        log.warning(
+            "--qwen-gdn-backend torch: transformers' reference gated-delta-rule functions were not found under its "
+            "kernel dispatch; keeping transformers' dispatch (the reference code unless fla is installed and the "
+            "inputs are on CUDA)"
+        )
+        return chunk, recurrent
     # fla: transformers bound its kernels at import (the package is importable, resolve_gdn_backend checked), and
     # its wrappers pass them only the arguments they take.
     return chunk, recurrent
