@@ -397,14 +397,15 @@ def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -
     kwargs = body.get("chat_template_kwargs") or {}
     expect(kwargs, (dict,), "chat_template_kwargs", "a JSON object")
     norm = template_messages(norm)
-    text = _apply_template(tok, norm, {**kwargs, "tools": tools} if tools else kwargs)
+    text = apply_template(tok, norm, {**kwargs, "tools": tools} if tools else kwargs)
     if tools:
         source = f"{server.tokenizer_path} (tokenizer_config.json)"
-        refuse_ignored_tools(text, _apply_template(tok, norm, kwargs), source)
+        refuse_ignored_tools(text, apply_template(tok, norm, kwargs), source)
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def _apply_template(tok, messages: list[dict], kwargs: dict) -> str:
+def apply_template(tok: Any, messages: list[dict], kwargs: dict) -> str:
+    """The prompt text of checked `messages` (a template error is a 400; also the agent proxy's)."""
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # a template error is the request's fault
