@@ -6,7 +6,9 @@ One trajectory, turn by turn:
 2. the engine continues the exact token history (prompt + every earlier turn's tokens) with the response budget
    left; the policy's tokens are kept as the engine returned them, with their rollout log-probs and loss mask 1;
 3. the turn's text is parsed for calls (--tool-call-parser); without a complete call, or when the engine stopped on
-   the length limit, the trajectory ends (completed on a stop token, truncated on the budget);
+   the length limit, the trajectory ends (completed on a stop token, truncated on the budget). A closed block that
+   is not a valid call (bad JSON, no name, over the parser's size/depth limits: docs/serving.md) is a failed call:
+   its tool message is an 'error: invalid tool call: ...' text the policy reads, and the trajectory goes on;
 4. each call runs (async or in a thread, --tool-timeout; failures become 'error: ...' text the policy reads),
    and the tool messages are appended as the chat template's tokens for them (the text between the end of an
    assistant message and the next assistant generation prompt), with loss mask 0 and log-prob 0.0: fed to the
@@ -16,7 +18,7 @@ The generated text is decoded only to parse calls and to fill the conversation: 
 
 Rewards see the whole trajectory: `sample.response` (every turn's and tool's text), and in `sample.metadata`:
 `messages` (the conversation: prompt messages, assistant turns, tool messages), `tool_calls` (name, arguments,
-result per call), `turns`, `stop` ("answer", "max_turns" or "budget"). With --check-token-fidelity each turn's
+result per call; name and arguments None for a malformed call), `turns`, `stop` ("answer", "max_turns" or "budget"). With --check-token-fidelity each turn's
 input is compared with apply_chat_template of the same conversation; `metadata["token_fidelity"]` is None when all
 agree, else the first mismatching position and tokens.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 from lichen.config.tool_config import ToolConfig
 from lichen.engines.sampler import derive_seed
-from lichen.engines.tool_parsers import load_parser
+from lichen.engines.tool_parsers import ParsedOutput, ToolCall, load_parser
 from lichen.models.tokenizer import encode_prompt
 from lichen.rollout.custom_generate import current
 from lichen.rollout.tools import Tool, load_tools, run_tool
@@ -91,6 +93,21 @@ def check_turn(tok, messages: list[dict], tools: list[dict] | None, trained: lis
     return first_mismatch(trained, reference)
 
 
+CALL_FORMAT = 'write one JSON object {"name": ..., "arguments": {...}} per <tool_call></tool_call> block'
+
+
+def parse_turn(parser: Any, text: str, index: int) -> ParsedOutput:
+    """The turn's calls and malformed blocks. A parser that raises (a plug-in's bug on hostile text) fails the
+    turn's calls, not the run: the model is told, as for a malformed call."""
+    try:
+        return parser.parse(text)
+    except Exception as e:  # noqa: BLE001 - model text must never end the run (RecursionError included)
+        log.warning(
+            "tool rollout: sample %d: the tool-call parser failed: %s: %s", index, type(e).__name__, str(e)[:200]
+        )
+        return ParsedOutput(text.strip() or None, [], ["the tool-call parser could not read this turn"])
+
+
 def _prompt_messages(prompt: Any) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
@@ -126,8 +143,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
         budget -= len(res.output_ids)
         text = tok.decode(res.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
-        parsed = parser.parse(text)
-        if not parsed.calls or res.finish_reason != "stop":
+        parsed = parse_turn(parser, text, sample.index)
+        malformed = getattr(parsed, "malformed", [])  # a plug-in's own output type may not have it
+        if not (parsed.calls or malformed) or res.finish_reason != "stop":
             status = Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED
             stop = "answer" if res.finish_reason == "stop" else "budget"
             break
@@ -136,6 +154,10 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
         for c, r in zip(parsed.calls, results):
             calls_made.append({"turn": turn, "name": c.name, "arguments": c.arguments, "result": r})
             tool_messages.append({"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r})
+        for reason in malformed:  # a failed call: the model reads why, the trajectory goes on
+            r = f"error: invalid tool call: {reason}; {CALL_FORMAT}"
+            calls_made.append({"turn": turn, "name": None, "arguments": None, "result": r})
+            tool_messages.append({"role": "tool", "name": "invalid", "tool_call_id": ToolCall("", "").id, "content": r})
         messages += tool_messages
         ended = tok.decode(res.output_ids[-1:], skip_special_tokens=False) if res.output_ids else None
         tool_ids = tool_turn_ids(tok, tool_messages, ended)[: max(budget, 0)]
