@@ -6,7 +6,8 @@ Each run gets, through the launcher `_sandbox_init.py` (see its docstring for th
   read-only (`sandbox_root.py`), a few devices, and a private size-capped /tmp holding its work directory. No
   host data file, checkout or unix socket is reachable;
 - a non-root identity when the trainer is root: a uid/gid of its own (`uid_base + slot`, one slot per concurrent
-  run on the host, leased through a lock file, so one run's fork bomb cannot use up another's process budget),
+  run on the host, leased through a lock file in a private directory (`sandbox_lease.py`), so one run's fork bomb
+  cannot use up another's process budget),
   no supplementary groups, and no-new-privileges. A non-root trainer gets the same namespaces inside a new user
   namespace instead, the program running as uid 1000 of a nested one;
 - a cgroup of its own with the memory limit for all its processes together (`sandbox_cgroup.py`); where none can
@@ -24,24 +25,22 @@ still reach services on loopback; the sandbox needs both, and `check_sandbox` re
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import logging
 import math
 import os
-import random
 import select
 import shutil
 import signal
 import socket
 import stat
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
 from lichen.errors import ConfigError
 from lichen.rewards.sandbox_cgroup import CgroupParent, RunCgroup, find_cgroup_parent
+from lichen.rewards.sandbox_lease import NOBODY, UidLease
 from lichen.rewards.sandbox_root import interpreter_paths
 
 logger = logging.getLogger(__name__)
@@ -49,12 +48,10 @@ logger = logging.getLogger(__name__)
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
 SETUP_FAILED = 125
 DEFAULT_UID_BASE = 2_100_000_000  # far above login and container sub-uid ranges
-NOBODY = 65534
 MAX_UID_BASE = 2**31 - 1 - 256  # base + slot stays a valid positive uid (never -1, which means "unchanged")
 LAUNCH_GRACE_S = 0.5
 REAP_TIMEOUT_S = 5.0  # how long the trainer waits for a killed sandbox's processes to be gone
 FALLBACK_PROCESS_MB = 256  # without a cgroup: the address space each process gets when the run's memory is split
-_SLOTS = 256
 
 
 class SandboxError(RuntimeError):
@@ -116,43 +113,6 @@ class SandboxConfig:
 
     def with_limits(self, limits: SandboxLimits) -> "SandboxConfig":
         return SandboxConfig(self.python, self.mode, self.uid_base, limits, self.expose, self.cgroup)
-
-
-class _UidLease:
-    """Exclusive use of one sandbox uid while a run lasts, across threads and processes on this host.
-
-    Slot i is held through an exclusive flock on `<tmp>/lichen-sandbox-locks-<euid>/lichen-sandbox-<uid>.lock`;
-    the kernel drops it when the file is closed, also when the holder dies, so a crashed trainer holds no slot.
-    """
-
-    def __init__(self, config: "SandboxConfig") -> None:
-        self.config = config
-        self.uid: int | None = None
-        self._fd: int | None = None
-
-    def try_take(self) -> bool:
-        if self.config.uid_base == NOBODY:  # the fallback: one shared uid
-            self.uid = NOBODY
-            return True
-        lock_dir = os.path.join(tempfile.gettempdir(), f"lichen-sandbox-locks-{os.geteuid()}")
-        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-        start = random.randrange(_SLOTS)
-        for k in range(_SLOTS):
-            uid = self.config.uid_base + (start + k) % _SLOTS
-            fd = os.open(os.path.join(lock_dir, f"lichen-sandbox-{uid}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue
-            self.uid, self._fd = uid, fd
-            return True
-        return False
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def _world_accessible(path: str) -> bool:
@@ -273,7 +233,7 @@ async def run_sandboxed(
     Returns its exit code and output; a timeout or output overflow kills the whole sandbox and is reported in
     the result, not raised. Raises SandboxError when the sandbox could not be set up.
     """
-    lease = _UidLease(config)
+    lease = UidLease(config.uid_base)
     while not lease.try_take():  # more concurrent runs on this host than slots: wait for one
         await asyncio.sleep(0.01)
     uid = lease.uid
