@@ -27,3 +27,12 @@ class NotAvailableYet(ConfigError):
 
 class RunError(Exception):
     """A run cannot go on (engine, sync or verifier failure); printed as one line without traceback, exit code 1."""
+
+
+class PromptTooLong(DataError):
+    """A prompt (as text, after the chat template) longer than --max-prompt-chars: dropped without tokenizing."""
+
+    def __init__(self, chars: int, limit: int) -> None:
+        super().__init__(f"the prompt renders to {chars} characters, over --max-prompt-chars {limit}")
+        self.chars = chars
+        self.limit = limit

@@ -52,6 +52,8 @@ DEFAULTS = {
     "rollout_seed": 42,
     "rollout_max_context_len": 4095,
     "rollout_max_prompt_len": 4094,
+    "max_prompt_chars": 32 * 4094,
+    "max_row_bytes": 32 << 20,
     "skip_bad_rows": False,  # 4096 positions
     "rollout_max_response_len": 1024,
     "rollout_temperature": 1.0,

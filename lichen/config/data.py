@@ -8,6 +8,12 @@ from lichen.config.checks import check_data_file, check_int_at_least
 from lichen.errors import ConfigError
 from lichen.models.config import model_positions
 
+_ROW_BYTES_FLOOR = 32 << 20
+# the default --max-prompt-chars allows this many characters per prompt token: real text averages 3 to 5 (code
+# with long whitespace runs ~10), so only a prompt far over --rollout-max-prompt-len is dropped by its length in
+# characters (lichen.data.fit)
+CHARS_PER_TOKEN = 32
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("prompt data")
@@ -58,6 +64,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-max-context-len - 1, so every kept prompt has room for at least one response token)",
     )
     g.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="drop, untokenized, prompts whose text (after the chat template) is longer than this many characters "
+        "(default: 32 x --rollout-max-prompt-len, more than any prompt that fits holds): tokenizing costs ~100 "
+        "bytes of memory per character, so one huge row must not reach the tokenizer",
+    )
+    g.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=None,
+        help="drop JSONL rows longer than this many bytes without reading them into memory, naming FILE:LINE "
+        "(default: the larger of 32 MiB and 12 x --max-prompt-chars, room for the prompt in any JSON escaping "
+        "plus a label and metadata); raise it for rows with very large metadata",
+    )
+    g.add_argument(
         "--skip-bad-rows",
         action="store_true",
         help="skip data rows that cannot be used (no or empty prompt, malformed JSON, bad metadata), logging each "
@@ -106,3 +128,11 @@ def _resolve_context(args: argparse.Namespace) -> None:
             f"--rollout-max-context-len {args.rollout_max_context_len}; use at most "
             f"{args.rollout_max_context_len - 1}"
         )
+    if args.max_prompt_chars is None:
+        args.max_prompt_chars = CHARS_PER_TOKEN * args.rollout_max_prompt_len
+    check_int_at_least(args, "max_prompt_chars", 1)
+    if args.max_row_bytes is None:
+        # a prompt character is at most 12 bytes of JSON (an escaped surrogate pair); the floor leaves room for
+        # labels and metadata (test cases of code tasks run to megabytes)
+        args.max_row_bytes = max(_ROW_BYTES_FLOOR, 12 * args.max_prompt_chars)
+    check_int_at_least(args, "max_row_bytes", 1)

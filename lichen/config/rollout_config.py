@@ -112,6 +112,8 @@ class DataConfig:
     skip_bad_rows: bool
     apply_chat_template: bool
     max_prompt_len: int | None
+    max_prompt_chars: int | None  # --max-prompt-chars: longer prompts are dropped untokenized (lichen.data.fit)
+    max_row_bytes: int | None  # --max-row-bytes: longer JSONL rows are dropped unread (lichen.data.dataset)
     batch_size: int
     shuffle: bool
     seed: int
@@ -127,6 +129,8 @@ class DataConfig:
             skip_bad_rows=bool(args.skip_bad_rows),
             apply_chat_template=bool(args.apply_chat_template),
             max_prompt_len=args.rollout_max_prompt_len,
+            max_prompt_chars=args.max_prompt_chars,
+            max_row_bytes=args.max_row_bytes,
             batch_size=args.rollout_batch_size,
             shuffle=bool(args.rollout_shuffle),
             seed=args.rollout_seed,

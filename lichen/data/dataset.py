@@ -11,8 +11,14 @@ ten at each end. Only the selected rows are parsed, so a malformed line outside 
 
 Every selected row is checked when the file loads, before any model loads (a bad row found mid-run would
 kill the run at that step, and again on every resume): a line that is not UTF-8 or not a JSON object, a
-missing or empty prompt, bad metadata or tools. The first bad row is a DataError naming FILE:LINE (exit 2);
-with `skip_bad_rows` (--skip-bad-rows) each bad row is logged and left out, and their count is logged.
+missing or empty prompt, bad metadata or tools, JSON nested deeper than 100 levels, a string holding a lone
+UTF-16 surrogate (valid JSON, not valid Unicode: it would fail later, when the prompt is encoded or sent). The
+first bad row is a DataError naming FILE:LINE (exit 2); with `skip_bad_rows` (--skip-bad-rows) each bad row is
+logged and left out, and their count is logged.
+
+A data file is hostile input: a JSONL line longer than `max_row_bytes` (--max-row-bytes) is never held whole; it
+is read past in bounded chunks and dropped with a warning naming FILE:LINE, so one huge row cannot exhaust the
+host's memory (the prompt-length bound before tokenizing is in lichen.data.fit).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 from lichen.errors import DataError
 
@@ -31,6 +37,10 @@ logger = logging.getLogger(__name__)
 _SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<body>[^\]]*)\]$")
 _JSONL_EXTS = (".jsonl", ".json")
 _PARQUET_EXTS = (".parquet",)
+# deeper JSON is no prompt data set's shape, and nested values are walked recursively later (copies, checkpoints)
+MAX_ROW_DEPTH = 100
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+_SKIP_CHUNK = 1 << 20  # bytes read at a time past an over-long line
 
 
 @dataclass
@@ -83,9 +93,11 @@ def load_prompt_dataset(
     tool_key: str | None = None,
     flag: str = "--prompt-data",
     skip_bad_rows: bool = False,
+    max_row_bytes: int | None = None,
 ) -> list[PromptRecord]:
     """Read the prompt rows of `spec` (`.jsonl`/`.json` lines or `.parquet`, optional `@[a:b]`) into records;
-    a bad row raises DataError naming it, or with `skip_bad_rows` is logged and left out."""
+    a bad row raises DataError naming it, or with `skip_bad_rows` is logged and left out. A JSONL line over
+    `max_row_bytes` (None: no cap) is dropped with a warning naming FILE:LINE, without being read into memory."""
     path, row_slice = parse_spec(spec, flag)
     if not os.path.exists(path):
         raise DataError(f"{flag} {path}: file not found; check the path (relative paths start at {os.getcwd()})")
@@ -93,7 +105,7 @@ def load_prompt_dataset(
         raise DataError(f"{flag} {path}: is a directory; give a .jsonl or .parquet file")
     lower = path.lower()
     if lower.endswith(_JSONL_EXTS):
-        rows = _read_jsonl(path, row_slice)
+        rows = _read_jsonl(path, row_slice, max_row_bytes)
     elif lower.endswith(_PARQUET_EXTS):
         rows = _read_parquet(path, row_slice, flag)
     else:
@@ -106,8 +118,18 @@ def load_prompt_dataset(
         where = f" after slicing [{_fmt_slice(row_slice)}]" if row_slice is not None else ""
         raise DataError(f"{flag} {spec}: no prompt rows{where}; the data set must hold at least one prompt")
     keys = _Keys(input_key, label_key, metadata_key, tool_key)
-    records, bad = [], 0
+    records, bad, oversize = [], 0, 0
     for line, row in rows:
+        if isinstance(row, _Oversize):
+            oversize += 1
+            logger.warning(
+                "%s: dropped a row of %d bytes, over --max-row-bytes %d (never read whole; raise "
+                "--max-row-bytes if the row is meant to be used)",
+                row_where(path, line),
+                row.size,
+                max_row_bytes,
+            )
+            continue
         try:
             if isinstance(row, DataError):
                 raise row
@@ -119,6 +141,10 @@ def load_prompt_dataset(
             logger.warning("%s: skipping bad row: %s", flag, e)
     if bad:
         logger.warning("%s %s: skipped %d bad row(s) of %d (--skip-bad-rows)", flag, spec, bad, len(rows))
+    if oversize:
+        logger.warning("%s %s: dropped %d row(s) over --max-row-bytes %d", flag, spec, oversize, max_row_bytes)
+    if not records and oversize:
+        raise DataError(f"{flag} {spec}: none of the {len(rows)} rows is usable ({oversize} over --max-row-bytes)")
     if not records:
         raise DataError(f"{flag} {spec}: all {len(rows)} rows are bad (--skip-bad-rows left none); see the log")
     return records
@@ -148,14 +174,48 @@ def _fmt_slice(s: slice | None) -> str:
     return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
 
 
-def _read_jsonl(path: str, row_slice: slice | None) -> list[tuple[int, dict | DataError]]:
-    """(1-based line number, parsed object or the DataError that line is) for each selected non-blank line."""
+@dataclass
+class _Oversize:
+    """A line longer than the row cap: only its size is kept."""
+
+    size: int
+
+
+def _read_jsonl(
+    path: str, row_slice: slice | None, max_row_bytes: int | None
+) -> list[tuple[int, dict | DataError | _Oversize]]:
+    """(1-based line number, parsed object, the DataError that line is, or _Oversize) for each selected non-blank
+    line."""
     # bytes, decoded line by line: one line that is not UTF-8 is a bad row, not a UnicodeDecodeError traceback
     with open(path, "rb") as f:
-        lines = [(i + 1, raw) for i, raw in enumerate(f) if raw.strip()]
+        lines = list(_capped_lines(f, max_row_bytes))
     if row_slice is not None:
         lines = lines[row_slice]
-    return [(lineno, _parse_line(path, lineno, raw)) for lineno, raw in lines]
+    return [(lineno, raw if isinstance(raw, _Oversize) else _parse_line(path, lineno, raw)) for lineno, raw in lines]
+
+
+def _capped_lines(f: BinaryIO, cap: int | None) -> Iterator[tuple[int, bytes | _Oversize]]:
+    """(1-based line number, the line, or _Oversize when it holds more than `cap` bytes) for each non-blank line.
+    An over-long line is read past in `_SKIP_CHUNK` pieces, so at most `cap` + 1 bytes of it are ever held."""
+    lineno = 0
+    while True:
+        raw = f.readline(-1 if cap is None else cap + 1)
+        if not raw:
+            return
+        lineno += 1
+        if cap is not None and len(raw) > cap and not raw.endswith(b"\n"):
+            size, blank = len(raw), not raw.strip()
+            del raw
+            while True:
+                chunk = f.readline(_SKIP_CHUNK)
+                size += len(chunk)
+                blank = blank and not chunk.strip()
+                if not chunk or chunk.endswith(b"\n"):
+                    break
+            if not blank:
+                yield lineno, _Oversize(size)
+        elif raw.strip():
+            yield lineno, raw
 
 
 def _parse_line(path: str, lineno: int, raw: bytes) -> dict | DataError:
@@ -173,12 +233,43 @@ def _parse_line(path: str, lineno: int, raw: bytes) -> dict | DataError:
         if lineno == 1 and text.lstrip().startswith("["):
             hint = "; the file looks like one JSON array, but lichen reads JSON Lines (one object per line)"
         return DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno}){hint}")
+    except RecursionError:
+        return DataError(f"{path}:{lineno}: JSON nested too deeply (at most {MAX_ROW_DEPTH} levels)")
+    except ValueError as e:  # e.g. an integer of more digits than int() converts
+        return DataError(f"{path}:{lineno}: unreadable JSON value: {str(e)[:200]}")
     if not isinstance(obj, dict):
         return DataError(
             f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}; each line must be "
             f'like {{"prompt": ..., "label": ...}}'
         )
     return obj
+
+
+def _check_tree(row: dict, where: str) -> None:
+    """Refuse a row nested deeper than MAX_ROW_DEPTH or holding a string with a lone surrogate (walked
+    iteratively, so the check itself cannot overflow the stack)."""
+    stack: list[tuple[Any, int, str]] = [(row, 1, "")]
+    while stack:
+        value, depth, at = stack.pop()
+        if isinstance(value, str):
+            m = _SURROGATE_RE.search(value)
+            if m is not None:
+                raise DataError(
+                    f"{where}: the string at {at or 'the top'} holds a lone UTF-16 surrogate "
+                    f"(\\u{ord(m.group()):04x} at character {m.start() + 1}), which is not valid Unicode; fix the "
+                    "text (usually half of an escaped emoji pair was cut off)"
+                )
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_ROW_DEPTH:
+            raise DataError(f"{where}: nested deeper than {MAX_ROW_DEPTH} levels at {at}; flatten the row")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            key = f"{at}[{k!r}]"  # repr: a hostile key (a surrogate, a newline) stays printable in the message
+            if isinstance(k, str):
+                stack.append((k, depth, f"key of {key[:80]}"))
+            stack.append((v, depth + 1, key[:200]))
 
 
 def _read_parquet(path: str, row_slice: slice | None, flag: str) -> list[tuple[int, dict]]:
@@ -197,6 +288,7 @@ def _read_parquet(path: str, row_slice: slice | None, flag: str) -> list[tuple[i
 
 def _to_record(row: dict, line: int, path: str, keys: _Keys) -> PromptRecord:
     where = row_where(path, line)
+    _check_tree(row, where)
     if keys.input not in row or row[keys.input] is None:
         present = ", ".join(repr(k) for k in row) or "(none)"
         raise DataError(

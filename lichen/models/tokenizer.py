@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from lichen.errors import ConfigError, DataError
+from lichen.errors import ConfigError, DataError, PromptTooLong
 
 # Any one of these means the directory carries a tokenizer that AutoTokenizer can try to build.
 _TOKENIZER_FILES = (
@@ -86,8 +86,10 @@ def encode_prompt(
     prompt: str | list[dict],
     apply_chat_template: bool,
     tools: list | None = None,
+    max_chars: int | None = None,
 ) -> list[int]:
-    """Token ids of a prompt, never with tokenizer-added special tokens (BOS/EOS).
+    """Token ids of a prompt, never with tokenizer-added special tokens (BOS/EOS); a prompt whose text is longer
+    than `max_chars` raises PromptTooLong before the tokenizer sees it (lichen.data.fit).
 
     With `apply_chat_template`, `prompt` (a list of chat messages, or a string taken as one user message) is
     rendered by the tokenizer's chat template with the assistant generation prompt appended, then encoded.
@@ -118,4 +120,6 @@ def encode_prompt(
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         if isinstance(text, list):  # some versions return a batch even for one conversation
             (text,) = text
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLong(len(text), max_chars)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -59,13 +59,14 @@ class RolloutContext:
             self._encoded[key] = self.encode_record(record, dataset)
         return self._encoded[key]
 
-    def encode_record(self, record: Any, dataset: str | None = None) -> list[int]:
+    def encode_record(self, record: Any, dataset: str | None = None, max_chars: int | None = None) -> list[int]:
+        """The prompt ids of `record`; over `max_chars` characters of text raises PromptTooLong untokenized."""
         chat = (
             self.config.data.apply_chat_template
             if dataset is None
             else self.eval_sets[dataset][0]["apply_chat_template"]
         )
-        return encode_prompt(self.tokenizer, record.prompt, chat, record.tools)
+        return encode_prompt(self.tokenizer, record.prompt, chat, record.tools, max_chars=max_chars)
 
 
 _CURRENT: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("lichen_rollout_context")

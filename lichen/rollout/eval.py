@@ -89,8 +89,9 @@ def tool_use_metrics(samples: list[Sample]) -> dict:
     return out
 
 
-def load_eval_sets(configs: tuple[dict, ...] | list[dict]) -> dict:
-    """name -> (resolved data-set config, prompt records), for every resolved eval data set config."""
+def load_eval_sets(configs: tuple[dict, ...] | list[dict], max_row_bytes: int | None = None) -> dict:
+    """name -> (resolved data-set config, prompt records), for every resolved eval data set config (JSONL rows
+    over `max_row_bytes` dropped unread)."""
     out = {}
     for cfg in configs:
         records = load_prompt_dataset(
@@ -100,6 +101,7 @@ def load_eval_sets(configs: tuple[dict, ...] | list[dict]) -> dict:
             metadata_key=cfg["metadata_key"],
             tool_key=cfg["tool_key"],
             flag=f"eval data set {cfg['name']!r}",
+            max_row_bytes=max_row_bytes,
         )
         out[cfg["name"]] = (cfg, records)
     return out

@@ -24,6 +24,7 @@ from lichen.observe.metrics import get_logger
 from lichen.plugins import load_function
 from lichen.rewards import build_reward_fn
 from lichen.rollout.abort_surplus import can_abort
+from lichen.rollout.agent_proxy import refused_metrics
 from lichen.rollout.base_types import RolloutFn
 from lichen.rollout.context import RolloutContext, active
 from lichen.rollout.data_source import RolloutDataSource
@@ -51,6 +52,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict:
         "rollout/num_samples": len(samples),
     }
     metrics.update({f"rollout/{k}": v for k, v in tool_use_metrics(samples).items()})
+    metrics.update(refused_metrics(samples))
     scored = [s for s in ok if s.reward is not None]
     if scored or not ok:  # rollouts of supervised data (rollout.sft) carry no reward: no reward metric
         metrics["rollout/reward_mean"] = sum(s.scalar_reward(reward_key) for s in scored) / max(len(scored), 1)
@@ -85,21 +87,26 @@ class RolloutManager:
         self.args = args
         ctx = RolloutContext(args=args, config=cfg, engine=None, tokenizer=load_tokenizer(cfg.hf_checkpoint))
         d = cfg.data
-        records = load_prompt_dataset(d.prompt_data, **d.record_keys, skip_bad_rows=d.skip_bad_rows)
-        # checked at load, not mid-run: a prompt with no room under the context is never sent (lichen.data.fit)
+        records = load_prompt_dataset(
+            d.prompt_data, **d.record_keys, skip_bad_rows=d.skip_bad_rows, max_row_bytes=d.max_row_bytes
+        )
+        # checked at load, not mid-run: a prompt with no room under the context is never sent, and one far too
+        # long is never tokenized (lichen.data.fit)
         kept = fit_prompts(
             records,
-            lambda i, r: ctx.encode_record(r),
+            lambda i, r: ctx.encode_record(r, max_chars=d.max_prompt_chars),
             path=parse_spec(d.prompt_data)[0],
             max_prompt_len=d.max_prompt_len,
             skip_bad_rows=d.skip_bad_rows,
+            max_prompt_chars=d.max_prompt_chars,
         )
         self.num_filtered_prompts = len(records) - len(kept)
         source = PromptSource(kept, batch_size=d.batch_size, shuffle=d.shuffle, seed=d.seed)
         self.data_source = RolloutDataSource(
             source, n_samples_per_prompt=cfg.sampling.n_samples_per_prompt, encode=ctx.encode
         )
-        ctx.eval_sets = load_eval_sets(cfg.eval_datasets)  # name -> (config, records); fitted below
+        # name -> (config, records); fitted below
+        ctx.eval_sets = load_eval_sets(cfg.eval_datasets, max_row_bytes=d.max_row_bytes)
         ctx.eval_sets = {name: (c, self._fit_eval(ctx, name, c, recs)) for name, (c, recs) in ctx.eval_sets.items()}
         if engine is None and cfg.use_engine_servers:
             from lichen.engines.remote_engines import RemoteEngines
@@ -134,11 +141,12 @@ class RolloutManager:
         """The eval set's prompts that fit the context, encoded as eval encodes them (its own chat setting)."""
         return fit_prompts(
             records,
-            lambda _, r: ctx.encode_record(r, name),
+            lambda _, r: ctx.encode_record(r, name, max_chars=self.cfg.data.max_prompt_chars),
             path=parse_spec(cfg["path"])[0],
             max_prompt_len=self.cfg.data.max_prompt_len,
             skip_bad_rows=False,
             what=f"eval data set {name!r}",
+            max_prompt_chars=self.cfg.data.max_prompt_chars,
         )
 
     @property
