@@ -8,8 +8,7 @@ import threading
 
 import openai
 import pytest
-from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
-from helpers.runs import dumped_samples
+from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, agent_args, agent_training_run, client, named, serving
 
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
@@ -27,9 +26,10 @@ def proxy(tiny_ckpt):
 def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
     """Session A by its base URL, B by the header and streaming."""
     p, engine, tok = proxy
-    by_url = openai.OpenAI(base_url=p.session_url("A"), api_key="none", max_retries=0)
+    a, b = named(p, "A"), named(p, "B")
+    by_url = client(p, "A")
     by_header = openai.OpenAI(
-        base_url=p.url + "/v1", api_key="none", max_retries=0, default_headers={"X-Session-Id": "B"}
+        base_url=p.url + "/v1", api_key=p.api_key, max_retries=0, default_headers={"X-Session-Id": b}
     )
     out: dict = {}
     threads = [
@@ -41,7 +41,7 @@ def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
     for t in threads:
         t.join(60)
     assert out == {"one": ("tool_calls", "it is 11"), "two": ("tool_calls", "it is 12")}
-    for sid, result in (("A", "11"), ("B", "12")):
+    for sid, result in ((a, "11"), (b, "12")):
         (sample,) = p.samples(sid)
         (_, in1, out1), (_, in2, out2) = [c for c in engine.calls if c[0] == sid]
         # the second request continued the first one's exact tokens; only the tool turn is new
@@ -62,10 +62,10 @@ def test_two_concurrent_sdk_sessions_become_two_samples(proxy):
 
 def test_a_request_without_a_session_is_refused(proxy):
     p, _, _ = proxy
-    client = openai.OpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="X-Session-Id"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
-    assert p.samples("nobody") == []
+    no_session = openai.OpenAI(base_url=p.url + "/v1", api_key=p.api_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="X-Session-Id"):
+        no_session.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert p.samples("nobody") == [] and p.refused == 1
 
 
 @pytest.mark.parametrize(
@@ -76,23 +76,23 @@ def test_tool_choice_is_taken_as_lichen_serve_takes_it(proxy, choice, named):
     """A forced call is refused with a 400 naming the value (never answered as "auto"), and nothing is recorded;
     "none" does not show the model the tools and parses no call."""
     p, engine, tok = proxy
-    client = openai.OpenAI(base_url=p.session_url("C"), api_key="none", max_retries=0)
+    sid = p.open_session()
+    c = openai.OpenAI(base_url=p.session_url(sid), api_key=p.api_key, max_retries=0)
     messages = [{"role": "user", "content": "what is 5 + 10?"}]
     with pytest.raises(openai.BadRequestError, match="is not supported") as e:
-        client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice=choice)
-    assert named in str(e.value) and p.samples("C") == []
-    r = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice="none")
+        c.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice=choice)
+    assert named in str(e.value) and p.samples(sid) == []
+    r = c.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
     assert '"name": "add"' not in tok.decode(engine.calls[-1][1])  # the prompt showed no tools
 
 
 # ---- --agent-function-path: the proxy as the rollout's generate function ------------------------------------------
-async def silent_agent(base_url, sample):
+async def silent_agent(base_url, sample, api_key):
     return None
 
 
 def test_agent_function_is_a_generate_function(tiny_ckpt):
-    import argparse
 
     from lichen.engines.sampler import derive_seed
     from lichen.rollout import agent_rollout
@@ -101,22 +101,8 @@ def test_agent_function_is_a_generate_function(tiny_ckpt):
 
     tok = load_tokenizer(tiny_ckpt)
     engine = ScriptedEngine(tok)
-    requests = []
-    inner = engine.agenerate
-
-    async def spy(r, session_id=None):
-        requests.append(r)
-        return await inner(r, session_id)
-
-    engine.agenerate = spy
-    args = argparse.Namespace(
-        tool_paths=None,
-        max_turns=8,
-        tool_timeout=30.0,
-        tool_call_parser="hermes",
-        check_token_fidelity=False,
-        agent_function_path="helpers.agent_proxy.sdk_agent",
-    )
+    requests = engine.requests
+    args = agent_args("helpers.agent_proxy.sdk_agent")
     samples = [
         Sample(prompt=f"add {w} and ten", tokens=[1], label=w, index=i, metadata={"k": i})
         for i, w in enumerate(("one", "two"))
@@ -142,9 +128,9 @@ def test_agent_function_is_a_generate_function(tiny_ckpt):
     assert out[0].status == Status.FAILED and out[0].metadata["agent"] == "no request"
 
 
-async def add_agent(base_url, sample):
+async def add_agent(base_url, sample, api_key):
     """The agent of the training test: calls `add` through the proxy, runs it, answers."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": sample.prompt}]
     r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     (call,) = r1.choices[0].message.tool_calls
@@ -159,37 +145,9 @@ def test_training_step_through_the_agent_proxy(tiny_ckpt, addition_data, tmp_pat
     """A training step whose samples come from an openai-SDK agent: the trained tokens are the engine's plus the
     template's tool turn, the mask is exact and the rollout log-probs match the trainer's."""
 
-    from helpers.runs import base_args, run
-    from helpers.scripted_policy import scripted_generate
-
-    from lichen.engines.engine import Engine
-
-    tok = load_tokenizer(tiny_ckpt)
-    returned: list = []
-    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    monkeypatch.setattr(
-        Engine, "generate", scripted_generate(tok, lambda text: "3" if "<|im_start|>tool" in text else call, returned)
+    rows, samples, returned, _ = agent_training_run(
+        tiny_ckpt, addition_data, tmp_path, monkeypatch, "test_agent_proxy.add_agent"
     )
-    dump = str(tmp_path / "r_{rollout_id}.pt")
-    rows = run(
-        base_args(
-            tiny_ckpt,
-            addition_data,
-            tmp_path / "o",
-            "--num-rollout",
-            "1",
-            "--num-threads",
-            "1",
-            "--apply-chat-template",
-            "--rollout-max-response-len",
-            "120",
-            "--agent-function-path",
-            "test_agent_proxy.add_agent",
-            "--save-debug-rollout-data",
-            dump,
-        )
-    )
-    samples = dumped_samples(dump.format(rollout_id=0))
     assert len(samples) == 16 and len(returned) == 32
     outputs = {tuple(inp): ids for inp, ids in returned}
     for s in samples:

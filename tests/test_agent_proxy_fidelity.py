@@ -7,16 +7,12 @@ from __future__ import annotations
 import argparse
 import logging
 
-import openai
 import pytest
-from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, serving
+from helpers.agent_proxy import TOOLS, ScriptedEngine, agent, named, serving
+from helpers.agent_proxy import client as _sdk
 
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
-
-
-def _sdk(p: AgentProxy, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=p.session_url(sid), api_key="none", max_retries=0)
 
 
 @pytest.mark.parametrize("spell_out", [False, True])
@@ -30,7 +26,7 @@ def test_sdk_session_with_tools(tiny_ckpt, spell_out, caplog):
     with serving(AgentProxy(engine, tok, check_fidelity=True)) as p, caplog.at_level(logging.WARNING):
         agent(_sdk(p, "A"), "one", out)
     assert out == {"one": ("tool_calls", "it is 11")}
-    (sample,) = p.samples("A")  # one chain: the second request continued the first one's tokens
+    (sample,) = p.samples(named(p, "A"))  # one chain: the second request continued the first one's tokens
     (_, in1, out1), _ = engine.calls
     if not spell_out:
         assert sample.metadata["token_fidelity"] is None and "agent proxy" not in caplog.text
@@ -63,7 +59,7 @@ def test_a_reformatted_reply_is_reported_where_it_departs(tiny_ckpt):
             {"role": "tool", "tool_call_id": call.id, "content": "11"},
         ]
         client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-    first, second = p.samples("R")
+    first, second = p.samples(named(p, "R"))
     (_, in1, out1), _ = engine.calls
     assert first.tokens == in1 + out1
     assert first.metadata["token_fidelity"] == {

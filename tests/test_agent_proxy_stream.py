@@ -13,7 +13,8 @@ import time
 
 import openai
 import pytest
-from helpers.agent_proxy import TOOLS, serving
+from helpers.agent_proxy import TOOLS, named, serving
+from helpers.agent_proxy import client as _client
 
 from lichen.engines.engine import Engine, GenRequest, GenResult
 from lichen.models.tokenizer import load_tokenizer
@@ -72,10 +73,6 @@ def _wait_handled(p: AgentProxy) -> None:
     assert not _lost(p), "the request of the closed connection was never handled to its end"
 
 
-def _client(p: AgentProxy, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=p.session_url(sid), api_key="none", max_retries=0)
-
-
 def _stream_and_whole(p: AgentProxy) -> None:
     """The same request with and without streaming (same seed): more than one content chunk comes before the last
     one, and the turn recorded from the stream (prompt ids, output ids, log-probs) is the non-streaming one's."""
@@ -89,7 +86,7 @@ def _stream_and_whole(p: AgentProxy) -> None:
     )
     whole = _client(p, "N").chat.completions.create(**kw)
     chunks = list(_client(p, "S").chat.completions.create(**kw, stream=True))
-    (n,), (s,) = p.sessions["N"].turns, p.sessions["S"].turns
+    (n,), (s,) = p.sessions[named(p, "N")].turns, p.sessions[named(p, "S")].turns
     assert len(n.output_ids) >= 20  # a long reply (the tiny model's sample for this seed)
     assert (s.prompt_ids, s.output_ids, s.logprobs, s.finish_reason) == (
         n.prompt_ids,
@@ -124,7 +121,7 @@ def test_a_long_reply_streams_as_generated_over_engine_servers(pair, tiny_ckpt):
                     model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=10**6, stream=True
                 )
             )
-        assert p.samples("E") == []
+        assert p.samples(named(p, "E")) == []
     finally:
         pair.run(p.stop())
 
@@ -164,8 +161,8 @@ def test_tool_call_deltas_stream_and_the_session_continues(tiny_ckpt):
         ]
         r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     assert r2.choices[0].message.content == "it is 11"
-    (sample,) = p.samples("T")  # one chain: the streamed reply's tokens were reused
-    first, second = p.sessions["T"].turns
+    (sample,) = p.samples(named(p, "T"))  # one chain: the streamed reply's tokens were reused
+    first, second = p.sessions[named(p, "T")].turns
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
     assert sample.tokens == second.prompt_ids + second.output_ids
 
@@ -198,21 +195,21 @@ def test_a_client_that_leaves_mid_stream_records_nothing(tiny_ckpt):
         assert _lost(p), "the proxy never saw the client go"
         engine.gate.set()  # the generation goes on; the proxy's next write finds the client gone
         _wait_handled(p)
-        assert len(p.sessions["D"].turns) == 1  # only the first request's
+        assert len(p.sessions[named(p, "D")].turns) == 1  # only the first request's
         steps, total = engine.stopped_at[-1]
         assert steps < total  # closed before its end
         engine.gate_at = None
         r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     assert r2.choices[0].message.content == "it is 11"
-    (sample,) = p.samples("D")
-    first, retry = p.sessions["D"].turns
+    (sample,) = p.samples(named(p, "D"))
+    first, retry = p.sessions[named(p, "D")].turns
     assert sample.tokens == retry.prompt_ids + retry.output_ids
     assert retry.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
 
 
-async def streaming_agent(base_url, sample):
+async def streaming_agent(base_url, sample, api_key):
     """Streams its first request and lets the engine go on once a content chunk came: the rollout streams too."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     stream = await client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "add"}], tools=TOOLS, stream=True
     )
@@ -255,8 +252,9 @@ def test_a_client_that_leaves_before_a_plain_reply_records_nothing(tiny_ckpt):
         host, port = p.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as conn:
             conn.sendall(
-                b"POST /sessions/P/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                b"POST /sessions/%s/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (named(p, "P").encode(), p.api_key.encode(), len(body), body)
             )
             assert engine.started.wait(30)  # the request is being generated
         deadline = time.monotonic() + 30
@@ -266,7 +264,7 @@ def test_a_client_that_leaves_before_a_plain_reply_records_nothing(tiny_ckpt):
         engine.gate.set()
         _wait_handled(p)
         assert engine.stopped_at[0][0] == engine.stopped_at[0][1]  # generated to its end
-        assert p.samples("P") == [] and p.sessions["P"].turns == []
+        assert p.samples(named(p, "P")) == [] and p.sessions[named(p, "P")].turns == []
 
 
 def test_the_engine_client_reads_long_events_and_error_events():
@@ -327,11 +325,12 @@ def test_a_streamed_turn_is_recorded_before_the_stream_ends(tiny_ckpt, monkeypat
     tok = load_tokenizer(tiny_ckpt)
     with serving(AgentProxy(StepEngine(tok), tok)) as p:
         body = {"model": "policy", "messages": [{"role": "user", "content": "add one and ten"}], "stream": True}
-        with httpx.stream("POST", p.session_url("R") + "/chat/completions", json=body, timeout=60) as r:
+        url, key = p.session_url(named(p, "R")) + "/chat/completions", {"Authorization": f"Bearer {p.api_key}"}
+        with httpx.stream("POST", url, json=body, headers=key, timeout=60) as r:
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     break
-            recorded = len(p.sessions["R"].turns)
+            recorded = len(p.sessions[named(p, "R")].turns)
             looked.set()
     assert recorded == 1
 

@@ -27,9 +27,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--agent-function-path",
         metavar="MODULE.FUNCTION",
         default=None,
-        help="an external agent as the generate function: `async def fn(base_url, sample)` drives the policy "
-        "through an OpenAI-compatible base URL of its own (the agent proxy) and each of its sessions becomes "
-        f"training samples; selects {AGENT_ROLLOUT} (default: none)",
+        help="an external agent as the generate function: `async def fn(base_url, sample, api_key)` drives the "
+        "policy through an OpenAI-compatible base URL of its own (the agent proxy; pass api_key to the client, "
+        f"requests without it are refused) and each of its sessions becomes training samples; selects "
+        f"{AGENT_ROLLOUT} (default: none)",
     )
     g.add_argument(
         "--max-turns", type=int, default=8, help="most assistant turns per trajectory in the tool rollout (default 8)"
@@ -94,11 +95,18 @@ def _check_agent(args: argparse.Namespace) -> None:
             "--agent-function-path and --tool-paths exclude each other: an external agent runs its "
             "own tools; give one of them"
         )
-    if not inspect.iscoroutinefunction(load_function(args.agent_function_path, "--agent-function-path")):
+    fn = load_function(args.agent_function_path, "--agent-function-path")
+    shape = "`async def fn(base_url: str, sample, api_key: str) -> None`"
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"--agent-function-path {args.agent_function_path!r}: must be an async function {shape}")
+    try:  # called as fn(base_url, sample, api_key=KEY): the proxy refuses requests without its key
+        inspect.signature(fn).bind("", None, api_key="")
+    except TypeError:
         raise ConfigError(
-            f"--agent-function-path {args.agent_function_path!r}: must be an async function "
-            "`async def fn(base_url: str, sample) -> None`"
-        )
+            f"--agent-function-path {args.agent_function_path!r}: must take the agent proxy's key, {shape}, and "
+            "pass it to the client: openai.AsyncOpenAI(base_url=base_url, api_key=api_key) (the proxy refuses "
+            "requests without it)"
+        ) from None
     if not args.apply_chat_template:
         raise ConfigError(
             "--agent-function-path: the agent's messages are rendered by the chat template; pass --apply-chat-template"

@@ -3,9 +3,18 @@ code (anything built on the `openai` SDK) drives during a rollout, while lichen 
 tokens, output tokens and log-probs per session and turns them into Samples (docs/agentic.md#agent-proxy).
 
 Non-streaming and streaming requests are served (a stream follows the generation when the engine has
-`agenerate_stream`: lichen/rollout/agent_proxy_stream.py). Sessions are keyed by a per-trajectory base URL
-`http://HOST:PORT/sessions/<id>/v1` or by the header `X-Session-Id` on `http://HOST:PORT/v1`; each session's
-requests are recorded apart. Token fidelity across turns:
+`agenerate_stream`: lichen/rollout/agent_proxy_stream.py). Sessions are opened by lichen (`open_session()`, a
+random id nobody can guess) and addressed by a per-trajectory base URL `http://HOST:PORT/sessions/<id>/v1` or by
+the header `X-Session-Id` on `http://HOST:PORT/v1`; each session's requests are recorded apart.
+
+Every local user can reach a port on 127.0.0.1, so what is recorded here is trained on only when it comes from the
+agent lichen started: each request must carry the proxy's key (a fresh random one per proxy, `proxy.api_key`,
+as `Authorization: Bearer KEY` — what the SDK sends for `api_key=KEY` — or `x-api-key`) and name a live session.
+Anything else is refused (401 / 404, an OpenAI-style JSON error), nothing of it is recorded, and it is counted
+(`proxy.refused`; `rollout/agent_proxy_refused` in a run's metrics). Request bodies are checked as `lichen serve`
+checks them (lichen.engines.openai_api): a malformed one is a 400 naming the field, never a 500.
+
+Token fidelity across turns:
 an assistant message the proxy itself returned is rendered back as the raw text it generated, and a prompt whose
 text extends the session's last prompt + output reuses those tokens (only the new suffix is encoded), so a
 multi-turn conversation becomes one Sample whose policy tokens are exactly the engine's (loss mask 1, their
@@ -13,8 +22,10 @@ log-probs) and whose other tokens (tool results, templates) have loss mask 0.
 
     proxy = AgentProxy(engine, tokenizer)        # engine: async agenerate(GenRequest, session_id) -> GenResult
     await proxy.start()                          # on the loop the engine's agenerate runs on; proxy.url
-    ... the agent calls OpenAI(base_url=proxy.session_url("traj-0"), api_key="none") ...
-    samples = proxy.samples("traj-0")            # one Sample per token-continuous chain of requests
+    sid = proxy.open_session()
+    ... the agent calls OpenAI(base_url=proxy.session_url(sid), api_key=proxy.api_key) ...
+    proxy.close_session(sid)                     # later requests to it are refused
+    samples = proxy.samples(sid)                 # one Sample per token-continuous chain of requests
 
 With `check_fidelity=True` each Sample also gets `metadata["token_fidelity"]`: None, or the first token where it
 differs from apply_chat_template of its conversation (see `AgentProxy.fidelity`).
@@ -24,15 +35,18 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from lichen.engines.chat_tools import tool_mode
+from lichen.engines.auth import new_key, request_has_key
+from lichen.engines.chat_tools import template_messages, tool_mode
 from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.protocol import RequestError
+from lichen.engines.openai_api import apply_template, chat_messages, refuse_response_format, request_sampling
+from lichen.engines.protocol import RequestError, bool_field, expect, int_field, loads
 from lichen.engines.tool_parsers import ToolCallParser, load_parser, tool_finish_reason
 from lichen.rollout.agent_proxy_stream import ReplyStream, generation, token_logprobs
 from lichen.rollout.tool_rollout import first_mismatch
@@ -71,10 +85,23 @@ def _continues(earlier: list[dict], later: list[dict]) -> bool:
     return len(later) > n and later[:n] == earlier and later[n].get("role") == "assistant"
 
 
+# OpenAI's error types by status (the SDK raises AuthenticationError, NotFoundError, BadRequestError from them)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+REFUSED_KEY = "agent_proxy_refused"  # Sample.metadata: requests a trajectory's proxy refused (see refused_metrics)
+
+
 def _error(message: str, status: int = 400) -> web.Response:
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
     )
+
+
+def refused_metrics(samples: list[Sample]) -> dict:
+    """{"rollout/agent_proxy_refused": requests refused by the agent proxies of these samples' trajectories} when
+    any came through the agent proxy (each trajectory's count is on its first Sample), else {}."""
+    counts = [s.metadata[REFUSED_KEY] for s in samples if isinstance((s.metadata or {}).get(REFUSED_KEY), int)]
+    return {"rollout/agent_proxy_refused": sum(counts)} if counts else {}
 
 
 class AgentProxy:
@@ -87,18 +114,61 @@ class AgentProxy:
         max_new_tokens: int = 1024,
         model_name: str = "lichen-policy",
         check_fidelity: bool = False,
+        api_key: str | None = None,
     ):
         self.engine, self.tok = engine, tokenizer
+        self.api_key = api_key or new_key()  # every request must carry it (see the module docstring)
         self.check_fidelity = check_fidelity
         self.parser = parser or load_parser("hermes")
         self.max_new_tokens, self.model_name = max_new_tokens, model_name
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {}  # every session opened, live or closed (their samples stay)
+        self.live: set[str] = set()  # the sessions requests may reach
+        self.refused = 0  # requests refused: no or wrong key, no live session
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
 
+    # ---- sessions --------------------------------------------------------------------------------------------
+    def open_session(self) -> str:
+        """A new live session; its id is random (128 bits), so only who is given it can address it."""
+        sid = secrets.token_urlsafe(16)
+        self.sessions[sid] = Session()
+        self.live.add(sid)
+        return sid
+
+    def close_session(self, session_id: str) -> None:
+        """Requests to the session are refused from now on (one still generating is not recorded)."""
+        self.live.discard(session_id)
+
+    def _refuse(self, message: str, status: int) -> web.Response:
+        self.refused += 1
+        if self.refused == 1:  # one line, not one per request: a flood of refusals must not flood the log
+            log.warning(
+                "agent proxy %s: refused a request (%s); refusals are counted in the metrics", self.url, message
+            )
+        return _error(message, status)
+
     # ---- server ----------------------------------------------------------------------------------------------
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """The key before anything else is read; request errors as 400s with OpenAI's error body."""
+        if not request_has_key(request.headers, self.api_key):
+            return self._refuse(
+                "the agent proxy needs its key: create the client with api_key=<the key lichen gave the agent> "
+                "(sent as Authorization: Bearer)",
+                401,
+            )
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return _error(e.message, e.status)
+        except web.HTTPException as e:  # unknown path or method: JSON as well
+            return _error(e.reason, e.status)
+        except Exception as e:  # noqa: BLE001 - the engine failed: the agent gets why, the log the traceback
+            log.exception("agent proxy: the request failed")
+            return _error(f"the agent proxy could not answer: {type(e).__name__}: {str(e)[:500]}", 500)
+
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        app = web.Application()
+        app = web.Application(middlewares=[self._guard])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
@@ -109,24 +179,28 @@ class AgentProxy:
         return self.url
 
     async def stop(self) -> None:
+        self.live.clear()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.refused:
+            log.warning(
+                "agent proxy %s refused %d request(s) (no or wrong key, no live session)", self.url, self.refused
+            )
 
     def session_url(self, session_id: str) -> str:
         """The OpenAI base URL of one trajectory."""
         return f"{self.url}/sessions/{session_id}/v1"
 
     # ---- one request -----------------------------------------------------------------------------------------
-    def _render(self, session: Session, body: dict, tools: list[dict] | None) -> str:
-        messages = []
-        for m in body["messages"]:
+    def _render(self, session: Session, messages: list[dict], tools: list[dict] | None) -> str:
+        shown = []
+        for m in messages:
             if m.get("role") == "assistant":
                 raw = session.raw.get(_message_key(m.get("content"), m.get("tool_calls")))
                 if raw is not None:  # ours: render the text the engine generated, not the parsed fields
                     m = {"role": "assistant", "content": raw}
-            messages.append(m)
-        kwargs = {"tools": tools} if tools else {}
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+            shown.append(m)
+        return apply_template(self.tok, template_messages(shown), {"tools": tools} if tools else {})
 
     def _prompt_ids(self, session: Session, text: str) -> list[int]:
         if session.turns:  # continue the last turn's exact tokens when the text extends it
@@ -137,44 +211,59 @@ class AgentProxy:
                 return history + self._encode(text[len(done) :])
         return self._encode(text)
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    def _request(self, body: dict, ids: list[int]) -> GenRequest:
+        """The engine request of a chat body, its sampling fields checked as `lichen serve` checks them; `max_tokens`
+        is capped at the proxy's `max_new_tokens`."""
+        sp = request_sampling(body, body.get("max_completion_tokens", body.get("max_tokens")))
+        if sp.n != 1:
+            raise RequestError(f"n must be 1 on the agent proxy (a request is one turn of one trajectory), got {sp.n}")
+        if sp.stop:
+            raise RequestError("stop strings are not supported by the agent proxy; leave stop out")
+        if sp.max_new_tokens == 0:
+            raise RequestError("max_tokens must be at least 1 on the agent proxy")
+        if int_field(body, "top_logprobs", 0, ""):
+            raise RequestError("top_logprobs is not supported by the agent proxy; leave it out (or 0)")
+        return GenRequest(
+            input_ids=ids,
+            max_new_tokens=min(sp.max_new_tokens or self.max_new_tokens, self.max_new_tokens),
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            stop_token_ids=list(sp.stop_token_ids),
+            seed=secrets.randbits(31) if sp.seed is None else sp.seed,
+            ignore_eos=sp.ignore_eos,
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info.get("sid") or request.headers.get("X-Session-Id")
         if not sid:
-            return _error("no session: use the base URL /sessions/<id>/v1 or send the X-Session-Id header")
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error("the request body is not JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-            return _error("messages: a non-empty list is required")
-        try:  # tool_choice as lichen serve takes it: "none" shows no tools, a forced call is refused (400)
-            tools, parse = tool_mode(body, self.parser, "--tool-call-parser")
-        except RequestError as e:
-            return _error(e.message, e.status)
-        session = self.sessions.setdefault(sid, Session())
-        text = self._render(session, body, tools)
+            return self._refuse("no session: use the base URL /sessions/<id>/v1 or send the X-Session-Id header", 404)
+        if sid not in self.live:
+            return self._refuse("no live session of that id (sessions are opened by lichen, one per trajectory)", 404)
+        body = expect(loads(await request.read()), (dict,), "the request body", "a JSON object")
+        refuse_response_format(body)
+        # tool_choice as lichen serve takes it: "none" shows no tools, a forced call is refused (400)
+        tools, parse = tool_mode(body, self.parser, "--tool-call-parser")
+        messages = chat_messages(body)
+        want_lp, stream = bool_field(body, "logprobs", False, ""), bool_field(body, "stream", False, "")
+        session = self.sessions[sid]
+        text = self._render(session, messages, tools)
         ids = self._prompt_ids(session, text)
-        req = GenRequest(
-            input_ids=ids,
-            max_new_tokens=int(body.get("max_tokens") or self.max_new_tokens),
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            seed=int(body.get("seed") or uuid.uuid4().int % 2**31),
-        )
-        turn = Turn(ids, [], [], "", "", "", body["messages"], text)
+        req = self._request(body, ids)
+        turn = Turn(ids, [], [], "", "", "", messages, text)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.get("stream"):
+        if stream:
             reply = ReplyStream(
                 self.tok,
                 self.parser if parse else None,
-                logprobs=bool(body.get("logprobs")),
+                logprobs=want_lp,
                 cid=cid,
                 model=self.model_name,
             )
             return await reply.run(
                 request,
                 generation(self.engine, req, sid),
-                lambda res, content, calls: self._record(session, turn, res, content, calls),
+                lambda res, content, calls: self._record(sid, turn, res, content, calls),
             )
         res = await self.engine.agenerate(req, sid)
         if request.transport is None:  # the client went away meanwhile: as for a stream, nothing is recorded
@@ -184,10 +273,10 @@ class AgentProxy:
         if parse:
             parsed = self.parser.parse(content)
             content, calls = parsed.content, [c.openai() for c in parsed.calls] or None
-        self._record(session, turn, res, content, calls)
+        self._record(sid, turn, res, content, calls)
         reason = tool_finish_reason(res.finish_reason, len(calls or []))
         lps = None
-        if body.get("logprobs"):
+        if want_lp:
             lps = {"content": token_logprobs(self.tok, res.output_ids, res.output_logprobs)}
         n = len(res.output_ids)
         return web.json_response(
@@ -208,12 +297,13 @@ class AgentProxy:
             }
         )
 
-    def _record(
-        self, session: Session, turn: Turn, res: GenResult, content: str | None, calls: list[dict] | None
-    ) -> None:
+    def _record(self, sid: str, turn: Turn, res: GenResult, content: str | None, calls: list[dict] | None) -> None:
         """The request's turn, once its reply was written to the client (a stream's last chunk); `content` and
         `calls` as the client got them (the key under which the raw text is rendered back when the agent returns
-        the message)."""
+        the message). Nothing when the session was closed meanwhile: its samples may already be taken."""
+        if sid not in self.live:
+            return
+        session = self.sessions[sid]
         turn.output_ids, turn.logprobs, turn.finish_reason = (
             list(res.output_ids),
             list(res.output_logprobs),

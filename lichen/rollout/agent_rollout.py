@@ -1,12 +1,14 @@
 """`--agent-function-path MODULE.FN`: an external agent, written against the `openai` SDK, as the rollout's
 generate function (docs/agentic.md#agent-rollout).
 
-    async def my_agent(base_url: str, sample: Sample) -> None:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="none")
+    async def my_agent(base_url: str, sample: Sample, api_key: str) -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
         ...   # any number of chat.completions.create calls, tools run by the agent itself
 
-For each sample lichen serves an agent proxy (lichen/rollout/agent_proxy.py) on loopback, hands the agent a
-base URL of its own session, and returns the session's requests as Samples (one per token-continuous chain;
+For each sample lichen serves an agent proxy (lichen/rollout/agent_proxy.py) on loopback, hands the agent the
+base URL of a session of its own (a random id) and the proxy's key (random, per proxy: requests without it, or
+outside the session, are refused and counted in `metadata["agent_proxy_refused"]` of the trajectory's first
+Sample, summed as `rollout/agent_proxy_refused`), and returns the session's requests as Samples (one per token-continuous chain;
 several chains all join the prompt's group). The agent's requests are sampled with the rollout's settings
 (--rollout-temperature, top-p, top-k, and a seed derived from the sample's, one per request), whatever the agent
 asks for, so log-probs follow the training convention; each request generates at most the sample's response
@@ -24,7 +26,7 @@ from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.sampler import derive_seed
 from lichen.engines.tool_parsers import load_parser
 from lichen.plugins import load_function
-from lichen.rollout.agent_proxy import AgentProxy
+from lichen.rollout.agent_proxy import REFUSED_KEY, AgentProxy
 from lichen.rollout.agent_proxy_stream import generation
 from lichen.rollout.custom_generate import GenerateContext, current, request_from_params
 from lichen.types import Sample, Status
@@ -70,19 +72,20 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sam
         parser=load_parser(cfg.parser, "--tool-call-parser"),
         check_fidelity=cfg.check_fidelity,
     )
-    await proxy.start()  # one per trajectory: its sessions and sockets end with it
-    sid = f"sample{sample.index}"
+    await proxy.start()  # one per trajectory: its key, sessions and sockets end with it
+    sid = proxy.open_session()
     proxy.engine.params[sid] = sampling_params
     try:
-        await agent(proxy.session_url(sid), sample)
+        await agent(proxy.session_url(sid), sample, api_key=proxy.api_key)
     finally:
         await proxy.stop()
     out = proxy.samples(sid)
     if not out:  # the agent never called the model: nothing to train on
         sample.status, sample.response_length = Status.FAILED, 0
-        sample.metadata["agent"] = "no request"
+        sample.metadata.update(agent="no request", **{REFUSED_KEY: proxy.refused})
         return [sample]
-    for s in out:
+    for k, s in enumerate(out):
         s.prompt, s.label, s.index = sample.prompt, sample.label, sample.index
-        s.metadata = {**sample.metadata, **s.metadata}
+        # the trajectory's count once, on its first Sample, so summing over samples counts each request once
+        s.metadata = {**sample.metadata, **s.metadata, REFUSED_KEY: proxy.refused if k == 0 else 0}
     return out

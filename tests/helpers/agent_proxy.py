@@ -3,6 +3,7 @@ event loop, and `openai`-SDK agents that call the `add` tool."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -25,8 +26,10 @@ class ScriptedEngine:
         self.tok, self.im_end = tok, tok.convert_tokens_to_ids("<|im_end|>")
         self.spell_out = spell_out  # False: every reply is the canonical encoding of its text
         self.calls: list[tuple[str, list[int], list[int]]] = []
+        self.requests: list = []  # the GenRequests as the engine got them
 
     async def agenerate(self, r, session_id=None):
+        self.requests.append(r)
         await asyncio.sleep(0.01)  # let the other session's request in between
         text = self.tok.decode(r.input_ids)
         n = 1 if "one" in text else 2
@@ -76,9 +79,22 @@ def agent(client: openai.OpenAI, number: str, out: dict, stream: bool = False) -
     out[number] = (r1.choices[0].finish_reason, r2.choices[0].message.content)
 
 
-async def sdk_agent(base_url, sample):
+def named(p: AgentProxy, name: str) -> str:
+    """The id of the session a test calls `name` (opened on first use: the proxy's ids are random)."""
+    names = p.__dict__.setdefault("test_names", {})
+    if name not in names:
+        names[name] = p.open_session()
+    return names[name]
+
+
+def client(p: AgentProxy, name: str) -> openai.OpenAI:
+    """A blocking SDK client of the session a test calls `name`, with the proxy's key."""
+    return openai.OpenAI(base_url=p.session_url(named(p, name)), api_key=p.api_key, max_retries=0)
+
+
+async def sdk_agent(base_url, sample, api_key):
     """An agent on the async SDK: asks, runs the tool itself, answers."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": sample.prompt}]
     r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=0.0)
     (call,) = r1.choices[0].message.tool_calls
@@ -88,3 +104,52 @@ async def sdk_agent(base_url, sample):
         {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])},
     ]
     await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=10**6)
+
+
+def agent_args(path: str, **extra) -> argparse.Namespace:
+    """The tool-use flags of a run through `--agent-function-path path` (as lichen.config.tools defines them)."""
+    return argparse.Namespace(
+        tool_paths=None,
+        max_turns=8,
+        tool_timeout=30.0,
+        tool_call_parser="hermes",
+        check_token_fidelity=False,
+        agent_function_path=path,
+        **extra,
+    )
+
+
+def agent_training_run(tiny_ckpt, data, tmp_path, monkeypatch, agent_path: str):
+    """One `lichen train` step whose samples come from the agent `agent_path` over the in-process engine, scripted
+    to call `add` and then answer "3": (metric rows, dumped samples, the engine's (input_ids, output_ids), tok)."""
+    from helpers.runs import base_args, dumped_samples, run
+    from helpers.scripted_policy import scripted_generate
+    from lichen.engines.engine import Engine
+    from lichen.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_ckpt)
+    returned: list = []
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    monkeypatch.setattr(
+        Engine, "generate", scripted_generate(tok, lambda text: "3" if "<|im_start|>tool" in text else call, returned)
+    )
+    dump = str(tmp_path / "r_{rollout_id}.pt")
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            data,
+            tmp_path / "o",
+            "--num-rollout",
+            "1",
+            "--num-threads",
+            "1",
+            "--apply-chat-template",
+            "--rollout-max-response-len",
+            "120",
+            "--agent-function-path",
+            agent_path,
+            "--save-debug-rollout-data",
+            dump,
+        )
+    )
+    return rows, dumped_samples(dump.format(rollout_id=0)), returned, tok
