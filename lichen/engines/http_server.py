@@ -41,6 +41,7 @@ from lichen.engines.protocol import (
 )
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.engines.weight_paths import WeightDirs
+from lichen.excerpt import clip, json_excerpt
 from lichen.observe.metrics import get_logger
 from lichen.observe.trace import trace_payload
 from lichen.observe.watchdog import thread_stacks
@@ -143,7 +144,7 @@ class LichenServer:
     def _register(self, jobs: list[Job], *, bounded: bool = True) -> None:
         clash = [j.rid for j in jobs if j.rid in self.jobs]
         if clash:
-            raise RequestError(f"request id(s) {clash[:5]} are already in flight; send unique rids")
+            raise RequestError(f"request id(s) {json_excerpt(clash)} are already in flight; send unique rids")
         tokens = sum(job_tokens(j) for j in jobs)
         if bounded:
             self.limits.admit(len(jobs), tokens, len(self.jobs), self.queued_tokens)
@@ -296,7 +297,7 @@ class LichenServer:
             raise
         except Exception as e:  # a bug must cost one request, never the server
             log.exception("unhandled error in %s %s", request.method, request.path)
-            return json_response(error_body(f"internal error: {type(e).__name__}: {e}", 500, "object"), 500)
+            return json_response(error_body(f"internal error: {type(e).__name__}: {clip(str(e))}", 500, "object"), 500)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:

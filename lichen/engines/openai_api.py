@@ -36,6 +36,7 @@ from lichen.engines.protocol import (
     stream_error,
 )
 from lichen.engines.tool_parsers import tool_finish_reason
+from lichen.excerpt import clip, excerpt, json_excerpt
 from lichen.observe.metrics import get_logger
 
 if TYPE_CHECKING:
@@ -109,7 +110,9 @@ async def model_card(server: "LichenServer", request: web.Request) -> web.Respon
 
 async def _read(request: web.Request) -> dict:
     if request.content_type != "application/json":
-        raise RequestError(f"Content-Type must be application/json, got {request.content_type!r}", shape="object")
+        raise RequestError(
+            f"Content-Type must be application/json, got {excerpt(request.content_type)}", shape="object"
+        )
     return expect(loads(await request.read()), (dict,), "the request body", "a JSON object")
 
 
@@ -371,7 +374,7 @@ def chat_messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool", "developer"):
             raise RequestError(
-                f"messages[{i}].role must be system, user, assistant or tool, got {role!r}", shape="object"
+                f"messages[{i}].role must be system, user, assistant or tool, got {excerpt(role)}", shape="object"
             )
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is supported
@@ -410,7 +413,7 @@ def apply_template(tok: Any, messages: list[dict], kwargs: dict) -> str:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # a template error is the request's fault
         raise RequestError(
-            f"the chat template failed on these messages: {type(e).__name__}: {e}", shape="object"
+            f"the chat template failed on these messages: {type(e).__name__}: {clip(str(e))}", shape="object"
         ) from None
     if isinstance(text, list):
         (text,) = text
@@ -441,7 +444,7 @@ def refuse_response_format(body: dict) -> None:
     expect(rf, (dict,), "response_format", 'an object such as {"type": "text"}')
     if rf.get("type") != "text":
         raise RequestError(
-            f"response_format {json.dumps(rf)[:80]} is not supported by lichen serve (no constrained "
+            f"response_format {json_excerpt(rf, 80)} is not supported by lichen serve (no constrained "
             'decoding); leave it out or use {"type": "text"}',
             shape="object",
         )

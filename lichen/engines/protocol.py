@@ -15,11 +15,13 @@ import secrets
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from lichen.engines.decode_batch import Seq, context_error, stop_ids
 from lichen.engines.sampler import derive_seed
+from lichen.excerpt import clip, json_excerpt
 
 DEFAULT_MAX_NEW_TOKENS = 128
 _INT64 = (-(2**63), 2**63 - 1)
@@ -64,14 +66,14 @@ def loads(raw: bytes, *, empty: Any = None) -> Any:
     try:
         return json.loads(raw, parse_constant=_bad_constant, parse_int=_int64)
     except (ValueError, RecursionError) as e:
-        raise RequestError(f"malformed JSON body: {e}", shape="object") from None
+        raise RequestError(f"malformed JSON body: {clip(str(e))}", shape="object") from None
 
 
 def expect(value: Any, kinds: tuple, where: str, what: str) -> Any:
     """Type check with JSON names; bools are not numbers here."""
     ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
     if not ok:
-        raise RequestError(f"{where} must be {what}, got {json.dumps(value)[:80]}", shape="object")
+        raise RequestError(f"{where} must be {what}, got {json_excerpt(value, 80)}", shape="object")
     return value
 
 
@@ -145,7 +147,7 @@ def parse_sampling(sp: Any, where: str = "sampling_params") -> Sampling:
     expect(sp, (dict,), where, "a JSON object")
     unknown = sorted(set(sp) - SAMPLING_KEYS)
     if unknown:
-        raise RequestError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(SAMPLING_KEYS)}")
+        raise RequestError(f"{where}: unknown key(s) {json_excerpt(unknown)}; known keys: {sorted(SAMPLING_KEYS)}")
     w = where + "."
     for key, neutral in _NEUTRAL.items():
         v = sp.get(key)
@@ -403,8 +405,8 @@ def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
             jobs.append(job)
     rids = [j.rid for j in jobs]
     if len(set(rids)) != len(rids):
-        dup = sorted({r for r in rids if rids.count(r) > 1})
-        raise RequestError(f"Duplicate request IDs detected within the request: {dup}")
+        dup = sorted(r for r, k in Counter(rids).items() if k > 1)
+        raise RequestError(f"Duplicate request IDs detected within the request: {json_excerpt(dup)}")
     return jobs, (not batched and n == 1), stream
 
 
@@ -560,7 +562,7 @@ async def stream_error(resp: Any, e: Exception) -> None:
     docs/architecture.md#engine-errors)."""
     err = {
         "error": {
-            "message": f"{type(e).__name__}: {e}",
+            "message": f"{type(e).__name__}: {clip(str(e))}",
             "type": "invalid_request_error",
             "code": 400,
             "retryable": False,

@@ -14,6 +14,9 @@ request body is hostile input, and `pickle.loads` runs whatever callable the pic
   inside its storage;
 - BUILD (setting an object's state) is refused, except the six fields of SGLang's `FlattenedTensorMetadata`
   (load_format "flattened_bucket"), which resolves to a plain stand-in class here;
+- work is bounded: at most MAX_OPS opcodes and MAX_DEPTH levels of nesting per entry, dict keys only plain
+  scalars and no sets (hashing a tuple that shares itself level after level takes exponential time), and every
+  value shown in an error goes through lichen.excerpt (a 260-byte pickle once made a 124 MB error message);
 - anything else (an unknown name, a wrong type, a malformed pickle) raises PayloadError, which the endpoint
   answers with 400.
 
@@ -32,14 +35,21 @@ import os
 import pickle
 import re
 import stat
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.multiprocessing import reductions
 
+from lichen.excerpt import clip, excerpt
+
 SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")  # what torch's file_system strategy names a segment
 MAX_DIMS = 16
+# A tensor's handle takes ~40 opcodes, so a million is far beyond any model's list; 32 levels is far beyond the
+# 4 of torch's reductions (list > tuple > tuple > metadata).
+MAX_OPS = 1_000_000
+MAX_DEPTH = 32
+_KEY_TYPES = (str, bytes, int, float, bool, type(None))
 DTYPES = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -68,13 +78,13 @@ def _is(obj: Any, name: str) -> bool:
 
 def _int(v: Any, what: str, low: int = 0) -> int:
     if type(v) is not int or v < low:
-        raise PayloadError(f"{what} must be an integer >= {low}, got {v!r}")
+        raise PayloadError(f"{what} must be an integer >= {low}, got {excerpt(v)}")
     return v
 
 
 def _ints(v: Any, what: str) -> tuple[int, ...]:
     if not isinstance(v, (tuple, list)) or len(v) > MAX_DIMS:
-        raise PayloadError(f"{what} must be a tuple of at most {MAX_DIMS} integers, got {v!r}")
+        raise PayloadError(f"{what} must be a tuple of at most {MAX_DIMS} integers, got {excerpt(v)}")
     return tuple(_int(x, what) for x in v)
 
 
@@ -91,7 +101,7 @@ def _latin1(text: Any, encoding: Any) -> bytes:
 
 def _shm_file(handle: Any, size: int) -> None:
     if not isinstance(handle, bytes) or not SHM_NAME.fullmatch(handle):
-        raise PayloadError(f"shared memory name {handle!r} is not one torch makes (/torch_<pid>_<n>_<n>)")
+        raise PayloadError(f"shared memory name {excerpt(handle)} is not one torch makes (/torch_<pid>_<n>_<n>)")
     path = SHM_DIR + handle.decode()
     try:
         st = os.stat(path)
@@ -111,7 +121,7 @@ def _manager(manager: Any) -> None:
         or os.path.basename(manager) != b"manager.sock"
         or not os.path.basename(os.path.dirname(manager)).startswith(b"torch-shm-dir-")
     ):
-        raise PayloadError(f"shared memory manager {manager!r} is not a torch shm manager socket")
+        raise PayloadError(f"shared memory manager {excerpt(manager)} is not a torch shm manager socket")
     try:
         st = os.stat(manager)
     except OSError:
@@ -205,7 +215,7 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     if isinstance(device, str):
         uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
         if device not in uuids:
-            raise PayloadError(f"GPU {device} is not visible to this server")
+            raise PayloadError(f"GPU {clip(device)} is not visible to this server")
         device = uuids.index(device)
     elif _int(device, "a device index") >= torch.cuda.device_count():
         raise PayloadError(f"device index {device} is not visible to this server")
@@ -236,7 +246,7 @@ class FlatMeta:
     FIELDS = frozenset({"name", "shape", "dtype", "start_idx", "end_idx", "numel"})
 
     def __repr__(self) -> str:
-        return f"FlattenedTensorMetadata({vars(self)})"
+        return f"FlattenedTensorMetadata({excerpt(vars(self))})"
 
 
 # where SGLang's releases define it (slime pickles it by its own import of SGLang)
@@ -264,8 +274,13 @@ CLASSES = {
 }
 
 
+_BASE: Any = pickle._Unpickler
+
+
 class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table can be narrowed, the C one's not
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # the pure-Python unpickler's state (not in typeshed)
+    metastack: list[list[Any]]
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in FLAT_META:
@@ -293,6 +308,70 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler: its opcode table c
 
     dispatch[pickle.BUILD[0]] = _build
 
+    def _keys(self, keys: list) -> None:
+        # dict keys are hashed, and hashing a tuple walks all of it: only plain scalars (torch's reductions and
+        # SGLang's metadata use str keys), so no key can cost more than its own bytes
+        if not all(type(k) in _KEY_TYPES for k in keys):
+            raise PayloadError("dictionary keys must be strings or numbers")
+
+    def _setitem(self) -> None:
+        self._keys([self.stack[-2]])
+        _BASE.load_setitem(self)
+
+    def _setitems(self) -> None:  # after a MARK: self.stack holds key, value, key, value, ...
+        self._keys(self.stack[0::2])
+        _BASE.load_setitems(self)
+
+    def _dict(self) -> None:
+        self._keys(self.stack[0::2])
+        _BASE.load_dict(self)
+
+    def _no_sets(self) -> None:
+        raise PayloadError("sets are not part of a tensor payload")
+
+    dispatch[pickle.SETITEM[0]] = _setitem
+    dispatch[pickle.SETITEMS[0]] = _setitems
+    dispatch[pickle.DICT[0]] = _dict
+    for _op in (pickle.EMPTY_SET, pickle.ADDITEMS, pickle.FROZENSET):
+        dispatch[_op[0]] = _no_sets
+    # every opcode counts against MAX_OPS, and MARK nesting against MAX_DEPTH
+    dispatch = {code: (lambda f: lambda self: self._step(f))(f) for code, f in dispatch.items()}
+    _ops = 0
+
+    def _step(self, op: Any) -> None:
+        self._ops += 1
+        if self._ops > MAX_OPS:
+            raise PayloadError(f"the payload runs past {MAX_OPS} pickle operations; it is not a list of handles")
+        if len(self.metastack) > MAX_DEPTH:
+            raise PayloadError(f"the payload nests deeper than {MAX_DEPTH} levels")
+        op(self)
+
+
+def _check_depth(obj: Any) -> None:
+    """Refuse a result nested deeper than MAX_DEPTH (or holding itself): each container is looked at once, so a
+    structure that shares one list at every level costs its size in the pickle, not its unfolded size."""
+    depth: dict[int, int] = {}  # id -> levels below (the objects live in `obj` meanwhile)
+    todo: list[tuple[Any, bool]] = [(obj, False)]
+    open_: set[int] = set()
+    while todo:
+        x, done = todo.pop()
+        if not isinstance(x, (list, tuple, dict)):
+            continue
+        kids = list(x.values()) if isinstance(x, dict) else list(x)
+        if done:
+            open_.discard(id(x))
+            depth[id(x)] = 1 + max((depth.get(id(k), 0) for k in kids), default=0)
+            if depth[id(x)] > MAX_DEPTH:
+                raise PayloadError(f"the payload nests deeper than {MAX_DEPTH} levels")
+            continue
+        if id(x) in depth:
+            continue
+        if id(x) in open_:
+            raise PayloadError("the payload contains itself")
+        open_.add(id(x))
+        todo.append((x, True))
+        todo.extend((k, False) for k in kids if id(k) not in depth)
+
 
 def _flattened_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
     """SGLang's FlattenedTensorBucket: views of one uint8 tensor, each checked to lie inside it."""
@@ -314,7 +393,7 @@ def _flattened_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
         nbytes = shape.numel() * m.dtype.itemsize
         if end - start != nbytes or m.numel != nbytes or end > flat.numel():
             raise PayloadError(
-                f"{m.name}: bytes [{start}, {end}) do not hold {tuple(shape)} {m.dtype} inside the "
+                f"{clip(m.name)}: bytes [{start}, {end}) do not hold {tuple(shape)} {m.dtype} inside the "
                 f"bucket of {flat.numel()} bytes"
             )
         out.append((m.name, flat[start:end].view(m.dtype).view(shape)))
@@ -332,10 +411,11 @@ def load_named_tensors(entry: Any, load_format: str | None = None) -> list[tuple
         raise PayloadError(f"not base64: {e}") from None
     try:
         obj = _Unpickler(io.BytesIO(raw)).load()
+        _check_depth(obj)
     except PayloadError:
         raise
     except Exception as e:  # a malformed pickle, or a stand-in called with the wrong number of arguments
-        raise PayloadError(f"not a tensor payload: {type(e).__name__}: {e}") from None
+        raise PayloadError(f"not a tensor payload: {type(e).__name__}: {clip(str(e))}") from None
     if load_format == "flattened_bucket":
         if not isinstance(obj, dict):
             raise PayloadError("a flattened_bucket entry must be {flattened_tensor, metadata}")

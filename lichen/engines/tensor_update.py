@@ -22,6 +22,7 @@ from aiohttp import web
 from lichen.engines.protocol import expect
 from lichen.engines.tensor_payload import PayloadError, load_named_tensors
 from lichen.engines.weight_endpoints import _reply
+from lichen.excerpt import excerpt
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
@@ -48,7 +49,7 @@ class TensorUpdate:
         if fmt not in LOAD_FORMATS:
             return _reply(
                 False,
-                f"load_format {fmt!r} is not supported here (null or 'direct': a list of "
+                f"load_format {excerpt(fmt)} is not supported here (null or 'direct': a list of "
                 "(name, tensor) pairs; 'flattened_bucket')",
             )
         version = body.get("weight_version")

@@ -41,6 +41,7 @@ import torch
 from aiohttp import web
 
 from lichen.engines.protocol import RequestError, expect
+from lichen.excerpt import clip, excerpt
 from lichen.observe.metrics import get_logger
 from lichen.weights.wire import (
     BACKENDS,
@@ -54,6 +55,7 @@ from lichen.weights.wire import (
 )
 
 log = get_logger(__name__)
+MAX_PROBLEMS = 5  # refusals name at most this many tensors (the names come from the request)
 
 
 def apply_delta_live(
@@ -150,7 +152,7 @@ class WeightEndpoints:
         name = expect(body.get("group_name", DEFAULT_GROUP), (str,), "group_name", "a string")
         backend = expect(body.get("backend", "nccl"), (str,), "backend", "a string")
         if backend not in BACKENDS:
-            return _reply(False, f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+            return _reply(False, f"backend must be one of {', '.join(BACKENDS)}, got {excerpt(backend)}")
         if backend == "nccl" and self.engine.device.type != "cuda":
             return _reply(
                 False, f"backend nccl needs a CUDA device; this server runs on {self.engine.device}: use backend gloo"
@@ -158,7 +160,7 @@ class WeightEndpoints:
         if not 0 < rank < world:
             return _reply(False, f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer)")
         if name in self.groups:
-            return _reply(False, f"group {name!r} already exists; destroy it first")
+            return _reply(False, f"group {excerpt(name)} already exists; destroy it first")
         try:
             group = await asyncio.to_thread(
                 open_group,
@@ -170,7 +172,9 @@ class WeightEndpoints:
                 group_name=name,
             )
         except Exception as e:
-            return _reply(False, f"Failed to init custom process group {name!r}: {type(e).__name__}: {e}")
+            return _reply(
+                False, f"Failed to init custom process group {excerpt(name)}: {type(e).__name__}: {clip(str(e))}"
+            )
         self.groups[name] = group
         log.info("joined weight update group %r as rank %d of %d (%s)", name, rank, world, backend)
         return _reply(True, "Succeeded to initialize custom process group.")
@@ -201,15 +205,15 @@ class WeightEndpoints:
             expect(version, (str,), "weight_version", "a string")
         fmt = body.get("load_format")
         if fmt not in (None, "flattened_bucket"):
-            return _reply(False, f"load_format {fmt!r} is not supported here (null or 'flattened_bucket')")
+            return _reply(False, f"load_format {excerpt(fmt)} is not supported here (null or 'flattened_bucket')")
         try:
             torch_dtypes = [parse_dtype(d) for d in dtypes]
             shapes = [[int(d) for d in expect(s, (list,), "shapes[i]", "a list of integers")] for s in shapes]
         except (ValueError, TypeError) as e:
-            return _reply(False, str(e))
+            return _reply(False, clip(str(e)))
         group = self.groups.get(name)
         if group is None:
-            return _reply(False, f"group {name!r} does not exist; call /init_weights_update_group first")
+            return _reply(False, f"group {excerpt(name)} does not exist; call /init_weights_update_group first")
         await self.server._abort_all_if(body, False)
         device = self.engine.device
 
@@ -233,7 +237,7 @@ class WeightEndpoints:
             except Exception as e:
                 return _reply(
                     False,
-                    f"Failed to receive the broadcast of group {name!r}: {type(e).__name__}: {e}. "
+                    f"Failed to receive the broadcast of group {excerpt(name)}: {type(e).__name__}: {clip(str(e))}. "
                     "The weights were not changed.",
                 )
             problems = self._check_named(names, tensors)
@@ -260,11 +264,13 @@ class WeightEndpoints:
     def _check_named(self, names: list[str], tensors: list[torch.Tensor]) -> list[str]:
         params = self._params()
         tied = self.engine.model.cfg.tie_word_embeddings
-        problems = []
+        problems: list[str] = []
         for n, t in zip(names, tensors):
+            if len(problems) >= MAX_PROBLEMS:  # names come from the request: a bounded report of them
+                break
             if n not in params:
                 if not (tied and n == "lm_head.weight"):  # a tied head is the embedding: SGLang skips it too
-                    problems.append(f"the model has no parameter {n!r}")
+                    problems.append(f"the model has no parameter {excerpt(n)}")
             elif tuple(t.shape) != tuple(params[n].shape):
                 problems.append(f"{n}: shape {tuple(t.shape)} != {tuple(params[n].shape)}")
         return problems
@@ -467,7 +473,7 @@ class WeightEndpoints:
                     f"{', '.join(bad[:20])}",
                 )
             return _reply(True, f"All {len(self.snapshot)} tensors equal the snapshot.")
-        return _reply(False, f"unknown action {action!r}; expected checksum, snapshot, reset_tensors or compare")
+        return _reply(False, f"unknown action {excerpt(action)}; expected checksum, snapshot, reset_tensors or compare")
 
 
 def add_routes(app: web.Application, server: Any) -> WeightEndpoints:
