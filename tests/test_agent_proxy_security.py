@@ -80,11 +80,16 @@ def test_guessed_and_closed_sessions_are_refused_even_with_the_key(proxy):
     assert not any(sid_ in p.sessions for sid_ in ("sample0", "sample1", "A", "traj-0"))
 
 
-def test_unknown_paths_answer_json(proxy):
-    p, _ = proxy
+def test_unknown_paths_and_huge_bodies_answer_json(proxy):
+    p, engine = proxy
     r = httpx.get(p.url + "/v1/models", headers=_key(p), timeout=60)
-    assert r.status_code in (404, 405) and r.json()["error"]["code"] == r.status_code
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = httpx.get(p.session_url(p.open_session()) + "/chat/completions", headers=_key(p), timeout=60)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
     _refused(httpx.get(p.url + "/anything", timeout=60), 401, "needs its key")  # the key comes first
+    huge = {**HI, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = _post(p, p.open_session(), huge, _key(p))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and engine.calls == []
 
 
 @pytest.mark.parametrize(
