@@ -47,28 +47,73 @@ class Case:
 # ------------------------------------------------------------------------------------------ decoding
 
 
-def decode(value: Any) -> Any:
-    """A reported value (JSON from the harness's tagged encoding) as builtin Python objects."""
+# The values a program reports are hostile: they are decoded within a budget, so that no report costs the trainer
+# more than linear work (the sandbox's output cap bounds the report's size). A set whose members all hash alike
+# (ints equal modulo 2**61 - 1 do) makes building it quadratic: ~9 s of CPU for 1 MiB; such a value is refused.
+MAX_DEPTH = 100  # nesting of containers, as the harness encodes (`_code_harness.py`)
+MAX_REPORT_NODES = 1_000_000  # decoded values (containers and their items) in one report, all probes together
+MAX_SAME_HASH = 8  # members of one set or frozenset, or keys of one dict, that share a hash value
+
+
+class OverBudget(ValueError):
+    """A reported value beyond the decoding budget: its probe counts as failed."""
+
+
+class Budget:
+    """What is left of one report's decoding budget."""
+
+    def __init__(self, nodes: int = MAX_REPORT_NODES) -> None:
+        self.nodes = nodes
+
+    def take(self, n: int) -> None:
+        self.nodes -= n
+        if self.nodes < 0:
+            raise OverBudget(f"the report holds more than {MAX_REPORT_NODES} values")
+
+
+def _hash_spread(items: list) -> list:
+    """`items`, after checking that at most MAX_SAME_HASH of them share a hash (TypeError: an unhashable one)."""
+    counts: dict[int, int] = {}  # keyed by hash values, which are distinct ints: no collisions here
+    for x in items:
+        h = hash(x)
+        counts[h] = counts.get(h, 0) + 1
+        if counts[h] > MAX_SAME_HASH:
+            raise OverBudget(f"more than {MAX_SAME_HASH} members of a set or dict hash alike")
+    return items
+
+
+def decode(value: Any, budget: Budget | None = None, depth: int = 0) -> Any:
+    """A reported value (JSON from the harness's tagged encoding) as builtin Python objects, within `budget`
+    (a fresh one when None) and MAX_DEPTH; raises ValueError (OverBudget for the budgets) or TypeError."""
+    budget = Budget() if budget is None else budget
+    budget.take(1)
+    if not isinstance(value, (list, dict)):
+        return value  # None, bool, int, float, str
+    if depth >= MAX_DEPTH:
+        raise OverBudget(f"the value nests deeper than {MAX_DEPTH} levels")
     if isinstance(value, list):
-        return [decode(v) for v in value]
-    if isinstance(value, dict):
-        if len(value) != 1:
-            raise ValueError("not a tagged value")
-        ((tag, items),) = value.items()
-        if tag == "bytes" and isinstance(items, str):
-            return bytes.fromhex(items)
-        if not isinstance(items, list):
-            raise ValueError(f"bad tagged value {tag!r}")
-        if tag == "tuple":
-            return tuple(decode(v) for v in items)
-        if tag == "set":
-            return {decode(v) for v in items}
-        if tag == "frozenset":
-            return frozenset(decode(v) for v in items)
-        if tag == "dict":
-            return {decode(k): decode(v) for k, v in items}
-        raise ValueError(f"unknown tag {tag!r}")
-    return value  # None, bool, int, float, str
+        return [decode(v, budget, depth + 1) for v in value]
+    if len(value) != 1:
+        raise ValueError("not a tagged value")
+    ((tag, items),) = value.items()
+    if tag == "bytes" and isinstance(items, str):
+        return bytes.fromhex(items)
+    if not isinstance(items, list):
+        raise ValueError(f"bad tagged value {tag!r}")
+    if tag == "tuple":
+        return tuple(decode(v, budget, depth + 1) for v in items)
+    if tag in ("set", "frozenset"):
+        members = _hash_spread([decode(v, budget, depth + 1) for v in items])
+        return set(members) if tag == "set" else frozenset(members)
+    if tag == "dict":
+        pairs = []
+        for pair in items:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise ValueError("bad dict item")
+            pairs.append((decode(pair[0], budget, depth + 1), decode(pair[1], budget, depth + 1)))
+        _hash_spread([k for k, _ in pairs])
+        return dict(pairs)
+    raise ValueError(f"unknown tag {tag!r}")
 
 
 # ------------------------------------------------------------------------ expected values (trusted side)
@@ -325,16 +370,31 @@ def call_case(fn_name: str, args: Any, want: Any) -> Case:
 
 
 def parse_report(stdout: str, count: int) -> dict[int, Any]:
-    """Probe index -> decoded value from the harness's report lines (first report per probe; errors and
-    unreadable lines are left out, so their checks fail)."""
+    """Probe index -> decoded value from the harness's report lines (first report per probe; errors, unreadable
+    lines and values beyond the report's decoding budget are left out, so their checks fail)."""
     values: dict[int, Any] = {}
+    budget = Budget()
     for line in stdout.splitlines():
         try:
             entry = json.loads(line)
             if not (isinstance(entry, dict) and type(entry.get("i")) is int and "value" in entry):
                 continue
             if 0 <= entry["i"] < count and entry["i"] not in values:
-                values[entry["i"]] = decode(entry["value"])
+                values[entry["i"]] = decode(entry["value"], budget)
         except (ValueError, TypeError, RecursionError):
             continue
     return values
+
+
+def count_passed(cases: list[Case], stdout: str, probes: int) -> int:
+    """Cases whose every check holds on the values the report gives (the trusted side of the verdict). CPU-bound
+    on hostile data, bounded by the budgets above: code_reward runs it on a worker thread under a timeout."""
+    values = parse_report(stdout, probes)
+    passed, k = 0, 0
+    for case in cases:
+        ok = bool(case.checks)
+        for check in case.checks:
+            ok = ok and k in values and check.verdict(values[k])
+            k += 1
+        passed += ok
+    return passed

@@ -16,23 +16,31 @@ Test cases come from `metadata["test_cases"]`, else the label (a JSON string is 
 Call-based and assert cases run in one sandboxed process (timeout = per-case timeout x number of cases) that
 evaluates only the program's side of each case and reports the values as plain data; the trainer compares them
 with the expected values, which never enter the sandbox, so neither the program's output nor its exit status is
-ever a verdict for these cases. An assert that cannot be split this way fails (closed) with a logged warning.
+ever a verdict for these cases. The reported values are decoded within a budget (code_checks.py: depth, number of
+values, members of a set that hash alike) and judged on a worker thread under the run's timeout, so a hostile
+report fails its own cases and costs the other samples nothing. An assert that cannot be split this way fails
+(closed) with a logged warning.
 reward = passed cases / all cases. A malformed test-case spec raises (the sample is marked failed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lichen.rewards.code_checks import Case, call_case, parse_report, split_assert
+from lichen.rewards.code_checks import Case, call_case, count_passed, split_assert
 from lichen.rewards.deepscaler import after_thinking
+from lichen.rewards.runner import in_daemon_thread
 from lichen.rewards.sandbox import SandboxConfig, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+logger = logging.getLogger(__name__)
 
 HARNESS = Path(__file__).with_name("_code_harness.py").read_text()
 
@@ -135,12 +143,13 @@ class CodeReward:
             files={"harness.py": HARNESS},
             argv=["harness.py"],
         )
-        values = parse_report(result.stdout, len(probes))
-        passed, k = 0, 0
-        for case in cases:
-            ok = bool(case.checks)
-            for check in case.checks:
-                ok = ok and k in values and check.verdict(values[k])
-                k += 1
-            passed += ok
-        return passed
+        # the values and verdicts are the program's data: off the event loop (other samples' sandboxes keep their
+        # timers) and under the same timeout as the run; a thread that overruns is abandoned, its result dropped
+        timeout = self.case_timeout_s * len(cases)
+        try:
+            return await asyncio.wait_for(in_daemon_thread(count_passed, cases, result.stdout, len(probes)), timeout)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "code reward: checking the values a program reported took over %gs; its cases count as failed", timeout
+            )
+            return 0

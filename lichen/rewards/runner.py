@@ -285,7 +285,7 @@ class _Interrupted(Exception):
 
 async def _call(fn: RewardFn, args: Any, payload: Any, is_async: bool) -> Any:
     try:
-        result = fn(args, payload) if is_async else await _in_daemon_thread(fn, args, payload)
+        result = fn(args, payload) if is_async else await in_daemon_thread(fn, args, payload)
         # a plain function may still hand back an awaitable (e.g. it returns a coroutine)
         if inspect.isawaitable(result):
             result = await result
@@ -355,7 +355,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_pool_after_fork)
 
 
-def _in_daemon_thread(fn: Callable[..., Any], *fn_args: Any) -> asyncio.Future:
+def in_daemon_thread(fn: Callable[..., Any], *fn_args: Any) -> asyncio.Future:
+    """A future of `fn(*fn_args)` run on a pooled daemon thread; cancelling the future abandons the call (its
+    late result is dropped)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
