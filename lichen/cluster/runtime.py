@@ -2,7 +2,7 @@
 
 - `--ray-address` / `$RAY_ADDRESS` (also what `ray job submit` sets): join that cluster;
 - otherwise start a new local Ray instance sized for the run (also where `ray start` runs a cluster on this host:
-  joining one takes an address). On a host without CUDA it declares as many GPUs as the
+  joining one takes an address), listening on loopback only (`loopback_only`). On a host without CUDA it declares as many GPUs as the
   layout has bundles: Ray then places and numbers them (and sets CUDA_VISIBLE_DEVICES) as on a GPU node, and CPU
   torch ignores the variable, so the same placement code runs on a laptop.
 
@@ -12,8 +12,10 @@ engine bundles) maps to a stable physical bundle.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from lichen.cluster.placement import BundleInfo, Layout, Placement, bundle_order, place
 from lichen.config.cluster_config import ClusterConfig
@@ -64,8 +66,10 @@ class RayCluster:
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
-                ray.init(**local_ray_options(self.placement.num_bundles, local_num_cpus))
+                with loopback_only():
+                    ray.init(**local_ray_options(self.placement.num_bundles, local_num_cpus))
                 self.started_ray = True
+                _check_loopback(ray.util.get_node_ip_address())
         self.driver_ip = ray.util.get_node_ip_address()
         self.pg, self.order = self._reserve()
 
@@ -124,6 +128,44 @@ class RayCluster:
             log.warning("removing the placement group: %s", e)
         if self.started_ray:
             ray.shutdown()
+
+
+# Ray's switch for its local-only mode (the default on macOS and Windows): the node's address is the loopback one,
+# and a node whose address is 127.0.0.1 has its GCS, raylet, workers, agents and metrics listen on loopback only
+# (measured with ray 2.60: every socket of the instance on 127.0.0.1 instead of ::/0.0.0.0). Ray reads the variable
+# when it is imported, so the driver's copy of the constant is switched too; the processes ray.init starts inherit
+# the variable.
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """Around the ray.init of a Ray instance lichen starts for this host: every Ray process listens on loopback."""
+    from ray._private import ray_constants
+
+    saved_env, saved_const = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            os.environ.pop(_LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[_LOCAL_ONLY_ENV] = saved_env
+
+
+def _check_loopback(node_ip: str) -> None:
+    """Say so loudly if a Ray version ignored the switch: its ports are then open to the network."""
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        log.warning(
+            "the Ray instance lichen started has node address %s, not loopback: its GCS, raylet and worker ports "
+            "listen beyond this host (this Ray version ignores %s=0); keep Ray's token authentication on "
+            "(docs/runtimes.md#network-exposure)",
+            node_ip,
+            _LOCAL_ONLY_ENV,
+        )
 
 
 def local_ray_options(num_bundles: int, num_cpus: int | None = None) -> dict:

@@ -8,6 +8,9 @@ of the ranks' gradients is the global batch's gradient, as one rank would comput
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -24,14 +27,33 @@ def default_backend(device: torch.device) -> str:
 def init_process_group(
     *, rank: int, world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float = 600.0
 ) -> None:
-    """Join the trainer's process group over TCP at master_addr:master_port (rank 0 hosts the store)."""
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    """Join the trainer's process group over TCP at master_addr:master_port (rank 0 hosts the store).
+
+    torch's own rendezvous (init_method="tcp://...") has rank 0's store listen on every interface whatever
+    master_addr says, and the store has no authentication; so rank 0 binds the listening socket to master_addr
+    itself and hands it to the store. With every rank on one host (master_addr loopback), gloo's sockets are put
+    on the loopback interface too (GLOO_SOCKET_IFNAME; a value the user set is kept), not the address the host
+    name resolves to. Across hosts gloo binds the host's own address, which the other ranks need.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    family, _, _, _, sockaddr = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
+    if backend == "gloo" and ipaddress.ip_address(sockaddr[0]).is_loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(max(world_size, 128))
+        listen_fd = sock.detach()  # the store owns (and closes) the descriptor
+    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout, master_listen_fd=listen_fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _loopback_interface() -> str:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), "lo"))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
