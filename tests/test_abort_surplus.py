@@ -22,7 +22,7 @@ def odd_prompts(args, group) -> bool:
 
 @pytest.fixture
 def engines(tmp_path):
-    env = {**write_fake_sglang(tmp_path), "FAKE_SGLANG_DELAY": "0.15"}
+    env = write_fake_sglang(tmp_path)
 
     launcher = SGLangLauncher(fake_sglang_command, 2, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
     with RemoteEngines(launcher.start(), launcher=launcher, concurrency=1) as eng:
@@ -59,16 +59,23 @@ def one_step(tiny_ckpt, addition_data, tmp_path, engines):
 def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(
     tiny_ckpt, addition_data, tmp_path, engines, monkeypatch
 ):
+    # Each engine takes one request at a time, in order (the router alternates them): the first 8 requests (round
+    # positions 0..3) are answered, every later one is held on its engine until lichen aborts, so the cut comes
+    # before the round is generated however slowly this process decides its groups.
+    for url in engines.urls:
+        assert call(url + "/test_hold", {"after": 4})[0] == 200
     groups, extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
     sent = sum(c["generate_requests"] for c in counts(engines))
     assert [c["aborts"] for c in counts(engines)] == [1, 1]
     # kept: round positions 1 and 3, decided in order; positions 4..7 were cut: of their 8 requests, the ones still
     # queued behind the one-request-per-engine cap were never sent
-    assert extra["rollout/dynamic_sampling_aborted_groups"] == 4 and sent < 16
+    assert extra["rollout/dynamic_sampling_aborted_groups"] == 4 and 10 <= sent < 16
     assert extra["rollout/dynamic_sampling_kept_groups"] == 2
     assert extra["rollout/dynamic_sampling_generated_groups"] == 4
 
     monkeypatch.setattr(generate_module, "can_abort", lambda cfg, engine: False)
+    for url in engines.urls:
+        assert call(url + "/test_hold", {"after": None})[0] == 200
     full, full_extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
     assert sum(c["generate_requests"] for c in counts(engines)) == sent + 16  # everything generated this time
     assert full_extra["rollout/dynamic_sampling_generated_groups"] == 8

@@ -3,7 +3,9 @@
 FAKE_LAUNCH_SERVER is a stdlib HTTP server that speaks the part of SGLang's protocol lichen drives, with a
 deterministic /generate (tokens are a function of the request's sampling_seed and input, so a re-sent request is
 recognisable) that holds each request FAKE_SGLANG_DELAY seconds; GET /server_info counts the /generate and
-/abort_request calls it received. Used by the SGLang launcher, fault-tolerance, abort and custom-generate tests.
+/abort_request calls it received. POST /test_hold {"after": N} makes it answer the next N /generate requests and
+hold every later one until an /abort_request arrives (then they, and any sent after it, answer "abort"), so tests
+of aborting do not depend on how fast the client decides; {"after": null} turns holding off. Used by the SGLang launcher, fault-tolerance, abort and custom-generate tests.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ opt = lambda name: argv[argv.index(name) + 1]
 print("ARGV " + json.dumps(argv), flush=True)
 with open(os.path.join(os.environ["FAKE_SGLANG_DIR"], "pid_%d" % os.getpid()), "w") as f:
     json.dump(argv, f)
-state = {"version": "default", "paused": False, "model": opt("--model-path"), "generate_requests": 0, "aborts": 0}
+state = {"version": "default", "paused": False, "model": opt("--model-path"), "generate_requests": 0, "aborts": 0,
+         "hold_after": None, "aborted": False}
 cond = threading.Condition()
 DELAY = float(os.environ.get("FAKE_SGLANG_DELAY", "0"))
 PATHS = {"/generate", "/health", "/health_generate", "/model_info", "/pause_generation", "/continue_generation",
@@ -46,6 +49,15 @@ class H(BaseHTTPRequestHandler):
     def gate(self):
         with cond:
             cond.wait_for(lambda: not state["paused"])
+    def held(self):
+        # True: this request was held until an abort (the bound only keeps a broken test from hanging)
+        with cond:
+            if state["hold_after"] is None:
+                return False
+            if state["hold_after"] > 0 and not state["aborted"]:
+                state["hold_after"] -= 1
+                return False
+            return cond.wait_for(lambda: state["aborted"], timeout=120)
     def do_OPTIONS(self):
         self.reply(200 if self.path in PATHS else 404)
     def do_GET(self):
@@ -66,10 +78,13 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/generate":
             state["generate_requests"] += 1
             self.gate()
-            time.sleep(DELAY)
+            aborted = self.held()
+            time.sleep(0 if aborted else DELAY)
             sp = body.get("sampling_params", {})
             out = tokens(int(sp.get("sampling_seed", 0)), body["input_ids"], int(sp.get("max_new_tokens", 4)))
-            meta = {"id": body.get("rid"), "finish_reason": {"type": "length", "length": len(out)},
+            out = [] if aborted else out
+            finish = {"type": "abort", "message": "aborted"} if aborted else {"type": "length", "length": len(out)}
+            meta = {"id": body.get("rid"), "finish_reason": finish,
                     "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(out),
                     "weight_version": state["version"], "output_token_logprobs": [[-0.5, t, None] for t in out]}
             return self.reply(200, {"output_ids": out, "meta_info": meta})
@@ -87,7 +102,15 @@ class H(BaseHTTPRequestHandler):
             state["version"], state["model"] = body["weight_version"], body["model_path"]
             return self.reply(200, {"success": True, "message": "ok"})
         if self.path == "/abort_request":
-            state["aborts"] += 1
+            with cond:
+                state["aborts"] += 1
+                state["aborted"] = state["hold_after"] is not None
+                cond.notify_all()
+            return self.reply(200)
+        if self.path == "/test_hold":
+            with cond:
+                state["hold_after"], state["aborted"] = body.get("after"), False
+                cond.notify_all()
             return self.reply(200)
         if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
             return self.reply(200)
