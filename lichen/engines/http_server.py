@@ -10,19 +10,29 @@ scheduler until `/continue_generation`; `/abort_request` still answers it at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from aiohttp import web
 
-from lichen import __version__
-from lichen.engines import openai_api, tensor_update, weight_endpoints
+from lichen.engines import info_endpoints, openai_api, tensor_update, weight_endpoints
 from lichen.engines.auth import key_for_path, request_has_key
 from lichen.engines.engine import Engine
-from lichen.engines.limits import Limits, Overloaded, free_memory_bytes, job_tokens, torch_itemsize
+from lichen.engines.limits import (
+    BodyRefused,
+    Limits,
+    Overloaded,
+    free_memory_bytes,
+    job_tokens,
+    longest_token_chars,
+    read_body,
+    torch_itemsize,
+)
 from lichen.engines.protocol import (
     Detok,
     Facts,
@@ -54,7 +64,7 @@ FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
     "requests, the operation will not be performed.)\n"
 )
-LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+T = TypeVar("T")
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -94,13 +104,21 @@ class LichenServer:
         self.health_timeout = health_timeout
         self.tool_parser = tool_parser  # lichen.engines.tool_parsers; None: requests with tools are refused
         self.architectures = architectures or []
+        ctx = context_length or cfg.max_position_embeddings
+        longest = longest_token_chars(tokenizer)
         self.facts = Facts(
             tokenizer,
             cfg.vocab_size,
-            context_length or cfg.max_position_embeddings,
+            ctx,
             list(engine.eos_token_ids),
             max_request_sequences=self.limits.max_request_sequences,
+            # a text of more characters than this has more tokens than the context holds (limits.longest_token_chars)
+            max_text_chars=None if longest is None else ctx * longest,
         )
+        # JSON decoding, templating and tokenizing of requests: off the event loop (which must keep answering
+        # /health and the control calls), in their own threads so weight updates never queue behind them
+        self._parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lichen-parse")
+        self.refused: Counter[str] = Counter()  # answered errors by HTTP status, for /metrics
         self.detok = Detok(tokenizer)
         self.scheduler = Scheduler(
             engine, max_running=max_running, on_events=self._on_events, stop_text=self.detok.stop_text
@@ -123,6 +141,13 @@ class LichenServer:
         if self.scheduler.alive():
             await self.abort_jobs(list(self.jobs.values()), "server is shutting down")
         await asyncio.to_thread(self.scheduler.stop)
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-heavy request parsing `fn(*args, **kwargs)` in the parse threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._parse_pool, functools.partial(fn, *args, **kwargs)
+        )
 
     # ---- jobs ---------------------------------------------------------------------------------------------
     def _on_events(self, progress: list, done: list) -> None:  # scheduler thread
@@ -230,25 +255,18 @@ class LichenServer:
 
     # ---- app ----------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        middlewares = [self._errors, self._auth, self._shield]
+        middlewares = [self._errors, self._auth, self._bounded_body, self._shield]
         if getattr(self.engine.model, "is_hf", False):  # the generic HF path refuses what it has not been tested with
             from lichen.engines.hf_serve import refuse_untested
 
             middlewares.append(refuse_untested)
-        app = web.Application(middlewares=middlewares, client_max_size=256 * 1024**2)
+        app = web.Application(middlewares=middlewares, client_max_size=self.limits.max_request_bytes)
         r = app.router
         for method in ("POST", "PUT"):
             r.add_route(method, "/generate", self.generate)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
-        for path in ("/model_info", "/get_model_info"):
-            r.add_get(path, self.model_info)
-        for path in ("/server_info", "/get_server_info"):
-            r.add_get(path, self.server_info)
-        for path in ("/get_weight_version", "/weight_version"):
-            r.add_get(path, self.weight_version_gone)
-        r.add_get("/v1/loads", self.loads)
-        r.add_get("/get_load", self.get_load)
+        info_endpoints.add_routes(app, self)  # /model_info, /get_server_info, /v1/loads, /ready, /metrics, ...
         for method in ("GET", "POST"):
             r.add_route(method, "/flush_cache", self.flush_cache)
             r.add_route(method, "/get_weights_by_name", self.get_weights_by_name)
@@ -285,13 +303,17 @@ class LichenServer:
         try:
             return await handler(request)
         except RequestError as e:
+            self.refused[str(e.status)] += 1
             resp = json_response(error_body(e.message, e.status, "object" if openai else e.shape), e.status)
             if isinstance(e, Overloaded):
                 resp.headers["Retry-After"] = "1"
+            if isinstance(e, BodyRefused):  # the rest of the body is not read: this connection cannot go on
+                resp.force_close()
             return resp
-        except web.HTTPException as e:  # 404, 405, 413 from aiohttp itself
+        except web.HTTPException as e:  # 404, 405 from aiohttp itself
             if e.status < 400:
                 raise
+            self.refused[str(e.status)] += 1
             return json_response(error_body(e.reason or str(e), e.status, "object"), e.status)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
@@ -307,6 +329,15 @@ class LichenServer:
         return await handler(request)
 
     @web.middleware
+    async def _bounded_body(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every body is read here, before its handler runs: refused (413) at once when its Content-Length is
+        over --max-request-bytes, cut off (413) when a body without one grows past it, and 408 when it is not
+        complete within --body-timeout; handlers then read the buffered bytes."""
+        if request.body_exists:
+            await read_body(request, self.limits)
+        return await handler(request)
+
+    @web.middleware
     async def _shield(self, request: web.Request, handler) -> web.StreamResponse:
         """A client that disconnects cancels its handler (handler_cancellation): generation is aborted then, as
         SGLang does; a control call (weights, pause, memory) always runs to its end."""
@@ -315,15 +346,15 @@ class LichenServer:
         return await asyncio.shield(handler(request))
 
     async def _body(self, request: web.Request, empty: Any = None) -> Any:
-        return loads(await request.read(), empty=empty)
+        return await self.offload(loads, await request.read(), empty=empty)
 
     async def _object(self, request: web.Request) -> dict:
         return expect(await self._body(request, empty={}), (dict,), "the request body", "a JSON object")
 
     # ---- generation ---------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        jobs, single, stream = parse_generate(body, self.facts)
+        raw = await request.read()
+        jobs, single, stream = await self.offload(lambda: parse_generate(loads(raw), self.facts))
         if stream:
             return await self._stream_generate(request, jobs, single)
         await self.run_jobs(jobs)
@@ -363,138 +394,6 @@ class LichenServer:
         except asyncio.TimeoutError:
             return web.Response(status=503)
         return web.Response(status=200 if abort_status(job) is None else 503)
-
-    # ---- information --------------------------------------------------------------------------------------
-    async def model_info(self, request: web.Request) -> web.Response:
-        cfg = self.engine.model.cfg
-        return json_response(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.engine.weight_version,
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": cfg.model_type,
-                "architectures": self.architectures,
-                "served_model_name": self.served_model_name,
-                "load_format": "auto",
-            }
-        )
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        eng, sch = self.engine, self.scheduler
-        ctx = self.facts.context_length
-        return json_response(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.tokenizer_path,
-                "served_model_name": self.served_model_name,
-                "host": self.host,
-                "port": self.port,
-                "tp_size": 1,
-                "dp_size": 1,
-                "pp_size": 1,
-                "ep_size": 1,
-                "disaggregation_mode": "null",
-                # releasing memory frees device memory only off the CPU (Engine.offload does nothing on CPU)
-                "enable_memory_saver": eng.device.type != "cpu",
-                "skip_tokenizer_init": False,
-                "weight_version": eng.weight_version,
-                "dtype": str(eng.dtype).replace("torch.", ""),
-                "device": str(eng.device),
-                "max_running_requests": sch.max_running,
-                "max_total_num_tokens": self.kv_capacity(),
-                "max_req_input_len": ctx - 1,
-                "context_length": ctx,
-                "startup_time": self.started,
-                "api_key_required": self.api_key is not None,
-                "max_sequences_per_request": self.limits.max_request_sequences,
-                "max_queued_sequences": self.limits.max_queued_sequences,
-                "max_queued_tokens": self.limits.max_queued_tokens,
-                "internal_states": [
-                    {
-                        "paused": self.paused,
-                        "released_memory": sorted(sch.released),
-                        "num_running_reqs": sch.num_running,
-                        "num_waiting_reqs": sch.num_waiting,
-                    }
-                ],
-                "version": f"lichen-{__version__}",
-                "kv_events": None,
-            }
-        )
-
-    async def weight_version_gone(self, request: web.Request) -> web.Response:
-        msg = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
-        return json_response(error_body(msg, 404, "object"), 404)
-
-    def _throughput(self) -> float:
-        now, tokens = time.monotonic(), self.scheduler.generated_tokens
-        then, before, rate = self._rate
-        if now - then >= 1.0:
-            rate = (tokens - before) / (now - then)
-            self._rate = (now, tokens, rate)
-        return rate
-
-    async def loads(self, request: web.Request) -> web.Response:
-        include = set(request.query.get("include", "all").split(","))
-        if not include <= LOAD_SECTIONS:
-            raise RequestError(
-                f"include: unknown section(s) {sorted(include - LOAD_SECTIONS)}; choose from {sorted(LOAD_SECTIONS)}",
-                shape="object",
-            )
-        if request.query.get("format", "json") != "json":
-            raise RequestError("format: lichen serve answers json only", shape="object")
-        sch = self.scheduler
-        used = sch.cache_tokens
-        total = self.kv_capacity()
-        now = datetime.now(timezone.utc).isoformat()
-        load = {
-            "timestamp": now,
-            "dp_rank": 0,
-            "num_running_reqs": sch.num_running,
-            "num_waiting_reqs": sch.num_waiting,
-            "num_waiting_uncached_tokens": sch.waiting_tokens,
-            "num_used_tokens": used,
-            "num_total_tokens": total,
-            "num_active_tokens": used,
-            "max_total_num_tokens": total,
-            "max_running_requests": sch.max_running,
-            "token_usage": used / total if total else 0.0,
-            "gen_throughput": self._throughput(),
-            "cache_hit_rate": 0.0,
-            "utilization": sch.num_running / sch.max_running,
-            "total_prefill_uncached_tokens": 0,
-            "total_prefill_busy_us": 0,
-            "decode_moments": None,
-        }
-        dev = self.engine.device
-        return json_response(
-            {
-                "timestamp": now,
-                "version": f"lichen-{__version__}",
-                "accelerator": None if dev.type == "cpu" else str(dev),
-                "num_accelerators": 0 if dev.type == "cpu" else 1,
-                "loads": [load],
-            }
-        )
-
-    async def get_load(self, request: web.Request) -> web.Response:
-        sch = self.scheduler
-        return json_response(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": sch.num_running + sch.num_waiting,
-                    "num_waiting_reqs": sch.num_waiting,
-                    "num_tokens": sch.cache_tokens,
-                    "num_pending_tokens": 0,
-                    "ts_tic": time.time(),
-                }
-            ]
-        )
 
     # ---- control ------------------------------------------------------------------------------------------
     def _flushable(self) -> bool:

@@ -40,14 +40,28 @@ def launch_server_args(cfg: Any) -> list[str]:
 def launch_limits(cfg: Any) -> list[str]:
     """Queue bounds for launched engines: the client keeps at most `cfg.concurrency` requests of one sequence
     each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and control
-    traffic; tokens: that many sequences of the run's longest prompt + response, when both are set."""
+    traffic; tokens: that many sequences of the run's longest prompt + response, and request bodies sized for one
+    such sequence (`request_bytes`), when both are set (else `lichen serve`'s defaults)."""
     from lichen.engines.serve import DEFAULT_MAX_QUEUED_SEQUENCES
 
     seqs = max(DEFAULT_MAX_QUEUED_SEQUENCES, 2 * int(cfg.concurrency))
     out = ["--max-queued-sequences", str(seqs)]
     if cfg.max_prompt_len and cfg.max_response_len:
-        out += ["--max-queued-tokens", str(seqs * (int(cfg.max_prompt_len) + int(cfg.max_response_len)))]
+        tokens = int(cfg.max_prompt_len) + int(cfg.max_response_len)
+        out += ["--max-queued-tokens", str(seqs * tokens)]
+        out += ["--max-request-bytes", str(request_bytes(tokens))]
     return out
+
+
+def request_bytes(tokens: int) -> int:
+    """The largest body a run's requests need: one sequence of `tokens` tokens (lichen's client sends the
+    prompt, or prompt + partial response, as input_ids: at most 9 bytes a token in JSON) or the same as chat
+    text (~4 bytes a token, up to 6 when JSON escapes it), with tools and settings around it. 64 bytes a token
+    covers all of these; never under 4 MiB, so eval, tool schemas and control calls have room."""
+    return max(MIN_REQUEST_BYTES, 64 * tokens)
+
+
+MIN_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def external_keys(cfg: Any) -> tuple[str | None, str | None]:

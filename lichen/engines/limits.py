@@ -7,7 +7,12 @@
   would pass either is answered 503 with a JSON error and `Retry-After: 1` (lichen's client backs off and
   retries); one that could never fit, even into an empty queue, is a 400;
 - sockets: a connection must deliver a request's complete headers within `header_timeout` seconds of its first
-  byte (or of connecting), else it is closed (aiohttp itself has no such timeout: slow clients held sockets).
+  byte (or of connecting), else it is closed (aiohttp itself has no such timeout: slow clients held sockets),
+  and its body within `body_timeout` seconds once the headers are in (408, closed);
+- bodies: at most `max_request_bytes`; a larger Content-Length is answered 413 before a byte of the body is
+  read, a chunked body is cut off (413) when it grows past it. Then, before any tokenizing, counts (prompts x n)
+  and lengths: a text longer than context_length x `longest_token_chars` characters cannot fit the context, so
+  it is refused without being tokenized (protocol.check_text).
 
 The defaults are `lichen serve`'s flags (lichen.engines.serve); `lichen train` sets the bounds of the engines it
 launches from its own flags (lichen.engines.launch_args.launch_server_args).
@@ -26,9 +31,11 @@ from aiohttp.web_protocol import RequestHandler
 
 from lichen.engines.protocol import RequestError
 from lichen.engines.serve import (
+    DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_QUEUED_SEQUENCES,
     DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_REQUEST_SEQUENCES,
 )
 
@@ -40,12 +47,19 @@ class Overloaded(RequestError):
         super().__init__(message, status=503)
 
 
+class BodyRefused(RequestError):
+    """A body over --max-request-bytes (413) or not complete within --body-timeout (408); the connection is
+    closed after the answer (the rest of the body was never read)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
     max_queued_sequences: int = DEFAULT_MAX_QUEUED_SEQUENCES
     max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     def admit(self, seqs: int, tokens: int, queued_seqs: int, queued_tokens: int) -> None:
         """Raise unless `seqs` sequences of `tokens` tokens fit beside what is queued."""
@@ -61,6 +75,49 @@ class Limits:
                 f"server busy: {queued_seqs} sequences ({queued_tokens} tokens) queued, the limit is "
                 f"{self.max_queued_sequences} sequences and {self.max_queued_tokens} tokens; retry later"
             )
+
+
+async def read_body(request: web.Request, limits: Limits) -> bytes:
+    """The request's body within `limits` (aiohttp keeps it: later `request.read()` calls return it)."""
+    cap = limits.max_request_bytes
+    if request.content_length is not None and request.content_length > cap:
+        raise BodyRefused(
+            f"the request body has {request.content_length} bytes, more than this server takes ({cap}: "
+            "lichen serve --max-request-bytes); send smaller requests (fewer prompts per request)",
+            status=413,
+            shape="object",
+        )
+    try:
+        return await asyncio.wait_for(request.read(), limits.body_timeout)
+    except asyncio.TimeoutError:
+        raise BodyRefused(
+            f"the request body was not complete within {limits.body_timeout:g} s (lichen serve --body-timeout)",
+            status=408,
+            shape="object",
+        ) from None
+    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past client_max_size
+        raise BodyRefused(
+            f"the request body is larger than this server takes ({cap} bytes: lichen serve --max-request-bytes)",
+            status=413,
+            shape="object",
+        ) from None
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of `tokenizer`'s vocabulary spells (None when it cannot say).
+
+    With byte-level BPE (llama 3, qwen) a vocabulary entry has one character per byte it covers, with SentencePiece
+    one per character (byte-fallback entries such as <0xE4> count more than the byte they cover): either way no
+    token covers more characters of the input than its entry has, so a text of more than
+    context_length x this many characters has more tokens than the context holds, and can be refused before it
+    is tokenized. (A normalizer that deletes input, as BERT's cleaning does, would break this; lichen serve's
+    models use none.)
+    """
+    try:
+        vocab = tokenizer.get_vocab()
+        return max((len(k) for k in vocab), default=0) or None
+    except Exception:  # a custom tokenizer without a vocabulary: only the body cap bounds its input
+        return None
 
 
 def job_tokens(job: Any) -> int:

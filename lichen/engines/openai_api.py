@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from aiohttp import web
 
@@ -25,6 +25,8 @@ from lichen.engines.protocol import (
     Sampling,
     abort_status,
     bool_field,
+    check_sequences,
+    check_text,
     error_body,
     expect,
     int_field,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from lichen.engines.http_server import LichenServer
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 # OpenAI / SGLang-extra request keys that map onto sampling_params (request key -> sampling key).
@@ -108,12 +111,19 @@ async def model_card(server: "LichenServer", request: web.Request) -> web.Respon
     return web.json_response(_card(server))
 
 
-async def _read(request: web.Request) -> dict:
+async def _read(server: "LichenServer", request: web.Request, prepare: Callable[["LichenServer", dict], T]) -> T:
+    """The body, decoded and turned into jobs by `prepare(server, body)` in the server's parse threads: JSON
+    decoding, chat templating and tokenizing never run on the event loop."""
     if request.content_type != "application/json":
         raise RequestError(
             f"Content-Type must be application/json, got {excerpt(request.content_type)}", shape="object"
         )
-    return expect(loads(await request.read()), (dict,), "the request body", "a JSON object")
+    raw = await request.read()
+
+    def parse() -> T:
+        return prepare(server, expect(loads(raw), (dict,), "the request body", "a JSON object"))
+
+    return await server.offload(parse)
 
 
 def request_sampling(body: dict, max_new: Any) -> Sampling:
@@ -124,9 +134,8 @@ def request_sampling(body: dict, max_new: Any) -> Sampling:
 
 
 def _jobs(
-    server: "LichenServer", prompts: list[list[int]], body: dict, max_new: Any, opts: OutputOptions, stream: bool
+    server: "LichenServer", prompts: list[list[int]], body: dict, sp: Sampling, opts: OutputOptions, stream: bool
 ) -> list[Job]:
-    sp = request_sampling(body, max_new)
     base = body.get("rid") or uuid.uuid4().hex
     expect(base, (str,), "rid", "a string")
     jobs = []
@@ -228,14 +237,18 @@ def _error_if_failed(jobs: list[Job]) -> web.Response | None:
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------------------
-def _prompts(server: "LichenServer", prompt: Any) -> tuple[list[list[int]], list[str]]:
-    tok = server.facts.tokenizer
+def _prompts(server: "LichenServer", prompt: Any, n: int) -> tuple[list[list[int]], list[str]]:
+    """Token ids and texts of `prompt`; its count (x n samples) and each text's length are checked first."""
+    tok, facts = server.facts.tokenizer, server.facts
     if isinstance(prompt, str):
-        return [list(tok.encode(prompt))], [prompt]
+        prompt = [prompt]
     expect(prompt, (list,), "prompt", "a string, a list of strings, a list of ints or a list of lists of ints")
     if not prompt:
         raise RequestError("prompt cannot be empty", shape="object")
+    check_sequences((len(prompt) if isinstance(prompt[0], (list, str)) else 1) * n, facts)
     if all(isinstance(p, str) for p in prompt):
+        for i, p in enumerate(prompt):
+            check_text(p, facts, f"prompt[{i}]")
         return [list(tok.encode(p)) for p in prompt], list(prompt)
     if isinstance(prompt[0], list):
         ids = [int_list(p, "prompt") for p in prompt]
@@ -264,20 +277,20 @@ def _completion_logprobs(server, job: Job, start: int, end: int, top: int, echo:
     }
 
 
-async def completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
-    body = await _read(request)
+def _prepare_completion(server: "LichenServer", body: dict) -> tuple:
     if "prompt" not in body:
         raise RequestError("prompt is required", shape="object")
-    prompts, prompt_texts = _prompts(server, body["prompt"])
+    max_new = int_field(body, "max_tokens", 16, "")
+    if max_new <= 0:  # SGLang's CompletionRequest validator: 0 would answer an empty completion
+        raise RequestError(f"max_tokens must be positive, got {max_new}", shape="object")
+    sp = request_sampling(body, max_new)
+    prompts, prompt_texts = _prompts(server, body["prompt"], sp.n)
     lp = body.get("logprobs")
     if lp is not None and (expect(lp, (int,), "logprobs", "an integer") < 0 or lp > 20):
         raise RequestError("logprobs must be between 0 and 20", shape="object")
     echo = bool_field(body, "echo", False, "")
     stream = bool_field(body, "stream", False, "")
     usage = _stream_options(body) if stream else False
-    max_new = int_field(body, "max_tokens", 16, "")
-    if max_new <= 0:  # SGLang's CompletionRequest validator: 0 would answer an empty completion
-        raise RequestError(f"max_tokens must be positive, got {max_new}", shape="object")
     opts = OutputOptions(
         return_logprob=lp is not None,
         logprob_start_len=0 if (echo and lp is not None) else -1,
@@ -285,7 +298,11 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
         skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
         no_stop_trim=bool_field(body, "no_stop_trim", False, ""),
     )
-    jobs = _jobs(server, prompts, body, max_new, opts, stream)
+    return prompts, prompt_texts, lp, echo, stream, usage, _jobs(server, prompts, body, sp, opts, stream)
+
+
+async def completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
+    prompts, prompt_texts, lp, echo, stream, usage, jobs = await _read(server, request, _prepare_completion)
     n = len(jobs) // len(prompts)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
 
@@ -392,6 +409,8 @@ def chat_messages(body: dict) -> list[dict]:
 
 def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -> list[int]:
     norm = chat_messages(body)
+    # the messages' text before the template renders it: templates render each message's content in full
+    check_text("".join(m["content"] for m in norm), server.facts, "messages (their content together)")
     if body.get("continue_final_message"):
         raise RequestError("continue_final_message is not supported by lichen serve", shape="object")
     tok = server.facts.tokenizer
@@ -450,10 +469,11 @@ def refuse_response_format(body: dict) -> None:
         )
 
 
-async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
-    body = await _read(request)
+def _prepare_chat(server: "LichenServer", body: dict) -> tuple:
     refuse_response_format(body)
     tools, parse = tool_mode(body, server.tool_parser, "--tool-call-parser")
+    sp = request_sampling(body, body.get("max_completion_tokens", body.get("max_tokens")))
+    check_sequences(sp.n, server.facts)
     ids = _render_chat(server, body, tools)
     want_lp = bool_field(body, "logprobs", False, "")
     top = int_field(body, "top_logprobs", 0, "")
@@ -461,14 +481,17 @@ async def chat_completions(server: "LichenServer", request: web.Request) -> web.
         raise RequestError("top_logprobs must be between 0 and 20", shape="object")
     stream = bool_field(body, "stream", False, "")
     usage = _stream_options(body) if stream else False
-    max_new = body.get("max_completion_tokens", body.get("max_tokens"))
     opts = OutputOptions(
         return_logprob=want_lp,
         top_logprobs_num=top if want_lp else 0,
         skip_special_tokens=bool_field(body, "skip_special_tokens", True, ""),
         no_stop_trim=bool_field(body, "no_stop_trim", False, ""),
     )
-    jobs = _jobs(server, [ids], body, max_new, opts, stream)
+    return ids, parse, want_lp, top, stream, usage, _jobs(server, [ids], body, sp, opts, stream)
+
+
+async def chat_completions(server: "LichenServer", request: web.Request) -> web.StreamResponse:
+    ids, parse, want_lp, top, stream, usage, jobs = await _read(server, request, _prepare_chat)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.served_model_name
     if stream:
         state = {j.index: _Delta() for j in jobs}

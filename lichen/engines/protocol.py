@@ -212,6 +212,29 @@ class Facts:
     context_length: int
     eos_ids: list[int]
     max_request_sequences: int | None = None  # most sequences (prompts x n) one request may ask for
+    max_text_chars: int | None = None  # longer texts cannot fit the context (lichen.engines.limits)
+
+
+def check_sequences(count: int, facts: Facts) -> None:
+    """Refuse a request of more than --max-sequences-per-request sequences, before anything is tokenized."""
+    cap = facts.max_request_sequences
+    if cap is not None and count > cap:
+        raise RequestError(
+            f"the request asks for more than {cap} sequences (prompts x n); this server takes at "
+            f"most {cap} per request (lichen serve --max-sequences-per-request); split it"
+        )
+
+
+def check_text(text: str, facts: Facts, where: str) -> None:
+    """Refuse a text too long to fit the context without tokenizing it (its token count is at least its length
+    divided by the longest token's)."""
+    most = facts.max_text_chars
+    if most is not None and len(text) > most:
+        raise RequestError(
+            f"{where} has {len(text)} characters: more than fit in the context of {facts.context_length} tokens "
+            f"(at most {most} characters); shorten the prompt",
+            shape="object",
+        )
 
 
 @dataclass
@@ -257,12 +280,7 @@ def check_ids(ids: list[int], facts: Facts, max_new: int | None, where: str) -> 
 def make_job(
     rid: str, index: int, ids: list[int], sp: Sampling, sample: int, opts: OutputOptions, facts: Facts, where: str
 ) -> Job:
-    cap = facts.max_request_sequences
-    if cap is not None and index >= cap:  # refused at the first job past the cap, before the rest are built
-        raise RequestError(
-            f"the request asks for more than {cap} sequences (prompts x n); this server takes at "
-            f"most {cap} per request (lichen serve --max-sequences-per-request); split it"
-        )
+    check_sequences(index + 1, facts)  # refused at the first job past the cap, before the rest are built
     max_new = check_ids(ids, facts, sp.max_new_tokens, where)
     if opts.logprob_start_len > len(ids):
         raise RequestError(
@@ -337,18 +355,13 @@ def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
             for t in text:
                 expect(t, (str,), "text", "a string or a list of strings")
             texts, batched = text, True
-        prompts = [list(facts.tokenizer.encode(t)) for t in texts]
+        B = len(texts)
     else:
         expect(input_ids, (list,), "input_ids", "a list of integers or a list of lists of integers")
         batched = bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = (
-            [int_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)]
-            if batched
-            else [int_list(input_ids, "input_ids")]
-        )
-    if batched and not prompts:
+        B = len(input_ids) if batched else 1
+    if batched and not B:
         raise RequestError("input_ids cannot be empty." if text is None else "text cannot be an empty list.")
-    B = len(prompts)
     sps = body.get("sampling_params")
     if isinstance(sps, list):
         if len(sps) != B:
@@ -359,6 +372,16 @@ def parse_generate(body: Any, facts: Facts) -> tuple[list[Job], bool, bool]:
     n = samplings[0].n
     if any(s.n != n for s in samplings):
         raise RequestError("every item of a sampling_params list must have the same n")
+    # counts and lengths before any tokenizing: a batch over the cap, or a text that cannot fit, costs nothing
+    check_sequences(B * n, facts)
+    if text is not None:
+        for i, t in enumerate(texts):
+            check_text(t, facts, f"text[{i}]" if batched else "text")
+        prompts = [list(facts.tokenizer.encode(t)) for t in texts]
+    elif batched:
+        prompts = [int_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)]
+    else:
+        prompts = [int_list(input_ids, "input_ids")]
     return_logprob = _per_prompt(body, "return_logprob", B, False)
     start_len = _per_prompt(body, "logprob_start_len", B, -1)
     top_num = _per_prompt(body, "top_logprobs_num", B, 0)

@@ -10,7 +10,7 @@ It binds 127.0.0.1 unless told otherwise; any other address requires a key (clie
 (SGLang's flag) but every local user can read it. Weight requests may only read the --model directory, the
 --weight-dir directories and the --local-checkpoint-dir, and /pull_weights only writes the latter (403 for any
 other path). Work is bounded: --max-sequences-per-request, --max-queued-sequences, --max-queued-tokens (503 when
-the queue is full), and --header-timeout for slow clients.
+the queue is full), --max-request-bytes (413), and --header-timeout / --body-timeout for slow clients.
 When it is ready it prints one line `lichen serve: ready at http://HOST:PORT ...` (with the real port when
 --port 0 picks a free one). SIGTERM / SIGINT abort what is running (callers get their partial output) and exit 0.
 """
@@ -40,6 +40,10 @@ DEFAULT_MAX_REQUEST_SEQUENCES = 2048
 DEFAULT_MAX_QUEUED_SEQUENCES = 4096
 DEFAULT_MAX_QUEUED_TOKENS = 4096 * 4096
 DEFAULT_HEADER_TIMEOUT = 20.0
+# Request bodies: lichen's client sends one prompt's input_ids per request (under 1 MB for a 64k context); 16 MiB
+# leaves room for batches and long chat histories while JSON decoding stays well under a second.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 60.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_HEADER_TIMEOUT,
         help="seconds a connection has to send a request's headers before it is closed "
         f"(default {DEFAULT_HEADER_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body in bytes; a larger one is answered 413 before it is read "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES}: 16 MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds a request's body may take to arrive after its headers; then 408 and the connection is "
+        f"closed (default {DEFAULT_BODY_TIMEOUT:g})",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, ... or auto (cuda when available)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and compute dtype (default float32)")
@@ -194,11 +212,13 @@ def check_args(args: argparse.Namespace) -> None:
         ("--max-sequences-per-request", args.max_sequences_per_request, 1),
         ("--max-queued-sequences", args.max_queued_sequences, 1),
         ("--max-queued-tokens", args.max_queued_tokens, 1),
+        ("--max-request-bytes", args.max_request_bytes, 1024),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
-    if not args.header_timeout > 0:
-        raise ConfigError(f"--header-timeout must be a positive number of seconds, got {args.header_timeout}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch_size < 1:
@@ -270,7 +290,12 @@ def load_server(args: argparse.Namespace):
     if timeout is None:
         timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
     limits = Limits(
-        args.max_sequences_per_request, args.max_queued_sequences, args.max_queued_tokens, args.header_timeout
+        args.max_sequences_per_request,
+        args.max_queued_sequences,
+        args.max_queued_tokens,
+        args.header_timeout,
+        args.max_request_bytes,
+        args.body_timeout,
     )
     dirs = WeightDirs(args.model, args.weight_dir, args.local_checkpoint_dir)
     return LichenServer(
