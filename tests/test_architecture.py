@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 LICHEN = REPO / "lichen"
 
 # Shared helpers: any part may import them; they import only `errors` (`observe` also `types`).
-SHARED = {"errors", "plugins", "aio", "torch_files", "observe", "devices", "key_files", "lichen"}
+SHARED = {"errors", "plugins", "aio", "torch_files", "observe", "devices", "key_files", "safe_files", "lichen"}
 ANYTHING = None
 # package -> the lichen packages it may import besides itself and SHARED (docs/architecture.md section 4)
 ALLOWED: dict[str, set[str] | None] = {
@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "torch_files": set(),
     "devices": set(),
     "key_files": set(),
+    "safe_files": set(),
     "observe": {"types"},
     "lichen": set(),
 }

@@ -42,6 +42,8 @@ from lichen.train.ckpt_integrity import (
     NO_MANIFEST,
     CheckpointDamaged,
     atomic_write_text,
+    open_inside,
+    read_inside,
     remove_manifest,
     remove_stale_temps,
     verify,
@@ -58,6 +60,7 @@ LORA_DIR = "lora"
 ROLLOUT_STATE = "rollout_state.json"
 STATE_FORMAT = 2  # 2: plain data only (weights_only=True); 1 (no "format" key) pickled numpy's RNG state
 _ITER = re.compile(r"^iter_(\d{7,})$")
+_MAX_LATEST_BYTES = 64  # a rollout id and a newline
 
 
 def iter_dir(save_dir: str, rollout_id: int) -> str:
@@ -145,17 +148,26 @@ def _checkpoint_ids(load_dir: str) -> list[int]:
     return sorted(i for i in ids if os.path.isdir(iter_dir(load_dir, i)))
 
 
+def _symlinked(load_dir: str, rollout_id: int) -> str | None:
+    """What is wrong with checkpoint `rollout_id` if its directory is a symlink (lichen never saves one: a link would
+    let a planted directory elsewhere, /proc/self for one, pass as a checkpoint of `load_dir`), else None."""
+    if os.path.islink(iter_dir(load_dir, rollout_id)):
+        return "a symlink, not a directory a save wrote; refused"
+    return None
+
+
 def _read_latest(load_dir: str) -> tuple[int | None, str | None]:
     """(the rollout id the `latest` file names, None) or (None, what is wrong with it); (None, None) if absent."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(os.path.join(load_dir, LATEST)):
         return None, None
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
+        # a regular file inside load_dir, at most a few digits: never a FIFO, /dev/zero or /proc file (ckpt_integrity)
+        text = read_inside(load_dir, LATEST, _MAX_LATEST_BYTES).decode("utf-8").strip()
         if not text.isdigit():
             raise ValueError(f"holds {text[:40]!r}, not a rollout id")
         return int(text), None
+    except CheckpointDamaged as e:
+        return None, str(e)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return None, f"{LATEST}: {e}"
 
@@ -178,6 +190,10 @@ def find_latest(load_dir: str) -> int | None:
         return None
     for rollout_id in reversed(ids):
         name = os.path.basename(iter_dir(load_dir, rollout_id))
+        link = _symlinked(load_dir, rollout_id)
+        if link:
+            problems.append(f"{name}: {link}")
+            continue
         try:
             verify(iter_dir(load_dir, rollout_id))
         except CheckpointDamaged as e:
@@ -290,9 +306,12 @@ def read_critic_state(directory: str) -> dict:
 
 
 def load_rollout_state(load_dir: str, rollout_id: int) -> dict:
-    path = os.path.join(iter_dir(load_dir, rollout_id), ROLLOUT_STATE)
+    d = iter_dir(load_dir, rollout_id)
+    path = os.path.join(d, ROLLOUT_STATE)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_inside(d, ROLLOUT_STATE) as f:  # regular, inside the checkpoint: its size bounds the read
             return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"checkpoint {path}: unreadable ({e})") from None
+    except CheckpointDamaged as e:
+        raise ConfigError(f"checkpoint {d}/{e}") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"checkpoint {path}: unreadable ({str(e)[:200]})") from None

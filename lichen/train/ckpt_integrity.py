@@ -7,6 +7,12 @@ checkpoint without it is unfinished — or was written by a lichen from before c
 listed file (size first, then digest), so truncation, a zeroed file and a single flipped bit are all caught
 before anything is loaded. Entries named `*.tmp-PID` / `*.old-PID` (an unfinished atomic write) are neither
 listed nor verified; `remove_stale_temps` deletes those whose owning process is gone.
+
+A checkpoint directory is untrusted input (it may come from elsewhere, or a local user may plant files in it), and
+lichen never saves a symlink or a special file into one. So every file read for a check is opened by
+`open_inside` (lichen.safe_files): only a regular file inside the directory, every link resolved; reads stop at
+the size the manifest (or a cap) allows. A planted link to a file outside cannot make a message reveal that file's size, and
+a FIFO, /dev/zero or /proc/self/pagemap cannot hang a load or fill its memory.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import json
 import os
 import re
 import shutil
+from typing import BinaryIO
 
 import xxhash
 
+from lichen import safe_files
 from lichen.errors import ConfigError
 
 MANIFEST = "checksums.json"
@@ -25,6 +33,7 @@ ALGORITHM = "xxh3_128"
 FORMAT = 1
 NO_MANIFEST = "missing: the save did not finish, or an older lichen (before checkpoint checksums) wrote it"
 _CHUNK = 8 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists a few hundred bytes per file; thousands of shards fit easily
 _TEMP_ENTRY = re.compile(r"\.(tmp|old)-(\d+)$")  # what atomic writes name their temp files and directories
 
 
@@ -43,6 +52,34 @@ def file_digest(path: str) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def open_inside(root: str, rel: str) -> BinaryIO:
+    """`root`/`rel` opened for reading if it is a regular file inside `root` (lichen.safe_files), else
+    CheckpointDamaged naming `rel`."""
+    try:
+        return safe_files.open_inside(root, rel)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointDamaged(rel, str(e)) from None
+
+
+def read_inside(root: str, rel: str, max_bytes: int) -> bytes:
+    """The contents of the regular file `root`/`rel`, at most `max_bytes` (lichen.safe_files), else
+    CheckpointDamaged naming `rel`."""
+    try:
+        return safe_files.read_inside(root, rel, max_bytes)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointDamaged(rel, str(e)) from None
+
+
+def _checked_digest(f: BinaryIO, size: int) -> str | None:
+    """The digest of `f`'s contents, None when it holds more than `size` bytes (never reads more than size + 1)."""
+    h = xxhash.xxh3_128()
+    left = size + 1
+    while left > 0 and (chunk := f.read(min(_CHUNK, left))):
+        h.update(chunk)
+        left -= len(chunk)
+    return h.hexdigest() if left > 0 else None
 
 
 def checkpoint_files(directory: str) -> list[str]:
@@ -100,14 +137,12 @@ def remove_manifest(directory: str) -> None:
 
 
 def _read_manifest(directory: str) -> dict:
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.lexists(os.path.join(directory, MANIFEST)):
         raise CheckpointDamaged(MANIFEST, NO_MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointDamaged(MANIFEST, f"unreadable ({e})") from None
+        manifest = json.loads(read_inside(directory, MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointDamaged(MANIFEST, f"unreadable ({str(e)[:200]})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if (manifest.get("algorithm") if isinstance(manifest, dict) else None) != ALGORITHM or not isinstance(files, dict):
         raise CheckpointDamaged(MANIFEST, f"not a lichen checksum manifest (expected format {FORMAT}, {ALGORITHM})")
@@ -131,13 +166,16 @@ def verify(directory: str, *, part: tuple[int, int] = (0, 1)) -> None:
     files = _read_manifest(directory)
     k, n = part
     for rel in sorted(files)[k::n]:
-        path = os.path.join(directory, rel)
-        if not os.path.isfile(path):
-            raise CheckpointDamaged(rel, "missing")
-        size = os.path.getsize(path)
-        if size != files[rel]["size"]:
-            raise CheckpointDamaged(rel, f"truncated or overwritten: {size} bytes, the save wrote {files[rel]['size']}")
-        if file_digest(path) != files[rel][ALGORITHM]:
+        with open_inside(directory, rel) as f:  # a regular file inside the checkpoint, or CheckpointDamaged
+            size = os.fstat(f.fileno()).st_size
+            if size != files[rel]["size"]:
+                raise CheckpointDamaged(
+                    rel, f"truncated or overwritten: {size} bytes, the save wrote {files[rel]['size']}"
+                )
+            digest = _checked_digest(f, size)
+        if digest is None:
+            raise CheckpointDamaged(rel, f"holds more than the {size} bytes its size says; refused")
+        if digest != files[rel][ALGORITHM]:
             raise CheckpointDamaged(rel, "checksum mismatch: its contents changed after the save (disk error or edit)")
     # The weight loader reads whatever index/shards it finds in hf/: a file added there would be loaded unchecked.
     extra = [rel for rel in checkpoint_files(directory) if rel.startswith("hf/") and rel not in files] if k == 0 else []

@@ -49,6 +49,7 @@ from lichen.train.ckpt_integrity import (
     atomic_write_text,
     checkpoint_files,
     file_entries,
+    read_inside,
     remove_manifest,
     verify,
     write_manifest,
@@ -275,10 +276,9 @@ class DistTrainer:
         ranks, after verifying its checksums; returns its rollout id."""
         if rollout_id is None:
             latest = os.path.join(ckpt_dir, LATEST)
-            try:
-                with open(latest) as f:
-                    rollout_id = int(f.read().strip())
-            except (OSError, ValueError) as e:
+            try:  # a regular file inside ckpt_dir, a few bytes: never a FIFO or /dev/zero (ckpt_integrity)
+                rollout_id = int(read_inside(ckpt_dir, LATEST, 64).decode("utf-8").strip())
+            except (OSError, ValueError, CheckpointDamaged) as e:
                 raise ConfigError(
                     f"{latest}: no readable checkpoint id ({e}); point --load at a directory that "
                     "a distributed run saved into"
