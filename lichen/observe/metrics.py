@@ -196,18 +196,21 @@ def read_metrics(path: str) -> list[dict]:
         path = os.path.join(path, METRICS_FILE)
     if not os.path.isfile(path):
         raise DataError(f"metrics file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
+    # errors="replace": a byte that is not UTF-8 (a damaged disk block) spoils its string, not the whole file
+    with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.read().split("\n")
     records: list[dict] = []
     for i, ln in enumerate(lines):
         if not ln.strip():
             continue
         try:
-            obj = json.loads(ln)
+            obj = json.loads(ln, parse_constant=lambda _: None)  # NaN / Infinity (not lichen's writing) as None
         except json.JSONDecodeError as e:
             if i == len(lines) - 1:  # no newline after it: the write was cut short
                 break
             raise DataError(f"{path} line {i + 1}: not valid JSON ({e.msg})") from e
+        except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
+            raise DataError(f"{path} line {i + 1}: unreadable JSON ({str(e)[:200]})") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path} line {i + 1}: expected a JSON object, got {type(obj).__name__}")
         records.append(obj)

@@ -158,6 +158,6 @@ def read_samples(output_dir: str) -> list[dict]:
         try:
             with gzip.open(os.path.join(folder, name), "rt", encoding="utf-8") as f:
                 out += [json.loads(line) for line in f if line.strip()]
-        except (OSError, EOFError, json.JSONDecodeError):
+        except (OSError, EOFError, ValueError, RecursionError):  # ValueError: bad JSON, bytes that are not UTF-8
             continue
     return out

@@ -13,8 +13,10 @@ from lichen.observe.metrics import METRICS_FILE, read_metrics
 from lichen.observe.sample_log import read_samples
 from lichen.observe.trace import TRACE_FILE
 from lichen.observe.watchdog import WATCHDOG_DIR
+from lichen.safe_files import UnsafeFile, read_inside
 
 _ITER = re.compile(r"^iter_(\d+)$")
+_LATEST = "latest_checkpointed_iteration.txt"  # lichen.train.checkpoint.LATEST (observe does not import train)
 TIMELINE_STEPS = 20  # the timeline shows the trace's last rollouts, so the page stays small for long runs
 
 
@@ -23,10 +25,9 @@ def _checkpoints(save_dir: str | None) -> list[dict]:
     if not save_dir or not os.path.isdir(save_dir):
         return []
     latest = None
-    try:
-        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
-            latest = int(f.read().strip())
-    except (OSError, ValueError):
+    try:  # read as a checkpoint load reads it: a regular file inside save_dir, a few bytes (never a FIFO)
+        latest = int(read_inside(save_dir, _LATEST, 64).decode("utf-8").strip())
+    except (OSError, ValueError, UnsafeFile):
         pass
     out = []
     for name in sorted(os.listdir(save_dir)):
@@ -36,11 +37,13 @@ def _checkpoints(save_dir: str | None) -> list[dict]:
             continue
         meta: dict = {}
         try:
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
+            meta = json.loads(read_inside(path, "meta.json", 1 << 20))
+        except (OSError, ValueError, RecursionError, UnsafeFile):
             pass
-        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+        if not isinstance(meta, dict):
+            meta = {}
+        # lstat: a planted link counts as itself, so the page never shows the size of a file outside the run
+        size = sum(os.lstat(os.path.join(root, f)).st_size for root, _, files in os.walk(path) for f in files)
         out.append(
             {
                 "name": name,
@@ -71,7 +74,7 @@ def _timeline(run_dir: str, last_steps: int = TIMELINE_STEPS) -> dict | None:
     try:
         with open(os.path.join(run_dir, TRACE_FILE), encoding="utf-8") as f:
             events = json.load(f)["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     slices = [e for e in events if e.get("ph") == "X"]
     steps = sorted({e.get("args", {}).get("rollout_id") for e in slices} - {None})
@@ -109,10 +112,12 @@ def collect(run_dir: str) -> dict[str, Any]:
         raise ConfigError(f"lichen report: {run_dir!r} holds no {METRICS_FILE}; give the --output-dir of a run")
     config: dict = {}
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8", errors="replace") as f:
             config = json.load(f)  # written with its secrets redacted (lichen.loop.prepare_output_dir)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
+    if not isinstance(config, dict):
+        config = {}
     return {
         "run_dir": os.path.abspath(run_dir),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
