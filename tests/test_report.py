@@ -121,15 +121,20 @@ def test_trace_has_one_slice_per_phase_per_step(run_dir):
     # the fields Perfetto's JSON importer reads for complete events, with their types
     for e in slices:
         assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
-        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
-        assert e["ts"] >= 0 and isinstance(e["args"], dict)
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] > 0
+        assert e["ts"] >= 0 and isinstance(e["args"], dict)  # microseconds since the run started
     assert {e["name"] for e in events if e["ph"] == "M"} == {"process_name", "thread_name"}
     per = {}
     for e in slices:
         per.setdefault((e["name"], e["args"].get("rollout_id")), []).append(e)
+    from lichen.observe import read_metrics
+
+    step_s = {m["step"]: m["time/step"] for m in read_metrics(run_dir) if m["step"] > 0}
     for rid in range(STEPS):
         for name in ("generate", "train", "sync"):
             assert len(per[(name, rid)]) == 1, (name, rid)
+            # each phase of a step takes time, and less than the step's wall time (metrics' step rid + 1)
+            assert 0 < per[(name, rid)][0]["dur"] < step_s[rid + 1] * 1e6, (name, rid)
         # the reward phase nests in generate (and, at eval steps, once more in eval)
         for outer in ("generate", "eval"):
             if (outer, rid) in per:

@@ -137,16 +137,17 @@ def test_mapped_flag_with_a_value_lichen_cannot_run_stops(base):
     assert NOT_YET in tables[0]
 
 
-def test_update_weights_interval_is_mapped_or_lichens_own(base):
-    """slime's --update-weights-interval: lichen's own flag once the async loop defines it, else only 1 maps."""
-    if "--update-weights-interval" in build_train_parser()._option_string_actions:
-        args, _ = parse(base + ["--update-weights-interval", "1", "--num-layers", "2"])
-        assert rows_of(args)["--update-weights-interval"].cls == SAME
-    else:
-        args, _ = parse(base + ["--update-weights-interval", "1"])
-        assert rows_of(args)["--update-weights-interval"].cls == MAPPED
-        message, _ = failure(base + ["--update-weights-interval", "2"])
-        assert "--update-weights-interval 2" in message
+def test_update_weights_interval_is_lichens_own_flag(base):
+    """slime's --update-weights-interval is lichen's own flag (the async loop's): it keeps its value, any N >= 1
+    runs with --async, and without it lichen's own check stops the run, not the slime table's "not yet"."""
+    assert "--update-weights-interval" in build_train_parser()._option_string_actions
+    async_run = ["--num-layers", "2", "--async", "--rollout-num-engines", "1"]
+    args, _ = parse(base + ["--update-weights-interval", "2", *async_run])
+    row = rows_of(args)["--update-weights-interval"]
+    assert (row.cls, row.values, args.update_weights_interval) == (SAME, ["2"], 2)
+    message, tables = failure(base + ["--update-weights-interval", "2", "--num-layers", "2"])
+    assert "--update-weights-interval 2 needs --async or --fully-async" in message
+    assert "same | --update-weights-interval 2 |" in tables[0] and NOT_YET not in tables[0]
 
 
 def test_checked_shape_mismatch_stops_naming_both_values(base):

@@ -75,7 +75,7 @@ def check_perfetto_fields(events: list[dict]) -> None:
         assert isinstance(e["pid"], int) and isinstance(e["tid"], int) and isinstance(e["args"], dict)
         if e["ph"] == "X":
             assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float))
-            assert e["ts"] >= 0 and e["dur"] >= 0
+            assert e["ts"] >= 0 and e["dur"] > 0  # microseconds since the run started; every phase took time
         else:
             assert e["name"] in ("process_name", "thread_name") and isinstance(e["args"]["name"], str)
 
