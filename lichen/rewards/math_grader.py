@@ -17,13 +17,17 @@ Step 3 is lichen's own: slime judges equivalence with Hendrycks' MATH normalisat
 (an unreduced fraction such as `2/4` for `1/2`, `50\\%` for `0.5`) can be judged differently there.
 
 math-verify bounds its own work with SIGALRM, which only the main thread may arm; on any other thread it runs
-without that bound (the reward runner's per-sample timeout still abandons the call). Without math-verify
-installed, steps a and b alone decide.
+without that bound (the reward runner's per-sample timeout still abandons the call). math-verify warns about that
+("Timeout is disabled as parsing_timeout is None…", once from its parser and once from its grader per process);
+lichen drops exactly those two lines (`_TimeoutDisabledFilter`), since the bound it asks for is the runner's and
+nothing is left for the user to do; math-verify's other messages pass. Without math-verify installed, steps a and
+b alone decide.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any
 
@@ -34,6 +38,17 @@ MATH_VERIFY_TIMEOUT_S = 5
 
 _mv: Any = None  # the math_verify module once imported; False when it is not installed
 
+# the loggers that warn when math-verify runs without its SIGALRM timeout (math-verify 0.9: parse and verify)
+_TIMEOUT_WARNING_LOGGERS = ("math_verify.parser", "math_verify.grader")
+
+
+class _TimeoutDisabledFilter(logging.Filter):
+    """Drops math-verify's "Timeout is disabled as … is None or <= 0" warning: lichen passes no timeout off the
+    main thread on purpose (SIGALRM is main-thread only) and bounds each call with --reward-timeout instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled as ")
+
 
 def _math_verify() -> Any:
     global _mv
@@ -43,6 +58,10 @@ def _math_verify() -> Any:
         except ImportError:  # a declared dependency; the basic checks still work without it
             _mv = False
         else:
+            for name in _TIMEOUT_WARNING_LOGGERS:
+                logger = logging.getLogger(name)
+                if not any(isinstance(f, _TimeoutDisabledFilter) for f in logger.filters):
+                    logger.addFilter(_TimeoutDisabledFilter())
             _mv = math_verify
     return _mv
 
