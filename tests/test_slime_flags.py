@@ -250,7 +250,7 @@ def test_megatron_names_get_no_misleading_hint(base):
         "--train-iters",
         "--router-ip",
         "--lr-warmup-init",
-        "--apply-layernorm-1p",
+        "--use-cpu-initialization",
     ],
 )
 def test_megatron_names_outside_the_table_get_no_unrelated_hint(base, flag):

@@ -36,6 +36,23 @@ def _rope_theta(c: dict) -> Any:
     return (c.get("rope_parameters") or {}).get("rope_theta")
 
 
+def _rope_scaling(key: str) -> Callable[[dict], Any]:
+    """A field of config.json's rope scaling (`rope_scaling`, or `rope_parameters` in newer transformers)."""
+
+    def read(c: dict) -> Any:
+        scaling = c.get("rope_scaling") or c.get("rope_parameters") or {}
+        return scaling.get(key) if isinstance(scaling, dict) else None
+
+    return read
+
+
+def _uses_rope_scaling(c: dict) -> Any:
+    scaling = c.get("rope_scaling") or c.get("rope_parameters")
+    if not isinstance(scaling, dict):
+        return False if "rope_scaling" in c else None
+    return scaling.get("rope_type", scaling.get("type", "default")) != "default"
+
+
 _ROUTED_EXPERTS = "n_routed_experts"
 _LOCAL_EXPERTS = "num_local_experts"
 # flag -> (default field, {model_type: field}); every one of these defines a weight shape.
@@ -84,7 +101,19 @@ WARN_FIELDS: dict[str, tuple[Field, dict[str, Field]]] = {
         ("not tie_word_embeddings", lambda c: not c.get("tie_word_embeddings", False)),
         {},
     ),
+    "--moe-router-group-topk": ("topk_group", {}),
+    "--moe-router-num-groups": ("n_group", {}),
+    "--use-rope-scaling": (("rope_scaling (a scaled rope type)", _uses_rope_scaling), {}),
+    "--rope-scaling-factor": (("rope_scaling.factor", _rope_scaling("factor")), {}),
+    "--rotary-scaling-factor": (("rope_scaling.factor", _rope_scaling("factor")), {}),
+    "--mscale": (("rope_scaling.mscale", _rope_scaling("mscale")), {}),
+    "--mscale-all-dim": (("rope_scaling.mscale_all_dim", _rope_scaling("mscale_all_dim")), {}),
+    "--activation-func-clamp-value": ("swiglu_limit", {}),
+    # Megatron's "W,0" is (left window, right window); config.json holds the left one
+    "--window-size": ("sliding_window", {}),
 }
+# a flag whose value is spelled differently from the config.json field: the part that is compared
+_FLAG_VALUE: dict[str, Callable[[str], str]] = {"--window-size": lambda v: v.split(",")[0].strip("() ")}
 
 
 def _field_value(spec: Field, config: dict) -> tuple[str, Any]:
@@ -116,6 +145,8 @@ def check_flag(flag: str, values: list[str], config: dict, hf_dir: str) -> tuple
     name, hf_value = _field_value(per_type.get(model_type, default), config)
     where = f"{hf_dir}/config.json {name}"
     given: Any = values[0] if values else True  # an on/off flag given means true
+    if values and flag in _FLAG_VALUE:
+        given = _FLAG_VALUE[flag](values[0])
     if hf_value is None:
         return f"warning: {where} has no such field for model_type {model_type!r}; not compared", False
     if _same(given, hf_value):

@@ -248,9 +248,10 @@ def check(args: argparse.Namespace) -> None:
             "--rollout-max-batch-size sets the batch of the in-process engine and of launched servers; external "
             "servers keep their own (lichen serve --max-batch-size, SGLang --max-running-requests): drop it"
         )
+    _resolve_slime_paths(args)
     if args.rm_type is not None and args.custom_rm_path is not None:
         raise ConfigError("--rm-type and --custom-rm-path exclude each other: give exactly one reward")
-    if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
+    if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only and not is_sft(args):
         raise ConfigError(
             "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path module.function"
         )
@@ -352,3 +353,28 @@ def _check_fault_tolerance(args: argparse.Namespace) -> None:
         if getattr(args, dest) is None:
             setattr(args, dest, default)
         check_float(args, dest, low=0.0, low_open=positive)
+
+
+SFT_ROLLOUT = "lichen.rollout.sft.generate_rollout"
+
+
+def is_sft(args: argparse.Namespace) -> bool:
+    """Supervised training: the SFT rollout (its responses come from the data, nothing is scored) or the SFT loss
+    (rewards are not used), so no reward is needed."""
+    return args.rollout_function_path == SFT_ROLLOUT or getattr(args, "loss_type", None) == "sft_loss"
+
+
+def _resolve_slime_paths(args: argparse.Namespace) -> None:
+    """slime's own dotted paths (lichen.plugins.SLIME_ALIASES) become lichen's; one that names what lichen does
+    without a plug-in (its reward hub's entry points, its default generate) is dropped."""
+    from lichen.plugins import resolve_path, slime_alias
+
+    for dest in ("custom_rm_path", "rollout_function_path", "eval_function_path", "custom_generate_function_path"):
+        value = getattr(args, dest)
+        alias = slime_alias(value) if value is not None else None
+        if alias is not None and alias.target is None:
+            setattr(args, dest, None)
+            if dest == "custom_rm_path":
+                args.group_rm = False  # batched_async_rm scores each sample of the group with the hub
+        elif value is not None:
+            setattr(args, dest, resolve_path(value))

@@ -24,6 +24,7 @@ from lichen.config.slime_flags import (
     CLASSES,
     DEFAULT_DIFFERS,
     DIFFERS_CLASS,
+    ENTRY_POINTS,
     HINT_CUTOFF,
     MAPPED,
     NOT_YET,
@@ -38,6 +39,7 @@ from lichen.config.slime_flags import (
     differs_note,
 )
 from lichen.observe.secrets import is_secret_name
+from lichen.plugins import slime_alias
 
 SGLANG_PREFIX = "--sglang-"
 _QUIET = {"--dry-run", "--config"}
@@ -119,6 +121,7 @@ def scan(argv: list[str], known_flags: set[str], extra_rows: list[Row] | None = 
         else:
             out.kept += _foreign(name, values, known_flags, out)
         i = j
+    _slime_sft(out)
     if local:
         out.kept += _slime_engines(out)
     if out.slime:  # a slime script that leaves a flag out gets lichen's default: say where it is not slime's
@@ -186,7 +189,11 @@ def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan,
             Row(name, values, MAPPED, f"{name} {lichen_value}", f"slime's {values[0]} is lichen's {lichen_value}")
         )
         return [f"{name}={lichen_value}"] if eq else [name, lichen_value] + values[1:]
-    if name.startswith(SGLANG_PREFIX):
+    alias = slime_alias(values[0]) if name in PLUGIN_PATH_FLAGS and values else None
+    if alias is not None:
+        lichen = f"{name} {alias.target}" if alias.target else f"{name} left out"
+        out.rows.append(Row(name, values, MAPPED, lichen, f"slime's function; lichen's: {alias.instead}"))
+    elif name.startswith(SGLANG_PREFIX):
         out.rows.append(Row(name, values, SAME, "passed to the SGLang servers lichen launches", ""))
     elif name not in _QUIET:
         note = differs_note(name, values, local=local)
@@ -196,19 +203,15 @@ def _lichen_tokens(name: str, token: str, values: list[str], eq: str, out: Scan,
 
 def _foreign(name: str, values: list[str], known_flags: set[str], out: Scan) -> list[str]:
     """Row for a flag lichen does not define; returns the lichen tokens it maps to."""
-    rule = RAY_PLACEMENT_LOCAL if name in RAY_PLACEMENT else SLIME_FLAGS.get(name)
-    removed = removed_message(name)
-    if removed is not None:
-        out.rows.append(Row(name, values, REMOVED, "drop it", removed))
-        return []
-    if rule is None:
+    rule = classify(name, set())
+    if rule.cls == UNKNOWN:
         close = difflib.get_close_matches(name, sorted(known_flags), n=1, cutoff=HINT_CUTOFF)
         hint = f"; did you mean {close[0]}?" if close else "; see lichen train --help"
         out.rows.append(Row(name, values, UNKNOWN, "", f"unrecognized argument {name}{hint}"))
         return []
     row = Row(name, values, rule.cls, rule.lichen, rule.reason)
     out.rows.append(row)
-    return _map(row, rule, out)
+    return [] if rule.cls == REMOVED else _map(row, rule, out)
 
 
 def _map(row: Row, rule: FlagRule, out: Scan) -> list[str]:
@@ -222,11 +225,53 @@ def _map(row: Row, rule: FlagRule, out: Scan) -> list[str]:
         _not_yet(row, f"--optimizer {value}: lichen's optimizer is AdamW; use adam")
     elif row.flag == "--wandb-exp-name" and value:
         return ["--wandb-run-name", value]
-    elif row.flag == "--update-weights-interval" and value != "1":
-        _not_yet(row, f"--update-weights-interval {value}: lichen syncs after every rollout step; use 1")
     elif row.flag == "--lr-warmup-fraction" and _number(value) is None:
         _not_yet(row, f"--lr-warmup-fraction {value!r}: expected a number in [0, 1]")
+    elif row.flag == "--ci-test":
+        return ["--check-weight-update-equal"]
+    elif row.flag == "--opd-type" and value != "megatron":
+        _not_yet(row, f"--opd-type {value}: a teacher served by SGLang engines is not available yet; use megatron")
     return []
+
+
+# lichen flags that take a dotted plug-in path; slime's own paths there are aliased (lichen.plugins.SLIME_ALIASES)
+PLUGIN_PATH_FLAGS = (
+    "--rollout-function-path",
+    "--eval-function-path",
+    "--custom-rm-path",
+    "--custom-generate-function-path",
+    "--dynamic-sampling-filter-path",
+)
+_SFT_ROLLOUT = "lichen.rollout.sft.generate_rollout"
+
+
+def _slime_sft(out: Scan) -> None:
+    """slime's --debug-train-only means "no rollout engines": training on replayed dumps, or (its SFT script) on
+    what a rollout function that generates nothing returns. lichen's flag is the first only; for the second the
+    flag is dropped, since lichen's SFT rollout uses no engine output. train_async.py overlaps nothing there
+    (the SFT rollout only reads data), so it runs the synchronous loop with the same steps."""
+    skip = _row_of(out, "--disable-compute-advantages-and-returns")
+    if skip is not None and (out.values("--loss-type") or ["policy_loss"])[0] == "policy_loss":
+        _not_yet(skip, "skipping advantages with --loss-type policy_loss is not built (sft_loss / custom_loss do)")
+    row = _row_of(out, "--debug-train-only")
+    path = (out.values("--rollout-function-path") or [""])[0]
+    alias = slime_alias(path)
+    sft = (alias.target if alias is not None else path) == _SFT_ROLLOUT
+    if row is not None and out.values("--load-debug-rollout-data") is not None:
+        row.cls, row.note = SAME, ""  # replaying dumps: slime's meaning
+    elif row is not None and sft:
+        row.cls, row.lichen = MAPPED, "left out: the SFT rollout generates nothing"
+        row.note = "slime: training only, no SGLang engines; lichen's SFT rollout reads the data the same way"
+        out.kept.remove("--debug-train-only")
+    entry = _row_of(out, "train_async.py")
+    if sft and entry is not None and "--async" in out.kept:
+        out.kept.remove("--async")
+        out.rows = [r for r in out.rows if r.flag != "--async"]
+        entry.cls, entry.lichen = MAPPED, "lichen train (synchronous)"
+        entry.note = (
+            "the SFT rollout only reads data, so there is no generation to overlap: the synchronous loop gives the "
+            f"same steps ({ENTRY_POINTS['train_async.py'].lichen} needs engines)"
+        )
 
 
 def _not_yet(row: Row, why: str) -> None:
@@ -256,6 +301,29 @@ def finish(out: Scan, args: argparse.Namespace) -> None:
 
 def _row(out: Scan, flag: str) -> Row:
     return next(r for r in out.rows if r.flag == flag)
+
+
+def _row_of(out: Scan, flag: str) -> Row | None:
+    return next((r for r in out.rows if r.flag == flag), None)
+
+
+SAME_REASON = "lichen's flag of slime's name and meaning"
+
+
+def classify(flag: str, known_flags: set[str], *, local: bool = True) -> FlagRule:
+    """The class of one flag by its name alone, with the reason: the row `scan` gives it before its values are
+    looked at (a value can still turn a row into "not available yet", e.g. `--optimizer sgd`)."""
+    if local and flag in RAY_PLACEMENT:
+        return RAY_PLACEMENT_LOCAL
+    if flag in known_flags:
+        note = differs_note(flag, [], local=local)
+        return FlagRule(DIFFERS_CLASS, flag, note) if note else FlagRule(SAME, flag, SAME_REASON)
+    if flag.startswith(SGLANG_PREFIX):
+        return FlagRule(SAME, "passed to the SGLang servers lichen launches", "SGLang's own server flag")
+    removed = removed_message(flag)
+    if removed is not None:
+        return FlagRule(REMOVED, "drop it", removed)
+    return SLIME_FLAGS.get(flag) or FlagRule(UNKNOWN, "", f"unrecognized argument {flag}")
 
 
 def _check_model(out: Scan, args: argparse.Namespace) -> None:

@@ -8,35 +8,23 @@ keep slime's name but differ in meaning or default are listed in `DIFFERS`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-SAME = "same"
-DIFFERS_CLASS = "differs"
-MAPPED = "mapped"
-CHECKED = "checked"
-NA_SHARDING = "not applicable (FSDP2 sharding)"
-NA_NO_EFFECT = "not applicable (no effect on results)"
-NOT_YET = "not available yet"
-REMOVED = "removed"
-UNKNOWN = "unknown"
-# The classes in the order the table prints them; the last three stop the run (exit code 2). "differs": lichen's
-# flag of slime's name whose default or meaning is not slime's (the note says how; DIFFERS / VALUE_DIFFERS).
-CLASSES = (SAME, DIFFERS_CLASS, MAPPED, CHECKED, NA_SHARDING, NA_NO_EFFECT, NOT_YET, REMOVED, UNKNOWN)
-BLOCKING = (NOT_YET, REMOVED, UNKNOWN)
-
-
-@dataclass(frozen=True)
-class FlagRule:
-    """One slime/Megatron flag: its class, what lichen does instead, and why."""
-
-    cls: str
-    lichen: str
-    reason: str
-
-
-def _rules(cls: str, lichen: str, reason: str, *flags: str) -> dict[str, FlagRule]:
-    return {flag: FlagRule(cls, lichen, reason) for flag in flags}
-
+# the classes live in slime_flags_data (shared with slime_parser_flags); importers read them from here too
+from lichen.config.slime_flags_data import (  # noqa: F401
+    BLOCKING,
+    CHECKED,
+    CLASSES,
+    DIFFERS_CLASS,
+    MAPPED,
+    NA_NO_EFFECT,
+    NA_SHARDING,
+    NOT_YET,
+    REMOVED,
+    SAME,
+    UNKNOWN,
+    FlagRule,
+)
+from lichen.config.slime_flags_data import rules as _rules
+from lichen.config.slime_parser_flags import SLIME_PARSER_FLAGS
 
 _SHARDING_INSTEAD = "FSDP2 over all trainer ranks (one rank in the local runtime)"
 _SHAPE = "memory layout only: lichen shards with FSDP2, the numbers do not change"
@@ -86,9 +74,33 @@ CHECKED_FLAGS = (
     "--moe-router-bias-update-rate",
     "--moe-router-load-balancing-type",
     "--init-method-std",
+    # compared with a config.json field where one exists (megatron_model.WARN_FIELDS): rope scaling (llama3 /
+    # yarn), DeepSeek's grouped routing, gpt-oss's sliding window and SwiGLU clamp
+    "--moe-router-group-topk",
+    "--moe-router-num-groups",
+    "--use-rope-scaling",
+    "--rope-scaling-factor",
+    "--rotary-scaling-factor",
+    "--mscale",
+    "--mscale-all-dim",
+    "--activation-func-clamp-value",
+    "--window-size",
+    # described by config.json's model_type (its HF module implements them): gpt-oss's learnable softmax
+    # (attention sinks), quick GeGLU with its +1 offset and every-other-layer windows; qwen3-next's gated
+    # attention; Megatron's 1+w layer norm, a model without position embeddings, qwen2-moe's shared-expert gate
+    "--softmax-type",
+    "--quick-geglu",
+    "--glu-linear-offset",
+    "--window-attn-skip-freq",
+    "--attention-output-gate",
+    "--use-gated-attention",
+    "--apply-layernorm-1p",
+    "--no-position-embedding",
+    "--moe-shared-expert-gate",
 )
 
 SLIME_FLAGS: dict[str, FlagRule] = {
+    **SLIME_PARSER_FLAGS,
     **_rules(
         CHECKED,
         "config.json of --hf-checkpoint",
@@ -235,12 +247,6 @@ SLIME_FLAGS: dict[str, FlagRule] = {
         "--balance-data",
     ),
     **_rules(
-        MAPPED,
-        "weights sync after every rollout step (only 1 is accepted)",
-        "slime syncs every N rollouts",
-        "--update-weights-interval",
-    ),
-    **_rules(
         NOT_YET,
         "--offload-train (optimizer state leaves the device between steps)",
         "Megatron's CPU optimizer step is not built",
@@ -318,6 +324,9 @@ DIFFERS: dict[str, str] = {
     "pooled over all MoE layers, ~top-k when balanced; Megatron sums per-layer losses normalised by top-k, ~1 per "
     "layer), on the HF path, for MoE types whose module defines one; ignored with a warning elsewhere "
     "(docs/models.md#moe)",
+    "--debug-train-only": "lichen: training on replayed rollout dumps only, which needs --load-debug-rollout-data "
+    "(then it is slime's meaning); slime also trains without engines from a rollout function that generates nothing "
+    "(its SFT script: with slime's SFT rollout the flag is left out, lichen's SFT rollout generates nothing)",
     "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
     "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }
