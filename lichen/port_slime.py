@@ -1,7 +1,9 @@
 """`lichen port-slime SCRIPT.sh`: a slime launch script -> a lichen YAML config, the flag table, and a dry run.
 
-The script is read, not run (lichen.config.slime_script): its train.py flags, after bash expansion, are
-classified (lichen.config.slime_compat). The YAML holds lichen's flags only: slime's own flags with lichen's
+The script is evaluated, not run (lichen.config.slime_script, lichen.config.bash_eval): its train.py flags, as bash
+would pass them for this environment and `--assume NAME=VALUE`, are classified (lichen.config.slime_compat); what
+cannot be evaluated is listed, one line per cause, and stops the conversion (exit 2). slime always runs train.py as
+a Ray job, so the config is `--runtime ray` with slime's placement (`--runtime local` on request). The YAML holds lichen's flags only: slime's own flags with lichen's
 spelling, the tokens a mapped flag stands for, and the Ray runtime env vars as `train-env-vars`; every flag left
 out is in the table, written as comments at the top of the file, so nothing is dropped silently. Then the same
 flags are dry-run in this process (`lichen train --dry-run`, the Megatron model flags compared with config.json),
@@ -18,11 +20,12 @@ import sys
 import yaml
 
 from lichen.config import build_train_parser, parse_train_args, slime_compat
+from lichen.config.bash_values import Assumptions
 from lichen.config.parser import option_actions
 from lichen.config.slime_flags import ENTRY_POINTS, MAPPED
-from lichen.config.slime_script import SlimeCommand, read_script
+from lichen.config.slime_script import ScriptNotEvaluated, SlimeCommand, read_script
 from lichen.errors import ConfigError
-from lichen.observe.secrets import is_secret_name
+from lichen.observe.secrets import is_secret_name, redact_text
 
 # slime's train_async.py is lichen train with this flag (ENTRY_POINTS' row says so)
 ASYNC_FLAG = "--async"
@@ -43,19 +46,43 @@ def main(argv: list[str]) -> int:
         help="where the config goes (default: SCRIPT's name with .yaml, in the current directory)",
     )
     parser.add_argument("--no-dry-run", action="store_true", help="write the config and the table only")
+    parser.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable's value where port-slime cannot compute it (a command's output, a branch it cannot "
+        "decide) and in the environment; '-f PATH=true' answers a file test. Repeatable",
+    )
+    parser.add_argument(
+        "--runtime",
+        choices=("ray", "local"),
+        default="ray",
+        help="ray (default: slime runs train.py as a Ray job; its placement flags place lichen's actors) or local "
+        "(one process; slime's placement flags are then listed as not applicable)",
+    )
     opts = parser.parse_args(argv)
-    command = read_script(opts.script)
+    try:
+        command = read_script(opts.script, assume=Assumptions.parse(opts.assume))
+    except ScriptNotEvaluated as e:
+        print(f"lichen port-slime: {opts.script}: nothing written; port-slime cannot evaluate:", file=sys.stderr)
+        for item in e.items:
+            print(f"  {redact_text(item.message())}", file=sys.stderr)
+        return 2
     output = opts.output or os.path.splitext(os.path.basename(opts.script))[0] + ".yaml"
     known = _known_flags()
     train_argv = command.argv + _env_tokens(command)
     rows = extra_rows(command)
     if command.entry == "train_async.py":
         train_argv.append(ASYNC_FLAG)
+    train_argv += _runtime_tokens(command, opts.runtime, rows)
     found = slime_compat.scan(train_argv, known, rows)
     text = render_yaml(command, found)
     with open(output, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {output} from {command.script} ({command.entry})")
+    print(f"wrote {output} from {command.script} ({command.entry}, {command.where})")
+    for line in env_report(command):
+        print(line)
     if opts.no_dry_run:
         print(slime_compat.table(found.rows))
         return 0
@@ -74,6 +101,78 @@ def _env_tokens(command: SlimeCommand) -> list[str]:
     if not command.env_vars or "--train-env-vars" in command.argv:
         return []
     return ["--train-env-vars", json.dumps(command.env_vars)]
+
+
+def env_report(command: SlimeCommand) -> list[str]:
+    """The environment variables the config sets (never silently): Ray's env_vars of the script's command."""
+    if not command.env_vars:
+        return ["environment variables the config adds: none (the script's ray job sets none)"]
+    lines = [f"environment variables the config adds (train-env-vars, from --runtime-env-json at {command.where}):"]
+    return lines + [f"  {redact_text(f'{k}={v}')}" for k, v in command.env_vars.items()]
+
+
+def _runtime_tokens(command: SlimeCommand, runtime: str, rows: list[slime_compat.Row]) -> list[str]:
+    """`--runtime ray` (slime's own runtime: its placement flags keep their meaning) with slime's SGLang engines,
+    or nothing for `--runtime local` (slime_compat then maps the placement for one process)."""
+    how = "a Ray job (`ray job submit`)" if command.ray_job else "Ray (train.py starts it)"
+    if runtime == "local":
+        rows.append(
+            slime_compat.Row(
+                "(runtime)",
+                [],
+                MAPPED,
+                "--runtime local",
+                f"asked for with port-slime --runtime local; slime runs train.py as {how}",
+            )
+        )
+        return []
+    rows.append(
+        slime_compat.Row(
+            "(runtime)",
+            [],
+            MAPPED,
+            "--runtime ray",
+            f"slime runs train.py as {how}: trainer ranks = --actor-num-nodes x --actor-num-gpus-per-node, engines "
+            "on --rollout-num-gpus (colocated: the trainer's GPUs), --rollout-num-gpus-per-engine each",
+        )
+    )
+    tokens = ["--runtime", "ray"]
+    given = {t.split("=")[0] for t in command.argv if t.startswith("--")}
+    wants_sglang = "--rollout-num-gpus-per-engine" in given or any(f.startswith("--sglang-") for f in given)
+    engine_flags = {"--rollout-num-engines", "--rollout-engine-backend", "--rollout-external-engine-addrs"}
+    if wants_sglang and not given & engine_flags:
+        tokens += ["--rollout-engine-backend", "sglang"]
+        if "--debug-train-only" in given:  # Ray places no engines then; lichen's checks still want their count
+            tokens += _engine_count(command.argv)
+        rows.append(
+            slime_compat.Row(
+                "(rollout engines)",
+                [],
+                MAPPED,
+                "--rollout-engine-backend sglang",
+                "slime's engines are SGLang servers, rollout GPUs / GPUs per engine of them; lichen's Ray actors "
+                "launch the same",
+            )
+        )
+    return tokens
+
+
+def _engine_count(argv: list[str]) -> list[str]:
+    """`--rollout-num-engines K` as placement computes it: rollout GPUs (colocated: the trainer's) / per engine."""
+
+    def value(flag: str, default: int | None) -> int | None:
+        for i, token in enumerate(argv):
+            if token == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+                return int(argv[i + 1])
+            if token.startswith(flag + "=") and token.split("=", 1)[1].isdigit():
+                return int(token.split("=", 1)[1])
+        return default
+
+    gpus = value("--rollout-num-gpus", None)
+    if gpus is None and "--colocate" in argv:
+        gpus = (value("--actor-num-nodes", 1) or 1) * (value("--actor-num-gpus-per-node", 1) or 1)
+    per_engine = value("--rollout-num-gpus-per-engine", 1) or 1
+    return [] if gpus is None else ["--rollout-num-engines", str(max(1, gpus // per_engine))]
 
 
 def extra_rows(command: SlimeCommand) -> list[slime_compat.Row]:

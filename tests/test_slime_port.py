@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import lichen.cli
+from lichen.config.bash_values import Assumptions
 from lichen.config.slime_script import read_script
 from lichen.errors import ConfigError
 
@@ -58,14 +59,14 @@ def base_dir(tmp_path, monkeypatch):
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_each_slime_script_converts_and_dry_runs_in_one_invocation(base_dir, capsys, script):
     path = FIXTURES / "scripts" / f"{script}.sh"
-    rc = lichen.cli.main(["port-slime", str(path), "-o", f"{script}.yaml"])
+    rc = lichen.cli.main(["port-slime", str(path), "-o", f"{script}.yaml", "--assume", "NVLINK_COUNT=0"])
     out, err = capsys.readouterr()
     expected_rc, stops = SCRIPTS[script]
     assert rc == expected_rc, err
     for needle in stops:
         assert needle in out + err, needle  # the stop reasons on stderr, the table's rows on stdout
     # the complete table: every flag of the train.py command has its row
-    command = read_script(str(path))
+    command = read_script(str(path), assume=Assumptions.parse(["NVLINK_COUNT=0"]))
     table = out[out.index("slime/Megatron flags") :]
     for flag in {t.split("=")[0] for t in command.argv if t.startswith("--")}:
         assert re.search(rf"\| {re.escape(flag)}( |$)", table, re.M), flag
@@ -78,11 +79,15 @@ def test_each_slime_script_converts_and_dry_runs_in_one_invocation(base_dir, cap
 
 def test_ported_config_runs_alone(base_dir, capsys):
     script = FIXTURES / "scripts" / "run-qwen3-4B-debug-train-only.sh"
-    assert lichen.cli.main(["port-slime", str(script), "-o", "port.yaml", "--no-dry-run"]) == 0
+    assert (
+        lichen.cli.main(["port-slime", str(script), "-o", "port.yaml", "--no-dry-run", "--assume", "NVLINK_COUNT=3"])
+        == 0
+    )
     text = (base_dir / "port.yaml").read_text()
     assert "# slime/Megatron flags" in text and "gradient-checkpointing: true" in text
+    assert "runtime: ray" in text and "actor-num-gpus-per-node: 8" in text  # slime's Ray job and placement
     assert "rollout-num-engines: 4" in text  # 8 rollout GPUs / 2 per engine, as slime launches them
-    assert "NCCL_NVLS_ENABLE: '0'" in text  # the runtime env, with ${HAS_NVLINK} from the if/else
+    assert "NCCL_NVLS_ENABLE: '1'" in text  # the runtime env, ${HAS_NVLINK} from the if/else on NVLINK_COUNT=3
     capsys.readouterr()
     assert lichen.cli.main(["train", "--config", "port.yaml", "--dry-run"]) == 0
 
@@ -110,7 +115,7 @@ def test_train_async_maps_to_the_async_loop(base_dir, capsys, tmp_path):
     script = tmp_path / "scripts"
     shutil.copytree(FIXTURES / "scripts", script)
     (script / "async.sh").write_text(text.replace("python3 train.py", "python3 train_async.py"))
-    lichen.cli.main(["port-slime", str(script / "async.sh"), "-o", "a.yaml"])
+    lichen.cli.main(["port-slime", str(script / "async.sh"), "-o", "a.yaml", "--assume", "HAS_NVLINK=0"])
     out, err = capsys.readouterr()
     assert "mapped | train_async.py | lichen train --async" in out, out
     assert "train_async.py" not in err  # no longer a reason to stop
