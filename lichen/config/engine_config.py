@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from lichen.config.model import model_options
+
 
 def required_endpoints(args: argparse.Namespace) -> dict[str, str]:
     """Endpoint path -> the feature (flag) of this run that needs it on every engine server."""
@@ -82,11 +84,7 @@ class EngineConfig:
             admin_api_key_file=args.rollout_external_engine_admin_api_key_file,
             required=required_endpoints(args),
             device=args.device,
-            model_options={
-                "impl": args.model_impl,
-                "trust_remote_code": args.trust_remote_code,
-                "gdn_backend": args.qwen_gdn_backend,
-            },
+            model_options=model_options(args),
             max_batch_size=args.rollout_max_batch_size,
             num_threads=args.num_threads,
             weight_dir=args.update_weight_disk_dir,

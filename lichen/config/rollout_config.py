@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
+from lichen.config.model import model_options
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -178,11 +180,7 @@ class RolloutConfig:
         return cls(
             hf_checkpoint=args.hf_checkpoint,
             device=args.device,
-            model_options={
-                "impl": args.model_impl,
-                "trust_remote_code": args.trust_remote_code,
-                "gdn_backend": args.qwen_gdn_backend,
-            },
+            model_options=model_options(args),
             engine_max_batch_size=args.rollout_max_batch_size,
             use_engine_servers=bool(args.rollout_num_engines or args.rollout_external_engine_addrs),
             data=DataConfig.from_args(args),

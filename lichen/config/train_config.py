@@ -14,6 +14,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from lichen.config.lora_config import LoraConfig
+from lichen.config.model import model_options
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,7 @@ class TrainerConfig:
     @property
     def model_options(self) -> dict:
         """load_model's keyword arguments for the code that runs the model (--model-impl and friends)."""
-        return {
-            "impl": self.model_impl,
-            "trust_remote_code": self.trust_remote_code,
-            "gdn_backend": self.qwen_gdn_backend,
-        }
+        return model_options(self)
 
     @property
     def needs_ref_model(self) -> bool:

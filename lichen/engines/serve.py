@@ -25,13 +25,13 @@ import os
 import signal
 import sys
 
+from lichen.config.model import add_model_code_args, model_options
 from lichen.devices import resolve_device
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
-from lichen.engines.model_args import add_model_impl_args
 from lichen.engines.tool_parsers import load_parser
 from lichen.errors import ConfigError
 from lichen.key_files import resolve_key
-from lichen.models.hf_support import check_model_flags, model_options
+from lichen.models.hf_support import check_model_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Work bounds (lichen.engines.limits), sized from what a training step asks of one engine: slime's scripts send up
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a parser factory (docs/agentic.md; default hermes)",
     )
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_model_impl_args(p)
+    add_model_code_args(p)
     return p
 
 

@@ -69,12 +69,3 @@ def check_model_flags(args: Any, model_dir: str, flag: str) -> None:
     check_loadable(config, path, impl=args.model_impl, trust_remote_code=args.trust_remote_code)
     if config["model_type"] in GDN_MODEL_TYPES:
         args.qwen_gdn_backend = resolve_gdn_backend(args.qwen_gdn_backend)
-
-
-def model_options(args: Any) -> dict:
-    """load_model's keyword arguments from the resolved flags (lichen train's or lichen serve's)."""
-    return {
-        "impl": args.model_impl,
-        "trust_remote_code": bool(args.trust_remote_code),
-        "gdn_backend": args.qwen_gdn_backend,
-    }
