@@ -406,6 +406,8 @@ class Shell(Builtins):
         if index is not None:
             items = current if isinstance(current, list) else ([] if current is None else [str(current)])
             slot = self.arith(self.one(index, heredoc=True)) if index not in ("@", "*") else len(items)
+            if slot > len(items):  # bash arrays are sparse; a gap here would read as an empty element
+                raise self.fail(f"{name}[{slot}]=...: sparse arrays (an index past the end) are not evaluated")
             items = list(items) + [""] * max(0, slot + 1 - len(items))
             items[slot] = (items[slot] + value) if plus else value
             self.state.vars[name] = items

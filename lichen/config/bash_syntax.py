@@ -195,7 +195,8 @@ class Lexer:
                 if word.isdigit() and self.pos < len(text) and text[self.pos] in "<>":
                     self._redirect(word)
                 else:
-                    self.tokens.append(Token("word", word, self.line(start)))
+                    glued = start > 0 and text[start - 1] not in " \t\n"
+                    self.tokens.append(Token("word", word, self.line(start), glued=glued))
         if self.paren:
             raise self.fail("`$(` without its `)`", len(text) - 1)
         if self.pending:
@@ -548,7 +549,9 @@ class Parser:
         words: list[Word | str] = []
         while not self.at_word("]]"):
             token = self.take()
-            if token.kind == "word":
+            if words and isinstance(words[-1], Word) and words[-1].raw == "=~":
+                words.append(Word(self._regex(token), token.line))
+            elif token.kind == "word":
                 words.append(Word(token.text, token.line))
             elif token.kind == "op" and token.text in ("&&", "||", "(", ")"):
                 words.append(token.text)
@@ -556,6 +559,14 @@ class Parser:
                 raise self.fail(f"`{token.text}` inside [[ ]] (string ordering) is not evaluated")
         self.i += 1
         return Cond(words, line)
+
+    def _regex(self, first: Token) -> str:
+        """The right side of `=~`: its parentheses and `|` belong to the regex, up to unquoted blank space."""
+        text = first.text
+        while (token := self.peek()) is not None and token.glued and not self.at_word("]]"):
+            text += token.text
+            self.i += 1
+        return text
 
 
 def parse(text: str, where: str, line0: int = 1) -> Seq:
