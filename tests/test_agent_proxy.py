@@ -128,25 +128,12 @@ def test_agent_function_is_a_generate_function(tiny_ckpt):
     assert out[0].status == Status.FAILED and out[0].metadata["agent"] == "no request"
 
 
-async def add_agent(base_url, sample, api_key):
-    """The agent of the training test: calls `add` through the proxy, runs it, answers."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": sample.prompt}]
-    r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-    (call,) = r1.choices[0].message.tool_calls
-    messages += [
-        r1.choices[0].message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": "3"},
-    ]
-    await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-
-
 def test_training_step_through_the_agent_proxy(tiny_ckpt, addition_data, tmp_path, monkeypatch):
     """A training step whose samples come from an openai-SDK agent: the trained tokens are the engine's plus the
     template's tool turn, the mask is exact and the rollout log-probs match the trainer's."""
 
     rows, samples, returned, _ = agent_training_run(
-        tiny_ckpt, addition_data, tmp_path, monkeypatch, "test_agent_proxy.add_agent"
+        tiny_ckpt, addition_data, tmp_path, monkeypatch, "helpers.agent_proxy.add_agent"
     )
     assert len(samples) == 16 and len(returned) == 32
     outputs = {tuple(inp): ids for inp, ids in returned}

@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from helpers.agent_proxy import TOOLS, ScriptedEngine, agent_args, agent_training_run, serving
+from helpers.agent_proxy import TOOLS, ScriptedEngine, add_agent, agent_args, agent_training_run, serving
 
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
@@ -153,8 +153,6 @@ def test_max_tokens_is_capped_at_the_proxy_budget(proxy):
 async def attacked_agent(base_url, sample, api_key):
     """The test agent of test_agent_proxy, with an attacker posting to its proxy meanwhile: no key, a wrong key,
     and (with the key, so that only the session stands in the way) the session id the proxy used to give."""
-    from test_agent_proxy import add_agent
-
     root = base_url.split("/sessions/")[0]
     attack = {"model": "policy", "messages": [{"role": "user", "content": "ATTACK"}]}
     async with httpx.AsyncClient(timeout=60) as h:

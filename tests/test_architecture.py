@@ -18,8 +18,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LICHEN = REPO / "lichen"
 
-# Shared helpers: any part may import them; they import only `errors` (`observe` also `types`).
-SHARED = {"errors", "plugins", "aio", "torch_files", "observe", "devices", "key_files", "safe_files", "lichen"}
+# Shared helpers: any part may import them; they import only `errors` (`observe` also `types` and `safe_files`).
+SHARED = {
+    "errors",
+    "plugins",
+    "aio",
+    "torch_files",
+    "observe",
+    "devices",
+    "key_files",
+    "safe_files",
+    "excerpt",
+    "lichen",
+}
 ANYTHING = None
 # package -> the lichen packages it may import besides itself and SHARED (docs/architecture.md section 4)
 ALLOWED: dict[str, set[str] | None] = {
@@ -49,7 +60,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "devices": set(),
     "key_files": set(),
     "safe_files": set(),
-    "observe": {"types"},
+    "excerpt": set(),
+    "observe": {"types", "safe_files"},
     "lichen": set(),
 }
 SHARED_IMPORTS = {"errors"}  # what a shared helper may import of the other shared helpers
@@ -66,10 +78,19 @@ SERVER_MODULES = (
     "weight_paths",
     "tensor_update",
     "tensor_payload",
+    "info_endpoints",
 )
 SERVER = re.compile(r"^lichen\.engines\.(" + "|".join(SERVER_MODULES) + r")\b")
 # the typed configs: every part may import its own; they import nothing of lichen but `errors`
-TYPED_CONFIGS = ("rollout_config", "train_config", "engine_config", "cluster_config", "tool_config", "lora_config")
+TYPED_CONFIGS = (
+    "rollout_config",
+    "train_config",
+    "engine_config",
+    "cluster_config",
+    "tool_config",
+    "lora_config",
+    "model_code",
+)
 CONFIG_TYPES = re.compile(r"^lichen\.config\.(" + "|".join(TYPED_CONFIGS) + ")$")
 
 

@@ -5,31 +5,19 @@ partial-stream calls), parser plug-ins by dotted path, `tool_choice`, the refusa
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
-import threading
 
 import openai
 import pytest
 from helpers.serve_process import launch
+from helpers.tool_calls import CALL, MSGS, TOOLS, scripted  # noqa: F401 - `scripted` is a fixture
 
 from lichen.engines.tool_parsers import TaggedJsonParser, ToolCall, load_parser
 from lichen.errors import ConfigError
 
 P = TaggedJsonParser()
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "a+b",
-            "parameters": {"type": "object", "properties": {"a": {}, "b": {}}},
-        },
-    }
-]
 
 
 # ---- parsing ------------------------------------------------------------------------------------------------------
@@ -122,97 +110,7 @@ def test_parser_flag_names_builtins_plugins_and_refuses_the_rest():
         assert str(e.value).startswith(f"--tool-call-parser {bad!r}") and words in str(e.value)
 
 
-# ---- the OpenAI endpoint with scripted engine output --------------------------------------------------------------
-class ScriptedServer:
-    """A real LichenServer on a loopback port whose jobs produce `reply` (tokens + EOS) instead of sampling, so the
-    route, the SDK and the parser see a model that calls tools."""
-
-    def __init__(self, ckpt: str, reply: str, parser: str = "hermes", template: str | None = None):
-        import torch
-
-        from lichen.engines.engine import Engine
-        from lichen.engines.http_server import LichenServer
-        from lichen.models import load_model
-        from lichen.models.tokenizer import eos_token_ids, load_tokenizer
-
-        tok = load_tokenizer(ckpt)
-        if template is not None:
-            tok.chat_template = template
-        eos = eos_token_ids(tok, ckpt)
-        engine = Engine(load_model(ckpt, dtype=torch.float32), eos_token_ids=eos, pad_token_id=0)
-        self.ids = list(tok.encode(reply, add_special_tokens=False)) + [eos[0]]
-        self.prompts: list[list[int]] = []
-        outer = self
-
-        class Server(LichenServer):
-            def _fill(self, job, n):
-                job.seq.append(outer.ids[n], -0.01 * (n + 1), "v0")
-
-            async def run_jobs(self, jobs, *, bounded=True):
-                for job in jobs:
-                    outer.prompts.append(list(job.seq.input_ids))
-                    for n in range(len(outer.ids)):
-                        self._fill(job, n)
-                    job.seq.finish = ("stop", eos[0])
-
-            async def stream_jobs(self, jobs):
-                for job in jobs:
-                    for n in range(len(outer.ids)):
-                        self._fill(job, n)
-                        yield job, n + 1
-                    job.seq.finish = ("stop", eos[0])
-                    yield job, None
-
-        self.server = Server(engine, tok, model_path=ckpt, served_model_name="tiny", tool_parser=load_parser(parser))
-        self.tok = tok
-        started = threading.Event()
-        self.loop = asyncio.new_event_loop()
-
-        async def up():
-            from aiohttp import web
-
-            await self.server.start()
-            self.runner = web.AppRunner(self.server.app())
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
-            started.set()
-
-        self.thread = threading.Thread(
-            target=lambda: (self.loop.run_until_complete(up()), self.loop.run_forever()), daemon=True
-        )
-        self.thread.start()
-        assert started.wait(60)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
-
-    def close(self):
-        async def down():
-            await self.runner.cleanup()
-            await self.server.stop()
-
-        asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-
-
-@pytest.fixture
-def scripted(tiny_ckpt):
-    servers = []
-
-    def make(reply, **kw):
-        servers.append(ScriptedServer(tiny_ckpt, reply, **kw))
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.close()
-
-
-MSGS = [{"role": "user", "content": "what is 1+2?"}]
-
-
-def test_sdk_gets_tool_calls_and_sends_them_back(scripted):
+def test_sdk_gets_tool_calls_and_sends_them_back(scripted):  # noqa: F811 - the fixture
     s = scripted("Let me add.\n" + CALL)
     r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, logprobs=True)
     choice = r.choices[0]
@@ -237,7 +135,7 @@ def test_sdk_gets_tool_calls_and_sends_them_back(scripted):
     assert s.tok.decode(s.prompts[-1]).endswith("<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_sdk_streams_tool_call_deltas(scripted):
+def test_sdk_streams_tool_call_deltas(scripted):  # noqa: F811 - the fixture
     s = scripted("Sure.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 7'))
     chunks = list(
         s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, stream=True, logprobs=True)
@@ -256,7 +154,7 @@ def test_sdk_streams_tool_call_deltas(scripted):
     assert lps == pytest.approx([-0.01 * (n + 1) for n in range(len(s.ids))])
 
 
-def test_without_tools_nothing_is_parsed(scripted):
+def test_without_tools_nothing_is_parsed(scripted):  # noqa: F811 - the fixture
     s = scripted(CALL)
     r = s.client.chat.completions.create(model="tiny", messages=MSGS)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == CALL
@@ -275,14 +173,14 @@ def test_without_tools_nothing_is_parsed(scripted):
         ),
     ],
 )
-def test_tool_choice_that_forces_a_call_is_refused(scripted, choice, words):
+def test_tool_choice_that_forces_a_call_is_refused(scripted, choice, words):  # noqa: F811 - the fixture
     s = scripted(CALL)
     with pytest.raises(openai.BadRequestError) as e:
         s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice)
     assert words in str(e.value)
 
 
-def test_template_that_ignores_tools_is_a_400_naming_it(scripted):
+def test_template_that_ignores_tools_is_a_400_naming_it(scripted):  # noqa: F811 - the fixture
     plain = (
         "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
         "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -295,7 +193,7 @@ def test_template_that_ignores_tools_is_a_400_naming_it(scripted):
     assert s.client.chat.completions.create(model="tiny", messages=MSGS).choices[0].message.content == CALL
 
 
-def test_parser_none_refuses_tools(scripted):
+def test_parser_none_refuses_tools(scripted):  # noqa: F811 - the fixture
     s = scripted(CALL, parser="none")
     with pytest.raises(openai.BadRequestError) as e:
         s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_tool_calls import CALL, MSGS, TOOLS, scripted  # noqa: F401 - `scripted` is a fixture
-from test_tool_rollout import enc, rollout
+from helpers.tool_calls import CALL, MSGS, TOOLS, scripted  # noqa: F401 - `scripted` is a fixture
+from helpers.tool_rollout import enc, rollout
 
 from lichen.engines.tool_parsers import (
     MAX_CALL_CHARS,

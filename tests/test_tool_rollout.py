@@ -5,91 +5,30 @@ trained tokens, loss mask and log-probs are exactly the rollout's."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 
 import pytest
 from helpers.runs import base_args, dumped_samples, run
 from helpers.scripted_policy import scripted_generate
+from helpers.tool_rollout import ScriptedEngine, add, boom, enc, rollout, slow  # noqa: F401 - tools by dotted path
+from helpers.tool_rollout import tool_args as _args
 
-from lichen.engines.engine import Engine, GenResult
+from lichen.engines.engine import Engine
 from lichen.engines.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.models.tokenizer import encode_prompt, load_tokenizer
 from lichen.observe.sample_log import sample_record
-from lichen.rollout.custom_generate import run_custom_generate
-from lichen.rollout.tool_rollout import check_turn, first_mismatch, generate, tool_turn_ids
+from lichen.rollout.tool_rollout import check_turn, first_mismatch, tool_turn_ids
 from lichen.rollout.tools import load_tools, run_tool, schema_of
-from lichen.types import Sample, Status
-
-
-# ---- tools the tests name by dotted path ---------------------------------------------------------------------------
-def add(a: int, b: int = 0) -> int:
-    """Add two integers."""
-    return a + b
-
-
-async def slow(seconds: float) -> str:
-    await asyncio.sleep(seconds)
-    return "woke"
-
-
-def boom() -> str:
-    raise RuntimeError("tool broke")
-
-
-boom.schema = {"name": "boom", "description": "always fails", "parameters": {"type": "object", "properties": {}}}
+from lichen.types import Status
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-
-
-def _args(**kw) -> argparse.Namespace:
-    base = dict(
-        tool_paths=["test_tool_rollout.add", "test_tool_rollout.slow", "test_tool_rollout.boom"],
-        max_turns=4,
-        tool_timeout=5.0,
-        tool_call_parser="hermes",
-        check_token_fidelity=True,
-        agent_function_path=None,
-        seed=5,
-        rollout_stop_token_ids=None,
-        custom_generate_function_path="lichen.rollout.tool_rollout.generate",
-    )
-    return argparse.Namespace(**{**base, **kw})
-
-
-class ScriptedEngine:
-    """An async engine whose turns are given token lists; records every request."""
-
-    def __init__(self, turns: list[list[int]], stop_id: int):
-        self.turns, self.stop_id, self.requests = list(turns), stop_id, []
-
-    async def agenerate(self, r, session_id=None):
-        self.requests.append(r)
-        ids = self.turns.pop(0)[: r.max_new_tokens]
-        reason = "stop" if ids and ids[-1] == self.stop_id else "length"
-        server = f"http://127.0.0.1:{9000 + len(self.requests) % 2}"  # turns alternate between two servers
-        return GenResult(ids, [-0.1 * (k + 1) for k in range(len(ids))], reason, len(r.input_ids), "7", server)
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_ckpt):
     return load_tokenizer(tiny_ckpt)
-
-
-def enc(tok, s):
-    return list(tok.encode(s, add_special_tokens=False))
-
-
-def rollout(tok, turns, budget=400, **kw):
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    engine = ScriptedEngine(turns, im_end)
-    sample = Sample(prompt="what is 1+2?", tokens=[1], index=0)
-    [out] = run_custom_generate(
-        generate, _args(**kw), [sample], [{"max_new_tokens": budget, "sampling_seed": 11}], engine=engine, tokenizer=tok
-    )
-    return out, engine
 
 
 def test_trajectory_is_the_engines_tokens_plus_the_templates_tool_turns(tok):

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lichen.config.model import model_options
+from lichen.config.model_code import model_options
 
 
 def required_endpoints(args: argparse.Namespace) -> dict[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from lichen.config.model import model_options
+from lichen.config.model_code import model_options
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from lichen.config.lora_config import LoraConfig
-from lichen.config.model import model_options
+from lichen.config.model_code import model_options
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a launched `lichen serve` is told of the run's model code (--model-impl, --trust-remote-code,
---qwen-gdn-backend; both commands define them with lichen.config.model.add_model_code_args)."""
+--qwen-gdn-backend; both commands define them with lichen.config.model_code.add_model_code_args)."""
 
 from __future__ import annotations
 

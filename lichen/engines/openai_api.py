@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from aiohttp import web
 
 from lichen.engines.chat_tools import refuse_ignored_tools, template_messages, tool_mode
+from lichen.engines.openai_requests import apply_template, chat_messages, refuse_response_format, request_sampling
 from lichen.engines.protocol import (
     Job,
     OutputOptions,
@@ -34,11 +35,10 @@ from lichen.engines.protocol import (
     loads,
     make_job,
     output_text,
-    parse_sampling,
     stream_error,
 )
 from lichen.engines.tool_parsers import tool_finish_reason
-from lichen.excerpt import clip, excerpt, json_excerpt
+from lichen.excerpt import excerpt
 from lichen.observe.metrics import get_logger
 
 if TYPE_CHECKING:
@@ -46,30 +46,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 T = TypeVar("T")
-
-
-# OpenAI / SGLang-extra request keys that map onto sampling_params (request key -> sampling key).
-_SAMPLING_MAP = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "n": "n",
-    "stop": "stop",
-    "seed": "sampling_seed",
-    "min_p": "min_p",
-    "stop_token_ids": "stop_token_ids",
-    "no_stop_trim": "no_stop_trim",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "repetition_penalty": "repetition_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "min_tokens": "min_new_tokens",
-    "regex": "regex",
-    "json_schema": "json_schema",
-    "ebnf": "ebnf",
-    "logit_bias": "logit_bias",
-}
 
 
 def add_routes(app: web.Application, server: "LichenServer") -> None:
@@ -124,13 +100,6 @@ async def _read(server: "LichenServer", request: web.Request, prepare: Callable[
         return prepare(server, expect(loads(raw), (dict,), "the request body", "a JSON object"))
 
     return await server.offload(parse)
-
-
-def request_sampling(body: dict, max_new: Any) -> Sampling:
-    """The sampling settings of an OpenAI request body, checked as `/generate`'s (also the agent proxy's)."""
-    sp = {dst: body[src] for src, dst in _SAMPLING_MAP.items() if body.get(src) is not None}
-    sp["max_new_tokens"] = max_new
-    return parse_sampling(sp, "request")
 
 
 def _jobs(
@@ -378,35 +347,6 @@ async def completions(server: "LichenServer", request: web.Request) -> web.Strea
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
-def chat_messages(body: dict) -> list[dict]:
-    """The request's `messages`, checked (roles, text content) with text content parts joined (also the agent
-    proxy's)."""
-    messages = body.get("messages")
-    expect(messages, (list,), "messages", "a list of messages")
-    if not messages:
-        raise RequestError("messages cannot be empty", shape="object")
-    norm = []
-    for i, m in enumerate(messages):
-        expect(m, (dict,), f"messages[{i}]", "an object with role and content")
-        role = m.get("role")
-        if role not in ("system", "user", "assistant", "tool", "developer"):
-            raise RequestError(
-                f"messages[{i}].role must be system, user, assistant or tool, got {excerpt(role)}", shape="object"
-            )
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise RequestError(f"messages[{i}]: only text content parts are supported", shape="object")
-                parts.append(expect(part.get("text"), (str,), f"messages[{i}].content[].text", "a string"))
-            content = "".join(parts)
-        elif content is not None:
-            expect(content, (str,), f"messages[{i}].content", "a string or a list of content parts")
-        norm.append({**m, "content": content if content is not None else ""})
-    return norm
-
-
 def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -> list[int]:
     norm = chat_messages(body)
     # the messages' text before the template renders it: templates render each message's content in full
@@ -426,19 +366,6 @@ def _render_chat(server: "LichenServer", body: dict, tools: list[dict] | None) -
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def apply_template(tok: Any, messages: list[dict], kwargs: dict) -> str:
-    """The prompt text of checked `messages` (a template error is a 400; also the agent proxy's)."""
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    except Exception as e:  # a template error is the request's fault
-        raise RequestError(
-            f"the chat template failed on these messages: {type(e).__name__}: {clip(str(e))}", shape="object"
-        ) from None
-    if isinstance(text, list):
-        (text,) = text
-    return text
-
-
 def _chat_logprobs(server, job: Job, start: int, end: int, top: int) -> dict:
     seq, d = job.seq, server.detok
 
@@ -452,21 +379,6 @@ def _chat_logprobs(server, job: Job, start: int, end: int, top: int) -> dict:
         e["top_logprobs"] = [entry(lp, t) for lp, t in seq.output_top[k]] if top else []
         content.append(e)
     return {"content": content}
-
-
-def refuse_response_format(body: dict) -> None:
-    """JSON mode / JSON schema need constrained decoding, which lichen's engine does not do: refuse them rather
-    than answer plain text as if they were honoured. {"type": "text"} is the plain text it gives anyway."""
-    rf = body.get("response_format")
-    if rf is None:
-        return
-    expect(rf, (dict,), "response_format", 'an object such as {"type": "text"}')
-    if rf.get("type") != "text":
-        raise RequestError(
-            f"response_format {json_excerpt(rf, 80)} is not supported by lichen serve (no constrained "
-            'decoding); leave it out or use {"type": "text"}',
-            shape="object",
-        )
 
 
 def _prepare_chat(server: "LichenServer", body: dict) -> tuple:

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 
-from lichen.config.model import add_model_code_args, model_options
+from lichen.config.model_code import add_model_code_args, model_options
 from lichen.devices import resolve_device
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
 from lichen.engines.tool_parsers import load_parser

@@ -45,7 +45,7 @@ from aiohttp import web
 from lichen.engines.auth import new_key, request_has_key
 from lichen.engines.chat_tools import template_messages, tool_mode
 from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.openai_api import apply_template, chat_messages, refuse_response_format, request_sampling
+from lichen.engines.openai_requests import apply_template, chat_messages, refuse_response_format, request_sampling
 from lichen.engines.protocol import RequestError, bool_field, expect, int_field, loads
 from lichen.engines.tool_parsers import ToolCallParser, load_parser, tool_finish_reason
 from lichen.rollout.agent_proxy_stream import ReplyStream, generation, token_logprobs

@@ -106,6 +106,19 @@ async def sdk_agent(base_url, sample, api_key):
     await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=10**6)
 
 
+async def add_agent(base_url, sample, api_key):
+    """The agent of the agent-proxy training tests: calls `add` through the proxy, runs it, answers."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": sample.prompt}]
+    r1 = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    (call,) = r1.choices[0].message.tool_calls
+    messages += [
+        r1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "3"},
+    ]
+    await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+
+
 def agent_args(path: str, **extra) -> argparse.Namespace:
     """The tool-use flags of a run through `--agent-function-path path` (as lichen.config.tools defines them)."""
     return argparse.Namespace(
