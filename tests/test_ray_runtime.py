@@ -15,6 +15,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.runs import base_args, read_dump, run  # noqa: E402
+from helpers.sync_guard import assert_served_what_was_sent, record_checksums, record_ray_gets  # noqa: E402
 
 from lichen.cli import main  # noqa: E402
 from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
@@ -157,9 +158,16 @@ def test_ray_layout_resolves_engine_count(tiny_ckpt, addition_data, tmp_path, ca
     assert "rollout_num_engines: 2" in out and "actor_num_gpus_per_node: 2" in out
 
 
+BUCKET = 16 * 1024  # --update-weight-buffer-size of the run below: the tiny model is many buckets
+
+
 @pytest.mark.slow
-def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
-    common = ["--num-rollout", "3", "--device", "cpu", "--num-threads", "1"]
+def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, addition_data, tmp_path, monkeypatch):
+    """Also the driver-side guard of the weight sync (issue 27): every object the driver receives from Ray holds
+    at most one bucket of tensors (the ranks send to the engines themselves), and every engine serves, after each
+    sync, exactly the per-tensor checksums rank 0 sent; version 0 is the same list as the local run's."""
+    served = {"local": record_checksums(monkeypatch)}
+    common = ["--num-rollout", "3", "--device", "cpu", "--num-threads", "1", "--update-weight-buffer-size", str(BUCKET)]
     local = run(
         base_args(
             tiny_ckpt,
@@ -172,6 +180,9 @@ def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, additio
             str(tmp_path / "local_ckpt"),
         )
     )
+    monkeypatch.undo()
+    served["ray"] = record_checksums(monkeypatch)
+    received = record_ray_gets(monkeypatch, ray)
     rayrun = run(
         base_args(
             tiny_ckpt,
@@ -188,6 +199,12 @@ def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, additio
             str(tmp_path / "ray_ckpt"),
         )
     )
+    monkeypatch.undo()
+    assert received and max(received) <= BUCKET, f"the driver received {max(received)} bytes of tensors at once"
+    for name in ("local", "ray"):  # 4 syncs (versions 0..3), 2 engines each
+        assert_served_what_was_sent(served[name], 4)
+    first = {name: [got for v, _, _, got in served[name] if v == 0] for name in served}
+    assert first["ray"] == first["local"] and first["ray"][0] == first["ray"][1]
     steps = [m for m in rayrun if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert {k for m in local if "train/loss" in m for k in m} == {k for m in steps for k in m}

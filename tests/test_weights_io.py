@@ -325,4 +325,4 @@ def test_weights_package_is_a_leaf():
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
     assert "lichen" not in imported
-    assert imported <= {"__future__", "json", "os", "shutil", "safetensors", "torch"}
+    assert imported <= {"__future__", "json", "os", "shutil", "safetensors", "torch", "typing"}

@@ -129,6 +129,26 @@ def rank_actor_cls():
     return ray.remote(TrainRankImpl)
 
 
+class RankWeightSender:
+    """The weight-sync sender handle of a RayTrainGroup (lichen.sync.senders): each op runs as
+    DistTrainer.sync_weights on every rank at once (the gathers are collectives) or on rank 0 only (the broadcast
+    group); a future gives rank 0's answer, and a rank that fails stops the group as any other call does."""
+
+    def __init__(self, group: RayTrainGroup):
+        import concurrent.futures
+
+        self.group = group
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lichen-rank-sender")
+
+    def submit(self, op: str, *args: Any, all_ranks: bool = True) -> Any:
+        actors = self.group.actors if all_ranks else self.group.actors[:1]
+        refs = [a.call.remote("sync_weights", op, *args) for a in actors]
+        return self._pool.submit(lambda: self.group._gather(f"sync_weights({op})", refs)[0])
+
+    def call(self, op: str, *args: Any, all_ranks: bool = True) -> Any:
+        return self.submit(op, *args, all_ranks=all_ranks).result()
+
+
 class RayTrainGroup:
     """N x G trainer ranks as Ray actors, behind the calls the loop makes on TrainActor."""
 
@@ -217,6 +237,15 @@ class RayTrainGroup:
         if self._full is None:
             self._full = self._all("full_state_dict")[0]
         return iter(self._full.items())
+
+    def weight_sender(self) -> RankWeightSender | None:
+        """The ranks' weight senders, which lichen.sync's transports drive: the tensors go from the ranks to the
+        engines, this process gets metadata and checksums only. None where the ranks do not send (LoRA: the
+        merged weights come through named_weights)."""
+        if not hasattr(self, "_weight_sender"):  # asked once: whether the ranks send depends on --use-lora only
+            sends = self._gather("sends_weights", [self.actors[0].call.remote("sends_weights")])[0]
+            self._weight_sender: RankWeightSender | None = RankWeightSender(self) if sends else None
+        return self._weight_sender
 
     def save_checkpoint(self, save_dir: str, rollout_id: int) -> None:
         """Sharded (torch.distributed.checkpoint) state of every rank, and rank 0's HF export."""

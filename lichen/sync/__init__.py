@@ -30,6 +30,7 @@ from typing import Any
 from lichen.engines.client import EngineError
 from lichen.errors import NotAvailableYet
 from lichen.observe.metrics import get_logger
+from lichen.sync.senders import trainer_sender
 from lichen.sync.verify import SyncError, WeightMismatchError, engine_dtype, verify_engines, verify_in_process
 
 log = get_logger(__name__)
@@ -147,6 +148,7 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
             hf_checkpoint=cfg.hf_checkpoint,
             keep_files=cfg.keep_files,
             post_write_hook=_post_write_hook(cfg),
+            buffer_size=cfg.buffer_size,
         )
     raise NotAvailableYet(
         f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is not available"
@@ -156,10 +158,15 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
 def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {"sync/weight_version": version, f"sync/transport_{cfg.transport}": 1}
+    sender = trainer_sender(trainer)  # the trainer's ranks send (--runtime ray), else this process
     for eng in engines:
         try:
             st = _state(eng, cfg)
-            metrics.update(st["transport"].push(trainer.named_weights(), version, st["dtype"]))
+            transport = st["transport"]
+            if sender is not None and hasattr(transport, "push_from"):
+                metrics.update(transport.push_from(sender, version, st["dtype"]))
+            else:
+                metrics.update(transport.push(trainer.named_weights(), version, st["dtype"]))
             versions = eng.weight_versions()
         except EngineError as e:  # the engine's own message, with what the run was doing when it came
             raise SyncError(f"weight sync to version {version} failed: engine {e}") from e
@@ -170,7 +177,15 @@ def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
                 f"after the sync to version {version}"
             )
         metrics.update(
-            verify_engines(eng, trainer.named_weights, st["dtype"], version=version, full=cfg.check_all_weights)
+            verify_engines(
+                eng,
+                trainer.named_weights,
+                st["dtype"],
+                version=version,
+                full=cfg.check_all_weights,
+                expected=getattr(transport, "sent_checksums", None) or None,
+                fetch=_rows_from(sender, st["dtype"]),
+            )
         )
     metrics["time/sync"] = time.perf_counter() - t0
     log.debug(
@@ -182,6 +197,15 @@ def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
         metrics["time/sync"],
     )
     return metrics
+
+
+def _rows_from(sender: Any, dtype: Any) -> Any:
+    """The sampled check's reader of trainer tensors through the sender (only the tensors it checks), or None."""
+    if sender is None:
+        return None
+    from lichen.weights.wire import dtype_name
+
+    return lambda names, rows: sender.call("rows", names, dtype_name(dtype), rows)
 
 
 def close(rollout) -> None:

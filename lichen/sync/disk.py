@@ -3,7 +3,9 @@
 Sync to version N:
 1. the trainer's weights (`trainer.named_weights()`, as the in-process copy sends them) are written as an HF
    checkpoint to `DIR/weight_v{N:06d}/` with `save_hf_checkpoint`: written beside it and renamed into place, so an
-   engine never sees a half-written version; config.json and the tokenizer files come from --hf-checkpoint;
+   engine never sees a half-written version; config.json and the tokenizer files come from --hf-checkpoint.
+   Under --runtime ray trainer rank 0 writes it (`push_from`), one safetensors file per bucket of
+   --update-weight-buffer-size that every rank gathers in turn; this process only names the files;
 2. every engine loads it: pause generation -> flush cache -> /update_weights_from_disk {model_path, weight_version
    "N"} -> continue generation (RemoteEngines.update_weights_from_disk);
 3. every engine must then report weight version "N" (else StaleEngineError);
@@ -23,7 +25,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lichen.weights.hf_io import save_hf_checkpoint
+from lichen.weights.rank_send import plan_meta_buckets
 from lichen.weights.versions import list_versions, version_dir
+from lichen.weights.wire import dtype_name
 
 
 def write_version(named_weights: Iterable, root: str, version: int, hf_checkpoint: str) -> str:
@@ -59,12 +63,18 @@ def push_full(
     hf_checkpoint: str,
     keep_files: bool = False,
     post_write_hook: Callable[[str], None] | None = None,
+    write: Callable[[], str] | None = None,
 ) -> dict:
-    """Publish the trainer's weights as version `version` to every engine through `disk_dir`; returns metrics."""
+    """Publish the trainer's weights as version `version` to every engine through `disk_dir`; returns metrics.
+    `write()`, when given, writes the version instead (the trainer's ranks do, FullDiskSync.push_from) and
+    returns its path."""
     from lichen.sync import StaleEngineError
 
     t0 = time.perf_counter()
-    path = write_version(trainer.named_weights(), disk_dir, version, hf_checkpoint)
+    if write is not None:
+        path = write()
+    else:
+        path = write_version(trainer.named_weights(), disk_dir, version, hf_checkpoint)
     if post_write_hook is not None:
         post_write_hook(path)
     t1 = time.perf_counter()
@@ -103,9 +113,46 @@ class FullDiskSync:
         hf_checkpoint: str,
         keep_files: bool = False,
         post_write_hook: Callable[[str], None] | None = None,
+        buffer_size: int = 512 * 1024**2,
     ):
         self.engines, self.disk_dir, self.hf_checkpoint = engines, disk_dir, hf_checkpoint
-        self.keep_files, self.post_write_hook = keep_files, post_write_hook
+        self.keep_files, self.post_write_hook, self.buffer_size = keep_files, post_write_hook, int(buffer_size)
+        self.sent_checksums: dict[str, str] = {}
+
+    def push_from(self, sender: Any, version: int, dtype: torch.dtype) -> dict:
+        """The version written by the sender (trainer rank 0 under --runtime ray, streaming one bucket of
+        --update-weight-buffer-size per safetensors file while every rank gathers it); this process only plans
+        the files and makes the engines' calls. The checksums of what was written go to `sent_checksums`."""
+        meta = sender.call("meta", all_ranks=False)
+        plan = [[row[0] for row in b] for b in plan_meta_buckets(meta, dtype, self.buffer_size)]
+        path = version_dir(os.path.abspath(self.disk_dir), int(version))
+        with open(os.path.join(self.hf_checkpoint, "config.json")) as f:
+            config = json.load(f)
+        metadata = {"weight_version": str(version)}
+        sums: dict[str, str] = {}
+
+        def write() -> str:
+            sums.update(sender.call("write_full", path, plan, dtype_name(dtype), config, self.hf_checkpoint, metadata))
+            return path
+
+        m = self._push(None, version, write)
+        self.sent_checksums = sums
+        return m
+
+    def _push(self, trainer: Any, version: int, write: Callable[[], str] | None = None) -> dict:
+        m = push_full(
+            trainer,
+            [self.engines],
+            version,
+            disk_dir=self.disk_dir,
+            hf_checkpoint=self.hf_checkpoint,
+            keep_files=self.keep_files,
+            post_write_hook=self.post_write_hook,
+            write=write,
+        )
+        m.pop("time/sync", None)
+        m["sync/total_bytes"] = m["sync/bytes"]
+        return m
 
     def push(self, named: Iterable, version: int, dtype: torch.dtype) -> dict:
         def cast():
@@ -115,15 +162,5 @@ class FullDiskSync:
         class _Trainer:
             named_weights = staticmethod(cast)
 
-        m = push_full(
-            _Trainer(),
-            [self.engines],
-            version,
-            disk_dir=self.disk_dir,
-            hf_checkpoint=self.hf_checkpoint,
-            keep_files=self.keep_files,
-            post_write_hook=self.post_write_hook,
-        )
-        m.pop("time/sync", None)
-        m["sync/total_bytes"] = m["sync/bytes"]
-        return m
+        self.sent_checksums = {}  # verify hashes the trainer's weights itself
+        return self._push(_Trainer(), version)

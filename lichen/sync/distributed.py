@@ -1,52 +1,45 @@
 """Weight sync by torch.distributed broadcast (`--update-weight-transport nccl`; NCCL on GPU, gloo on CPU).
 
-The trainer is rank 0 of a group with the engines (docs/architecture.md#weight-sync); an engine with tensor parallelism
+The sending process (trainer rank 0 under --runtime ray, the `lichen train` process locally; the driver only makes
+the HTTP calls, lichen.sync.senders) is rank 0 of a group with the engines (docs/architecture.md#weight-sync); an engine with tensor parallelism
 k takes k ranks, so engine i gets `rank_offset = 1 + Σ_{j<i} k_j` and `world_size = 1 + Σ k_j`.
 
 Forming the group (the first sync, and again whenever the engines in rotation change, e.g. when a restarted engine
 re-joins: each sync first admits restarted engines, RemoteEngines.admit_restarted):
-1. rank 0's TCPStore binds a free port on the trainer's address;
+1. rank 0's TCPStore binds a free port on the sender's address (the one its route to the engines leaves from);
 2. `/init_weights_update_group` is posted to every engine without waiting (each call returns once the group
    exists), while the trainer builds its own side of the group; then the answers are checked.
 
 One sync to version N: pause generation and flush caches on every engine, then for each bucket (the trainer's
-tensors in order, cast to the engine dtype, at most --update-weight-buffer-size bytes, a larger tensor alone):
-post `/update_weights_from_distributed` {names, dtypes, shapes, group_name, weight_version "N",
-load_format "flattened_bucket"} to every engine, broadcast the bucket as one uint8 tensor (each tensor's bytes in
-`names` order), and wait for every answer; then continue generation.
+tensors in order, cast to the engine dtype, at most --update-weight-buffer-size bytes, a larger tensor alone;
+planned by the driver from the tensors' names, shapes and dtypes): post `/update_weights_from_distributed`
+{names, dtypes, shapes, group_name, weight_version "N", load_format "flattened_bucket"} to every engine, have every
+trainer rank gather the bucket (each FSDP2 DTensor's full_tensor(), one tensor at a time) and rank 0 broadcast it
+as one uint8 tensor (each tensor's bytes in `names` order), and wait for every answer; then continue generation.
+Rank 0 returns the xxh3-128 of each tensor it sent (`sent_checksums`), which lichen.sync.verify compares with
+the engines' own.
 
-Forming the group and each broadcast run on a helper thread, so an engine that answers with an error at once
+Forming the group and each broadcast run in the sender (a helper thread or the ranks), so an engine that answers with an error at once
 (and so never joins or receives) fails the sync instead of leaving the trainer blocked in the collective until
 its timeout; the group is then rebuilt at the next sync.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any, Iterable, Iterator
-from urllib.parse import urlsplit
 
 import torch
 
 from lichen.observe.metrics import get_logger
-from lichen.weights.wire import GROUP_TIMEOUT_S, dtype_name, flatten_tensors, master_store, open_group
+from lichen.sync.senders import InProcessSender, wait_with_engines
+from lichen.weights.rank_send import engine_nbytes_of, plan_meta_buckets, sent_dtype
+from lichen.weights.wire import GROUP_TIMEOUT_S, dtype_name
 
 log = get_logger(__name__)
 
 GROUP_NAME = "lichen"
-
-
-def master_address(urls: list[str]) -> str:
-    """The trainer's address as the engines reach it: loopback when they all run here, else the local address
-    of the route to the first engine (a UDP connect sends nothing)."""
-    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
-    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((hosts[0], urlsplit(urls[0]).port or 80))
-        return s.getsockname()[0]
 
 
 def engine_nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
@@ -113,8 +106,10 @@ def _while_engines_answer(fn, pending, name: str):
 
 
 class BroadcastSync:
-    """The trainer's side of the broadcast transport for one RemoteEngines. `backend` None picks nccl when the
-    trainer's weights are on a CUDA device, else gloo."""
+    """The driver's side of the broadcast transport for one RemoteEngines: the group's HTTP calls and the bucket
+    plan; the tensors go from the sender (lichen.sync.senders: the trainer ranks under --runtime ray, else this
+    process) to the engines. `backend` None picks nccl when the trainer's weights are on a CUDA device, else
+    gloo."""
 
     def __init__(
         self,
@@ -128,23 +123,24 @@ class BroadcastSync:
     ):
         self.engines, self.buffer_size, self.backend = engines, int(buffer_size), backend
         self.group_name, self.timeout_s, self.flattened = group_name, timeout_s, flattened
-        self.group = None
+        self.sender: Any = None  # the sender the group was formed with (it holds rank 0 of the group)
         self.members: tuple[str, ...] | None = None
         self.groups_formed = 0
+        self.sent_checksums: dict[str, str] = {}  # {name: xxh3-128} of the last sync, for lichen.sync.verify
+        self._local: InProcessSender | None = None
 
     # ---- group --------------------------------------------------------------------------------------------
-    def open(self, backend: str) -> None:
+    def open(self, sender: Any, backend: str) -> None:
         urls = self.engines.active_urls()
         tps = [max(1, int(i.get("tp_size") or 1)) for i in self.engines.server_infos()]
         world = 1 + sum(tps)
-        host = master_address(urls)
-        store = master_store(host, world, self.timeout_s)
+        host, port = sender.call("group_store", urls, world, self.timeout_s, all_ranks=False)
         payloads, offset = [], 1
         for tp in tps:
             payloads.append(
                 {
                     "master_address": host,
-                    "master_port": store.port,
+                    "master_port": port,
                     "rank_offset": offset,
                     "world_size": world,
                     "group_name": self.group_name,
@@ -156,26 +152,14 @@ class BroadcastSync:
         pending = self.engines.post_each(
             "/init_weights_update_group", payloads, timeout=self.timeout_s + 30, wait=False
         )
+        joined = sender.submit("group_join", backend, world, self.group_name, self.timeout_s, all_ranks=False)
         try:
-            group = _while_engines_answer(
-                lambda: open_group(
-                    backend=backend,
-                    master_address=host,
-                    master_port=store.port,
-                    rank=0,
-                    world_size=world,
-                    group_name=self.group_name,
-                    timeout_s=self.timeout_s,
-                    store=store,
-                ),
-                pending,
-                "lichen-weight-group",
-            )
+            wait_with_engines(joined, pending)
         except BaseException:
             pending.cancel()
             raise
         pending.result(self.timeout_s + 60)
-        self.group, self.members, self.backend = group, tuple(urls), backend
+        self.sender, self.members, self.backend = sender, tuple(urls), backend
         self.groups_formed += 1
         log.info(
             "weight broadcast group %r formed: trainer + %d engine rank(s) over %s", self.group_name, world - 1, backend
@@ -183,62 +167,59 @@ class BroadcastSync:
 
     def close(self) -> None:
         """Leave the group on both sides (engines that are gone are skipped)."""
-        if self.group is None:
-            return
-        try:
-            self.engines.destroy_weights_update_group(self.group_name)
-        except Exception as e:
-            log.warning("destroying the weight update group on the engines: %s", e)
-        self.group.close()
-        self.group, self.members = None, None
+        if self.sender is not None:
+            try:
+                self.engines.destroy_weights_update_group(self.group_name)
+            except Exception as e:
+                log.warning("destroying the weight update group on the engines: %s", e)
+            try:
+                self.sender.call("group_close", all_ranks=False)
+            except Exception as e:  # the trainer's ranks already gone
+                log.warning("closing the trainer's side of the weight update group: %s", e)
+            self.sender, self.members = None, None
+        if self._local is not None:
+            self._local.close()
+            self._local = None
 
-    def _ensure_group(self, device: torch.device) -> None:
-        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
-        if (
-            self.group is not None
-            and self.members == tuple(self.engines.active_urls())
-            and self.group.backend == backend
-        ):
+    def _ensure_group(self, sender: Any, backend: str) -> None:
+        if self.sender is sender and self.members == tuple(self.engines.active_urls()) and self.backend == backend:
             return
-        self.close()  # membership changed (an engine restarted or left rotation): a new group
-        self.open(backend)
+        if self.sender is not None:  # membership changed (an engine restarted or left rotation): a new group
+            try:
+                self.engines.destroy_weights_update_group(self.group_name)
+            except Exception as e:
+                log.warning("destroying the weight update group on the engines: %s", e)
+        self.sender, self.members = None, None
+        self.open(sender, backend)
 
     # ---- one sync -----------------------------------------------------------------------------------------
-    def _broadcast(self, flat: torch.Tensor, pending) -> None:
-        try:
-            _while_engines_answer(lambda: self.group.broadcast(flat), pending, "lichen-weight-broadcast")
-        except BaseException:
-            self.group, self.members = None, None  # ranks that never received leave the group stuck: rebuild
-            raise
-
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
-        """Send the weights as version `version` in the engine dtype; returns metrics (bytes, buckets, seconds)."""
-        it = iter(named)
-        first = next(it, None)
-        if first is None:
+        """Send `named` (tensors this process holds) as version `version` in the engine dtype; returns metrics."""
+        if self._local is None:
+            self._local = InProcessSender()
+        return self.push_from(self._local.bind(named), version, dtype)
+
+    def push_from(self, sender: Any, version: int, dtype: torch.dtype) -> dict:
+        """Send the sender's weights as version `version` in the engine dtype, bucket by bucket; returns metrics
+        (bytes, buckets, seconds). The checksums of what was sent are left in `sent_checksums`."""
+        meta = sender.call("meta", all_ranks=False)
+        if not meta:
             raise ValueError("the trainer has no weights to send")
-        device = first[1].device
-        if device.type != "cuda":
-            device = torch.device("cpu")
         t0 = time.perf_counter()
         admit = getattr(self.engines, "admit_restarted", None)
         if admit is not None:
             admit()  # restarted engines re-join rotation first: the group then includes them (membership changed)
-        self._ensure_group(device)
-        send_device = device if self.group.backend == "nccl" else torch.device("cpu")
+        self._ensure_group(sender, self.backend or ("nccl" if meta[0][3] == "cuda" else "gloo"))
         t1 = time.perf_counter()
-
-        def all_named():
-            yield first
-            yield from it
-
         sent = count = 0
+        sums: dict[str, str] = {}
         with self.engines.paused():
-            for bucket in buckets(all_named(), dtype, self.buffer_size, send_device):
+            for bucket in plan_meta_buckets(meta, dtype, self.buffer_size):
+                names = [row[0] for row in bucket]
                 payload = {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
+                    "names": names,
+                    "dtypes": [sent_dtype(row[2], dtype) for row in bucket],
+                    "shapes": [row[1] for row in bucket],
                     "group_name": self.group_name,
                     "weight_version": str(version),
                 }
@@ -247,15 +228,16 @@ class BroadcastSync:
                 pending = self.engines.post_each(
                     "/update_weights_from_distributed", payload, timeout=self.timeout_s + 30, wait=False
                 )
-                if self.flattened:
-                    flat = flatten_tensors(t for _, t in bucket)
-                    self._broadcast(flat, pending)
-                else:
-                    for _, t in bucket:
-                        self._broadcast(t.contiguous(), pending)
+                fut = sender.submit("broadcast", names, dtype_name(dtype), self.flattened)
+                try:
+                    sums.update(wait_with_engines(fut, pending) or {})
+                except BaseException:
+                    self.sender, self.members = None, None  # ranks that never received leave the group stuck
+                    raise
                 pending.result(self.timeout_s + 60)
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                sent += sum(engine_nbytes_of(row[1], row[2], dtype) for row in bucket)
                 count += 1
+        self.sent_checksums = sums
         t2 = time.perf_counter()
         return {
             "sync/bytes": sent,

@@ -118,9 +118,16 @@ def verify_engines(
     version: Any = None,
     full: bool = False,
     method: str = "auto",
+    expected: dict[str, str] | None = None,
+    fetch: Callable[[list[str], int | None], dict[str, torch.Tensor]] | None = None,
 ) -> dict:
-    """Check every engine of `engines` (a RemoteEngines) against `named_weights()`; returns metrics.
+    """Check every engine of `engines` (a RemoteEngines) against the trainer's weights; returns metrics.
 
+    expected: {name: xxh3-128} of what the sender sent (lichen.weights.rank_send), compared with the engines'
+    checksums without reading the trainer's weights again; else they are hashed from `named_weights()`.
+    fetch(names, rows): the first `rows` rows (all with None) of those tensors, for the sampled check of engines
+    without lichen's checksums (under --runtime ray gathered by the ranks, only those tensors); else read from
+    `named_weights()`.
     method "auto": checksums where the engine answers them in lichen's format, else sampled rows;
     "checksum" / "sampled" force one (tests)."""
     t0 = time.perf_counter()
@@ -140,14 +147,24 @@ def verify_engines(
             _same_across_engines(urls, bodies, version)
             bodies = None
     if bodies is not None:
-        expected = expected_checksums(named_weights(), dtype)
+        if expected is None:
+            expected = expected_checksums(named_weights(), dtype)
         checked = sum(compare_checksums(url, expected, body, version) for url, body in zip(urls, bodies))
         return {"time/sync_verify": time.perf_counter() - t0, "sync/verified_tensors": checked}
-    state = dict(named_weights())
-    names = list(state) if full else _sample_names(list(state))
+    if expected is None or fetch is None:
+        state = dict(named_weights())
+        all_names = list(state)
+
+        def fetch(names: list[str], rows: int | None) -> dict[str, torch.Tensor]:
+            return {n: state[n] for n in names}
+
+    else:
+        all_names = list(expected)
+    names = all_names if full else _sample_names(all_names)
+    refs = fetch(names, None if full else 100)
     checked = 0
     for name in names:
-        ref = engine_view(state[name], dtype)
+        ref = engine_view(refs[name], dtype)
         rows = ref.shape[0] if (full and ref.dim()) else 100
         want = ref[:rows].float() if ref.dim() else ref.float()
         try:

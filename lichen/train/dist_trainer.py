@@ -62,6 +62,7 @@ from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
 from lichen.train.train_batch import TrainBatch
 from lichen.types import Sample
 from lichen.weights.hf_io import save_hf_checkpoint
+from lichen.weights.rank_send import SENDER_OPS, RankSender, tensor_meta
 
 DIST_DIR = "dist"  # the DCP files of a checkpoint
 
@@ -200,6 +201,29 @@ class DistTrainer:
 
             weights = lora.merge_state(self.actor.model, weights)
         return weights
+
+    def sends_weights(self) -> bool:
+        """Whether the ranks send the weights themselves (sync_weights); with LoRA the engines get merged weights,
+        which rank 0 still builds from the gathered state (full_state_dict)."""
+        return self.cfg.lora is None
+
+    def sync_weights(self, op: str, *args: Any) -> Any:
+        """One op of this rank's weight sender (lichen.weights.rank_send.RankSender), called by the driver's half
+        of the transport (lichen.sync) on every rank at once (the gathers) or on rank 0 (the broadcast group);
+        answers with metadata and checksums, never the model. The shards are brought back first if paused."""
+        if op not in SENDER_OPS:
+            raise ValueError(f"unknown weight sender op {op!r}")
+        sender = getattr(self, "_weight_sender", None)
+        if sender is None:
+            model = self.actor.model
+            sender = RankSender(
+                self.rank,
+                lambda names: fsdp.full_tensors(model, names),
+                lambda: [tensor_meta(n, p) for n, p in model.named_parameters()],
+            )
+            self._weight_sender = sender
+        with self.memory.weights_resident():
+            return getattr(sender, op)(*args)
 
     def _sharded_state(self) -> dict:
         a = self.actor

@@ -12,12 +12,14 @@ import ipaddress
 import os
 import socket
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def default_backend(device: torch.device) -> str:
@@ -101,6 +103,17 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """In place: the sum of `t` over all ranks (each rank filled a disjoint part, or a partial sum)."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full parameter) for each of `names`, one at a time: a DTensor shard's `full_tensor()` (an
+    all-gather: every rank must ask for the same names in the same order), else the tensor itself. Only one full
+    tensor is alive per step of the iteration, so a weight sync never holds the whole model."""
+    reshard(model)  # the root's parameters are the sharded ones again after a no-grad forward
+    params = dict(model.named_parameters())
+    for name in names:
+        p = params[name].detach()
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
 
 
 def full_weights(model: nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Callable
 
 import safetensors
 import safetensors.torch
@@ -149,6 +150,28 @@ def save_hf_checkpoint(
     for name, t in state_dict.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict entries must be str -> torch.Tensor; got {name!r} -> {type(t).__name__}")
+    write_hf_shards(
+        _plan_shards(state_dict, max_shard_bytes, dtype),
+        lambda names: _prepare_shard(state_dict, names, dtype),
+        out_dir,
+        config=config,
+        copy_files_from=copy_files_from,
+        metadata=metadata,
+    )
+
+
+def write_hf_shards(
+    shards: list[list[str]],
+    tensors_of: Callable[[list[str]], dict[str, torch.Tensor]],
+    out_dir: str,
+    *,
+    config: dict | None = None,
+    copy_files_from: str | None = None,
+    metadata: dict | None = None,
+) -> None:
+    """save_hf_checkpoint's layout and atomic write, one shard (a list of names) at a time: `tensors_of(names)`
+    gives that shard's CPU tensors when it is written, so only one shard is ever held (the weight sync's rank 0
+    streams gathered buckets through it)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NotADirectoryError(f"checkpoint output {out_dir!r} exists and is not a directory")
@@ -160,13 +183,7 @@ def save_hf_checkpoint(
     os.makedirs(tmp_dir)
     try:
         _write_checkpoint(
-            state_dict,
-            tmp_dir,
-            config=config,
-            copy_files_from=copy_files_from,
-            max_shard_bytes=max_shard_bytes,
-            dtype=dtype,
-            metadata=metadata,
+            shards, tensors_of, tmp_dir, config=config, copy_files_from=copy_files_from, metadata=metadata
         )
         for fname in os.listdir(tmp_dir):
             _fsync_file(os.path.join(tmp_dir, fname))
@@ -178,27 +195,23 @@ def save_hf_checkpoint(
 
 
 def _write_checkpoint(
-    state_dict: dict[str, torch.Tensor],
+    shards: list[list[str]],
+    tensors_of: Callable[[list[str]], dict[str, torch.Tensor]],
     dst: str,
     *,
     config: dict | None,
     copy_files_from: str | None,
-    max_shard_bytes: int,
-    dtype: torch.dtype | None,
     metadata: dict | None,
 ) -> None:
     header = _header_metadata(metadata)
-    shards = _plan_shards(state_dict, max_shard_bytes, dtype)
     if len(shards) == 1:
-        safetensors.torch.save_file(
-            _prepare_shard(state_dict, shards[0], dtype), os.path.join(dst, SINGLE_FILE), metadata=header
-        )
+        safetensors.torch.save_file(tensors_of(shards[0]), os.path.join(dst, SINGLE_FILE), metadata=header)
     else:
         weight_map: dict[str, str] = {}
         total = 0
         for i, names in enumerate(shards):
             fname = _shard_name(i, len(shards))
-            tensors = _prepare_shard(state_dict, names, dtype)
+            tensors = tensors_of(names)
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             safetensors.torch.save_file(tensors, os.path.join(dst, fname), metadata=header)
             del tensors

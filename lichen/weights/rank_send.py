@@ -1,0 +1,217 @@
+"""The sending half of weight sync, run where the weights are (docs/architecture.md#weight-sync).
+
+Under `--runtime ray` every trainer rank holds one `RankSender` (lichen.train.dist_trainer.DistTrainer.sync_weights);
+with `--runtime local` the `lichen train` process holds one (lichen.sync.senders). The driver's half of a transport
+(lichen.sync) makes the HTTP calls and tells the senders which bucket to send; no tensor passes through it.
+
+A sender reads the weights through `gather(names)`, which yields (name, full tensor) one tensor at a time. On an
+FSDP2 rank that is each DTensor's `full_tensor()`, a collective: every rank must be asked for the same names in
+the same order, and every rank is (the driver calls an op on all ranks at once). Only rank 0 keeps what it gathers:
+it owns the broadcast group's store and rank 0 of the group, and it returns the per-tensor checksums of what it
+sent, which the driver compares with the engines' own (lichen.sync.verify).
+
+Memory: a bucket is gathered one tensor at a time into one preallocated buffer of the bucket's size in the engine
+dtype; each full tensor is freed once copied. A rank's extra memory during a sync is that buffer plus the largest
+single tensor (gathered, then cast).
+
+A leaf module: torch and lichen.weights only.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable, Iterable, Iterator
+from urllib.parse import urlsplit
+
+import torch
+
+from lichen.weights.hf_io import write_hf_shards
+from lichen.weights.wire import dtype_name, master_store, open_group, parse_dtype, tensor_checksum
+
+# what the driver may ask of a rank's sender (DistTrainer.sync_weights)
+SENDER_OPS = frozenset({"meta", "group_store", "group_join", "group_close", "broadcast", "rows", "write_full"})
+
+Gather = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def engine_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as an engine of `dtype` holds it: detached, floating point cast, contiguous (same device)."""
+    t = t.detach()
+    if t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def tensor_meta(name: str, t: torch.Tensor) -> list:
+    """[name, global shape, dtype name, device type] of one trainer tensor (a DTensor reports its full shape)."""
+    return [name, list(t.shape), dtype_name(t.dtype), t.device.type]
+
+
+def engine_nbytes_of(shape: Iterable[int], trainer_dtype: str, dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` once floating-point tensors are cast to the engine dtype `dtype`."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    src = parse_dtype(trainer_dtype)
+    return n * (dtype.itemsize if src.is_floating_point else src.itemsize)
+
+
+def sent_dtype(trainer_dtype: str, dtype: torch.dtype) -> str:
+    """The dtype name a tensor of `trainer_dtype` travels in: the engine dtype `dtype` if it is floating point."""
+    src = parse_dtype(trainer_dtype)
+    return dtype_name(dtype if src.is_floating_point else src)
+
+
+def plan_meta_buckets(meta: list[list], dtype: torch.dtype, buffer_size: int) -> list[list[list]]:
+    """The tensors of `meta` (tensor_meta rows) in order, grouped into buckets of at most `buffer_size` bytes in
+    the engine dtype (a larger tensor alone): the plan the driver sends and every rank follows."""
+    out: list[list[list]] = []
+    bucket: list[list] = []
+    used = 0
+    for row in meta:
+        size = engine_nbytes_of(row[1], row[2], dtype)
+        if bucket and used + size > buffer_size:
+            out.append(bucket)
+            bucket, used = [], 0
+        bucket.append(row)
+        used += size
+    if bucket:
+        out.append(bucket)
+    return out
+
+
+def master_address(urls: list[str]) -> str:
+    """This process's address as the engines reach it: loopback when they all run here, else the local address
+    of the route to the first engine (a UDP connect sends nothing)."""
+    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
+    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((hosts[0], urlsplit(urls[0]).port or 80))
+        return s.getsockname()[0]
+
+
+class RankSender:
+    """One process's sending half. `rank` is its rank among the trainer's ranks (0 sends and owns the group)."""
+
+    def __init__(self, rank: int, gather: Gather, meta: Callable[[], list[list]]):
+        self.rank, self._gather, self._meta = rank, gather, meta
+        self._store: Any = None
+        self._host: str | None = None
+        self.group: Any = None
+
+    def meta(self) -> list[list]:
+        """tensor_meta of every tensor the engines serve, in send order (no gather)."""
+        return self._meta()
+
+    # ---- the broadcast group (rank 0 only) ----------------------------------------------------------------
+    def group_store(self, urls: list[str], world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: a new TCPStore for a group of `world_size` on the address the engines at `urls` reach this
+        process at; returns (address, port). A group still held is closed first (the engines' side was
+        destroyed)."""
+        self.group_close()
+        host = master_address(urls)
+        self._store = master_store(host, world_size, timeout_s)
+        self._host = host
+        return host, int(self._store.port)
+
+    def group_join(self, backend: str, world_size: int, group_name: str, timeout_s: float) -> None:
+        """Rank 0: create rank 0 of the group on the store of `group_store`; returns once every engine joined."""
+        self.group = open_group(
+            backend=backend,
+            master_address=str(self._host),
+            master_port=int(self._store.port),
+            rank=0,
+            world_size=world_size,
+            group_name=group_name,
+            timeout_s=timeout_s,
+            store=self._store,
+        )
+
+    def group_close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = self._store = None
+
+    # ---- sending ------------------------------------------------------------------------------------------
+    def gathered(self, names: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor in the engine dtype) one at a time, on every rank (each one a collective)."""
+        for name, t in self._gather(names):
+            yield name, engine_cast(t, dtype)
+
+    def broadcast(self, names: list[str], engine_dtype: str, flattened: bool = True) -> dict[str, str] | None:
+        """Every rank: gather the bucket `names`; rank 0 broadcasts it in the engine dtype (one flattened uint8
+        tensor, each tensor's bytes in `names` order, or tensor by tensor) and returns {name: xxh3-128} of what it
+        sent; other ranks return None."""
+        dtype = parse_dtype(engine_dtype)
+        if self.rank != 0:
+            for _ in self.gathered(names, dtype):
+                pass
+            return None
+        if self.group is None:
+            raise RuntimeError("the weight broadcast group is not formed on trainer rank 0")
+        rows = {row[0]: row for row in self._meta()}
+        on_cuda = self.group.backend == "nccl" and rows[names[0]][3] == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        total = sum(engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names)
+        flat = torch.empty(total if flattened else 0, dtype=torch.uint8, device=device)
+        sums: dict[str, str] = {}
+        offset = 0
+        for name, t in self.gathered(names, dtype):  # each full tensor is dropped once copied
+            sums[name] = tensor_checksum(t)
+            t = t.to(device)
+            if not flattened:
+                self.group.broadcast(t)
+                continue
+            size = t.numel() * t.element_size()
+            flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
+            offset += size
+        if flattened:
+            if offset != total:
+                raise RuntimeError(f"bucket {names[:3]}...: gathered {offset} bytes, planned {total}")
+            self.group.broadcast(flat)
+        return sums
+
+    def write_full(
+        self, path: str, plan: list[list[str]], engine_dtype: str, config: dict, copy_files_from: str, metadata: dict
+    ) -> dict[str, str] | None:
+        """Every rank gathers the buckets of `plan` in order; rank 0 writes each as one safetensors file of the HF
+        checkpoint `path` (atomically, lichen.weights.hf_io.write_hf_shards), never holding more than one bucket,
+        and returns {name: xxh3-128} of what it wrote; other ranks return None."""
+        dtype = parse_dtype(engine_dtype)
+        if self.rank != 0:
+            for names in plan:
+                for _ in self.gathered(names, dtype):
+                    pass
+            return None
+        sums: dict[str, str] = {}
+
+        def tensors_of(names: list[str]) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, t in self.gathered(names, dtype):
+                out[name] = t.to("cpu").clone() if t.device.type == "cpu" else t.to("cpu")  # never a view of a param
+                sums[name] = tensor_checksum(out[name])
+            return out
+
+        write_hf_shards(plan, tensors_of, path, config=config, copy_files_from=copy_files_from, metadata=metadata)
+        return sums
+
+    def rows(self, names: list[str], engine_dtype: str, n: int | None) -> dict[str, torch.Tensor] | None:
+        """Every rank gathers `names`; rank 0 returns the first `n` rows (all with None) of each in the engine
+        dtype, on CPU (the sampled check of engines that report no lichen checksums)."""
+        dtype = parse_dtype(engine_dtype)
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.gathered(names, dtype):
+            if self.rank == 0:
+                out[name] = (t[:n] if (n is not None and t.dim()) else t).to("cpu").clone()
+        return out if self.rank == 0 else None
+
+
+def local_gather(state: dict[str, torch.Tensor]) -> Gather:
+    """`gather` over tensors this process holds whole (the single-rank trainer's)."""
+
+    def gather(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            yield name, state[name]
+
+    return gather
