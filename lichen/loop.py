@@ -26,7 +26,9 @@ log = get_logger(__name__)
 
 
 class NullTrainer:
-    """--debug-rollout-only: no model, no optimizer; engines keep their weights."""
+    """--debug-rollout-only: no model, no optimizer; engines keep their weights. (lichen.train.trainer_protocol)"""
+
+    named_weights = None  # nothing to sync
 
     def train(self, rollout_id, batch) -> dict:
         return {}
@@ -35,6 +37,24 @@ class NullTrainer:
         pass
 
     def onload(self) -> None:
+        pass
+
+    def save(self, save_dir: str, rollout_id: int) -> ckpt.SavedTrainer:
+        return ckpt.SavedTrainer()  # a checkpoint of the rollout side only
+
+    def load(self, load_dir: str, rollout_id: int) -> None:
+        pass
+
+    def token_values(self, rows) -> dict:
+        return {}
+
+    def memory_begin(self) -> None:
+        pass
+
+    def memory_end(self, phase: str) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
         pass
 
 
@@ -89,10 +109,7 @@ def resume(args, trainer, rollout) -> int:
     if last is None:
         log.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", args.load)
         return 0
-    if hasattr(trainer, "load_checkpoint"):  # the Ray runtime's ranks read their sharded state themselves
-        trainer.load_checkpoint(args.load, last)  # the newest intact one, which `latest` may not name
-    elif not isinstance(trainer, NullTrainer):
-        ckpt.load_trainer(args.load, last, trainer)
+    trainer.load(args.load, last)  # the newest intact one, which `latest` may not name
     rollout.load_state_dict(ckpt.load_rollout_state(args.load, last))
     log.info("resumed from %s at rollout %d (weight version %d)", ckpt.iter_dir(args.load, last), last, last + 1)
     return last + 1
@@ -110,12 +127,8 @@ def save_due(args, rollout_id: int) -> bool:
 
 
 def save_checkpoint(args, trainer, rollout, rollout_id: int) -> None:
-    if hasattr(trainer, "save_checkpoint"):  # the Ray runtime's ranks write sharded state + rank 0's HF export
-        trainer.save_checkpoint(args.save, rollout_id)
-    elif not isinstance(trainer, NullTrainer):
-        ckpt.save_trainer(args.save, rollout_id, trainer, args.hf_checkpoint)
-    ckpt.save_rollout_state(args.save, rollout_id, rollout.state_dict())
-    ckpt.mark_complete(args.save, rollout_id)
+    """The trainer's files, then the rollout state, meta.json, checksums and `latest` (lichen.train.checkpoint)."""
+    ckpt.save_checkpoint(args.save, rollout_id, trainer, rollout.state_dict())
 
 
 def prepare_output_dir(args) -> None:
@@ -165,7 +178,7 @@ def _run(args, cluster, driver) -> dict:
                 engines=getattr(rollout, "engines", []),
                 decode=tokenizer.decode if tokenizer is not None else None,
                 sources=[trainer],
-            )  # the Ray runtime's ranks give the trace their phases
+            )  # the trainer's processes give the trace their phases and the metrics their memory
             try:
                 return driver(args, trainer, rollout, logger, observer)
             finally:
@@ -173,7 +186,7 @@ def _run(args, cluster, driver) -> dict:
     finally:
         sync.close(rollout)  # leaves broadcast groups while the engines still answer
         rollout.close()  # stops engine servers lichen launched, also when the run raises
-        if hasattr(trainer, "close"):
+        if trainer is not None:
             trainer.close()  # the Ray runtime's ranks: barrier, then leave the process group
 
 
@@ -230,7 +243,7 @@ def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = No
                 metrics.update(rollout.eval(version=rollout_id + 1))
         metrics["time/step"] = time.perf_counter() - t0
         # the trainer's per-token advantages and log-probs of this step, for the sample log
-        obs.step_done(rollout_id + 1, batch, metrics, getattr(trainer, "last_token_values", None))
+        obs.step_done(rollout_id + 1, batch, metrics, trainer.token_values)
         logger.log(rollout_id + 1, metrics)
         print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
         last = metrics

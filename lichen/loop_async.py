@@ -138,7 +138,7 @@ def _begin(args, trainer, rollout, logger, obs: RunObserver) -> tuple[int, SyncC
 
 def _log_step(args, trainer, logger, obs: RunObserver, rollout_id: int, batch: list, metrics: dict, t0: float) -> dict:
     metrics["time/step"] = time.perf_counter() - t0
-    obs.step_done(rollout_id + 1, batch, metrics, getattr(trainer, "last_token_values", None))
+    obs.step_done(rollout_id + 1, batch, metrics, trainer.token_values)
     logger.log(rollout_id + 1, metrics)
     print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
     return metrics

@@ -16,6 +16,7 @@ from helpers.runs import THREADS, base_args, dumped_samples, final_weights, run,
 from lichen.cli import main
 from lichen.config import parse_train_args
 from lichen.errors import ConfigError
+from lichen.loop import NullTrainer
 from lichen.loop_async import train_loop_async
 from lichen.rollout.generate import generate_rollout
 from lichen.types import Sample, Status
@@ -117,7 +118,7 @@ class FakeRollout:
         self.position = state["position"]
 
 
-class FakeTrainer:
+class FakeTrainer(NullTrainer):  # the rest of the Trainer contract: no-ops
     """train(k) does not return before generation of rollout k+1 has begun: a sequential driver would hang here
     (and fail after WAIT seconds), a pipelined one passes at once."""
 

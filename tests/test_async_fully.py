@@ -20,6 +20,7 @@ from lichen.config import parse_train_args
 from lichen.config.rollout_config import RolloutConfig
 from lichen.engines.engine import GenResult
 from lichen.errors import ConfigError
+from lichen.loop import NullTrainer
 from lichen.loop_async import train_loop_fully_async
 from lichen.rollout.manager import RolloutManager
 from lichen.rollout.partial import segments_of
@@ -125,7 +126,7 @@ class HoldingEngine:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-class FakeTrainer:
+class FakeTrainer(NullTrainer):  # saves no trainer files: the worker's state is what these tests look at
     def __init__(self, fail_at: int | None = None):
         self.fail_at = fail_at
         self.batches: list[list[list]] = []
@@ -138,12 +139,6 @@ class FakeTrainer:
             raise ValueError("loss is nan")
         self.batches.append(batch)
         return {}
-
-    def save_checkpoint(self, save_dir, rollout_id):  # the worker's state is what these tests look at
-        pass
-
-    def load_checkpoint(self, load_dir, *iteration):
-        pass
 
 
 def keep_even_prompts(args, group) -> bool:

@@ -59,6 +59,9 @@ def test_links_inside_the_checkpoint_still_verify(tmp_path):
     os.makedirs(os.path.join(d, "hf"))
     with open(os.path.join(d, "hf", "a.bin"), "wb") as f:
         f.write(b"abc")
+    for name in (ckpt.ROLLOUT_STATE, ckpt.META):  # what a resume needs besides the trainer's files
+        with open(os.path.join(d, name), "w") as f:
+            f.write("{}")
     write_manifest(d)
     (load / ckpt.LATEST).write_text("0\n")
     assert ckpt.find_latest(str(load)) == 0

@@ -17,6 +17,7 @@ from helpers.runs import base_args, run
 
 from lichen.cli import main
 from lichen.errors import ConfigError, UserError
+from lichen.loop import NullTrainer
 from lichen.train import checkpoint as ckpt
 from lichen.train.ckpt_integrity import MANIFEST, remove_stale_temps, verify, write_manifest
 
@@ -298,8 +299,7 @@ def test_stale_temp_entries_are_removed_on_the_next_save_but_not_a_live_runs(tmp
         reused = save / "iter_0000009" / f"hf.tmp-{live.pid}"
         reused.mkdir(parents=True)
         os.utime(reused, (time.time() - 3600, time.time() - 3600))
-        ckpt.save_rollout_state(str(save), 1, {"source": {}})
-        ckpt.mark_complete(str(save), 1)
+        ckpt.save_checkpoint(str(save), 1, NullTrainer(), {"source": {}})
         assert not any(p.exists() for p in [*stale, stale_file, reused])
         assert kept.exists()  # a live run's write in progress is never touched
         assert "hf.tmp" not in json.dumps(json.load(open(ckpt.iter_dir(str(save), 1) + "/" + MANIFEST)))
@@ -311,7 +311,7 @@ def test_stale_temp_entries_are_removed_on_the_next_save_but_not_a_live_runs(tmp
 
 def test_a_crashed_save_leaves_no_manifest(copy):
     """Re-saving into an existing checkpoint drops its checksums first: a crash mid-save cannot look complete."""
-    ckpt.save_rollout_state(copy, 1, {"source": {}})  # the save of rollout 1 starts again, then "crashes"
+    ckpt.begin_save(copy, 1)  # the save of rollout 1 starts again, then "crashes"
     assert not os.path.exists(os.path.join(ckpt.iter_dir(copy, 1), MANIFEST))
     assert ckpt.find_latest(copy) == 0
 

@@ -205,18 +205,17 @@ def test_resume_loads_the_newest_intact_checkpoint_not_the_one_latest_names(tmp_
     load the one it chose (they read `latest` themselves when not told)."""
     from types import SimpleNamespace
 
-    from lichen.loop import resume
+    from lichen.loop import NullTrainer, resume
     from lichen.train import checkpoint as ckpt
 
     save = str(tmp_path / "ckpt")
     for rollout_id in (0, 1):
-        ckpt.save_rollout_state(save, rollout_id, {"epoch": 0, "sample_offset": rollout_id})
-        ckpt.mark_complete(save, rollout_id)
+        ckpt.save_checkpoint(save, rollout_id, NullTrainer(), {"epoch": 0, "sample_offset": rollout_id})
     with open(os.path.join(ckpt.iter_dir(save, 1), ckpt.ROLLOUT_STATE), "a") as f:
         f.write(" ")  # damaged after its save
 
-    class Group:  # the Ray runtime's trainer: the ranks load their sharded state themselves
-        def load_checkpoint(self, load_dir, rollout_id=None):
+    class Group(NullTrainer):  # the Ray runtime's trainer: the ranks load their sharded state themselves
+        def load(self, load_dir, rollout_id=None):
             self.loaded = (load_dir, rollout_id)
 
     group, states = Group(), []

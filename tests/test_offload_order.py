@@ -18,7 +18,7 @@ class Recorder:
         self.calls: list[str] = []
 
 
-class FakeTrainer:
+class FakeTrainer(loop.NullTrainer):  # the rest of the Trainer contract: no-ops
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
 
@@ -33,7 +33,7 @@ class FakeTrainer:
         self.rec.calls.append("trainer.onload")
 
 
-class TaggedTrainer:
+class TaggedTrainer(loop.NullTrainer):
     """FakeTrainer's surface with DistTrainer's memory calls: tagged pause/resume, and weight reads (the sync's
     gather) inside TaggedMemory.weights_resident."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -22,6 +23,7 @@ from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
 from lichen.cluster.engine_actors import RayEngineSet  # noqa: E402
 from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
+from lichen.observe.sample_log import read_samples  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -305,8 +307,29 @@ def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(
     assert step1["in_rotation"] == [0, 1] and step1["versions"] == ["1", "1"] and step1["restarts"] == [1, 0]
 
 
+_DRIVER_WRITES: list[str] | None = None  # while a list: paths the driver process opened for writing or renamed to
+
+
+def _record_driver_writes(event: str, args: tuple) -> None:
+    """An audit hook (sys.addaudithook; it cannot be removed, so it records only while _DRIVER_WRITES is a list).
+    Ray's actors are other processes: this sees the driver's own file writes only."""
+    if _DRIVER_WRITES is None:
+        return
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        mode, flags = args[1], args[2]
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if writes:
+            _DRIVER_WRITES.append(os.fsdecode(args[0]))
+    elif event == "os.rename":
+        _DRIVER_WRITES.append(os.fsdecode(args[1]))
+
+
 @pytest.mark.slow
 def test_ray_run_saved_on_two_ranks_resumes_on_one(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
+    """Also (issue 27 item 4) one checkpoint writer: the driver writes no file under iter_*/dist/ or hf/, and its
+    own files in the order rollout_state.json, meta.json (world_size kept), checksums.json, `latest`; the sample
+    log has the ranks' per-token values; (item 6) each rank's and the engine's peak memory per phase."""
+    global _DRIVER_WRITES
     common = [
         "--device",
         "cpu",
@@ -319,11 +342,45 @@ def test_ray_run_saved_on_two_ranks_resumes_on_one(ray_8_gpus, tiny_ckpt, additi
         "--save",
         str(tmp_path / "ckpt"),
     ]
-    run(
-        base_args(
-            tiny_ckpt, addition_data, tmp_path / "a", "--num-rollout", "2", "--actor-num-gpus-per-node", "2", *common
+    sys.addaudithook(_record_driver_writes)
+    _DRIVER_WRITES = []
+    try:
+        first = run(
+            base_args(
+                tiny_ckpt,
+                addition_data,
+                tmp_path / "a",
+                "--num-rollout",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+                *common,
+            )
         )
-    )
+        written = [os.path.relpath(p, tmp_path / "ckpt") for p in _DRIVER_WRITES]
+    finally:
+        _DRIVER_WRITES = None
+    mine = [p for p in written if not p.startswith("..")]
+    assert not [p for p in mine if p.split("/")[1:2] in (["dist"], ["hf"])], mine  # the ranks' files only
+    names = [
+        p.split("/")[-1] for p in mine if p.startswith("iter_0000001/") or p == "latest_checkpointed_iteration.txt"
+    ]
+    assert [n for n in names if ".tmp-" not in n] == [
+        "rollout_state.json",
+        "meta.json",
+        "checksums.json",
+        "latest_checkpointed_iteration.txt",
+    ], names
+    with open(tmp_path / "ckpt" / "iter_0000001" / "meta.json") as f:
+        assert json.load(f) == {"rollout_id": 1, "weight_version": "2", "world_size": 2}
+    logged = read_samples(str(tmp_path / "a"))
+    assert logged and all(r["advantages"] is not None and r["trainer_log_probs"] is not None for r in logged)
+    assert all(len(r["advantages"]) == len(r["trainer_log_probs"]) == r["response_length"] for r in logged)
+    steps = [m for m in first if "train/loss" in m]
+    for phase in ("generate", "train", "sync"):  # every rank's own peak, beside the driver's
+        for who in ("rank0", "rank1", "engine0"):
+            assert 0.05 < steps[-1][f"memory/{who}/{phase}_peak_rss_gb"] < 64, (who, phase)
+    assert 0.05 < steps[-1]["memory/rank0/save_peak_rss_gb"] < 64
     resumed = run(
         base_args(
             tiny_ckpt, addition_data, tmp_path / "b", "--num-rollout", "3", *common, "--load", str(tmp_path / "ckpt")

@@ -266,9 +266,14 @@ def test_report_of_a_run_still_writing(run_dir, tmp_path):
 
 def test_trace_holds_the_engine_servers_phases(tiny_ckpt, addition_data, tmp_path):
     """With launched `lichen serve` engines the trace has a process per server: its busy periods (labelled with
-    the rollout they served) and its weight updates."""
+    the rollout they served) and its weight updates. The metrics hold the server's own peak memory per phase."""
     out = tmp_path / "r"
-    run(base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--trace", "--rollout-num-engines", "1"))
+    rows = run(base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--trace", "--rollout-num-engines", "1"))
+    for m in [m for m in rows if m["step"] > 0]:
+        for ph in ("generate", "train", "sync"):
+            assert 0.05 < m[f"memory/engine0/{ph}_peak_rss_gb"] < 64, (ph, m)
+        # the server is another process: its peak differs from the driver's (which holds the trainer too)
+        assert m["memory/engine0/train_peak_rss_gb"] != m["memory/train_peak_rss_gb"]
     with open(out / "trace.json") as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}

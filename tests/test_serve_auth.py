@@ -62,6 +62,12 @@ def test_control_endpoints_take_only_the_admin_key(server):
     assert call(server.url + "/abort_request", body, headers=bearer(ADMIN))[0] == 200
     assert call(server.url + "/flush_cache", headers=bearer(KEY))[0] == 401
     assert call(server.url + "/flush_cache", headers=bearer(ADMIN))[0] == 200
+    # lichen's own: resetting the peak memory the trainer measures per phase (docs/serving.md)
+    assert call(server.url + "/reset_peak_memory", {})[0] == 401
+    assert call(server.url + "/reset_peak_memory", {}, headers=bearer(KEY))[0] == 401
+    assert call(server.url + "/reset_peak_memory", {}, headers=bearer(ADMIN))[0] == 200
+    status, info = call(server.url + "/server_info", headers=bearer(KEY))
+    assert status == 200 and 0.01 < info["memory"]["peak_rss_gb"] < 64 and "peak_rss_is_lifetime" not in info["memory"]
 
 
 def test_either_header_may_carry_the_key(server):

@@ -1,5 +1,5 @@
 """The trainer as Ray actors: one `TrainRank` per rank, each running lichen.train.dist_trainer.DistTrainer on its
-placement bundle; `RayTrainGroup` offers the loop the calls it makes on the local TrainActor.
+placement bundle; `RayTrainGroup` implements the Trainer contract (lichen.train.trainer_protocol) over them.
 
 Every rank gets the same global batch and runs the same code (the micro-batch schedule is made for the global
 batch inside DistTrainer); the group returns rank 0's metrics, which are the same on every rank. The ranks meet
@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from lichen.cluster.runtime import RayCluster
 from lichen.cluster.train_env import memory_saver_hook, train_runtime_env
 from lichen.errors import ConfigError, RunError, UserError
 from lichen.observe.metrics import get_logger
+
+if TYPE_CHECKING:
+    from lichen.train.checkpoint import SavedTrainer
+    from lichen.train.trainer_protocol import TokenValues
 
 log = get_logger(__name__)
 
@@ -93,6 +97,18 @@ class TrainRankImpl:
         with phase(method, _rollout_id(method, args)):  # a slice in this rank's lane of the driver's --trace
             return fn(*args, **kwargs)
 
+    def memory_reset(self) -> None:
+        """A loop phase starts: reset this process' peak counters (lichen.observe.phases)."""
+        from lichen.observe.phases import reset_peaks
+
+        reset_peaks()
+
+    def memory_peak(self) -> dict[str, float]:
+        """This process' peaks since memory_reset: {"peak_rss_gb": …[, "cuda_max_allocated_gb": …]}."""
+        from lichen.observe.phases import read_peaks
+
+        return read_peaks()
+
     def trace(self, since: float) -> dict:
         """This rank's phases finished after `since`, for the driver's --trace (lichen.observe.trace)."""
         from lichen.observe.trace import trace_payload
@@ -150,7 +166,7 @@ class RankWeightSender:
 
 
 class RayTrainGroup:
-    """N x G trainer ranks as Ray actors, behind the calls the loop makes on TrainActor."""
+    """N x G trainer ranks as Ray actors, behind the Trainer contract (lichen.train.trainer_protocol)."""
 
     def __init__(
         self, cluster: RayCluster, cfg: Any, plugin_args: Any, *, trainer_path: str = TRAINER, setup: bool = True
@@ -247,11 +263,12 @@ class RayTrainGroup:
             self._weight_sender: RankWeightSender | None = RankWeightSender(self) if sends else None
         return self._weight_sender
 
-    def save_checkpoint(self, save_dir: str, rollout_id: int) -> None:
-        """Sharded (torch.distributed.checkpoint) state of every rank, and rank 0's HF export."""
-        self._all("save", save_dir, rollout_id)
+    def save(self, save_dir: str, rollout_id: int) -> SavedTrainer:
+        """Sharded (torch.distributed.checkpoint) state of every rank, and rank 0's HF export; every file's
+        manifest entry, hashed by the ranks (lichen.train.checkpoint writes the manifest, meta.json, `latest`)."""
+        return self._all("save", save_dir, rollout_id)[0]
 
-    def load_checkpoint(self, load_dir: str, rollout_id: int | None = None) -> int:
+    def load(self, load_dir: str, rollout_id: int | None = None) -> int:
         """Restore checkpoint `rollout_id` (default: the one `latest` names) under `load_dir`, saved on any number
         of ranks, its checksums verified; its rollout id."""
         self._full = None
@@ -285,3 +302,32 @@ class RayTrainGroup:
             log.warning("closing trainer ranks: %s", e)
         for a in self.actors:
             ray.kill(a)
+
+    def token_values(self, rows: Sequence[int]) -> TokenValues:
+        """Rank 0's per-token values of the last step (the same on every rank), only the rows asked for: the
+        sample log's few samples cross the object store, not the step's [n, R] tensors."""
+        import ray
+
+        if self.failed:
+            return {}
+        return ray.get(self.actors[0].call.remote("token_values", list(rows))) or {}
+
+    def memory_begin(self) -> None:
+        """Reset every rank's peak-memory counters (a loop phase starts); never raises."""
+        if not self.failed:
+            for a in self.actors:
+                a.memory_reset.remote()  # queued before the phase's calls on the same actor, so it runs first
+
+    def memory_end(self, phase: str, timeout: float = 30.0) -> dict[str, float]:
+        """Every rank's peak memory since memory_begin: memory/rank{r}/{phase}_peak_rss_gb (and
+        _cuda_max_allocated_gb on CUDA); {} if a rank does not answer (the metrics must not cost the run)."""
+        import ray
+
+        if self.failed:
+            return {}
+        try:
+            peaks = ray.get([a.memory_peak.remote() for a in self.actors], timeout=timeout)
+        except Exception as e:
+            log.warning("trainer ranks' peak memory of phase %s not read: %s", phase, str(e).splitlines()[0])
+            return {}
+        return {f"memory/rank{r}/{phase}_{k}": v for r, p in enumerate(peaks) for k, v in p.items()}

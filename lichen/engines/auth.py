@@ -39,6 +39,7 @@ ADMIN_PATHS = frozenset(
         "/weights_checker",
         "/debug/stacks",
         "/update_weights_from_tensor",
+        "/reset_peak_memory",  # lichen's own: resets what the trainer measures (info_endpoints)
     }
 )
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")

@@ -126,6 +126,7 @@ class LichenServer:
         self.jobs: dict[str, Job] = {}
         self.paused = False
         self.started = time.time()
+        self.peaks_reset = False  # whether /reset_peak_memory reset the peak RSS counter (info_endpoints)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._resumed: asyncio.Event | None = None
         self._rate = (time.monotonic(), 0, 0.0)  # (when, tokens then, last throughput) for /v1/loads

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from lichen import __version__
 from lichen.engines.protocol import RequestError, error_body
+from lichen.observe.phases import read_peaks, reset_peaks
 
 if TYPE_CHECKING:
     from lichen.engines.http_server import LichenServer
@@ -138,6 +139,7 @@ def add_routes(app: web.Application, server: LichenServer) -> None:
     r.add_get("/get_load", partial(get_load, server))
     r.add_get("/ready", partial(ready, server))
     r.add_get("/metrics", partial(metrics, server))
+    r.add_post("/reset_peak_memory", partial(reset_peak_memory, server))
 
 
 async def model_info(server: LichenServer, request: web.Request) -> web.Response:
@@ -199,8 +201,17 @@ async def server_info(server: LichenServer, request: web.Request) -> web.Respons
             ],
             "version": f"lichen-{__version__}",
             "kv_events": None,
+            # lichen's own: this process' peak memory since the last /reset_peak_memory (or its start), read by the
+            # trainer as memory/engine{i}/<phase>_* (docs/observability.md#memory-per-phase)
+            "memory": read_peaks(server.peaks_reset),
         }
     )
+
+
+async def reset_peak_memory(server: LichenServer, request: web.Request) -> web.Response:
+    """lichen's own: reset this process' peak memory counters (the trainer does at each of its phases' start)."""
+    server.peaks_reset = reset_peaks()
+    return json_response({"success": True})
 
 
 async def weight_version_gone(server: LichenServer, request: web.Request) -> web.Response:

@@ -80,6 +80,27 @@ def _cuda() -> Any:
         return None
 
 
+def reset_peaks() -> bool:
+    """Reset this process' peak counters (RSS; CUDA's where the run initialised it); False where the peak RSS
+    cannot be reset (then `read_peaks` gives the lifetime peak, which still bounds the phase's)."""
+    cuda = _cuda()
+    if cuda is not None:
+        cuda.reset_peak_memory_stats()
+    return _reset_peak_rss()
+
+
+def read_peaks(rss_reset: bool = True) -> dict[str, float]:
+    """This process' peaks since `reset_peaks`: {"peak_rss_gb": …} and, on CUDA, "cuda_max_allocated_gb"; with
+    "peak_rss_is_lifetime": 1 when the RSS counter was not reset."""
+    found = {"peak_rss_gb": peak_rss_bytes() / _GB}
+    if not rss_reset:
+        found["peak_rss_is_lifetime"] = 1
+    cuda = _cuda()
+    if cuda is not None:
+        found["cuda_max_allocated_gb"] = cuda.max_memory_allocated() / _GB
+    return found
+
+
 class PhaseTracker:
     """Thread-safe record of the phases of this process (see the module docstring)."""
 
@@ -113,24 +134,15 @@ class PhaseTracker:
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None, *, memory: bool = False, **args: Any) -> Iterator[PhaseRecord]:
-        cuda = _cuda() if memory else None
-        if memory:
-            rss_reset = _reset_peak_rss()
-            if cuda is not None:
-                cuda.reset_peak_memory_stats()
+        rss_reset = reset_peaks() if memory else False
         key = self.begin(name, step, **args)
         try:
             yield self._active[key]
         finally:
             self.end(key)
             if memory:
-                # without a reset the peak is the process' lifetime peak, which still bounds the phase's
-                found = {f"memory/{name}_peak_rss_gb": peak_rss_bytes() / _GB}
-                if not rss_reset:
-                    found[f"memory/{name}_peak_rss_is_lifetime"] = 1
-                cuda = cuda or _cuda()  # the phase may have initialised CUDA
-                if cuda is not None:
-                    found[f"memory/{name}_cuda_max_allocated_gb"] = cuda.max_memory_allocated() / _GB
+                # (the phase may have initialised CUDA: read_peaks looks again)
+                found = {f"memory/{name}_{k}": v for k, v in read_peaks(rss_reset).items()}
                 with self._lock:
                     self.memory.update(found)
 

@@ -15,10 +15,12 @@ phases to the trace; so do the other `sources` (the Ray runtime's trainer ranks)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from lichen.observe.engine_memory import engine_memory_sources
 from lichen.observe.phases import PhaseRecord, PhaseTracker, tracker
 from lichen.observe.sample_log import SampleLog
 from lichen.observe.trace import (
@@ -50,6 +52,10 @@ class RunObserver:
         self.t0 = time.time()
         self.samples = SampleLog(cfg.output_dir, cfg.log_samples, reward_key=cfg.reward_key, decode=decode)
         self.engine_trace = _callables([*engines, *sources], "debug_trace")
+        # other processes' peak memory per phase (memory/rank{r}/..., memory/engine{i}/...), until step_done
+        self.memory_sources = [s for s in sources if callable(getattr(s, "memory_begin", None))]
+        self.memory_sources += engine_memory_sources(engines)
+        self._other_memory: dict[str, float] = {}
         self.engine_records: dict[str, list[PhaseRecord]] = {}
         self.engine_pids: dict[str, int] = {}
         self.process_names: dict[str, str] = {}
@@ -66,16 +72,32 @@ class RunObserver:
             else None
         )
 
-    def phase(self, name: str, step: int | None = None):
-        """A top-level phase of the loop: timed for the trace, watched, and its peak memory measured."""
-        return self.phases.phase(name, step, memory=True)
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[PhaseRecord]:
+        """A top-level phase of the loop: timed for the trace, watched, and its peak memory measured, the driver's
+        and that of every other process that can tell (`memory_begin`/`memory_end`: trainer ranks, engines)."""
+        for source in self.memory_sources:
+            source.memory_begin()
+        try:
+            with self.phases.phase(name, step, memory=True) as rec:
+                yield rec
+        finally:
+            for source in self.memory_sources:
+                self._other_memory.update(source.memory_end(name))
 
     def step_done(
-        self, step: int, batch: Sequence[Sequence[Sample]] | None, metrics: dict, token_values: dict | None = None
+        self,
+        step: int,
+        batch: Sequence[Sequence[Sample]] | None,
+        metrics: dict,
+        token_values: Callable[[list[int]], dict] | dict | None = None,
     ) -> None:
         """After the loop's step `step` (the step number of metrics.jsonl): adds the memory metrics of its phases
-        to `metrics`, logs its samples, rewrites the trace."""
+        to `metrics`, logs its samples (`token_values`: the trainer's, lichen.observe.sample_log), rewrites the
+        trace."""
         metrics.update(self.phases.take_memory())
+        metrics.update(self._other_memory)
+        self._other_memory = {}
         if batch is not None:
             self.samples.write(step, batch, token_values)
         self.write_trace()

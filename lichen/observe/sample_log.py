@@ -117,15 +117,28 @@ class SampleLog:
     ) -> None:
         self.output_dir, self.n, self.reward_key, self.decode = output_dir, n, reward_key, decode
 
-    def write(self, step: int, groups: Sequence[Sequence[Sample]], token_values: dict | None = None) -> str | None:
-        """Log step `step`'s samples. `token_values` maps "trainer_log_probs"/"advantages" to per-sample rows
-        (indexed like the flattened batch) of per-token values, as the trainer leaves them (None: not computed)."""
+    def write(
+        self,
+        step: int,
+        groups: Sequence[Sequence[Sample]],
+        token_values: Callable[[list[int]], dict] | dict | None = None,
+    ) -> str | None:
+        """Log step `step`'s samples. `token_values` gives "trainer_log_probs"/"advantages" per-token values: the
+        trainer's `token_values(rows)` (lichen.train.trainer_protocol: one row per requested index of the flattened
+        batch, asked only for the logged samples), or a dict of [n, R] tensors / lists indexed like the flattened
+        batch; None (or a value None): not computed."""
         if self.n <= 0:
             return None
         flat_index = {id(s): i for i, s in enumerate(s for g in groups for s in g)}
+        picked = pick(groups, self.n)
+        wanted = [flat_index[id(s)] for s in picked]
+        if callable(token_values):
+            values = token_values(wanted) or {}
+        else:
+            values = {k: None if v is None else [v[i] for i in wanted] for k, v in (token_values or {}).items()}
         records = []
-        for s in pick(groups, self.n):
-            rows = {k: _row(v, flat_index[id(s)], s.response_length) for k, v in (token_values or {}).items()}
+        for j, s in enumerate(picked):
+            rows = {k: _row(v, j, s.response_length) for k, v in values.items()}
             records.append(sample_record(s, step, reward_key=self.reward_key, decode=self.decode, **rows))
         path = step_path(self.output_dir, step)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -138,7 +151,7 @@ class SampleLog:
 
 
 def _row(values: Any, i: int, length: int) -> list[float] | None:
-    """Row `i` of a [n, R] tensor or list of lists, cut to the response length."""
+    """Row `i` of a [n, R] tensor or list of rows, cut to the response length."""
     if values is None:
         return None
     row = values[i]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,7 +34,8 @@ from lichen.devices import resolve_device
 from lichen.models import CausalLM, load_model
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
-from lichen.train import advantage
+from lichen.train import advantage, checkpoint
+from lichen.train.checkpoint import SavedTrainer
 from lichen.train.log_probs import LogProbs
 from lichen.train.loss import LossPlugins, StepLoss, StepTerms
 from lichen.train.lr_schedule import lr_at
@@ -44,6 +45,7 @@ from lichen.train.router_aux import RouterAuxLoss
 from lichen.train.step_metrics import step_metrics
 from lichen.train.step_schedule import MicroBatchPlanner, OptimizerStepPlan, schedule_steps
 from lichen.train.train_batch import TrainBatch, global_counts
+from lichen.train.trainer_protocol import TokenValues, rows_of
 from lichen.types import Sample
 
 log = get_logger(__name__)
@@ -181,6 +183,27 @@ class TrainActor:
         self.opt_step = int(state["opt_step"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+
+    # ---- the rest of the Trainer contract (lichen.train.trainer_protocol) -------------------------------------
+    def save(self, save_dir: str, rollout_id: int) -> SavedTrainer:
+        """hf/, trainer_state.pt (and critic.pt, lora/) of checkpoint `rollout_id`; lichen.train.checkpoint writes
+        the rest of it."""
+        return checkpoint.save_trainer(save_dir, rollout_id, self, self.cfg.hf_checkpoint)
+
+    def load(self, load_dir: str, rollout_id: int) -> None:
+        checkpoint.load_trainer(load_dir, rollout_id, self)
+
+    def token_values(self, rows: Sequence[int]) -> TokenValues:
+        return rows_of(getattr(self, "last_token_values", {}), rows)
+
+    def memory_begin(self) -> None:
+        pass  # in the driver's process: the loop's phases measure it
+
+    def memory_end(self, phase: str) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def offload(self) -> None:
         if self.device.type == "cpu":

@@ -8,15 +8,21 @@ Layout of one checkpoint:
   critic.pt           --advantage-estimator ppo: the critic's weights and optimizer state
   lora/               --use-lora: the adapters as peft's adapter directory (docs/lora.md); hf/ is then the merged
                       policy, and a resume restores the adapters onto --hf-checkpoint's base weights
+  dist/               --runtime ray: the ranks' sharded state (torch.distributed.checkpoint) instead of
+                      trainer_state.pt; hf/ is then rank 0's export
   rollout_state.json  the data source position (and anything else the rollout side needs to resume)
-  meta.json           rollout_id, weight_version
+  meta.json           rollout_id, weight_version, world_size (the trainer ranks that saved it; 1 locally)
   checksums.json      size and xxh3-128 digest of every file above (lichen.train.ckpt_integrity); written last
 `DIR/latest_checkpointed_iteration.txt` names the newest complete checkpoint; it is written after checksums.json,
 so a crash during a save leaves the previous checkpoint as the one that resumes.
 
+One writer (`save_checkpoint`): the trainer (lichen.train.trainer_protocol.Trainer.save) writes its own files and
+returns their manifest entries, hashed by the process that wrote them (each rank its share); this module then
+writes rollout_state.json, meta.json, checksums.json and, last, `latest`. No other code writes those four.
+
 Resuming verifies every file against checksums.json before anything is loaded. A damaged checkpoint (a file
-missing, truncated or changed, or a bad `latest` file) is named in a warning and the newest older intact one is
-loaded instead; when none is intact the run stops with exit code 2. A checkpoint without checksums.json (an
+missing, truncated or changed, a rollout_state.json or meta.json that does not parse, or a bad `latest` file) is
+named in a warning and the newest older intact one is loaded instead; when none is intact the run stops with exit code 2. A checkpoint without checksums.json (an
 unfinished save, or written by a lichen before checksums, whose trainer_state.pt cannot be read safely) is never
 loaded: resume it with the lichen that wrote it, or start from its weights with `--hf-checkpoint iter_N/hf`.
 
@@ -30,6 +36,7 @@ import json
 import os
 import random
 import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +49,8 @@ from lichen.train.ckpt_integrity import (
     NO_MANIFEST,
     CheckpointDamaged,
     atomic_write_text,
+    checkpoint_files,
+    file_entries,
     open_inside,
     read_inside,
     remove_manifest,
@@ -54,6 +63,8 @@ from lichen.weights.hf_io import save_hf_checkpoint
 log = get_logger(__name__)
 
 LATEST = "latest_checkpointed_iteration.txt"
+META = "meta.json"
+DIST_DIR = "dist"  # the sharded (torch.distributed.checkpoint) state of a multi-rank trainer
 TRAINER_STATE = "trainer_state.pt"
 CRITIC_FILE = "critic.pt"
 LORA_DIR = "lora"
@@ -97,7 +108,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _begin_save(save_dir: str, rollout_id: int) -> str:
+@dataclass
+class SavedTrainer:
+    """What a trainer's `save` wrote into a checkpoint: each file's manifest entry (ckpt_integrity.file_entries),
+    hashed by the process that wrote it, and what meta.json records about the trainer."""
+
+    files: dict[str, dict] = field(default_factory=dict)  # path relative to iter_N/ -> {"size", "xxh3_128"}
+    world_size: int = 0  # trainer ranks that saved it (0: no trainer state, --debug-rollout-only)
+
+
+def begin_save(save_dir: str, rollout_id: int) -> str:
     """Create (or reopen) the checkpoint directory as unfinished, after removing crashed saves' temp entries."""
     for path in remove_stale_temps(save_dir):
         log.info("removed %s, left by a save that did not finish", path)
@@ -107,14 +127,17 @@ def _begin_save(save_dir: str, rollout_id: int) -> str:
     return d
 
 
-def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) -> str:
-    """Write `trainer.state_dict()` (lichen.train.actor.TrainActor) as hf/, trainer_state.pt and critic.pt."""
-    d = _begin_save(save_dir, rollout_id)
+def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) -> SavedTrainer:
+    """Write `trainer.state_dict()` (lichen.train.actor.TrainActor) as hf/, trainer_state.pt and critic.pt (and
+    lora/); returns their manifest entries."""
+    d = iter_dir(save_dir, rollout_id)
+    os.makedirs(d, exist_ok=True)
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
     state = trainer.state_dict()
     weights = {k: v.detach() for k, v in state["model"].items()}
     save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
+    written = ["hf", TRAINER_STATE]
     save_plain(
         {"format": STATE_FORMAT, "optimizer": state["optimizer"], "opt_step": state["opt_step"], "rng": rng_state()},
         os.path.join(d, TRAINER_STATE),
@@ -124,23 +147,56 @@ def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) ->
 
         lora.save_adapter(trainer.model, trainer.cfg.lora, os.path.join(d, LORA_DIR), hf_checkpoint)
         lora.save_exports(trainer, weights, rollout_id, hf_checkpoint)
+        written.append(LORA_DIR)
     if "critic" in state:
         save_plain(state["critic"], os.path.join(d, CRITIC_FILE))
+        written.append(CRITIC_FILE)
+    return SavedTrainer(written_entries(d, written), world_size=1)
+
+
+def written_entries(d: str, tops: list[str]) -> dict[str, dict]:
+    """Manifest entries of the files of checkpoint `d` under the top-level entries `tops` (files or folders)."""
+    rels = [rel for rel in checkpoint_files(d) if rel.split("/", 1)[0] in tops]
+    return file_entries(d, rels)
+
+
+def save_checkpoint(save_dir: str, rollout_id: int, trainer, rollout_state: dict) -> str:
+    """Write checkpoint `rollout_id` under `save_dir`, the only writer of its meta.json, checksums.json and of
+    `latest`: the trainer's files (`trainer.save`, hashed where they were written), then rollout_state.json, then
+    meta.json, then checksums.json, then `latest`. A crash between any two writes leaves either the previous
+    checkpoint or this one as the one a resume loads (docs/checkpoints.md#one-writer)."""
+    d = begin_save(save_dir, rollout_id)
+    saved = trainer.save(save_dir, rollout_id)
+    commit(save_dir, rollout_id, saved, rollout_state)
     return d
 
 
-def save_rollout_state(save_dir: str, rollout_id: int, state: dict) -> None:
-    d = _begin_save(save_dir, rollout_id)
-    atomic_write_text(os.path.join(d, ROLLOUT_STATE), json.dumps(state, sort_keys=True))
-
-
-def mark_complete(save_dir: str, rollout_id: int) -> None:
-    """Record `rollout_id` as the newest complete checkpoint (weights trained for rollout_id + 1 steps)."""
+def commit(save_dir: str, rollout_id: int, saved: SavedTrainer, rollout_state: dict) -> None:
+    """The end of a save, after the trainer wrote `saved`: rollout_state.json, meta.json, checksums.json (the
+    trainer's entries as given, never re-hashed, plus these two), and last `latest`."""
     d = iter_dir(save_dir, rollout_id)
-    meta = {"rollout_id": rollout_id, "weight_version": str(rollout_id + 1)}
-    atomic_write_text(os.path.join(d, "meta.json"), json.dumps(meta))
-    write_manifest(d)
-    atomic_write_text(os.path.join(save_dir, LATEST), str(rollout_id))
+    atomic_write_text(os.path.join(d, ROLLOUT_STATE), json.dumps(rollout_state, sort_keys=True))
+    meta = {"rollout_id": rollout_id, "weight_version": str(rollout_id + 1), "world_size": saved.world_size}
+    atomic_write_text(os.path.join(d, META), json.dumps(meta))
+    files = {**saved.files, **file_entries(d, [ROLLOUT_STATE, META])}
+    write_manifest(d, files)
+    atomic_write_text(os.path.join(save_dir, LATEST), f"{rollout_id}\n")
+
+
+def _resume_problem(d: str) -> str | None:
+    """Why a checkpoint that verified still cannot resume (its rollout_state.json or meta.json absent from its
+    manifest, or not a JSON object), else None."""
+    for name in (ROLLOUT_STATE, META):
+        try:
+            with open_inside(d, name) as f:
+                value = json.load(f)
+        except CheckpointDamaged as e:
+            return str(e)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            return f"{name}: unreadable ({str(e)[:200]})"
+        if not isinstance(value, dict):
+            return f"{name}: not a JSON object"
+    return None
 
 
 def _checkpoint_ids(load_dir: str) -> list[int]:
@@ -199,6 +255,10 @@ def find_latest(load_dir: str) -> int | None:
         except CheckpointDamaged as e:
             problems.append(f"{name}/{e}")
             continue
+        unresumable = _resume_problem(iter_dir(load_dir, rollout_id))
+        if unresumable:
+            problems.append(f"{name}/{unresumable}")
+            continue
         if latest is not None and rollout_id < latest:
             log.warning(
                 "!!! --load %s: %s. Resuming from the newest intact checkpoint, %s, instead: rollout ids "
@@ -254,6 +314,12 @@ def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
     from lichen.weights.hf_io import load_hf_state_dict
 
     d = iter_dir(load_dir, rollout_id)
+    if os.path.isdir(os.path.join(d, DIST_DIR)) and not os.path.isfile(os.path.join(d, TRAINER_STATE)):
+        raise ConfigError(
+            f"checkpoint {d} was saved by --runtime ray's {_saved_ranks(d)}: its optimizer state is sharded "
+            f"({DIST_DIR}/), which the local trainer does not read. Resume it with --runtime ray (any number of "
+            f"ranks), or start from its weights with --hf-checkpoint {d}/hf and without --load"
+        )
     if not os.path.isdir(os.path.join(d, "hf")) or not os.path.isfile(os.path.join(d, TRAINER_STATE)):
         raise ConfigError(
             f"checkpoint {d} has no trainer state (hf/, {TRAINER_STATE}): it was saved with "
@@ -286,6 +352,16 @@ def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
         restored["critic"] = read_critic_state(d)
     trainer.load_state_dict(restored)
     set_rng_state(state["rng"])
+
+
+def _saved_ranks(d: str) -> str:
+    """'N trainer ranks' as meta.json records them (verified before this is read), else 'trainer ranks'."""
+    try:
+        with open_inside(d, META) as f:
+            n = json.load(f).get("world_size")
+    except (OSError, ValueError, AttributeError, CheckpointDamaged):
+        n = None
+    return f"{n} trainer rank{'s' if n != 1 else ''}" if isinstance(n, int) and n > 0 else "trainer ranks"
 
 
 def _lora_of(trainer):

@@ -13,11 +13,13 @@ sent between ranks, only tensors:
 So 2 ranks compute the single-rank TrainActor's update up to floating-point summation order.
 
 Checkpoints: `save` writes the sharded state with torch.distributed.checkpoint (DCP), which reshards on load, so
-a checkpoint loads on any number of ranks; rank 0 also exports the weights as an HF checkpoint (hf/).
-Layout: DIR/iter_{rollout_id:07d}/{dist/, hf/, meta.json, checksums.json} and DIR/latest_checkpointed_iteration.txt.
-checksums.json is the single-rank checkpoints' manifest (lichen.train.ckpt_integrity), every file's size and
-digest, the shards included; `load` verifies it before DCP reads anything, so a damaged shard stops the load with
-one error naming the file. Each rank hashes and verifies its share of the files.
+a checkpoint loads on any number of ranks; rank 0 also exports the weights as an HF checkpoint (hf/). Each rank
+then hashes its share of those files and rank 0 returns every entry (a SavedTrainer): the driver's
+lichen.train.checkpoint.save_checkpoint writes meta.json, checksums.json (with these entries, never re-hashed)
+and `latest`, after rollout_state.json; ranks write none of them. Layout:
+DIR/iter_{rollout_id:07d}/{dist/, hf/, rollout_state.json, meta.json, checksums.json}. `load` verifies the
+manifest before DCP reads anything, so a damaged shard stops the load with one error naming the file; each rank
+verifies its share of the files.
 
 The PPO critic (--advantage-estimator ppo) is sharded and split the same way (lichen.train.dist_critic).
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,28 +45,18 @@ from lichen.devices import resolve_device
 from lichen.errors import ConfigError
 from lichen.train import fsdp, memory_saver
 from lichen.train.actor import TrainActor
-from lichen.train.checkpoint import LATEST, LORA_DIR, iter_dir
-from lichen.train.ckpt_integrity import (
-    CheckpointDamaged,
-    atomic_write_text,
-    checkpoint_files,
-    file_entries,
-    read_inside,
-    remove_manifest,
-    verify,
-    write_manifest,
-)
+from lichen.train.checkpoint import DIST_DIR, LATEST, LORA_DIR, SavedTrainer, iter_dir
+from lichen.train.ckpt_integrity import CheckpointDamaged, checkpoint_files, file_entries, read_inside, verify
 from lichen.train.log_probs import LogProbs
 from lichen.train.loss import StepTerms
 from lichen.train.micro_batches import Plan, StepBatch
 from lichen.train.optim import make_adamw
 from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
 from lichen.train.train_batch import TrainBatch
+from lichen.train.trainer_protocol import TokenValues, rows_of
 from lichen.types import Sample
 from lichen.weights.hf_io import save_hf_checkpoint
 from lichen.weights.rank_send import SENDER_OPS, RankSender, tensor_meta
-
-DIST_DIR = "dist"  # the DCP files of a checkpoint
 
 
 class RankLogProbs(LogProbs):
@@ -240,12 +232,16 @@ class DistTrainer:
             }
         return state
 
-    def save(self, ckpt_dir: str, rollout_id: int) -> None:
-        """Write checkpoint `rollout_id` under `ckpt_dir` (every rank calls it): the sharded state, then rank 0's
-        HF export, then, after every rank is done, the `latest` file that makes it the one a resume loads."""
+    def token_values(self, rows: Sequence[int]) -> TokenValues:
+        """The last step's per-token values of batch rows `rows` (the same on every rank: they are summed)."""
+        return rows_of(getattr(self.actor, "last_token_values", {}), rows)
+
+    def save(self, ckpt_dir: str, rollout_id: int) -> SavedTrainer:
+        """Write this rank's part of checkpoint `rollout_id` under `ckpt_dir` (every rank calls it): the sharded
+        state, rank 0's HF export; then each rank hashes its share of the files. Rank 0 returns every file's
+        manifest entry (the other ranks an empty SavedTrainer); the caller (lichen.train.checkpoint) writes the
+        manifest, meta.json and `latest`."""
         d = iter_dir(ckpt_dir, rollout_id)
-        if self.rank == 0:
-            remove_manifest(d)  # unfinished until the new files are hashed (DCP's planning waits for rank 0)
         dcp.save(self._sharded_state(), checkpoint_id=os.path.join(d, DIST_DIR))
         with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
             weights = fsdp.full_weights(self.actor.model)
@@ -259,27 +255,24 @@ class DistTrainer:
             with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
                 config = json.load(f)
             save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=self.cfg.hf_checkpoint)
-            atomic_write_text(
-                os.path.join(d, "meta.json"), json.dumps({"rollout_id": rollout_id, "world_size": self.world_size})
-            )
-        dist.barrier()  # every rank's shards are written before they are hashed and `latest` names the checkpoint
-        self._write_manifest(d)
-        if self.rank == 0:
-            atomic_write_text(os.path.join(ckpt_dir, LATEST), f"{rollout_id}\n")
-        dist.barrier()
+        dist.barrier()  # every rank's shards are written before they are hashed
+        return SavedTrainer(self._hash_files(d), world_size=self.world_size)
 
     def _from_rank0(self, obj: Any) -> Any:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _write_manifest(self, d: str) -> None:
-        """Each rank hashes its share of the checkpoint's files (rank 0's listing); rank 0 writes checksums.json."""
-        rels = self._from_rank0(checkpoint_files(d) if self.rank == 0 else None)
+    def _hash_files(self, d: str) -> dict[str, dict]:
+        """Each rank hashes its share of the files this save wrote (dist/ and hf/, plus lora/: rank 0's listing);
+        rank 0 gets every entry, the other ranks {}."""
+        tops = {DIST_DIR, "hf", LORA_DIR}
+        rels = self._from_rank0(
+            [r for r in checkpoint_files(d) if r.split("/", 1)[0] in tops] if self.rank == 0 else None
+        )
         parts: list[dict] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(parts, file_entries(d, rels[self.rank :: self.world_size]))
-        if self.rank == 0:
-            write_manifest(d, {rel: e for part in parts for rel, e in part.items()})
+        return {rel: e for part in parts for rel, e in part.items()} if self.rank == 0 else {}
 
     def _verify(self, d: str) -> None:
         """Every rank checks its share of the files against checksums.json, and every rank raises the same error

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from helpers.trainer import ragged_samples
 from lichen.config import TrainerConfig, parse_train_args
+from lichen.train import checkpoint
 from lichen.train.actor import TrainActor
 from lichen.train.dist_trainer import DistTrainer
 from lichen.types import Sample
@@ -90,6 +91,16 @@ def step_batch(vocab: int, step: int) -> list[list[Sample]]:
     return [samples[i : i + 4] for i in range(0, len(samples), 4)]
 
 
+def save(t: DistTrainer, ckpt: str, rollout_id: int) -> None:
+    """Checkpoint `rollout_id` as a run saves it: every rank's part (DistTrainer.save), then what the driver
+    writes (lichen.train.checkpoint.commit), here on rank 0, with an empty rollout state."""
+    if t.rank == 0:
+        checkpoint.begin_save(ckpt, rollout_id)
+    saved = t.save(ckpt, rollout_id)
+    if t.rank == 0:
+        checkpoint.commit(ckpt, rollout_id, saved, {})
+
+
 def _trainer(argv, rank, world_size, port) -> DistTrainer:
     cfg, args = config(argv)
     return DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
@@ -126,7 +137,7 @@ def resume_worker(
     for k in range(half):
         t.train(k, step_batch(_vocab(t), k))
     at_save = t.full_state_dict()
-    t.save(ckpt, half - 1)
+    save(t, ckpt, half - 1)
     t.close()
     t = _trainer(argv, rank, world_size, ports[2])
     start = t.load(ckpt) + 1
@@ -157,7 +168,7 @@ def save_worker(rank: int, world_size: int, argv: list[str], port: int, ckpt: st
     torch.set_num_threads(1)
     t = _trainer(argv, rank, world_size, port)
     t.train(0, step_batch(_vocab(t), 0))
-    t.save(ckpt, rollout_id)
+    save(t, ckpt, rollout_id)
     t.close()
 
 

@@ -46,9 +46,20 @@
     ["Grad norm", ["train/grad_norm"]],
     ["Learning rate", ["train/lr"]],
     ["Eval scores", match(/^eval\/.+\/(reward_mean|pass@\d+)$/)],
-    ["Peak RSS per phase (GiB)", match(/^memory\/.+_peak_rss_gb$/)],
-    ["CUDA max allocated per phase (GiB)", match(/^memory\/.+_cuda_max_allocated_gb$/)],
+    ["Peak RSS per phase, driver (GiB)", match(/^memory\/[^/]+_peak_rss_gb$/)],
+    ["CUDA max allocated per phase, driver (GiB)", match(/^memory\/[^/]+_cuda_max_allocated_gb$/)],
+    ...processMemoryCharts(),
   ];
+
+  // one chart per other process that reports its memory: memory/rank{r}/... (trainer ranks), memory/engine{i}/...
+  function processMemoryCharts() {
+    const procs = [...new Set([...keys].map((k) => /^memory\/((?:rank|engine)\d+)\//.exec(k)).filter(Boolean)
+      .map((m) => m[1]))].sort((a, b) => a.localeCompare(b, undefined, { numeric: true }));
+    return procs.flatMap((p) => [
+      [`Peak RSS per phase, ${p} (GiB)`, match(new RegExp(`^memory/${p}/.+_peak_rss_gb$`))],
+      [`CUDA max allocated per phase, ${p} (GiB)`, match(new RegExp(`^memory/${p}/.+_cuda_max_allocated_gb$`))],
+    ]);
+  }
 
   function series(key) {
     return metrics.filter((m) => typeof m[key] === "number").map((m) => [m.step, m[key]]);
