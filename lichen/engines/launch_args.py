@@ -8,14 +8,17 @@ or the environment, never from the command line (docs/serving.md).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
 from lichen.engines.model_args import launch_model_args
 from lichen.key_files import resolve_key
 
+if TYPE_CHECKING:
+    from lichen.config.engine_config import EngineConfig
 
-def launch_server_args(cfg: Any) -> list[str]:
+
+def launch_server_args(cfg: EngineConfig) -> list[str]:
     """`lichen serve` flags for launched engines (`cfg` an EngineConfig): the trainer's device and dtype (float32,
     as the in-process engine) and model code (--model-impl and friends), the batch cap, the CPU threads split between the engines, the run's weight
     directories (the only ones the engines may read weights from and pull to) and work bounds sized from the run."""
@@ -37,7 +40,7 @@ def launch_server_args(cfg: Any) -> list[str]:
     return out + launch_limits(cfg)
 
 
-def launch_limits(cfg: Any) -> list[str]:
+def launch_limits(cfg: EngineConfig) -> list[str]:
     """Queue bounds for launched engines: the client keeps at most `cfg.concurrency` requests of one sequence
     each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and control
     traffic; tokens: that many sequences of the run's longest prompt + response, and request bodies sized for one
@@ -64,7 +67,7 @@ def request_bytes(tokens: int) -> int:
 MIN_REQUEST_BYTES = 4 * 1024 * 1024
 
 
-def external_keys(cfg: Any) -> tuple[str | None, str | None]:
+def external_keys(cfg: EngineConfig) -> tuple[str | None, str | None]:
     """(API key, admin key) of external servers: from the key files (`cfg.api_key_file`, `cfg.admin_api_key_file`)
     or the environment (LICHEN_ENGINE_API_KEY, LICHEN_ENGINE_ADMIN_API_KEY), never from the command line."""
     api = resolve_key(

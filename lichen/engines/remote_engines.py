@@ -39,7 +39,7 @@ import contextlib
 import threading
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
 from lichen.engines.auth import ENGINE_KEY_ENV
@@ -57,6 +57,9 @@ from lichen.engines.launch_args import external_keys, launch_server_args
 from lichen.engines.router import Router
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
+
+if TYPE_CHECKING:
+    from lichen.config.engine_config import EngineConfig
 
 log = get_logger(__name__)
 
@@ -547,7 +550,7 @@ class RemoteEngines:
 
     # ---- construction from an EngineConfig -----------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: Any, launcher: Any = None) -> "RemoteEngines":
+    def from_config(cls, cfg: EngineConfig, launcher: Any = None) -> "RemoteEngines":
         """Launch `cfg.num_engines` servers (or connect to `cfg.addresses`), wait until they answer, check that
         each routes `cfg.required`, and start the health monitor with `cfg.failover`. `cfg` is an EngineConfig.
         `launcher`: servers started elsewhere (the Ray runtime's engine actors) with the launcher interface."""
@@ -601,8 +604,12 @@ class RemoteEngines:
         for url, info in zip(urls, infos):
             log.info("engine %s: model %s, weight version %s", url, info.get("model_path"), info.get("weight_version"))
         if cfg.failover:
+            # --use-fault-tolerance resolves the three (lichen.config.rollout); without it they stay None
+            assert None not in (cfg.health_interval, cfg.health_timeout, cfg.health_first_wait)
             engines.start_health_monitor(
-                interval=cfg.health_interval, timeout=cfg.health_timeout, first_wait=cfg.health_first_wait
+                interval=float(cfg.health_interval or 0),
+                timeout=float(cfg.health_timeout or 0),
+                first_wait=float(cfg.health_first_wait or 0),
             )
         return engines
 

@@ -30,16 +30,20 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from lichen.engines.auth import SERVE_KEY_ENV, new_key
 from lichen.engines.server_process import ServerSet
 from lichen.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from lichen.config.engine_config import EngineConfig
 
 SGLANG_PREFIX = "--sglang-"
 
@@ -96,7 +100,7 @@ def translate_passthrough(tokens: Sequence[str]) -> list[str]:
 
 
 def build_sglang_command(
-    cfg: Any, *, engine_index: int, port: int, host: str = "127.0.0.1", python: str | None = None
+    cfg: EngineConfig, *, engine_index: int, port: int, host: str = "127.0.0.1", python: str | None = None
 ) -> list[str]:
     """The exact command that starts engine `engine_index` of EngineConfig `cfg` (see the module docstring)."""
     passthrough = list(cfg.passthrough)
@@ -208,14 +212,15 @@ class SGLangLauncher(ServerSet):
         atexit.register(_stop_if_alive, weakref.ref(self))
 
     @classmethod
-    def from_config(cls, cfg: Any, **kwargs: Any) -> "SGLangLauncher":
+    def from_config(cls, cfg: EngineConfig, **kwargs: Any) -> "SGLangLauncher":
         """The launcher of `cfg.num_engines` SGLang servers of EngineConfig `cfg`, keyed per run."""
 
         def command_for(i: int, port: int) -> list[str]:
             return build_sglang_command(cfg, engine_index=i, port=port)
 
         kwargs.setdefault("keyed", True)
-        return cls(command_for, cfg.num_engines, log_dir=cfg.log_dir, **kwargs)
+        log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="lichen-sglang-logs-")  # a run always has one
+        return cls(command_for, cfg.num_engines, log_dir=log_dir, **kwargs)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> list[str]:

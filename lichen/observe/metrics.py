@@ -16,12 +16,15 @@ import os
 import re
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from lichen.errors import ConfigError, DataError
 from lichen.observe.secrets import redact_config, redact_text
+
+if TYPE_CHECKING:
+    from lichen.config.engine_config import ObserveConfig
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("online", "offline", "disabled")
@@ -127,7 +130,7 @@ class MetricsLogger:
         return cls.from_config(ObserveConfig.from_args(args))
 
     @classmethod
-    def from_config(cls, cfg: Any) -> MetricsLogger:
+    def from_config(cls, cfg: ObserveConfig) -> MetricsLogger:
         """The sinks ObserveConfig `cfg` asks for, under `cfg.output_dir`."""
         return cls(
             cfg.output_dir,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lichen.engines.client import EngineError
 from lichen.engines.engine import GenResult
@@ -37,10 +37,13 @@ from lichen.rollout.partial import PartialBuffer, continuation_request, extend_s
 from lichen.rollout.samples import make_sample, sample_requests, score, shape
 from lichen.types import Sample
 
+if TYPE_CHECKING:
+    from lichen.config.rollout_config import RolloutConfig
+
 log = get_logger(__name__)
 
 
-def can_abort(cfg: Any, engine: Any) -> bool:
+def can_abort(cfg: RolloutConfig, engine: Any) -> bool:
     """Rounds stop early only over engines lichen can abort, and only for requests lichen itself makes."""
     return (
         all(hasattr(engine, a) for a in ("agenerate", "submit", "abort_all")) and not cfg.custom_generate_function_path

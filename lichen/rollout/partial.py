@@ -28,13 +28,16 @@ continues the same groups with the same requests and seeds.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.errors import ConfigError
 from lichen.rollout.messages import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
 from lichen.rollout.trajectory import add_engine
 from lichen.types import Sample, Status
+
+if TYPE_CHECKING:
+    from lichen.config.rollout_config import RolloutConfig
 
 SEGMENTS_KEY = "partial_rollout_segments"  # metadata: response tokens per weight_versions entry
 _STATE_VERSION = 1
@@ -80,7 +83,7 @@ class PartialBuffer:
         self._groups = [[Sample.from_dict(d) for d in g] for g in state.get("groups", [])]
 
 
-def require_abortable(cfg: Any, can_abort: bool) -> None:
+def require_abortable(cfg: RolloutConfig, can_abort: bool) -> None:
     """--partial-rollout needs dynamic sampling over engines whose requests lichen can abort (cfg: RolloutConfig)."""
     if not cfg.partial_rollout:
         return

@@ -6,7 +6,7 @@ Shared by every generation path: the default rollout, dynamic-sampling rounds, e
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from lichen.engines.engine import GenRequest, GenResult
 from lichen.engines.sampler import derive_seed
@@ -15,6 +15,9 @@ from lichen.rollout.context import RolloutContext
 from lichen.rollout.custom_generate import build_custom_samples
 from lichen.rollout.shaping import apply_overlong_penalty
 from lichen.types import Sample, Status
+
+if TYPE_CHECKING:
+    from lichen.config.rollout_config import RolloutConfig
 
 Encode = Callable[[int, Any], list[int]]  # (data index, record) -> prompt ids
 
@@ -95,7 +98,7 @@ def score(ctx: RolloutContext, samples: list[Sample], reward_fn: Any = None) -> 
     return {**stats, "reward_time_s": stats.get("reward_time_s", time.perf_counter() - t0)}
 
 
-def shape(cfg: Any, samples: list[Sample]) -> None:
+def shape(cfg: RolloutConfig, samples: list[Sample]) -> None:
     """The DAPO overlong penalty, when --overlong-buffer-len is set; after scoring, before any filter, so the
     filter sees the reward the trainer will see."""
     if cfg.overlong_buffer_len is not None:
