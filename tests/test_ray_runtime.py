@@ -209,7 +209,12 @@ def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, additio
     assert first["ray"] == first["local"] and first["ray"][0] == first["ray"][1]
     steps = [m for m in rayrun if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
-    assert {k for m in local if "train/loss" in m for k in m} == {k for m in steps for k in m}
+    # the same metrics as the local run, plus each trainer rank's own memory (the local trainer is the driver)
+    ray_keys = {k for m in steps for k in m}
+    assert {k for m in local if "train/loss" in m for k in m} == {
+        k for k in ray_keys if not k.startswith("memory/rank")
+    }
+    assert {"memory/rank0/train_peak_rss_gb", "memory/rank1/train_peak_rss_gb"} <= ray_keys
     assert [m["sync/weight_version"] for m in steps] == [1, 2, 3]
     mean_diff = sum(m["train/train_rollout_logprob_abs_diff"] for m in steps) / len(steps)
     assert mean_diff <= 1e-5
