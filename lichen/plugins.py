@@ -37,6 +37,9 @@ SLIME_ALIASES: dict[str, PluginAlias] = {
     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": PluginAlias(
         "lichen.rollout.filters.check_reward_nonzero_std", "keeps a group whose rewards are not all equal"
     ),
+    "slime.rollout.forge_load.generate_rollout": PluginAlias(
+        "lichen.rollout.forge_load.generate_rollout", "replays --load-forge-rollout-data with engines and sync live"
+    ),
     "slime.rollout.rm_hub.async_rm": PluginAlias(None, _RM_HUB),
     "slime.rollout.rm_hub.batched_async_rm": PluginAlias(None, _RM_HUB + "; drop --group-rm"),
     "slime.rollout.sglang_rollout.generate": PluginAlias(

@@ -112,6 +112,7 @@ def test_ci_test_maps_to_lichens_weight_equality_check():
 LOADED = {
     "slime.rollout.sglang_rollout.generate_rollout": "lichen.rollout.generate.generate_rollout",
     "slime.rollout.sft_rollout.generate_rollout": "lichen.rollout.sft.generate_rollout",
+    "slime.rollout.forge_load.generate_rollout": "lichen.rollout.forge_load.generate_rollout",
     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": (
         "lichen.rollout.filters.check_reward_nonzero_std"
     ),

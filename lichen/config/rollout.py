@@ -251,7 +251,8 @@ def check(args: argparse.Namespace) -> None:
     _resolve_slime_paths(args)
     if args.rm_type is not None and args.custom_rm_path is not None:
         raise ConfigError("--rm-type and --custom-rm-path exclude each other: give exactly one reward")
-    if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only and not is_sft(args):
+    replay = args.debug_train_only or args.load_forge_rollout_data is not None  # dumped samples carry rewards
+    if args.rm_type is None and args.custom_rm_path is None and not replay and not is_sft(args):
         raise ConfigError(
             "a reward is required: give --rm-type (a built-in rule such as math) or --custom-rm-path module.function"
         )

@@ -173,6 +173,7 @@ class RolloutConfig:
     # debug dumps and evaluation
     save_debug_rollout_data: str | None
     load_debug_rollout_data: str | None
+    load_forge_rollout_data: str | None  # slime's forge replay: dumps replayed with engines and sync live
     eval_datasets: tuple[dict, ...]  # one resolved config per eval data set (lichen.config.eval)
 
     @classmethod
@@ -199,5 +200,6 @@ class RolloutConfig:
             overlong_penalty_factor=args.overlong_penalty_factor,
             save_debug_rollout_data=args.save_debug_rollout_data,
             load_debug_rollout_data=args.load_debug_rollout_data,
+            load_forge_rollout_data=args.load_forge_rollout_data,
             eval_datasets=tuple(args.eval_dataset_configs),
         )

@@ -327,6 +327,10 @@ DIFFERS: dict[str, str] = {
     "--debug-train-only": "lichen: training on replayed rollout dumps only, which needs --load-debug-rollout-data "
     "(then it is slime's meaning); slime also trains without engines from a rollout function that generates nothing "
     "(its SFT script: with slime's SFT rollout the flag is left out, lichen's SFT rollout generates nothing)",
+    "--load-forge-rollout-data": "replays training rollouts as slime (one file, or a {rollout_id} template falling "
+    "back to step 0's file; engines, sync and offload live), but evaluation generates with the live engines "
+    "(slime replays eval_<id> files) and the flag alone selects the replay (slime also needs --rollout-function-path "
+    "slime.rollout.forge_load.generate_rollout, accepted)",
     "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
     "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }

@@ -258,12 +258,6 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
     ),
     **rules(
         NOT_YET,
-        "--load-debug-rollout-data (training only)",
-        "replaying dumped rollouts with engines, sync and offload live is not built",
-        "--load-forge-rollout-data",
-    ),
-    **rules(
-        NOT_YET,
         "--save-debug-rollout-data / --save-debug-train-data",
         "slime's one-directory dump of every training detail is not built",
         "--dump-details",

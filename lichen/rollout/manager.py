@@ -29,9 +29,11 @@ from lichen.rollout.base_types import RolloutFn
 from lichen.rollout.context import RolloutContext, active
 from lichen.rollout.data_source import RolloutDataSource
 from lichen.rollout.eval import build_eval_reward_fns, eval_output_metrics, load_eval_sets, tool_use_metrics
+from lichen.rollout.forge_load import FORGE_FLAG, load_dump
+from lichen.rollout.forge_load import generate_rollout as forge_generate_rollout
 from lichen.rollout.generate import generate_rollout
 from lichen.rollout.partial import require_abortable
-from lichen.torch_files import load_plain, save_plain, to_plain
+from lichen.torch_files import save_plain, to_plain
 from lichen.types import Sample, Status
 
 if TYPE_CHECKING:  # rollout does not import lichen.config at run time (docs/architecture.md#import-directions)
@@ -130,6 +132,8 @@ class RolloutManager:
         ctx.eval_reward_fns = build_eval_reward_fns(cfg.reward, ctx.eval_sets, ctx.reward_fn)
         self.context = ctx
         self.rollout_fn = _rollout_fn(cfg.rollout_function_path, "--rollout-function-path")
+        if cfg.load_forge_rollout_data:  # slime's forge replay: dumped samples, engines and sync stay live
+            self.rollout_fn = RolloutFn(forge_generate_rollout, flag=FORGE_FLAG)
         self.eval_fn = _rollout_fn(cfg.eval_function_path, "--eval-function-path")
         try:
             require_abortable(cfg, can_abort(cfg, engine))
@@ -261,10 +265,7 @@ class ReplayRollout:
         path = self.cfg.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.isfile(path):
             raise DataError(f"--load-debug-rollout-data: no dump for rollout {rollout_id} at {path!r}")
-        data = load_plain(path, "--load-debug-rollout-data")
-        if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
-            raise DataError(f"--load-debug-rollout-data {path}: not a rollout dump (no 'samples' list)")
-        groups = [[Sample.from_dict(d) for d in g] for g in data["samples"]]
+        groups = load_dump(path, "--load-debug-rollout-data")
         return groups, rollout_metrics(groups, self.cfg.reward.reward_key)
 
     def eval(self, version: int) -> dict:
