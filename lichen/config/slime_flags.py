@@ -331,6 +331,16 @@ DIFFERS: dict[str, str] = {
     "back to step 0's file; engines, sync and offload live), but evaluation generates with the live engines "
     "(slime replays eval_<id> files) and the flag alone selects the replay (slime also needs --rollout-function-path "
     "slime.rollout.forge_load.generate_rollout, accepted)",
+    **{
+        flag: "the policy's parameters only (slime's provider also freezes the PPO critic's); a pattern that "
+        "matches no parameter stops the run (slime: silently none); with --use-lora the names are the adapters' "
+        "(slime matches Megatron names before its LoRA wrapping)"
+        for flag in ("--only-train-params-name-list", "--freeze-params-name-list")
+    },
+    "--balance-by-flops": "slime's split (ceil(tokens / --max-tokens-per-gpu) micro-batches, Karmarkar-Karp on "
+    "its forward-FLOPs estimate, coeff from config.json); trainer ranks get the micro-batches by the same cost "
+    "largest-first with empty ones padding the count (slime: Karmarkar-Karp with equal counts), and --balance-data "
+    "is not implied (lichen has no separate rank balancing to turn on)",
     "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
     "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }

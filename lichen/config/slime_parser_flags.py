@@ -181,10 +181,8 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
     ),
     **rules(
         NOT_YET,
-        "train every parameter (or --use-lora)",
-        "training a subset of parameters by name (or freezing the DSA indexer) is not built",
-        "--only-train-params-name-list",
-        "--freeze-params-name-list",
+        "--freeze-params-name-list with the indexer's parameter names",
+        "freezing the DSA indexer by its module names is not built (lichen's models have no DSA indexer)",
         "--freeze-indexer",
     ),
     **rules(
@@ -286,12 +284,6 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
         "MoE routing replay (the rollout's expert choices reused in training) is not built",
         "--use-routing-replay",
         "--use-rollout-routing-replay",
-    ),
-    **rules(
-        NOT_YET,
-        "lichen's micro-batches (--use-dynamic-batch-size packs by --max-tokens-per-gpu)",
-        "FLOPs-balanced (coeff*L + L^2) micro-batch partitioning is not built",
-        "--balance-by-flops",
     ),
     **rules(
         NOT_YET,

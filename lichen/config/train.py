@@ -13,6 +13,7 @@ batching).
 from __future__ import annotations
 
 import argparse
+import re
 
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least, given
 from lichen.errors import ConfigError
@@ -135,6 +136,34 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use the engine's log-probs as old log-probs instead of recomputing them (default: off)",
     )
+    g.add_argument(
+        "--balance-by-flops",
+        action="store_true",
+        help="slime's flag: split each optimizer step's samples into ceil(tokens / --max-tokens-per-gpu) "
+        "micro-batches balanced by estimated forward FLOPs, coeff*L + L^2 per sample with coeff from config.json "
+        "(Karmarkar-Karp), and deal them to trainer ranks by the same cost; a micro-batch may then exceed "
+        "--max-tokens-per-gpu. Needs --use-dynamic-batch-size (docs/performance.md#balance-by-flops; default: off, "
+        "first-fit by tokens)",
+    )
+    g.add_argument(
+        "--only-train-params-name-list",
+        nargs="+",
+        metavar="REGEX",
+        default=None,
+        help="slime's flag: train only the parameters whose name matches one of these Python regexes (re.search); "
+        "every other parameter is frozen (no gradient, not in the optimizer). With --use-lora the names are the "
+        "adapters'. Each regex must match a parameter (docs/algorithms.md#training-a-subset-of-parameters; "
+        "default: train all)",
+    )
+    g.add_argument(
+        "--freeze-params-name-list",
+        nargs="+",
+        metavar="REGEX",
+        default=None,
+        help="slime's flag: freeze the parameters whose name matches one of these Python regexes (re.search); the "
+        "rest train. With --use-lora the names are the adapters'. Each regex must match a parameter; excludes "
+        "--only-train-params-name-list (default: freeze none)",
+    )
 
 
 def _resolve_batch(args: argparse.Namespace) -> None:
@@ -207,8 +236,38 @@ def check(args: argparse.Namespace) -> None:
             f"{args.loss_type}); add --loss-type custom_loss or drop the path"
         )
     check_dotted_path(args, "custom_loss_function_path")
+    _check_param_filter(args)
+    if args.balance_by_flops and not args.use_dynamic_batch_size:
+        raise ConfigError(
+            "--balance-by-flops balances the micro-batches of --use-dynamic-batch-size (their count comes from "
+            "--max-tokens-per-gpu); add --use-dynamic-batch-size --max-tokens-per-gpu N or drop --balance-by-flops"
+        )
     if args.use_rollout_logprobs and args.force_recompute_old_log_probs:
         raise ConfigError(
             "--use-rollout-logprobs and --force-recompute-old-log-probs exclude each other: old log-probs come "
             "either from the engine or from a trainer pass; drop one"
         )
+
+
+def compile_name_patterns(patterns: list[str] | None, flag: str) -> list[re.Pattern[str]]:
+    """The regexes of --only-train-params-name-list / --freeze-params-name-list, compiled; a bad one is a
+    ConfigError naming the flag (lichen.train.param_filter matches them against parameter names)."""
+    out = []
+    for pattern in patterns or []:
+        try:
+            out.append(re.compile(pattern))
+        except re.error as e:
+            raise ConfigError(f"{flag}: {pattern!r} is not a Python regular expression ({e}); fix or drop it") from None
+    return out
+
+
+def _check_param_filter(args: argparse.Namespace) -> None:
+    """One of the two parameter-name flags, every entry a valid regex (whether each matches a parameter is checked
+    when the trainer builds the model)."""
+    if args.only_train_params_name_list and args.freeze_params_name_list:
+        raise ConfigError(
+            "--only-train-params-name-list and --freeze-params-name-list exclude each other (as in slime): name the "
+            "parameters to train, or the ones to freeze"
+        )
+    compile_name_patterns(args.only_train_params_name_list, "--only-train-params-name-list")
+    compile_name_patterns(args.freeze_params_name_list, "--freeze-params-name-list")

@@ -126,6 +126,10 @@ class TrainerConfig:
     optimizer: OptimizerConfig  # with --use-lora: the adapters' (LoRA's learning rate and weight decay)
     critic_optimizer: OptimizerConfig
     lora: LoraConfig | None  # --use-lora (lichen.train.lora)
+    # which parameters train (lichen.train.param_filter): regexes over names, at most one of the two lists
+    only_train_params_name_list: list[str] | None = None
+    freeze_params_name_list: list[str] | None = None
+    balance_by_flops: bool = False  # micro-batches balanced by FLOPs (lichen.train.flops_balance)
 
     @property
     def model_options(self) -> dict:

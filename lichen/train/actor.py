@@ -41,6 +41,7 @@ from lichen.train.loss import LossPlugins, StepLoss, StepTerms
 from lichen.train.lr_schedule import lr_at
 from lichen.train.micro_batches import Plan
 from lichen.train.optim import clip_and_step, make_adamw, set_lr
+from lichen.train.param_filter import apply_param_filter
 from lichen.train.router_aux import RouterAuxLoss
 from lichen.train.step_metrics import step_metrics
 from lichen.train.step_schedule import MicroBatchPlanner, OptimizerStepPlan, schedule_steps
@@ -80,6 +81,8 @@ class TrainActor:
         self.model.train()
         if cfg.lora is not None:
             self._apply_lora()
+        # --only-train / --freeze-params-name-list: before the optimizer, which takes what still requires a gradient
+        self.frozen_params = apply_param_filter(self.model, cfg)
         self.ref_model = self._reference_model() if cfg.needs_ref_model else None
         self.teacher_model = (
             _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options) if cfg.use_opd else None
@@ -229,7 +232,18 @@ class TrainActor:
             cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
             sort=self.sort_by_length,
             pack=self.pack_sequences,
+            flops_coeff=self.flops_coeff,
         )
+
+    @property
+    def flops_coeff(self) -> float | None:
+        """--balance-by-flops: the linear coefficient of a sample's cost coeff*L + L^2, from config.json."""
+        if not self.cfg.balance_by_flops:
+            return None
+        from lichen.models.hf_model import read_config_json
+        from lichen.train.flops_balance import flops_coeff
+
+        return flops_coeff(read_config_json(self.cfg.hf_checkpoint))
 
     def train(self, rollout_id: int, batch: list[list[Sample]]) -> dict:
         """One train step on a rollout step's groups of samples; returns its metrics."""

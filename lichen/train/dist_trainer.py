@@ -118,7 +118,8 @@ class _RankActor(TrainActor):
     ) -> None:
         """This rank's share of the step's micro-batches, padded with empty ones to every rank's count."""
         lengths = tb.host.input_lengths
-        for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size, tb.host.sharing)[self.rank]:
+        coeff = self.flops_coeff  # --balance-by-flops: ranks balanced by estimated FLOPs, as slime
+        for mb_plan in split_across_ranks(plan.trained, lengths, self.world_size, tb.host.sharing, coeff)[self.rank]:
             (loss_of(mb_plan) if mb_plan is not None else self._empty_micro_batch(tb, plan)).backward()
         with torch.no_grad():
             for mb_plan in split_across_ranks(plan.observed, lengths, self.world_size, tb.host.sharing)[self.rank]:

@@ -303,6 +303,7 @@ def plan_micro_batches(
     sort: bool = True,
     pack: bool = True,
     sharing: PromptGroups | None = None,
+    flops_coeff: float | None = None,
 ) -> list[Plan]:
     """Micro-batches of `indices`, each a list of model rows, each row a list of sample indices.
 
@@ -315,8 +316,16 @@ def plan_micro_batches(
     `sort` orders samples by descending length first (similar lengths share micro-batches and rows). With `pack`
     and `sharing`, the placed items are groups of samples sharing a prompt (width: the prompt once plus each
     sample's response part), so a group lands in one row, which then computes its prompt once.
+    `flops_coeff` (--balance-by-flops, with `max_tokens`): slime's split instead of the token budget,
+    ceil(tokens / max_tokens) micro-batches balanced by estimated FLOPs (lichen.train.flops_balance), each laid out
+    as a fixed-size chunk is.
     """
     order = order_by_length(indices, lengths) if sort else list(indices)
+    if flops_coeff is not None and max_tokens:
+        from lichen.train.flops_balance import balanced_micro_batches
+
+        chunks = balanced_micro_batches(order, lengths, max_tokens, flops_coeff)
+        return [lay_out(mb, lengths, pack=pack, sharing=sharing, sort=sort) for mb in chunks]
     if pack and sharing is not None:
         return _plan_shared(
             order, lengths, sharing, micro_batch_size=micro_batch_size, max_tokens=max_tokens, sort=sort
@@ -328,10 +337,24 @@ def plan_micro_batches(
             return []
         capacity = min(max(lengths[i] for i in order), max_tokens)
         return group_rows(first_fit(order, lengths, capacity, sort=sort), lengths, max_tokens)
-    chunks = split_fixed(order, micro_batch_size)
+    return [lay_out(mb, lengths, pack=pack, sort=sort) for mb in split_fixed(order, micro_batch_size)]
+
+
+def lay_out(
+    chunk: list[int], lengths: list[int], *, pack: bool, sort: bool, sharing: PromptGroups | None = None
+) -> Plan:
+    """The rows of one micro-batch of `chunk`'s samples: one sample per row, or with `pack` placed
+    first-fit-decreasing into rows as wide as its widest item (with `sharing`, the items are its groups of samples
+    sharing a prompt)."""
     if not pack:
-        return [[[i] for i in mb] for mb in chunks]
-    return [first_fit(mb, lengths, max(lengths[i] for i in mb), sort=sort) for mb in chunks]
+        return [[i] for i in chunk]
+    if sharing is None:
+        return first_fit(chunk, lengths, max(lengths[i] for i in chunk), sort=sort)
+    units = sharing.units(chunk)
+    widths = [sharing.row_width(u, lengths) for u in units]
+    return [
+        [i for k in row for i in units[k]] for row in first_fit(list(range(len(units))), widths, max(widths), sort=sort)
+    ]
 
 
 def _plan_shared(
@@ -363,11 +386,8 @@ def _plan_shared(
             return []
         rows = rows_of(units, min(max(width(u) for u in units), max_tokens))
         return _greedy_groups(rows, width, max_tokens)
-    plans = []
-    for chunk in split_fixed([i for u in units for i in u], micro_batch_size):
-        chunk_units = sharing.units(chunk)
-        plans.append(rows_of(chunk_units, max(width(u) for u in chunk_units)))
-    return plans
+    chunks = split_fixed([i for u in units for i in u], micro_batch_size)
+    return [lay_out(chunk, lengths, pack=True, sort=sort, sharing=sharing) for chunk in chunks]
 
 
 def _greedy_pieces(unit: list[int], width_of, max_width: int) -> list[list[int]]:

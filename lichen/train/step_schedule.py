@@ -29,6 +29,7 @@ class MicroBatchPlanner:
     max_tokens: int | None  # the token budget with --use-dynamic-batch-size, else None
     sort: bool = True  # length-sorted samples: similar lengths share micro-batches and rows
     pack: bool = True  # several samples per model row
+    flops_coeff: float | None = None  # --balance-by-flops: micro-batches balanced by FLOPs (flops_balance)
 
     def train(self, indices: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> list[Plan]:
         """`sharing`: the step's prompt groups, None when every sample computes its own prompt."""
@@ -40,6 +41,7 @@ class MicroBatchPlanner:
             sort=self.sort,
             pack=self.pack,
             sharing=sharing,
+            flops_coeff=self.flops_coeff,
         )
 
     def no_grad(self, indices: list[int], lengths: list[int], sharing: PromptGroups | None = None) -> list[Plan]:
@@ -51,6 +53,7 @@ class MicroBatchPlanner:
             sort=self.sort,
             pack=self.pack,
             sharing=sharing,
+            flops_coeff=self.flops_coeff,
         )
 
 
@@ -151,9 +154,14 @@ def plan_cost(plan: Plan, lengths: list[int], sharing: PromptGroups | None = Non
 
 
 def split_across_ranks(
-    plans: list[Plan], lengths: list[int], world_size: int, sharing: PromptGroups | None = None
+    plans: list[Plan],
+    lengths: list[int],
+    world_size: int,
+    sharing: PromptGroups | None = None,
+    flops_coeff: float | None = None,
 ) -> list[list[Plan | None]]:
-    """The micro-batches of ONE global-batch schedule dealt to `world_size` ranks, balanced by padded tokens.
+    """The micro-batches of ONE global-batch schedule dealt to `world_size` ranks, balanced by padded tokens
+    (with `flops_coeff`, --balance-by-flops: by estimated FLOPs, lichen.train.flops_balance.plan_flops).
 
     Longest-processing-time first: each micro-batch (largest first, ties in schedule order) goes to the rank with
     the fewest tokens so far (ties: the lowest rank). Every rank then gets the same number of entries, padded at the
@@ -161,8 +169,14 @@ def split_across_ranks(
     them until the timeout). Every rank computes the same answer from the same inputs, so no rank has to send it.
     """
     shares: list[list[Plan | None]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    cost = [plan_cost(plan, lengths, sharing) for plan in plans]  # `sharing`: the layout's real positions
+    load = [0.0] * world_size
+    cost: list[float]
+    if flops_coeff is not None:
+        from lichen.train.flops_balance import plan_flops
+
+        cost = [plan_flops(plan, lengths, flops_coeff) for plan in plans]
+    else:
+        cost = [plan_cost(plan, lengths, sharing) for plan in plans]  # `sharing`: the layout's real positions
     order = sorted(range(len(plans)), key=lambda k: -cost[k])
     for k in order:
         r = min(range(world_size), key=lambda q: (load[q], q))
