@@ -23,7 +23,7 @@ P = TaggedJsonParser()
 # ---- parsing ------------------------------------------------------------------------------------------------------
 def test_valid_calls_and_content_around_them():
     out = P.parse("Let me add.\n" + CALL + "\n" + CALL.replace('"a": 1', '"a": 5'))
-    assert out.content == "Let me add."
+    assert out.content == "Let me add.\n\n"  # exactly the calls' blocks removed
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
         ("add", {"a": 1, "b": 2}),
         ("add", {"a": 5, "b": 2}),
@@ -49,7 +49,7 @@ def test_valid_calls_and_content_around_them():
 )  # never closed
 def test_malformed_calls_stay_in_the_content(text):
     out = P.parse(text)
-    assert out.calls == [] and out.content == text.strip()
+    assert out.calls == [] and out.content == text
 
 
 def stream_all(parser, text: str, step: int = 1) -> tuple[str, list[ToolCall], list[str]]:
@@ -78,7 +78,7 @@ def stream_all(parser, text: str, step: int = 1) -> tuple[str, list[ToolCall], l
 def test_streaming_joins_to_the_parse_and_never_leaks_a_partial_tag(text, step):
     content, calls, deltas = stream_all(P, text, step)
     whole = P.parse(text)
-    assert (content or None) == whole.content
+    assert content == (whole.content or "")
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
     if whole.calls:  # no piece of a call that parsed was ever sent as content
         assert not any("<tool" in d or '"name"' in d for d in deltas)
@@ -115,7 +115,7 @@ def test_sdk_gets_tool_calls_and_sends_them_back(scripted):  # noqa: F811 - the 
     r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, logprobs=True)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Let me add."
+    assert choice.message.content == "Let me add.\n"
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "add"
     assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
@@ -142,7 +142,7 @@ def test_sdk_streams_tool_call_deltas(scripted):  # noqa: F811 - the fixture
     )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert content == "Sure."
+    assert content == "Sure.\n\n"
     assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)["a"]) for tc in calls] == [
         (0, "add", 1),
         (1, "add", 7),
@@ -236,3 +236,38 @@ def test_serve_flag_is_checked_before_the_model_loads(tiny_ckpt):
     args = build_parser().parse_args(["--model", tiny_ckpt])
     check_args(args)
     assert isinstance(args.tool_parser, TaggedJsonParser)
+
+
+# ---- text fidelity (issue 30 item 5): with `tools` sent, the reply text is the generated text ------------------------
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "  \n",  # whitespace only: was turned into null
+        "  padded answer \n\n",  # was stripped to "padded answer"
+        "x <tool_call>{broken}</tool_call>\n",  # a malformed block is no call: the text stays whole
+        "\n" + CALL + "\n",  # whitespace around a call stays; only the call's block goes
+        " before\n" + CALL + "\n \n" + CALL.replace('"a": 1', '"a": 9') + "  after ",
+    ],
+)
+def test_reply_text_is_the_generated_text_less_exactly_the_calls(scripted, reply):  # noqa: F811 - the fixture
+    s = scripted(reply)
+    # the raw generated text: the scripted tokens decoded, as the route decodes them without `tools`
+    raw = s.client.chat.completions.create(model="tiny", messages=MSGS).choices[0].message.content
+    assert raw == s.tok.decode(s.ids, skip_special_tokens=True) == reply
+    blocks = [b for b in (CALL, CALL.replace('"a": 1', '"a": 9')) if b in raw]
+    expected = raw
+    for b in blocks:
+        expected = expected.replace(b, "")
+    r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS).choices[0]
+    assert r.message.content == expected
+    assert len(r.message.tool_calls or []) == len(blocks)
+    assert r.finish_reason == ("tool_calls" if blocks else "stop")
+    chunks = list(s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices) == len(blocks)
+
+
+def test_reply_of_only_a_call_has_null_content(scripted):  # noqa: F811 - the fixture
+    s = scripted(CALL)
+    r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS).choices[0]
+    assert r.message.content is None and len(r.message.tool_calls) == 1

@@ -9,6 +9,10 @@ that Qwen2.5/Qwen3 chat templates teach (SGLang's `qwen25` / `hermes` parsers re
 
 A block whose body is not a JSON object with a string "name" (and an object or JSON-string "arguments") is not a
 call: it stays in the content, as does an unclosed `<tool_call>` at the end, so nothing the model wrote is lost.
+The content is the generated text with exactly the parsed calls' blocks removed, whitespace around them included
+as generated (a reply without a call is returned unchanged, a whitespace-only one too), so a client that compares
+the tokens with the text sees the same characters. SGLang's detectors strip the text before the first call and drop
+what follows the calls; lichen keeps every character outside them.
 
 A plug-in parser is named by dotted path (`--tool-call-parser package.module.Factory`): the attribute is called
 with no arguments and returns an object with `parse(text) -> ParsedOutput` and `stream() -> StreamParser`
@@ -45,7 +49,9 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    content: str | None  # text outside the calls, stripped; None when nothing but whitespace is left
+    # the text outside the calls exactly as generated (no call parsed: the whole text, unchanged); None only when
+    # calls were parsed and not one character is left (OpenAI's null content beside tool_calls)
+    content: str | None
     calls: list[ToolCall]
     # why each closed block that is not a call failed (its text stays in `content`), in order: the tool rollout
     # answers each with an error the model reads; a plug-in parser may leave it empty
@@ -154,9 +160,10 @@ class TaggedJsonParser:
     def parse(self, text: str) -> ParsedOutput:
         segs, _ = self.segments(text)
         content = "".join(s if isinstance(s, str) else s.text for s in segs if not isinstance(s, ToolCall))
+        calls = [s for s in segs if isinstance(s, ToolCall)]
         return ParsedOutput(
-            content.strip() or None,
-            [s for s in segs if isinstance(s, ToolCall)],
+            None if calls and not content else content,
+            calls,
             [s.reason for s in segs if isinstance(s, Malformed)],
         )
 
@@ -220,27 +227,18 @@ class _Scan:
 
 class TaggedJsonStream:
     """Streaming state of one choice: content is sent as soon as it cannot be the start of a call, a call once its
-    block closed. Whitespace is held until text follows it, so the streamed content joins to `parse`'s."""
+    block closed. Nothing else is held back or trimmed, so the streamed content joins to exactly `parse`'s."""
 
     def __init__(self, parser: TaggedJsonParser):
         self.scan = _Scan(parser)
-        self.held = ""  # whitespace not sent yet
-        self.sent_any = False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
         for s in self.scan.advance(text, final):
             if isinstance(s, ToolCall):
                 calls.append(s)
-                continue
-            s = s.text if isinstance(s, Malformed) else s
-            body = s.rstrip()
-            if body.strip():
-                lead = self.held + body if self.sent_any else body.lstrip()
-                content.append(lead)
-                self.sent_any, self.held = True, s[len(body) :]
             else:
-                self.held += s
+                content.append(s.text if isinstance(s, Malformed) else s)
         return "".join(content), calls
 
 
