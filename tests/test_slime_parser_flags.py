@@ -229,7 +229,8 @@ def test_slime_sft_script_converts_and_dry_runs_in_one_invocation(tmp_path, monk
     monkeypatch.setenv("BASE_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     script = FIXTURES / "slime" / "scripts" / "run-qwen3-4B-base-sft.sh"
-    rc = lichen.cli.main(["port-slime", str(script), "-o", "sft.yaml"])
+    # NVLINK_COUNT comes from `nvidia-smi topo -m`, which port-slime cannot run: settled like every slime script
+    rc = lichen.cli.main(["port-slime", str(script), "-o", "sft.yaml", "--assume", "NVLINK_COUNT=0"])
     out, err = capsys.readouterr()
     table = out[out.index("slime/Megatron flags") :]
     assert "mapped | --rollout-function-path slime.rollout.sft_rollout.generate_rollout" in table
