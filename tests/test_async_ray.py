@@ -9,27 +9,20 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
+from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.runs import base_args, dumped_samples, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_4_gpus():
+def ray_local():
     for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
         del os.environ[key]
-    ray.init(
-        address="local",
-        num_cpus=4,
-        num_gpus=4,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
+    shared_ray()
     yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
-def test_async_over_ray_two_ranks_one_engine(ray_4_gpus, tiny_ckpt, addition_data, tmp_path):
+def test_async_over_ray_two_ranks_one_engine(ray_local, tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
     metrics = run(
         base_args(
@@ -67,7 +60,7 @@ def test_async_over_ray_two_ranks_one_engine(ray_4_gpus, tiny_ckpt, addition_dat
 
 
 @pytest.mark.slow
-def test_fully_async_over_ray(ray_4_gpus, tiny_ckpt, addition_data, tmp_path):
+def test_fully_async_over_ray(ray_local, tiny_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
     metrics = run(
         base_args(

@@ -21,6 +21,7 @@ from helpers.dist_ranks import (
     trainer_argv,
     two_ranks_and_local,
 )
+from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.runs import THREADS, base_args, run
 
 from lichen.models.tiny import make_tiny_model
@@ -145,42 +146,32 @@ def test_broadcast_weight_sync_to_an_hf_path_engine(ckpts, addition_data, tmp_pa
 def test_ray_runtime_two_ranks_hf_moe_with_router_loss(ckpts, addition_data, tmp_path):
     """--runtime ray --actor-num-gpus-per-node 2 --model-impl hf: 2 FSDP2 trainer ranks of the MoE module and a
     lichen serve engine on the HF path, 2 steps with the router loss, synced weights, a sharded checkpoint."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
-    ray.init(
-        address="local",
-        num_cpus=8,
-        num_gpus=8,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
-    try:
-        rows = run(
-            base_args(
-                ckpts["qwen3_moe"],
-                addition_data,
-                tmp_path / "o",
-                "--model-impl",
-                "hf",
-                "--moe-aux-loss-coeff",
-                "0.1",
-                "--num-rollout",
-                "2",
-                "--device",
-                "cpu",
-                *THREADS,
-                "--runtime",
-                "ray",
-                "--actor-num-gpus-per-node",
-                "2",
-                "--rollout-num-gpus",
-                "1",
-                "--save",
-                str(tmp_path / "ckpt"),
-            )
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
+    shared_ray()
+    rows = run(
+        base_args(
+            ckpts["qwen3_moe"],
+            addition_data,
+            tmp_path / "o",
+            "--model-impl",
+            "hf",
+            "--moe-aux-loss-coeff",
+            "0.1",
+            "--num-rollout",
+            "2",
+            "--device",
+            "cpu",
+            *THREADS,
+            "--runtime",
+            "ray",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "1",
+            "--save",
+            str(tmp_path / "ckpt"),
         )
-    finally:
-        ray.shutdown()
+    )
     steps = [r for r in rows if "train/loss" in r]
     assert [r["sync/weight_version"] for r in steps] == [1, 2]
     assert all(r["train/moe_aux_loss"] > 0 for r in steps)

@@ -19,6 +19,7 @@ from helpers.dist_ranks import (
     step_batch,
     trainer_argv,
 )
+from helpers.ray_local import shared_ray  # noqa: E402
 
 from lichen.train.actor import TrainActor
 from lichen.train.dist_trainer import DistTrainer
@@ -127,47 +128,35 @@ def test_ray_run_with_lora(tiny_ckpt, addition_data, tmp_path):
     """`--runtime ray --use-lora`, 2 trainer ranks + 1 engine: each step the engine's log-probs equal the trainer's
     (it serves the merged weights gathered from the shards), --check-weight-update-equal passes, and the checkpoint
     holds lora/ next to the merged hf/."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
     from helpers.runs import base_args, run
 
     from lichen.train.lora import read_adapter
 
-    for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
-        del os.environ[key]
-    ray.init(
-        address="local",
-        num_cpus=4,
-        num_gpus=4,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
-    try:
-        rows = run(
-            base_args(
-                tiny_ckpt,
-                addition_data,
-                tmp_path / "r",
-                "--num-rollout",
-                "2",
-                "--device",
-                "cpu",
-                "--num-threads",
-                "1",
-                "--runtime",
-                "ray",
-                "--actor-num-gpus-per-node",
-                "2",
-                "--rollout-num-gpus",
-                "1",
-                "--check-weight-update-equal",
-                "--save",
-                str(tmp_path / "c"),
-                *LORA,
-            )
+    shared_ray()
+    rows = run(
+        base_args(
+            tiny_ckpt,
+            addition_data,
+            tmp_path / "r",
+            "--num-rollout",
+            "2",
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "1",
+            "--check-weight-update-equal",
+            "--save",
+            str(tmp_path / "c"),
+            *LORA,
         )
-    finally:
-        ray.shutdown()
+    )
     steps = [m for m in rows if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["train/train_rollout_logprob_abs_diff"] <= 1e-5 for m in steps)

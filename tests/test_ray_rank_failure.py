@@ -14,6 +14,7 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.dist_ranks import config, step_batch, trainer_argv  # noqa: E402
+from helpers.ray_local import shared_ray  # noqa: E402
 
 from lichen.cluster.actor_group import RankFailed, RayTrainGroup  # noqa: E402
 from lichen.cluster.runtime import RayCluster  # noqa: E402
@@ -31,17 +32,9 @@ def raise_on_rank_1(args, samples, *, rewards, mask, kl):
 
 
 @pytest.fixture(scope="module")
-def ray_2_gpus():
-    ray.init(
-        address="local",
-        num_cpus=2,
-        num_gpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
+def ray_local():
+    shared_ray()
     yield
-    ray.shutdown()
 
 
 def _two_ranks() -> RayCluster:
@@ -65,7 +58,7 @@ def _two_ranks() -> RayCluster:
 
 
 @pytest.mark.slow
-def test_a_rank_that_raises_in_its_step_stops_the_group_at_once(ray_2_gpus, tiny_ckpt, addition_data, tmp_path):
+def test_a_rank_that_raises_in_its_step_stops_the_group_at_once(ray_local, tiny_ckpt, addition_data, tmp_path):
     cfg, args = config(
         trainer_argv(
             tiny_ckpt,
@@ -95,14 +88,14 @@ def test_a_rank_that_raises_in_its_step_stops_the_group_at_once(ray_2_gpus, tiny
 
 
 @pytest.mark.slow
-def test_a_user_error_on_a_rank_stays_a_user_error(ray_2_gpus, tiny_ckpt, addition_data, tmp_path):
+def test_a_user_error_on_a_rank_stays_a_user_error(ray_local, tiny_ckpt, addition_data, tmp_path):
     """Loading a checkpoint directory that is not one: exit code 2 with the rank's one-line message."""
     cfg, args = config(trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--num-threads", "1"))
     cluster = _two_ranks()
     try:
         group = RayTrainGroup(cluster, cfg, args)
         with pytest.raises(ConfigError, match=r"^trainer rank \d: .*latest_checkpointed_iteration.txt: no readable"):
-            group.load_checkpoint(str(tmp_path / "nothing"))
+            group.load(str(tmp_path / "nothing"))
         group.close()
     finally:
         cluster.close()

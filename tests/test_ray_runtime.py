@@ -1,8 +1,8 @@
 """--runtime ray (lichen.cluster): what each actor sees on 8 declared GPUs, the flags, and a 3-step run with 2
 trainer ranks + 2 engines against the same run's local structure.
 
-One small Ray instance for the module (2 CPUs' worth of work, 8 declared GPUs, no dashboard, a small object store);
-tests that need Ray skip only when it cannot be imported.
+The test process's shared Ray instance (tests/helpers/ray_local.py: 8 declared CPUs and GPUs, no dashboard, a
+small object store); tests that need Ray skip only when it cannot be imported.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
+from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.runs import base_args, read_dump, run  # noqa: E402
 from helpers.sync_guard import assert_served_what_was_sent, record_checksums, record_ray_gets  # noqa: E402
 
@@ -27,21 +28,9 @@ from lichen.observe.sample_log import read_samples  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_8_gpus():
-    # Ray's workers inherit this process's environment: a LICHEN_TEST_* variable that another test's local run put
-    # there (--train-env-vars applies to the trainer's own process) would show up in every actor.
-    for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:
-        del os.environ[key]
-    ray.init(
-        address="local",
-        num_cpus=8,
-        num_gpus=8,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
+def ray_local():
+    shared_ray()
     yield
-    ray.shutdown()
 
 
 def _cfg(**kw) -> ClusterConfig:
@@ -71,7 +60,7 @@ def _seen(cluster: RayCluster) -> tuple[list[dict], list[dict]]:
             ray.kill(a)
 
 
-def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_8_gpus):
+def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_local):
     cluster = RayCluster(_cfg())
     try:
         ranks, engines = _seen(cluster)
@@ -85,7 +74,7 @@ def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_8_gpus):
     assert all(e["env"] == {} for e in engines)
 
 
-def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_8_gpus):
+def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_local):
     cluster = RayCluster(
         _cfg(actor_num_gpus_per_node=8, rollout_num_gpus=8, rollout_num_gpus_per_engine=2, colocate=True)
     )
@@ -99,7 +88,7 @@ def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_8_gpus):
         assert e["cuda_visible_devices"] == ranks[2 * i]["cuda_visible_devices"]
 
 
-def test_offload_train_on_cuda_preloads_the_memory_saver_in_trainer_actors_only(ray_8_gpus, monkeypatch, tmp_path):
+def test_offload_train_on_cuda_preloads_the_memory_saver_in_trainer_actors_only(ray_local, monkeypatch, tmp_path):
     """The hook's library is a stand-in (an empty file: the dynamic loader warns and ignores it); what is checked is
     the environment each actor starts with (lichen.cluster.train_env)."""
     lib = tmp_path / "torch_memory_saver_hook_mode_preload_cu12.abi3.so"
@@ -164,7 +153,7 @@ BUCKET = 16 * 1024  # --update-weight-buffer-size of the run below: the tiny mod
 
 
 @pytest.mark.slow
-def test_three_step_ray_run_two_ranks_two_engines(ray_8_gpus, tiny_ckpt, addition_data, tmp_path, monkeypatch):
+def test_three_step_ray_run_two_ranks_two_engines(ray_local, tiny_ckpt, addition_data, tmp_path, monkeypatch):
     """Also the driver-side guard of the weight sync (issue 27): every object the driver receives from Ray holds
     at most one bucket of tensors (the ranks send to the engines themselves), and every engine serves, after each
     sync, exactly the per-tensor checksums rank 0 sent; version 0 is the same list as the local run's."""
@@ -264,7 +253,7 @@ def killing_actor_rollout(args, rollout_id, data_source, evaluation=False):
 
 @pytest.mark.slow
 def test_engine_actor_killed_mid_rollout_is_replaced_and_no_sample_is_lost(
-    ray_8_gpus, tiny_ckpt, addition_data, tmp_path
+    ray_local, tiny_ckpt, addition_data, tmp_path
 ):
 
     SEEN.clear()
@@ -330,7 +319,7 @@ def _record_driver_writes(event: str, args: tuple) -> None:
 
 
 @pytest.mark.slow
-def test_ray_run_saved_on_two_ranks_resumes_on_one(ray_8_gpus, tiny_ckpt, addition_data, tmp_path):
+def test_ray_run_saved_on_two_ranks_resumes_on_one(ray_local, tiny_ckpt, addition_data, tmp_path):
     """Also (issue 27 item 4) one checkpoint writer: the driver writes no file under iter_*/dist/ or hf/, and its
     own files in the order rollout_state.json, meta.json (world_size kept), checksums.json, `latest`; the sample
     log has the ranks' per-token values; (item 6) each rank's and the engine's peak memory per phase."""

@@ -14,6 +14,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.fake_sglang import write_fake_sglang  # noqa: E402
+from helpers.ray_local import own_ray  # noqa: E402
 from helpers.runs import base_args  # noqa: E402
 
 from lichen.cli import main  # noqa: E402
@@ -84,6 +85,7 @@ def ray_with_fake_sglang(tmp_path_factory):
     fake = tmp_path_factory.mktemp("fake_sglang")
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAKE_SGLANG_DIR")}
     os.environ.update(write_fake_sglang(fake))
+    own_ray()  # its workers must inherit the stand-in sglang package: a Ray of its own
     ray.init(
         address="local",
         num_cpus=4,

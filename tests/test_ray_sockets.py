@@ -12,6 +12,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
+from helpers.ray_local import own_ray  # noqa: E402
+
 from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
 from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
@@ -59,7 +61,7 @@ class ProcessGroupProbe:
 
 
 def test_ray_instance_and_process_group_listen_on_loopback_only():
-    assert not ray.is_initialized(), "this test starts Ray itself, as lichen train does"
+    own_ray()  # this test starts Ray itself, as lichen train does
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     cluster = RayCluster(
         ClusterConfig(

@@ -11,6 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
+from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.runs import base_args, run  # noqa: E402
 from helpers.sync_guard import assert_served_what_was_sent, record_checksums, record_ray_gets  # noqa: E402
 
@@ -18,21 +19,13 @@ BUCKET = 16 * 1024
 
 
 @pytest.fixture(scope="module")
-def ray_3_gpus():
-    ray.init(
-        address="local",
-        num_cpus=4,
-        num_gpus=3,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
+def ray_local():
+    shared_ray()
     yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
-def test_disk_full_written_by_rank_zero_bucket_by_bucket(ray_3_gpus, tiny_ckpt, addition_data, tmp_path, monkeypatch):
+def test_disk_full_written_by_rank_zero_bucket_by_bucket(ray_local, tiny_ckpt, addition_data, tmp_path, monkeypatch):
     served = record_checksums(monkeypatch)
     received = record_ray_gets(monkeypatch, ray)
     versions = tmp_path / "versions"

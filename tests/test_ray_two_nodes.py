@@ -8,12 +8,14 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
+from helpers.ray_local import own_ray  # noqa: E402
 from helpers.runs import base_args, run  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
+    own_ray()
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "object_store_memory": 100 * 1024 * 1024}
     )

@@ -14,6 +14,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers import chromium  # noqa: E402
+from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.reward_server import RewardServer  # noqa: E402
 from helpers.runs import base_args, run  # noqa: E402
 
@@ -23,48 +24,36 @@ SAMPLES = 16  # --rollout-batch-size 4 x --n-samples-per-prompt 4 (helpers.runs.
 
 @pytest.fixture(scope="module")
 def run_dir(tiny_ckpt, addition_data, tmp_path_factory) -> str:
-    for key in [k for k in os.environ if k.startswith("LICHEN_TEST_")]:  # see tests/test_ray_runtime.py
-        del os.environ[key]
     out = tmp_path_factory.mktemp("lanes")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        num_gpus=4,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-    )
-    try:
-        with RewardServer() as rm:
-            argv = base_args(
-                tiny_ckpt,
-                addition_data,
-                out,
-                "--num-rollout",
-                str(STEPS),
-                "--device",
-                "cpu",
-                "--num-threads",
-                "1",
-                "--runtime",
-                "ray",
-                "--actor-num-gpus-per-node",
-                "2",
-                "--rollout-num-gpus",
-                "2",
-                "--rm-type",
-                "remote_rm",
-                "--rm-url",
-                rm.url,
-                "--trace",
-                "--log-samples",
-                str(SAMPLES),
-            )
-            k = argv.index("--custom-rm-path")  # the remote reward model instead
-            run(argv[:k] + argv[k + 2 :])
-            assert len(rm.requests) == STEPS * SAMPLES
-    finally:
-        ray.shutdown()
+    shared_ray()
+    with RewardServer() as rm:
+        argv = base_args(
+            tiny_ckpt,
+            addition_data,
+            out,
+            "--num-rollout",
+            str(STEPS),
+            "--device",
+            "cpu",
+            "--num-threads",
+            "1",
+            "--runtime",
+            "ray",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-num-gpus",
+            "2",
+            "--rm-type",
+            "remote_rm",
+            "--rm-url",
+            rm.url,
+            "--trace",
+            "--log-samples",
+            str(SAMPLES),
+        )
+        k = argv.index("--custom-rm-path")  # the remote reward model instead
+        run(argv[:k] + argv[k + 2 :])
+        assert len(rm.requests) == STEPS * SAMPLES
     return str(out)
 
 
