@@ -167,7 +167,12 @@ def test_cli_exits_2_naming_the_flag(tiny_ckpt, addition_data, tmp_path):
     """The whole `lichen train` run: one line naming the flag and the pattern, exit code 2, no traceback."""
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--freeze-params-name-list", "no_such_param")
     proc = subprocess.run(
-        [sys.executable, "-m", "lichen", "train", *argv], capture_output=True, text=True, timeout=600, cwd=tmp_path
+        [os.path.join(os.path.dirname(sys.executable), "lichen"), "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},  # loop_plugins
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: --freeze-params-name-list: 'no_such_param' matches no model parameter" in proc.stderr
