@@ -13,12 +13,13 @@ import argparse
 import difflib
 import re
 
+from lichen.config import sglang_config
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
 from lichen.errors import ConfigError, NotAvailableYet
 from lichen.models.config import model_config_value
 
 SGLANG_PREFIX = "--sglang-"
-SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port")
+SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port", "--sglang-config")
 
 _ROUTER_LATER = "lichen routes requests over its engines itself; an external SGLang router comes later"
 
@@ -137,6 +138,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="port of a running SGLang router (not available yet; default: none)",
     )
+    sglang_config.add_args(g)
     g.add_argument(
         "--rollout-engine-backend",
         choices=("lichen", "sglang"),
@@ -218,6 +220,7 @@ def _is_number(token: str) -> bool:
 
 
 def check(args: argparse.Namespace) -> None:
+    sglang_config.check(args)  # may set --rollout-num-engines from the file's policy model
     _check_server_engines(args)
     for dest, flag in (("sglang_router_ip", "--sglang-router-ip"), ("sglang_router_port", "--sglang-router-port")):
         if getattr(args, dest) is not None:

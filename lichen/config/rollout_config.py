@@ -79,6 +79,7 @@ class RewardConfig:
     rm_max_retries: int
     rm_retry_backoff: float
     rm_api_key_file: str | None
+    sample_hook_paths: tuple[str, ...] = ()  # --rollout-sample-hook-path: run on each sample before its reward
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
@@ -99,6 +100,7 @@ class RewardConfig:
             rm_max_retries=args.rm_max_retries,
             rm_retry_backoff=args.rm_retry_backoff,
             rm_api_key_file=args.rm_api_key_file,
+            sample_hook_paths=tuple(args.rollout_sample_hook_path or ()),
         )
 
 
@@ -175,6 +177,8 @@ class RolloutConfig:
     load_debug_rollout_data: str | None
     load_forge_rollout_data: str | None  # slime's forge replay: dumps replayed with engines and sync live
     eval_datasets: tuple[dict, ...]  # one resolved config per eval data set (lichen.config.eval)
+    # frozen models served beside the policy (--sglang-config; lichen.engines.frozen_models.FrozenModelSpec)
+    frozen_models: tuple = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RolloutConfig":
@@ -202,4 +206,5 @@ class RolloutConfig:
             load_debug_rollout_data=args.load_debug_rollout_data,
             load_forge_rollout_data=args.load_forge_rollout_data,
             eval_datasets=tuple(args.eval_dataset_configs),
+            frozen_models=tuple(getattr(args, "sglang_frozen_models", ())),
         )

@@ -341,6 +341,11 @@ DIFFERS: dict[str, str] = {
     "its forward-FLOPs estimate, coeff from config.json); trainer ranks get the micro-batches by the same cost "
     "largest-first with empty ones padding the count (slime: Karmarkar-Karp with equal counts), and --balance-data "
     "is not implied (lichen has no separate rank balancing to turn on)",
+    "--sglang-config": "lichen takes a subset of slime's YAML: regular (and placeholder) server groups, one updatable "
+    "model (the policy, its engines --rollout-num-engines) and frozen models launched beside it that weight sync "
+    "never reaches; prefill/decode/encoder workers, per-group overrides and unknown keys stop with a usage error "
+    "naming the key; plug-ins reach frozen models through lichen.engines.frozen_models (keyed servers), not "
+    "args.sglang_model_routers",
     "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
     "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }

@@ -157,7 +157,6 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
         "--rollout-all-samples-process-path",
         "--rollout-data-postprocess-path",
         "--rollout-sample-filter-path",
-        "--rollout-sample-hook-path",
     ),
     **rules(
         NOT_YET,

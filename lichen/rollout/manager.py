@@ -18,6 +18,7 @@ from lichen.data import PromptSource, load_prompt_dataset, parse_spec
 from lichen.data.fit import fit_prompts
 from lichen.devices import resolve_device
 from lichen.engines.engine import Engine
+from lichen.engines.frozen_models import FrozenModels, set_active
 from lichen.errors import DataError
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -126,6 +127,11 @@ class RolloutManager:
                 model_options=cfg.model_options,
             )
         ctx.engine = engine
+        self.frozen_models: FrozenModels | None = (
+            None  # --sglang-config's frozen models: never in self.engines, so never synced
+        )
+        if cfg.frozen_models:
+            self.frozen_models = _launch_frozen(cfg.frozen_models, engine_cfg, engine)
         ctx.reward_fn = build_reward_fn(
             cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward, group=cfg.reward.group_rm
         )
@@ -219,6 +225,11 @@ class RolloutManager:
         close = getattr(self.context.engine, "close", None)
         if close is not None:
             close()
+        frozen = getattr(self, "frozen_models", None)
+        if frozen is not None:
+            set_active(None)
+            frozen.close()
+            self.frozen_models = None
 
     # What a rollout function with the deprecated signature fn(args, rollout_id, prompts, manager) reads of the
     # manager; new rollout functions use lichen.rollout.context.current() instead.
@@ -244,6 +255,24 @@ class RolloutManager:
 
     def encode(self, data_index: int, record: Any) -> list[int]:
         return self.context.encode(data_index, record)
+
+
+def _launch_frozen(specs: tuple, engine_cfg: "EngineConfig | None", policy: Any) -> FrozenModels:
+    """Launch --sglang-config's frozen models and make them the run's (lichen.engines.frozen_models.active)."""
+    if engine_cfg is None:
+        close = getattr(policy, "close", None)
+        if close is not None:
+            close()
+        raise TypeError("RolloutManager: --sglang-config's frozen models need the engine_cfg (EngineConfig)")
+    try:
+        models = FrozenModels.launch(specs, engine_cfg)
+    except BaseException:
+        close = getattr(policy, "close", None)
+        if close is not None:
+            close()  # the policy's servers started already: stop them with the failed launch
+        raise
+    set_active(models)
+    return models
 
 
 def _rollout_fn(path: str | None, flag: str) -> RolloutFn:
