@@ -7,10 +7,19 @@ import argparse
 
 from lichen.config.checks import check_float, check_int_at_least
 from lichen.errors import ConfigError
+from lichen.plugins import load_function
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rewards")
+    g.add_argument(
+        "--rollout-sample-hook-path",
+        action="append",
+        default=[],
+        metavar="MODULE.FUNCTION",
+        help="a hook run on each generated sample before its reward, as slime's: hook(args, sample, *, "
+        "rollout_id=None, evaluation=False) -> Sample | None, sync or async; may be repeated (run in order)",
+    )
     g.add_argument("--reward-concurrency", type=int, default=16, help="verifier calls in flight at once per batch")
     g.add_argument(
         "--reward-timeout",
@@ -84,6 +93,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     check_int_at_least(args, "reward_concurrency", 1)
+    for path in args.rollout_sample_hook_path or ():  # loaded now: a typo fails before any model loads
+        load_function(path, "--rollout-sample-hook-path")
     check_float(args, "reward_timeout", low=0.0, low_open=True)
     check_int_at_least(args, "max_consecutive_failed_steps", 0)
     check_int_at_least(args, "rm_max_retries", 0)

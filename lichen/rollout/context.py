@@ -49,6 +49,7 @@ class RolloutContext:
         self.eval_sets = eval_sets or {}
         self.eval_reward_fns = eval_reward_fns or {}
         self.metrics: dict = {}  # what a rollout called the old way leaves for the step's metrics
+        self.rollout_id: int | None = None  # the step lichen's rollout is generating (sample hooks are told it)
         self._encoded: dict[tuple[str, int], list[int]] = {}
 
     def encode(self, data_index: int, record: Any, dataset: str | None = None) -> list[int]:

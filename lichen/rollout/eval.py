@@ -125,6 +125,7 @@ def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalO
     sampling settings and scored with its own reward. `rollout_id` is the weight version evaluated; the training
     `data_source` is not used (the eval sets come from lichen.rollout.context.current())."""
     ctx = current()
+    ctx.rollout_id = rollout_id
     data: dict = {}
     reward_time = 0.0
     for name, (cfg, records) in ctx.eval_sets.items():
@@ -136,7 +137,7 @@ def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalO
             encode=lambda i, record, _name=name: ctx.encode(i, record, dataset=_name),
         )
         samples = [s for g in groups for s in g]
-        reward_time += score(ctx, samples, ctx.eval_reward_fns[name])["reward_time_s"]
+        reward_time += score(ctx, samples, ctx.eval_reward_fns[name], evaluation=True)["reward_time_s"]
         data[name] = {
             "samples": groups,
             "rewards": [s.scalar_reward(cfg["reward_key"]) for s in samples],

@@ -85,6 +85,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
 
 def train_rollout(ctx: RolloutContext, rollout_id: int, data_source: Any, prompts: list) -> RolloutFnTrainOutput:
     """One rollout step from `prompts` (--rollout-batch-size of them, fewer by the buffered groups)."""
+    ctx.rollout_id = rollout_id
     if ctx.config.dynamic_sampling_filter_path:
         return _dynamic_sampling_rollout(ctx, rollout_id, data_source, prompts)
     groups, stats = _generate_scored(ctx, prompts, seed_key=rollout_id)

@@ -13,6 +13,7 @@ from lichen.engines.sampler import derive_seed
 from lichen.rewards import score_samples
 from lichen.rollout.context import RolloutContext
 from lichen.rollout.custom_generate import build_custom_samples
+from lichen.rollout.sample_hooks import apply_sample_hooks
 from lichen.rollout.shaping import apply_overlong_penalty
 from lichen.types import Sample, Status
 
@@ -88,9 +89,11 @@ def build_samples(
     return groups
 
 
-def score(ctx: RolloutContext, samples: list[Sample], reward_fn: Any = None) -> dict:
-    """score_samples with the configured limits; stats always carry reward_time_s."""
+def score(ctx: RolloutContext, samples: list[Sample], reward_fn: Any = None, *, evaluation: bool = False) -> dict:
+    """score_samples with the configured limits, after the --rollout-sample-hook-path hooks (lichen.rollout.
+    sample_hooks; `ctx.rollout_id` and `evaluation` are handed to them); stats always carry reward_time_s."""
     reward = ctx.config.reward
+    apply_sample_hooks(reward.sample_hook_paths, ctx.args, samples, rollout_id=ctx.rollout_id, evaluation=evaluation)
     t0 = time.perf_counter()
     stats = score_samples(
         samples, reward_fn or ctx.reward_fn, ctx.args, concurrency=reward.concurrency, timeout=reward.timeout
