@@ -84,6 +84,7 @@ DEFAULTS = {
     "max_tokens_per_gpu": None,
     "disable_zero_advantage_skip": False,
     "disable_prompt_sharing": False,
+    "log_probs_chunk_size": 512,
     "lr": 1e-6,
     "min_lr": 0.0,
     "lr_decay_style": "constant",

@@ -5,6 +5,7 @@ Suites:
   learning  lichen vs TRL learning curves on the W1 task over several seeds (lichen_bench.learning)
   profile   where lichen's engine and trainer time goes on a workload (lichen_bench.torch_profile)
   sync      weight-sync transports and delta encodings on one model (lichen_bench.sync)
+  logprobs  the trainer's log-probs at a 151,936-token vocabulary, chunked vs full logits (lichen_bench.log_probs)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ SUITES = {
     "learning": ("lichen_bench.learning", "lichen vs TRL reward curves from one SFT warm start over several seeds"),
     "profile": ("lichen_bench.torch_profile", "torch.profiler tables of lichen's engine and trainer on one step"),
     "sync": ("lichen_bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
+    "logprobs": ("lichen_bench.log_probs", "train-step time and peak memory, chunked vs full-vocabulary logits"),
 }
 
 USAGE = (

@@ -81,6 +81,7 @@ class TrainerConfig:
     max_tokens_per_gpu: int | None
     disable_zero_advantage_skip: bool  # no backward is skipped (lichen.train.step_schedule)
     disable_prompt_sharing: bool  # every sample computes its own prompt (lichen.train.micro_batches.PromptGroups)
+    log_probs_chunk_size: int  # <= 0: full logits at once (lichen.train.chunked_logprobs)
     max_response_len: int  # --rollout-max-response-len, the "seq-mean-token-sum-norm" denominator
     # old log-probs
     use_rollout_logprobs: bool
@@ -130,6 +131,11 @@ class TrainerConfig:
     only_train_params_name_list: list[str] | None = None
     freeze_params_name_list: list[str] | None = None
     balance_by_flops: bool = False  # micro-batches balanced by FLOPs (lichen.train.flops_balance)
+    # slime's optimizer, checkpoint and CI flags
+    reset_optimizer_states: bool = False  # Adam moments and steps zeroed before every rollout step's training
+    no_save_optim: bool = False  # checkpoints without optimizer state (lichen.train.checkpoint)
+    save_hf: str | None = None  # an HF export to save_hf.format(rollout_id=N) at every checkpoint save
+    ci_train_rollout_logprob_abs_diff_threshold: float | None = None  # the mismatch bound (step_metrics)
 
     @property
     def model_options(self) -> dict:

@@ -65,6 +65,7 @@ class HFCausalLM(nn.Module):
     """An `AutoModelForCausalLM` module with lichen's model interface (see the module docstring)."""
 
     is_hf = True
+    hf: Any  # the transformers module, set in __init__ through __dict__ (not a submodule)
 
     def __init__(self, module: nn.Module, *, trust_remote_code: bool = False):
         super().__init__()
@@ -98,6 +99,15 @@ class HFCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.hf.get_output_embeddings().weight
+
+    @property
+    def lm_head_bias(self) -> torch.Tensor | None:
+        return getattr(self.hf.get_output_embeddings(), "bias", None)
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """Gemma-2 style final soft-capping c (logits = c * tanh(l / c)), None when the model has none."""
+        return self._softcap or None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.hf.get_output_embeddings()(hidden)

@@ -1,6 +1,11 @@
 """Per-token log-probs of a model on micro-batches: the training forward and the no-grad passes of a step.
 
 log pi(token) = log_softmax(logits / T)[token] at each response position (docs/architecture.md#log-prob-convention)
+
+By default (--log-probs-chunk-size N >= 1) the log-probs and the entropy are computed from the final hidden states
+and the LM head in chunks of N positions (lichen.train.chunked_logprobs): the [positions, vocabulary] logits and
+their gradient never exist whole. With N <= 0, or a model that exposes no `lm_head_weight`, the full logits are
+computed at once through `model.logits`.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lichen import algo
+from lichen.train.chunked_logprobs import LMHead, chunked_token_log_probs, log_probs_from_logits
 from lichen.train.micro_batches import MicroBatch, Plan, StepBatch
 
 
@@ -19,6 +24,7 @@ class LogProbs:
     device: torch.device
     temperature: float  # the sampling temperature: log-probs are of the distribution tokens were drawn from
     bf16: bool  # forward under bfloat16 autocast (the weights stay fp32)
+    chunk_size: int = 512  # --log-probs-chunk-size: positions of logits at once; <= 0 the full logits
 
     def autocast(self):
         if self.bf16:
@@ -28,14 +34,21 @@ class LogProbs:
     def forward(self, model, mb: MicroBatch, need_entropy: bool = False):
         """([b, R] log-probs of the response tokens, [b, R] entropy or None)."""
         with self.autocast():
-            hidden = model(mb.input_ids, mb.position_ids, attn_mask=mb.attn_mask)
-            logits = model.logits(mb.response_hidden(hidden))
+            hidden = mb.response_hidden(model(mb.input_ids, mb.position_ids, attn_mask=mb.attn_mask))
+            if self.chunk_size >= 1 and hasattr(model, "lm_head_weight"):
+                b, r = mb.resp_tokens.shape
+                logp, entropy = chunked_token_log_probs(
+                    hidden.reshape(b * r, -1),
+                    LMHead.of(model),
+                    mb.resp_tokens.reshape(-1),
+                    temperature=self.temperature,
+                    need_entropy=need_entropy,
+                    chunk_size=self.chunk_size,
+                )
+                return logp.view(b, r), (None if entropy is None else entropy.view(b, r))
+            logits = model.logits(hidden)
         # at least fp32 (bf16 autocast gives bf16 logits); a float64 model keeps float64 (exactness tests)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / self.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, mb.resp_tokens[..., None]).squeeze(-1)
-        entropy = algo.entropy_from_logits(logits) if need_entropy else None
-        return logp, entropy
+        return log_probs_from_logits(logits, mb.resp_tokens, temperature=self.temperature, need_entropy=need_entropy)
 
     @torch.no_grad()
     def of_batch(self, model, batch: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:

@@ -121,6 +121,11 @@ class ReferencePolicy:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)  # the LM head is never adapted
 
+    # the LM head's parts, for chunked log-probs (lichen.train.chunked_logprobs.LMHead.of)
+    lm_head_weight = property(lambda self: self.model.lm_head_weight)
+    lm_head_bias = property(lambda self: getattr(self.model, "lm_head_bias", None))
+    logit_softcap = property(lambda self: getattr(self.model, "logit_softcap", None))
+
     def modules(self) -> Iterator[nn.Module]:
         return self.model.modules()  # the multi-rank trainer reshards the policy's FSDP units after a no-grad pass
 
