@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "train": {"algo", "models", "weights", "types"},
     "sync": {"engines", "weights"},
     "engines": {"models", "weights"},
-    "rewards": {"types"},
+    "rewards": {"types", "engines"},
     "config": {"models"},
     "models": {"weights"},
     "data": set(),

@@ -173,3 +173,13 @@ class ObserveConfig:
             watchdog_wait=bool(getattr(args, "watchdog_wait", False)),
             reward_key=getattr(args, "reward_key", None),
         )
+
+
+@dataclass(frozen=True)
+class FrozenModelSpec:
+    """One frozen model of --sglang-config: its name, HF checkpoint and engine servers."""
+
+    name: str
+    model_path: str
+    num_engines: int
+    gpus_per_engine: int = 1

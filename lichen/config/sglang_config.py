@@ -30,7 +30,7 @@ import argparse
 import os
 from typing import Any
 
-from lichen.engines.frozen_models import FrozenModelSpec
+from lichen.config.engine_config import FrozenModelSpec
 from lichen.errors import ConfigError
 
 FLAG = "--sglang-config"

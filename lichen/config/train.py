@@ -13,9 +13,9 @@ batching).
 from __future__ import annotations
 
 import argparse
-import re
 
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least, given
+from lichen.config.train_config import compile_name_patterns
 from lichen.errors import ConfigError
 
 
@@ -257,18 +257,6 @@ def check(args: argparse.Namespace) -> None:
             "--use-rollout-logprobs and --force-recompute-old-log-probs exclude each other: old log-probs come "
             "either from the engine or from a trainer pass; drop one"
         )
-
-
-def compile_name_patterns(patterns: list[str] | None, flag: str) -> list[re.Pattern[str]]:
-    """The regexes of --only-train-params-name-list / --freeze-params-name-list, compiled; a bad one is a
-    ConfigError naming the flag (lichen.train.param_filter matches them against parameter names)."""
-    out = []
-    for pattern in patterns or []:
-        try:
-            out.append(re.compile(pattern))
-        except re.error as e:
-            raise ConfigError(f"{flag}: {pattern!r} is not a Python regular expression ({e}); fix or drop it") from None
-    return out
 
 
 def _check_param_filter(args: argparse.Namespace) -> None:

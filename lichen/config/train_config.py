@@ -11,10 +11,12 @@ Nothing here imports torch: `lichen train --dry-run` stays fast.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, fields
 
 from lichen.config.lora_config import LoraConfig
 from lichen.config.model_code import model_options
+from lichen.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -161,3 +163,15 @@ def from_same_named_flags(cls, args: argparse.Namespace, **given):
     """`cls(**given)`, every other field read from the flag of the same name (dest) in the resolved `args`."""
     names = [f.name for f in fields(cls) if f.name not in given]
     return cls(**{name: getattr(args, name) for name in names}, **given)
+
+
+def compile_name_patterns(patterns: list[str] | None, flag: str) -> list[re.Pattern[str]]:
+    """The regexes of --only-train-params-name-list / --freeze-params-name-list, compiled; a bad one is a
+    ConfigError naming the flag (lichen.train.param_filter matches them against parameter names)."""
+    out = []
+    for pattern in patterns or []:
+        try:
+            out.append(re.compile(pattern))
+        except re.error as e:
+            raise ConfigError(f"{flag}: {pattern!r} is not a Python regular expression ({e}); fix or drop it") from None
+    return out

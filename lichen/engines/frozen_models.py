@@ -17,9 +17,9 @@ import asyncio
 import dataclasses
 import os
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lichen.config.engine_config import FrozenModelSpec
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 
@@ -28,16 +28,6 @@ if TYPE_CHECKING:
     from lichen.engines.remote_engines import RemoteEngines
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class FrozenModelSpec:
-    """One frozen model of --sglang-config: its name, HF checkpoint and engine servers."""
-
-    name: str
-    model_path: str
-    num_engines: int
-    gpus_per_engine: int = 1
 
 
 class FrozenModels:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lichen.config.train import compile_name_patterns
-from lichen.config.train_config import TrainerConfig
+from lichen.config.train_config import TrainerConfig, compile_name_patterns
 from lichen.errors import ConfigError
 
 ONLY_TRAIN_FLAG = "--only-train-params-name-list"
