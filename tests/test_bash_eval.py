@@ -1,4 +1,4 @@
-"""port-slime's static bash evaluator (lichen.config.bash_eval via slime_script.read_script), cross-checked against
+"""port-slime's static bash evaluator (lichen.port_slime.bash_eval via slime_script.read_script), cross-checked against
 real bash: each script here only calls `python3 train.py ...`, which the bash run replaces by a function printing
 its arguments, so bash runs nothing. The evaluator must give the same argv for the same environment."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lichen.config.bash_values import Assumptions
-from lichen.config.slime_script import ScriptNotEvaluated, read_script
 from lichen.errors import ConfigError
+from lichen.port_slime.bash_values import Assumptions
+from lichen.port_slime.script import ScriptNotEvaluated, read_script
 
 BASH = shutil.which("bash")
 IF_ELSE = """\

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import lichen.cli
-from lichen.config.bash_values import Assumptions
-from lichen.config.slime_script import read_script
 from lichen.errors import ConfigError
+from lichen.port_slime.bash_values import Assumptions
+from lichen.port_slime.script import read_script
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slime"
 MODELS = ("Qwen3-4B", "GLM-Z1-9B-0414", "gpt-oss-20b-bf16", "GLM-4.7-Flash")

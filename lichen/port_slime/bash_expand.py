@@ -4,7 +4,7 @@ tilde, then word splitting on IFS of the unquoted expansions, and dropping of em
 
 A piece of a word is (text, kind): "lit" (literal text of the script), "q" (quoted) or "x" (an unquoted expansion,
 the only kind that is split). `Expander` leaves variable lookup, command substitution and arithmetic to the
-evaluator (lichen.config.bash_eval), which subclasses it.
+evaluator (lichen.port_slime.bash_eval), which subclasses it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import fnmatch
 import os
 import re
 
-from lichen.config.bash_syntax import Lexer
-from lichen.config.bash_values import Unknowable, Unknown
 from lichen.errors import ConfigError
+from lichen.port_slime.bash_syntax import Lexer
+from lichen.port_slime.bash_values import Unknowable, Unknown
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]|[@*#?$!]")
 _PARAM = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!])(?:\[(?P<index>[^]]*)\])?(?P<rest>.*)$", re.S)

@@ -2,13 +2,13 @@
 environment, without running any command (slime's scripts kill processes and start Ray).
 
 Evaluated: assignments (`NAME=`, `+=`, arrays `NAME=( ... )`, `NAME[i]=`), `export` / `declare` / `readonly` /
-`local` / `unset`, all expansions of lichen.config.bash_expand, `if/elif/else`, `&&` / `||`, `!`, `[ ]` / `test` /
-`[[ ]]` (lichen.config.bash_test), `(( ))`, `let`, `for` over words and `for ((;;))`, `while` / `until`, `break` /
+`local` / `unset`, all expansions of lichen.port_slime.bash_expand, `if/elif/else`, `&&` / `||`, `!`, `[ ]` / `test` /
+`[[ ]]` (lichen.port_slime.bash_test), `(( ))`, `let`, `for` over words and `for ((;;))`, `while` / `until`, `break` /
 `continue`, `{ }`, `( )`, `source` / `.` (relative to the script), `exit`, and in `$( )` the builtins whose output is
 known (`echo`, `printf`, `cat` of a here-document, `pwd` after `cd`, `dirname`, `basename`). Every other command is
 not run: bash's other commands cannot change the shell's variables, so only their output and exit status are
 unknown. A branch whose condition depends on such an unknown is evaluated both ways and the variables whose values
-differ become `Unknown` (lichen.config.bash_values); `case`, functions and `eval` are not evaluated.
+differ become `Unknown` (lichen.port_slime.bash_values); `case`, functions and `eval` are not evaluated.
 
 `on_command(words, line, shadow)` receives every command that is not a builtin, its words expanded (an `Unknown` in
 place of a word that cannot be computed); raising `Finished` ends the evaluation there.
@@ -21,12 +21,12 @@ import re
 from functools import partial
 from typing import Callable
 
-from lichen.config import bash_syntax as syn
-from lichen.config.bash_arith import ArithError, evaluate
-from lichen.config.bash_builtins import BUILTINS, Builtins, EndBranch, LoopControl, ScriptExit
-from lichen.config.bash_expand import Joined
-from lichen.config.bash_values import Assumptions, Item, Unknowable, Unknown, UnknownWord, Value
 from lichen.errors import ConfigError
+from lichen.port_slime import bash_syntax as syn
+from lichen.port_slime.bash_arith import ArithError, evaluate
+from lichen.port_slime.bash_builtins import BUILTINS, Builtins, EndBranch, LoopControl, ScriptExit
+from lichen.port_slime.bash_expand import Joined
+from lichen.port_slime.bash_values import Assumptions, Item, Unknowable, Unknown, UnknownWord, Value
 
 _ASSIGNMENT = re.compile(
     r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:\[(?P<index>[^]]*)\])?(?P<plus>\+?)=(?P<value>.*)$", re.S

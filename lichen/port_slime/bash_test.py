@@ -12,9 +12,9 @@ from __future__ import annotations
 import fnmatch
 import re
 
-from lichen.config import bash_syntax as syn
-from lichen.config.bash_expand import Expander
-from lichen.config.bash_values import FILE_TESTS, Assumptions, Unknowable, Unknown
+from lichen.port_slime import bash_syntax as syn
+from lichen.port_slime.bash_expand import Expander
+from lichen.port_slime.bash_values import FILE_TESTS, Assumptions, Unknowable, Unknown
 
 _INT_OPS = {
     "-eq": lambda a, b: a == b,

@@ -2,7 +2,7 @@
 
 slime's scripts set variables and bash arrays of flags (`MODEL_ARGS=( ... )`), `source` a model file, branch on
 the environment and the hardware (`if [ "$NVLINK_COUNT" -gt 0 ]`), and end with one
-`ray job submit --runtime-env-json=... -- python3 train.py ${ARRAY[@]} ...`. lichen.config.bash_eval evaluates the
+`ray job submit --runtime-env-json=... -- python3 train.py ${ARRAY[@]} ...`. lichen.port_slime.bash_eval evaluates the
 script statically for `environ` plus `--assume NAME=VALUE`; the first `python* train.py` / `train_async.py`
 command it reaches is the result. What it cannot compute and that matters here (a flag value, a Ray env var,
 whether the command runs at all) is an Item of a `ScriptNotEvaluated` error, one per cause, each naming its line.
@@ -15,10 +15,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from lichen.config.bash_builtins import Finished, ScriptExit
-from lichen.config.bash_eval import Shell
-from lichen.config.bash_values import Assumptions, Item, Unknown, UnknownWord
 from lichen.errors import ConfigError
+from lichen.port_slime.bash_builtins import Finished, ScriptExit
+from lichen.port_slime.bash_eval import Shell
+from lichen.port_slime.bash_values import Assumptions, Item, Unknown, UnknownWord
 
 _ENTRY = re.compile(r"(?:^|/)(?P<entry>train(?:_async)?\.py)$")
 

@@ -1,4 +1,4 @@
-"""Bash syntax for port-slime's static evaluator (lichen.config.bash_eval): text -> tokens -> a small tree.
+"""Bash syntax for port-slime's static evaluator (lichen.port_slime.bash_eval): text -> tokens -> a small tree.
 
 Only the parse: words are kept raw (quotes and `$...` intact) because expansion needs to know what was quoted.
 The lexer knows quotes, `\\` escapes, line continuations, comments, `$( )` / `$(( ))` / `${ }` / backquotes inside

@@ -1,6 +1,6 @@
 """`lichen port-slime SCRIPT.sh`: a slime launch script -> a lichen YAML config, the flag table, and a dry run.
 
-The script is evaluated, not run (lichen.config.slime_script, lichen.config.bash_eval): its train.py flags, as bash
+The script is evaluated, not run (lichen.port_slime.script, lichen.port_slime.bash_eval): its train.py flags, as bash
 would pass them for this environment and `--assume NAME=VALUE`, are classified (lichen.config.slime_compat); what
 cannot be evaluated is listed, one line per cause, and stops the conversion (exit 2). slime always runs train.py as
 a Ray job, so the config is `--runtime ray` with slime's placement (`--runtime local` on request). The YAML holds lichen's flags only: slime's own flags with lichen's
@@ -20,12 +20,12 @@ import sys
 import yaml
 
 from lichen.config import build_train_parser, parse_train_args, slime_compat
-from lichen.config.bash_values import Assumptions
 from lichen.config.parser import option_actions
 from lichen.config.slime_flags import ENTRY_POINTS, MAPPED
-from lichen.config.slime_script import ScriptNotEvaluated, SlimeCommand, read_script
 from lichen.errors import ConfigError
 from lichen.observe.secrets import is_secret_name, redact_text
+from lichen.port_slime.bash_values import Assumptions
+from lichen.port_slime.script import ScriptNotEvaluated, SlimeCommand, read_script
 
 # slime's train_async.py is lichen train with this flag (ENTRY_POINTS' row says so)
 ASYNC_FLAG = "--async"

@@ -1,4 +1,4 @@
-"""The bash builtins port-slime's evaluator runs (lichen.config.bash_eval): those that change the shell's variables,
+"""The bash builtins port-slime's evaluator runs (lichen.port_slime.bash_eval): those that change the shell's variables,
 directory or control flow, and those whose output `$( )` may need. Every other command is not run.
 """
 
@@ -8,12 +8,12 @@ import os
 import re
 from typing import TYPE_CHECKING, Callable
 
-from lichen.config import bash_syntax as syn
-from lichen.config.bash_test import TestShell
-from lichen.config.bash_values import Unknowable, Unknown
+from lichen.port_slime import bash_syntax as syn
+from lichen.port_slime.bash_test import TestShell
+from lichen.port_slime.bash_values import Unknowable, Unknown
 
 if TYPE_CHECKING:
-    from lichen.config.bash_eval import State
+    from lichen.port_slime.bash_eval import State
 
 BUILTINS = {
     "echo": "_b_echo",
@@ -67,7 +67,7 @@ class LoopControl(Exception):
 
 
 class Builtins(TestShell):
-    """Mixin of lichen.config.bash_eval.Shell; each `_b_*` takes the argument words and the command node."""
+    """Mixin of lichen.port_slime.bash_eval.Shell; each `_b_*` takes the argument words and the command node."""
 
     # given by Shell
     state: State
