@@ -101,10 +101,13 @@ def test_gpt_oss_architecture_flags_are_checked_against_config_json(flag, values
     assert found in note and not stops
 
 
-def test_ci_test_maps_to_lichens_weight_equality_check():
+def test_ci_test_maps_to_lichens_weight_equality_check_and_slimes_logprob_bound():
     out = slime_compat.scan(["--ci-test"], KNOWN)
-    assert out.kept == ["--check-weight-update-equal"]
+    assert out.kept == ["--check-weight-update-equal", "--ci-train-rollout-logprob-abs-diff-threshold", "0.1"]
     assert out.rows[0].cls == MAPPED
+    # the script's own bound wins, wherever it stands
+    given = ["--ci-train-rollout-logprob-abs-diff-threshold", "1e-6", "--ci-test"]
+    assert slime_compat.scan(given, KNOWN).kept == given[:2] + ["--check-weight-update-equal"]
 
 
 # --- slime's plug-in paths ---------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ damaged newest one falls back to an older intact one with a warning, none intact
 lichen.train.checkpoint and docs/checkpoints.md); a DIR that exists but holds no checkpoint starts the run fresh.
 A DIR that does not exist is a mistake (a typo would silently restart training) unless it is the same directory
 as `--save`, the usual "resume if there is something to resume" pattern.
+
+slime's `--no-save-optim` leaves the optimizer state out of the checkpoints (a resume from one starts a fresh
+optimizer, with a warning), and `--save-hf PATH` writes the policy as an HF checkpoint to
+`PATH.format(rollout_id=N)` at every checkpoint save, beside the checkpoint's own hf/.
 """
 
 from __future__ import annotations
@@ -33,6 +37,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="save every N rollout steps (needs --save; default: only at the end of the run when --save is given)",
     )
+    g.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="checkpoints without the optimizer state (Adam moments and step counts; the learning-rate schedule's "
+        "position and the RNG states are still saved): smaller, but a resume from one starts a fresh optimizer, "
+        "with a warning (slime's flag; default: off)",
+    )
+    g.add_argument(
+        "--save-hf",
+        metavar="PATH",
+        default=None,
+        help="at every checkpoint save, also write the policy as a Hugging Face checkpoint (safetensors, config, "
+        "tokenizer; the same export as the checkpoint's hf/) to PATH.format(rollout_id=N), e.g. "
+        "'hf_out/step_{rollout_id}' (a PATH without {rollout_id} is overwritten each time). Needs --save "
+        "(slime's flag; default: none)",
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -45,6 +65,7 @@ def check(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {path!r}: exists and is not a directory; give a directory")
     if args.load is not None:
         check_not_torch_dist(args.load, "--load")
+    _check_save_hf(args)
     if args.load is not None and not os.path.isdir(args.load):
         same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
         if not same_as_save:
@@ -52,3 +73,38 @@ def check(args: argparse.Namespace) -> None:
                 f"--load {args.load!r}: no such directory; give an existing checkpoint directory, or the same "
                 "directory as --save to resume only when a checkpoint is there"
             )
+
+
+def save_hf_dir(template: str, rollout_id: int) -> str:
+    """Where --save-hf writes the export of checkpoint `rollout_id` (slime's `save_hf.format(rollout_id=...)`)."""
+    return template.format(rollout_id=rollout_id)
+
+
+def _check_save_hf(args: argparse.Namespace) -> None:
+    """--save-hf: needs --save (it writes at checkpoint saves), a template that formats with rollout_id only, and
+    never the --hf-checkpoint directory (the export would replace the run's base model)."""
+    template = args.save_hf
+    if template is None:
+        return
+    if args.save is None:
+        raise ConfigError(
+            f"--save-hf {template!r} writes an HF export at every checkpoint save, and no --save DIR is given; add "
+            "--save DIR (and --save-interval N for more than the final save)"
+        )
+    try:
+        first = save_hf_dir(template, 0)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+        raise ConfigError(
+            f"--save-hf {template!r}: not a path template with {{rollout_id}} as its only field ({type(e).__name__}: "
+            f"{e}); e.g. 'hf_out/step_{{rollout_id}}', or a plain path"
+        ) from None
+    if not first:
+        raise ConfigError("--save-hf: empty path; give a directory (template) for the HF exports")
+    hf = getattr(args, "hf_checkpoint", None)
+    if hf and os.path.abspath(first) == os.path.abspath(hf):
+        raise ConfigError(
+            f"--save-hf {template!r} is the --hf-checkpoint directory: the export would replace the base model; "
+            "give another directory"
+        )
+    if os.path.exists(first) and not os.path.isdir(first):
+        raise ConfigError(f"--save-hf {template!r}: {first!r} exists and is not a directory; give a directory")

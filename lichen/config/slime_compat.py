@@ -122,6 +122,7 @@ def scan(argv: list[str], known_flags: set[str], extra_rows: list[Row] | None = 
             out.kept += _foreign(name, values, known_flags, out)
         i = j
     _slime_sft(out)
+    out.kept += _slime_ci(out)
     if local:
         out.kept += _slime_engines(out)
     if out.slime:  # a slime script that leaves a flag out gets lichen's default: say where it is not slime's
@@ -272,6 +273,19 @@ def _slime_sft(out: Scan) -> None:
             "the SFT rollout only reads data, so there is no generation to overlap: the synchronous loop gives the "
             f"same steps ({ENTRY_POINTS['train_async.py'].lichen} needs engines)"
         )
+
+
+# slime's default of --ci-train-rollout-logprob-abs-diff-threshold, asserted under --ci-test
+CI_LOGPROB_THRESHOLD = "0.1"
+_CI_THRESHOLD_FLAG = "--ci-train-rollout-logprob-abs-diff-threshold"
+
+
+def _slime_ci(out: Scan) -> list[str]:
+    """slime's --ci-test asserts train/train_rollout_logprob_abs_diff <= its threshold flag (default 0.1): lichen's
+    flag of that name does the check, so --ci-test sets slime's default unless the script gives the flag."""
+    if _row_of(out, "--ci-test") is None or _row_of(out, _CI_THRESHOLD_FLAG) is not None:
+        return []
+    return [_CI_THRESHOLD_FLAG, CI_LOGPROB_THRESHOLD]
 
 
 def _not_yet(row: Row, why: str) -> None:

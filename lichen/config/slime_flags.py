@@ -346,6 +346,15 @@ DIFFERS: dict[str, str] = {
     "never reaches; prefill/decode/encoder workers, per-group overrides and unknown keys stop with a usage error "
     "naming the key; plug-ins reach frozen models through lichen.engines.frozen_models (keyed servers), not "
     "args.sglang_model_routers",
+    "--no-save-optim": "the learning-rate schedule's position is still saved (Megatron leaves its scheduler out "
+    "too); a resume from such a checkpoint starts a fresh optimizer with a warning (slime: its reloads skip the "
+    "optimizer; a first --load needs Megatron's --no-load-optim)",
+    "--save-hf": "written at every lichen checkpoint save (every --save-interval steps and at the end of the run), "
+    "so it needs --save (slime: at its --save-interval saves only, nothing without them); the float32 export of "
+    "the checkpoint's hf/ (slime: --hf-checkpoint's dtype and quantization)",
+    "--ci-train-rollout-logprob-abs-diff-threshold": "checked whenever given, once per rollout step, stopping the "
+    "run with one line and exit code 1 (slime: an assertion per optimizer step, only under --ci-test); a slime "
+    "script's --ci-test sets slime's default 0.1 here",
     "--qwen-gdn-backend": "lichen adds torch (transformers' reference code, CPU); unset picks fla where CUDA and fla "
     "are present, else torch (slime: default fla); flashqla is refused on lichen's HF path (not bound yet)",
 }

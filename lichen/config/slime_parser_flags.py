@@ -127,10 +127,12 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
     ),
     **rules(
         MAPPED,
-        "--check-weight-update-equal (the engines serve the trainer's weights after every sync)",
+        "--check-weight-update-equal --ci-train-rollout-logprob-abs-diff-threshold 0.1 (slime's default, unless "
+        "the script gives it)",
         "slime's CI assertions (tests/ of slime): engine weight versions after sync, first-step KL ~ 0, log-prob "
         "and entropy bounds, train/rollout log-prob diff <= --ci-train-rollout-logprob-abs-diff-threshold; lichen "
-        "runs its sync equality check, the metric assertions are lichen's test suite's",
+        "runs its sync equality check and stops the run past the log-prob bound, the other metric assertions are "
+        "lichen's test suite's",
         "--ci-test",
     ),
     **rules(
@@ -140,7 +142,6 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
         "--ci-disable-kl-checker",
         "--ci-save-grad-norm",
         "--ci-load-grad-norm",
-        "--ci-train-rollout-logprob-abs-diff-threshold",
     ),
     **rules(
         NOT_YET,
@@ -185,11 +186,8 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
     ),
     **rules(
         NOT_YET,
-        "lichen's checkpointing (--save: HF weights + optimizer state)",
-        "a checkpoint or optimizer variant lichen does not build yet",
-        "--no-save-optim",
-        "--reset-optimizer-states",
-        "--save-hf",
+        "lichen's AdamW (its moments are kept across steps)",
+        "an optimizer variant lichen does not build yet",
         "--use-stateless-adam",
     ),
     **rules(

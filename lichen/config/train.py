@@ -111,6 +111,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this; 0: off")
     g.add_argument(
+        "--reset-optimizer-states",
+        action="store_true",
+        help="at the start of every rollout step's training, zero the optimizer's step counts and Adam moments "
+        "(the policy's and the PPO critic's); the learning-rate schedule goes on (slime's flag; default: off)",
+    )
+    g.add_argument(
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        type=float,
+        default=None,
+        help="stop the run (exit code 1, one line naming the step and the value) when train/"
+        "train_rollout_logprob_abs_diff, the mean |trainer - engine| log-prob of the rollout's tokens, exceeds "
+        "this. slime's flag, asserted there under --ci-test with default 0.1; a slime script's --ci-test sets "
+        "0.1 here unless it gives the flag (default: no check)",
+    )
+    g.add_argument(
         "--loss-type",
         choices=["policy_loss", "sft_loss", "custom_loss"],
         default="policy_loss",
@@ -237,6 +252,7 @@ def check(args: argparse.Namespace) -> None:
     check_float(args, "adam_beta2", low=0.0, high=1.0, high_open=True)
     check_float(args, "adam_eps", low=0.0, low_open=True)
     check_float(args, "clip_grad", low=0.0)
+    check_float(args, "ci_train_rollout_logprob_abs_diff_threshold", low=0.0)
     check_float(args, "moe_aux_loss_coeff", low=0.0)
     if args.loss_type == "custom_loss" and args.custom_loss_function_path is None:
         raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path module.function")

@@ -133,6 +133,11 @@ class TrainerConfig:
     only_train_params_name_list: list[str] | None = None
     freeze_params_name_list: list[str] | None = None
     balance_by_flops: bool = False  # micro-batches balanced by FLOPs (lichen.train.flops_balance)
+    # slime's optimizer, checkpoint and CI flags
+    reset_optimizer_states: bool = False  # Adam moments and steps zeroed before every rollout step's training
+    no_save_optim: bool = False  # checkpoints without optimizer state (lichen.train.checkpoint)
+    save_hf: str | None = None  # an HF export to save_hf.format(rollout_id=N) at every checkpoint save
+    ci_train_rollout_logprob_abs_diff_threshold: float | None = None  # the mismatch bound (step_metrics)
 
     @property
     def model_options(self) -> dict:

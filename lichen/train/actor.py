@@ -40,10 +40,10 @@ from lichen.train.log_probs import LogProbs
 from lichen.train.loss import LossPlugins, StepLoss, StepTerms
 from lichen.train.lr_schedule import lr_at
 from lichen.train.micro_batches import Plan
-from lichen.train.optim import clip_and_step, make_adamw, set_lr
+from lichen.train.optim import clip_and_step, make_adamw, reset_adam_state, set_lr
 from lichen.train.param_filter import apply_param_filter
 from lichen.train.router_aux import RouterAuxLoss
-from lichen.train.step_metrics import step_metrics
+from lichen.train.step_metrics import check_mismatch, step_metrics
 from lichen.train.step_schedule import MicroBatchPlanner, OptimizerStepPlan, schedule_steps
 from lichen.train.train_batch import TrainBatch, global_counts
 from lichen.train.trainer_protocol import TokenValues, rows_of
@@ -182,7 +182,8 @@ class TrainActor:
             load_adapter_state(self.model, state["lora"], "checkpoint")
         else:
             self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # absent: saved with --no-save-optim, this optimizer starts fresh
+            self.optimizer.load_state_dict(state["optimizer"])
         self.opt_step = int(state["opt_step"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
@@ -191,7 +192,7 @@ class TrainActor:
     def save(self, save_dir: str, rollout_id: int) -> SavedTrainer:
         """hf/, trainer_state.pt (and critic.pt, lora/) of checkpoint `rollout_id`; lichen.train.checkpoint writes
         the rest of it."""
-        return checkpoint.save_trainer(save_dir, rollout_id, self, self.cfg.hf_checkpoint)
+        return checkpoint.save_trainer(save_dir, rollout_id, self)
 
     def load(self, load_dir: str, rollout_id: int) -> None:
         checkpoint.load_trainer(load_dir, rollout_id, self)
@@ -249,6 +250,10 @@ class TrainActor:
         """One train step on a rollout step's groups of samples; returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
+        if cfg.reset_optimizer_states:  # slime: before every rollout step's training, the critic's too
+            for optimizer in (self.optimizer, getattr(self.critic, "optimizer", None)):
+                if optimizer is not None:
+                    reset_adam_state(optimizer)
         tb = TrainBatch.from_samples(
             [s for group in batch for s in group],
             self.pad_id,
@@ -305,6 +310,7 @@ class TrainActor:
         elif critic_only and record:  # the policy did not move; its log-probs come from one pass
             trainer_lp = self.log_probs.of_batch(self.model, tb.host, no_grad_plans, tb.response_width)
         metrics.update(step_metrics(tb, per_step, trainer_lp, recomputed_old))
+        check_mismatch(metrics, cfg.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
         metrics["time/train"] = time.perf_counter() - t0
         self.last_step_metrics = per_step
         # the step's per-token values, [n, R] in batch order (None: not computed), for the loop's sample log

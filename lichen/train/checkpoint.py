@@ -4,7 +4,8 @@ intact one.
 Layout of one checkpoint:
   hf/                 the policy as a Hugging Face checkpoint (safetensors + config + tokenizer): loadable by
                       `from_pretrained`, and what a resume loads the weights from
-  trainer_state.pt    optimizer state, optimizer step count, RNG states (tensors and plain data only)
+  trainer_state.pt    optimizer state (left out with --no-save-optim), optimizer step count, RNG states (tensors
+                      and plain data only)
   critic.pt           --advantage-estimator ppo: the critic's weights and optimizer state
   lora/               --use-lora: the adapters as peft's adapter directory (docs/lora.md); hf/ is then the merged
                       policy, and a resume restores the adapters onto --hf-checkpoint's base weights
@@ -25,6 +26,10 @@ missing, truncated or changed, a rollout_state.json or meta.json that does not p
 named in a warning and the newest older intact one is loaded instead; when none is intact the run stops with exit code 2. A checkpoint without checksums.json (an
 unfinished save, or written by a lichen before checksums, whose trainer_state.pt cannot be read safely) is never
 loaded: resume it with the lichen that wrote it, or start from its weights with `--hf-checkpoint iter_N/hf`.
+
+--save-hf PATH writes the same HF export again to PATH.format(rollout_id=N), outside the checkpoint (no manifest
+entry: it is the user's copy, not what a resume reads). A checkpoint without optimizer state (--no-save-optim)
+resumes with a fresh optimizer and one warning; the learning-rate schedule's position and the RNG states resume.
 
 The .pt files are read with `torch.load(weights_only=True)` (lichen.torch_files): they hold tensors and plain
 Python values only (the numpy RNG state is stored as a tensor and plain fields), so loading one never runs code.
@@ -127,21 +132,38 @@ def begin_save(save_dir: str, rollout_id: int) -> str:
     return d
 
 
-def save_trainer(save_dir: str, rollout_id: int, trainer, hf_checkpoint: str) -> SavedTrainer:
+def write_hf_exports(weights: dict[str, torch.Tensor], d: str, rollout_id: int, cfg) -> None:
+    """The policy `weights` as checkpoint `d`'s hf/ and, with --save-hf (`cfg.save_hf`), as the same export at
+    save_hf.format(rollout_id=...); config.json and the tokenizer files come from cfg.hf_checkpoint. (The local
+    trainer's save and rank 0 of the multi-rank trainer both write through here.)"""
+    with open(os.path.join(cfg.hf_checkpoint, "config.json")) as f:
+        config = json.load(f)
+    save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=cfg.hf_checkpoint)
+    if cfg.save_hf:
+        from lichen.config.checkpoint import save_hf_dir
+
+        out = save_hf_dir(cfg.save_hf, rollout_id)
+        save_hf_checkpoint(weights, out, config=config, copy_files_from=cfg.hf_checkpoint)
+        log.info("--save-hf: wrote the policy of checkpoint %d as an HF checkpoint to %s", rollout_id, out)
+
+
+def save_trainer(save_dir: str, rollout_id: int, trainer) -> SavedTrainer:
     """Write `trainer.state_dict()` (lichen.train.actor.TrainActor) as hf/, trainer_state.pt and critic.pt (and
-    lora/); returns their manifest entries."""
+    lora/), the optimizer states left out with --no-save-optim; returns their manifest entries."""
     d = iter_dir(save_dir, rollout_id)
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(hf_checkpoint, "config.json")) as f:
-        config = json.load(f)
+    cfg = trainer.cfg
+    hf_checkpoint = cfg.hf_checkpoint
     state = trainer.state_dict()
     weights = {k: v.detach() for k, v in state["model"].items()}
-    save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
+    write_hf_exports(weights, d, rollout_id, cfg)
     written = ["hf", TRAINER_STATE]
-    save_plain(
-        {"format": STATE_FORMAT, "optimizer": state["optimizer"], "opt_step": state["opt_step"], "rng": rng_state()},
-        os.path.join(d, TRAINER_STATE),
-    )
+    trainer_state = {"format": STATE_FORMAT, "opt_step": state["opt_step"], "rng": rng_state()}
+    if not cfg.no_save_optim:
+        trainer_state["optimizer"] = state["optimizer"]
+    elif "critic" in state:  # slime's critic saves under the same flag
+        state["critic"] = {k: v for k, v in state["critic"].items() if k != "optimizer"}
+    save_plain(trainer_state, os.path.join(d, TRAINER_STATE))
     if "lora" in state:  # --use-lora: hf/ is the merged policy; the adapters are what a resume restores
         from lichen.train import lora
 
@@ -331,7 +353,11 @@ def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
             f"checkpoint {d}/{TRAINER_STATE}: not format {STATE_FORMAT} (written by another version "
             f"of lichen?); start from its weights with --hf-checkpoint {d}/hf"
         )
-    restored = {"optimizer": state["optimizer"], "opt_step": state["opt_step"]}
+    restored = {"opt_step": state["opt_step"]}
+    if "optimizer" in state:
+        restored["optimizer"] = state["optimizer"]
+    else:
+        warn_fresh_optimizer(d)
     if _lora_of(trainer) is not None:
         from lichen.train.lora import read_adapter
 
@@ -352,6 +378,16 @@ def load_trainer(load_dir: str, rollout_id: int, trainer) -> None:
         restored["critic"] = read_critic_state(d)
     trainer.load_state_dict(restored)
     set_rng_state(state["rng"])
+
+
+def warn_fresh_optimizer(d: str) -> None:
+    """The one warning of a resume from a checkpoint saved without optimizer state (--no-save-optim)."""
+    log.warning(
+        "!!! checkpoint %s has no optimizer state (saved with --no-save-optim): the optimizer starts fresh (Adam "
+        "moments and step counts from zero); the weights, the learning-rate schedule's position and the RNG "
+        "states resume",
+        d,
+    )
 
 
 def _saved_ranks(d: str) -> str:

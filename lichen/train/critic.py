@@ -113,4 +113,5 @@ class Critic:
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # absent: saved with --no-save-optim, this optimizer starts fresh
+            self.optimizer.load_state_dict(state["optimizer"])

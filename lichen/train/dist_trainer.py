@@ -26,7 +26,6 @@ The PPO critic (--advantage-estimator ppo) is sharded and split the same way (li
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable, Sequence
 
@@ -45,7 +44,15 @@ from lichen.devices import resolve_device
 from lichen.errors import ConfigError
 from lichen.train import fsdp, memory_saver
 from lichen.train.actor import TrainActor
-from lichen.train.checkpoint import DIST_DIR, LATEST, LORA_DIR, SavedTrainer, iter_dir
+from lichen.train.checkpoint import (
+    DIST_DIR,
+    LATEST,
+    LORA_DIR,
+    SavedTrainer,
+    iter_dir,
+    warn_fresh_optimizer,
+    write_hf_exports,
+)
 from lichen.train.ckpt_integrity import CheckpointDamaged, checkpoint_files, file_entries, read_inside, verify
 from lichen.train.log_probs import LogProbs
 from lichen.train.loss import StepTerms
@@ -55,7 +62,6 @@ from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
 from lichen.train.train_batch import TrainBatch
 from lichen.train.trainer_protocol import TokenValues, rows_of
 from lichen.types import Sample
-from lichen.weights.hf_io import save_hf_checkpoint
 from lichen.weights.rank_send import SENDER_OPS, RankSender, tensor_meta
 
 
@@ -222,19 +228,21 @@ class DistTrainer:
         with self.memory.weights_resident():
             return getattr(sender, op)(*args)
 
-    def _sharded_state(self) -> dict:
+    def _sharded_state(self, *, optimizer: bool = True) -> dict:
+        """What DCP saves and loads; without the optimizers' states for --no-save-optim checkpoints."""
         a = self.actor
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(a.model),
-            "optimizer": get_optimizer_state_dict(a.model, a.optimizer),
             "opt_step": torch.tensor(a.opt_step, dtype=torch.int64),
         }
+        if optimizer:
+            state["optimizer"] = get_optimizer_state_dict(a.model, a.optimizer)
         if a.critic is not None:
             c = a.critic
-            state["critic"] = {
-                "model": get_model_state_dict(c.model),
-                "optimizer": get_optimizer_state_dict(c.model, c.optimizer),
-            }
+            critic: dict[str, Any] = {"model": get_model_state_dict(c.model)}
+            if optimizer:
+                critic["optimizer"] = get_optimizer_state_dict(c.model, c.optimizer)
+            state["critic"] = critic
         return state
 
     def token_values(self, rows: Sequence[int]) -> TokenValues:
@@ -247,7 +255,7 @@ class DistTrainer:
         manifest entry (the other ranks an empty SavedTrainer); the caller (lichen.train.checkpoint) writes the
         manifest, meta.json and `latest`."""
         d = iter_dir(ckpt_dir, rollout_id)
-        dcp.save(self._sharded_state(), checkpoint_id=os.path.join(d, DIST_DIR))
+        dcp.save(self._sharded_state(optimizer=not self.cfg.no_save_optim), checkpoint_id=os.path.join(d, DIST_DIR))
         with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
             weights = fsdp.full_weights(self.actor.model)
         if self.rank == 0:
@@ -257,9 +265,7 @@ class DistTrainer:
                 weights = lora.export_rank0(
                     self.actor, weights, os.path.join(d, LORA_DIR), rollout_id, self.cfg.hf_checkpoint
                 )
-            with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
-                config = json.load(f)
-            save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=self.cfg.hf_checkpoint)
+            write_hf_exports(weights, d, rollout_id, self.cfg)  # hf/, and --save-hf's copy
         dist.barrier()  # every rank's shards are written before they are hashed
         return SavedTrainer(self._hash_files(d), world_size=self.world_size)
 
@@ -309,15 +315,23 @@ class DistTrainer:
         if not os.path.isdir(d):
             raise ConfigError(f"{d}: missing; this checkpoint was not saved by a multi-rank trainer")
         self._verify(iter_dir(ckpt_dir, rollout_id))
-        state = self._sharded_state()
+        # saved with --no-save-optim: no optimizer entries, so this run's optimizers start fresh
+        with_optimizer = any(
+            key.startswith("optimizer.") for key in dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+        )
+        if not with_optimizer and self.rank == 0:
+            warn_fresh_optimizer(iter_dir(ckpt_dir, rollout_id))
+        state = self._sharded_state(optimizer=with_optimizer)
         dcp.load(state, checkpoint_id=d)
         a = self.actor
         set_model_state_dict(a.model, state["model"])
-        set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"])
+        if with_optimizer:
+            set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"])
         a.opt_step = int(state["opt_step"])
         if a.critic is not None:
             set_model_state_dict(a.critic.model, state["critic"]["model"])
-            set_optimizer_state_dict(a.critic.model, a.critic.optimizer, state["critic"]["optimizer"])
+            if with_optimizer:
+                set_optimizer_state_dict(a.critic.model, a.critic.optimizer, state["critic"]["optimizer"])
         return rollout_id
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # the last with amsgrad only
 
 
 def adamw_implementation(params: list[torch.Tensor]) -> str:
@@ -75,3 +76,20 @@ def clip_and_step(
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """slime's --reset-optimizer-states: every parameter's step count and Adam moments back to zero, in place (the
+    tensors stay where they are: on their device, FSDP2 shards as DTensors, offloaded or not). The learning rate
+    is set per step from lichen.train.lr_schedule, so the schedule goes on. The next step is a fresh AdamW's first
+    step: bias correction 1 - b^1."""
+    for group in optimizer.param_groups:
+        if "step" in group:  # optimizers that count per group (torch's AdamW counts per parameter)
+            group["step"] = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key == "step" or key in _ADAM_MOMENTS:
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                else:
+                    state[key] = 0

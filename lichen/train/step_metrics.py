@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from lichen.errors import RunError
 from lichen.observe.metrics import get_logger
 from lichen.train.train_batch import TrainBatch
 from lichen.types import Status
@@ -39,3 +40,19 @@ def step_metrics(
             metrics["train/ppo_kl_first_step"],
         )
     return metrics
+
+
+def check_mismatch(metrics: dict, threshold: float | None, rollout_id: int) -> None:
+    """--ci-train-rollout-logprob-abs-diff-threshold (slime's --ci-test assertion): a RunError naming the step, the
+    value and the flag when the step's train/train_rollout_logprob_abs_diff exceeds `threshold`. A step without
+    engine log-probs has no such metric and passes, as in slime. Every trainer rank computes the same metrics, so
+    every rank raises alike."""
+    value = metrics.get("train/train_rollout_logprob_abs_diff")
+    if threshold is None or value is None or value <= threshold:
+        return
+    raise RunError(
+        f"step {rollout_id + 1}: train/train_rollout_logprob_abs_diff = {value:.6g} exceeds "
+        f"--ci-train-rollout-logprob-abs-diff-threshold {threshold:g}: the trainer's log-probs of the rollout's "
+        "tokens differ from the engine's by more than the bound (different weights, numerics or sampling "
+        "settings between trainer and engine); raise the bound or drop the flag to go on"
+    )
