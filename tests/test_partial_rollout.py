@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import types
 
 import pytest
@@ -44,7 +45,15 @@ from lichen.types import Sample, Status
 SEED = 1234  # --seed default
 
 
+# The engine whose step the filter waits for (see ScriptedEngines.new_step's `sent`).
+FILTER_WAITS_FOR: list = []
+
+
 def keep_all(args, group) -> bool:
+    # Deciding the first group waits until the scripted engine has received the requests the step sends before its
+    # cut: otherwise a slow loop thread could let the driver cut the round before they are sent.
+    for engine in FILTER_WAITS_FOR:
+        engine.wait_sent()
     return True
 
 
@@ -171,6 +180,7 @@ class ScriptedEngines:
         self.weight_version = "0"
         self.hang: dict[int, int] = {}
         self.received: list[GenRequest] = []
+        self.sent = 0
         self.aborts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -180,8 +190,15 @@ class ScriptedEngines:
     async def _event(self):
         return asyncio.Event()
 
-    def new_step(self, hang: dict[int, int]) -> None:
-        self.hang, self.received = dict(hang), []
+    def new_step(self, hang: dict[int, int], sent: int = 0) -> None:
+        """`hang`: see the class; `sent`: how many requests the step sends before its cut (the group filter waits
+        for them, so the cut never depends on how fast the engine's thread runs)."""
+        self.hang, self.received, self.sent = dict(hang), [], sent
+
+    def wait_sent(self, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout  # a bound for a broken test only
+        while len(self.received) < self.sent and time.monotonic() < end:
+            time.sleep(0.005)
 
     def submit(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -239,9 +256,11 @@ def scripted(tiny_ckpt, addition_data, tmp_path):
         engine = ScriptedEngines()
         manager = rollout_worker(parse_train_args(argv[1:]), engine=engine)
         made.append(engine)
+        FILTER_WAITS_FOR.append(engine)
         return manager, engine
 
     yield make
+    FILTER_WAITS_FOR.clear()
     for e in made:
         e.close()
 
@@ -255,7 +274,7 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
     manager, engine = scripted(*(["--mask-offpolicy-in-partial-rollout"] if mask else []))
     # step 0: round of prompts 0..3, requests (pos, j) in order. 0-3 answer; 4 = (2, 0) answers; 5 = (2, 1) hangs
     # after 3 tokens, 6 = (3, 0) after 0 tokens; 7 = (3, 1) waits behind them for a slot: never sent.
-    engine.new_step({5: 3, 6: 0})
+    engine.new_step({5: 3, 6: 0}, sent=7)
     groups, metrics = manager.generate(0)
     assert len(engine.received) == 7 and engine.aborts >= 1
     assert [[s.metadata["prompt_index"] for s in g] for g in groups] == [[0, 0], [1, 1]]
@@ -289,7 +308,7 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
     # step 1 after a weight sync: round 0 = the 2 buffered groups, then prompts 4, 5 (0 from the manager's batch)
     state = json.loads(json.dumps(manager.state_dict()))
     engine.weight_version = "1"
-    engine.new_step({4: 2, 5: 0})
+    engine.new_step({4: 2, 5: 0}, sent=6)
     groups, metrics = manager.generate(1)
     key1 = 1 * SEED_ROUND_STRIDE
     p4, p5 = _prompt_ids(manager, 4), _prompt_ids(manager, 5)
@@ -329,7 +348,7 @@ def test_cut_groups_are_buffered_and_continued_first(scripted, mask):
     other, engine2 = scripted(*(["--mask-offpolicy-in-partial-rollout"] if mask else []))
     other.load_state_dict(state)
     engine2.weight_version = "1"
-    engine2.new_step({4: 2, 5: 0})
+    engine2.new_step({4: 2, 5: 0}, sent=6)
     again, _ = other.generate(1)
     assert [r.seed for r in engine2.received] == [r.seed for r in engine.received]
     assert [[s.to_dict() for s in g] for g in again] == [[s.to_dict() for s in g] for g in groups]
