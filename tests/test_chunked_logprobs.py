@@ -119,10 +119,11 @@ def test_float32_chunks_equal_the_materialized_computation(temperature, softcap,
 
 def test_qwen3_vocabulary_against_float64():
     """At 151,936 entries the fp32 chunked result is as close to float64 as the materialized one (measured: both
-    within ~5e-6 of the values' scale; an uneven tail chunk of a few rows would be 1e-4 off, see MIN_CHUNK_ROWS)."""
+    within ~5e-6 of the values' scale). 13-position chunks of 40 leave a 1-row tail, which MIN_CHUNK_ROWS joins to
+    the chunk before it: alone, its [1, V] @ [V, H] product put the hidden states' gradient 2.5e-5 off."""
     kw = dict(bias=False, softcap=None, temperature=0.7, entropy=True)
     ref = _run(naive_float64, 40, 32, 151_936, torch.float64, **kw)
-    mine = _run(chunked_token_log_probs, 40, 32, 151_936, torch.float32, chunk_size=17, **kw)
+    mine = _run(chunked_token_log_probs, 40, 32, 151_936, torch.float32, chunk_size=13, **kw)
     full = _run(materialized_token_log_probs, 40, 32, 151_936, torch.float32, **kw)
     _close(mine, ref, 1e-5)
     _close(full, ref, 1e-5)
@@ -284,3 +285,46 @@ def test_two_fsdp_ranks_chunked_match_one_rank(tiny_ckpt, addition_data, tmp_pat
     assert worst <= 1e-6, worst
     for mine, ref in zip(ranks[0]["metrics"], metrics):
         assert abs(mine["train/loss"] - ref["train/loss"]) <= 1e-5
+
+
+def test_engine_prompt_log_probs_in_chunks_equal_one_pass(tiny_ckpt, monkeypatch):
+    """The in-process engine scores a prompt PROMPT_LOGPROB_CHUNK positions at a time: 5-position chunks (a
+    40-token prompt, scored from position 3) give the one-pass values, top log-probs and picked ids exactly."""
+    from lichen.engines import decode_batch
+    from lichen.engines.decode_batch import DecodeBatch, Seq
+    from lichen.engines.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]
+
+    rows: list[int] = []
+    logits = engine.model.logits
+    monkeypatch.setattr(engine.model, "logits", lambda h: rows.append(h.shape[0]) or logits(h))
+
+    def scored(chunk: int) -> Seq:
+        monkeypatch.setattr(decode_batch, "PROMPT_LOGPROB_CHUNK", chunk)
+        rows.clear()
+        seq = Seq(
+            input_ids=list(prompt),
+            max_new_tokens=0,
+            input_logprob_start=3,
+            temperature=0.7,
+            top_logprobs_num=3,
+            token_ids_logprob=[5, 9],
+        )
+        DecodeBatch(engine.model).add([seq], "0")
+        return seq
+
+    one = scored(10**6)
+    assert max(rows) == 40 - 4
+    chunked = scored(5)
+    assert max(rows) == 5  # never more than a chunk of positions' logits
+    assert len(chunked.input_logprobs) == 40 - 3 and chunked.input_logprobs[0] is None
+    # fp32: a chunk's logits matmul rounds like the whole prompt's only up to ~1e-7 (the BLAS kernel depends on
+    # the row count)
+    assert chunked.input_logprobs[1:] == pytest.approx(one.input_logprobs[1:], rel=0, abs=1e-6)
+    for mine, ref in ((chunked.input_top, one.input_top), (chunked.input_ids_lp, one.input_ids_lp)):
+        assert mine[0] is None and ref[0] is None and len(mine) == len(ref)
+        for row, ref_row in zip(mine[1:], ref[1:]):
+            assert [i for _, i in row] == [i for _, i in ref_row]
+            assert [v for v, _ in row] == pytest.approx([v for v, _ in ref_row], rel=0, abs=1e-6)

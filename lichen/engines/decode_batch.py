@@ -110,6 +110,9 @@ def left_padded(seqs: list[Seq], pad: int, device) -> tuple[torch.Tensor, torch.
     return ids, valid, (valid.long().cumsum(-1) - 1).clamp(min=0), lens
 
 
+PROMPT_LOGPROB_CHUNK = 256  # prompt positions whose log-probs over the vocabulary are held at once
+
+
 def _top(logp_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
     vals, idx = torch.topk(logp_row, min(k, logp_row.shape[-1]))
     return list(zip(vals.tolist(), idx.tolist()))
@@ -228,10 +231,13 @@ class DecodeBatch:
         vals: list[float | None] = [None] if start < n else []  # start == n: no prompt position to report
         tops: list = list(vals)
         picks: list = list(vals)
-        if first < n:
-            t = s.temperature if s.temperature > 0 else 1.0
-            logp = torch.log_softmax(self.model.logits(h[first - 1 : n - 1]).float() / t, dim=-1)
-            target = torch.tensor(s.input_ids[first:n], dtype=torch.long, device=logp.device)
+        t = s.temperature if s.temperature > 0 else 1.0
+        # PROMPT_LOGPROB_CHUNK positions at a time: a long prompt's [positions, vocabulary] log-probs never exist
+        # whole (8k positions at a 151,936-token vocabulary would be 5 GB, twice: logits and log_softmax)
+        for lo in range(first, n, PROMPT_LOGPROB_CHUNK):
+            hi = min(lo + PROMPT_LOGPROB_CHUNK, n)
+            logp = torch.log_softmax(self.model.logits(h[lo - 1 : hi - 1]).float() / t, dim=-1)
+            target = torch.tensor(s.input_ids[lo:hi], dtype=torch.long, device=logp.device)
             vals += logp.gather(-1, target[:, None]).squeeze(-1).tolist()
             for r in range(logp.shape[0]):
                 if s.top_logprobs_num > 0:
