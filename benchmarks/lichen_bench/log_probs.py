@@ -2,7 +2,8 @@
 
 A model with Qwen3's 151,936-token vocabulary and a small body (llama layout, hidden 256, 2 layers, tied
 embeddings: the LM head is nearly all the work) runs `TrainActor.train` on one group of samples holding
-`--tokens` response tokens (GRPO, distinct rewards so every sample trains, no zero-advantage skip), once with
+`--tokens` response tokens in one micro-batch (GRPO, distinct rewards so every sample trains, no zero-advantage
+skip), once with
 `--log-probs-chunk-size -1` (the full [tokens, vocabulary] logits, as before issue 31) and once with the chunked
 computation (lichen.train.chunked_logprobs). Each variant runs in a fresh child process: one warm-up step (Adam's
 state is allocated there), then `--repeats` timed steps. Per step:
@@ -104,6 +105,9 @@ def run_child(args: argparse.Namespace, ckpt: str, chunk: int) -> dict:
     flags += ["--n-samples-per-prompt", str(args.samples), "--rollout-max-response-len", str(args.tokens)]
     flags += ["--rollout-temperature", str(args.temperature), "--entropy-coef", str(args.entropy_coef)]
     flags += ["--log-probs-chunk-size", str(chunk), "--disable-zero-advantage-skip", "--lr", "1e-6"]
+    # one micro-batch of every sample: the step's forward holds all --tokens positions at once (with one sample
+    # per micro-batch the full logits would be 1/--samples of them)
+    flags += ["--micro-batch-size", str(args.samples)]
     work = os.path.dirname(ckpt)
     prompts = os.path.join(work, "prompts.jsonl")  # required by the flags; the step's samples are made here
     with open(prompts, "w", encoding="utf-8") as f:
