@@ -17,6 +17,7 @@ import argparse
 import os
 
 from lichen.config.checks import check_int_at_least, check_not_torch_dist
+from lichen.config.train_config import save_hf_dir
 from lichen.errors import ConfigError
 
 
@@ -73,11 +74,6 @@ def check(args: argparse.Namespace) -> None:
                 f"--load {args.load!r}: no such directory; give an existing checkpoint directory, or the same "
                 "directory as --save to resume only when a checkpoint is there"
             )
-
-
-def save_hf_dir(template: str, rollout_id: int) -> str:
-    """Where --save-hf writes the export of checkpoint `rollout_id` (slime's `save_hf.format(rollout_id=...)`)."""
-    return template.format(rollout_id=rollout_id)
 
 
 def _check_save_hf(args: argparse.Namespace) -> None:

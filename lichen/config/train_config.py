@@ -180,3 +180,8 @@ def compile_name_patterns(patterns: list[str] | None, flag: str) -> list[re.Patt
         except re.error as e:
             raise ConfigError(f"{flag}: {pattern!r} is not a Python regular expression ({e}); fix or drop it") from None
     return out
+
+
+def save_hf_dir(template: str, rollout_id: int) -> str:
+    """Where --save-hf writes the export of checkpoint `rollout_id` (slime's `save_hf.format(rollout_id=...)`)."""
+    return template.format(rollout_id=rollout_id)

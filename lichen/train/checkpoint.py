@@ -140,7 +140,7 @@ def write_hf_exports(weights: dict[str, torch.Tensor], d: str, rollout_id: int, 
         config = json.load(f)
     save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=cfg.hf_checkpoint)
     if cfg.save_hf:
-        from lichen.config.checkpoint import save_hf_dir
+        from lichen.config.train_config import save_hf_dir
 
         out = save_hf_dir(cfg.save_hf, rollout_id)
         save_hf_checkpoint(weights, out, config=config, copy_files_from=cfg.hf_checkpoint)
