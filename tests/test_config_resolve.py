@@ -232,6 +232,18 @@ DEFAULTS = {
     "save_lora": None,
     "lora_rollout_sync_mode": "merged",
     "lora_save_merged_hf": None,
+    # slime's 2026 features (docs/slime-compat.md)
+    "balance_by_flops": False,
+    "ci_train_rollout_logprob_abs_diff_threshold": None,
+    "freeze_params_name_list": None,
+    "only_train_params_name_list": None,
+    "load_forge_rollout_data": None,
+    "no_save_optim": False,
+    "reset_optimizer_states": False,
+    "rollout_sample_hook_path": [],
+    "save_hf": None,
+    "sglang_config": None,
+    "sglang_frozen_models": (),
 }
 
 

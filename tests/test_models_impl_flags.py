@@ -180,7 +180,7 @@ def test_model_impl_auto_picks_and_logs(tmp_path, caplog):
 
 def test_slime_table_lists_how_qwen_gdn_backend_differs(run_dir):
     from lichen.config import parse_train_args
-    from lichen.config.slime_flags import DIFFERS_CLASS
+    from lichen.config.slime.flags import DIFFERS_CLASS
 
     (run_dir / "hf" / "config.json").write_text("{}")
     args = parse_train_args(

@@ -13,7 +13,7 @@ import pytest
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.parser import option_actions
 from lichen.config.rollout_config import RolloutConfig
-from lichen.config.slime_flags import SAME
+from lichen.config.slime.flags import SAME
 from lichen.errors import ConfigError
 from lichen.rollout.context import RolloutContext
 from lichen.rollout.samples import score

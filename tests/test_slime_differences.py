@@ -16,7 +16,7 @@ from lichen.algo.advantages import whiten
 from lichen.algo.losses import value_loss
 from lichen.config import build_train_parser, parse_train_args
 from lichen.config.engine_config import EngineConfig
-from lichen.config.slime_flags import DIFFERS_CLASS, SAME, differs_note
+from lichen.config.slime.flags import DIFFERS_CLASS, SAME, differs_note
 from lichen.rewards import grade
 from lichen.rewards.gpqa import choice_letters
 from lichen.rollout.eval import eval_metrics, pass_k_values

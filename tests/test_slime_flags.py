@@ -10,7 +10,7 @@ import yaml
 
 import lichen.cli
 from lichen.config import build_train_parser, parse_train_args, slime_compat
-from lichen.config.slime_flags import (
+from lichen.config.slime.flags import (
     CHECKED,
     CLASSES,
     DEFAULT_DIFFERS,

@@ -17,7 +17,7 @@ from helpers.trainer import make_actor, ragged_samples
 from lichen.cli import main
 from lichen.config import build_train_parser, parse_train_args, slime_compat
 from lichen.config.parser import option_actions
-from lichen.config.slime_flags import DIFFERS_CLASS, SAME
+from lichen.config.slime.flags import DIFFERS_CLASS, SAME
 from lichen.errors import ConfigError, RunError
 from lichen.torch_files import load_plain
 from lichen.train import checkpoint

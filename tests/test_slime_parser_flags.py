@@ -14,10 +14,10 @@ import pytest
 
 import lichen.cli
 from lichen.config import build_train_parser, parse_train_args, slime_compat
-from lichen.config.megatron_model import check_flag
 from lichen.config.parser import option_actions
 from lichen.config.removed import removed_message
-from lichen.config.slime_flags import CHECKED, CLASSES, MAPPED, SAME, SLIME_FLAGS, UNKNOWN
+from lichen.config.slime.flags import CHECKED, CLASSES, MAPPED, SAME, SLIME_FLAGS, UNKNOWN
+from lichen.config.slime.megatron_model import check_flag
 from lichen.errors import ConfigError
 from lichen.plugins import SLIME_ALIASES, load_function
 

@@ -29,7 +29,6 @@ from lichen.config import (  # noqa: E501
     rewards,
     rollout,
     sampling,
-    slime_compat,
     sync,
     tools,
     train,
@@ -39,6 +38,7 @@ from lichen.config.parser import LichenArgumentParser, LichenHelpFormatter, opti
 from lichen.config.removed import REMOVED_FLAGS, check_removed
 from lichen.config.rollout import SGLANG_CONSUMED_FLAGS, collect_sglang_passthrough
 from lichen.config.rollout_config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
+from lichen.config.slime import compat as slime_compat
 from lichen.config.train_config import OptimizerConfig, TrainerConfig
 from lichen.config.validate import resolve_and_validate
 from lichen.config.yaml_config import find_config_path, load_yaml_config

@@ -25,7 +25,7 @@ import yaml
 from lichen.config.parser import option_actions
 from lichen.config.removed import removed_message
 from lichen.config.rollout import SGLANG_PREFIX
-from lichen.config.slime_flags import HINT_CUTOFF, SLIME_FLAGS
+from lichen.config.slime.flags import HINT_CUTOFF, SLIME_FLAGS
 from lichen.errors import ConfigError
 
 

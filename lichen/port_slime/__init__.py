@@ -1,7 +1,7 @@
 """`lichen port-slime SCRIPT.sh`: a slime launch script -> a lichen YAML config, the flag table, and a dry run.
 
 The script is evaluated, not run (lichen.port_slime.script, lichen.port_slime.bash_eval): its train.py flags, as bash
-would pass them for this environment and `--assume NAME=VALUE`, are classified (lichen.config.slime_compat); what
+would pass them for this environment and `--assume NAME=VALUE`, are classified (lichen.config.slime.compat); what
 cannot be evaluated is listed, one line per cause, and stops the conversion (exit 2). slime always runs train.py as
 a Ray job, so the config is `--runtime ray` with slime's placement (`--runtime local` on request). The YAML holds lichen's flags only: slime's own flags with lichen's
 spelling, the tokens a mapped flag stands for, and the Ray runtime env vars as `train-env-vars`; every flag left
@@ -19,9 +19,10 @@ import sys
 
 import yaml
 
-from lichen.config import build_train_parser, parse_train_args, slime_compat
+from lichen.config import build_train_parser, parse_train_args
 from lichen.config.parser import option_actions
-from lichen.config.slime_flags import ENTRY_POINTS, MAPPED
+from lichen.config.slime import compat as slime_compat
+from lichen.config.slime.flags import ENTRY_POINTS, MAPPED
 from lichen.errors import ConfigError
 from lichen.observe.secrets import is_secret_name, redact_text
 from lichen.port_slime.bash_values import Assumptions

@@ -16,9 +16,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from lichen.config.megatron_model import check_flag
 from lichen.config.removed import removed_message
-from lichen.config.slime_flags import (
+from lichen.config.slime.flags import (
     BLOCKING,
     CHECKED,
     CLASSES,
@@ -38,6 +37,7 @@ from lichen.config.slime_flags import (
     FlagRule,
     differs_note,
 )
+from lichen.config.slime.megatron_model import check_flag
 from lichen.observe.secrets import is_secret_name
 from lichen.plugins import slime_alias
 

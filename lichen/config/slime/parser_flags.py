@@ -9,7 +9,7 @@ commit (tests/fixtures/slime_flags_624b824a.txt) resolves to one class with a re
 
 from __future__ import annotations
 
-from lichen.config.slime_flags_data import (
+from lichen.config.slime.flags_data import (
     MAPPED,
     NA_NO_EFFECT,
     NA_SHARDING,

@@ -2,14 +2,14 @@
 
 A slime launch script mixes slime's own flags (most of which lichen defines with the same name and meaning) with
 Megatron-LM's model, parallelism, fusion and optimizer flags. Every such flag lichen knows of has one row here;
-`lichen.config.slime_compat` reads the table, `docs/slime-compat.md` explains the classes. The lichen flags that
+`lichen.config.slime.compat` reads the table, `docs/slime-compat.md` explains the classes. The lichen flags that
 keep slime's name but differ in meaning or default are listed in `DIFFERS`.
 """
 
 from __future__ import annotations
 
 # the classes live in slime_flags_data (shared with slime_parser_flags); importers read them from here too
-from lichen.config.slime_flags_data import (  # noqa: F401
+from lichen.config.slime.flags_data import (  # noqa: F401
     BLOCKING,
     CHECKED,
     CLASSES,
@@ -23,13 +23,13 @@ from lichen.config.slime_flags_data import (  # noqa: F401
     UNKNOWN,
     FlagRule,
 )
-from lichen.config.slime_flags_data import rules as _rules
-from lichen.config.slime_parser_flags import SLIME_PARSER_FLAGS
+from lichen.config.slime.flags_data import rules as _rules
+from lichen.config.slime.parser_flags import SLIME_PARSER_FLAGS
 
 _SHARDING_INSTEAD = "FSDP2 over all trainer ranks (one rank in the local runtime)"
 _SHAPE = "memory layout only: lichen shards with FSDP2, the numbers do not change"
 
-# Megatron model-architecture flags: compared with the --hf-checkpoint config.json (lichen.config.megatron_model).
+# Megatron model-architecture flags: compared with the --hf-checkpoint config.json (lichen.config.slime.megatron_model).
 CHECKED_FLAGS = (
     "--num-layers",
     "--hidden-size",
