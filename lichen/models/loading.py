@@ -58,12 +58,19 @@ def load_model(
     (log.debug if impl == "auto" and chosen == "lichen" else log.info)(
         "model %s: model_type %s, --model-impl %s -> %s implementation", model_dir, model_type, impl, chosen
     )
+    from lichen.models.sharded_load import active_sharded_load, load_lichen_model_sharded
+
+    sharded = active_sharded_load()
     if chosen == "hf":
+        if sharded is not None:  # not converted: the caller shards the full model afterwards (as before)
+            log.info("model %s: --model-impl hf loads the full model on every rank, then shards it", model_dir)
         from lichen.models.gdn_backend import apply_gdn_backend
         from lichen.models.hf_model import load_hf_model
 
         apply_gdn_backend(model_type, gdn_backend)
         return load_hf_model(model_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    if sharded is not None:  # a multi-rank trainer: built on meta, sharded, only this rank's slices read
+        return load_lichen_model_sharded(model_dir, device=device, dtype=dtype, spec=sharded)
     return load_lichen_model(model_dir, device=device, dtype=dtype)
 
 

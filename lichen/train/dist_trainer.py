@@ -26,6 +26,7 @@ The PPO critic (--advantage-estimator ppo) is sharded and split the same way (li
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lichen.config.train_config import TrainerConfig
 from lichen.devices import resolve_device
 from lichen.errors import ConfigError
+from lichen.models.sharded_load import sharded_loading
 from lichen.train import fsdp, memory_saver
 from lichen.train.actor import TrainActor
 from lichen.train.checkpoint import (
@@ -100,7 +102,11 @@ class _RankActor(TrainActor):
     ):
         self.rank, self.world_size = rank, world_size
         self.memory = memory or memory_saver.TaggedMemory()
-        super().__init__(cfg, plugin_args)
+        # lichen's models are built on meta and sharded before any weight is read: each rank reads its own slices
+        # (lichen.models.sharded_load). LoRA wraps the full policy first, so it loads as before, then shards.
+        weights = fsdp.sharded_load(bf16=cfg.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS))
+        with sharded_loading(weights) if cfg.lora is None else contextlib.nullcontext():
+            super().__init__(cfg, plugin_args)
         with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
             for model in (self.model, self.ref_model, self.teacher_model):
                 if isinstance(model, torch.nn.Module):  # (a LoRA reference is the policy's module: sharded once)
@@ -121,7 +127,8 @@ class _RankActor(TrainActor):
     def _make_critic(self):
         from lichen.train.dist_critic import RankCritic
 
-        return RankCritic(self.cfg, self.device, rank=self.rank, world_size=self.world_size)
+        with sharded_loading(fsdp.sharded_load(bf16=False)):  # the critic runs in fp32, in the default region
+            return RankCritic(self.cfg, self.device, rank=self.rank, world_size=self.world_size)
 
     def _run_micro_batches(
         self, tb: TrainBatch, plan: OptimizerStepPlan, loss_of: Callable[[Plan], torch.Tensor]

@@ -8,11 +8,12 @@ of the ranks' gradients is the global batch's gradient, as one rank would comput
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from lichen.models.sharded_load import ShardedLoad
 
 
 def default_backend(device: torch.device) -> str:
@@ -78,18 +81,33 @@ def shard(model: nn.Module, *, layers: list[nn.Module], bf16: bool) -> nn.Module
     gradients from both calls are reduced once, when the whole backward is done. A no-grad forward therefore
     leaves the root's module parameters as the gathered tensors (which carry no gradient): call `reshard` after
     it, before anything reads `model.parameters()` (gradient clipping does).
+
+    Units sharded already are left as they are: a model built sharded (`sharded_load`) passes through unchanged,
+    and the critic's wrapper around such a backbone gets a root unit of its own (its value head).
     """
     mp = MixedPrecisionPolicy()
     if bf16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        if not isinstance(layer, FSDPModule):  # already sharded at load (lichen.models.sharded_load)
+            fully_shard(layer, mp_policy=mp)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def sharded_load(*, bf16: bool, region: Callable[[], ContextManager[object]] | None = None) -> ShardedLoad:
+    """What `lichen.models.sharded_load.sharded_loading` needs to build a model sharded as `shard` does it (one unit
+    per decoder layer plus the root), its shards allocated inside `region()` when given."""
+
+    def shard_it(model: nn.Module) -> nn.Module:
+        return shard(model, layers=decoder_layers(model), bf16=bf16)
+
+    return ShardedLoad(shard_it, region or contextlib.nullcontext)
 
 
 def reshard(model: nn.Module) -> None:
