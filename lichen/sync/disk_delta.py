@@ -19,18 +19,36 @@ One sync to version N (>= 1):
 
 Version 0 (the start of a fresh run) publishes nothing: `/pull_weights` target 0 seeds the local copy from the
 engine's own checkpoint, as slime's first sync does.
+
+Under `--runtime ray` (`push_from`) the trainer ranks publish: this process decides each version's kind (full or
+delta, by the same rules as VersionPublisher) and its chain, each rank encodes and writes the tensors it owns into
+the version's temporary directory (lichen.weights.rank_delta), and this process writes the index last and renames
+the directory into place. No tensor passes through it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+import uuid
 from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.weights.versions import VersionPublisher
+from lichen.weights.delta_codec import COMPRESSION_FORMAT
+from lichen.weights.hf_io import INDEX_FILE, _copy_side_files, _fsync_dir, _write_json
+from lichen.weights.rank_send import sent_dtype
+from lichen.weights.versions import (
+    VERSION_PREFIX,
+    VersionPublisher,
+    delete_versions,
+    list_versions,
+    remove_stale_versions,
+    version_dir,
+)
+from lichen.weights.wire import dtype_name
 
 
 class DeltaSync:
@@ -53,7 +71,7 @@ class DeltaSync:
         self.engines = engines
         self.disk_dir, self.local_dir = os.path.abspath(disk_dir), os.path.abspath(local_dir)
         self.hf_checkpoint = hf_checkpoint
-        self.options = dict(
+        self.options: dict[str, Any] = dict(
             mode=mode,
             encoding=encoding,
             checksum_format=checksum_format,
@@ -62,22 +80,29 @@ class DeltaSync:
             post_write_hook=post_write_hook,
         )
         self.publisher: VersionPublisher | None = None
+        # the chain the ranks publish under --runtime ray: {"id", "last", "sig", "deltas", "dtype"} or None
+        self.chain: dict[str, Any] | None = None
+        self.sent_checksums: dict[str, str] = {}
 
     def _publisher(self, dtype: torch.dtype) -> VersionPublisher:
         if self.publisher is None or self.publisher.dtype != dtype:
-            config = None
-            if self.hf_checkpoint and os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")):
-                with open(os.path.join(self.hf_checkpoint, "config.json")) as f:
-                    config = json.load(f)
             self.publisher = VersionPublisher(
-                self.disk_dir, dtype=dtype, config=config, copy_files_from=self.hf_checkpoint, **self.options
+                self.disk_dir, dtype=dtype, config=self._config(), copy_files_from=self.hf_checkpoint, **self.options
             )
         return self.publisher
+
+    def _config(self) -> dict | None:
+        """The checkpoint's config.json, which full versions carry (None without one)."""
+        if self.hf_checkpoint and os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")):
+            with open(os.path.join(self.hf_checkpoint, "config.json")) as f:
+                return json.load(f)
+        return None
 
     def reset(self) -> None:
         """The next sync publishes a full version and starts a new chain."""
         if self.publisher is not None:
             self.publisher.reset()
+        self.chain = None
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
         t0 = time.perf_counter()
@@ -96,6 +121,109 @@ class DeltaSync:
                 metrics["sync/changed_density"] = res.changed_bytes / max(1, res.total_bytes)
         else:
             metrics.update({"sync/bytes": 0, "sync/is_delta": 0})
+        self.sent_checksums = {}  # verify hashes the trainer's weights itself
+        return self._deliver(version, metrics, t0)
+
+    def push_from(self, sender: Any, version: int, dtype: torch.dtype) -> dict:
+        """Version `version` published by the trainer ranks, each encoding the tensors it owns; this process
+        decides the kind, writes the index and makes the engines' calls. The checksums of what the ranks
+        published go to `sent_checksums`."""
+        t0 = time.perf_counter()
+        meta = sender.call("meta", all_ranks=False)
+        sig = [[row[0], list(row[1]), sent_dtype(row[2], dtype)] for row in meta]
+        args = (dtype_name(dtype), self.options["encoding"], self.options["checksum_format"])
+        if version == 0:  # nothing published: the engines' own checkpoint; the ranks still say what they hold
+            part = sender.call("delta_part", "", "hash", 0, "", *args)
+            self.sent_checksums = dict(part["sums"])
+            return self._deliver(version, {"sync/bytes": 0, "sync/is_delta": 0}, t0)
+        try:
+            metrics = self._publish_from(sender, sig, version, args)
+        except BaseException:
+            self.reset()  # a rank's snapshot may have moved: the next version is full
+            raise
+        return self._deliver(version, metrics, t0)
+
+    def _full_reason(self, sig: list, version: int, dtype: torch.dtype) -> str:
+        c = self.chain
+        interval = self.options["full_interval"]
+        if self.options["mode"] == "full":
+            return "mode full"
+        if c is None:
+            return "first version of a chain"
+        if version != c["last"] + 1:
+            return f"version {version} does not follow {c['last']}"
+        if interval and c["deltas"] >= interval - 1:
+            return f"full interval {interval}"
+        if c["sig"] != sig or c["dtype"] != dtype:
+            return "tensor names, shapes or dtypes changed"
+        return ""
+
+    def _publish_from(self, sender: Any, sig: list, version: int, args: tuple) -> dict:
+        dtype = args[0]
+        reason = self._full_reason(sig, version, dtype)
+        os.makedirs(self.disk_dir, exist_ok=True)
+        if self.chain is None:
+            self.chain = {"id": uuid.uuid4().hex, "last": None, "sig": sig, "deltas": 0, "dtype": dtype}
+            remove_stale_versions(self.disk_dir, version)
+        chain = self.chain
+        tmp = os.path.join(self.disk_dir, f".{VERSION_PREFIX}{version:06d}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            kind = "full" if reason else "delta"
+            part = sender.call("delta_part", tmp, kind, version, chain["id"], *args)
+            meta: dict[str, Any] = {"version": f"{version:06d}"}
+            if reason:
+                meta.update(total_size=part["total_bytes"])
+            else:
+                meta.update(
+                    base_version=f"{version - 1:06d}",
+                    delta_encoding=self.options["encoding"],
+                    compression_format=COMPRESSION_FORMAT,
+                )
+            meta.update(checksum_format=self.options["checksum_format"], chain_id=chain["id"])
+            # the ranks' weight maps in the tensors' order: the index reads as one publisher's
+            weight_map = {row[0]: part["weight_map"][row[0]] for row in sig if row[0] in part["weight_map"]}
+            if reason:
+                self._side_files(tmp)
+            _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": meta, "weight_map": weight_map})
+            wire = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+            _fsync_dir(tmp)
+            final = version_dir(self.disk_dir, version)
+            if os.path.exists(final):  # left by an earlier run
+                delete_versions(self.disk_dir, [version])
+            os.rename(tmp, final)
+            _fsync_dir(self.disk_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        chain.update(last=version, sig=sig, deltas=0 if reason else chain["deltas"] + 1)
+        if self.options["post_write_hook"] is not None:
+            self.options["post_write_hook"](final)
+        if reason and not self.options["keep_files"]:
+            delete_versions(self.disk_dir, [v for v in list_versions(self.disk_dir) if v < version])
+        self.sent_checksums = dict(part["sums"])
+        metrics = {
+            "sync/bytes": wire,
+            "sync/total_bytes": part["total_bytes"],
+            "sync/is_delta": int(not reason),
+            "sync/published_tensors": part["published"],
+            "sync/publish_ranks": part["ranks"],
+        }
+        if not reason:
+            metrics["sync/changed_density"] = part["changed_bytes"] / max(1, part["total_bytes"])
+        return metrics
+
+    def _side_files(self, dst: str) -> None:
+        """config.json and the tokenizer files of a full version, as VersionPublisher writes them."""
+        config = self._config()
+        if self.hf_checkpoint is not None:
+            _copy_side_files(self.hf_checkpoint, dst, skip_config=config is not None)
+        if config is not None:
+            _write_json(os.path.join(dst, "config.json"), config)
+
+    def _deliver(self, version: int, metrics: dict[str, Any], t0: float) -> dict:
+        """The engines pull version `version` and apply it (steps 2 and 3 of the module doc)."""
         t1 = time.perf_counter()
         try:
             pulls = self.engines.post_each(

@@ -29,7 +29,9 @@ from lichen.weights.hf_io import write_hf_shards
 from lichen.weights.wire import dtype_name, master_store, open_group, parse_dtype, tensor_checksum
 
 # what the driver may ask of a rank's sender (DistTrainer.sync_weights)
-SENDER_OPS = frozenset({"meta", "group_store", "group_join", "group_close", "broadcast", "rows", "write_full"})
+SENDER_OPS = frozenset(
+    {"meta", "group_store", "group_join", "group_close", "broadcast", "rows", "write_full", "delta_part"}
+)
 
 Gather = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
 
@@ -98,6 +100,7 @@ class RankSender:
         self.rank, self._gather, self._meta = rank, gather, meta
         self._store: Any = None
         self._host: str | None = None
+        self._delta: Any = None  # lichen.weights.rank_delta.RankDeltaWriter, at the first delta_part
         self.group: Any = None
 
     def meta(self) -> list[list]:
@@ -195,6 +198,33 @@ class RankSender:
 
         write_hf_shards(plan, tensors_of, path, config=config, copy_files_from=copy_files_from, metadata=metadata)
         return sums
+
+    def delta_part(
+        self,
+        tmp_dir: str,
+        kind: str,
+        version: int,
+        chain_id: str,
+        engine_dtype: str,
+        encoding: str,
+        checksum_format: str,
+        level: int = 1,
+    ) -> dict[str, Any] | None:
+        """Every rank gathers every tensor; each writes the part of version `version` it owns (a `disk` delta
+        version encoded by the owning ranks, lichen.weights.rank_delta) into `tmp_dir`; rank 0 returns the merged
+        weight map and checksums, other ranks None."""
+        from lichen.weights.rank_delta import PartSpec, RankDeltaWriter, owner_partition, world
+
+        dtype = parse_dtype(engine_dtype)
+        meta = self._meta()
+        owner = owner_partition(((r[0], engine_nbytes_of(r[1], r[2], dtype)) for r in meta), world()[1])
+        if self._delta is None:
+            self._delta = RankDeltaWriter(self.rank)
+        return self._delta.part(
+            self.gathered([r[0] for r in meta], dtype),
+            owner,
+            PartSpec(tmp_dir, kind, version, chain_id, encoding, checksum_format, level),
+        )
 
     def rows(self, names: list[str], engine_dtype: str, n: int | None) -> dict[str, torch.Tensor] | None:
         """Every rank gathers `names`; rank 0 returns the first `n` rows (all with None) of each in the engine

@@ -165,6 +165,17 @@ def delete_versions(disk_dir: str, versions: list[int]) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
+def remove_stale_versions(disk_dir: str, version: int) -> list[int]:
+    """At a chain start: half-written versions of crashed processes, and versions newer than the new chain's
+    first one `version` (left by an earlier run; a late joiner must never take them for this chain's)."""
+    for name in os.listdir(disk_dir):
+        if _TMP_RE.match(name):
+            shutil.rmtree(os.path.join(disk_dir, name), ignore_errors=True)
+    stale = [v for v in list_versions(disk_dir) if v > version]
+    delete_versions(disk_dir, stale)
+    return stale
+
+
 @dataclass(frozen=True)
 class PublishResult:
     """One published version. Byte counts are engine-dtype bytes; wire_bytes is the size of the files written
@@ -319,14 +330,7 @@ class VersionPublisher:
         return ""
 
     def _remove_stale(self, version: int) -> list[int]:
-        """At a chain start: half-written versions of crashed processes, and versions newer than the new chain's
-        first one (left by an earlier run; a late joiner must never take them for this chain's)."""
-        for name in os.listdir(self.disk_dir):
-            if _TMP_RE.match(name):
-                shutil.rmtree(os.path.join(self.disk_dir, name), ignore_errors=True)
-        stale = [v for v in list_versions(self.disk_dir) if v > version]
-        delete_versions(self.disk_dir, stale)
-        return stale
+        return remove_stale_versions(self.disk_dir, version)
 
     def _write_full(self, state_dict: Mapping[str, torch.Tensor], dst: str, version: int) -> int:
         names = list(state_dict)

@@ -1,0 +1,170 @@
+"""The ranks' half of `disk` delta sync under `--runtime ray`: each parameter's delta is encoded by the one rank that
+owns it (docs/runtimes.md, docs/weight-format.md).
+
+The owners are a fixed partition of the parameter names (`owner_partition`: largest first to the least loaded
+rank, by engine-dtype bytes; the same on every rank, from the same metadata). At each version every rank takes
+part in the gather of every tensor (FSDP2 `full_tensor()` is a collective, asked in the same order everywhere),
+keeps only the tensors it owns, and after the gathers encodes them against its own CPU snapshot of the previous
+version — the ranks encode at the same time, so publish time divides by their number. Each rank writes one
+safetensors file of its tensors (`model-{rank+1:05d}-of-{world:05d}.safetensors`, in the published format: engine
+dtype and per-tensor checksums for a full version, the zstd payloads of the changed tensors for a delta) into the
+version's temporary directory; the ranks then exchange what they wrote (an all-gather of small dicts) and rank 0
+returns the merged weight map and checksums. The driver (lichen.sync.disk_delta) writes the index last and
+renames the directory into place, so engines apply the version exactly as one the driver published itself.
+
+Memory per rank: its owned tensors once gathered (model / ranks in the engine dtype) and its snapshot (the same
+again), plus the largest tensor while it is gathered.
+
+Errors: a rank that fails to encode or write still joins the exchange, so every rank raises the same error and
+none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import safetensors.numpy
+import safetensors.torch
+import torch
+
+from lichen.weights.delta_codec import checksum, encode_tensor_cast, tensor_bytes
+from lichen.weights.hf_io import _fsync_file
+from lichen.weights.wire import tensor_checksum
+
+KINDS = ("full", "delta", "hash")  # hash: write nothing, return the checksums (a version the engines already hold)
+
+
+def owner_partition(sizes: Iterable[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """{name: owning rank}: largest tensor first to the least loaded rank (ties: the earlier name, the lower
+    rank). Deterministic in `sizes`' order, so every rank computes the same partition."""
+    items = list(sizes)
+    order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
+    load = [0] * max(1, int(world_size))
+    owner: dict[str, int] = {}
+    for i in order:
+        r = min(range(len(load)), key=lambda k: (load[k], k))
+        owner[items[i][0]] = r
+        load[r] += items[i][1]
+    return owner
+
+
+def world() -> tuple[bool, int]:
+    """(whether this process is in a torch.distributed group, its size): the trainer ranks' group under
+    `--runtime ray`, else one process."""
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    return on, (dist.get_world_size() if on else 1)
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """What the driver asks of every rank for one version: where, which kind, which chain, how encoded."""
+
+    tmp_dir: str
+    kind: str  # one of KINDS
+    version: int
+    chain_id: str
+    encoding: str
+    checksum_format: str
+    level: int = 1
+
+
+class RankDeltaWriter:
+    """One rank's owned tensors' snapshot and the version it holds; `part` writes this rank's file of a version."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.snapshot: dict[str, torch.Tensor] = {}
+        self.holds: tuple[str, int] | None = None  # (chain id, version) the snapshot is
+
+    def part(
+        self, gathered: Iterator[tuple[str, torch.Tensor]], owner: dict[str, int], spec: PartSpec
+    ) -> dict[str, Any] | None:
+        """Consume `gathered` (every tensor, engine dtype, in the same order on every rank), write this rank's file
+        of version `spec.version` into `spec.tmp_dir`, exchange with the other ranks; rank 0 returns {"weight_map",
+        "sums" (xxh3-128 of each tensor's new bytes, for the driver's verify), "total_bytes", "changed_bytes",
+        "published", "ranks"}; other ranks None."""
+        mine: dict[str, torch.Tensor] = {}
+        for name, t in gathered:
+            if owner[name] == self.rank:  # an own CPU copy: never a view of a parameter
+                mine[name] = t.to("cpu").clone() if t.device.type == "cpu" else t.to("cpu")
+        try:
+            out = {"ok": True, **self._write(mine, spec)}
+        except Exception as e:  # joins the exchange anyway: every rank raises, none hangs
+            self.snapshot, self.holds = {}, None
+            out = {"ok": False, "error": f"trainer rank {self.rank}: {type(e).__name__}: {e}"}
+        parts = _all_gather(out)
+        bad = [p["error"] for p in parts if not p["ok"]]
+        if bad:
+            raise RuntimeError(f"publishing weight version {spec.version}: " + "; ".join(bad))
+        if self.rank != 0:
+            return None
+        merged: dict[str, Any] = {"weight_map": {}, "sums": {}, "total_bytes": 0, "changed_bytes": 0, "published": 0}
+        for p in parts:
+            for key in ("weight_map", "sums"):
+                merged[key].update(p[key])
+            for key in ("total_bytes", "changed_bytes", "published"):
+                merged[key] += p[key]
+        merged["ranks"] = len(parts)
+        return merged
+
+    def _write(self, mine: dict[str, torch.Tensor], spec: PartSpec) -> dict[str, Any]:
+        tmp_dir, kind, version, chain_id = spec.tmp_dir, spec.kind, spec.version, spec.chain_id
+        encoding, checksum_format, level = spec.encoding, spec.checksum_format, spec.level
+        if kind not in KINDS:
+            raise ValueError(f"unknown version kind {kind!r}")
+        _, size = world()
+        fname = f"model-{self.rank + 1:05d}-of-{size:05d}.safetensors"
+        path = os.path.join(tmp_dir, fname)
+        total = sum(t.numel() * t.element_size() for t in mine.values())
+        sums = {n: tensor_checksum(t) for n, t in mine.items()}
+        if kind == "hash":
+            return {"weight_map": {}, "sums": sums, "total_bytes": total, "changed_bytes": 0, "published": 0}
+        if kind == "full":
+            if mine:
+                header = {"format": "pt", **{n: checksum(checksum_format, tensor_bytes(t)) for n, t in mine.items()}}
+                safetensors.torch.save_file(mine, path, metadata=header)
+                _fsync_file(path)
+            self.snapshot, self.holds = mine, (chain_id, version)
+            return {"weight_map": dict.fromkeys(mine, fname), "sums": sums, "total_bytes": total,
+                    "changed_bytes": 0, "published": len(mine)}  # fmt: skip
+        if self.holds != (chain_id, version - 1) or list(self.snapshot) != list(mine):
+            raise RuntimeError(
+                f"a delta to version {version} needs this rank's snapshot of version {version - 1} of chain "
+                f"{chain_id}, it holds {self.holds} (the driver must publish a full version)"
+            )
+        self.holds = None  # the snapshot moves as tensors are encoded: valid again only once all are
+        payloads: dict[str, np.ndarray] = {}
+        header = {}
+        changed = 0
+        for name, t in mine.items():
+            snap = self.snapshot[name]
+            e = encode_tensor_cast(
+                encoding, t, tensor_bytes(snap), snap.dtype, checksum_format=checksum_format, level=level
+            )
+            if e is not None:
+                payloads[name] = np.frombuffer(e.payload, dtype=np.uint8)
+                header[name] = str(e.checksum)
+                changed += e.changed_bytes
+        if payloads:
+            safetensors.numpy.save_file(payloads, path, metadata=header)
+            _fsync_file(path)
+        self.holds = (chain_id, version)
+        return {"weight_map": dict.fromkeys(payloads, fname), "sums": sums, "total_bytes": total,
+                "changed_bytes": changed, "published": len(payloads)}  # fmt: skip
+
+
+def _all_gather(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `obj`, in rank order (this process's alone outside a process group)."""
+    on, size = world()
+    if not on or size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
