@@ -31,6 +31,9 @@ class Sample:
     reward: float | dict | None = None
     loss_mask: list[int] | None = None  # one entry per response token (1 = trained on)
     rollout_log_probs: list[float] | None = None  # one per response token, log_softmax(logits / T)
+    # one per response token: the sorted token ids top-p / top-k kept when it was sampled (None: the full
+    # vocabulary); rollout_log_probs and the trainer's log-probs are then over that set (sampling-mask replay)
+    rollout_sampling_mask: list[list[int]] | None = None
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)

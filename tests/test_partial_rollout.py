@@ -118,6 +118,7 @@ def test_continuation_request_reduces_the_budget_and_keeps_sampling_settings():
         top_k=5,
         stop_token_ids=[4],
         seed=99,
+        return_sampling_mask=True,  # top-p / top-k truncate: the continuation's kept sets are replayed too
     )
     never_sent = _sample([11, 12, 13], [], status=Status.PENDING, versions=[], segments=[])
     assert continuation_request(_sampling(), never_sent, seed=1).max_new_tokens == 8

@@ -90,6 +90,8 @@ def generate_payload(req: GenRequest, *, rid: str | None = None) -> dict:
         sp["stop_token_ids"] = [int(t) for t in req.stop_token_ids]
     if req.ignore_eos:
         sp["ignore_eos"] = True
+    if req.return_sampling_mask:  # slime's request for the kept token sets (lichen serve; SGLang with slime's patch)
+        sp["custom_params"] = {"return_top_p_token_ids": True}
     body: dict[str, Any] = {"input_ids": [int(t) for t in req.input_ids], "sampling_params": sp, "return_logprob": True}
     if rid is not None:
         body["rid"] = rid
@@ -112,7 +114,25 @@ def result_from_output(out: Any, url: str = "") -> GenResult:
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
     prompt_tokens = int(meta.get("prompt_tokens", 0))
-    return GenResult(tokens, logprobs, kind, prompt_tokens, str(meta.get("weight_version", "")))
+    version = str(meta.get("weight_version", ""))
+    return GenResult(tokens, logprobs, kind, prompt_tokens, version, sampling_mask=kept_sets_of(meta, len(tokens), url))
+
+
+def kept_sets_of(meta: dict, n: int, url: str = "") -> list[list[int]] | None:
+    """The per-token kept ids of meta_info's `top_p_token_ids` / `top_p_token_offsets` (slime's ragged form), None
+    when the server sent none (it does not implement the replay: the trainer then scores the full vocabulary)."""
+    ids, offsets = meta.get("top_p_token_ids"), meta.get("top_p_token_offsets")
+    if ids is None and offsets is None:
+        return None
+    ids, offsets = (ids, offsets) if isinstance(ids, list) and isinstance(offsets, list) else ([-1], [])
+    ok = len(offsets) == n + 1 and all(isinstance(t, int) and t >= 0 for t in ids)
+    ok = ok and all(isinstance(o, int) for o in offsets) and offsets[0] == 0 and offsets[-1] == len(ids)
+    if not ok or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise EngineError(
+            f"{url}/generate: meta_info.top_p_token_ids / top_p_token_offsets must be token ids and n + 1 = {n + 1} "
+            "non-decreasing offsets from 0 to len(ids) (the kept token sets of sampling-mask replay)"
+        )
+    return [ids[a:b] for a, b in zip(offsets, offsets[1:])]
 
 
 class EngineClient:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.engines.sampler import _M32, sample_rows
+from lichen.engines.sampler import _M32, kept_sets, sample_rows, truncates
 from lichen.models import CausalLM, KVCache
 
 # Extra cache slots allocated per rebuild beyond the current length (grown again when used up): a long
@@ -45,12 +45,15 @@ class Seq:
     input_logprob_start: int = -1  # >= 0: also score the prompt tokens from this position on
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    # return the kept token set per position (top-p / top-k < full); the log-probs are then over that set
+    return_sampling_mask: bool = False
     tag: Any = None  # the owner's handle (the server's job)
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     output_ids_lp: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_kept: list[list[int]] = field(default_factory=list)  # per output token the kept ids (see truncates_sampling)
     input_logprobs: list[float | None] | None = None
     input_top: list[list[tuple[float, int]] | None] | None = None
     input_ids_lp: list[list[tuple[float, int]] | None] | None = None
@@ -67,6 +70,11 @@ class Seq:
             self.versions[-1][2] = n
         else:
             self.versions.append([version, n - 1, n])
+
+    @property
+    def truncates_sampling(self) -> bool:
+        """The request asked for its sampling mask and top-p / top-k remove tokens from the race (not greedy)."""
+        return self.return_sampling_mask and self.temperature > 0 and truncates(self.top_p, self.top_k)
 
     @property
     def remaining(self) -> int:
@@ -363,12 +371,23 @@ class DecodeBatch:
         steps = torch.tensor([len(s.output_ids) for s in self.rows], dtype=torch.int64, device=dev)
         tokens, lps, logp = sample_rows(self.logits, self.temp, self.top_p, self.top_k, self.seeds, steps)
         tok_list, lp_list = tokens.tolist(), lps.tolist()
+        replay = [j for j, s in enumerate(self.rows) if s.finish is None and s.truncates_sampling]
+        kept: dict[int, list[int]] = {}
+        if replay:
+            sel = torch.tensor(replay, device=dev)
+            top_p, top_k = self.top_p, self.top_k
+            assert top_p is not None and top_k is not None  # set with the rows (None only while empty)
+            ids, renorm = kept_sets(logp[sel], top_p[sel], top_k[sel], tokens[sel])
+            for j, row_ids, lp in zip(replay, ids, renorm):
+                kept[j], lp_list[j] = row_ids, lp
         finished = []
         for j, s in enumerate(self.rows):
             if s.finish is not None:
                 continue
             tok = tok_list[j]
             s.append(tok, lp_list[j], version)
+            if j in kept:
+                s.output_kept.append(kept[j])
             if s.top_logprobs_num > 0:
                 s.output_top.append(_top(logp[j], s.top_logprobs_num))
             if s.token_ids_logprob:

@@ -30,6 +30,8 @@ class GenRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
     ignore_eos: bool = False
+    # return the kept token set per position when top-p / top-k truncate; the log-probs are then over that set
+    return_sampling_mask: bool = False
 
 
 STOPPED = "the streaming caller stopped reading"  # the abort message of a request on_step stopped
@@ -45,6 +47,8 @@ class GenResult:
     prompt_tokens: int
     weight_version: str
     engine: str = ""  # the server that generated it (its URL; "" in process), for the sample log
+    # per output token the sorted ids top-p / top-k kept (return_sampling_mask and truncation), else None
+    sampling_mask: list[list[int]] | None = None
 
 
 class Engine:
@@ -168,6 +172,7 @@ class Engine:
             top_k=r.top_k,
             seed=r.seed,
             stop_ids=stop_ids(r.ignore_eos, self.eos_token_ids, r.stop_token_ids),
+            return_sampling_mask=r.return_sampling_mask,
         )
 
     def new_batch(self, stop_text=None) -> DecodeBatch:
@@ -214,7 +219,12 @@ class Engine:
                 batch.abort([s for s in batch.live() if id(s) in gone], STOPPED, self.weight_version)
         return [
             GenResult(
-                s.output_ids, s.output_logprobs, s.finish[0], len(s.input_ids), s.finish_version or self.weight_version
+                s.output_ids,
+                s.output_logprobs,
+                s.finish[0],
+                len(s.input_ids),
+                s.finish_version or self.weight_version,
+                sampling_mask=list(s.output_kept) if s.truncates_sampling else None,
             )
             for s in seqs
         ]

@@ -2,10 +2,10 @@
 objects.
 
 Every field of SGLang's request schema is accepted. Fields that only tune SGLang internals (for example
-`spaces_between_special_tokens`, `custom_params`, `priority`) are ignored; fields that would change what is
-generated or returned but that lichen's engine does not implement (penalties, grammars, multimodal input, hidden
-states, ...) are rejected with a 400 naming the field unless they hold their neutral value, so nothing is ever
-silently different from what was asked.
+`spaces_between_special_tokens`, `custom_params` other than slime's `return_top_p_token_ids`, `priority`) are
+ignored; fields that would change what is generated or returned but that lichen's engine does not implement
+(penalties, grammars, multimodal input, hidden states, ...) are rejected with a 400 naming the field unless they
+hold their neutral value, so nothing is ever silently different from what was asked.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from lichen.engines.decode_batch import Seq, context_error, stop_ids
@@ -139,6 +140,16 @@ class Sampling:
     no_stop_trim: bool
     n: int
     seed: int | None
+    return_sampling_mask: bool = False  # custom_params.return_top_p_token_ids (slime's sampling-mask replay)
+
+
+def _return_sampling_mask(sp: dict, w: str) -> bool:
+    """slime's request for the kept token sets: sampling_params.custom_params.return_top_p_token_ids (the other
+    custom_params keys tune SGLang internals and are ignored)."""
+    custom = sp.get("custom_params")
+    if not isinstance(custom, dict):
+        return False
+    return bool_field(custom, "return_top_p_token_ids", False, w + "custom_params.")
 
 
 def parse_sampling(sp: Any, where: str = "sampling_params") -> Sampling:
@@ -199,6 +210,7 @@ def parse_sampling(sp: Any, where: str = "sampling_params") -> Sampling:
         bool_field(sp, "no_stop_trim", False, w),
         n,
         seed,
+        _return_sampling_mask(sp, w),
     )
 
 
@@ -305,6 +317,7 @@ def make_job(
         input_logprob_start=opts.logprob_start_len if score else -1,
         top_logprobs_num=opts.top_logprobs_num if opts.return_logprob else 0,
         token_ids_logprob=opts.token_ids_logprob if opts.return_logprob else None,
+        return_sampling_mask=sp.return_sampling_mask,
     )
     job = Job(rid=rid, index=index, seq=seq, opts=opts)
     seq.tag = job
@@ -569,6 +582,10 @@ def generate_output(job: Job, detok: Detok, current_version: str, n: int | None 
             meta["input_token_ids_logprobs"] = [
                 None if p is None else _triples(p, detok, w, skip) for p in (seq.input_ids_lp or [])
             ]
+    if seq.truncates_sampling:  # slime's ragged form: token k kept ids[offsets[k]:offsets[k + 1]] (sorted)
+        kept = seq.output_kept[:n]
+        meta["top_p_token_ids"] = [t for ids in kept for t in ids]
+        meta["top_p_token_offsets"] = [0] + list(accumulate(len(ids) for ids in kept))
     return {"text": output_text(job, detok, n, final), "output_ids": list(seq.output_ids[:n]), "meta_info": meta}
 
 

@@ -8,8 +8,9 @@ tensor ops on any device.
 
 Sampling uses the exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as p, i.e.
 token = argmax_i (log p_i - log E_i) with E_i = -log U_i. Top-p / top-k remove tokens from the race (log p = -inf);
-the returned log-prob is always read from the untruncated log_softmax(logits / T)
-(docs/architecture.md#log-prob-convention).
+the returned log-prob is read from the untruncated log_softmax(logits / T) (docs/architecture.md#log-prob-convention),
+except for a request that asks for its sampling mask (`kept_sets`): then the engine returns, per position, the
+sorted ids the race kept and the log-prob renormalized over them, the distribution the token was drawn from.
 """
 
 from __future__ import annotations
@@ -67,6 +68,23 @@ def truncate_logprobs(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tens
     drop |= (top_k[:, None] > 0) & (ranks >= top_k[:, None])
     sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
     return torch.empty_like(logp).scatter_(-1, order, sorted_lp)
+
+
+def truncates(top_p: float, top_k: int) -> bool:
+    """Whether top-p / top-k remove tokens from the race (then a request may ask for its sampling mask)."""
+    return top_p < 1.0 or top_k > 0
+
+
+def kept_sets(
+    logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, tokens: torch.Tensor
+) -> tuple[list[list[int]], list[float]]:
+    """Per row of `logp` [B, V] (log_softmax(logits / T)): the sorted token ids that top-p / top-k keep (the race's
+    candidates, `truncate_logprobs`) and the log-prob of `tokens[b]` renormalized over that set. The same function
+    of the same tensor as the race, so the set is exactly the one the token was sampled from."""
+    kept_lp = truncate_logprobs(logp, top_p, top_k)
+    renorm = torch.log_softmax(kept_lp, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    ids = [torch.isfinite(row).nonzero().squeeze(-1).tolist() for row in kept_lp]
+    return ids, renorm.tolist()
 
 
 def sample_with_noise(logits, temperature, top_p, top_k, noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

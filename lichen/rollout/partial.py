@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from lichen.engines.engine import GenRequest, GenResult
+from lichen.engines.sampler import truncates
 from lichen.errors import ConfigError
 from lichen.rollout.messages import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
 from lichen.rollout.trajectory import add_engine
@@ -133,6 +134,7 @@ def continuation_request(sampling: Any, sample: Sample, *, seed: int) -> GenRequ
         top_k=sampling.top_k,
         stop_token_ids=list(sampling.stop_token_ids),
         seed=seed,
+        return_sampling_mask=truncates(sampling.top_p, sampling.top_k),
     )
 
 
@@ -159,6 +161,10 @@ def extend_sample(
     if new:
         out.tokens = list(out.tokens) + new
         out.rollout_log_probs = list(out.rollout_log_probs or []) + list(res.output_logprobs)
+        # kept sets only when every segment has them (else the trainer scores the full vocabulary)
+        had = out.rollout_sampling_mask is not None or not out.response_length
+        new_sets = res.sampling_mask
+        out.rollout_sampling_mask = (out.rollout_sampling_mask or []) + new_sets if had and new_sets else None
         out.weight_versions = list(out.weight_versions) + [res.weight_version]
         add_engine(out.metadata, res.engine)
         out.response_length += len(new)

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.sampler import derive_seed
+from lichen.engines.sampler import derive_seed, truncates
 from lichen.rewards import score_samples
 from lichen.rollout.context import RolloutContext
 from lichen.rollout.custom_generate import build_custom_samples
@@ -42,6 +42,9 @@ def sample_requests(
                     top_k=sampling.top_k,
                     stop_token_ids=list(sampling.stop_token_ids),
                     seed=derive_seed(sampling.seed, seed_key, pos, j),
+                    # sampling-mask replay (docs/architecture.md#log-prob-convention): with top-p / top-k the
+                    # trainer scores each token over the set the engine kept
+                    return_sampling_mask=truncates(sampling.top_p, sampling.top_k),
                 )
             )
             owners.append((pos, j, data_index, record, ids))
@@ -59,6 +62,7 @@ def make_sample(tokenizer: Any, owner: tuple, res: GenResult, n: int) -> Sample:
         label=record.label,
         loss_mask=[1] * len(res.output_ids),
         rollout_log_probs=list(res.output_logprobs),
+        rollout_sampling_mask=res.sampling_mask,
         status=Status.COMPLETED if res.finish_reason == "stop" else Status.TRUNCATED,
         weight_versions=[res.weight_version],
         metadata={**(record.metadata or {}), "prompt_index": data_index, **engine_of(res)},

@@ -17,6 +17,10 @@ and p = exp(log p), the gradients w.r.t. z of one position are
 
 then through the temperature (1 / T) and the soft-cap (1 - tanh(l / c)^2) to l = hidden @ W^T + b.
 
+With a sampling mask (`keep`, lichen.train.sampling_mask: top-p / top-k replay) z is -inf outside each position's
+kept set before the log-sum-exp, in the forward and in the backward's recomputation: log-probs, entropy and their
+gradients are those of the renormalized distribution (masked entries get p = 0 and no gradient).
+
 Numerics follow the materialized path (`materialized_token_log_probs`, the reference the tests compare against):
 the matmul and soft-cap run in the compute dtype (bfloat16 under --bf16 autocast or FSDP2's bf16 parameters, else
 the inputs' dtype), the logits are promoted to at least float32 before the temperature. A float64 model stays
@@ -33,6 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lichen import algo
+from lichen.train.sampling_mask import KeepSets
 
 
 @dataclass(frozen=True)
@@ -87,23 +92,42 @@ def _chunk_logits(h: Tensor, head: LMHead, temperature: float, out_dtype: torch.
     return logits.to(out_dtype).div_(temperature), capped
 
 
+def _masked(z: Tensor, keep: KeepSets | None, start: int, tokens: Tensor) -> Tensor:
+    """z [rows, V] of flat positions start:start + rows with -inf outside the kept sets (in place)."""
+    if keep is None:
+        return z
+    return z.masked_fill_(~keep.dense(start, start + z.shape[0], z.shape[-1], tokens), float("-inf"))
+
+
 def log_probs_from_logits(
-    logits: Tensor, tokens: Tensor, *, temperature: float, need_entropy: bool
+    logits: Tensor, tokens: Tensor, *, temperature: float, need_entropy: bool, keep: KeepSets | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """The plain computation over full logits [..., V] (--log-probs-chunk-size -1): (log-probs of `tokens` [...],
-    entropy [...] or None)."""
+    entropy [...] or None), over each position's kept set where `keep` (flat positions of `tokens`) records one."""
     z = _scaled(logits, temperature)
-    logp = torch.log_softmax(z, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-    return logp, (algo.entropy_from_logits(z) if need_entropy else None)
+    if keep is None:
+        logp = torch.log_softmax(z, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+        return logp, (algo.entropy_from_logits(z) if need_entropy else None)
+    kept = keep.dense(0, tokens.numel(), z.shape[-1], tokens.reshape(-1)).view(z.shape)
+    logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
+    # masked entries: p = 0; their log p is read as 0 so p log p and its gradient are 0, not NaN
+    entropy = -(logp_all.exp() * logp_all.masked_fill(~kept, 0.0)).sum(-1) if need_entropy else None
+    return logp_all.gather(-1, tokens[..., None]).squeeze(-1), entropy
 
 
 def materialized_token_log_probs(
-    hidden: Tensor, head: LMHead, tokens: Tensor, *, temperature: float, need_entropy: bool
+    hidden: Tensor,
+    head: LMHead,
+    tokens: Tensor,
+    *,
+    temperature: float,
+    need_entropy: bool,
+    keep: KeepSets | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`log_probs_from_logits` of `head`'s full [N, V] logits of `hidden` [N, H] (the reference the chunked
     computation is tested and benchmarked against)."""
     logits = head.logits(hidden.to(compute_dtype(hidden, head.weight)))
-    return log_probs_from_logits(logits, tokens, temperature=temperature, need_entropy=need_entropy)
+    return log_probs_from_logits(logits, tokens, temperature=temperature, need_entropy=need_entropy, keep=keep)
 
 
 # The fewest rows a chunk has (unless the whole input has fewer): the CPU BLAS multiplies [rows, V] @ [V, H] with
@@ -138,6 +162,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         need_entropy: bool,
         chunk: int,
         dtype: torch.dtype,
+        keep: KeepSets | None,
     ) -> tuple[Tensor, Tensor]:
         head = LMHead(weight.to(dtype), None if bias is None else bias.to(dtype), softcap)
         n = hidden.shape[0]
@@ -147,6 +172,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         entropy = torch.empty(n if need_entropy else 0, dtype=out_dtype, device=hidden.device)
         for s, e in chunk_bounds(n, chunk):
             z, _ = _chunk_logits(hidden[s:e].to(dtype), head, temperature, out_dtype)
+            z = _masked(z, keep, s, tokens)
             # log p = z - logsumexp(z), as lichen.algo.entropy_from_logits computes it (log_softmax's kernel
             # rounds differently; measured less accurate against float64 at a 151,936-token vocabulary)
             lse[s:e] = torch.logsumexp(z, dim=-1)
@@ -154,10 +180,11 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             logp[s:e] = log_p.gather(-1, tokens[s:e, None]).squeeze(-1)
             del z
             if need_entropy:
-                entropy[s:e] = log_p.exp().mul_(log_p).sum(dim=-1).neg_()
+                # masked entries: p = 0 and log p = -inf; their p log p is 0 (not NaN)
+                entropy[s:e] = log_p.exp().mul_(log_p.clamp(min=torch.finfo(out_dtype).min)).sum(dim=-1).neg_()
             del log_p
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
-        ctx.config = (softcap, temperature, need_entropy, chunk, dtype)
+        ctx.config = (softcap, temperature, need_entropy, chunk, dtype, keep)
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -165,11 +192,11 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
-        softcap, temperature, need_entropy, chunk, dtype = ctx.config
+        softcap, temperature, need_entropy, chunk, dtype, keep = ctx.config
         want_h, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if grad_entropy is not None and not need_entropy:
             grad_entropy = None
-        none = (None,) * 6
+        none = (None,) * 7
         if (grad_logp is None and grad_entropy is None) or not (want_h or want_w or want_b):
             return (None, None, None) + none
         out_dtype = lse.dtype
@@ -183,9 +210,12 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         for s, e in chunk_bounds(n, chunk):
             h = hidden[s:e].to(dtype)
             z, capped = _chunk_logits(h, head, temperature, out_dtype)
+            z = _masked(z, keep, s, tokens)
             # z becomes log p, then the per-entry factor; p * factor is d(loss)/dz without the one-hot term
             log_p = z.sub_(lse[s:e, None])
             p = log_p.exp()
+            if keep is not None:  # masked entries have p = 0: a zero factor keeps their gradient 0, not NaN
+                log_p.masked_fill_(torch.isneginf(log_p), 0.0)
             if grad_entropy is not None:
                 # -(g_logp + g_H (log p + H))
                 factor = log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None])
@@ -222,10 +252,18 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
 
 def chunked_token_log_probs(
-    hidden: Tensor, head: LMHead, tokens: Tensor, *, temperature: float, need_entropy: bool, chunk_size: int
+    hidden: Tensor,
+    head: LMHead,
+    tokens: Tensor,
+    *,
+    temperature: float,
+    need_entropy: bool,
+    chunk_size: int,
+    keep: KeepSets | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """([N] log-probs of `tokens` [N], [N] entropy or None) from `hidden` [N, H], holding at most `chunk_size`
-    positions of [*, V] logits at a time, in the forward and in the backward."""
+    positions of [*, V] logits at a time, in the forward and in the backward; over each position's kept set where
+    `keep` records one (sampling-mask replay)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     dtype = compute_dtype(hidden, head.weight)
@@ -233,6 +271,6 @@ def chunked_token_log_probs(
     # autocast off inside: the function casts to `dtype` itself (autocast would also cast its float32 sums)
     with torch.autocast(hidden.device.type, enabled=False):
         logp, entropy = ChunkedTokenLogProbs.apply(
-            hidden, head.weight, head.bias, tokens, head.softcap, temperature, need_entropy, chunk_size, dtype
+            hidden, head.weight, head.bias, tokens, head.softcap, temperature, need_entropy, chunk_size, dtype, keep
         )
     return logp, (entropy if need_entropy else None)

@@ -1,6 +1,8 @@
 """Per-token log-probs of a model on micro-batches: the training forward and the no-grad passes of a step.
 
-log pi(token) = log_softmax(logits / T)[token] at each response position (docs/architecture.md#log-prob-convention)
+log pi(token) = log_softmax(logits / T)[token] at each response position (docs/architecture.md#log-prob-convention),
+the logits outside the position's kept set masked to -inf first where the rollout recorded one (top-p / top-k:
+sampling-mask replay, lichen.train.sampling_mask), for the policy and the reference model alike.
 
 By default (--log-probs-chunk-size N >= 1) the log-probs and the entropy are computed from the final hidden states
 and the LM head in chunks of N positions (lichen.train.chunked_logprobs): the [positions, vocabulary] logits and
@@ -44,11 +46,14 @@ class LogProbs:
                     temperature=self.temperature,
                     need_entropy=need_entropy,
                     chunk_size=self.chunk_size,
+                    keep=mb.keep,
                 )
                 return logp.view(b, r), (None if entropy is None else entropy.view(b, r))
             logits = model.logits(hidden)
         # at least fp32 (bf16 autocast gives bf16 logits); a float64 model keeps float64 (exactness tests)
-        return log_probs_from_logits(logits, mb.resp_tokens, temperature=self.temperature, need_entropy=need_entropy)
+        return log_probs_from_logits(
+            logits, mb.resp_tokens, temperature=self.temperature, need_entropy=need_entropy, keep=mb.keep
+        )
 
     @torch.no_grad()
     def of_batch(self, model, batch: StepBatch, plans: list[Plan], width: int) -> torch.Tensor:

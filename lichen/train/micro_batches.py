@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lichen.train.sampling_mask import KeepSets
 from lichen.types import Sample, Status
 
 
@@ -42,6 +43,7 @@ class MicroBatch:
     resp_tokens: torch.Tensor  # [b, R]
     resp_mask: torch.Tensor  # [b, R] float
     attn_mask: torch.Tensor | None = None
+    keep: KeepSets | None = None  # the rollout's kept token sets of the [b, R] positions (sampling-mask replay)
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +195,14 @@ class StepBatch:
             self.resp_tokens.index_select(0, sel)[:, :R].to(device),
             self.resp_mask.index_select(0, sel)[:, :R].to(device),
             None if attn_mask is None else attn_mask.to(device),
+            self._keep(rows, R, device),
         )
+
+    def _keep(self, rows: list[int], width: int, device) -> KeepSets | None:
+        """The kept token sets of these samples' [b, width] response positions, None when none was recorded."""
+        masks = [self.samples[i].rollout_sampling_mask for i in rows]
+        keep = KeepSets.of(masks, [self.response_lengths[i] for i in rows], width, rows)
+        return None if keep is None else keep.to(device)
 
     def _packed(self, plan: Plan, T: int, resp_index: torch.Tensor):
         """(input_ids, position_ids, flat resp_index, block mask) of packed rows; `resp_index` relative to each
