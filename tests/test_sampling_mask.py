@@ -10,6 +10,7 @@ import lichen.train.micro_batches as micro_mod
 from lichen.engines.engine import Engine, GenRequest
 from lichen.engines.sampler import kept_sets
 from lichen.models.tiny import make_tiny_model
+from lichen.train.actor import TrainActor
 from lichen.train.chunked_logprobs import LMHead, chunked_token_log_probs, log_probs_from_logits
 from lichen.train.micro_batches import StepBatch
 from lichen.train.sampling_mask import KeepSets
@@ -160,15 +161,26 @@ def test_engine_returns_kept_sets_and_log_probs_over_them(engine, top_p, top_k):
 def test_run_mismatch_metric_shows_the_mask(tiny_ckpt, addition_data, tmp_path, monkeypatch, sampling):
     """A top-p 0.9 (top-k 5) run: with the replayed mask the trainer's log-probs equal the rollout's; a trainer that
     ignores the mask (KeepSets never built) scores the full distribution and the metric shows the gap."""
-    argv = ["--num-rollout", "2", "--micro-batch-size", "4", "--rollout-temperature", "0.7", *sampling]
+    argv = ["--num-rollout", "2", "--micro-batch-size", "4", "--rollout-temperature", "0.7", "--use-kl-loss", *sampling]
+    ref_gap: list[float] = []  # first step: the reference model (= the weights that generated) vs the engine
+    phase = TrainActor._log_probs_phase
+
+    def spy(self, tb, plans):
+        out = phase(self, tb, plans)
+        if not ref_gap:
+            ref_gap.append(((tb.ref_log_probs - tb.rollout_log_probs).abs() * tb.mask).max().item())
+        return out
+
+    monkeypatch.setattr(TrainActor, "_log_probs_phase", spy)
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "with", *argv))
     with_mask = max(m["train/train_rollout_logprob_abs_diff"] for m in rows)
-    assert with_mask <= 1e-5
+    assert with_mask <= 1e-5 and ref_gap[0] <= 1e-4
     monkeypatch.setattr(micro_mod.KeepSets, "of", classmethod(lambda cls, *a: None))
+    ref_gap.clear()
     rows = run(base_args(tiny_ckpt, addition_data, tmp_path / "without", *argv))
     without = min(m["train/train_rollout_logprob_abs_diff"] for m in rows)
     print(f"{sampling}: train_rollout_logprob_abs_diff with the mask {with_mask:.2e}, without {without:.2e}")
-    assert without > 1e-3
+    assert without > 1e-3 and ref_gap[0] > 1e-2
 
 
 def test_lichen_serve_returns_the_sets_in_slimes_form(tiny_ckpt, tmp_path):
