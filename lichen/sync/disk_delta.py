@@ -209,6 +209,9 @@ class DeltaSync:
             "sync/is_delta": int(not reason),
             "sync/published_tensors": part["published"],
             "sync/publish_ranks": part["ranks"],
+            # the slowest rank's gathers (collectives, with every rank) and its encode + write of its own tensors
+            "time/sync_publish_gather": part["gather_s"],
+            "time/sync_publish_encode": part["write_s"],
         }
         if not reason:
             metrics["sync/changed_density"] = part["changed_bytes"] / max(1, part["total_bytes"])

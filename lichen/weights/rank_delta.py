@@ -22,6 +22,8 @@ none is left waiting in a collective.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -30,8 +32,10 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+from lichen.weights import diff_kernel
 from lichen.weights.delta_codec import checksum, encode_tensor_cast, tensor_bytes
 from lichen.weights.hf_io import _fsync_file
+from lichen.weights.parallel import parallel_map
 from lichen.weights.wire import tensor_checksum
 
 KINDS = ("full", "delta", "hash")  # hash: write nothing, return the checksums (a version the engines already hold)
@@ -88,12 +92,14 @@ class RankDeltaWriter:
         of version `spec.version` into `spec.tmp_dir`, exchange with the other ranks; rank 0 returns {"weight_map",
         "sums" (xxh3-128 of each tensor's new bytes, for the driver's verify), "total_bytes", "changed_bytes",
         "published", "ranks"}; other ranks None."""
+        t0 = time.perf_counter()
         mine: dict[str, torch.Tensor] = {}
         for name, t in gathered:
             if owner[name] == self.rank:  # an own CPU copy: never a view of a parameter
                 mine[name] = t.to("cpu").clone() if t.device.type == "cpu" else t.to("cpu")
+        t1 = time.perf_counter()
         try:
-            out = {"ok": True, **self._write(mine, spec)}
+            out = {"ok": True, **self._write(mine, spec), "gather_s": t1 - t0, "write_s": time.perf_counter() - t1}
         except Exception as e:  # joins the exchange anyway: every rank raises, none hangs
             self.snapshot, self.holds = {}, None
             out = {"ok": False, "error": f"trainer rank {self.rank}: {type(e).__name__}: {e}"}
@@ -110,6 +116,8 @@ class RankDeltaWriter:
             for key in ("total_bytes", "changed_bytes", "published"):
                 merged[key] += p[key]
         merged["ranks"] = len(parts)
+        merged["gather_s"] = max(p["gather_s"] for p in parts)  # the slowest rank sets the pace
+        merged["write_s"] = max(p["write_s"] for p in parts)
         return merged
 
     def _write(self, mine: dict[str, torch.Tensor], spec: PartSpec) -> dict[str, Any]:
@@ -125,6 +133,8 @@ class RankDeltaWriter:
         if kind == "hash":
             return {"weight_map": {}, "sums": sums, "total_bytes": total, "changed_bytes": 0, "published": 0}
         if kind == "full":
+            if encoding == "xor" and self.holds is None:  # compile or load the kernel before the first delta
+                threading.Thread(target=diff_kernel.warm, name="lichen-diff-kernel-warm", daemon=True).start()
             if mine:
                 header = {"format": "pt", **{n: checksum(checksum_format, tensor_bytes(t)) for n, t in mine.items()}}
                 safetensors.torch.save_file(mine, path, metadata=header)
@@ -141,11 +151,14 @@ class RankDeltaWriter:
         payloads: dict[str, np.ndarray] = {}
         header = {}
         changed = 0
-        for name, t in mine.items():
+
+        def encode(name: str) -> Any:
             snap = self.snapshot[name]
-            e = encode_tensor_cast(
-                encoding, t, tensor_bytes(snap), snap.dtype, checksum_format=checksum_format, level=level
+            return encode_tensor_cast(
+                encoding, mine[name], tensor_bytes(snap), snap.dtype, checksum_format=checksum_format, level=level
             )
+
+        for name, e in zip(mine, parallel_map(encode, list(mine))):  # each thread its own tensors' snapshots
             if e is not None:
                 payloads[name] = np.frombuffer(e.payload, dtype=np.uint8)
                 header[name] = str(e.checksum)
