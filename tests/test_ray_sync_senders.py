@@ -80,8 +80,6 @@ def decoded(versions: str, version: int, base: str, where) -> dict:
 def test_disk_delta_encoded_by_the_owning_ranks(ray_local, tiny_ckpt, addition_data, tmp_path, monkeypatch):
     import torch
 
-    from lichen.weights.rank_delta import owner_partition
-
     served = record_checksums(monkeypatch)
     received = record_ray_gets(monkeypatch, ray)
     two, versions2 = delta_run(tiny_ckpt, addition_data, tmp_path, 2)
@@ -108,4 +106,3 @@ def test_disk_delta_encoded_by_the_owning_ranks(ray_local, tiny_ckpt, addition_d
         assert sorted(a) == sorted(b)
         for n in a:
             assert torch.allclose(a[n].float(), b[n].float(), rtol=0, atol=1e-5), (v, n)
-    assert owner_partition([("a", 4), ("b", 3), ("c", 2), ("d", 1)], 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
