@@ -107,9 +107,15 @@ class _RankActor(TrainActor):
         weights = fsdp.sharded_load(bf16=cfg.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS))
         with sharded_loading(weights) if cfg.lora is None else contextlib.nullcontext():
             super().__init__(cfg, plugin_args)
-        with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
-            for model in (self.model, self.ref_model, self.teacher_model):
-                if isinstance(model, torch.nn.Module):  # (a LoRA reference is the policy's module: sharded once)
+        # (a LoRA reference is the policy's module: sharded once; models built sharded at load are done)
+        loaded_full = [
+            m
+            for m in (self.model, self.ref_model, self.teacher_model)
+            if isinstance(m, torch.nn.Module) and not isinstance(m, fsdp.FSDPModule)
+        ]
+        if loaded_full:
+            with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
+                for model in loaded_full:
                     fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
         self.optimizer = make_adamw(
