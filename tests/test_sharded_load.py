@@ -186,3 +186,33 @@ def test_each_rank_peaks_well_below_the_model_at_load(big_ckpt, tiny_ckpt, addit
     # (model / ranks + largest tensor + 10%); here a generous one: three quarters of the model.
     for got, base in zip(ranks, fixed):
         assert got["growth"] - base["growth"] < 0.75 * model_bytes, (got["growth"], base["growth"], model_bytes)
+
+
+# ---- the slice reader on one process (plain tensors: the whole tensor is "owned") --------------------------------
+
+
+def _copy_with(src_dir: str, dst, state: dict) -> str:
+    import shutil
+
+    shutil.copytree(src_dir, dst)
+    safetensors.torch.save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_slice_reader_loads_whole_tensors_and_names_what_does_not_match(tiny_ckpt, tmp_path):
+    from lichen.models.config import ModelConfig
+    from lichen.models.sharded_load import load_owned_slices
+    from lichen.models.transformer import CausalLM
+
+    on_disk = safetensors.torch.load_file(os.path.join(tiny_ckpt, "model.safetensors"))
+    model = CausalLM(ModelConfig.from_pretrained(tiny_ckpt))
+    load_owned_slices(model, tiny_ckpt, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), on_disk[name]), name
+    name = "model.layers.1.mlp.down_proj.weight"
+    missing = _copy_with(tiny_ckpt, tmp_path / "missing", {k: v for k, v in on_disk.items() if k != name})
+    with pytest.raises(ValueError, match=f"missing \\['{name}'\\]"):
+        load_owned_slices(model, missing, dtype=torch.float32)
+    wrong = _copy_with(tiny_ckpt, tmp_path / "wrong", {**on_disk, name: on_disk[name][:, :-1].contiguous()})
+    with pytest.raises(ValueError, match=f"tensor '{name}' has shape"):
+        load_owned_slices(model, wrong, dtype=torch.float32)
