@@ -1,5 +1,5 @@
 # Two entry points (README "Quick start"): `make quickstart` and `make test`. Both set up .venv first.
-.PHONY: setup setup-test quickstart test test-avx2 test-latest static-checks bench-quickstart
+.PHONY: setup setup-test quickstart test test-fast test-avx2 test-latest static-checks bench-quickstart
 
 setup:
 	scripts/setup.sh
@@ -12,6 +12,11 @@ quickstart: setup
 
 test: setup-test
 	.venv/bin/python -m pytest -n 2 -q -rs tests
+
+# The inner loop: every test not marked slow (no Ray, no multi-rank trainer, no long run; see the marker in
+# pyproject.toml). CI runs everything (make test).
+test-fast: setup-test
+	.venv/bin/python -m pytest -n 2 -q -rs -m "not slow" tests
 
 # The suite on the newest versions pyproject.toml allows (not the tested set in constraints/tested.txt), in its
 # own environment. On success it marks .venv-latest green: scripts/freeze_constraints.sh then makes that set the

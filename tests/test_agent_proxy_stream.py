@@ -108,6 +108,7 @@ def test_a_long_reply_streams_as_generated_in_process(tiny_ckpt):
         _stream_and_whole(p)
 
 
+@pytest.mark.slow
 def test_a_long_reply_streams_as_generated_over_engine_servers(pair, tiny_ckpt):
     """Two `lichen serve` engines behind RemoteEngines (a streamed /generate through the router)."""
     p = AgentProxy(pair, load_tokenizer(tiny_ckpt))

@@ -202,6 +202,7 @@ def _dump(path_template: str, rollout_id: int) -> list[dict]:
     return dumped_samples(path_template.format(rollout_id=rollout_id))
 
 
+@pytest.mark.slow
 def test_async_run_over_a_server(tiny_ckpt, addition_data, tmp_path, launched):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
     metrics = run(
@@ -227,6 +228,7 @@ def test_async_run_over_a_server(tiny_ckpt, addition_data, tmp_path, launched):
     assert len(launched) == 1 and not any(launched[0].alive())
 
 
+@pytest.mark.slow
 def test_async_exact_resume(tiny_ckpt, addition_data, tmp_path, launched):
     """4 steps == 2 steps + save + --load + 2 steps with --async: the checkpoint holds the generated rollout 2
     (made with version 1 before the save), so the resumed run trains on the same samples."""
@@ -275,6 +277,7 @@ def failing_rollout(args, rollout_id, data_source, evaluation=False):
     return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
 
 
+@pytest.mark.slow
 def test_rollout_side_error_stops_the_servers(tiny_ckpt, addition_data, tmp_path, launched, capsys):
     argv = base_args(
         tiny_ckpt,
@@ -295,6 +298,7 @@ def test_rollout_side_error_stops_the_servers(tiny_ckpt, addition_data, tmp_path
     assert len(launched) == 1 and not any(launched[0].alive())
 
 
+@pytest.mark.slow
 def test_trainer_side_error_stops_the_servers_and_the_generation(
     tiny_ckpt, addition_data, tmp_path, launched, monkeypatch, capsys
 ):

@@ -251,6 +251,7 @@ def test_resume_keeps_the_cut_groups_and_loses_no_prompt(tiny_ckpt, addition_dat
 
 
 # ---- a run over a launched server, saved and resumed -----------------------------------------------------------
+@pytest.mark.slow
 def test_fully_async_resume_loses_and_repeats_no_prompt(tiny_ckpt, addition_data, tmp_path, launched):
     """2 steps + save, then --load and 2 more: every prompt the data position has handed out is trained once or
     still held in the final checkpoint (ready or partial), none twice, none missing."""

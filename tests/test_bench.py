@@ -309,6 +309,7 @@ def test_harness_runs_one_lichen_step(smoke_checkpoint):
     assert [c["when"] for c in res["loads"]] == ["before smoke", "after smoke"]
 
 
+@pytest.mark.slow
 def test_reused_work_dir_reports_its_own_runs(tmp_path, capsys):
     """A second invocation on the same --work-dir must not read the first one's metrics.jsonl (lichen appends)."""
     from lichen_bench.rl import main

@@ -168,6 +168,7 @@ def test_suite_smoke_run(tmp_path, capsys):
     assert p1.read_text() != p2.read_text()
 
 
+@pytest.mark.slow
 def test_reused_work_dir_reports_its_own_curves(tmp_path, capsys):
     """A second invocation on the same --work-dir must not read the first one's metrics.jsonl (lichen appends)."""
     from lichen.models.tiny import make_tiny_model

@@ -34,6 +34,7 @@ def test_model_shape_reaches_the_requested_size():
         assert 0.8 * params < got < 1.25 * params
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_every_transport(tmp_path, capsys):
     out_json = tmp_path / "r.json"
     assert (

@@ -92,6 +92,7 @@ def _samples(path) -> list[dict]:
     return dumped_samples(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engines", [[], ["--rollout-num-engines", "1"]], ids=["in-process", "lichen-serve"])
 def test_every_sample_fits_and_long_prompts_are_dropped(ckpt64, data, tmp_path, engines):
     dump = tmp_path / "r_{rollout_id}.pt"
@@ -122,6 +123,7 @@ def test_in_process_engine_refuses_what_does_not_fit(ckpt64):
         engine.generate([GenRequest(list(range(20, 20 + POSITIONS)), 0)])
 
 
+@pytest.mark.slow
 def test_eval_sets_get_the_same_limit(ckpt64, data, tmp_path):
     r = cli(
         "eval",

@@ -63,6 +63,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,layers", [("qwen3_moe", "model.layers"), ("gpt2", "transformer.h")])
 def test_every_decoder_layer_is_an_fsdp_unit(ckpts, tmp_path, arch, layers):
     run_ranks(fsdp_units_worker, 1, ckpts[arch], free_port(), str(tmp_path))
@@ -70,6 +71,7 @@ def test_every_decoder_layer_is_an_fsdp_unit(ckpts, tmp_path, arch, layers):
     assert got["layers"] == 2 and got["units"] == ["", f"{layers}.0", f"{layers}.1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,extra",
     [("llama", []), ("qwen3_moe", ["--moe-aux-loss-coeff", "0.1"]), ("gpt2", [])],
@@ -89,6 +91,7 @@ def test_two_ranks_match_single_rank_trainer(ckpts, addition_data, tmp_path, arc
         assert grads[router].abs().max() > 0
 
 
+@pytest.mark.slow
 def test_moe_checkpoint_resumes_exactly_and_exports_hf(ckpts, addition_data, tmp_path):
     """2 ranks: N steps straight equal N/2 + save + load + N/2, bit for bit; the checkpoint's hf/ (the module's
     parameter names, fused experts) reloads with from_pretrained to the saved weights."""
@@ -113,6 +116,7 @@ def test_moe_checkpoint_resumes_exactly_and_exports_hf(ckpts, addition_data, tmp
     assert all(torch.equal(state[n], w) for n, w in r0["at_save"].items())
 
 
+@pytest.mark.slow
 def test_broadcast_weight_sync_to_an_hf_path_engine(ckpts, addition_data, tmp_path):
     """A launched `lichen serve` on the HF path takes weights over the torch.distributed group (the default
     transport, gloo on CPU): the second step samples from the trained weights with log-probs equal to the

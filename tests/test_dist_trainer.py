@@ -68,6 +68,7 @@ def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path,
     assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
 
 
+@pytest.mark.slow
 def test_two_ranks_match_with_opd_teacher(tiny_ckpt, addition_data, tmp_path):
     """On-policy distillation: the teacher (another tiny model) is sharded and scored like the reference."""
     from lichen.models.tiny import make_tiny_model
@@ -89,6 +90,7 @@ def test_two_ranks_match_with_opd_teacher(tiny_ckpt, addition_data, tmp_path):
     assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
 
 
+@pytest.mark.slow
 def test_two_ranks_bf16_mixed_precision(tiny_ckpt, addition_data, tmp_path):
     """--bf16: parameters gathered and computed in bf16 over gloo, float32 master weights and gradients; the
     single rank runs bf16 autocast over float32 weights, so the two agree to bf16 rounding only (measured: grad
@@ -114,6 +116,7 @@ def resumed(tiny_ckpt, addition_data, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_exact_resume_per_rank_count(resumed, world):
     files = resumed[world]["files"]
@@ -130,6 +133,7 @@ def test_exact_resume_per_rank_count(resumed, world):
     assert all(torch.equal(exported[n], w) for n, w in r0["at_save"].items())
 
 
+@pytest.mark.slow
 def test_exact_resume_with_ppo_critic(tiny_ckpt, addition_data, tmp_path):
     """The critic's sharded weights and optimizer resume too: the policy's next advantages read its values."""
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--advantage-estimator", "ppo")
@@ -139,6 +143,7 @@ def test_exact_resume_with_ppo_critic(tiny_ckpt, addition_data, tmp_path):
     assert all(torch.equal(r0["resumed"][n], w) for n, w in r0["straight"].items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2)])
 def test_resume_across_rank_counts(resumed, tmp_path, saved_on, loaded_on):
     src = resumed[saved_on]

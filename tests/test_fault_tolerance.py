@@ -214,6 +214,7 @@ def killing_rollout(args, rollout_id, prompts, manager):
     return groups
 
 
+@pytest.mark.slow
 def test_sigkill_an_engine_mid_step(tiny_ckpt, addition_data, tmp_path, launched):
     SEEN.clear()
     dump = str(tmp_path / "r_{rollout_id}.pt")

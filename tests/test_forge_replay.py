@@ -23,6 +23,7 @@ def _engine_args(tmp_path) -> list[str]:
     return ["--num-rollout", "2", "--rollout-num-engines", "1", "--offload-rollout", *THREADS, *disk]
 
 
+@pytest.mark.slow
 def test_forge_replay_trains_on_the_dumped_samples_while_engines_sync(
     tiny_ckpt, addition_data, tmp_path, launched, monkeypatch
 ):

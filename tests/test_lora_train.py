@@ -60,6 +60,7 @@ def test_reference_is_the_base_model_and_merged_weights_are_the_policy(tiny_ckpt
     assert (policy - ref).abs().max().item() > 1e-4  # the adapters changed the policy: the checks can fail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "engines",
     [[], ["--rollout-num-engines", "1"], ["--model-impl", "hf"]],

@@ -447,6 +447,7 @@ def _rollout_state(save_dir: str, rollout_id: int) -> dict:
     return ckpt.load_rollout_state(save_dir, rollout_id)
 
 
+@pytest.mark.slow
 def test_partial_rollout_over_lichen_serve_with_exact_resume(
     serve_pair, tiny_ckpt, addition_data, tmp_path, monkeypatch
 ):

@@ -110,13 +110,20 @@ def test_ray_job_submit_runs_lichen_train_on_the_head(ray_head, tiny_ckpt, addit
         "--rollout-num-gpus",
         "1",
     )
-    submit = subprocess.run(
-        [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--submission-id", job, "--", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # The head answers before its job agent is up on a loaded machine ("No available agent to submit job, please
+    # try again later"): Ray says to retry, and nothing was submitted, so the test does (a bound, not a wait).
+    deadline = time.monotonic() + 120
+    while True:
+        submit = subprocess.run(
+            [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--submission-id", job, "--", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if "No available agent to submit job" not in submit.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     status = subprocess.run(
         [os.path.join(BIN, "ray"), "job", "status", "--address", url, job],
         env=env,

@@ -60,6 +60,7 @@ def _seen(cluster: RayCluster) -> tuple[list[dict], list[dict]]:
             ray.kill(a)
 
 
+@pytest.mark.slow
 def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_local):
     cluster = RayCluster(_cfg())
     try:
@@ -74,6 +75,7 @@ def test_eight_declared_gpus_disaggregated_each_actor_sees_its_own(ray_local):
     assert all(e["env"] == {} for e in engines)
 
 
+@pytest.mark.slow
 def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_local):
     cluster = RayCluster(
         _cfg(actor_num_gpus_per_node=8, rollout_num_gpus=8, rollout_num_gpus_per_engine=2, colocate=True)

@@ -60,6 +60,7 @@ class ProcessGroupProbe:
         }
 
 
+@pytest.mark.slow
 def test_ray_instance_and_process_group_listen_on_loopback_only():
     own_ray()  # this test starts Ray itself, as lichen train does
     tests_dir = os.path.dirname(os.path.abspath(__file__))

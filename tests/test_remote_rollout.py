@@ -74,6 +74,7 @@ class FakeTrainer:
 
 
 # ---- engine level -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_generate_over_two_servers_matches_in_process(pair, tiny_ckpt):
     reqs = requests()
     before = list(pair.router.routed)
@@ -239,6 +240,7 @@ def _samples(path: str) -> list[dict]:
     return dumped_samples(path)
 
 
+@pytest.mark.slow
 def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, addition_data, tmp_path, launched):
     common = ["--num-rollout", "3", "--offload-rollout", *THREADS]  # offload: release/resume around each sync
     dump = str(tmp_path / "{}" / "r_{{rollout_id}}.pt")
@@ -349,6 +351,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death signal is Linux-only")
 def test_launched_servers_die_with_their_parent(tiny_ckpt):
     """Ctrl-C (SIGINT), SIGTERM and even SIGKILL of the launching process take its servers down."""

@@ -264,6 +264,7 @@ def test_report_of_a_run_still_writing(run_dir, tmp_path):
     assert main(["report", str(live)]) == 0 and (live / "report.html").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_trace_holds_the_engine_servers_phases(tiny_ckpt, addition_data, tmp_path):
     """With launched `lichen serve` engines the trace has a process per server: its busy periods (labelled with
     the rollout they served) and its weight updates. The metrics hold the server's own peak memory per phase."""

@@ -46,6 +46,7 @@ def raw_exchange(port: int, head: bytes, body: bytes = b"") -> bytes:
         return out
 
 
+@pytest.mark.slow
 def test_an_oversized_body_is_refused_before_it_is_sent(cli):
     # the headers announce 1 GB and no byte of it is ever sent: only a check of Content-Length can answer
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n"

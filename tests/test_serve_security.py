@@ -103,6 +103,7 @@ def as_nobody(url: str, requests: list[tuple[str, dict]]) -> list[int]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run the attacker as another user")
 def test_unprivileged_user_cannot_make_the_engine_write_or_delete_elsewhere(server, dirs, tiny_ckpt, tmp_path):
     os.symlink(dirs["victim"], dirs["local"] / "planted")  # a link inside the allowed dir leads out of it

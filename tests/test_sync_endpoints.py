@@ -88,6 +88,7 @@ def test_broadcast_buckets_split_by_bytes():
     assert all(t.dtype == torch.bfloat16 for b in buckets(named, torch.bfloat16, 60) for _, t in b)
 
 
+@pytest.mark.slow
 def test_broadcast_syncs_are_bit_exact_and_reuse_the_group(pair, tiny_ckpt):
     state = load_hf_state_dict(tiny_ckpt)
     bs = BroadcastSync(pair, buffer_size=60_000, group_name="t-broadcast")

@@ -31,6 +31,7 @@ def remove_weights(path: str) -> None:
     os.remove(os.path.join(path, "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "hook,want",
     [

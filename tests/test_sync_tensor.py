@@ -110,6 +110,7 @@ def test_handles_map_the_same_memory_in_an_unrelated_process():
 
 
 # ---- the endpoint -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_tensor_syncs_are_bit_exact_and_set_the_version(pair, tiny_ckpt):
     state = load_hf_state_dict(tiny_ckpt)
     ts = TensorSync(pair, buffer_size=60_000)

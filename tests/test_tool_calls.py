@@ -201,6 +201,7 @@ def test_parser_none_refuses_tools(scripted):  # noqa: F811 - the fixture
 
 
 # ---- a real `lichen serve` process --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_real_server_with_the_sdk(tiny_ckpt, tmp_path):
     """The flag reaches the process (a plug-in parser by dotted path), and a template without tool support is
     refused by the real server too."""

@@ -138,6 +138,7 @@ def test_data_splits_share_no_problem(tmp_path):
     assert {r["metadata"]["sft_trace"] for r in again} == {"tool"}
 
 
+@pytest.mark.slow
 def test_tiny_run_starts_rl_from_the_cold_start_mix_after_sft_stopped(tmp_path):
     """The whole script on a tiny budget: with a target of 0% SFT stops at its first eval (step 2 of at most 40),
     the run is cut there, the cold-start mix continues from that step's checkpoint and RL loads the mix's."""

@@ -73,6 +73,7 @@ def _inside(inner: dict, outer: dict, slack_us: float = 1e5) -> bool:
     return outer["ts"] - slack_us <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + slack_us
 
 
+@pytest.mark.slow
 def test_one_lane_per_process_with_its_slices(run_dir):
     with open(os.path.join(run_dir, "trace.json")) as f:
         events = json.load(f)["traceEvents"]
@@ -93,12 +94,12 @@ def test_one_lane_per_process_with_its_slices(run_dir):
     for rid in range(STEPS):
         for name in ("generate", "train", "sync"):
             assert (name, rid) in driver_phase
-    # each rank trains every step, inside the driver's train phase, and gathers the weights for each sync
+    # each rank trains every step, inside the driver's train phase, and sends the weights (its part of the gathers) at each sync
     for pid in ranks:
         train = [e for e in lanes[pid] if e["name"] == "train"]
         assert sorted(e["args"]["rollout_id"] for e in train) == list(range(STEPS))
         assert all(_inside(e, driver_phase[("train", e["args"]["rollout_id"])]) for e in train)
-        gathers = [e for e in lanes[pid] if e["name"] == "full_state_dict"]
+        gathers = [e for e in lanes[pid] if e["name"] == "sync_weights"]
         assert len(gathers) >= STEPS
         assert all(_inside(e, driver_phase[("sync", e["args"]["rollout_id"])]) for e in gathers)
     # each engine served in every step's generate and took every weight update

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers.runs import base_args, run
 
 DEADLINE_S = 120  # generous: the machine's cores are shared; the hang ends as soon as the dump exists
@@ -53,6 +54,7 @@ def test_a_hanging_reward_is_dumped_naming_the_reward_phase(tiny_ckpt, addition_
     assert "in wait_for_dump" in text  # the hanging verifier's frame is in the dump
 
 
+@pytest.mark.slow
 def test_without_wait_a_hang_exits_with_code_3(tiny_ckpt, addition_data, tmp_path):
     out = tmp_path / "run"
     argv = base_args(tiny_ckpt, addition_data, out, "--num-rollout", "2", "--watchdog-timeout", "2")
@@ -93,6 +95,7 @@ def test_check_dumps_once_per_timeout_and_exits_after_the_second():
         assert exits == [] and len(wd.dumps) == 3  # waiting: one dump per further timeout
 
 
+@pytest.mark.slow
 def test_the_dump_holds_the_engine_servers_stacks(pair, tmp_path):
     """`lichen serve` answers GET /debug/stacks (admin key) with its threads' stacks; the dump carries them."""
     import urllib.error
