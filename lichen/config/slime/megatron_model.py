@@ -73,14 +73,18 @@ SHAPE_FIELDS: dict[str, tuple[Field, dict[str, Field]]] = {
         {
             "gpt_oss": _LOCAL_EXPERTS,
             "mixtral": _LOCAL_EXPERTS,
+            "minimax_m2": _LOCAL_EXPERTS,
             "deepseek_v3": _ROUTED_EXPERTS,
+            # Kimi-K2's remote-code config is DeepSeek-V3's; GLM-5's transformers config names it the same way
+            "kimi_k2": _ROUTED_EXPERTS,
             "glm4_moe": _ROUTED_EXPERTS,
             "glm4_moe_lite": _ROUTED_EXPERTS,
+            "glm_moe_dsa": _ROUTED_EXPERTS,
         },
     ),
     "--moe-ffn-hidden-size": (
         "moe_intermediate_size",
-        {"gpt_oss": "intermediate_size", "mixtral": "intermediate_size"},
+        {"gpt_oss": "intermediate_size", "mixtral": "intermediate_size", "minimax_m2": "intermediate_size"},
     ),
     "--moe-shared-expert-intermediate-size": (("shared expert size", _shared_expert), {}),
     "--q-lora-rank": ("q_lora_rank", {}),
