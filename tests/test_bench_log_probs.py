@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lichen_bench import log_probs as bench
 
 
+@pytest.mark.slow
 def test_toy_run_reports_both_variants_and_the_ratios(tmp_path, capsys):
     out = tmp_path / "report.json"
     argv = ["--vocab", "300", "--hidden", "64", "--tokens", "32", "--samples", "2", "--chunk-size", "16"]

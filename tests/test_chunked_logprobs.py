@@ -267,6 +267,7 @@ def _local_run(argv):
     return local, metrics, grads
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_chunked_match_one_rank(tiny_ckpt, addition_data, tmp_path):
     """FSDP2 (the root keeps the gathered LM head after forward, its gradient reduced after the whole backward):
     2 gloo ranks with 16-position chunks and the entropy and KL terms match the single-rank chunked trainer as
