@@ -121,7 +121,7 @@ def test_ray_job_submit_runs_lichen_train_on_the_head(ray_head, tiny_ckpt, addit
             text=True,
             timeout=900,
         )
-        if "No available agent to submit job" not in submit.stderr or time.monotonic() > deadline:
+        if "No available agent to submit job" not in submit.stdout + submit.stderr or time.monotonic() > deadline:
             break
         time.sleep(2)
     status = subprocess.run(
