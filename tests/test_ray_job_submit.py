@@ -57,6 +57,17 @@ def ray_head():
             "--num-gpus",
             "3",
             "--disable-usage-stats",
+            # Every port of its own: another Ray instance on this host (the test process's shared one,
+            # tests/helpers/ray_local.py, or the other pytest worker's) holds Ray's default agent ports, and a head
+            # whose job agent cannot bind answers every submission "No available agent to submit job".
+            "--dashboard-agent-listen-port",
+            str(free_port()),
+            "--dashboard-agent-grpc-port",
+            str(free_port()),
+            "--runtime-env-agent-port",
+            str(free_port()),
+            "--metrics-export-port",
+            str(free_port()),
         ],
         env=env,
         stdout=log,
