@@ -34,21 +34,18 @@ from lichen.engines.limits import (
     torch_itemsize,
 )
 from lichen.engines.protocol import (
-    Detok,
     Facts,
     Job,
-    LockedTokenizer,
     OutputOptions,
     RequestError,
     Sampling,
-    abort_status,
     error_body,
     expect,
-    generate_output,
     loads,
     make_job,
     parse_generate,
 )
+from lichen.engines.responses import Detok, LockedTokenizer, abort_status, generate_output
 from lichen.engines.scheduler import MEMORY_TAGS, Scheduler, SchedulerError
 from lichen.engines.weight_paths import WeightDirs
 from lichen.excerpt import clip, json_excerpt

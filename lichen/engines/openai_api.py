@@ -24,7 +24,6 @@ from lichen.engines.protocol import (
     OutputOptions,
     RequestError,
     Sampling,
-    abort_status,
     bool_field,
     check_sequences,
     check_text,
@@ -34,9 +33,8 @@ from lichen.engines.protocol import (
     int_list,
     loads,
     make_job,
-    output_text,
-    stream_error,
 )
+from lichen.engines.responses import abort_status, output_text, stream_error
 from lichen.engines.tool_parsers import tool_finish_reason
 from lichen.excerpt import excerpt
 from lichen.observe.metrics import get_logger

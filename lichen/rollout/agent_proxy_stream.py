@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.protocol import stream_error
+from lichen.engines.responses import stream_error
 from lichen.engines.tool_parsers import ToolCallParser, tool_finish_reason
 
 
