@@ -42,18 +42,15 @@ import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
-from lichen.engines.auth import ENGINE_KEY_ENV
 from lichen.engines.client import (
     EngineClient,
     EngineError,
     EngineRequestError,
     EngineUnavailable,
     generate_payload,
-    normalize_url,
     result_from_output,
 )
 from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.launch_args import external_keys, launch_server_args
 from lichen.engines.router import Router
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
@@ -552,66 +549,11 @@ class RemoteEngines:
     @classmethod
     def from_config(cls, cfg: EngineConfig, launcher: Any = None) -> "RemoteEngines":
         """Launch `cfg.num_engines` servers (or connect to `cfg.addresses`), wait until they answer, check that
-        each routes `cfg.required`, and start the health monitor with `cfg.failover`. `cfg` is an EngineConfig.
+        each routes `cfg.required`, and start the health monitor with `cfg.failover` (lichen.engines.connect).
         `launcher`: servers started elsewhere (the Ray runtime's engine actors) with the launcher interface."""
-        from lichen.engines.launcher import EngineLauncher
+        from lichen.engines.connect import connect
 
-        if launcher is not None:
-            urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-gpus"
-        elif cfg.num_engines:
-            if cfg.backend == "sglang":
-                from lichen.engines.sglang_launcher import SGLangLauncher
-
-                launcher = SGLangLauncher.from_config(cfg)
-            else:
-                launcher = EngineLauncher(
-                    cfg.model_path, cfg.num_engines, server_args=launch_server_args(cfg), log_dir=cfg.log_dir
-                )
-            urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-engines"
-        else:
-            urls = [normalize_url(a) for a in cfg.addresses]
-            api_key, admin_key = external_keys(cfg)
-            flag = "--rollout-external-engine-addrs"
-        engines = None
-        try:
-            engines = cls(
-                urls,
-                api_key=api_key,
-                admin_api_key=admin_key,
-                concurrency=cfg.concurrency,
-                launcher=launcher,
-                failover=cfg.failover,
-            )
-            try:
-                engines.wait_healthy(timeout=120.0, reachable=True)
-                infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
-            except EngineRequestError as e:
-                if e.status in (401, 403):
-                    raise ConfigError(
-                        f"{flag}: {e.url} refused the key ({e.status}); give the server's key with "
-                        f"--rollout-external-engine-api-key-file FILE or ${ENGINE_KEY_ENV}"
-                    ) from None
-                raise
-            except EngineUnavailable as e:
-                raise ConfigError(f"{flag}: cannot reach an engine server: {e}") from None
-            engines.require_endpoints(dict(cfg.required))
-        except BaseException:
-            if engines is not None:
-                engines.close()
-            elif launcher is not None:
-                launcher.stop()
-            raise
-        for url, info in zip(urls, infos):
-            log.info("engine %s: model %s, weight version %s", url, info.get("model_path"), info.get("weight_version"))
-        if cfg.failover:
-            # --use-fault-tolerance resolves the three (lichen.config.rollout); without it they stay None
-            assert None not in (cfg.health_interval, cfg.health_timeout, cfg.health_first_wait)
-            engines.start_health_monitor(
-                interval=float(cfg.health_interval or 0),
-                timeout=float(cfg.health_timeout or 0),
-                first_wait=float(cfg.health_first_wait or 0),
-            )
-        return engines
+        return connect(cfg, launcher)
 
     # ---- shutdown -----------------------------------------------------------------------------------------
     async def _aclose(self) -> None:

@@ -1,0 +1,80 @@
+"""The engine servers of a run, ready to use: launched (lichen serve or SGLang), started elsewhere (the Ray runtime's
+engine actors) or external, answered, checked for the endpoints the run needs, and watched with
+--use-fault-tolerance. `RemoteEngines.from_config` is the entry point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lichen.config.engine_config import EngineConfig
+from lichen.engines.auth import ENGINE_KEY_ENV
+from lichen.engines.client import EngineRequestError, EngineUnavailable, normalize_url
+from lichen.engines.launch_args import external_keys, launch_server_args
+from lichen.engines.remote_engines import RemoteEngines
+from lichen.errors import ConfigError
+from lichen.observe.metrics import get_logger
+
+log = get_logger(__name__)
+
+
+def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
+    """See RemoteEngines.from_config."""
+
+    from lichen.engines.launcher import EngineLauncher
+
+    if launcher is not None:
+        urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-gpus"
+    elif cfg.num_engines:
+        if cfg.backend == "sglang":
+            from lichen.engines.sglang_launcher import SGLangLauncher
+
+            launcher = SGLangLauncher.from_config(cfg)
+        else:
+            launcher = EngineLauncher(
+                cfg.model_path, cfg.num_engines, server_args=launch_server_args(cfg), log_dir=cfg.log_dir
+            )
+        urls, api_key, admin_key, flag = launcher.start(), None, None, "--rollout-num-engines"
+    else:
+        urls = [normalize_url(a) for a in cfg.addresses]
+        api_key, admin_key = external_keys(cfg)
+        flag = "--rollout-external-engine-addrs"
+    engines = None
+    try:
+        engines = RemoteEngines(
+            urls,
+            api_key=api_key,
+            admin_api_key=admin_key,
+            concurrency=cfg.concurrency,
+            launcher=launcher,
+            failover=cfg.failover,
+        )
+        try:
+            engines.wait_healthy(timeout=120.0, reachable=True)
+            infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
+        except EngineRequestError as e:
+            if e.status in (401, 403):
+                raise ConfigError(
+                    f"{flag}: {e.url} refused the key ({e.status}); give the server's key with "
+                    f"--rollout-external-engine-api-key-file FILE or ${ENGINE_KEY_ENV}"
+                ) from None
+            raise
+        except EngineUnavailable as e:
+            raise ConfigError(f"{flag}: cannot reach an engine server: {e}") from None
+        engines.require_endpoints(dict(cfg.required))
+    except BaseException:
+        if engines is not None:
+            engines.close()
+        elif launcher is not None:
+            launcher.stop()
+        raise
+    for url, info in zip(urls, infos):
+        log.info("engine %s: model %s, weight version %s", url, info.get("model_path"), info.get("weight_version"))
+    if cfg.failover:
+        # --use-fault-tolerance resolves the three (lichen.config.rollout); without it they stay None
+        assert None not in (cfg.health_interval, cfg.health_timeout, cfg.health_first_wait)
+        engines.start_health_monitor(
+            interval=float(cfg.health_interval or 0),
+            timeout=float(cfg.health_timeout or 0),
+            first_wait=float(cfg.health_first_wait or 0),
+        )
+    return engines
