@@ -66,9 +66,9 @@ def apply_delta_live(
     chain_id: str | None,
     num_threads: int | None = None,
 ) -> int:
-    """Move served parameters from `held_version` to the delta version in `delta_dir` (lichen.weights.pull.
-    apply_delta_in_place); returns the number of tensors changed."""
-    from lichen.weights.pull import apply_delta_in_place
+    """Move served parameters from `held_version` to the delta version in `delta_dir`
+    (lichen.weights.live_delta.apply_delta_in_place); returns the number of tensors changed."""
+    from lichen.weights.live_delta import apply_delta_in_place
 
     return apply_delta_in_place(
         params, delta_dir, held_version=held_version, chain_id=chain_id, num_threads=num_threads

@@ -19,10 +19,9 @@ from lichen.weights.delta_codec import (
     tensor_bytes,
 )
 from lichen.weights.hf_io import load_hf_metadata, load_hf_state_dict, safetensors_files, save_hf_checkpoint
+from lichen.weights.live_delta import apply_delta_in_place, apply_delta_to_tensors
 from lichen.weights.pull import (
-    apply_delta_in_place,
     apply_delta_to_checkpoint,
-    apply_delta_to_tensors,
     plan_pull,
     pull_weights,
     read_applied_version,
