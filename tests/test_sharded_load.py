@@ -1,5 +1,7 @@
 """Building the trainer ranks' models on `meta`, sharded, reading only each rank's slices (lichen.models.sharded_load):
-2 gloo ranks against the single-rank trainer, and each rank's peak memory at load on a ~67M-parameter model.
+2 gloo ranks against the single-rank trainer, and each rank's peak memory at load on a ~67M-parameter model; for
+lichen's own model, the generic HF path (--model-impl hf: the transformers module built from its config, rotary
+buffers recomputed) and LoRA (adapters injected on meta).
 
 Ranks run in torch.multiprocessing children (fresh processes: their resident high-water mark starts clean)."""
 
@@ -17,6 +19,7 @@ from lichen.train.actor import TrainActor
 
 def _forbid_full_loads() -> None:
     """Make the full-model loaders raise in this rank process: the sharded load must not call them."""
+    import lichen.models.hf_model as hf_model
     import lichen.models.loading as loading
     import lichen.weights.hf_io as hf_io
 
@@ -25,6 +28,7 @@ def _forbid_full_loads() -> None:
 
     loading.load_lichen_model = refuse
     hf_io.load_hf_state_dict = refuse
+    hf_model.load_hf_module = refuse  # from_pretrained: the HF path's full load
 
 
 def _local_shapes(model: torch.nn.Module) -> dict[str, tuple[list[int], list[int]]]:
@@ -48,12 +52,15 @@ def load_and_step_worker(rank: int, world_size: int, argv: list[str], port: int,
     cfg, args = config(argv)
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     shapes = _local_shapes(t.model)
-    ref_shapes = _local_shapes(t.actor.ref_model)
-    loaded = t.full_state_dict()
-    ref_loaded = fsdp.full_weights(t.actor.ref_model, parameters_only=True)
+    ref = t.actor.ref_model  # with --use-lora the policy itself, adapters disabled (lichen.train.lora)
+    ref_shapes = _local_shapes(ref) if isinstance(ref, torch.nn.Module) else shapes
+    loaded = t.full_state_dict()  # with --use-lora: merged, W + 0 at the start
+    ref_loaded = fsdp.full_weights(ref, parameters_only=True) if isinstance(ref, torch.nn.Module) else None
+    adapters = {n: p.full_tensor() for n, p in t.model.named_parameters() if ".lora_" in n}
+    buffers = {n: b.clone() for n, b in t.model.named_buffers()}
     batch = step_batch(t.model.cfg.vocab_size, 0)
     metrics = t.train(0, batch)
-    grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters()}
+    grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters() if p.grad is not None}
     values = t.token_values(range(sum(len(g) for g in batch)))
     torch.save(
         {
@@ -61,6 +68,8 @@ def load_and_step_worker(rank: int, world_size: int, argv: list[str], port: int,
             "ref_shapes": ref_shapes,
             "loaded": loaded,
             "ref_loaded": ref_loaded,
+            "adapters": adapters,
+            "buffers": buffers,
             "metrics": metrics,
             "grads": grads,
             "values": values,
@@ -121,6 +130,60 @@ def test_two_ranks_load_their_slices_and_match_the_single_rank_trainer(
         lp, ref_lp = r["values"]["trainer_log_probs"], values["trainer_log_probs"]
         assert lp is not None and ref_lp is not None
         assert len(lp) == len(ref_lp)
+        for mine, theirs in zip(lp, ref_lp):
+            assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["hf", "lora"])
+def test_hf_path_and_lora_ranks_load_their_slices_and_match_the_single_rank_trainer(
+    which, untied_ckpt, addition_data, tmp_path
+):
+    """--model-impl hf and --use-lora build on meta too (the full loaders raise in the ranks): the weights as
+    loaded are bitwise the checkpoint's, the HF module's rotary buffers bitwise the single-rank model's (recomputed,
+    not left empty), LoRA's adapters bitwise the single-rank trainer's initial ones; one step's log-probs within
+    1e-5 and gradients within 1e-6 relative of the single-rank trainer's."""
+    extra = ["--model-impl", "hf"] if which == "hf" else ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8"]
+    argv = trainer_argv(
+        untied_ckpt, addition_data, str(tmp_path / "o"), "--use-kl-loss", "--kl-loss-coef", "0.1", *extra
+    )
+    cfg, args = config(argv)
+    run_ranks(load_and_step_worker, 2, argv, free_port(), str(tmp_path))
+    ranks = rank_files(tmp_path, 2)
+    on_disk = safetensors.torch.load_file(os.path.join(untied_ckpt, "model.safetensors"))
+    local = TrainActor(cfg, plugin_args=args)
+    assert getattr(local.model, "is_hf", False) == (which == "hf")
+    names = {n for n, _ in local.model.named_parameters()}
+    for r in ranks:  # every parameter (adapters included) a DTensor holding this rank's rows
+        assert r["shapes"].keys() == names
+        assert all(part[1:] == full[1:] and part[0] <= -(-full[0] // 2) for full, part in r["shapes"].values())
+    assert ranks[0]["loaded"].keys() == on_disk.keys()
+    for n, w in on_disk.items():
+        assert torch.equal(ranks[0]["loaded"][n], w), n
+    if which == "hf":
+        assert ranks[0]["ref_loaded"].keys() == on_disk.keys()
+        assert all(torch.equal(ranks[0]["ref_loaded"][n], w) for n, w in on_disk.items())
+        buffers = dict(local.model.named_buffers())
+        assert "model.rotary_emb.inv_freq" in buffers
+        for r in ranks:
+            assert r["buffers"].keys() == buffers.keys()
+            assert all(torch.equal(r["buffers"][n], b) for n, b in buffers.items())
+    else:
+        adapters = {n: p.detach() for n, p in local.model.named_parameters() if ".lora_" in n}
+        assert adapters and ranks[0]["adapters"].keys() == adapters.keys()
+        assert all(torch.equal(ranks[0]["adapters"][n], a) for n, a in adapters.items())
+        assert any(a.abs().sum() > 0 for n, a in adapters.items() if ".lora_A." in n)
+    batch = step_batch(local.model.cfg.vocab_size, 0)
+    metrics = local.train(0, batch)
+    grads = {n: p.grad for n, p in local.model.named_parameters() if p.grad is not None}
+    values = local.token_values(range(sum(len(g) for g in batch)))
+    assert grads and ranks[0]["grads"].keys() >= grads.keys()
+    worst = max(rel_diff(ranks[0]["grads"][n], g) for n, g in grads.items())
+    assert worst <= 1e-6, worst
+    assert abs(ranks[0]["metrics"]["train/loss"] - metrics["train/loss"]) <= 1e-5
+    for r in ranks:
+        lp, ref_lp = r["values"]["trainer_log_probs"], values["trainer_log_probs"]
+        assert lp is not None and ref_lp is not None and len(lp) == len(ref_lp)
         for mine, theirs in zip(lp, ref_lp):
             assert mine == pytest.approx(theirs, abs=1e-5)
 

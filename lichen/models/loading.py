@@ -62,12 +62,22 @@ def load_model(
 
     sharded = active_sharded_load()
     if chosen == "hf":
-        if sharded is not None:  # not converted: the caller shards the full model afterwards (as before)
-            log.info("model %s: --model-impl hf loads the full model on every rank, then shards it", model_dir)
         from lichen.models.gdn_backend import apply_gdn_backend
         from lichen.models.hf_model import load_hf_model
+        from lichen.models.sharded_load import load_hf_model_sharded
 
         apply_gdn_backend(model_type, gdn_backend)
+        if sharded is not None:  # built on meta, sharded, this rank's slices read (when the names are the module's)
+            model = load_hf_model_sharded(
+                model_dir, device=device, dtype=dtype, spec=sharded, trust_remote_code=trust_remote_code
+            )
+            if model is not None:
+                return model
+            log.info(
+                "model %s: its tensor names are not the module's (from_pretrained converts them): every rank "
+                "loads the full model, then shards it",
+                model_dir,
+            )
         return load_hf_model(model_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     if sharded is not None:  # a multi-rank trainer: built on meta, sharded, only this rank's slices read
         return load_lichen_model_sharded(model_dir, device=device, dtype=dtype, spec=sharded)

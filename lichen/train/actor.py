@@ -129,6 +129,7 @@ class TrainActor:
         from lichen.train import lora
 
         lora.apply_lora(self.model, self.cfg.lora)
+        lora.init_adapters(self.model, self.cfg.seed)  # as the multi-rank trainer's, whose adapters start on meta
         if self.cfg.lora.load:
             source = self.cfg.lora.load
             lora.load_adapter_state(self.model, lora.read_adapter(source), f"--lora-load {source}")

@@ -27,6 +27,7 @@ The PPO critic (--advantage-estimator ppo) is sharded and split the same way (li
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
@@ -88,6 +89,29 @@ class RankLogProbs(LogProbs):
         return fsdp.all_reduce_sum(out)
 
 
+def _inject_adapters_once(cfg: TrainerConfig) -> Callable[[torch.nn.Module], None]:
+    """ShardedLoad.prepare for --use-lora: peft's adapters injected into the first model loaded (the policy; a
+    teacher loaded after it gets none)."""
+    pending = [True]
+    lora_cfg = cfg.lora
+    assert lora_cfg is not None
+
+    def prepare(model: torch.nn.Module) -> None:
+        if pending:
+            pending.clear()
+            from lichen.train import lora  # peft: the lora extra
+
+            lora.apply_lora(model, lora_cfg)
+
+    return prepare
+
+
+def _adapter_source() -> Callable[[str], str | None]:
+    from lichen.train import lora
+
+    return lora.adapter_source
+
+
 class _RankActor(TrainActor):
     """TrainActor whose models are FSDP2-sharded and whose micro-batches are this rank's share."""
 
@@ -102,10 +126,13 @@ class _RankActor(TrainActor):
     ):
         self.rank, self.world_size = rank, world_size
         self.memory = memory or memory_saver.TaggedMemory()
-        # lichen's models are built on meta and sharded before any weight is read: each rank reads its own slices
-        # (lichen.models.sharded_load). LoRA wraps the full policy first, so it loads as before, then shards.
+        # The models are built on meta and sharded before any weight is read: each rank reads its own slices
+        # (lichen.models.sharded_load). LoRA injects its adapters into the policy on meta (the first model loaded);
+        # with --lora-load the policy loads whole as before (peft loads the saved adapters into whole tensors).
         weights = fsdp.sharded_load(bf16=cfg.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS))
-        with sharded_loading(weights) if cfg.lora is None else contextlib.nullcontext():
+        if cfg.lora is not None:
+            weights = dataclasses.replace(weights, prepare=_inject_adapters_once(cfg), source=_adapter_source())
+        with sharded_loading(weights) if cfg.lora is None or not cfg.lora.load else contextlib.nullcontext():
             super().__init__(cfg, plugin_args)
         # (a LoRA reference is the policy's module: sharded once; models built sharded at load are done)
         loaded_full = [
@@ -129,6 +156,15 @@ class _RankActor(TrainActor):
         self.log_probs = RankLogProbs(
             self.device, cfg.temperature, cfg.bf16, cfg.log_probs_chunk_size, rank=rank, world_size=world_size
         )
+
+    def _apply_lora(self) -> None:
+        model: torch.nn.Module = self.model
+        if isinstance(model, fsdp.FSDPModule):  # the adapters were injected on meta (the load's prepare)
+            from lichen.train import lora
+
+            lora.init_adapters(model, self.cfg.seed)
+        else:  # loaded whole (--lora-load, or a checkpoint only from_pretrained reads): as one rank, sharded after
+            super()._apply_lora()
 
     def _make_critic(self):
         from lichen.train.dist_critic import RankCritic

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
+import zlib
 from collections.abc import Iterator
 
 import safetensors.torch
@@ -29,6 +31,7 @@ from peft import get_peft_model_state_dict, inject_adapter_in_model, set_peft_mo
 from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lichen.config.lora_config import NEVER_ADAPTED, LoraConfig
 from lichen.errors import ConfigError
@@ -68,6 +71,32 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     for pname, p in model.named_parameters():
         p.requires_grad_(".lora_" in pname)
     return names
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Set every adapter to lichen's initial value, the same whatever the model's layout (whole on one rank, or
+    FSDP2 shards of a model built on `meta`, where peft's own random init happened on no real memory): A
+    kaiming-uniform (a=sqrt(5), peft's default) from a generator seeded by (`seed`, its name), B zero, so the
+    merged policy starts as the base model. A sharded adapter keeps its own rows of the full value."""
+    from lichen.models.sharded_load import owned_region
+
+    for name, p in model.named_parameters():
+        if ".lora_" not in name:
+            continue
+        full = torch.zeros(tuple(p.shape), dtype=p.dtype)
+        if ".lora_A." in name:
+            gen = torch.Generator().manual_seed((int(seed) << 32) ^ zlib.crc32(name.encode("utf-8")))
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+        local = p.to_local() if isinstance(p, DTensor) else p
+        local.copy_(full[owned_region(p)].to(local.device))
+
+
+def adapter_source(name: str) -> str | None:
+    """The checkpoint tensor a tensor of the adapted model reads when it is built sharded
+    (lichen.models.sharded_load.ShardedLoad.source): a base weight its name without peft's `base_layer`, an
+    adapter none (init_adapters sets it)."""
+    return None if ".lora_" in name else unwrapped_name(name)
 
 
 def peft_config(cfg: LoraConfig, names: list[str], stacked: list[str], base: str | None = None) -> PeftLoraConfig:
