@@ -127,3 +127,21 @@ def test_script_without_a_train_command_is_one_line_exit_2(tmp_path, capsys):
     assert "no `python3 train.py ...`" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="cannot read the script"):
         read_script(os.fspath(tmp_path / "missing.sh"))
+
+
+@pytest.mark.parametrize("script", ["run-qwen3-4B", "run-glm4-9B"])
+def test_ref_load_is_hf_checkpoint_drops_the_torch_dist_reference(base_dir, capsys, script):
+    """slime's --ref-load is the --hf-checkpoint model converted to torch_dist: said so, the config leaves it out
+    (lichen's reference and starting weights are then the HF model), a row says why, and the dry run passes."""
+    path = FIXTURES / "scripts" / f"{script}.sh"
+    argv = ["port-slime", str(path), "-o", "x.yaml", "--assume", "NVLINK_COUNT=0"]
+    assert lichen.cli.main(argv) == 2
+    assert "lichen port-slime --ref-load-is-hf-checkpoint" in capsys.readouterr().err
+    assert lichen.cli.main([*argv, "--ref-load-is-hf-checkpoint"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^ *mapped \| --ref-load .*\| \(left out: the --hf-checkpoint model\) \| port-slime", out, re.M
+    ), out
+    assert "ref-load" not in "".join(
+        line for line in (base_dir / "x.yaml").read_text().splitlines(keepends=True) if not line.startswith("#")
+    )

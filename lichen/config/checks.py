@@ -97,8 +97,8 @@ def check_not_torch_dist(path: str, flag: str) -> None:
         fail(
             f"{flag} {path!r}: a Megatron torch_dist checkpoint (distributed shards, no config.json); lichen "
             "loads Hugging Face checkpoints: give the HF directory it was converted from (for a reference model, "
-            "the --hf-checkpoint directory, or drop --ref-load), or convert it with slime's "
-            "tools/convert_torch_dist_to_hf.py"
+            "the --hf-checkpoint directory, or drop --ref-load; `lichen port-slime --ref-load-is-hf-checkpoint` "
+            "does that for a converted slime script), or convert it with slime's tools/convert_torch_dist_to_hf.py"
         )
 
 

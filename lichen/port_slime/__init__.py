@@ -20,6 +20,7 @@ import sys
 import yaml
 
 from lichen.config import build_train_parser, parse_train_args
+from lichen.config.checks import is_torch_dist
 from lichen.config.parser import option_actions
 from lichen.config.slime import compat as slime_compat
 from lichen.config.slime.flags import ENTRY_POINTS, MAPPED
@@ -62,6 +63,14 @@ def main(argv: list[str]) -> int:
         help="ray (default: slime runs train.py as a Ray job; its placement flags place lichen's actors) or local "
         "(one process; slime's placement flags are then listed as not applicable)",
     )
+    parser.add_argument(
+        "--ref-load-is-hf-checkpoint",
+        action="store_true",
+        help="the script's --ref-load is a Megatron torch_dist conversion of its --hf-checkpoint model (slime's "
+        "usual workflow: convert_hf_to_torch_dist.py): the config then leaves --ref-load out, so the reference and "
+        "the starting weights are the --hf-checkpoint model. Without it a torch_dist --ref-load stops the dry run, "
+        "since lichen reads only Hugging Face checkpoints",
+    )
     opts = parser.parse_args(argv)
     try:
         command = read_script(opts.script, assume=Assumptions.parse(opts.assume))
@@ -77,6 +86,8 @@ def main(argv: list[str]) -> int:
     if command.entry == "train_async.py":
         train_argv.append(ASYNC_FLAG)
     train_argv += _runtime_tokens(command, opts.runtime, rows)
+    if opts.ref_load_is_hf_checkpoint:
+        train_argv = ref_load_from_hf(train_argv, rows)
     found = slime_compat.scan(train_argv, known, rows)
     text = render_yaml(command, found)
     with open(output, "w", encoding="utf-8") as f:
@@ -90,6 +101,36 @@ def main(argv: list[str]) -> int:
     parse_train_args(train_argv + ["--dry-run"], show_table=print, extra_rows=rows)
     print(f"dry run: every flag resolves; run it with: lichen train --config {output}")
     return 0
+
+
+def ref_load_from_hf(argv: list[str], rows: list[slime_compat.Row]) -> list[str]:
+    """argv without a torch_dist `--ref-load` (the user said it holds the --hf-checkpoint model), with a row saying
+    so. slime starts the actor from --ref-load when --load holds no checkpoint, and its reference model is
+    --ref-load: both are lichen's defaults from --hf-checkpoint. An HF --ref-load is kept as it is."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        if name == "--ref-load" and (eq or i + 1 < len(argv)):
+            path = inline if eq else argv[i + 1]
+            step = 1 if eq else 2
+            if is_torch_dist(path):
+                rows.append(
+                    slime_compat.Row(
+                        "--ref-load",
+                        [path],
+                        MAPPED,
+                        "(left out: the --hf-checkpoint model)",
+                        "port-slime --ref-load-is-hf-checkpoint: this torch_dist checkpoint is the --hf-checkpoint "
+                        "model converted for Megatron; lichen's reference and starting weights default to it",
+                    )
+                )
+                i += step
+                continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def _known_flags() -> set[str]:
