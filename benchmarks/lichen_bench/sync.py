@@ -2,6 +2,8 @@
 
     lichen bench sync [--params 5e8] [--steps 3] [--lr 1e-6] [--batch 2] [--seq 32] [--dtype bfloat16]
         [--bandwidth 100e6] [--threads 2] [--transports full xor overwrite nccl tensor] [--work-dir DIR] [--json OUT]
+    lichen bench sync --runtime ray [...]   real `lichen train` runs, 2 Ray ranks vs the local runtime, per model
+        size and transport (lichen_bench.sync_ray; `lichen bench sync --runtime ray --help`)
 
 1. Builds a llama of about --params parameters (random init from a config: hidden 1024 from 1e8 parameters up,
    else 512 or less for tiny sizes) and starts one `lichen serve` engine on it in --dtype (the engine dtype).
@@ -323,7 +325,14 @@ def _load() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    runtime = argparse.ArgumentParser(add_help=False)
+    runtime.add_argument("--runtime", choices=["process", "ray"], default="process")
+    known, rest = runtime.parse_known_args(argv)
+    if known.runtime == "ray":  # real `lichen train` runs, Ray ranks vs the local runtime (lichen_bench.sync_ray)
+        from lichen_bench import sync_ray
+
+        return sync_ray.main(rest)
+    args = parse_args(rest)
     torch.set_num_threads(args.threads)
     from lichen.engines.launcher import EngineLauncher
     from lichen.engines.remote_engines import RemoteEngines

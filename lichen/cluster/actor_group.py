@@ -315,19 +315,26 @@ class RayTrainGroup:
     def memory_begin(self) -> None:
         """Reset every rank's peak-memory counters (a loop phase starts); never raises."""
         if not self.failed:
+            if not hasattr(self, "_load_peaks"):  # the first phase: each rank's peak so far is its start and load
+                self._load_peaks: list | None = [a.memory_peak.remote() for a in self.actors]
             for a in self.actors:
                 a.memory_reset.remote()  # queued before the phase's calls on the same actor, so it runs first
 
     def memory_end(self, phase: str, timeout: float = 30.0) -> dict[str, float]:
         """Every rank's peak memory since memory_begin: memory/rank{r}/{phase}_peak_rss_gb (and
-        _cuda_max_allocated_gb on CUDA); {} if a rank does not answer (the metrics must not cost the run)."""
+        _cuda_max_allocated_gb on CUDA), and after the first phase memory/rank{r}/load_peak_rss_gb (the peak from
+        the rank's start through its model load); {} if a rank does not answer (the metrics must not cost the run)."""
         import ray
 
         if self.failed:
             return {}
         try:
             peaks = ray.get([a.memory_peak.remote() for a in self.actors], timeout=timeout)
+            refs = getattr(self, "_load_peaks", None)
+            load = ray.get(refs, timeout=timeout) if refs else []
+            self._load_peaks = None
         except Exception as e:
             log.warning("trainer ranks' peak memory of phase %s not read: %s", phase, str(e).splitlines()[0])
             return {}
-        return {f"memory/rank{r}/{phase}_{k}": v for r, p in enumerate(peaks) for k, v in p.items()}
+        named = [(phase, peaks), ("load", load)]
+        return {f"memory/rank{r}/{ph}_{k}": v for ph, got in named for r, p in enumerate(got) for k, v in p.items()}
