@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from lichen.errors import RunError, UserError
 from lichen.observe.metrics import get_logger
 from lichen.sync.senders import InProcessSender, wait_with_engines
 from lichen.weights.rank_send import engine_nbytes_of, plan_meta_buckets, sent_dtype
@@ -103,6 +104,18 @@ def _while_engines_answer(fn, pending, name: str):
     if error:
         raise error[0]
     return out[0] if out else None
+
+
+def engines_named(urls: Iterable[str] | None) -> str:
+    """'engine 0 (URL), engine 1 (URL)' for the engines of a group, as a failure message names them."""
+    return ", ".join(f"engine {i} ({u})" for i, u in enumerate(urls or ())) or "no engine"
+
+
+def add_context(error: BaseException, where: str) -> None:
+    """Append ` (during <where>)` to `error`'s one-line message where it is one of lichen's own errors (RunError,
+    UserError: the CLI prints their message alone); its type and attributes stay (a RankFailed keeps its rank)."""
+    if isinstance(error, (RunError, UserError)) and len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} (during {where})",)
 
 
 class BroadcastSync:
@@ -214,7 +227,8 @@ class BroadcastSync:
         sent = count = 0
         sums: dict[str, str] = {}
         with self.engines.paused():
-            for bucket in plan_meta_buckets(meta, dtype, self.buffer_size):
+            plan = plan_meta_buckets(meta, dtype, self.buffer_size)
+            for k, bucket in enumerate(plan, 1):
                 names = [row[0] for row in bucket]
                 payload = {
                     "names": names,
@@ -231,8 +245,10 @@ class BroadcastSync:
                 fut = sender.submit("broadcast", names, dtype_name(dtype), self.flattened)
                 try:
                     sums.update(wait_with_engines(fut, pending) or {})
-                except BaseException:
+                except BaseException as e:
+                    where = f"bucket {k} of {len(plan)} of weight version {version} to " + engines_named(self.members)
                     self.sender, self.members = None, None  # ranks that never received leave the group stuck
+                    add_context(e, where)
                     raise
                 pending.result(self.timeout_s + 60)
                 sent += sum(engine_nbytes_of(row[1], row[2], dtype) for row in bucket)

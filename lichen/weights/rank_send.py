@@ -19,6 +19,8 @@ A leaf module: torch and lichen.weights only.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
@@ -34,6 +36,17 @@ SENDER_OPS = frozenset(
 )
 
 Gather = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+
+# Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
+# broadcasting (1-based, counted over the process's life), right after that bucket's first tensor is gathered:
+# the rank is lost mid-broadcast at a chosen point, not at a chosen time (tests/test_ray_rank_killed_in_sync.py).
+KILL_IN_BUCKET_ENV = "LICHEN_TEST_KILL_RANK_IN_BUCKET"
+
+
+def _kill_point(rank: int, bucket: int) -> bool:
+    """Whether KILL_IN_BUCKET_ENV names this rank and bucket (unset, or anything else: no)."""
+    want = os.environ.get(KILL_IN_BUCKET_ENV, "")
+    return want == f"{rank}:{bucket}"
 
 
 def engine_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -101,6 +114,7 @@ class RankSender:
         self._store: Any = None
         self._host: str | None = None
         self._delta: Any = None  # lichen.weights.rank_delta.RankDeltaWriter, at the first delta_part
+        self._buckets = 0  # broadcast buckets taken part in, for the fault injection (KILL_IN_BUCKET_ENV)
         self.group: Any = None
 
     def meta(self) -> list[list]:
@@ -147,9 +161,11 @@ class RankSender:
         tensor, each tensor's bytes in `names` order, or tensor by tensor) and returns {name: xxh3-128} of what it
         sent; other ranks return None."""
         dtype = parse_dtype(engine_dtype)
+        self._buckets += 1
         if self.rank != 0:
-            for _ in self.gathered(names, dtype):
-                pass
+            for i, _ in enumerate(self.gathered(names, dtype)):
+                if i == 0 and _kill_point(self.rank, self._buckets):
+                    os.kill(os.getpid(), signal.SIGKILL)
             return None
         if self.group is None:
             raise RuntimeError("the weight broadcast group is not formed on trainer rank 0")
