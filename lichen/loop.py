@@ -128,7 +128,8 @@ def save_due(args, rollout_id: int) -> bool:
 
 def save_checkpoint(args, trainer, rollout, rollout_id: int) -> None:
     """The trainer's files, then the rollout state, meta.json, checksums and `latest` (lichen.train.checkpoint)."""
-    ckpt.save_checkpoint(args.save, rollout_id, trainer, rollout.state_dict())
+    asynchronous = getattr(args, "async_save", False)  # --async-save: the files are written off the training path
+    ckpt.save_checkpoint(args.save, rollout_id, trainer, rollout.state_dict(), asynchronous=asynchronous)
 
 
 def prepare_output_dir(args) -> None:
@@ -180,10 +181,13 @@ def _run(args, cluster, driver) -> dict:
                 sources=[trainer],
             )  # the trainer's processes give the trace their phases and the metrics their memory
             try:
-                return driver(args, trainer, rollout, logger, observer)
+                last = driver(args, trainer, rollout, logger, observer)
+                ckpt.wait_for_saves()  # the last checkpoint's write (--async-save) is committed before the run ends
+                return last
             finally:
                 observer.close()
     finally:
+        ckpt.wait_for_saves(raise_errors=False)  # a failing run still commits a write in flight, before closing
         sync.close(rollout)  # leaves broadcast groups while the engines still answer
         rollout.close()  # stops engine servers lichen launched, also when the run raises
         if trainer is not None:

@@ -6,6 +6,7 @@ Suites:
   profile   where lichen's engine and trainer time goes on a workload (lichen_bench.torch_profile)
   sync      weight-sync transports and delta encodings on one model (lichen_bench.sync)
   logprobs  the trainer's log-probs at a 151,936-token vocabulary, chunked vs full logits (lichen_bench.log_probs)
+  ckpt      step time with a checkpoint every step: no save vs synchronous vs asynchronous (lichen_bench.ckpt_save)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ SUITES = {
     "profile": ("lichen_bench.torch_profile", "torch.profiler tables of lichen's engine and trainer on one step"),
     "sync": ("lichen_bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
     "logprobs": ("lichen_bench.log_probs", "train-step time and peak memory, chunked vs full-vocabulary logits"),
+    "ckpt": ("lichen_bench.ckpt_save", "step time with --save-interval 1: no save vs sync vs async checkpoint writes"),
 }
 
 USAGE = (

@@ -39,6 +39,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="save every N rollout steps (needs --save; default: only at the end of the run when --save is given)",
     )
     g.add_argument(
+        "--async-save",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write checkpoints off the training path: a save copies the trainer's state (weights, optimizer, "
+        "RNG) to CPU memory and returns, a background thread writes the files, and checksums.json and `latest` "
+        "follow once every file is written (a crash meanwhile leaves the previous checkpoint the one --load "
+        "picks). Costs one copy of the model and optimizer state in CPU memory, kept and reused by later saves. "
+        "The next save, the end of the run and any error wait for the write. --no-async-save writes before the "
+        "step goes on (slime's flag; default: on)",
+    )
+    g.add_argument(
         "--no-save-optim",
         action="store_true",
         help="checkpoints without the optimizer state (Adam moments and step counts; the learning-rate schedule's "

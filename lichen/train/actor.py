@@ -195,6 +195,13 @@ class TrainActor:
         the rest of it."""
         return checkpoint.save_trainer(save_dir, rollout_id, self)
 
+    def save_async(self, save_dir: str, rollout_id: int) -> Callable[[], SavedTrainer] | None:
+        """--async-save: copy this checkpoint's state to CPU buffers kept for the next save; returns what writes
+        the copy as `save` would (lichen.train.checkpoint.snapshot_trainer), None where the save must be `save`."""
+        if not hasattr(self, "_snapshot"):
+            self._snapshot = checkpoint.Snapshot()
+        return checkpoint.snapshot_trainer(save_dir, rollout_id, self, self._snapshot)
+
     def load(self, load_dir: str, rollout_id: int) -> None:
         checkpoint.load_trainer(load_dir, rollout_id, self)
 

@@ -21,6 +21,11 @@ One writer (`save_checkpoint`): the trainer (lichen.train.trainer_protocol.Train
 returns their manifest entries, hashed by the process that wrote them (each rank its share); this module then
 writes rollout_state.json, meta.json, checksums.json and, last, `latest`. No other code writes those four.
 
+--async-save (the default): the trainer copies what it saves into CPU buffers (`save_async`) and the same writes,
+in the same order, run in a background thread (lichen.train.ckpt_async); the next save, the end of the run and
+`find_latest` wait for it. The manifest and `latest` still come after every file, so a crash during the write
+leaves the previous checkpoint as the one that resumes.
+
 Resuming verifies every file against checksums.json before anything is loaded. A damaged checkpoint (a file
 missing, truncated or changed, a rollout_state.json or meta.json that does not parse, or a bad `latest` file) is
 named in a warning and the newest older intact one is loaded instead; when none is intact the run stops with exit code 2. A checkpoint without checksums.json (an
@@ -37,11 +42,13 @@ Python values only (the numpy RNG state is stored as a tensor and plain fields),
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -49,6 +56,8 @@ import torch
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.torch_files import load_plain, save_plain
+from lichen.train import ckpt_async
+from lichen.train.ckpt_async import Snapshot, wait_for_saves
 from lichen.train.ckpt_integrity import (
     MANIFEST,
     NO_MANIFEST,
@@ -152,28 +161,62 @@ def save_trainer(save_dir: str, rollout_id: int, trainer) -> SavedTrainer:
     lora/), the optimizer states left out with --no-save-optim; returns their manifest entries."""
     d = iter_dir(save_dir, rollout_id)
     os.makedirs(d, exist_ok=True)
-    cfg = trainer.cfg
-    hf_checkpoint = cfg.hf_checkpoint
-    state = trainer.state_dict()
-    weights = {k: v.detach() for k, v in state["model"].items()}
-    write_hf_exports(weights, d, rollout_id, cfg)
-    written = ["hf", TRAINER_STATE]
-    trainer_state = {"format": STATE_FORMAT, "opt_step": state["opt_step"], "rng": rng_state()}
-    if not cfg.no_save_optim:
-        trainer_state["optimizer"] = state["optimizer"]
-    elif "critic" in state:  # slime's critic saves under the same flag
-        state["critic"] = {k: v for k, v in state["critic"].items() if k != "optimizer"}
-    save_plain(trainer_state, os.path.join(d, TRAINER_STATE))
-    if "lora" in state:  # --use-lora: hf/ is the merged policy; the adapters are what a resume restores
+    files = _trainer_files(trainer)
+    written = _write_trainer_files(d, rollout_id, trainer.cfg, files)
+    if trainer.cfg.lora is not None:  # --use-lora: hf/ is the merged policy; the adapters are what a resume restores
         from lichen.train import lora
 
+        hf_checkpoint = trainer.cfg.hf_checkpoint
         lora.save_adapter(trainer.model, trainer.cfg.lora, os.path.join(d, LORA_DIR), hf_checkpoint)
-        lora.save_exports(trainer, weights, rollout_id, hf_checkpoint)
+        lora.save_exports(trainer, files["weights"], rollout_id, hf_checkpoint)
         written.append(LORA_DIR)
-    if "critic" in state:
-        save_plain(state["critic"], os.path.join(d, CRITIC_FILE))
-        written.append(CRITIC_FILE)
     return SavedTrainer(written_entries(d, written), world_size=1)
+
+
+def snapshot_trainer(save_dir: str, rollout_id: int, trainer, snapshot: Snapshot) -> Callable[[], SavedTrainer] | None:
+    """--async-save of the local trainer: copy what save_trainer writes into `snapshot`'s CPU buffers now, and
+    return the function that writes those copies as the same files (byte for byte) and returns their manifest
+    entries, from any thread. None with --use-lora (the adapter files are written from the live model: that save
+    stays synchronous)."""
+    if trainer.cfg.lora is not None:
+        return None
+    d = iter_dir(save_dir, rollout_id)
+    os.makedirs(d, exist_ok=True)
+    files = snapshot.take(_trainer_files(trainer))
+    cfg = trainer.cfg
+
+    def write() -> SavedTrainer:
+        return SavedTrainer(written_entries(d, _write_trainer_files(d, rollout_id, cfg, files)), world_size=1)
+
+    return write
+
+
+def _trainer_files(trainer) -> dict:
+    """What the local trainer's files hold, as references to its live state: "weights" (hf/), "trainer_state"
+    (trainer_state.pt: the optimizer unless --no-save-optim, step count, RNG states) and "critic" (critic.pt)."""
+    state = trainer.state_dict()
+    files = {
+        "weights": {k: v.detach() for k, v in state["model"].items()},
+        "trainer_state": {"format": STATE_FORMAT, "opt_step": state["opt_step"], "rng": rng_state()},
+    }
+    if not trainer.cfg.no_save_optim:
+        files["trainer_state"]["optimizer"] = state["optimizer"]
+    elif "critic" in state:  # slime's critic saves under the same flag
+        state["critic"] = {k: v for k, v in state["critic"].items() if k != "optimizer"}
+    if "critic" in state:
+        files["critic"] = state["critic"]
+    return files
+
+
+def _write_trainer_files(d: str, rollout_id: int, cfg, files: dict) -> list[str]:
+    """Write `files` (_trainer_files) into checkpoint `d` (and --save-hf's export); the top-level entries written."""
+    write_hf_exports(files["weights"], d, rollout_id, cfg)
+    save_plain(files["trainer_state"], os.path.join(d, TRAINER_STATE))
+    written = ["hf", TRAINER_STATE]
+    if "critic" in files:
+        save_plain(files["critic"], os.path.join(d, CRITIC_FILE))
+        written.append(CRITIC_FILE)
+    return written
 
 
 def written_entries(d: str, tops: list[str]) -> dict[str, dict]:
@@ -182,14 +225,31 @@ def written_entries(d: str, tops: list[str]) -> dict[str, dict]:
     return file_entries(d, rels)
 
 
-def save_checkpoint(save_dir: str, rollout_id: int, trainer, rollout_state: dict) -> str:
+def save_checkpoint(save_dir: str, rollout_id: int, trainer, rollout_state: dict, *, asynchronous: bool = False) -> str:
     """Write checkpoint `rollout_id` under `save_dir`, the only writer of its meta.json, checksums.json and of
     `latest`: the trainer's files (`trainer.save`, hashed where they were written), then rollout_state.json, then
     meta.json, then checksums.json, then `latest`. A crash between any two writes leaves either the previous
-    checkpoint or this one as the one a resume loads (docs/checkpoints.md#one-writer)."""
+    checkpoint or this one as the one a resume loads (docs/checkpoints.md#one-writer).
+
+    `asynchronous` (--async-save), for a trainer with `save_async`: the trainer copies its state now and the
+    same writes, in the same order, run in a background thread (lichen.train.ckpt_async); this returns once the
+    copy is taken. Every save first waits for the write in flight."""
+    ckpt_async.wait_for_saves()  # one write at a time (and begin_save's temp cleanup never meets our own writer)
     d = begin_save(save_dir, rollout_id)
-    saved = trainer.save(save_dir, rollout_id)
-    commit(save_dir, rollout_id, saved, rollout_state)
+    start = getattr(trainer, "save_async", None) if asynchronous else None
+    write = start(save_dir, rollout_id) if start is not None else None
+    if write is None:
+        commit(save_dir, rollout_id, trainer.save(save_dir, rollout_id), rollout_state)
+        return d
+    state = copy.deepcopy(rollout_state)  # as it is now: the rollout side moves on while the files are written
+
+    def write_and_commit() -> None:
+        ckpt_async.hook("start", rollout_id)
+        saved = write()
+        ckpt_async.hook("files", rollout_id)
+        commit(save_dir, rollout_id, saved, state)
+
+    ckpt_async.start(rollout_id, write_and_commit)
     return d
 
 
@@ -257,6 +317,7 @@ def find_latest(load_dir: str) -> int | None:
     file, is named in a warning and the newest older intact checkpoint is returned; when checkpoints exist and
     none is intact, raises ConfigError (exit code 2) naming what is wrong with each.
     """
+    wait_for_saves(raise_errors=False)  # this process' write in flight (--async-save) is committed, or failed
     latest, latest_problem = _read_latest(load_dir)
     ids = _checkpoint_ids(load_dir)
     problems = [latest_problem] if latest_problem else []

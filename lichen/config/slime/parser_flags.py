@@ -40,12 +40,6 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
     ),
     **rules(
         NA_NO_EFFECT,
-        "lichen writes its checkpoint files synchronously",
-        "slime overlaps writing the checkpoint with training; the files are the same",
-        "--async-save",
-    ),
-    **rules(
-        NA_NO_EFFECT,
         "model_type of config.json",
         "names the Megatron->HF weight conversion; lichen loads HF weights directly",
         "--model-name",
