@@ -6,6 +6,8 @@ setup:
 
 setup-test:
 	scripts/setup.sh test
+	@# vLLM's own environment for the vLLM tests; where it cannot be installed they fail and say why
+	scripts/setup_vllm.sh || echo "setup-test: vLLM's environment could not be installed (tests/test_vllm_*.py will fail)" >&2
 
 quickstart: setup
 	.venv/bin/python examples/quickstart.py
