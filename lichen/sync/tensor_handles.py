@@ -14,6 +14,11 @@ parameters and answers; only then are the bucket's tensors released (the handles
   view of it. The bucket is allocated shared first and the weights are cast into it, so pickling copies nothing
   (a request body is a few hundred bytes per bucket, whatever the bucket's size).
 
+Who writes the buckets: the sender (lichen.sync.senders, lichen.weights.rank_send.RankSender.tensor_bucket). Under
+--runtime ray every trainer rank gathers each bucket and the ranks serve the engines' TP ranks in turn (entry j by
+rank j mod world size), each from its own shared memory (its own GPU); this process plans the buckets, posts the
+handles the ranks answer, and receives no tensor. Locally this process is the only sender.
+
 Every engine gets its own serialization of the same bucket (one per TP rank, as SGLang wants): each adds the
 reference that the engine's rebuild releases, so the shared file is unlinked once everyone has closed it. (An
 engine that fails before reading its entry leaves that reference: the file then lives until torch's shm manager
@@ -36,7 +41,10 @@ from torch.multiprocessing import reductions
 
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
-from lichen.sync.distributed import engine_nbytes, plan_buckets
+from lichen.sync.distributed import engine_nbytes
+from lichen.sync.senders import InProcessSender
+from lichen.weights.rank_send import engine_nbytes_of, plan_meta_buckets
+from lichen.weights.wire import dtype_name
 
 log = get_logger(__name__)
 
@@ -133,22 +141,39 @@ class TensorSync:
 
     def __init__(self, engines: Any, *, buffer_size: int, timeout_s: float = 600.0):
         self.engines, self.buffer_size, self.timeout_s = engines, int(buffer_size), timeout_s
+        self._local = InProcessSender()  # push's sender over this process's tensors
+        self.sent_checksums: dict[str, str] = {}
 
     @staticmethod
-    def _bodies(views: list[tuple[str, torch.Tensor]], version: int, tp_sizes: list[int]) -> list[dict]:
-        """One request body per engine: an entry per TP rank, each its own serialization (its own reference)."""
-        return [
-            {
-                "serialized_named_tensors": [serialize(views) for _ in range(tp)],
-                "load_format": None,
-                "flush_cache": False,
-                "weight_version": str(version),
-            }
-            for tp in tp_sizes
-        ]
+    def _bodies(handles: list[str], version: int, tp_sizes: list[int]) -> list[dict]:
+        """One request body per engine: its TP ranks' entries of `handles` (each its own serialization, so its own
+        reference), in order."""
+        bodies, at = [], 0
+        for tp in tp_sizes:
+            bodies.append(
+                {
+                    "serialized_named_tensors": handles[at : at + tp],
+                    "load_format": None,
+                    "flush_cache": False,
+                    "weight_version": str(version),
+                }
+            )
+            at += tp
+        return bodies
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype) -> dict:
-        """Send the weights as version `version` in the engine dtype; returns metrics (bytes, buckets, seconds)."""
+        """Send the weights as version `version` in the engine dtype from this process (the local trainer's);
+        returns metrics (bytes, buckets, seconds)."""
+        return self.push_from(self._local.bind(named), version, dtype)
+
+    def push_from(self, sender: Any, version: int, dtype: torch.dtype) -> dict:
+        """Send the sender's weights (lichen.sync.senders: the trainer ranks under --runtime ray, each serving the
+        engine TP ranks on its device or host) as version `version`, bucket by bucket: the ranks write each bucket
+        into their own shared memory and answer handles; this process posts them and receives no tensor. The
+        checksums of what was sent are left in `sent_checksums`."""
+        meta = sender.call("meta", all_ranks=False)
+        if not meta:
+            raise ValueError("the trainer has no weights to send")
         t0 = time.perf_counter()
         admit = getattr(self.engines, "admit_restarted", None)
         if admit is not None:
@@ -157,20 +182,22 @@ class TensorSync:
         tp_sizes = [max(1, int(info.get("tp_size") or 1)) for info in self.engines.server_infos()]
         sent = count = body_bytes = 0
         fill_s = 0.0
-        with self.engines.paused():  # paused and flushed once for the whole version, as the broadcast
-            for bucket in plan_buckets(named, dtype, self.buffer_size):
-                device = bucket[0][1].device if bucket[0][1].is_cuda else torch.device("cpu")
-                f0 = time.perf_counter()
-                flat, views = fill_bucket(bucket, dtype, device)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # the engine reads the bytes through its own stream
-                fill_s += time.perf_counter() - f0
-                bodies = self._bodies(views, version, tp_sizes)
-                body_bytes += sum(len(s) for b in bodies for s in b["serialized_named_tensors"])
-                self.engines.post_each("/update_weights_from_tensor", bodies, timeout=self.timeout_s)
-                del views, flat  # only now: every engine has copied the bucket out
-                sent += sum(engine_nbytes(t, dtype) for _, t in bucket)
-                count += 1
+        sums: dict[str, str] = {}
+        try:
+            with self.engines.paused():  # paused and flushed once for the whole version, as the broadcast
+                for bucket in plan_meta_buckets(meta, dtype, self.buffer_size):
+                    names = [row[0] for row in bucket]
+                    out = sender.call("tensor_bucket", names, dtype_name(dtype), sum(tp_sizes))
+                    fill_s += float(out["fill_s"])
+                    sums.update(out["sums"])
+                    bodies = self._bodies(out["handles"], version, tp_sizes)
+                    body_bytes += sum(len(h) for h in out["handles"])
+                    self.engines.post_each("/update_weights_from_tensor", bodies, timeout=self.timeout_s)
+                    sent += sum(engine_nbytes_of(row[1], row[2], dtype) for row in bucket)
+                    count += 1
+        finally:  # only now may the ranks drop their last bucket: every engine has copied it out (or failed)
+            sender.call("tensor_release")
+        self.sent_checksums = sums
         return {
             "sync/bytes": sent,
             "sync/total_bytes": sent,

@@ -14,7 +14,13 @@ Memory: a bucket is gathered one tensor at a time into one preallocated buffer o
 dtype; each full tensor is freed once copied. A rank's extra memory during a sync is that buffer plus the largest
 single tensor (gathered, then cast).
 
-A leaf module: torch and lichen.weights only.
+`tensor` (colocated engines): every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
+the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device
+with entry r) writes it into its own shared-memory (or CUDA) bucket and serializes one handle per entry it
+serves; the handles (a few hundred bytes each) are collected on rank 0, which answers them with the checksums.
+The bucket stays held until the next bucket or `tensor_release` (the engines map it until they answered).
+
+A leaf module: torch and lichen.weights only (the `tensor` op borrows lichen.sync.tensor_handles' serializer).
 """
 
 from __future__ import annotations
@@ -32,7 +38,18 @@ from lichen.weights.wire import dtype_name, master_store, open_group, parse_dtyp
 
 # what the driver may ask of a rank's sender (DistTrainer.sync_weights)
 SENDER_OPS = frozenset(
-    {"meta", "group_store", "group_join", "group_close", "broadcast", "rows", "write_full", "delta_part"}
+    {
+        "meta",
+        "group_store",
+        "group_join",
+        "group_close",
+        "broadcast",
+        "rows",
+        "write_full",
+        "delta_part",
+        "tensor_bucket",
+        "tensor_release",
+    }
 )
 
 Gather = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
@@ -114,6 +131,7 @@ class RankSender:
         self._store: Any = None
         self._host: str | None = None
         self._delta: Any = None  # lichen.weights.rank_delta.RankDeltaWriter, at the first delta_part
+        self._held: Any = None  # tensor_bucket's shared bucket, until the engines answered
         self._buckets = 0  # broadcast buckets taken part in, for the fault injection (KILL_IN_BUCKET_ENV)
         self.group: Any = None
 
@@ -241,6 +259,47 @@ class RankSender:
             owner,
             PartSpec(tmp_dir, kind, version, chain_id, encoding, checksum_format, level),
         )
+
+    def tensor_bucket(self, names: list[str], engine_dtype: str, entries: int) -> dict[str, Any] | None:
+        """Every rank: gather the bucket `names`, hold it in shared memory (CUDA memory on a GPU rank) when this
+        rank serves any of the `entries` engine TP ranks, and serialize a handle per entry it serves. Rank 0
+        returns {"handles": one per entry, in order, "sums": {name: xxh3-128}, "fill_s": seconds}; others None."""
+        import time
+
+        import torch.distributed as dist
+
+        from lichen.sync.tensor_handles import fill_bucket, serialize
+
+        self.tensor_release()
+        dtype = parse_dtype(engine_dtype)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = [j for j in range(int(entries)) if j % world == rank]
+        bucket = list(self.gathered(names, dtype))  # a collective per tensor: every rank, the same names
+        t0 = time.perf_counter()
+        handles: dict[int, str] = {}
+        if mine:
+            device = bucket[0][1].device if bucket[0][1].is_cuda else torch.device("cpu")
+            flat, views = fill_bucket(bucket, dtype, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the engine reads the bytes through its own stream
+            handles = {j: serialize(views) for j in mine}  # each its own reference, released by its engine
+            self._held = (flat, views)
+        fill_s = time.perf_counter() - t0
+        sums = {name: tensor_checksum(t) for name, t in bucket} if rank == 0 else {}
+        del bucket
+        parts: list[Any] = [None] * world
+        if world > 1:
+            dist.gather_object(handles, parts if rank == 0 else None, dst=0)
+        else:
+            parts = [handles]
+        if rank != 0:
+            return None
+        merged = {j: h for part in parts for j, h in part.items()}
+        return {"handles": [merged[j] for j in range(int(entries))], "sums": sums, "fill_s": fill_s}
+
+    def tensor_release(self) -> None:
+        """Drop the bucket `tensor_bucket` holds (every engine has copied it out)."""
+        self._held = None
 
     def rows(self, names: list[str], engine_dtype: str, n: int | None) -> dict[str, torch.Tensor] | None:
         """Every rank gathers `names`; rank 0 returns the first `n` rows (all with None) of each in the engine
