@@ -88,6 +88,13 @@ def push(trainer, rollout, version: int, cfg: Any = None) -> dict:
 def _state(engines: Any, cfg: Any) -> dict:
     """Per-RemoteEngines state: the engine dtype, the transport object, the endpoint check done once."""
     st = getattr(engines, _STATE_ATTR, None)
+    if st is None and _is_vllm(engines):  # broadcast and shared memory through vLLM's endpoints; disk as for all
+        from lichen.sync.vllm_sync import make_transport
+
+        vllm_transport = make_transport(engines, cfg)
+        if vllm_transport is not None:
+            st = {"dtype": vllm_transport.engine_dtype(), "transport": vllm_transport}
+            setattr(engines, _STATE_ATTR, st)
     if st is None:
         transport, mode = cfg.transport, cfg.mode
         need = _ENDPOINTS.get(transport if transport in ("nccl", "tensor") else mode, ())
@@ -98,6 +105,12 @@ def _state(engines: Any, cfg: Any) -> dict:
         st = {"dtype": engine_dtype(engines.server_infos()), "transport": _make_transport(engines, cfg)}
         setattr(engines, _STATE_ATTR, st)
     return st
+
+
+def _is_vllm(engines: Any) -> bool:
+    from lichen.sync.vllm_sync import is_vllm
+
+    return is_vllm(engines)
 
 
 def _post_write_hook(cfg: Any):
@@ -176,6 +189,9 @@ def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
                 f"engines {[u for u, _ in stale]} report weight versions {[v for _, v in stale]} "
                 f"after the sync to version {version}"
             )
+        if hasattr(transport, "verify"):  # the transport's own check (vLLM: the checksums its receiver took)
+            metrics.update(transport.verify(eng, version))
+            continue
         metrics.update(
             verify_engines(
                 eng,

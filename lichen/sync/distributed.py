@@ -142,10 +142,33 @@ class BroadcastSync:
         self.sent_checksums: dict[str, str] = {}  # {name: xxh3-128} of the last sync, for lichen.sync.verify
         self._local: InProcessSender | None = None
 
+    # ---- the engines' side (SGLang's and lichen serve's endpoints; lichen.sync.vllm_sync overrides them) ------
+    def _engine_ranks(self) -> list[int]:
+        """Group ranks each engine in rotation takes (its tensor-parallel size)."""
+        return [max(1, int(i.get("tp_size") or 1)) for i in self.engines.server_infos()]
+
+    def _leave_engines(self) -> None:
+        self.engines.destroy_weights_update_group(self.group_name)
+
+    def _post_join(self, payloads: list[dict]) -> Any:
+        """Ask engine i to join the group as `payloads[i]` says; a Future of the answers (they come once the
+        group exists)."""
+        return self.engines.post_each("/init_weights_update_group", payloads, timeout=self.timeout_s + 30, wait=False)
+
+    def _post_bucket(self, payload: dict, bucket: list[list], dtype: torch.dtype) -> Any:
+        """Ask every engine to receive one bucket (`payload`; `bucket` its tensor_meta rows); a Future."""
+        return self.engines.post_each(
+            "/update_weights_from_distributed", payload, timeout=self.timeout_s + 30, wait=False
+        )
+
+    def _update_session(self, version: int) -> Any:
+        """Context manager around one sync's buckets: generation paused and caches flushed inside."""
+        return self.engines.paused()
+
     # ---- group --------------------------------------------------------------------------------------------
     def open(self, sender: Any, backend: str) -> None:
         urls = self.engines.active_urls()
-        tps = [max(1, int(i.get("tp_size") or 1)) for i in self.engines.server_infos()]
+        tps = self._engine_ranks()
         world = 1 + sum(tps)
         host, port = sender.call("group_store", urls, world, self.timeout_s, all_ranks=False)
         payloads, offset = [], 1
@@ -161,10 +184,8 @@ class BroadcastSync:
                 }
             )
             offset += tp
-        self.engines.destroy_weights_update_group(self.group_name)  # one left by a trainer that died (no-op else)
-        pending = self.engines.post_each(
-            "/init_weights_update_group", payloads, timeout=self.timeout_s + 30, wait=False
-        )
+        self._leave_engines()  # a group left by a trainer that died (no-op else)
+        pending = self._post_join(payloads)
         joined = sender.submit("group_join", backend, world, self.group_name, self.timeout_s, all_ranks=False)
         try:
             wait_with_engines(joined, pending)
@@ -182,7 +203,7 @@ class BroadcastSync:
         """Leave the group on both sides (engines that are gone are skipped)."""
         if self.sender is not None:
             try:
-                self.engines.destroy_weights_update_group(self.group_name)
+                self._leave_engines()
             except Exception as e:
                 log.warning("destroying the weight update group on the engines: %s", e)
             try:
@@ -199,7 +220,7 @@ class BroadcastSync:
             return
         if self.sender is not None:  # membership changed (an engine restarted or left rotation): a new group
             try:
-                self.engines.destroy_weights_update_group(self.group_name)
+                self._leave_engines()
             except Exception as e:
                 log.warning("destroying the weight update group on the engines: %s", e)
         self.sender, self.members = None, None
@@ -226,7 +247,7 @@ class BroadcastSync:
         t1 = time.perf_counter()
         sent = count = 0
         sums: dict[str, str] = {}
-        with self.engines.paused():
+        with self._update_session(version):
             plan = plan_meta_buckets(meta, dtype, self.buffer_size)
             for k, bucket in enumerate(plan, 1):
                 names = [row[0] for row in bucket]
@@ -239,9 +260,7 @@ class BroadcastSync:
                 }
                 if self.flattened:
                     payload["load_format"] = "flattened_bucket"
-                pending = self.engines.post_each(
-                    "/update_weights_from_distributed", payload, timeout=self.timeout_s + 30, wait=False
-                )
+                pending = self._post_bucket(payload, bucket, dtype)
                 fut = sender.submit("broadcast", names, dtype_name(dtype), self.flattened)
                 try:
                     sums.update(wait_with_engines(fut, pending) or {})
