@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import lichen
 from lichen.engines.sglang_launcher import SGLangLauncher
+from lichen.engines.vllm_worker_ext import RECEIVER  # weight sync through /collective_rpc (lichen.sync.vllm_sync)
 from lichen.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -43,9 +44,6 @@ VLLM_PREFIX = "--vllm-"
 PYTHON_ENV = "LICHEN_VLLM_PYTHON"
 KEY_ENV = "VLLM_API_KEY"  # read by vLLM itself and by lichen.engines.vllm_guard
 GUARD = "lichen.engines.vllm_guard.KeyGuard"
-RECEIVER = (
-    "lichen.engines.vllm_worker_ext.LichenWeightReceiver"  # weight sync through /collective_rpc (lichen.sync.vllm_sync)
-)
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 INSTALL_HINT = "create vLLM's environment with scripts/setup_vllm.sh (docs/engines.md), or name its python"
 
