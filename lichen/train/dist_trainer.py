@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from lichen.config.train_config import TrainerConfig
 from lichen.devices import resolve_device
@@ -65,7 +67,13 @@ from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
 from lichen.train.train_batch import TrainBatch
 from lichen.train.trainer_protocol import TokenValues, rows_of
 from lichen.types import Sample
+from lichen.weights.hf_io import plan_shards, write_hf_shards
 from lichen.weights.rank_send import SENDER_OPS, RankSender, tensor_meta
+from lichen.weights.safetensors_stream import write_streamed
+
+
+def _never(names: list[str]) -> dict[str, torch.Tensor]:
+    raise AssertionError("the streamed HF export writes its files itself")
 
 
 class RankLogProbs(LogProbs):
@@ -129,7 +137,10 @@ class _RankActor(TrainActor):
         # The models are built on meta and sharded before any weight is read: each rank reads its own slices
         # (lichen.models.sharded_load). LoRA injects its adapters into the policy on meta (the first model loaded);
         # with --lora-load the policy loads whole as before (peft loads the saved adapters into whole tensors).
-        weights = fsdp.sharded_load(bf16=cfg.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS))
+        offload = fsdp.offloads_to_cpu(cfg.optimizer_cpu_offload, resolve_device(cfg.device))
+        weights = fsdp.sharded_load(
+            bf16=cfg.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS), cpu_offload=offload
+        )
         if cfg.lora is not None:
             weights = dataclasses.replace(weights, prepare=_inject_adapters_once(cfg), source=_adapter_source())
         with sharded_loading(weights) if cfg.lora is None or not cfg.lora.load else contextlib.nullcontext():
@@ -143,7 +154,7 @@ class _RankActor(TrainActor):
         if loaded_full:
             with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
                 for model in loaded_full:
-                    fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16)
+                    fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16, cpu_offload=offload)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
         self.optimizer = make_adamw(
             [p for p in self.model.parameters() if p.requires_grad],  # LoRA: adapters only
@@ -213,7 +224,10 @@ class DistTrainer:
         backend: str | None = None,
     ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        backend = backend or fsdp.default_backend(resolve_device(cfg.device))
+        device = resolve_device(cfg.device)
+        backend = backend or fsdp.default_backend(
+            device, cpu_offload=fsdp.offloads_to_cpu(cfg.optimizer_cpu_offload, device)
+        )
         fsdp.init_process_group(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, backend=backend
         )
@@ -305,18 +319,52 @@ class DistTrainer:
         manifest, meta.json and `latest`."""
         d = iter_dir(ckpt_dir, rollout_id)
         dcp.save(self._sharded_state(optimizer=not self.cfg.no_save_optim), checkpoint_id=os.path.join(d, DIST_DIR))
-        with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
-            weights = fsdp.full_weights(self.actor.model)
-        if self.rank == 0:
-            if self.cfg.lora is not None:  # hf/ is the merged policy; lora/ the adapters (as a single-rank save)
+        if self.cfg.lora is not None:  # hf/ is the merged policy; lora/ the adapters (as a single-rank save)
+            with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
+                weights = fsdp.full_weights(self.actor.model)
+            if weights is not None:  # rank 0
                 from lichen.train import lora
 
                 weights = lora.export_rank0(
                     self.actor, weights, os.path.join(d, LORA_DIR), rollout_id, self.cfg.hf_checkpoint
                 )
-            write_hf_exports(weights, d, rollout_id, self.cfg)  # hf/, and --save-hf's copy
+                write_hf_exports(weights, d, rollout_id, self.cfg)  # hf/, and --save-hf's copy
+        else:
+            with self.memory.weights_resident():
+                self._stream_hf(os.path.join(d, "hf"))
+                if self.cfg.save_hf:
+                    from lichen.config.train_config import save_hf_dir
+
+                    self._stream_hf(save_hf_dir(self.cfg.save_hf, rollout_id))
         dist.barrier()  # every rank's shards are written before they are hashed
         return SavedTrainer(self._hash_files(d), world_size=self.world_size)
+
+    def _stream_hf(self, out: str) -> None:
+        """The policy as an HF checkpoint at `out`, as write_hf_exports writes it (the same files, tensors and
+        index: its state dict's names, buffers and both names of a tied weight, save_hf_checkpoint's split into
+        files), streamed: every rank gathers one tensor at a time (each DTensor's full_tensor(), in file order)
+        and rank 0 appends it to the file being written, so no rank holds more than one full tensor."""
+        state = self.actor.model.state_dict()  # this rank's shards; DTensors report their global shapes
+        plan = plan_shards(state)
+
+        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name in names:
+                t = state[name].detach()
+                yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+        if self.rank != 0:
+            for names in plan:  # the same collectives as rank 0's writes, in the same order
+                for _ in full(names):
+                    pass
+            return
+
+        def write_file(names: list[str], path: str, header: dict[str, str]) -> int:
+            rows = [(n, list(state[n].shape), state[n].dtype) for n in names]
+            return write_streamed(path, rows, full(names), header)
+
+        with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
+            config = json.load(f)
+        write_hf_shards(plan, _never, out, config=config, copy_files_from=self.cfg.hf_checkpoint, write_file=write_file)
 
     def _from_rank0(self, obj: Any) -> Any:
         box = [obj]

@@ -24,6 +24,7 @@ import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 1024**3  # save_hf_checkpoint's file size (a larger tensor gets a file of its own)
 CONFIG_FILE = "config.json"
 
 # Weight files of any format are never copied from `copy_files_from`: they would be stale next to the new ones.
@@ -39,8 +40,8 @@ def _stored_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * torch.empty((), dtype=out_dtype).element_size()
 
 
-def _plan_shards(
-    state_dict: dict[str, torch.Tensor], max_shard_bytes: int, dtype: torch.dtype | None
+def plan_shards(
+    state_dict: dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES, dtype: torch.dtype | None = None
 ) -> list[list[str]]:
     """Greedy, in the state dict's order: start a new shard when the next tensor would overflow the current one.
 
@@ -131,7 +132,7 @@ def save_hf_checkpoint(
     *,
     config: dict | None = None,
     copy_files_from: str | None = None,
-    max_shard_bytes: int = 5 * 1024**3,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
     metadata: dict | None = None,
 ) -> None:
@@ -151,7 +152,7 @@ def save_hf_checkpoint(
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict entries must be str -> torch.Tensor; got {name!r} -> {type(t).__name__}")
     write_hf_shards(
-        _plan_shards(state_dict, max_shard_bytes, dtype),
+        plan_shards(state_dict, max_shard_bytes, dtype),
         lambda names: _prepare_shard(state_dict, names, dtype),
         out_dir,
         config=config,
@@ -168,10 +169,12 @@ def write_hf_shards(
     config: dict | None = None,
     copy_files_from: str | None = None,
     metadata: dict | None = None,
+    write_file: Callable[[list[str], str, dict[str, str]], int] | None = None,
 ) -> None:
     """save_hf_checkpoint's layout and atomic write, one shard (a list of names) at a time: `tensors_of(names)`
     gives that shard's CPU tensors when it is written, so only one shard is ever held (the weight sync's rank 0
-    streams gathered buckets through it)."""
+    streams gathered buckets through it). `write_file(names, path, header metadata)`, when given, writes each
+    shard's file itself instead and returns its tensor bytes (a file streamed tensor by tensor)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NotADirectoryError(f"checkpoint output {out_dir!r} exists and is not a directory")
@@ -183,7 +186,13 @@ def write_hf_shards(
     os.makedirs(tmp_dir)
     try:
         _write_checkpoint(
-            shards, tensors_of, tmp_dir, config=config, copy_files_from=copy_files_from, metadata=metadata
+            shards,
+            tensors_of,
+            tmp_dir,
+            config=config,
+            copy_files_from=copy_files_from,
+            metadata=metadata,
+            write_file=write_file,
         )
         for fname in os.listdir(tmp_dir):
             _fsync_file(os.path.join(tmp_dir, fname))
@@ -202,19 +211,25 @@ def _write_checkpoint(
     config: dict | None,
     copy_files_from: str | None,
     metadata: dict | None,
+    write_file: Callable[[list[str], str, dict[str, str]], int] | None = None,
 ) -> None:
     header = _header_metadata(metadata)
+
+    def save(names: list[str], path: str) -> int:
+        if write_file is not None:  # the caller writes the file itself (streamed: lichen.weights.safetensors_stream)
+            return write_file(names, path, header)
+        tensors = tensors_of(names)
+        safetensors.torch.save_file(tensors, path, metadata=header)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     if len(shards) == 1:
-        safetensors.torch.save_file(tensors_of(shards[0]), os.path.join(dst, SINGLE_FILE), metadata=header)
+        save(shards[0], os.path.join(dst, SINGLE_FILE))
     else:
         weight_map: dict[str, str] = {}
         total = 0
         for i, names in enumerate(shards):
             fname = _shard_name(i, len(shards))
-            tensors = tensors_of(names)
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            safetensors.torch.save_file(tensors, os.path.join(dst, fname), metadata=header)
-            del tensors
+            total += save(names, os.path.join(dst, fname))
             weight_map.update({name: fname for name in names})
         _write_json(
             os.path.join(dst, INDEX_FILE),

@@ -1,0 +1,111 @@
+"""The multi-rank trainer's HF export streams (issue 27 item 3): rank 0 writes each safetensors file tensor by tensor
+as the ranks gather them (lichen.weights.safetensors_stream), never a whole-model dict; the files hold the same
+tensors and the same index as the whole-dict export (write_hf_exports / save_hf_checkpoint) wrote. 2 gloo ranks in
+torch.multiprocessing children (tests/helpers/dist_ranks.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from helpers.dist_ranks import config, free_port, run_ranks, trainer_argv
+
+SMALL_FILES = 64 * 1024  # a file size that splits the tiny model into several files (an index)
+
+
+def export_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
+    """A checkpoint save with the whole-model paths refused (the full state dict gather, safetensors' dict writer),
+    a streamed export split into small files; then, with them allowed again, the whole-dict exports of the same
+    weights at both file sizes."""
+    import lichen.train.dist_trainer as dt
+    from lichen.train import fsdp
+    from lichen.train.checkpoint import write_hf_exports
+    from lichen.weights import hf_io
+
+    torch.set_num_threads(1)
+    cfg, args = config(argv)
+    t = dt.DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    real_full, real_save = fsdp.full_weights, safetensors.torch.save_file
+
+    def refuse(*a, **k):
+        raise AssertionError("the streamed export built a whole-model dict")
+
+    fsdp.full_weights = refuse
+    safetensors.torch.save_file = refuse
+    t.save(os.path.join(out, "ckpt"), 0)  # hf/ at the default file size
+    dt.plan_shards = lambda state: hf_io.plan_shards(state, SMALL_FILES)
+    t._stream_hf(os.path.join(out, "small_stream"))
+    fsdp.full_weights, safetensors.torch.save_file = real_full, real_save
+    weights = fsdp.full_weights(t.model)
+    if rank == 0:
+        write_hf_exports(weights, os.path.join(out, "whole"), 0, cfg)
+        with open(os.path.join(cfg.hf_checkpoint, "config.json")) as f:
+            hf_config = json.load(f)
+        hf_io.save_hf_checkpoint(
+            weights,
+            os.path.join(out, "small_whole"),
+            config=hf_config,
+            copy_files_from=cfg.hf_checkpoint,
+            max_shard_bytes=SMALL_FILES,
+        )
+    t.close()
+
+
+def _tensors(d: str) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        f: safetensors.torch.load_file(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["lichen", "hf"])
+def test_streamed_export_equals_the_whole_dict_export(tiny_ckpt, addition_data, tmp_path, impl):
+    extra = ["--model-impl", "hf"] if impl == "hf" else []
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
+    config(argv)
+    run_ranks(export_worker, 2, argv, free_port(), str(tmp_path))
+    pairs = [
+        (tmp_path / "ckpt" / "iter_0000000" / "hf", tmp_path / "whole" / "hf"),
+        (tmp_path / "small_stream", tmp_path / "small_whole"),
+    ]
+    for streamed, whole in pairs:
+        assert sorted(os.listdir(streamed)) == sorted(os.listdir(whole))
+        a, b = _tensors(str(streamed)), _tensors(str(whole))
+        assert a.keys() == b.keys() and a
+        for f in a:
+            assert a[f].keys() == b[f].keys(), f
+            for name in a[f]:
+                assert a[f][name].dtype == b[f][name].dtype and torch.equal(a[f][name], b[f][name]), (f, name)
+    index = "model.safetensors.index.json"
+    small = json.loads((tmp_path / "small_stream" / index).read_text())
+    assert small == json.loads((tmp_path / "small_whole" / index).read_text())
+    assert len(set(small["weight_map"].values())) > 3
+
+
+def test_streamed_file_reads_back_and_refuses_a_tensor_it_did_not_announce(tmp_path):
+    from lichen.weights.safetensors_stream import write_streamed
+
+    tensors = {
+        "a": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(2, 2, 2),
+    }
+    rows = [(n, list(t.shape), t.dtype) for n, t in tensors.items()]
+    path = str(tmp_path / "x.safetensors")
+    assert write_streamed(path, rows, iter(tensors.items()), {"format": "pt"}) == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
+    back = safetensors.torch.load_file(path)
+    assert back.keys() == tensors.keys()
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in tensors.items())
+    with safetensors.safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    swapped = [("b", tensors["b"]), ("a", tensors["a"]), ("c", tensors["c"])]
+    with pytest.raises(ValueError, match="expected tensor 'a'"):
+        write_streamed(path, rows, iter(swapped))
+    with pytest.raises(ValueError, match="expected tensor 'c'"):
+        write_streamed(path, rows, iter([("a", tensors["a"]), ("b", tensors["b"]), ("c", torch.zeros(2, 2))]))
