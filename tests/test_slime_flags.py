@@ -209,7 +209,7 @@ def test_not_available_yet_and_removed_and_unknown_are_all_named_in_one_run(base
     message, tables = failure(
         base
         + [
-            "--optimizer-cpu-offload",
+            "--enable-mtp-training",
             "--megatron-to-hf-mode",
             "bridge",
             "--train-memory-margin-bytes",
@@ -224,7 +224,7 @@ def test_not_available_yet_and_removed_and_unknown_are_all_named_in_one_run(base
     )
     for needle in (
         "4 flags stop this run",
-        "--optimizer-cpu-offload",
+        "--enable-mtp-training",
         "--megatron-to-hf-mode was removed",
         "--train-memory-margin-bytes was removed",
         "unrecognized argument --frobnicate",
@@ -232,7 +232,7 @@ def test_not_available_yet_and_removed_and_unknown_are_all_named_in_one_run(base
     ):  # and the first rule the remaining flags break
         assert needle in message, needle
     table = tables[0]
-    assert f"{NOT_YET} | --optimizer-cpu-offload" in table and f"{REMOVED} | --megatron-to-hf-mode bridge" in table
+    assert f"{NOT_YET} | --enable-mtp-training" in table and f"{REMOVED} | --megatron-to-hf-mode bridge" in table
     assert f"{UNKNOWN} | --frobnicate 3" in table
 
 

@@ -29,7 +29,7 @@ SCRIPTS = {
     ),
     "run-glm4.7-30B-A3B": (
         2,
-        ["--optimizer-cpu-offload", "--enable-mtp-training", "mapped | model_type glm4_moe_lite | --model-impl hf"],
+        ["--enable-mtp-training", "mapped | model_type glm4_moe_lite | --model-impl hf"],
     ),
     "run-qwen3-4B-debug-rollout-only": (0, []),
     "run-qwen3-4B-debug-train-only": (0, []),

@@ -135,6 +135,7 @@ class TrainerConfig:
     balance_by_flops: bool = False  # micro-batches balanced by FLOPs (lichen.train.flops_balance)
     # slime's optimizer, checkpoint and CI flags
     reset_optimizer_states: bool = False  # Adam moments and steps zeroed before every rollout step's training
+    optimizer_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy on CUDA trainer ranks (lichen.train.fsdp.shard)
     no_save_optim: bool = False  # checkpoints without optimizer state (lichen.train.checkpoint)
     save_hf: str | None = None  # an HF export to save_hf.format(rollout_id=N) at every checkpoint save
     ci_train_rollout_logprob_abs_diff_threshold: float | None = None  # the mismatch bound (step_metrics)

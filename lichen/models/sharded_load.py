@@ -48,12 +48,15 @@ def same_name(name: str) -> str | None:
 class ShardedLoad:
     """How the caller shards a model built on `meta` (`shard(model)`, FSDP2 in place), and the memory region its
     shards are allocated in (`region()`, e.g. a torch_memory_saver tag; none by default). `prepare(model)` runs on
-    the `meta` model before it is sharded; `source(name)` is the file tensor a model tensor reads (None: none)."""
+    the `meta` model before it is sharded; `source(name)` is the file tensor a model tensor reads (None: none).
+    `device`: where the shards are allocated when not on the model's compute device (host memory under FSDP2's
+    CPU offload)."""
 
     shard: Callable[[nn.Module], object]
     region: Callable[[], ContextManager[object]] = field(default=contextlib.nullcontext)
     prepare: Callable[[nn.Module], object] | None = None
     source: Callable[[str], str | None] = same_name
+    device: str | None = None
 
 
 _ACTIVE: ContextVar[ShardedLoad | None] = ContextVar("lichen_sharded_load", default=None)
@@ -130,7 +133,7 @@ def _materialize(
     tied = {*aliases, *_canonical_names(model, aliases=True)}  # before sharding: tied tensors are one object here
     spec.shard(model)
     with spec.region():
-        model.to_empty(device=device)
+        model.to_empty(device=spec.device or device)
     if buffers is not None:
         buffers()
     load_owned_slices(model, model_dir, dtype=dtype, tied_aliases=tied, source=spec.source)

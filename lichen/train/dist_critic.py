@@ -23,7 +23,12 @@ class RankCritic(Critic):
     def __init__(self, cfg: TrainerConfig, device: torch.device, *, rank: int, world_size: int):
         super().__init__(cfg, device)
         self.rank, self.world_size = rank, world_size
-        fsdp.shard(self.model, layers=fsdp.decoder_layers(self.model.backbone), bf16=False)  # the critic runs in fp32
+        fsdp.shard(  # the critic runs in fp32
+            self.model,
+            layers=fsdp.decoder_layers(self.model.backbone),
+            bf16=False,
+            cpu_offload=fsdp.offloads_to_cpu(cfg.optimizer_cpu_offload, device),
+        )
         self.optimizer = self.make_optimizer()  # over this rank's shards
 
     def _empty_forward(self, sb: StepBatch) -> torch.Tensor:

@@ -19,14 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lichen.models.sharded_load import ShardedLoad
 
 
-def default_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def default_backend(device: torch.device, *, cpu_offload: bool = False) -> str:
+    """nccl on CUDA, gloo on CPU; with CPU offload on CUDA both (the sharded parameters, their gradients and the
+    optimizer live in host memory, so gradient clipping's norm is reduced over CPU tensors: gloo)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+
+
+def offloads_to_cpu(requested: bool, device: torch.device) -> bool:
+    """--optimizer-cpu-offload takes effect on CUDA; a CPU trainer's state is in host memory already."""
+    return requested and device.type == "cuda"
 
 
 def init_process_group(
@@ -42,7 +51,7 @@ def init_process_group(
     """
     timeout = timedelta(seconds=timeout_s)
     family, _, _, _, sockaddr = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
-    if backend == "gloo" and ipaddress.ip_address(sockaddr[0]).is_loopback:
+    if "gloo" in backend and ipaddress.ip_address(sockaddr[0]).is_loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     listen_fd = None
     if rank == 0:
@@ -69,7 +78,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
-def shard(model: nn.Module, *, layers: list[nn.Module], bf16: bool) -> nn.Module:
+def shard(model: nn.Module, *, layers: list[nn.Module], bf16: bool, cpu_offload: bool = False) -> nn.Module:
     """FSDP2 over every rank of the default group, in place, one unit per module of `layers` plus the root;
     returns `model`.
 
@@ -82,17 +91,24 @@ def shard(model: nn.Module, *, layers: list[nn.Module], bf16: bool) -> nn.Module
     leaves the root's module parameters as the gathered tensors (which carry no gradient): call `reshard` after
     it, before anything reads `model.parameters()` (gradient clipping does).
 
+    cpu_offload (`--optimizer-cpu-offload`, CUDA only): FSDP2's CPUOffloadPolicy. The sharded float32 parameters,
+    their gradients and the AdamW state stay in (pinned) host memory and the optimizer steps there; each unit's
+    parameters are copied to the GPU for its forward and backward. Device memory then holds activations and one
+    unit's gathered parameters; the cost is the host-device copies and a CPU optimizer step.
+
     Units sharded already are left as they are: a model built sharded (`sharded_load`) passes through unchanged,
     and the critic's wrapper around such a backbone gets a root unit of its own (its value head).
     """
     mp = MixedPrecisionPolicy()
     if bf16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # pinned host memory (faster copies) needs CUDA; a CPU-only process (the tests) runs the same policy unpinned
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for layer in layers:
         if not isinstance(layer, FSDPModule):  # already sharded at load (lichen.models.sharded_load)
-            fully_shard(layer, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, offload_policy=offload)
     if not isinstance(model, FSDPModule):
-        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, see the module docstring
@@ -100,14 +116,17 @@ def shard(model: nn.Module, *, layers: list[nn.Module], bf16: bool) -> nn.Module
     return model
 
 
-def sharded_load(*, bf16: bool, region: Callable[[], ContextManager[object]] | None = None) -> ShardedLoad:
+def sharded_load(
+    *, bf16: bool, region: Callable[[], ContextManager[object]] | None = None, cpu_offload: bool = False
+) -> ShardedLoad:
     """What `lichen.models.sharded_load.sharded_loading` needs to build a model sharded as `shard` does it (one unit
-    per decoder layer plus the root), its shards allocated inside `region()` when given."""
+    per decoder layer plus the root), its shards allocated inside `region()` when given; with `cpu_offload` the
+    shards are allocated in host memory, where CPUOffloadPolicy keeps them."""
 
     def shard_it(model: nn.Module) -> nn.Module:
-        return shard(model, layers=decoder_layers(model), bf16=bf16)
+        return shard(model, layers=decoder_layers(model), bf16=bf16, cpu_offload=cpu_offload)
 
-    return ShardedLoad(shard_it, region or contextlib.nullcontext)
+    return ShardedLoad(shard_it, region or contextlib.nullcontext, device="cpu" if cpu_offload else None)
 
 
 def reshard(model: nn.Module) -> None:

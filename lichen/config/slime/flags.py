@@ -247,11 +247,16 @@ SLIME_FLAGS: dict[str, FlagRule] = {
         "--balance-data",
     ),
     **_rules(
-        NOT_YET,
-        "--offload-train (optimizer state leaves the device between steps)",
-        "Megatron's CPU optimizer step is not built",
-        "--optimizer-cpu-offload",
+        NA_NO_EFFECT,
+        "ignored (lichen's --optimizer-cpu-offload copies per FSDP2 unit)",
+        "overlaps Megatron's host-device copies of its CPU optimizer step: a speed choice, the math is the same",
         "--overlap-cpu-optimizer-d2h-h2d",
+    ),
+    **_rules(
+        NA_NO_EFFECT,
+        "lichen's AdamW, float32 master weights, gradients and moments",
+        "lets Megatron keep optimizer state in the dtypes of --main-grads-dtype / --main-params-dtype / "
+        "--exp-avg-dtype / --exp-avg-sq-dtype, float32 unless given (those are refused): the math is the same",
         "--use-precision-aware-optimizer",
     ),
     **_rules(
