@@ -240,6 +240,7 @@ DEFAULTS = {
     "load_forge_rollout_data": None,
     "no_save_optim": False,
     "reset_optimizer_states": False,
+    "optimizer_cpu_offload": False,
     "rollout_sample_hook_path": [],
     "save_hf": None,
     "sglang_config": None,
