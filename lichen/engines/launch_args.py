@@ -45,7 +45,7 @@ def launch_limits(cfg: EngineConfig) -> list[str]:
     each in flight per engine, so twice that (at least `lichen serve`'s default) leaves room for eval and control
     traffic; tokens: that many sequences of the run's longest prompt + response, and request bodies sized for one
     such sequence (`request_bytes`), when both are set (else `lichen serve`'s defaults)."""
-    from lichen.engines.serve import DEFAULT_MAX_QUEUED_SEQUENCES
+    from lichen.engines.limit_defaults import DEFAULT_MAX_QUEUED_SEQUENCES
 
     seqs = max(DEFAULT_MAX_QUEUED_SEQUENCES, 2 * int(cfg.concurrency))
     out = ["--max-queued-sequences", str(seqs)]

@@ -14,8 +14,8 @@
   and lengths: a text longer than context_length x `longest_token_chars` characters cannot fit the context, so
   it is refused without being tokenized (protocol.check_text).
 
-The defaults are `lichen serve`'s flags (lichen.engines.serve); `lichen train` sets the bounds of the engines it
-launches from its own flags (lichen.engines.launch_args.launch_server_args).
+The defaults are `lichen serve`'s flags (lichen.engines.limit_defaults); `lichen train` sets the bounds of the
+engines it launches from its own flags (lichen.engines.launch_args.launch_server_args).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import torch
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from lichen.engines.protocol import RequestError
-from lichen.engines.serve import (
+from lichen.engines.limit_defaults import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_QUEUED_SEQUENCES,
@@ -38,6 +37,7 @@ from lichen.engines.serve import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_REQUEST_SEQUENCES,
 )
+from lichen.engines.protocol import RequestError
 
 
 class Overloaded(RequestError):

@@ -28,22 +28,22 @@ import sys
 from lichen.config.model_code import add_model_code_args, model_options
 from lichen.devices import resolve_device
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
+
+# the work bounds' defaults (lichen.engines.limits enforces them) live in a leaf module: limits.py reads them there
+from lichen.engines.limit_defaults import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_QUEUED_SEQUENCES,
+    DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_SEQUENCES,
+)
 from lichen.engines.tool_parsers import load_parser
 from lichen.errors import ConfigError
 from lichen.key_files import resolve_key
 from lichen.models.hf_support import check_model_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
-# Work bounds (lichen.engines.limits), sized from what a training step asks of one engine: slime's scripts send up
-# to 2,048 sequences per step.
-DEFAULT_MAX_REQUEST_SEQUENCES = 2048
-DEFAULT_MAX_QUEUED_SEQUENCES = 4096
-DEFAULT_MAX_QUEUED_TOKENS = 4096 * 4096
-DEFAULT_HEADER_TIMEOUT = 20.0
-# Request bodies: lichen's client sends one prompt's input_ids per request (under 1 MB for a 64k context); 16 MiB
-# leaves room for batches and long chat histories while JSON decoding stays well under a second.
-DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
-DEFAULT_BODY_TIMEOUT = 60.0
 
 
 def build_parser() -> argparse.ArgumentParser:
