@@ -103,16 +103,45 @@ def resolve_num_rollout(args, rollout) -> None:
 
 def resume(args, trainer, rollout) -> int:
     """Restore trainer, optimizer, RNG and data position from --load; returns the first rollout id to run."""
-    if not args.load:
-        return 0
-    last = ckpt.find_latest(args.load)
+    return resume_from(args.load, trainer, rollout) if args.load else 0
+
+
+def resume_from(load_dir: str, trainer, rollout) -> int:
+    """`resume` from `load_dir` (--load, or --save when a trainer restart rewinds); the first rollout id to run."""
+    last = ckpt.find_latest(load_dir)
     if last is None:
-        log.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", args.load)
+        log.info("--load %s holds no checkpoint yet: starting from --hf-checkpoint", load_dir)
         return 0
-    trainer.load(args.load, last)  # the newest intact one, which `latest` may not name
-    rollout.load_state_dict(ckpt.load_rollout_state(args.load, last))
-    log.info("resumed from %s at rollout %d (weight version %d)", ckpt.iter_dir(args.load, last), last, last + 1)
+    trainer.load(load_dir, last)  # the newest intact one, which `latest` may not name
+    rollout.load_state_dict(ckpt.load_rollout_state(load_dir, last))
+    log.info("resumed from %s at rollout %d (weight version %d)", ckpt.iter_dir(load_dir, last), last, last + 1)
     return last + 1
+
+
+def trainer_restarts(args, rollout, start: int):
+    """The run's --max-trainer-restarts bookkeeping (lichen.cluster.trainer_recovery), from step `start`."""
+    from lichen.cluster.trainer_recovery import TrainerRestarts
+
+    n = getattr(args, "max_trainer_restarts", None) or 0
+    initial = rollout.state_dict() if n and start == 0 else None  # a rewind before the first checkpoint
+    return TrainerRestarts(n, start=start, save_dir=args.save, load_dir=args.load, initial_state=initial)
+
+
+def recover_trainer(args, trainer, rollout, restarts, error: BaseException, rollout_id: int, sync_cfg) -> None:
+    """A step raised `error`: when a trainer rank died and restarts are left, restart the ranks, rewind the run to
+    the newest checkpoint (the --load path) and re-sync the engines; else raise it again."""
+
+    def rewind(load_dir: str | None, initial_state: dict | None) -> int:
+        if load_dir is None:  # no checkpoint yet: the new ranks hold the initial weights
+            rollout.load_state_dict(initial_state)
+            return 0
+        return resume_from(load_dir, trainer, rollout)
+
+    def resync(version: int) -> None:
+        sync.close(rollout)  # the transports' state (a broadcast group) belonged to the dead ranks
+        sync.push(trainer, rollout, version=version, cfg=sync_cfg)
+
+    restarts.recover(error, rollout_id, trainer, rewind, resync)
 
 
 def is_due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
@@ -219,39 +248,61 @@ def train_loop(args, trainer, rollout, logger, observer: RunObserver | None = No
     if args.eval_interval and start == 0 and not args.skip_eval_before_train:
         last = eval_before_training(args, rollout, logger, obs)
 
-    for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
-        t0 = time.perf_counter()
-        with obs.phase("generate", rollout_id):
-            batch, metrics = rollout.generate(rollout_id)
-        all_failed.check(rollout_id, batch)
-        if args.offload_rollout:
-            rollout.offload()
-        if args.offload_train:
-            trainer.onload()
-        with obs.phase("train", rollout_id):
-            metrics.update(trainer.train(rollout_id, batch))
-        if save_due(args, rollout_id):
-            with obs.phase("save", rollout_id) as rec:
-                save_checkpoint(args, trainer, rollout, rollout_id)
-            metrics["time/save"] = rec.elapsed()
-        if args.offload_train:
-            trainer.offload()
-        if args.offload_rollout:
-            rollout.onload(["weights"])
-        with obs.phase("sync", rollout_id):
-            metrics.update(sync.push(trainer, rollout, version=rollout_id + 1, cfg=sync_cfg))
-        if args.offload_rollout:
-            rollout.onload(["kv_cache"])
-        if is_due(args.eval_interval, rollout_id, args.num_rollout):
-            with obs.phase("eval", rollout_id):
-                metrics.update(rollout.eval(version=rollout_id + 1))
-        metrics["time/step"] = time.perf_counter() - t0
-        # the trainer's per-token advantages and log-probs of this step, for the sample log
-        obs.step_done(rollout_id + 1, batch, metrics, trainer.token_values)
-        logger.log(rollout_id + 1, metrics)
-        print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
-        last = metrics
+    restarts = trainer_restarts(args, rollout, start)
+
+    def step(rollout_id: int) -> dict:
+        return _step(args, trainer, rollout, logger, obs, sync_cfg, all_failed, restarts, rollout_id)
+
+    return run_steps(args, trainer, rollout, restarts, sync_cfg, step, last)
+
+
+def run_steps(args, trainer, rollout, restarts, sync_cfg, step, last: dict) -> dict:
+    """`step(rollout_id)` for every step left (`restarts.steps`); the last step's metrics (`last` if none ran). A
+    step that fails because a trainer rank died sends the run back to the newest checkpoint (recover_trainer);
+    any other error, or one with no restart left, ends the run."""
+    total = args.num_rollout - restarts.next_id
+    for rollout_id in progress(restarts.steps(args.num_rollout), total=total, desc="rollout", disable=args.no_progress):
+        try:
+            last = step(rollout_id)
+        except Exception as e:  # raised again unless a trainer rank died and --max-trainer-restarts allows
+            recover_trainer(args, trainer, rollout, restarts, e, rollout_id, sync_cfg)
     return last
+
+
+def _step(args, trainer, rollout, logger, obs: RunObserver, sync_cfg, all_failed, restarts, rollout_id: int) -> dict:
+    """One rollout step of the synchronous loop; its metrics (with those of a trainer restart just before it)."""
+    t0 = time.perf_counter()
+    with obs.phase("generate", rollout_id):
+        batch, metrics = rollout.generate(rollout_id)
+    metrics.update(restarts.take_metrics())
+    all_failed.check(rollout_id, batch)
+    if args.offload_rollout:
+        rollout.offload()
+    if args.offload_train:
+        trainer.onload()
+    with obs.phase("train", rollout_id):
+        metrics.update(trainer.train(rollout_id, batch))
+    if save_due(args, rollout_id):
+        with obs.phase("save", rollout_id) as rec:
+            save_checkpoint(args, trainer, rollout, rollout_id)
+        metrics["time/save"] = rec.elapsed()
+    if args.offload_train:
+        trainer.offload()
+    if args.offload_rollout:
+        rollout.onload(["weights"])
+    with obs.phase("sync", rollout_id):
+        metrics.update(sync.push(trainer, rollout, version=rollout_id + 1, cfg=sync_cfg))
+    if args.offload_rollout:
+        rollout.onload(["kv_cache"])
+    if is_due(args.eval_interval, rollout_id, args.num_rollout):
+        with obs.phase("eval", rollout_id):
+            metrics.update(rollout.eval(version=rollout_id + 1))
+    metrics["time/step"] = time.perf_counter() - t0
+    # the trainer's per-token advantages and log-probs of this step, for the sample log
+    obs.step_done(rollout_id + 1, batch, metrics, trainer.token_values)
+    logger.log(rollout_id + 1, metrics)
+    print_line(format_step_line(rollout_id, {**metrics, "num_rollout": args.num_rollout}))
+    return metrics
 
 
 def _on_accelerator(args) -> bool:

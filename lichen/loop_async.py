@@ -21,7 +21,15 @@ from typing import Any, Callable
 from lichen import sync
 from lichen.config.engine_config import ObserveConfig, SyncConfig
 from lichen.errors import RunError, UserError
-from lichen.loop import eval_before_training, is_due, resume, save_checkpoint, save_due
+from lichen.loop import (
+    eval_before_training,
+    is_due,
+    resume,
+    run_steps,
+    save_checkpoint,
+    save_due,
+    trainer_restarts,
+)
 from lichen.observe.failed_steps import FailedStepGuard
 from lichen.observe.metrics import format_step_line, get_logger
 from lichen.observe.progress import print_line, progress
@@ -109,6 +117,9 @@ class PipelinedRollout:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's state (--load, or a trainer restart's rewind): the generation in flight, if any,
+        finishes first, since it consumes the data position this replaces; its rollout is dropped."""
+        self.wait()
         state = dict(state)
         pending = state.pop(PENDING_KEY, {})
         self.inner.load_state_dict(state)
@@ -148,37 +159,46 @@ def train_loop_async(args, trainer, rollout, logger, observer: RunObserver | Non
     """`lichen train --async`: the loop of the module docstring; same arguments and result as loop.train_loop."""
     obs = observer or RunObserver(ObserveConfig.from_args(args))
     pipe = PipelinedRollout(rollout)
-    interval = args.update_weights_interval
     all_failed = FailedStepGuard(args.max_consecutive_failed_steps)
     try:
         start, sync_cfg, last = _begin(args, trainer, pipe, logger, obs)
-        for rollout_id in progress(range(start, args.num_rollout), desc="rollout", disable=args.no_progress):
-            t0 = time.perf_counter()
-            with obs.phase("generate", rollout_id):  # how long the trainer waits for the rollout
-                batch, metrics = pipe.take(rollout_id)
-            all_failed.check(rollout_id, batch)
-            if rollout_id + 1 < args.num_rollout:
-                pipe.start(rollout_id + 1)  # with the weights the engines serve now: one version behind at most
-            metrics.update(staleness_metrics(batch, rollout_id))
-            with obs.phase("train", rollout_id):
-                metrics.update(_on_side("trainer", rollout_id, trainer.train, rollout_id, batch))
-            if save_due(args, rollout_id):
-                with obs.phase("save", rollout_id) as rec:
-                    save_checkpoint(args, trainer, pipe, rollout_id)  # waits for the rollout in flight
-                metrics["time/save"] = rec.elapsed()
-            if is_due(interval, rollout_id, args.num_rollout):
-                with obs.phase("generate", rollout_id):
-                    pipe.wait()  # no request straddles the weight update
-                with obs.phase("sync", rollout_id):
-                    metrics.update(sync.push(trainer, pipe, version=rollout_id + 1, cfg=sync_cfg))
-            if is_due(args.eval_interval, rollout_id, args.num_rollout):
-                with obs.phase("eval", rollout_id):
-                    metrics.update(pipe.eval(version=rollout_id + 1))
-            last = _log_step(args, trainer, logger, obs, rollout_id, batch, metrics, t0)
+        restarts = trainer_restarts(args, pipe, start)
+
+        def step(rollout_id: int) -> dict:
+            return _async_step(args, trainer, pipe, logger, obs, sync_cfg, all_failed, restarts, rollout_id)
+
+        last = run_steps(args, trainer, pipe, restarts, sync_cfg, step, last)
     except BaseException:
         pipe.abandon()
         raise
     return last
+
+
+def _async_step(args, trainer, pipe, logger, obs, sync_cfg, all_failed, restarts, rollout_id: int) -> dict:
+    """One step of the --async loop; its metrics (with those of a trainer restart just before it)."""
+    t0 = time.perf_counter()
+    with obs.phase("generate", rollout_id):  # how long the trainer waits for the rollout
+        batch, metrics = pipe.take(rollout_id)
+    metrics.update(restarts.take_metrics())
+    all_failed.check(rollout_id, batch)
+    if rollout_id + 1 < args.num_rollout:
+        pipe.start(rollout_id + 1)  # with the weights the engines serve now: one version behind at most
+    metrics.update(staleness_metrics(batch, rollout_id))
+    with obs.phase("train", rollout_id):
+        metrics.update(_on_side("trainer", rollout_id, trainer.train, rollout_id, batch))
+    if save_due(args, rollout_id):
+        with obs.phase("save", rollout_id) as rec:
+            save_checkpoint(args, trainer, pipe, rollout_id)  # waits for the rollout in flight
+        metrics["time/save"] = rec.elapsed()
+    if is_due(args.update_weights_interval, rollout_id, args.num_rollout):
+        with obs.phase("generate", rollout_id):
+            pipe.wait()  # no request straddles the weight update
+        with obs.phase("sync", rollout_id):
+            metrics.update(sync.push(trainer, pipe, version=rollout_id + 1, cfg=sync_cfg))
+    if is_due(args.eval_interval, rollout_id, args.num_rollout):
+        with obs.phase("eval", rollout_id):
+            metrics.update(pipe.eval(version=rollout_id + 1))
+    return _log_step(args, trainer, logger, obs, rollout_id, batch, metrics, t0)
 
 
 def train_loop_fully_async(args, trainer, rollout, logger, observer: RunObserver | None = None) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -77,7 +78,12 @@ def test_a_rank_that_raises_in_its_step_stops_the_group_at_once(ray_local, tiny_
         group = RayTrainGroup(cluster, cfg, args)
         with pytest.raises(RankFailed) as e:
             group.train(0, step_batch(vocab, 0))
-        assert str(e.value) == "trainer rank 1 failed in train: RuntimeError: injected failure on rank 1"
+        assert re.fullmatch(
+            r"trainer rank 1 failed in train: RuntimeError: injected failure on rank 1; every rank was stopped "
+            r"\(\d+\.\d s\)",
+            str(e.value),
+        ), str(e.value)
+        assert (e.value.rank, e.value.method) == (1, "train")
         # Rank 0 was left waiting for rank 1 in the step's next collective: it is gone, not still waiting (it
         # would answer nothing before the 600 s process-group timeout).
         with pytest.raises(ray.exceptions.RayActorError):

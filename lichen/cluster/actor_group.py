@@ -8,13 +8,18 @@ picks. `--train-env-vars` go into these actors' runtime_env only; the engines ne
 
 A rank that raises stops the group at once: the others would wait in their next collective until the process
 group's timeout (600 s), so the driver, which waits on every rank's call, kills every rank as soon as one fails
-and raises an error naming it (`RankFailed`, a RunError; a rank's UserError stays one, exit code 2).
+and raises an error naming it (`RankFailed`, a RunError; a rank's UserError stays one, exit code 2): one line,
+the rank, its exit cause (its exception, or the first sentence of Ray's message when its actor died) and what was
+done; Ray's full message goes to the debug log. `restart()` puts new ranks on the same bundles
+(lichen.cluster.trainer_recovery, --max-trainer-restarts).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from lichen.cluster.runtime import RayCluster
@@ -34,7 +39,67 @@ RANK_GPU_SHARE = 0.4
 
 
 class RankFailed(RunError):
-    """A trainer rank raised; the group was torn down."""
+    """A trainer rank raised or its actor died; the group was torn down. `rank` and `method` say which and where
+    (lichen.cluster.trainer_recovery restarts the group when --max-trainer-restarts allows)."""
+
+    def __init__(self, message: str, *, rank: int = -1, method: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.method = method
+
+
+# How long, after one rank's error, the driver waits for another rank's actor death to surface before stopping
+# the group: a rank killed mid-collective makes its peers raise too (gloo: "Connection closed by peer"), and the
+# peer's error often arrives first; the death is the cause worth reporting. A failure bound, not a schedule: a
+# rank that raised on its own has peers blocked in a collective, which answer nothing within it.
+ROOT_CAUSE_WAIT_S = 10.0
+
+
+def _root_failure(refs: list, rank: int, error: Exception, pending: list) -> tuple[int, Exception]:
+    """(rank, error) to report for a failed call: the first rank whose actor died, if one did among the calls
+    still pending within ROOT_CAUSE_WAIT_S, else the rank that raised first."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayActorError) or not pending:
+        return rank, error
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WAIT_S)
+    for ref in sorted(done, key=refs.index):
+        try:
+            ray.get(ref)
+        except RayActorError as e:
+            return refs.index(ref), e
+        except RayTaskError:
+            pass
+    return rank, error
+
+
+def exit_cause(error: Exception) -> str:
+    """A rank's failure in one line: its exception (type and first line), or for an actor that died, the first
+    sentence of Ray's message, whose later lines (actor id, pid, possible root causes) go to the debug log."""
+    cause = getattr(error, "cause", None)
+    if cause is not None and not _is_actor_death(error):
+        return f"{type(cause).__name__}: {_first_line(str(cause))}"
+    return f"its actor died ({_first_sentence(str(error))})"
+
+
+def _is_actor_death(error: Exception) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(error, RayActorError)
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "no message")
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of the first line, its parentheses balanced (Ray's messages run on over many lines)."""
+    line = _first_line(text)
+    end = line.find(". ")
+    sentence = line[: end + 1] if end >= 0 else line
+    opened = sentence.count("(") - sentence.count(")")
+    return sentence + ")" * max(opened, 0)
 
 
 def _free_port() -> int:
@@ -151,18 +216,28 @@ class RankWeightSender:
     group); a future gives rank 0's answer, and a rank that fails stops the group as any other call does."""
 
     def __init__(self, group: RayTrainGroup):
-        import concurrent.futures
-
         self.group = group
+        self.closed = False  # the ranks it drove were replaced (RayTrainGroup.restart)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lichen-rank-sender")
 
     def submit(self, op: str, *args: Any, all_ranks: bool = True) -> Any:
+        if self.group.failed or self.closed:  # its ranks were killed: their broadcast group went with them
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            if op == "group_close":
+                done.set_result(None)
+            else:
+                done.set_exception(RankFailed(f"sync_weights({op}): the trainer ranks were stopped"))
+            return done
         actors = self.group.actors if all_ranks else self.group.actors[:1]
         refs = [a.call.remote("sync_weights", op, *args) for a in actors]
         return self._pool.submit(lambda: self.group._gather(f"sync_weights({op})", refs)[0])
 
     def call(self, op: str, *args: Any, all_ranks: bool = True) -> Any:
         return self.submit(op, *args, all_ranks=all_ranks).result()
+
+    def close(self) -> None:
+        self.closed = True
+        self._pool.shutdown(wait=False)
 
 
 class RayTrainGroup:
@@ -171,22 +246,39 @@ class RayTrainGroup:
     def __init__(
         self, cluster: RayCluster, cfg: Any, plugin_args: Any, *, trainer_path: str = TRAINER, setup: bool = True
     ):
+        self.cluster = cluster
+        self._spec = (cfg, plugin_args, trainer_path)  # what restart() sets the new ranks up with
+        self._start_actors()
+        if setup:
+            self._setup(cfg, plugin_args, trainer_path)
+
+    def _start_actors(self) -> None:
+        """One actor per rank, each on its own bundle of the run's placement group (the same ones on a restart)."""
         import ray
 
-        self.cluster = cluster
-        env = train_runtime_env(cluster.cfg.train_env_vars, _memory_saver_lib(cluster.cfg))
+        env = train_runtime_env(self.cluster.cfg.train_env_vars, _memory_saver_lib(self.cluster.cfg))
         cls = rank_actor_cls()
         self.actors = [
             cls.options(
-                num_cpus=0, num_gpus=RANK_GPU_SHARE, runtime_env=env, scheduling_strategy=cluster.strategy(b)
+                num_cpus=0, num_gpus=RANK_GPU_SHARE, runtime_env=env, scheduling_strategy=self.cluster.strategy(b)
             ).remote()
-            for b in cluster.placement.actor
+            for b in self.cluster.placement.actor
         ]
         self.where = ray.get([a.where.remote() for a in self.actors])
         self._full: dict | None = None  # rank 0's gathered weights, until the next train step or load
         self.failed = False  # a rank raised and every rank was killed
-        if setup:
-            self._setup(cfg, plugin_args, trainer_path)
+
+    def restart(self) -> None:
+        """After a RankFailed: new ranks on the same bundles (the killed ones freed them), set up as at the start
+        (the --hf-checkpoint weights, a fresh optimizer); the caller loads a checkpoint into them
+        (lichen.cluster.trainer_recovery)."""
+        self._tear_down()  # every rank, also those a failure during a restart left
+        sender = getattr(self, "_weight_sender", None)
+        if sender is not None:
+            sender.close()
+        self.__dict__.pop("_weight_sender", None)  # asked again of the new ranks
+        self._start_actors()
+        self._setup(*self._spec)
 
     def _setup(self, cfg: Any, plugin_args: Any, trainer_path: str) -> None:
 
@@ -224,15 +316,20 @@ class RayTrainGroup:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
-            except (RayTaskError, RayActorError) as e:
-                rank = refs.index(done[0])
+            except (RayTaskError, RayActorError) as first:
+                t0 = time.monotonic()
+                rank, e = _root_failure(refs, refs.index(done[0]), first, pending)
                 self._tear_down()
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, UserError):
                     raise ConfigError(f"trainer rank {rank}: {cause}") from None
-                log.error("trainer rank %d failed in %s; every rank was stopped:\n%s", rank, method, e)
-                what = f"{type(cause).__name__}: {cause}" if cause is not None else f"its actor died ({e})"
-                raise RankFailed(f"trainer rank {rank} failed in {method}: {what}".splitlines()[0]) from e
+                log.debug("trainer rank %d failed in %s; every rank was stopped:\n%s", rank, method, e)
+                raise RankFailed(
+                    f"trainer rank {rank} failed in {method}: {exit_cause(e)}; every rank was stopped "
+                    f"({time.monotonic() - t0:.1f} s)",
+                    rank=rank,
+                    method=method,
+                ) from e
         return ray.get(refs)
 
     def _tear_down(self) -> None:

@@ -18,7 +18,7 @@ import argparse
 
 from lichen.errors import ConfigError
 
-_RAY_ONLY = ("ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus")
+_RAY_ONLY = ("ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "max_trainer_restarts")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +72,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="devices for the engines (default: --rollout-num-engines x --rollout-num-gpus-per-engine, "
         "else with --colocate the trainer's devices)",
     )
+    r.add_argument(
+        "--max-trainer-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="when a trainer rank dies (killed, OOM, a collective timing out), restart the ranks on the same "
+        "bundles, rewind to the newest intact checkpoint (--save-interval bounds the steps replayed; before the "
+        "first one, to step 0), re-sync the engines and go on, up to N times per run; 0: the run ends with one "
+        "line. slime's --use-fault-tolerance (here too) covers the engines only; this is the trainer's "
+        "counterpart (docs/fault-tolerance.md; default: 0)",
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -100,6 +111,14 @@ def _check_ray(args: argparse.Namespace) -> None:
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("--runtime ray needs Ray, which is not installed: pip install 'lichen[ray]'") from None
+    args.max_trainer_restarts = args.max_trainer_restarts or 0
+    if args.max_trainer_restarts < 0:
+        raise ConfigError(f"--max-trainer-restarts {args.max_trainer_restarts}: give a whole number >= 0")
+    if args.max_trainer_restarts and args.fully_async:
+        raise ConfigError(
+            "--max-trainer-restarts does not work with --fully-async yet (its worker's requests in flight are not "
+            "rewound); use --async or the synchronous driver, or drop the flag"
+        )
     for dest in ("actor_num_nodes", "actor_num_gpus_per_node"):
         if getattr(args, dest) is None:
             setattr(args, dest, 1)

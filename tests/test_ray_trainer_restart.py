@@ -1,0 +1,198 @@
+"""A trainer rank SIGKILLed mid-step under --runtime ray (issue 32 item 1): with --max-trainer-restarts the driver
+restarts the ranks on the same bundles, rewinds to the newest checkpoint (here: none yet, so step 0), re-syncs the
+`lichen serve` engine and goes on; the run ends with the uninterrupted run's weights and trains every step's
+samples. Without the flag the run ends with one line, exit code 1, and nothing of it left in Ray.
+
+The kill is a file trigger, not a timer: rank 1's --custom-advantage-function-path plug-in, on its second call of a
+process (rollout step 1, after the step's first collectives), removes the trigger file and SIGKILLs itself; a new
+rank finds no trigger. The ranks import this module: the tests directory goes on their PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
+
+from helpers.ray_local import shared_ray  # noqa: E402
+from helpers.runs import base_args, final_weights, run  # noqa: E402
+
+from lichen.cli import main  # noqa: E402
+from lichen.cluster.actor_group import exit_cause  # noqa: E402
+from lichen.observe.metrics import read_metrics  # noqa: E402
+from lichen.observe.sample_log import read_samples  # noqa: E402
+
+TRIGGER_ENV = "LICHEN_TEST_KILL_TRIGGER"
+KILL_AT_CALL = 1  # the plug-in's second call in a rank process: rollout step 1
+_calls = {"n": 0}
+
+
+def kill_rank_1_once(args, samples, *, rewards, mask, kl):
+    """Advantages 0.25 on every token; on rank 1, at call KILL_AT_CALL, if the trigger file exists: remove it
+    and SIGKILL this process (the rank's Ray actor dies as with the OOM killer)."""
+    import torch.distributed as dist
+
+    call, _calls["n"] = _calls["n"], _calls["n"] + 1
+    trigger = os.environ.get(TRIGGER_ENV, "")
+    if dist.get_rank() == 1 and call == KILL_AT_CALL and trigger and os.path.exists(trigger):
+        os.unlink(trigger)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return torch.full_like(mask, 0.25)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    shared_ray()
+    yield
+
+
+def _argv(tiny_ckpt, data, tmp_path, name: str, trigger: str, *extra: str) -> list[str]:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    return base_args(
+        tiny_ckpt,
+        data,
+        tmp_path / name,
+        "--num-rollout",
+        "2",
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
+        "--runtime",
+        "ray",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--rollout-num-gpus",
+        "1",
+        "--save",
+        str(tmp_path / f"{name}_ckpt"),
+        "--save-interval",
+        "2",  # the only checkpoint is the last step's: the kill at step 1 rewinds to step 0
+        "--log-samples",
+        "16",  # every sample of a step (4 prompts x 4)
+        "--custom-advantage-function-path",
+        "test_ray_trainer_restart.kill_rank_1_once",
+        "--train-env-vars",
+        json.dumps({"PYTHONPATH": tests_dir, TRIGGER_ENV: trigger}),
+        *extra,
+    )
+
+
+def _steps_samples(out) -> dict[int, list[tuple[int, list[int]]]]:
+    """{step: sorted (sample index, response tokens)} of the sample log: which samples each step trained on."""
+    by_step: dict[int, list] = {}
+    for r in read_samples(str(out)):
+        by_step.setdefault(r["step"], []).append((r["index"], r["tokens"]))
+    return {k: sorted(v) for k, v in by_step.items()}
+
+
+@pytest.mark.slow
+def test_rank_sigkilled_mid_step_recovers_to_the_uninterrupted_runs_weights(
+    ray_local, tiny_ckpt, addition_data, tmp_path
+):
+    straight = run(_argv(tiny_ckpt, addition_data, tmp_path, "a", str(tmp_path / "no_trigger")))
+    trigger = tmp_path / "kill_rank_1"
+    trigger.write_text("armed")
+    recovered = run(_argv(tiny_ckpt, addition_data, tmp_path, "b", str(trigger), "--max-trainer-restarts", "1"))
+    assert not trigger.exists()  # the rank really was killed (it removes the trigger just before)
+
+    wa, wb = final_weights(tmp_path / "a_ckpt"), final_weights(tmp_path / "b_ckpt")
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+    # step 1 completed, step 2's training died: back to step 0 (no checkpoint yet), step 1 replayed, then step 2
+    steps = [m for m in recovered if "train/loss" in m]
+    assert [m["step"] for m in steps] == [1, 1, 2]
+    replay = steps[1]
+    assert replay["fault/trainer_restarts"] == 1 and replay["fault/steps_replayed"] == 1
+    assert replay["time/trainer_recovery"] > 0
+    assert not any(k.startswith("fault/") for m in straight for k in m)
+    for a, b in zip([m for m in straight if "train/loss" in m], steps[1:]):
+        assert a["sync/weight_version"] == b["sync/weight_version"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+
+    # every step trained the same 16 samples as the uninterrupted run, each once (the replayed step's file is
+    # the replay's): none lost, none twice
+    sa, sb = _steps_samples(tmp_path / "a"), _steps_samples(tmp_path / "b")
+    assert sorted(sa) == sorted(sb) == [1, 2]
+    for step in (1, 2):
+        assert [i for i, _ in sb[step]] == list(range(16))
+        assert sb[step] == sa[step]
+
+
+@pytest.mark.slow
+def test_without_restarts_a_killed_rank_ends_the_run_with_one_line(
+    ray_local, tiny_ckpt, addition_data, tmp_path, capsys
+):
+    trigger = tmp_path / "kill_rank_1"
+    trigger.write_text("armed")
+    before = ray.available_resources()
+    assert main(_argv(tiny_ckpt, addition_data, tmp_path, "c", str(trigger))) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lichen train:")]
+    assert len(err) == 1, err
+    line = err[0]
+    assert line.startswith("lichen train: error: trainer rank 1 failed in train: its actor died (")
+    assert line.count("(") == line.count(")") and "; every rank was stopped (" in line
+    assert not any("fault/" in k for m in read_metrics(str(tmp_path / "c")) for k in m)
+    # nothing of the run is left in Ray: its placement group removed (Ray then kills the actors in it: ranks and
+    # engine), and the resources back; Ray frees them asynchronously, hence the bounded poll
+    groups = ray.util.placement_group_table().values()
+    assert groups and all(g["state"] == "REMOVED" for g in groups), [g["state"] for g in groups]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _gpu_cpu(ray.available_resources()) != _gpu_cpu(before):
+        time.sleep(0.5)
+    assert _gpu_cpu(ray.available_resources()) == _gpu_cpu(before)
+
+
+def _gpu_cpu(resources: dict) -> tuple:
+    return resources.get("GPU"), resources.get("CPU")
+
+
+def test_exit_cause_of_a_dead_actor_is_one_balanced_sentence(ray_local):
+    """Ray's message for an actor killed mid-task runs over many lines; the summary keeps its first sentence."""
+
+    @ray.remote(num_cpus=0)
+    class Victim:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def die(self) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    victim = Victim.remote()
+    ray.get(victim.pid.remote(), timeout=120)
+    with pytest.raises(ray.exceptions.RayActorError) as e:
+        ray.get(victim.die.remote(), timeout=120)
+    assert "\n" in str(e.value)  # what the old summary cut at its first newline
+    cause = exit_cause(e.value)
+    assert "\n" not in cause and cause.startswith("its actor died (") and cause.endswith(")")
+    assert cause.count("(") == cause.count(")")
+
+
+def test_exit_cause_of_an_exception_is_its_first_line():
+    class Wrapped(Exception):
+        cause = RuntimeError("boom\nsecond line")
+
+    assert exit_cause(Wrapped("x")) == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max-trainer-restarts", "1"], "--max-trainer-restarts places Ray actors; add --runtime ray"),
+        (["--runtime", "ray", "--rollout-num-gpus", "1", "--max-trainer-restarts", "-1"], "whole number >= 0"),
+        (
+            ["--runtime", "ray", "--rollout-num-gpus", "1", "--max-trainer-restarts", "2", "--fully-async"],
+            "does not work with --fully-async yet",
+        ),
+    ],
+)
+def test_max_trainer_restarts_is_checked(tiny_ckpt, addition_data, tmp_path, capsys, argv, message):
+    assert main(base_args(tiny_ckpt, addition_data, tmp_path, "--dry-run", "--num-rollout", "1", *argv)) == 2
+    assert message in capsys.readouterr().err
