@@ -47,6 +47,9 @@ class EngineConfig:
     health_interval: float | None
     health_timeout: float | None
     health_first_wait: float | None
+    min_healthy: int  # --min-healthy-engines: fewer engines than this left (the others retired) stops the run
+    max_failed_restarts: int  # --rollout-max-failed-restarts: failed restarts in a row that retire an engine
+    control_file: str | None  # <output dir>/engines.add: engines added while the run goes on (failover only)
     api_key_file: str | None  # external servers' keys (else the environment)
     admin_api_key_file: str | None
     required: Mapping[str, str]  # endpoint path -> the feature that needs it
@@ -80,6 +83,9 @@ class EngineConfig:
             health_interval=args.rollout_health_check_interval,
             health_timeout=args.rollout_health_check_timeout,
             health_first_wait=args.rollout_health_check_first_wait,
+            min_healthy=getattr(args, "min_healthy_engines", None) or 1,
+            max_failed_restarts=getattr(args, "rollout_max_failed_restarts", None) or 3,
+            control_file=os.path.join(args.output_dir, "engines.add") if args.output_dir else None,
             api_key_file=args.rollout_external_engine_api_key_file,
             admin_api_key_file=args.rollout_external_engine_admin_api_key_file,
             required=required_endpoints(args),

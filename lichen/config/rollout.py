@@ -181,6 +181,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--use-fault-tolerance; default: 300)",
     )
     g.add_argument(
+        "--rollout-max-failed-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restarts of a launched engine that may fail in a row before it is retired and the run continues "
+        "on the others (with --use-fault-tolerance; default: 3)",
+    )
+    g.add_argument(
+        "--min-healthy-engines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the run stops (one line) when fewer engines than N are left that are not retired (with "
+        "--use-fault-tolerance; default: 1)",
+    )
+    g.add_argument(
         "--rollout-max-batch-size",
         type=int,
         default=None,
@@ -342,8 +358,9 @@ def _check_fault_tolerance(args: argparse.Namespace) -> None:
         ("rollout_health_check_timeout", 5.0, True),
         ("rollout_health_check_first_wait", 300.0, False),
     )
+    pool = (("rollout_max_failed_restarts", 3), ("min_healthy_engines", 1))
     if not getattr(args, "use_fault_tolerance", False):
-        for dest, _, _ in health:
+        for dest in [d for d, _, _ in health] + [d for d, _ in pool]:
             if getattr(args, dest, None) is not None:
                 flag = "--" + dest.replace("_", "-")
                 raise ConfigError(f"{flag} only applies with --use-fault-tolerance; add it or drop {flag}")
@@ -357,6 +374,18 @@ def _check_fault_tolerance(args: argparse.Namespace) -> None:
         if getattr(args, dest) is None:
             setattr(args, dest, default)
         check_float(args, dest, low=0.0, low_open=positive)
+    for dest, count in pool:
+        if getattr(args, dest) is None:
+            setattr(args, dest, count)
+        if getattr(args, dest) < 1:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} must be >= 1, got {getattr(args, dest)}")
+    engines = args.rollout_num_engines or len(args.rollout_external_engine_addrs or ())
+    if args.min_healthy_engines > engines:
+        raise ConfigError(
+            f"--min-healthy-engines {args.min_healthy_engines} is more than the run's {engines} engine(s); "
+            "lower it or configure more engines"
+        )
 
 
 SFT_ROLLOUT = "lichen.rollout.sft.generate_rollout"

@@ -51,6 +51,7 @@ def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
         try:
             engines.wait_healthy(timeout=120.0, reachable=True)
             infos = engines.run(engines._each(lambda c: c.model_info(), tolerant=False))
+            engines.require_endpoints(dict(cfg.required))  # an engine lost here is one line too, no traceback
         except EngineRequestError as e:
             if e.status in (401, 403):
                 raise ConfigError(
@@ -60,7 +61,6 @@ def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
             raise
         except EngineUnavailable as e:
             raise ConfigError(f"{flag}: cannot reach an engine server: {e}") from None
-        engines.require_endpoints(dict(cfg.required))
     except BaseException:
         if engines is not None:
             engines.close()
@@ -72,9 +72,17 @@ def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
     if cfg.failover:
         # --use-fault-tolerance resolves the three (lichen.config.rollout); without it they stay None
         assert None not in (cfg.health_interval, cfg.health_timeout, cfg.health_first_wait)
+        pool = {
+            "min_healthy": cfg.min_healthy,
+            "max_failed_restarts": cfg.max_failed_restarts,
+            "control_file": cfg.control_file,
+            "add_keys": external_keys(cfg),  # an address added during the run is an external engine
+            "required": dict(cfg.required),
+        }
         engines.start_health_monitor(
             interval=float(cfg.health_interval or 0),
             timeout=float(cfg.health_timeout or 0),
             first_wait=float(cfg.health_first_wait or 0),
+            pool=pool,
         )
     return engines

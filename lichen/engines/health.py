@@ -36,7 +36,7 @@ from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
 
-ACTIVE, DOWN, RESTARTING, PENDING = "active", "down", "restarting", "pending"
+ACTIVE, DOWN, RESTARTING, PENDING, RETIRED = "active", "down", "restarting", "pending", "retired"
 
 # slime's defaults: first probe after 300 s, then every 10 s, 5 s to answer.
 DEFAULT_INTERVAL, DEFAULT_TIMEOUT, DEFAULT_FIRST_WAIT = 10.0, 5.0, 300.0
@@ -77,13 +77,18 @@ class HealthMonitor:
         self._restarting: dict[int, asyncio.Task] = {}
         self._stop_lock = threading.Lock()
         self.stopping = False
+        self.pool: Any = None  # an EnginePool (lichen.engines.pool): retires engines, adds new ones
+
+    def _watchers(self) -> list:
+        return [self._watch_pool()] if self.pool is not None else []
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start watching (callable from any thread; the watchers run on the engines' loop)."""
 
         async def begin() -> None:
-            self._tasks = [asyncio.ensure_future(self._watch(i)) for i in range(len(self.states))]
+            watchers = [self._watch(i) for i in range(len(self.states))] + self._watchers()
+            self._tasks = [asyncio.ensure_future(w) for w in watchers]
 
         self.engines.run(begin())
 
@@ -106,7 +111,7 @@ class HealthMonitor:
         self._suspends = max(0, self._suspends - 1)
         if not self._suspends and not self.engines.router.active:
             for index in self.pending():  # re-joins put off while suspended, now that nothing else can serve
-                asyncio.ensure_future(self._rejoin_if_needed(index))
+                asyncio.ensure_future(self.rejoin_if_needed(index))
 
     @property
     def suspended(self) -> bool:
@@ -137,6 +142,23 @@ class HealthMonitor:
                 log.error("health check of engine %d failed unexpectedly: %s", index, e)
             await asyncio.sleep(self.interval)
 
+    async def _watch_pool(self) -> None:
+        """Read the pool's control file every interval (engines added while the run goes on)."""
+        while not self.stopping:
+            try:
+                await self.pool.poll()
+            except Exception as e:  # noqa: BLE001 - the watcher must outlive any one failed poll
+                log.error("reading the engine control file failed unexpectedly: %s", e)
+            await asyncio.sleep(self.interval)
+
+    def watch_new(self, index: int) -> None:
+        """Engine `index` was just added (alive, not yet at the current weights): pending, and watched."""
+        self.states.append(PENDING)
+        self.restarts.append(0)
+        self.probes.append(0)
+        assert len(self.states) == index + 1, "engines are added one at a time, at the end"
+        self._tasks.append(asyncio.ensure_future(self._watch(index)))
+
     async def _check(self, index: int) -> None:
         """One round of watching engine `index`: probe it, or restart / wait for it when it is down."""
         state = self.states[index]
@@ -153,12 +175,12 @@ class HealthMonitor:
             if ok and self.states[index] == DOWN:
                 log.info("engine %s answers again", self.engines.clients[index].url)
                 self.states[index] = PENDING
-                await self._rejoin_if_needed(index)
+                await self.rejoin_if_needed(index)
 
     # ---- failures and restarts ----------------------------------------------------------------------------
     def on_down(self, index: int, reason: str) -> None:
         """An engine is out of rotation because it failed (the router's hook; also for pending engines)."""
-        if self.states[index] in (DOWN, RESTARTING):
+        if self.states[index] in (DOWN, RESTARTING, RETIRED):
             return
         self.states[index] = DOWN
         if self.launcher is None:
@@ -183,6 +205,9 @@ class HealthMonitor:
             try:
                 url = await loop.run_in_executor(None, restart_engine, self.launcher, index, self)
             except Exception as e:  # noqa: BLE001 - any failure to start leaves it down, retried next interval
+                if self.pool is not None and self.pool.restart_failed(index, e):
+                    self.states[index] = RETIRED  # never restarted or probed again
+                    return
                 log.error("restarting engine %d (%s) failed: %s", index, old, e)
                 self.states[index] = DOWN
                 return
@@ -191,16 +216,22 @@ class HealthMonitor:
             await client.close()  # the old connections point at the dead process
             client.url = url
             self.restarts[index] += 1
+            if self.pool is not None:
+                self.pool.restart_succeeded(index)
             self.states[index] = PENDING
             log.warning("engine %d restarted: %s -> %s", index, old, url)
-            await self._rejoin_if_needed(index)
+            await self.rejoin_if_needed(index)
         finally:
             self._restarting.pop(index, None)
 
-    async def _rejoin_if_needed(self, index: int) -> None:
+    async def rejoin_if_needed(self, index: int) -> None:
         """Re-join now when waiting for the next sync would be wrong or would stall (see the module docstring)."""
         engines = self.engines
-        if not self._suspends and (engines.last_weights is None or not engines.router.active):
+        if engines.router.fatal is not None:
+            return
+        # weights synced by broadcast leave no version to load: such an engine waits for the next sync
+        stale = engines.synced and engines.last_weights is None
+        if not self._suspends and (not engines.synced or (not stale and not engines.router.active)):
             try:
                 await self.join(index, catch_up=engines.last_weights is not None)
             except Exception as e:  # noqa: BLE001

@@ -11,8 +11,9 @@ in advance for another process to take. The servers stop when:
 - the parent gets SIGTERM (a handler turns it into SystemExit(143), so the same cleanup runs), when the
   handler could be installed (main thread, no handler of the caller's own);
 - the parent dies without cleanup (SIGKILL): on Linux each server is started through a small wrapper that sets
-  the parent-death signal (prctl PR_SET_PDEATHSIG = SIGTERM) before it execs, when launched from the main thread
-  (the signal follows the thread that started the child, not the process).
+  the parent-death signal (prctl PR_SET_PDEATHSIG = SIGTERM) before it execs, from the process' long-lived
+  spawner thread (lichen.lifetime: the signal follows the thread that started the child, so restarts, which run
+  in worker threads, are covered too).
 
 The servers are keyed: the launcher makes a random API key and admin key (lichen.engines.auth) and hands them
 over in the servers' environment (LICHEN_API_KEY, LICHEN_ADMIN_API_KEY), never on their command line, which every
@@ -36,17 +37,10 @@ from typing import Sequence
 from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
 from lichen.engines.server_process import ServerProcess, ServerSet
 from lichen.errors import UserError
+from lichen.lifetime import die_with_parent, spawn
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
-
-# Runs in the child before `lichen serve`: die with the parent (argv[1] = its pid), then become the server.
-_PDEATHSIG_WRAPPER = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # the parent is already gone\n"
-    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
-)
 
 _LIVE: "weakref.WeakSet[EngineLauncher]" = weakref.WeakSet()
 _hooks_installed = False
@@ -151,10 +145,7 @@ class EngineLauncher(ServerSet):
             "0",
             *self.server_args,
         ]
-        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-            cmd = [sys.executable, "-c", _PDEATHSIG_WRAPPER, str(os.getpid()), *serve]
-        else:
-            cmd = [sys.executable, *serve]
+        cmd = die_with_parent([sys.executable, *serve])
         log_dir = self.log_dir
         if not log_dir:
             if self._tmp_log_dir is None:
@@ -162,10 +153,9 @@ class EngineLauncher(ServerSet):
             log_dir = self._tmp_log_dir
         os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"engine_{i}.log")
+        env = {**os.environ, **self.env, **self._key_env}
         with open(log_path, "ab") as err:
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **self.env, **self._key_env}
-            )
+            proc = spawn(lambda: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
         return ServerProcess(proc, self.host, [sys.executable, *serve], log_path)
 
     def restart(self, index: int) -> str:
@@ -190,6 +180,22 @@ class EngineLauncher(ServerSet):
             new.wait_ready(self.ready_timeout)
         except RuntimeError as e:
             raise EngineLaunchError(f"engine {index} did not come back: {e}") from None
+        return new.url
+
+    def add(self) -> str:
+        """Start one more server (engine index len(servers), e.g. from the run's engine control file); returns its
+        URL once it answers. Blocking (call it from a worker thread)."""
+        with self._lock:
+            if self._stopped:
+                raise EngineLaunchError("cannot add an engine: the engine launcher is stopped")
+            index = len(self.servers)
+            self.servers.append(self._spawn(index))
+            new = self.servers[index]
+        try:
+            new.wait_ready(self.ready_timeout)
+        except RuntimeError as e:
+            raise EngineLaunchError(f"the added engine {index} did not start: {e}") from None
+        self.num_engines = len(self.servers)
         return new.url
 
     def stop(self, grace: float = 10.0) -> None:

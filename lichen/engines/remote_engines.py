@@ -93,22 +93,19 @@ class RemoteEngines:
         # the keys of engines a launcher started (it made them for this run) unless given
         api_key = api_key or getattr(launcher, "api_key", None)
         admin_api_key = admin_api_key or getattr(launcher, "admin_api_key", None)
-        self.clients = [
-            EngineClient(
-                u,
-                api_key=api_key,
-                admin_api_key=admin_api_key,
-                concurrency=concurrency,
-                max_retries=max_retries,
-                retry_delay=retry_delay,
-                request_timeout=request_timeout,
-            )
-            for u in urls
-        ]
-        self.router = Router(self.clients, failover=failover)
+        self._client_args: dict[str, Any] = dict(
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            concurrency=concurrency,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            request_timeout=request_timeout,
+        )
+        self.router = Router([EngineClient(u, **self._client_args) for u in urls], failover=failover)
         self.released: set[str] = set()
         self.monitor: Any = None  # a HealthMonitor once start_health_monitor() ran
         self.last_weights: tuple[str, str] | None = None  # (path, version) of the last update from disk
+        self.synced = False  # a weight sync has begun: engines joining later need the synced weights
         self._paused = False
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -119,6 +116,16 @@ class RemoteEngines:
 
     def __repr__(self) -> str:
         return f"RemoteEngines({self.urls})"
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        """Every engine of the pool (the router's list: engines added during the run included)."""
+        return self.router.clients
+
+    def make_client(self, url: str, api_key: str | None = None, admin_api_key: str | None = None) -> EngineClient:
+        """A client for an engine added to the pool, with the run's settings (and keys, unless given)."""
+        given = {k: v for k, v in (("api_key", api_key), ("admin_api_key", admin_api_key)) if v is not None}
+        return EngineClient(url, **{**self._client_args, **given})
 
     @property
     def urls(self) -> list[str]:
@@ -297,6 +304,7 @@ class RemoteEngines:
 
     async def _update_all(self, path: str, version: str) -> None:
         async with self._probes_suspended():
+            self.synced = True
             if self.monitor is not None:
                 await self.monitor.settle()
             joining = self.monitor.pending() if self.monitor is not None else []
@@ -376,11 +384,14 @@ class RemoteEngines:
                     await self.monitor.join(index, catch_up=False)
                 return joining
 
+        self.synced = True
         return self.run(admit()) if self.monitor is not None else []
 
-    def start_health_monitor(self, *, interval: float, timeout: float, first_wait: float) -> Any:
-        """Watch the engines (lichen.engines.health); needs `failover`. Returns the HealthMonitor."""
+    def start_health_monitor(self, *, interval: float, timeout: float, first_wait: float, pool: Any = None) -> Any:
+        """Watch the engines (lichen.engines.health); needs `failover`. `pool`: keyword arguments of an
+        EnginePool (lichen.engines.pool: retiring, the floor, engines added). Returns the HealthMonitor."""
         from lichen.engines.health import HealthMonitor
+        from lichen.engines.pool import EnginePool
 
         if not self.router.failover:
             raise ValueError("a health monitor needs failover=True (requests of a failed engine are re-sent)")
@@ -392,6 +403,7 @@ class RemoteEngines:
             launcher=self.launcher,
             restart_timeout=float(getattr(self.launcher, "ready_timeout", 600.0)),
         )
+        self.monitor.pool = EnginePool(self, **(pool or {}))
         self.router.on_down = self.monitor.on_down
         # a request that finds every engine out waits for a restarted one rather than failing the step
         self.router.no_engine_wait = self.monitor.restart_timeout

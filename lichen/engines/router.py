@@ -15,16 +15,22 @@ cancelled there and re-sent elsewhere, so a hung engine loses nothing. `on_down(
 of every engine taken out this way (the health monitor restarts it). `restore(i)` puts an engine back (after it
 was restarted and brought to the current weights). With `no_engine_wait` > 0 (failover only), a request that
 finds no engine in rotation waits that many seconds for one to be restored before it fails.
+
+Logging: an engine that leaves rotation gets ONE warning (`Failover`), printed once every request it held has been
+answered elsewhere: what left, why, how many requests were re-sent, how long they took; each re-send is a debug
+line. `add(client)` grows the pool (lichen.engines.pool); `stop_all(reason)` ends it (below the engine floor).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from lichen.engines.client import EngineClient, EngineUnavailable
+from lichen.errors import RunError
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
@@ -32,6 +38,48 @@ log = get_logger(__name__)
 
 class NoEngineAvailable(EngineUnavailable):
     """Every engine is out of rotation."""
+
+
+class EnginesBelowFloor(NoEngineAvailable, RunError):
+    """Fewer engines than --min-healthy-engines are left (the others retired): the run stops with one line."""
+
+
+class Failover:
+    """One engine leaving rotation, summed up in ONE warning once every request it held has been answered
+    elsewhere (or has failed): what died, why, how many requests were re-sent, how long until the last answered.
+    The per-request detail is at debug level (one engine with 153 requests in flight printed 153 lines)."""
+
+    def __init__(self, url: str, reason: str, held: int):
+        self.url, self.reason = url, reason
+        self.started = time.monotonic()
+        self.resent = self.open = held  # requests taken back from the engine / of those, not answered yet
+        self.reported = False
+
+    def add(self) -> None:
+        """One more request re-sent for this failure (one that found the engine unreachable on its own)."""
+        self.resent += 1
+        self.open += 1
+
+    def done_one(self) -> None:
+        self.open -= 1
+        self.report_if_done()
+
+    def report_if_done(self, *, final: bool = False) -> None:
+        if self.reported or (self.open > 0 and not final):
+            return
+        self.reported = True
+        if not self.resent:
+            log.warning("engine %s left rotation (%s); it held no request", self.url, self.reason)
+            return
+        left = f"; {self.open} still unanswered when the router closed" if self.open > 0 else ""
+        log.warning(
+            "engine %s left rotation (%s): %d request(s) it held re-sent to other engines, all answered %.1f s later%s",
+            self.url,
+            self.reason,
+            self.resent,
+            time.monotonic() - self.started,
+            left,
+        )
 
 
 class Router:
@@ -58,6 +106,9 @@ class Router:
         self._next = 0  # where the round-robin tie-break starts
         self._attempts: list[set[asyncio.Future]] = [set() for _ in self.clients]  # per engine, not yet answered
         self._restored: asyncio.Event | None = None  # created on the event loop that first waits on it
+        self.fatal: str | None = None  # set by stop_all(): the run cannot go on
+        self._failovers: dict[int, Failover] = {}  # engine index -> its latest failure (summed up in one line)
+        self._taken_by: dict[asyncio.Future, Failover] = {}  # a request fail() took back -> that failure
 
     @property
     def urls(self) -> list[str]:
@@ -75,23 +126,42 @@ class Router:
         if self._restored is not None:
             self._restored.set()
 
-    def fail(self, index: int, reason: str) -> int:
+    def add(self, client: EngineClient) -> int:
+        """A new engine, out of rotation until `restore` (after it has the current weights); returns its index."""
+        self.clients.append(client)
+        self.reissued_from.append(0)
+        self.routed.append(0)
+        self._attempts.append(set())
+        return len(self.clients) - 1
+
+    def stop_all(self, reason: str) -> None:
+        """Too few engines are left: every request now, and every one waiting for an engine, fails with `reason`."""
+        self.fatal = reason
+        self.active.clear()
+        if self._restored is not None:
+            self._restored.set()
+
+    def fail(self, index: int, reason: str, *, own: bool = False) -> int:
         """Take engine `index` out of rotation and cancel the requests it holds; `generate` re-sends each to
-        another engine. Tells `on_down` (once per removal). Returns how many requests were taken back."""
+        another engine. Tells `on_down` (once per removal). `own`: the caller's request (which found the engine
+        unreachable) is re-sent too. Returns how many requests were taken back."""
         was_active = index in self.active
         self.remove(index)
+        if was_active or index not in self._failovers:
+            self._failovers[index] = Failover(self.clients[index].url, reason, 0)
+        event = self._failovers[index]
         taken = 0
         for attempt in list(self._attempts[index]):
             if not attempt.done():
                 attempt.cancel()
+                self._taken_by[attempt] = event
+                event.add()
                 taken += 1
+        if own:
+            event.add()
         if was_active:
-            log.warning(
-                "engine %s out of rotation (%s); %d request(s) it held are re-sent to other engines",
-                self.clients[index].url,
-                reason,
-                taken,
-            )
+            log.debug("engine %s out of rotation (%s); took back %d request(s)", self.clients[index].url, reason, taken)
+            event.report_if_done()  # nothing to re-send: the summary now
             if self.on_down is not None:
                 self.on_down(index, reason)
         return taken
@@ -102,6 +172,8 @@ class Router:
 
     def pick(self, session_id: str | None = None) -> int:
         """The engine for the next request (see the module docstring)."""
+        if self.fatal is not None:
+            raise EnginesBelowFloor(self.fatal)
         if not self.active:
             raise NoEngineAvailable(f"no engine in rotation (all of {self.urls} are out)")
         if session_id is not None:
@@ -132,7 +204,7 @@ class Router:
                 return self.pick(session_id)
             except NoEngineAvailable:
                 left = end - loop.time()
-                if not self.failover or left <= 0:
+                if not self.failover or left <= 0 or self.fatal is not None:
                     raise
             if self._restored is None:
                 self._restored = asyncio.Event()
@@ -144,33 +216,45 @@ class Router:
 
     async def generate(self, payload: dict, session_id: str | None = None) -> tuple[int, dict]:
         """Send one `/generate` body; returns (engine index that answered, response object)."""
-        while True:
-            index = await self._pick_or_wait(session_id)
-            client = self.clients[index]
-            self.routed[index] += 1
-            attempt = asyncio.ensure_future(client.generate(payload))
-            self._attempts[index].add(attempt)
-            try:
-                # wait() rather than await: a cancel by fail() must not look like a cancel of this task
-                await asyncio.wait({attempt})
-            except asyncio.CancelledError:
-                attempt.cancel()
-                raise
-            finally:
-                self._attempts[index].discard(attempt)
-            if attempt.cancelled():  # fail(index) took it back
-                why = "its engine was taken out of rotation"
-            else:
+        failovers: list[Failover] = []  # the engine failures this request was re-sent for (told when it ends)
+        try:
+            while True:
+                index = await self._pick_or_wait(session_id)
+                client = self.clients[index]
+                self.routed[index] += 1
+                attempt = asyncio.ensure_future(client.generate(payload))
+                self._attempts[index].add(attempt)
                 try:
-                    return index, attempt.result()
-                except EngineUnavailable as e:
-                    if not self.failover:
-                        raise
-                    why = f"unreachable: {e}"
-                    self.fail(index, f"unreachable: {e}")
-            self.reissued += 1
-            self.reissued_from[index] += 1
-            log.info("re-sending a request that %s held (%s)", client.url, why)
+                    # wait() rather than await: a cancel by fail() must not look like a cancel of this task
+                    await asyncio.wait({attempt})
+                except asyncio.CancelledError:
+                    attempt.cancel()
+                    taken_by = self._taken_by.pop(attempt, None)
+                    if taken_by is not None:  # taken back, then its caller gave up: not re-sent after all
+                        taken_by.done_one()
+                    raise
+                finally:
+                    self._attempts[index].discard(attempt)
+                event = self._taken_by.pop(attempt, None)
+                if attempt.cancelled():  # fail(index) took it back
+                    why = "its engine was taken out of rotation"
+                else:
+                    try:
+                        return index, attempt.result()
+                    except EngineUnavailable as e:
+                        if not self.failover:
+                            raise
+                        why = f"unreachable: {e}"
+                        self.fail(index, why, own=True)
+                        event = self._failovers[index]
+                self.reissued += 1
+                self.reissued_from[index] += 1
+                if event is not None:
+                    failovers.append(event)  # counted by fail(): told when this request ends
+                log.debug("re-sending a request that %s held (%s)", client.url, why)
+        finally:
+            for event in failovers:
+                event.done_one()
 
     async def generate_stream(self, payload: dict, session_id: str | None = None) -> AsyncIterator[tuple[int, dict]]:
         """`generate` streamed: (engine index, output so far) per event. Picked as `generate` picks, but sent once:
@@ -183,6 +267,8 @@ class Router:
                 yield index, out
 
     async def close(self) -> None:
+        for event in self._failovers.values():
+            event.report_if_done(final=True)
         for c in self.clients:
             await c.close()
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from lichen.engines.auth import SERVE_KEY_ENV, new_key
 from lichen.engines.server_process import ServerSet
 from lichen.errors import ConfigError, UserError
+from lichen.lifetime import die_with_parent, spawn
 
 if TYPE_CHECKING:
     from lichen.config.engine_config import EngineConfig
@@ -159,14 +160,6 @@ def keyed_command(cmd: list[str]) -> list[str]:
 
 
 # Runs in the child before SGLang: die with the parent (argv[1] = its pid), then become the server.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
 def _stop_if_alive(ref: "weakref.ref[SGLangLauncher]") -> None:
     launcher = ref()
     if launcher is not None:
@@ -241,14 +234,14 @@ class SGLangLauncher(ServerSet):
         os.makedirs(self.log_dir, exist_ok=True)
         log_path = os.path.join(self.log_dir, f"engine_{i}.log")
         argv = keyed_command(cmd) if self.api_key else cmd
-        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-            argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+        argv = die_with_parent(argv)  # started from the spawner thread: restarts die with the parent too
         # SGLang logs its server_args, the key among them: the log is readable by this user only
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             out.write(f"\n[lichen] starting: {' '.join(cmd)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env}
+            env = {**os.environ, **self.env}
+            proc = spawn(
+                lambda: subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
             )
         shown = f"[{self.host}]" if ":" in self.host else self.host
         return _Server(proc, f"http://{shown}:{port}", cmd, log_path)

@@ -19,6 +19,7 @@ from lichen.data.fit import fit_prompts
 from lichen.devices import resolve_device
 from lichen.engines.engine import Engine
 from lichen.engines.frozen_models import FrozenModels, set_active
+from lichen.engines.pool import pool_metrics
 from lichen.errors import DataError
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -183,6 +184,7 @@ class RolloutManager:
         metrics.update(self.context.metrics)
         metrics.update(out.metrics or {})
         metrics["time/generate"] = time.perf_counter() - t0
+        metrics.update(pool_metrics(self.context.engine))  # engines/healthy, /retired, /added
         if self.cfg.save_debug_rollout_data:
             dump_rollout(self.cfg.save_debug_rollout_data, rollout_id, groups)
         return groups, metrics
