@@ -70,6 +70,14 @@ def check(args: argparse.Namespace) -> None:
             )
     if args.rollout_num_engines and args.hf_checkpoint:
         _check_cpu_head_dim(args.hf_checkpoint)
+    from lichen.engines.vllm_launcher import _cuda_here
+
+    if getattr(args, "offload_rollout", False) and args.rollout_num_engines and not _cuda_here():
+        # vLLM's own check (vllm/config/model.py) would stop the server a minute into its start
+        raise NotAvailableYet(
+            "--offload-rollout with --rollout-engine-backend vllm maps to vLLM's sleep mode (/sleep, /wake_up), "
+            'which vLLM refuses on CPU: "Sleep mode is not supported on current platform."; use --no-offload-rollout'
+        )
     if getattr(args, "update_weight_mode", "full") == "delta":
         raise ConfigError(
             "--update-weight-mode delta: vLLM engines load full checkpoints only (deltas are applied by lichen "

@@ -13,6 +13,8 @@ answer back, so everything above it is the same for every backend:
 | GET /flush_cache                               | POST /reset_prefix_cache                                    |
 | GET /model_info                                | GET /v1/models + GET /weight_info                           |
 | GET /health_generate                           | GET /health                                                 |
+| POST /release_memory_occupation                | POST /sleep?level=1 (--offload-rollout; CUDA only)          |
+| POST /resume_memory_occupation {tags}          | POST /wake_up?tags=weights&tags=kv_cache                    |
 | POST /update_weights_from_disk {model_path, weight_version} | POST /collective_rpc reload_weights(weights_path) + POST /update_weight_version |
 | any other path                                 | the same path (vLLM's own, e.g. /update_weight_version)     |
 
@@ -28,6 +30,7 @@ can be aborted. The weight version of a result is the one its last tokens were s
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
+from urllib.parse import urlencode
 
 from lichen.engines.client import EngineClient, EngineError
 
@@ -153,6 +156,13 @@ class VLLMClient(EngineClient):
             return await self._model_info_of(**kwargs)
         if path == "/update_weights_from_disk":
             return await self._load_from_disk(body or {}, **kwargs)
+        if path == "/release_memory_occupation":  # --offload-rollout: vLLM's sleep mode (level 1 keeps weights on host)
+            return await up("POST", "/sleep", None, params={"level": "1"}, **kwargs)
+        if path == "/resume_memory_occupation":  # vLLM's tags: weights, kv_cache (SGLang's cuda_graph has none)
+            tags = [t for t in (body or {}).get("tags") or ["weights", "kv_cache"] if t in ("weights", "kv_cache")]
+            return await up(
+                "POST", "/wake_up" + ("?" + urlencode([("tags", t) for t in tags]) if tags else ""), None, **kwargs
+            )
         return await up(method, path, body, params=params, **kwargs)
 
     async def _model_info_of(self, **kwargs: Any) -> tuple[int, Any]:

@@ -166,6 +166,8 @@ def build_vllm_command(cfg: EngineConfig, *, port: int, host: str = "127.0.0.1",
     ]
     if cfg.max_batch_size is not None:
         cmd += ["--max-num-seqs", str(cfg.max_batch_size)]
+    if cfg.memory_saver:  # --offload-rollout: /sleep and /wake_up (refused on CPU at start, lichen.config.vllm_config)
+        cmd += ["--enable-sleep-mode"]
     if not _cuda_here() and not given.intersection(MEMORY_FLAGS):
         cmd += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
     return cmd + translate_passthrough(passthrough)
