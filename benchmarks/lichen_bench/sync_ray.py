@@ -1,6 +1,6 @@
 """`lichen bench sync --runtime ray`: weight sync of real `lichen train` runs, 2 Ray trainer ranks vs the local runtime.
 
-    lichen bench sync --runtime ray [--sizes 2e7 2e8 5e8] [--transports nccl disk delta tensor] [--steps 2]
+    lichen bench sync --runtime ray [--sizes 2e7 2e8 4e8] [--transports nccl disk delta tensor] [--steps 2]
         [--bucket-mb 128] [--baseline-params 1e5] [--timeout 1800] [--work-dir DIR] [--json OUT]
 
 For each model size (a llama of about that many parameters, random init, lichen_bench.sync.model_shape) and each
@@ -40,9 +40,16 @@ from lichen_bench.machine import fresh_run_dir, load_check
 from lichen_bench.sync import model_shape
 
 TRANSPORTS = ("nccl", "disk", "delta", "tensor")
-SIZES = (2e7, 2e8, 5e8)
+SIZES = (2e7, 2e8, 4e8)  # the largest: docs/runtimes.md#measured-lichen-bench-sync---runtime-ray
 RANKS = 2
 MARGIN = 1.1
+# A reward that differs between almost any two responses, so that GRPO's advantages are not all zero and every
+# step changes the weights (a 0/1 reward on a random model is 0 everywhere: the zero-advantage skip leaves the
+# weights as they were, and a delta version would carry no change).
+REWARD_MODULE = "bench_sync_reward"
+REWARD_SOURCE = """def varied(args, sample) -> float:
+    return sum(map(ord, sample.response)) % 97 / 97
+"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,6 +98,8 @@ def make_inputs(root: str, params: float) -> tuple[str, str, dict]:
     with open(prompts, "w", encoding="utf-8") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n")
+    with open(os.path.join(root, f"{REWARD_MODULE}.py"), "w", encoding="utf-8") as f:
+        f.write(REWARD_SOURCE)
     return model, prompts, {"params": sum(numels), "largest": max(numels)}
 
 
@@ -104,8 +113,8 @@ def train_argv(runtime: str, transport: str, ranks: int, model: str, prompts: st
         model,
         "--prompt-data",
         prompts,
-        "--rm-type",
-        "exact",
+        "--custom-rm-path",
+        f"{REWARD_MODULE}.varied",
         "--device",
         "cpu",
         "--num-threads",
@@ -166,6 +175,7 @@ def run_numbers(rows: list[dict], transport: str, ranks: int) -> dict:
         "sync_s": _mean([float(r["time/sync"]) for r in timed]),
         "publish_s": _mean([float(r["time/sync_publish"]) for r in timed if r.get("time/sync_publish") is not None]),
         "sync_bytes": _mean([float(r.get("sync/bytes") or 0) for r in timed]),
+        "changed_density": _mean([float(r["sync/changed_density"]) for r in timed if "sync/changed_density" in r]),
         "driver_peak_gb": max(driver) if driver else None,
         "rank_sync_peak_gb": [rank_max(r, "sync") for r in range(ranks)],
         "rank_load_peak_gb": [rank_max(r, "load") for r in range(ranks)],
@@ -178,7 +188,10 @@ def one_run(tag: str, argv: list[str], run: str, transport: str, ranks: int, arg
 
     os.makedirs(run)
     loads.append(load_check(tag, "before", 2))
-    child = run_child(argv, os.path.join(run, "train.log"), timeout=args.timeout, threads=1)
+    reward_dir = os.path.dirname(run)  # make_inputs wrote the reward module beside the model
+    child = run_child(
+        argv, os.path.join(run, "train.log"), timeout=args.timeout, threads=1, extra_env={"PYTHONPATH": reward_dir}
+    )
     loads.append(load_check(tag, "after", 2))
     if child["rc"] != 0:
         return {"tag": tag, "error": f"exit {child['rc']}", "log": child["log"], "log_tail": tail(child["log"])}
