@@ -34,6 +34,8 @@ class Sample:
     # one per response token: the sorted token ids top-p / top-k kept when it was sampled (None: the full
     # vocabulary); rollout_log_probs and the trainer's log-probs are then over that set (sampling-mask replay)
     rollout_sampling_mask: list[list[int]] | None = None
+    # one per response token: log p_teacher(token | prefix) from the teacher's servers (--opd-type sglang)
+    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)

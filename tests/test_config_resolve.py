@@ -128,6 +128,7 @@ DEFAULTS = {
     "custom_pg_loss_reducer_function_path": None,
     "use_opd": False,
     "opd_kl_coef": 1.0,
+    "opd_type": None,
     "opd_teacher_load": None,
     "save_debug_train_data": None,
     "critic_load": None,

@@ -141,8 +141,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--use-opd",
         action="store_true",
-        help="on-policy distillation: advantage -= --opd-kl-coef * (log pi - log pi_teacher) per token, with the "
-        "teacher --opd-teacher-load scored by the trainer (default: off)",
+        help="on-policy distillation: advantage -= --opd-kl-coef * (log pi - log pi_teacher) per token, the "
+        "teacher's log-probs as --opd-type says (default: off)",
+    )
+    g.add_argument(
+        "--opd-type",
+        choices=["megatron", "sglang"],
+        default=None,
+        help="where --use-opd's teacher log-probs come from (slime's names): megatron = the trainer scores the "
+        "teacher --opd-teacher-load itself; sglang = the rollout asks the teacher's engine servers (the frozen "
+        "model named 'teacher', or the only frozen model, of --sglang-config) for each response's log-probs, "
+        "stored per sample as teacher_log_probs (default: megatron)",
     )
     g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the distillation term (default 1.0)")
     g.add_argument("--opd-teacher-load", default=None, help="teacher HF checkpoint directory for --use-opd")
@@ -225,8 +234,7 @@ def check(args: argparse.Namespace) -> None:
     check_dotted_path(args, "custom_tis_function_path")
     check_dotted_path(args, "custom_advantage_function_path")
     check_dotted_path(args, "custom_pg_loss_reducer_function_path")
-    if args.use_opd and args.opd_teacher_load is None:
-        raise ConfigError("--use-opd needs a teacher: add --opd-teacher-load HF_CHECKPOINT_DIR")
+    _check_opd(args)
     if not args.use_opd and args.opd_teacher_load is not None:
         raise ConfigError("--opd-teacher-load is only used with --use-opd; add --use-opd or drop it")
     if args.opd_teacher_load is not None:
@@ -256,3 +264,38 @@ def check(args: argparse.Namespace) -> None:
                 f"{args.loss_agg_mode} was given; drop one"
             )
         args.loss_agg_mode = "token-mean"
+
+
+def _check_opd(args: argparse.Namespace) -> None:
+    """--use-opd's teacher: --opd-teacher-load for the trainer (megatron), a served frozen model (sglang)."""
+    if args.opd_type is not None and not args.use_opd:
+        raise ConfigError(f"--opd-type {args.opd_type} is only used with --use-opd; add --use-opd or drop it")
+    if not args.use_opd:
+        return
+    if args.opd_type is None:
+        args.opd_type = "megatron"
+    if args.opd_type == "megatron" and args.opd_teacher_load is None:
+        raise ConfigError("--use-opd needs a teacher: add --opd-teacher-load HF_CHECKPOINT_DIR (or --opd-type sglang)")
+    if args.opd_type == "sglang":
+        if args.opd_teacher_load is not None:
+            raise ConfigError(
+                "--opd-type sglang asks the teacher's servers (--sglang-config), so --opd-teacher-load is not used; "
+                "drop it, or use --opd-type megatron"
+            )
+        opd_teacher_name([spec.name for spec in getattr(args, "sglang_frozen_models", ())])
+
+
+OPD_TEACHER = "teacher"
+
+
+def opd_teacher_name(frozen: list[str]) -> str:
+    """The frozen model of --sglang-config that --opd-type sglang asks: the one named 'teacher', else the only one."""
+    if OPD_TEACHER in frozen:
+        return OPD_TEACHER
+    if len(frozen) == 1:
+        return frozen[0]
+    have = f"its frozen models are {', '.join(frozen)}" if frozen else "no frozen model is described"
+    raise ConfigError(
+        f"--opd-type sglang: the teacher is the --sglang-config model named {OPD_TEACHER!r} (update_weights: false), "
+        f"or its only frozen model; {have}. Describe the teacher there, or use --opd-type megatron --opd-teacher-load"
+    )

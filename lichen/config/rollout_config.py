@@ -179,6 +179,7 @@ class RolloutConfig:
     eval_datasets: tuple[dict, ...]  # one resolved config per eval data set (lichen.config.eval)
     # frozen models served beside the policy (--sglang-config; lichen.engines.frozen_models.FrozenModelSpec)
     frozen_models: tuple = ()
+    opd_teacher_served: bool = False  # --use-opd --opd-type sglang: samples get the teacher's log-probs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RolloutConfig":
@@ -207,4 +208,5 @@ class RolloutConfig:
             load_forge_rollout_data=args.load_forge_rollout_data,
             eval_datasets=tuple(args.eval_dataset_configs),
             frozen_models=tuple(getattr(args, "sglang_frozen_models", ())),
+            opd_teacher_served=bool(args.use_opd and args.opd_type == "sglang"),
         )

@@ -34,6 +34,7 @@ from lichen.rollout.eval import build_eval_reward_fns, eval_output_metrics, load
 from lichen.rollout.forge_load import FORGE_FLAG, load_dump
 from lichen.rollout.forge_load import generate_rollout as forge_generate_rollout
 from lichen.rollout.generate import generate_rollout
+from lichen.rollout.opd_teacher import attach_teacher_log_probs
 from lichen.rollout.partial import require_abortable
 from lichen.torch_files import save_plain, to_plain
 from lichen.types import Sample, Status
@@ -181,6 +182,15 @@ class RolloutManager:
             )
         groups = out.samples
         metrics = rollout_metrics(groups, self.cfg.reward.reward_key)
+        if self.cfg.opd_teacher_served and self.frozen_models is not None:
+            metrics.update(
+                attach_teacher_log_probs(
+                    groups,
+                    self.frozen_models,
+                    temperature=self.cfg.sampling.temperature,
+                    concurrency=self.cfg.reward.concurrency,
+                )
+            )
         metrics.update(self.context.metrics)
         metrics.update(out.metrics or {})
         metrics["time/generate"] = time.perf_counter() - t0

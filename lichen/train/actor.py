@@ -85,7 +85,9 @@ class TrainActor:
         self.frozen_params = apply_param_filter(self.model, cfg)
         self.ref_model = self._reference_model() if cfg.needs_ref_model else None
         self.teacher_model = (
-            _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options) if cfg.use_opd else None
+            _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options)
+            if cfg.opd_teacher_load is not None
+            else None
         )
         opt = cfg.optimizer  # with --use-lora: the adapters' learning rate and weight decay
         self.optimizer = make_adamw(
@@ -339,9 +341,11 @@ class TrainActor:
             tb.old_log_probs = lp(self.model)
         if self.ref_model is not None:
             tb.ref_log_probs = lp(self.ref_model)
-        distill = self.teacher_model is not None and cfg.loss_type != "sft_loss"
-        if distill:
+        distill = cfg.use_opd and cfg.loss_type != "sft_loss"
+        if distill and self.teacher_model is not None:
             tb.teacher_log_probs = lp(self.teacher_model)
+        elif distill:  # --opd-type sglang: the teacher's servers scored the samples in the rollout
+            tb.teacher_log_probs = tb.host.teacher_log_probs(self.device)
         # The current policy's log-probs, where no old (or, for distillation, engine) log-probs stand in for them.
         kl_needs = self.ref_model is not None and cfg.kl_coef != 0
         opd_needs = distill and tb.rollout_log_probs is None

@@ -170,6 +170,23 @@ class StepBatch:
         rows = [list(s.rollout_log_probs[: s.response_length]) for s in self.samples]
         return _pad_rows(rows, self.max_response_length, 0.0, torch.float32).to(device)
 
+    def teacher_log_probs(self, device) -> torch.Tensor:
+        """[n, R] the served teacher's log-probs (--opd-type sglang; 0 on padding); every sample must have them."""
+        missing = [s.index for s in self.samples if s.teacher_log_probs is None]
+        short = [
+            s.index
+            for s in self.samples
+            if s.teacher_log_probs is not None and len(s.teacher_log_probs) != s.response_length
+        ]
+        if missing or short:
+            raise ValueError(
+                f"--opd-type sglang: samples {(missing or short)[:5]} have "
+                f"{'no teacher_log_probs' if missing else 'teacher_log_probs of another length than the response'}; "
+                "a custom rollout must keep what lichen's rollout attached (one value per response token)"
+            )
+        rows = [list(s.teacher_log_probs or []) for s in self.samples]
+        return _pad_rows(rows, self.max_response_length, 0.0, torch.float32).to(device)
+
     def micro(self, plan: Plan, device) -> MicroBatch:
         """One micro-batch laid out as `plan` (model rows of sample indices, see plan_micro_batches).
 

@@ -115,12 +115,6 @@ SLIME_PARSER_FLAGS: dict[str, FlagRule] = {
     ),
     **rules(
         MAPPED,
-        "--use-opd (the teacher --opd-teacher-load scored by the trainer)",
-        "slime's 'megatron' OPD type is lichen's; 'sglang' (a teacher engine) is not available yet",
-        "--opd-type",
-    ),
-    **rules(
-        MAPPED,
         "--check-weight-update-equal --ci-train-rollout-logprob-abs-diff-threshold 0.1 (slime's default, unless "
         "the script gives it)",
         "slime's CI assertions (tests/ of slime): engine weight versions after sync, first-step KL ~ 0, log-prob "
