@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--baseline-params", type=float, default=1e5, help="the model of the rank-baseline runs (default 1e5)"
     )
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the rank-baseline runs (the memory bounds then print '-'; for an invocation that adds sizes)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per lichen train run (default 1800)")
     p.add_argument("--work-dir", default="runs/bench_sync_ray", help="runs go under DIR/runs-NNN (default %(default)s)")
     p.add_argument("--json", default=None, help="write every run's numbers as JSON here")
@@ -216,11 +221,11 @@ def measure(args) -> dict:
     root = fresh_run_dir(args.work_dir)
     print(f"runs under {root}", flush=True)
     loads: list = []
-    out: dict = {"root": root, "sizes": [], "baseline": {}, "loads": loads}
+    out: dict = {"root": root, "sizes": [], "baseline": {}, "loads": loads, "baseline_size": None}
     base_dir = os.path.join(root, "baseline")
-    model, prompts, base_size = make_inputs(base_dir, args.baseline_params)
-    out["baseline_size"] = base_size
-    for t in args.transports:
+    if not args.no_baseline:
+        model, prompts, out["baseline_size"] = make_inputs(base_dir, args.baseline_params)
+    for t in [] if args.no_baseline else args.transports:
         argv = train_argv("ray", t, RANKS, model, prompts, os.path.join(base_dir, f"ray-{t}"), args)
         out["baseline"][t] = one_run(f"baseline {t}", argv, os.path.join(base_dir, f"ray-{t}"), t, RANKS, args, loads)
     for params in args.sizes:
@@ -290,7 +295,7 @@ def report(res: dict, args) -> list[str]:
     print(
         f"\neach Ray rank's peak RSS, GB: during a sync vs baseline + 1.1 x (3 x model / {RANKS} + 2 buckets of "
         f"{args.bucket_mb} MiB); at load vs baseline + 1.1 x (model / {RANKS} + largest tensor); baseline = the same "
-        f"rank's peak on the {res['baseline_size']['params'] / 1e6:.2f}M-parameter model"
+        f"rank's peak on the {(res['baseline_size'] or {}).get('params', 0) / 1e6:.2f}M-parameter model"
     )
     print(f"{'params':>8} {'transport':<9} {'rank':>4} {'sync':>7} {'bound':>7} {'':4} {'load':>7} {'bound':>7}")
     for e in res["sizes"]:
