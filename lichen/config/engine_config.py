@@ -67,7 +67,9 @@ class EngineConfig:
     sglang_dtype: str
     gpus_per_engine: int
     memory_saver: bool
-    passthrough: tuple[str, ...]  # --sglang-<flag> tokens
+    passthrough: tuple[str, ...]  # --sglang-<flag> / --vllm-<flag> tokens
+    # launched vLLM servers: the interpreter of vLLM's environment (--vllm-python; None: lichen.engines.vllm_launcher)
+    vllm_python: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -102,6 +104,7 @@ class EngineConfig:
             gpus_per_engine=args.rollout_num_gpus_per_engine or 1,
             memory_saver=bool(args.offload_rollout),
             passthrough=tuple(args.sglang_passthrough),
+            vllm_python=getattr(args, "vllm_python", None),
         )
 
 

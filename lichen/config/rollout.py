@@ -13,12 +13,13 @@ import argparse
 import difflib
 import re
 
-from lichen.config import sglang_config
+from lichen.config import sglang_config, vllm_config
 from lichen.config.checks import check_dotted_path, check_float, check_int_at_least
 from lichen.errors import ConfigError, NotAvailableYet
 from lichen.models.config import model_config_value
 
 SGLANG_PREFIX = "--sglang-"
+PASSTHROUGH_PREFIXES = (SGLANG_PREFIX, vllm_config.VLLM_PREFIX)  # --vllm-<flag>: lichen.config.vllm_config
 SGLANG_CONSUMED_FLAGS = ("--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port", "--sglang-config")
 
 _ROUTER_LATER = "lichen routes requests over its engines itself; an external SGLang router comes later"
@@ -141,11 +142,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     sglang_config.add_args(g)
     g.add_argument(
         "--rollout-engine-backend",
-        choices=("lichen", "sglang"),
+        choices=("lichen", "sglang", "vllm"),
         default="lichen",
-        help="server launched by --rollout-num-engines: lichen (`lichen serve`, any device) or sglang "
-        "(`python -m sglang.launch_server`, GPU; takes the --sglang-<flag> pass-through) (default: lichen)",
+        help="server launched by --rollout-num-engines: lichen (`lichen serve`, any device), sglang "
+        "(`python -m sglang.launch_server`, GPU; takes the --sglang-<flag> pass-through) or vllm (vLLM's OpenAI "
+        "server from its own environment, CPU or GPU; takes --vllm-<flag>; also the protocol of "
+        "--rollout-external-engine-addrs: docs/engines.md) (default: lichen)",
     )
+    vllm_config.add_args(g)
     g.add_argument(
         "--rollout-num-gpus-per-engine",
         type=int,
@@ -213,7 +217,7 @@ def collect_sglang_passthrough(extras: list[str], known_flags: list[str]) -> lis
         if token == "--":
             raise ConfigError("unrecognized argument '--': lichen train takes no positional arguments")
         if token.startswith("-") and not _is_number(token):
-            in_sglang = token.startswith(SGLANG_PREFIX)
+            in_sglang = token.startswith(PASSTHROUGH_PREFIXES)
             if not in_sglang:
                 name = token.split("=", 1)[0]
                 close = difflib.get_close_matches(name, known_flags, n=1)
@@ -242,6 +246,7 @@ def check(args: argparse.Namespace) -> None:
         if getattr(args, dest) is not None:
             raise NotAvailableYet(f"{flag} is not available yet: {_ROUTER_LATER}")
     _check_sglang_launch(args)
+    vllm_config.check(args)
     _check_fault_tolerance(args)
     if args.rollout_batch_size is None:
         raise ConfigError("--rollout-batch-size is required: the number of prompts per rollout step")
@@ -339,15 +344,16 @@ def _check_sglang_launch(args: argparse.Namespace) -> None:
             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} is not available yet with lichen "
             "serve engines (one device each); use --rollout-engine-backend sglang for tensor-parallel engines"
         )
-    if args.sglang_passthrough:
+    sglang_tokens = [t for t in args.sglang_passthrough if t.startswith(SGLANG_PREFIX)]
+    if sglang_tokens and backend != "vllm":  # vllm: lichen.config.vllm_config names the mix-up
         if backend != "sglang" or not args.rollout_num_engines:
             # kept a NotAvailableYet (exit 2) as before SGLang launches existed; the text says what to do now
             raise NotAvailableYet(
-                f"{args.sglang_passthrough[0]}: --sglang-... flags apply to SGLang servers that lichen launches, "
+                f"{sglang_tokens[0]}: --sglang-... flags apply to SGLang servers that lichen launches, "
                 "which this run does not configure: add --rollout-engine-backend sglang --rollout-num-engines K, "
                 "or drop them"
             )
-        check_passthrough(args.sglang_passthrough, args.rollout_max_batch_size)
+        check_passthrough(sglang_tokens, args.rollout_max_batch_size)
 
 
 def _check_fault_tolerance(args: argparse.Namespace) -> None:

@@ -8,13 +8,22 @@ from typing import Any
 
 from lichen.config.engine_config import EngineConfig
 from lichen.engines.auth import ENGINE_KEY_ENV
-from lichen.engines.client import EngineRequestError, EngineUnavailable, normalize_url
+from lichen.engines.client import EngineClient, EngineRequestError, EngineUnavailable, normalize_url
 from lichen.engines.launch_args import external_keys, launch_server_args
 from lichen.engines.remote_engines import RemoteEngines
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
+
+
+def client_class(backend: str) -> type[EngineClient]:
+    """The client of a --rollout-engine-backend: vLLM's own protocol, else SGLang's (lichen serve, SGLang)."""
+    if backend == "vllm":
+        from lichen.engines.vllm_client import VLLMClient
+
+        return VLLMClient
+    return EngineClient
 
 
 def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
@@ -29,6 +38,10 @@ def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
             from lichen.engines.sglang_launcher import SGLangLauncher
 
             launcher = SGLangLauncher.from_config(cfg)
+        elif cfg.backend == "vllm":
+            from lichen.engines.vllm_launcher import VLLMLauncher
+
+            launcher = VLLMLauncher.from_config(cfg)
         else:
             launcher = EngineLauncher(
                 cfg.model_path, cfg.num_engines, server_args=launch_server_args(cfg), log_dir=cfg.log_dir
@@ -47,6 +60,7 @@ def connect(cfg: EngineConfig, launcher: Any = None) -> RemoteEngines:
             concurrency=cfg.concurrency,
             launcher=launcher,
             failover=cfg.failover,
+            client_cls=client_class(cfg.backend),
         )
         try:
             engines.wait_healthy(timeout=120.0, reachable=True)

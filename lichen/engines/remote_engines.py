@@ -86,6 +86,7 @@ class RemoteEngines:
         failover: bool = False,
         launcher: Any = None,
         request_timeout: float | None = None,
+        client_cls: type[EngineClient] = EngineClient,
     ):
         if not urls:
             raise ValueError("RemoteEngines needs at least one engine URL")
@@ -101,7 +102,8 @@ class RemoteEngines:
             retry_delay=retry_delay,
             request_timeout=request_timeout,
         )
-        self.router = Router([EngineClient(u, **self._client_args) for u in urls], failover=failover)
+        self._client_cls = client_cls  # the protocol adapter: EngineClient, or VLLMClient (lichen.engines.vllm_client)
+        self.router = Router([client_cls(u, **self._client_args) for u in urls], failover=failover)
         self.released: set[str] = set()
         self.monitor: Any = None  # a HealthMonitor once start_health_monitor() ran
         self.last_weights: tuple[str, str] | None = None  # (path, version) of the last update from disk
@@ -125,7 +127,7 @@ class RemoteEngines:
     def make_client(self, url: str, api_key: str | None = None, admin_api_key: str | None = None) -> EngineClient:
         """A client for an engine added to the pool, with the run's settings (and keys, unless given)."""
         given = {k: v for k, v in (("api_key", api_key), ("admin_api_key", admin_api_key)) if v is not None}
-        return EngineClient(url, **{**self._client_args, **given})
+        return self._client_cls(url, **{**self._client_args, **given})
 
     @property
     def urls(self) -> list[str]:

@@ -176,7 +176,12 @@ class SGLangLauncher(ServerSet):
 
     `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts). `keyed`: give
     the servers a fresh random API key, through their environment (see keyed_command), never on their command
-    line; `api_key` is what clients send (`admin_api_key` stays None: SGLang then takes the key everywhere)."""
+    line; `api_key` is what clients send (`admin_api_key` stays None: SGLang then takes the key everywhere).
+    Subclasses for other servers (lichen.engines.vllm_launcher) change the class attributes below and `keyed`."""
+
+    backend = "sglang"  # as --rollout-engine-backend names it, for messages
+    ready_path = "/health_generate"  # answers 200 once the server generates
+    key_env = SERVE_KEY_ENV  # the environment variable the server's key travels in
 
     def __init__(
         self,
@@ -198,7 +203,7 @@ class SGLangLauncher(ServerSet):
         self.api_key = self.admin_api_key = None
         if keyed:
             self.api_key = new_key()
-            self.env[SERVE_KEY_ENV] = self.api_key
+            self.env[self.key_env] = self.api_key
         self.servers: list[_Server] = []
         self._lock = threading.Lock()
         self._stopped = False
@@ -233,7 +238,7 @@ class SGLangLauncher(ServerSet):
         cmd = self.command_for(i, port)
         os.makedirs(self.log_dir, exist_ok=True)
         log_path = os.path.join(self.log_dir, f"engine_{i}.log")
-        argv = keyed_command(cmd) if self.api_key else cmd
+        argv = self.keyed(cmd) if self.api_key else cmd
         argv = die_with_parent(argv)  # started from the spawner thread: restarts die with the parent too
         # SGLang logs its server_args, the key among them: the log is readable by this user only
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
@@ -246,18 +251,22 @@ class SGLangLauncher(ServerSet):
         shown = f"[{self.host}]" if ":" in self.host else self.host
         return _Server(proc, f"http://{shown}:{port}", cmd, log_path)
 
+    def keyed(self, cmd: list[str]) -> list[str]:
+        """The argv that starts `cmd` with the key taken from the environment (see keyed_command)."""
+        return keyed_command(cmd)
+
     def _wait_ready(self, s: _Server, end: float) -> None:
         while True:
             if s.proc.poll() is not None:
                 raise SGLangLaunchError(
-                    f"--rollout-engine-backend sglang: an SGLang server exited with code "
+                    f"--rollout-engine-backend {self.backend}: a server exited with code "
                     f"{s.proc.returncode}: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
                 )
-            if _answers_200(s.url + "/health_generate"):
+            if _answers_200(s.url + self.ready_path):
                 return
             if time.monotonic() > end:
                 raise SGLangLaunchError(
-                    f"--rollout-engine-backend sglang: {s.url} did not answer /health_generate "
+                    f"--rollout-engine-backend {self.backend}: {s.url} did not answer {self.ready_path} "
                     f"within {self.ready_timeout:g} s: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
                 )
             time.sleep(self.poll)
@@ -266,7 +275,7 @@ class SGLangLauncher(ServerSet):
         """Kill engine i (its whole process group) and start it again; returns its new URL once it is ready."""
         with self._lock:
             if self._stopped:
-                raise SGLangLaunchError("the SGLang launcher is stopped")
+                raise SGLangLaunchError(f"the {self.backend} launcher is stopped")
             _kill_group(self.servers[i].proc, grace=0.0)  # dead or hung: no graceful shutdown to wait for
             self.servers[i] = new = self._spawn(i)
         self._wait_ready(new, time.monotonic() + self.ready_timeout)

@@ -116,7 +116,7 @@ def scan(argv: list[str], known_flags: set[str], extra_rows: list[Row] | None = 
         values, j = ([inline], i + 1) if eq else _take_values(argv, i)
         if local and name in RAY_PLACEMENT:
             out.kept += _foreign(name, values, known_flags, out)
-        elif name in known_flags or name.startswith(SGLANG_PREFIX):
+        elif name in known_flags or name.startswith((SGLANG_PREFIX, "--vllm-")):  # pass-through (lichen.config.rollout)
             out.kept += _lichen_tokens(name, token, values, eq, out, local)
         else:
             out.kept += _foreign(name, values, known_flags, out)
