@@ -1,11 +1,12 @@
 """A trainer rank SIGKILLed mid-step under --runtime ray (issue 32 item 1): with --max-trainer-restarts the driver
-restarts the ranks on the same bundles, rewinds to the newest checkpoint (here: none yet, so step 0), re-syncs the
-`lichen serve` engine and goes on; the run ends with the uninterrupted run's weights and trains every step's
-samples. Without the flag the run ends with one line, exit code 1, and nothing of it left in Ray.
+restarts the ranks on the same bundles, rewinds to the newest checkpoint (or step 0 before the first one),
+re-syncs the `lichen serve` engine and goes on; the run ends with the uninterrupted run's weights and trains every
+step's samples. Without the flag the run ends with one line, exit code 1, and nothing of it left in Ray.
 
-The kill is a file trigger, not a timer: rank 1's --custom-advantage-function-path plug-in, on its second call of a
-process (rollout step 1, after the step's first collectives), removes the trigger file and SIGKILLs itself; a new
-rank finds no trigger. The ranks import this module: the tests directory goes on their PYTHONPATH.
+The kills are file triggers, not timers: rank 1's --custom-advantage-function-path plug-in, at its call n within
+one process (after the step's first collectives), SIGKILLs itself if the file `call_<n>` exists in the trigger
+directory, removing it first so that no later rank fires it again. The ranks import this module: the tests
+directory goes on their PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -28,22 +29,29 @@ from lichen.cluster.actor_group import exit_cause  # noqa: E402
 from lichen.observe.metrics import read_metrics  # noqa: E402
 from lichen.observe.sample_log import read_samples  # noqa: E402
 
-TRIGGER_ENV = "LICHEN_TEST_KILL_TRIGGER"
-KILL_AT_CALL = 1  # the plug-in's second call in a rank process: rollout step 1
-_calls = {"n": 0}
+TRIGGER_ENV = "LICHEN_TEST_KILL_TRIGGERS"
+_calls = {"n": 0}  # this rank process' calls of the plug-in: one per step
 
 
-def kill_rank_1_once(args, samples, *, rewards, mask, kl):
-    """Advantages 0.25 on every token; on rank 1, at call KILL_AT_CALL, if the trigger file exists: remove it
-    and SIGKILL this process (the rank's Ray actor dies as with the OOM killer)."""
+def kill_rank_1(args, samples, *, rewards, mask, kl):
+    """Advantages 0.25 on every token; on rank 1, at call n of this process, if `call_<n>` exists in the trigger
+    directory: remove it and SIGKILL this process (the rank's Ray actor dies as with the OOM killer)."""
     import torch.distributed as dist
 
     call, _calls["n"] = _calls["n"], _calls["n"] + 1
-    trigger = os.environ.get(TRIGGER_ENV, "")
-    if dist.get_rank() == 1 and call == KILL_AT_CALL and trigger and os.path.exists(trigger):
+    trigger = os.path.join(os.environ.get(TRIGGER_ENV, "/nonexistent"), f"call_{call}")
+    if dist.get_rank() == 1 and os.path.exists(trigger):
         os.unlink(trigger)
         os.kill(os.getpid(), signal.SIGKILL)
     return torch.full_like(mask, 0.25)
+
+
+def _arm(tmp_path, *calls: int) -> str:
+    triggers = tmp_path / "triggers"
+    triggers.mkdir()
+    for n in calls:
+        (triggers / f"call_{n}").write_text("armed")
+    return str(triggers)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +60,14 @@ def ray_local():
     yield
 
 
-def _argv(tiny_ckpt, data, tmp_path, name: str, trigger: str, *extra: str) -> list[str]:
+def _argv(tiny_ckpt, data, tmp_path, name: str, triggers: str, *extra: str, steps: int = 3) -> list[str]:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     return base_args(
         tiny_ckpt,
         data,
         tmp_path / name,
         "--num-rollout",
-        "2",
+        str(steps),
         "--device",
         "cpu",
         "--num-threads",
@@ -73,13 +81,13 @@ def _argv(tiny_ckpt, data, tmp_path, name: str, trigger: str, *extra: str) -> li
         "--save",
         str(tmp_path / f"{name}_ckpt"),
         "--save-interval",
-        "2",  # the only checkpoint is the last step's: the kill at step 1 rewinds to step 0
+        "2",  # checkpoints after steps 2 and 3 (the last)
         "--log-samples",
         "16",  # every sample of a step (4 prompts x 4)
         "--custom-advantage-function-path",
-        "test_ray_trainer_restart.kill_rank_1_once",
+        "test_ray_trainer_restart.kill_rank_1",
         "--train-env-vars",
-        json.dumps({"PYTHONPATH": tests_dir, TRIGGER_ENV: trigger}),
+        json.dumps({"PYTHONPATH": tests_dir, TRIGGER_ENV: triggers}),
         *extra,
     )
 
@@ -93,35 +101,37 @@ def _steps_samples(out) -> dict[int, list[tuple[int, list[int]]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("driver", [[], ["--async"]], ids=["sync", "async"])
 def test_rank_sigkilled_mid_step_recovers_to_the_uninterrupted_runs_weights(
-    ray_local, tiny_ckpt, addition_data, tmp_path
+    ray_local, tiny_ckpt, addition_data, tmp_path, driver
 ):
-    straight = run(_argv(tiny_ckpt, addition_data, tmp_path, "a", str(tmp_path / "no_trigger")))
-    trigger = tmp_path / "kill_rank_1"
-    trigger.write_text("armed")
-    recovered = run(_argv(tiny_ckpt, addition_data, tmp_path, "b", str(trigger), "--max-trainer-restarts", "1"))
-    assert not trigger.exists()  # the rank really was killed (it removes the trigger just before)
+    """Two kills of rank 1 in one run: at step 2 (no checkpoint yet: back to step 0, step 1 replayed), then in its
+    successor at step 3 (back to the checkpoint of step 2, nothing completed to replay). With --async the
+    generation of the next step is in flight at each kill; the checkpoint holds the rollout made ahead."""
+    straight = run(_argv(tiny_ckpt, addition_data, tmp_path, "a", str(tmp_path / "no_triggers"), *driver))
+    triggers = _arm(tmp_path, 1, 2)  # process 1: call 1 = step 2; process 2: call 2 = step 3
+    recovered = run(_argv(tiny_ckpt, addition_data, tmp_path, "b", triggers, "--max-trainer-restarts", "2", *driver))
+    assert os.listdir(triggers) == []  # both kills happened
 
     wa, wb = final_weights(tmp_path / "a_ckpt"), final_weights(tmp_path / "b_ckpt")
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
-    # step 1 completed, step 2's training died: back to step 0 (no checkpoint yet), step 1 replayed, then step 2
     steps = [m for m in recovered if "train/loss" in m]
-    assert [m["step"] for m in steps] == [1, 1, 2]
-    replay = steps[1]
-    assert replay["fault/trainer_restarts"] == 1 and replay["fault/steps_replayed"] == 1
-    assert replay["time/trainer_recovery"] > 0
+    assert [m["step"] for m in steps] == [1, 1, 2, 3]
+    faults = [(m["step"], m.get("fault/trainer_restarts"), m.get("fault/steps_replayed")) for m in steps]
+    assert faults == [(1, None, None), (1, 1, 1), (2, None, None), (3, 2, 0)]
+    assert all(m["time/trainer_recovery"] > 0 for m in steps if "fault/trainer_restarts" in m)
     assert not any(k.startswith("fault/") for m in straight for k in m)
     for a, b in zip([m for m in straight if "train/loss" in m], steps[1:]):
         assert a["sync/weight_version"] == b["sync/weight_version"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
 
-    # every step trained the same 16 samples as the uninterrupted run, each once (the replayed step's file is
-    # the replay's): none lost, none twice
+    # every step trained the same 16 samples as the uninterrupted run, each once (a replayed step's file is the
+    # replay's): none lost, none twice
     sa, sb = _steps_samples(tmp_path / "a"), _steps_samples(tmp_path / "b")
-    assert sorted(sa) == sorted(sb) == [1, 2]
-    for step in (1, 2):
+    assert sorted(sa) == sorted(sb) == [1, 2, 3]
+    for step in (1, 2, 3):
         assert [i for i, _ in sb[step]] == list(range(16))
         assert sb[step] == sa[step]
 
@@ -130,10 +140,10 @@ def test_rank_sigkilled_mid_step_recovers_to_the_uninterrupted_runs_weights(
 def test_without_restarts_a_killed_rank_ends_the_run_with_one_line(
     ray_local, tiny_ckpt, addition_data, tmp_path, capsys
 ):
-    trigger = tmp_path / "kill_rank_1"
-    trigger.write_text("armed")
+    triggers = _arm(tmp_path, 1)
     before = ray.available_resources()
-    assert main(_argv(tiny_ckpt, addition_data, tmp_path, "c", str(trigger))) == 1
+    assert main(_argv(tiny_ckpt, addition_data, tmp_path, "c", triggers, steps=2)) == 1
+    assert os.listdir(triggers) == []
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lichen train:")]
     assert len(err) == 1, err
     line = err[0]
