@@ -227,18 +227,27 @@ def big_ckpt(tmp_path_factory) -> str:
     return str(out)
 
 
-def _load_growth(ckpt: str, data: str, out) -> list[dict]:
+def _load_growth(ckpt: str, data: str, out, extra: list[str]) -> list[dict]:
     os.makedirs(out)
-    run_ranks(load_memory_worker, 2, trainer_argv(ckpt, data, str(out / "o")), free_port(), str(out))
+    run_ranks(load_memory_worker, 2, trainer_argv(ckpt, data, str(out / "o"), *extra), free_port(), str(out))
     return rank_files(out, 2)
 
 
-def test_each_rank_peaks_well_below_the_model_at_load(big_ckpt, tiny_ckpt, addition_data, tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        pytest.param(["--model-impl", "hf"], marks=pytest.mark.slow, id="hf"),
+        pytest.param(["--use-lora", "--lora-rank", "4"], marks=pytest.mark.slow, id="lora"),
+    ],
+    ids=lambda e: "lichen" if not e else None,
+)
+def test_each_rank_peaks_well_below_the_model_at_load(big_ckpt, tiny_ckpt, addition_data, tmp_path, extra):
     model_bytes = os.path.getsize(os.path.join(big_ckpt, "model.safetensors"))  # fp32 on disk: the model's size
     # What a rank's construction costs besides the weights (the process group, code, tokenizer), measured with
     # the tiny model (0.3 MB); the big model's growth less that is what its weights cost at load.
-    fixed = _load_growth(tiny_ckpt, addition_data, tmp_path / "tiny")
-    ranks = _load_growth(big_ckpt, addition_data, tmp_path / "big")
+    fixed = _load_growth(tiny_ckpt, addition_data, tmp_path / "tiny", extra)
+    ranks = _load_growth(big_ckpt, addition_data, tmp_path / "big", extra)
     for r, (got, base) in enumerate(zip(ranks, fixed)):
         print(
             f"rank {r}: peak RSS growth at load {got['growth'] / 2**20:.0f} MiB (tiny model: "

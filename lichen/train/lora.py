@@ -22,7 +22,7 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import safetensors.torch
 import torch
@@ -192,6 +192,20 @@ def _delta(layer: LoraLayer, a: torch.Tensor, b: torch.Tensor, weight: torch.Ten
     return scale * (per_expert.transpose(1, 2) if transposed else per_expert)
 
 
+MergedSource = tuple[str, "tuple[str, str, LoraLayer] | None"]
+
+
+def _source(name: str, adapted: dict[str, tuple[str, LoraLayer]]) -> tuple[str, MergedSource] | None:
+    """(the engines' name, its MergedSource) of the adapted model's tensor `name`; None for an adapter."""
+    if ".lora_" in name:
+        return None
+    hf_name = unwrapped_name(name)
+    if hf_name not in adapted:
+        return hf_name, (name, None)
+    owner, layer = adapted[hf_name]
+    return hf_name, (name, (f"{owner}.lora_A.{ADAPTER}.weight", f"{owner}.lora_B.{ADAPTER}.weight", layer))
+
+
 @torch.no_grad()
 def merge_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The merged policy from `state`, the adapted `model`'s tensors by name as full tensors (the multi-rank
@@ -200,16 +214,47 @@ def merge_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     adapted = _adapted_with_names(model)
     out = {}
     for name, w in state.items():
-        if ".lora_" in name:
+        src = _source(name, adapted)
+        if src is None:
             continue
-        hf_name = unwrapped_name(name)
-        if hf_name in adapted:
-            owner, layer = adapted[hf_name]
-            a, b = state[f"{owner}.lora_A.{ADAPTER}.weight"], state[f"{owner}.lora_B.{ADAPTER}.weight"]
-            out[hf_name] = w + _delta(layer, a, b, w).to(w.dtype)
-        else:
+        hf_name, (_, adapter) = src
+        if adapter is None:
             out[hf_name] = w
+        else:
+            out[hf_name] = w + _delta(adapter[2], state[adapter[0]], state[adapter[1]], w).to(w.dtype)
     return out
+
+
+def merged_sources(model: nn.Module) -> dict[str, MergedSource]:
+    """Each tensor of the merged policy (the engines' names, in merged_named_weights' order) -> (the parameter of
+    the adapted `model` holding its base value, and for an adapted weight (its lora_A, its lora_B parameter names,
+    the LoRA layer)): what a sender gathers to build it."""
+    adapted = _adapted_with_names(model)
+    return dict(src for name, _ in model.named_parameters() if (src := _source(name, adapted)) is not None)
+
+
+@torch.no_grad()
+def gather_merged(
+    full: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]],
+    sources: dict[str, MergedSource],
+    names: list[str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, merged tensor) for each of `names` (merged_sources' keys), one at a time: `full(parameter names)`
+    yields each parameter's full value (on a multi-rank trainer an all-gather per tensor, the same order on every
+    rank); an adapted weight is W + alpha/r B A from its three, computed as merge_state does, then dropped."""
+    wanted: list[str] = []
+    for name in names:
+        base, adapter = sources[name]
+        wanted += [base] if adapter is None else [base, adapter[0], adapter[1]]
+    values = full(wanted)
+    for name in names:
+        base, adapter = sources[name]
+        w = next(values)[1]
+        if adapter is None:
+            yield name, w
+            continue
+        a, b = next(values)[1], next(values)[1]
+        yield name, w + _delta(adapter[2], a, b, w).to(w.dtype)
 
 
 @torch.no_grad()
