@@ -34,6 +34,9 @@ RECEIVER = "lichen.engines.vllm_worker_ext.LichenWeightReceiver"  # the --worker
 CHECKSUM_FORMAT = "xxh3-128"
 STORE_PREFIX = "lichen/"  # lichen.weights.wire.open_group's PrefixStore prefix: both ends must agree
 SHM_DIR = "/dev/shm"
+WEIGHT_DIRS_ENV = (
+    "LICHEN_VLLM_WEIGHT_DIRS"  # where lichen_load_dir may read (os.pathsep-separated; set by the launcher)
+)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -65,6 +68,34 @@ def _split(flat: torch.Tensor, spec: dict) -> list[tuple[str, torch.Tensor]]:
         out.append((str(name), flat[start : start + size].view(dt).reshape([int(d) for d in shape])))
         offset = start + size
     return out
+
+
+def _repack_kept_weights(model: torch.nn.Module) -> list[str]:
+    """Re-pack every CPU layer that keeps its weight beside a packed copy (embeddings, the LM head) and check that
+    the packed copy computes with the weight; returns the layers whose copy does not.
+
+    vLLM's layerwise reload re-processes a layer when its own weights arrive, but a tied LM head
+    (tie_word_embeddings) receives none — its weight is the embedding's — so its oneDNN copy would keep the old
+    weights: the logits would come from the launch checkpoint while the checksums match (measured: the rollout /
+    trainer log-prob gap went from 1e-6 to 1e-2 after the first sync)."""
+    bad = []
+    gen = torch.Generator().manual_seed(0)
+    for name, mod in model.named_modules():
+        weight, method, packed = getattr(mod, "weight", None), getattr(mod, "quant_method", None), None
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() and method is not None:
+            packed = getattr(mod, "cpu_linear", None)
+        if not callable(packed):
+            continue
+        method.process_weights_after_loading(mod)
+        probe = torch.randn(2, weight.shape[1], generator=gen).to(weight.dtype)
+        with torch.no_grad():
+            got = mod.cpu_linear(probe, weight, None).float()
+            want = probe.float() @ weight.float().t()
+        # float32 kernels agree to ~1e-6 relative; a weight one optimizer step old differs by ~lr (1e-3 and more)
+        tol = (1e-4 if weight.dtype == torch.float32 else 2e-2) * float(want.abs().max()) + 1e-6
+        if float((got - want).abs().max()) > tol:
+            bad.append(name)
+    return bad
 
 
 class LichenWeightReceiver:
@@ -169,7 +200,7 @@ class LichenWeightReceiver:
         model = self._lichen_model()
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
-        differ = []
+        differ = _repack_kept_weights(model)
         params = dict(model.named_parameters())
         for name, want in st["sums"].items():
             p = params.get(name)
@@ -178,7 +209,8 @@ class LichenWeightReceiver:
                 differ.append(name)
         if differ:
             raise RuntimeError(
-                f"{len(differ)} parameter(s) differ from the received tensors after loading: {', '.join(differ[:10])}"
+                f"{len(differ)} parameter(s) or packed layer(s) differ from the received tensors after loading: "
+                f"{', '.join(differ[:10])}"
             )
         return {"finished": True, "tensors": len(st["sums"])}
 
@@ -189,3 +221,24 @@ class LichenWeightReceiver:
     def lichen_checksums(self) -> dict:
         """xxh3-128 of every tensor loaded by the last update, by the trainer's names."""
         return {"checksum_format": CHECKSUM_FORMAT, "checksums": dict(self._lichen_state()["sums"])}
+
+    def lichen_load_dir(self, spec_json: str) -> dict:
+        """Load every tensor of the HF checkpoint directory {"path": DIR} as one update (the disk transport:
+        lichen.engines.vllm_client maps /update_weights_from_disk here), through the same begin / load / finish as
+        the other transports, so the checksums and the packed-layer check cover it. DIR must lie in one of the
+        directories of $LICHEN_VLLM_WEIGHT_DIRS (the launcher sets them from the run's weight directories, as
+        lichen serve's --weight-dir): the request names the path, the server decides what it may read."""
+        from safetensors.torch import load_file
+
+        path = os.path.realpath(str(json.loads(spec_json)["path"]))
+        allowed = [os.path.realpath(d) for d in os.environ.get(WEIGHT_DIRS_ENV, "").split(os.pathsep) if d]
+        if not any(path == d or path.startswith(d + os.sep) for d in allowed):
+            raise ValueError(f"lichen_load_dir: {path!r} is not inside the weight directories this server was given")
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"lichen_load_dir: no .safetensors file in {path!r}")
+        self.lichen_begin()
+        loaded = 0
+        for f in files:
+            loaded += self._lichen_load(list(load_file(os.path.join(path, f)).items()))
+        return {**self.lichen_finish(), "bytes": loaded}
