@@ -107,9 +107,9 @@ class TrainerRestarts:
                 resumed, source = self._restart(trainer, rewind, resync)
                 break
             except RunError as again:
-                failure = rank_failure(again) or failure
                 if rank_failure(again) is None:
                     raise
+                failure = rank_failure(again) or failure  # the summary names the last death
                 log.debug("trainer restart %d failed: %s", self.restarts, again)
         elapsed = time.perf_counter() - t0
         replayed = max(rollout_id - resumed, 0)  # completed steps after the checkpoint; step rollout_id never finished
