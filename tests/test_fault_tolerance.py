@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from helpers.engine_kill import kill_when_busy
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 from helpers.runs import base_args, read_dump, run
 from helpers.serve_process import call
@@ -188,18 +189,7 @@ def killing_rollout(args, rollout_id, prompts, manager):
     """Step 0: SIGKILL engine 0 while it has a request in flight. Step 1: record the engines' state."""
     engines = manager.engine
     if rollout_id == 0:
-        victim = engines.launcher.servers[0].proc
-
-        def kill() -> None:
-            end = time.monotonic() + 60
-            while engines.clients[0].in_flight == 0 and time.monotonic() < end:
-                time.sleep(0.0005)
-            SEEN["in_flight_at_kill"] = engines.clients[0].in_flight
-            SEEN["killed_pid"] = victim.pid
-            victim.send_signal(signal.SIGKILL)
-
-        killer = threading.Thread(target=kill)
-        killer.start()
+        killer = kill_when_busy(engines, 0, SEEN)
         groups = generate_rollout(args, rollout_id, prompts, manager)
         killer.join()
         SEEN["reissued_from"] = list(engines.router.reissued_from)

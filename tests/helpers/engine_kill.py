@@ -1,0 +1,25 @@
+"""Killing a launched engine server while it holds requests (the fault-tolerance tests' rollouts)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+
+def kill_when_busy(engines, index: int, seen: dict, timeout: float = 60.0) -> threading.Thread:
+    """Start a thread that SIGKILLs engine `index`'s process once its client has a request in flight (or after
+    `timeout` s); it records `in_flight_at_kill` and `killed_pid` in `seen`. Join it after the rollout."""
+    victim = engines.launcher.servers[index].proc
+
+    def kill() -> None:
+        end = time.monotonic() + timeout
+        while engines.clients[index].in_flight == 0 and time.monotonic() < end:
+            time.sleep(0.0005)
+        seen["in_flight_at_kill"] = engines.clients[index].in_flight
+        seen["killed_pid"] = victim.pid
+        victim.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    return killer
