@@ -20,7 +20,7 @@ import concurrent.futures
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from lichen.cluster.runtime import RayCluster
 from lichen.cluster.train_env import memory_saver_hook, train_runtime_env
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 TRAINER = "lichen.train.dist_trainer.DistTrainer"
+CKPT_GROUP = "ckpt"  # the rank actors' concurrency group of save_done (rank_actor_cls)
 # slime's shares of a bundle: a trainer rank takes 0.4 of its GPU, an engine 0.2, so both fit when colocated
 RANK_GPU_SHARE = 0.4
 
@@ -174,6 +175,11 @@ class TrainRankImpl:
 
         return read_peaks()
 
+    def save_done(self) -> Any:
+        """The trainer's manifest entries of its checkpoint write in flight (DistTrainer.save_done), once written;
+        called in the CKPT_GROUP concurrency group, so it runs while the training's calls go on."""
+        return self.trainer.save_done()
+
     def trace(self, since: float) -> dict:
         """This rank's phases finished after `since`, for the driver's --trace (lichen.observe.trace)."""
         from lichen.observe.trace import trace_payload
@@ -207,7 +213,8 @@ def _memory_saver_lib(ccfg: Any) -> str | None:
 def rank_actor_cls():
     import ray
 
-    return ray.remote(TrainRankImpl)
+    # CKPT_GROUP: save_done waits for a rank's checkpoint write on a thread of its own, never behind the training
+    return ray.remote(concurrency_groups={CKPT_GROUP: 1})(TrainRankImpl)
 
 
 class RankWeightSender:
@@ -364,6 +371,24 @@ class RayTrainGroup:
         """Sharded (torch.distributed.checkpoint) state of every rank, and rank 0's HF export; every file's
         manifest entry, hashed by the ranks (lichen.train.checkpoint writes the manifest, meta.json, `latest`)."""
         return self._all("save", save_dir, rollout_id)[0]
+
+    def save_async(self, save_dir: str, rollout_id: int) -> Callable[[], SavedTrainer] | None:
+        """--async-save: every rank stages its part of `save` and writes it in the background
+        (DistTrainer.save_async); returns what waits for the writes and merges the ranks' manifest entries (run by
+        lichen.train.checkpoint's writing thread), None where the ranks save synchronously (--use-lora)."""
+        if not all(self._all("save_async", save_dir, rollout_id)):
+            return None
+        actors = list(self.actors)
+
+        def done() -> SavedTrainer:
+            import ray
+
+            from lichen.train.checkpoint import SavedTrainer
+
+            parts = ray.get([a.save_done.options(concurrency_group=CKPT_GROUP).remote() for a in actors])
+            return SavedTrainer({rel: e for p in parts for rel, e in p.files.items()}, world_size=len(actors))
+
+        return done
 
     def load(self, load_dir: str, rollout_id: int | None = None) -> int:
         """Restore checkpoint `rollout_id` (default: the one `latest` names) under `load_dir`, saved on any number

@@ -347,20 +347,25 @@ class DistTrainer:
                 write_hf_exports(weights, d, rollout_id, self.cfg)  # hf/, and --save-hf's copy
         else:
             with self.memory.weights_resident():
-                self._stream_hf(os.path.join(d, "hf"))
-                if self.cfg.save_hf:
-                    from lichen.config.train_config import save_hf_dir
-
-                    self._stream_hf(save_hf_dir(self.cfg.save_hf, rollout_id))
+                self._export_hf(d, rollout_id)
         dist.barrier()  # every rank's shards are written before they are hashed
         return SavedTrainer(self._hash_files(d), world_size=self.world_size)
 
-    def _stream_hf(self, out: str) -> None:
+    def _export_hf(self, d: str, rollout_id: int, full: dict[str, torch.Tensor] | None = None) -> None:
+        """hf/ of checkpoint `d` and --save-hf's copy (_stream_hf; from `full`, gathered tensors, if given)."""
+        self._stream_hf(os.path.join(d, "hf"), full)
+        if self.cfg.save_hf:
+            from lichen.config.train_config import save_hf_dir
+
+            self._stream_hf(save_hf_dir(self.cfg.save_hf, rollout_id), full)
+
+    def _stream_hf(self, out: str, full_tensors: dict[str, torch.Tensor] | None = None) -> None:
         """The policy as an HF checkpoint at `out`, as write_hf_exports writes it (the same files, tensors and
         index: its state dict's names, buffers and both names of a tied weight, save_hf_checkpoint's split into
         files), streamed: every rank gathers one tensor at a time (each DTensor's full_tensor(), in file order)
         and rank 0 appends it to the file being written, so no rank holds more than one full tensor."""
-        state = self.actor.model.state_dict()  # this rank's shards; DTensors report their global shapes
+        # this rank's shards (DTensors report their global shapes), or --async-save's gathered copies (rank 0)
+        state = self.actor.model.state_dict() if full_tensors is None else full_tensors
         plan = plan_shards(state)
 
         def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -381,6 +386,33 @@ class DistTrainer:
         with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
             config = json.load(f)
         write_hf_shards(plan, _never, out, config=config, copy_files_from=self.cfg.hf_checkpoint, write_file=write_file)
+
+    def save_async(self, ckpt_dir: str, rollout_id: int) -> bool:
+        """--async-save: `save`'s files, staged here and written in the background (lichen.train.rank_ckpt_async);
+        `save_done` gives their entries. False with --use-lora (the adapters export from the live model: `save`)."""
+        if self.cfg.lora is not None:
+            return False
+        d = iter_dir(ckpt_dir, rollout_id)
+        with self.memory.weights_resident():  # rank 0: CPU copies of the full tensors, in _stream_hf's order
+            full: dict[str, torch.Tensor] = {}
+            for name, shard in self.actor.model.state_dict().items():
+                t = shard.detach()
+                whole = t.full_tensor() if isinstance(t, DTensor) else t  # every rank gathers, in the same order
+                if self.rank == 0:
+                    full[name] = whole.to("cpu", copy=True)
+        hf = (lambda: self._export_hf(d, rollout_id, full)) if self.rank == 0 else None
+        if not hasattr(self, "_async_save"):
+            from lichen.train.rank_ckpt_async import RankAsyncSave
+
+            self._async_save = RankAsyncSave(self.rank, self.world_size)
+        state = self._sharded_state(optimizer=not self.cfg.no_save_optim)
+        self._async_save.start(state, d, os.path.join(d, DIST_DIR), hf)
+        return True
+
+    def save_done(self) -> SavedTrainer:
+        """The entries this rank hashed for its write in flight (save_async), once it is complete."""
+        saver = getattr(self, "_async_save", None)
+        return SavedTrainer(saver.result() if saver is not None else {}, world_size=self.world_size)
 
     def _from_rank0(self, obj: Any) -> Any:
         box = [obj]
@@ -455,6 +487,8 @@ class DistTrainer:
         2.13: its worker threads outlive it, even after the model is freed), so a rank process should end without
         interpreter teardown once this returns: Ray kills its actors; tests end ranks with `os._exit`.
         """
+        if getattr(self, "_async_save", None) is not None:
+            self._async_save.close()  # a write in flight finishes first (its DCP collectives need the group)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
