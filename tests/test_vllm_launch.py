@@ -29,6 +29,7 @@ from lichen.engines.vllm_launcher import (
     engine_gpus,
     resolve_python,
 )
+from lichen.engines.vllm_worker_ext import WEIGHT_DIRS_ENV
 from lichen.errors import ConfigError
 
 
@@ -80,11 +81,16 @@ def test_exact_command_from_lichen_flags_and_passthrough(ckpt, addition_data, tm
 
 
 def test_launcher_environment_keeps_the_key_off_the_command_line(ckpt, addition_data, tmp_path, monkeypatch):
-    cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--vllm-python", _python(tmp_path))
+    weights = tmp_path / "weights"
+    cfg = _cfg(
+        ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--vllm-python", _python(tmp_path),
+        "--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights),
+    )  # fmt: skip
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     launcher = VLLMLauncher.from_config(cfg)
     assert launcher.api_key and launcher.env["VLLM_API_KEY"] == launcher.api_key
     assert launcher.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert launcher.env[WEIGHT_DIRS_ENV] == str(weights)  # the only directory its receiver loads from
     linked = os.path.join(launcher.env["PYTHONPATH"].split(os.pathsep)[0], "lichen")
     assert os.path.isfile(os.path.join(linked, "engines", "vllm_guard.py"))
     cmd = launcher.command_for(1, 31001)

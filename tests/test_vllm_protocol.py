@@ -6,8 +6,10 @@ of vLLM's control plane. One server for the module (each start costs about a min
 from __future__ import annotations
 
 import asyncio
+import shutil
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig
 from lichen.engines.engine import GenRequest
 from lichen.engines.remote_engines import RemoteEngines
+from lichen.engines.vllm_worker_ext import WEIGHT_DIRS_ENV
 from lichen.models import load_model
 
 EOS = {1, 3}  # the tiny model's EOS ids (generation_config.json's eos_token_id: <|endoftext|>, <|im_end|>)
@@ -41,6 +44,7 @@ def engines(ckpt, tmp_path_factory, addition_data):
     argv = base_args(
         ckpt, addition_data, out, "--num-rollout", "1", "--rollout-engine-backend", "vllm", "--rollout-num-engines", "1"
     )
+    argv += ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(out / "weights")]
     # -O0: no torch.compile (a minute less to start on this CPU; the kernels are the same)
     flags = ["--vllm-max-model-len", "4096", "--vllm-optimization-level", "0"]
     cfg = EngineConfig.from_args(parse_train_args([*argv[1:], *flags]))
@@ -214,10 +218,27 @@ def test_each_sample_carries_the_weight_version_the_engine_was_given(engines, ck
     assert r.weight_version == "7"
     # the disk reload (the fallback transport) relabels the weights; the same weights give the same tokens
     (before,) = engines.generate([req(PROMPTS[2], 16, seed=2, ignore_eos=True)])
-    engines.update_weights_from_disk(ckpt, "8")
+    version_dir = weight_dir(engines) / "v8"
+    shutil.copytree(ckpt, version_dir)
+    engines.update_weights_from_disk(str(version_dir), "8")
     (after,) = engines.generate([req(PROMPTS[2], 16, seed=2, ignore_eos=True)])
     assert engines.weight_version == "8" and after.weight_version == "8"
     assert after.output_ids == before.output_ids
+
+
+def weight_dir(engines) -> Path:
+    """The run's --update-weight-disk-dir, the one directory the launched server may load weights from."""
+    return Path(engines.launcher.env[WEIGHT_DIRS_ENV])
+
+
+def test_a_checkpoint_outside_the_run_s_weight_directory_is_refused(engines, ckpt):
+    from lichen.engines.client import EngineRequestError
+
+    with pytest.raises(EngineRequestError, match="not inside the weight directories"):
+        engines.update_weights_from_disk(ckpt, "9")
+    assert engines.weight_version != "9"
+    (r,) = engines.generate([req(PROMPTS[0], 4, seed=1)])  # still serving, and continued after the failure
+    assert len(r.output_ids) == 4
 
 
 def _status(url: str, method: str = "GET", key: str | None = None, body: bytes | None = None) -> int:

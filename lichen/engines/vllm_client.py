@@ -15,7 +15,9 @@ answer back, so everything above it is the same for every backend:
 | GET /health_generate                           | GET /health                                                 |
 | POST /release_memory_occupation                | POST /sleep?level=1 (--offload-rollout; CUDA only)          |
 | POST /resume_memory_occupation {tags}          | POST /wake_up?tags=weights&tags=kv_cache                    |
-| POST /update_weights_from_disk {model_path, weight_version} | POST /collective_rpc reload_weights(weights_path) + POST /update_weight_version |
+| POST /update_weights_from_disk {model_path, weight_version} | /collective_rpc lichen_load_dir + POST /update_weight_version |
+| POST /weights_checker {"action": "checksum"}   | /collective_rpc lichen_checksums (lichen.engines.vllm_worker_ext) |
+| GET /server_info                               | GET /server_info + the workers' dtype (lichen_info)          |
 | any other path                                 | the same path (vLLM's own, e.g. /update_weight_version)     |
 
 Generation (docs/engines.md#generation): token ids in and out, `logprobs: 0` (the sampled token's log-prob, which
@@ -29,6 +31,7 @@ can be aborted. The weight version of a result is the one its last tokens were s
 
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 from urllib.parse import urlencode
 
@@ -51,6 +54,7 @@ PROBED_AS = {
     "/abort_request": "/abort_requests",
     "/model_info": "/weight_info",
     "/update_weights_from_disk": "/collective_rpc",
+    "/weights_checker": "/collective_rpc",
     **SAME_MEANING,
 }
 
@@ -156,6 +160,10 @@ class VLLMClient(EngineClient):
             return await self._model_info_of(**kwargs)
         if path == "/update_weights_from_disk":
             return await self._load_from_disk(body or {}, **kwargs)
+        if path == "/weights_checker" and (body or {}).get("action") == "checksum":
+            return await self._checksums(**kwargs)
+        if path == "/server_info":
+            return await self._server_info(**kwargs)
         if path == "/release_memory_occupation":  # --offload-rollout: vLLM's sleep mode (level 1 keeps weights on host)
             return await up("POST", "/sleep", None, params={"level": "1"}, **kwargs)
         if path == "/resume_memory_occupation":  # vLLM's tags: weights, kv_cache (SGLang's cuda_graph has none)
@@ -181,16 +189,48 @@ class VLLMClient(EngineClient):
             return status, info
         return 200, {**self._model_info, "weight_version": info.get("weight_version")}
 
+    async def _rpc(self, method: str, arg: dict | None = None, **kwargs: Any) -> tuple[int, Any]:
+        """lichen's receiver in vLLM's workers (lichen.engines.vllm_worker_ext), through /collective_rpc: its one
+        JSON-string argument in, {"results": [each worker's answer]} out."""
+        body = {"method": method, "args": [] if arg is None else [json.dumps(arg)]}
+        return await super().request("POST", "/collective_rpc", body, **kwargs)
+
     async def _load_from_disk(self, body: dict, **kwargs: Any) -> tuple[int, Any]:
-        """Reload the weights in place from the HF checkpoint `model_path` (vLLM's worker reload_weights, through
-        /collective_rpc), then label them `weight_version`. The caller has paused the engine."""
+        """Load the HF checkpoint `model_path` in place through lichen's receiver (lichen_load_dir: checksums
+        recorded, packed layers re-made), then label the weights `weight_version`. The caller has paused the
+        engine."""
         path, version = body.get("model_path"), body.get("weight_version")
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
-        status, out = await super().request("POST", "/collective_rpc", rpc, **kwargs)
+        status, out = await self._rpc("lichen_load_dir", {"path": str(path)}, **kwargs)
         if status != 200:
-            return status, {"success": False, "message": f"reload_weights: {out}"}
+            return status, {"success": False, "message": f"loading {path}: {_message(out)}"}
         if version is not None:
             status, out = await super().request("POST", "/update_weight_version", {"new_version": str(version)})
             if status != 200:
-                return status, {"success": False, "message": f"update_weight_version: {out}"}
-        return 200, {"success": True, "message": f"reloaded {path}"}
+                return status, {"success": False, "message": f"update_weight_version: {_message(out)}"}
+        return 200, {"success": True, "message": f"loaded {path}"}
+
+    async def _checksums(self, **kwargs: Any) -> tuple[int, Any]:
+        """lichen serve's /weights_checker checksum answer (lichen.sync.verify): each worker's xxh3-128 digests of
+        the tensors its last update loaded."""
+        status, out = await self._rpc("lichen_checksums", **kwargs)
+        results = out.get("results") if isinstance(out, dict) else None
+        if status != 200 or not isinstance(results, list) or not results:
+            return status if status != 200 else 502, out
+        formats = {r.get("checksum_format") for r in results if isinstance(r, dict)}
+        return 200, {"checksum_format": formats.pop() if len(formats) == 1 else None, "ranks": results}
+
+    async def _server_info(self, **kwargs: Any) -> tuple[int, Any]:
+        """vLLM's /server_info with the dtype the workers serve in (lichen.sync reads it; vLLM's answer has it
+        only deep in its config)."""
+        status, info = await super().request("GET", "/server_info", **kwargs)
+        if status != 200 or not isinstance(info, dict):
+            return status, info
+        status, out = await self._rpc("lichen_info", **kwargs)
+        results = out.get("results") if isinstance(out, dict) else None
+        if status == 200 and isinstance(results, list) and results and isinstance(results[0], dict):
+            info = {**info, "dtype": str(results[0].get("dtype", "")).removeprefix("torch.")}
+        return 200, info
+
+
+def _message(body: Any) -> str:
+    return str(body.get("detail") or body.get("error") or body)[:500] if isinstance(body, dict) else str(body)[:500]

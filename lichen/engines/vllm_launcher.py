@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import lichen
 from lichen.engines.sglang_launcher import SGLangLauncher
-from lichen.engines.vllm_worker_ext import RECEIVER  # weight sync through /collective_rpc (lichen.sync.vllm_sync)
+
+# the receiver of weight syncs (lichen.sync.vllm_sync) and where it may load checkpoints from
+from lichen.engines.vllm_worker_ext import RECEIVER, WEIGHT_DIRS_ENV
 from lichen.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -199,7 +201,7 @@ class VLLMLauncher(SGLangLauncher):
         return cmd  # vLLM reads its key from the environment itself
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, **kwargs: Any) -> "VLLMLauncher":  # type: ignore[override]
+    def from_config(cls, cfg: EngineConfig, **kwargs: Any) -> "VLLMLauncher":
         """The launcher of `cfg.num_engines` vLLM servers of EngineConfig `cfg`, keyed per run."""
         python = resolve_python(cfg.vllm_python)
         multi = cfg.num_engines > 1
@@ -216,7 +218,9 @@ class VLLMLauncher(SGLangLauncher):
             return cmd
 
         pythonpath = os.pathsep.join(p for p in (lichen_path_dir(), os.environ.get("PYTHONPATH")) if p)
-        env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath, **kwargs.pop("env", {})}
+        # the only directories a server may load weights from (lichen_load_dir), as lichen serve's --weight-dir
+        dirs = os.pathsep.join(os.path.abspath(d) for d in (cfg.weight_dir, cfg.local_checkpoint_dir) if d)
+        env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath, WEIGHT_DIRS_ENV: dirs, **kwargs.pop("env", {})}
         kwargs.setdefault("keyed", True)
         log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="lichen-vllm-logs-")
         return cls(command_for, cfg.num_engines, log_dir=log_dir, env=env, **kwargs)
