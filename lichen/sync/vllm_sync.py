@@ -105,6 +105,16 @@ def make_transport(engines: Any, cfg: Any) -> Any:
     return None
 
 
+def _sent_metrics(sent: int, buckets: int, t0: float) -> dict:
+    """A push's metrics: bytes sent (the whole model: every sync is full), buckets, seconds since `t0`."""
+    return {
+        "sync/bytes": sent,
+        "sync/total_bytes": sent,
+        "sync/buckets": buckets,
+        "time/sync_transfer": time.perf_counter() - t0,
+    }
+
+
 class _VLLMSide:
     """What every vLLM transport shares: its update session, versions, checksums (mixed into the transports)."""
 
@@ -239,12 +249,7 @@ class VLLMShmSync(_VLLMSide):
                 sent += total
                 count += 1
         self.sent_checksums = sums
-        return {
-            "sync/bytes": sent,
-            "sync/total_bytes": sent,
-            "sync/buckets": count,
-            "time/sync_transfer": time.perf_counter() - t0,
-        }
+        return _sent_metrics(sent, count, t0)
 
 
 class VLLMNativeSync:
@@ -317,12 +322,7 @@ class VLLMNativeSync:
                 count += 1
             self.engines.post_each("/finish_weight_update", {"weight_version": str(version)})
         self.sent_checksums = sums
-        return {
-            "sync/bytes": sent,
-            "sync/total_bytes": sent,
-            "sync/buckets": count,
-            "time/sync_transfer": time.perf_counter() - t0,
-        }
+        return _sent_metrics(sent, count, t0)
 
     def engine_dtype(self) -> torch.dtype:
         return served_dtype(self.engines)
