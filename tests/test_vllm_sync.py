@@ -88,6 +88,7 @@ def test_cuda_protocol_request_sequence_against_a_scripted_peer():
     assert paths[:2] == ["/get_world_size?include_dp=false", "/init_weight_transfer_engine"]
     init = _Peer.calls[1][2]["init_info"]
     assert init["rank_offset"] == 1 and init["world_size"] == 3  # the trainer + the engine's 2 workers
+    assert init["packed"] is False  # the trainer's side broadcasts tensor by tensor
     assert inits == [{"master_address": "127.0.0.1", "master_port": init["master_port"], "world_size": 3}]
     one_sync = [
         "/pause?mode=abort",

@@ -286,9 +286,9 @@ class VLLMNativeSync:
         port = free_port(host)
         bodies, offset = [], 1
         for w in worlds:
-            bodies.append(
-                {"init_info": {"master_address": host, "master_port": port, "rank_offset": offset, "world_size": world}}
-            )
+            # packed false: the workers receive tensor by tensor, as _vllm_trainer_engine sends them
+            info = {"master_address": host, "master_port": port, "rank_offset": offset, "world_size": world}
+            bodies.append({"init_info": {**info, "packed": False}})
             offset += w
         pending = self.engines.post_each("/init_weight_transfer_engine", bodies, timeout=self.timeout_s, wait=False)
         self._sender = self.trainer_engine({"master_address": host, "master_port": port, "world_size": world})
@@ -334,18 +334,21 @@ class VLLMNativeSync:
 
 
 def _vllm_trainer_engine(init: dict) -> Any:
-    """vLLM's trainer-side NCCL engine (rank 0 of the group); vLLM must be importable beside the trainer."""
+    """vLLM's trainer-side NCCL endpoint (rank 0 of the group, vllm.distributed.weight_transfer.nccl_common's
+    trainer_init) broadcasting tensor by tensor, as the workers expect with `packed: false`; vLLM must be
+    importable beside the trainer."""
     try:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
     except ImportError as e:
         raise ConfigError(
-            "--update-weight-transport nccl to vLLM engines on CUDA uses vLLM's trainer-side NCCL engine: "
+            "--update-weight-transport nccl to vLLM engines on CUDA uses vLLM's trainer-side NCCL endpoint: "
             f"install vLLM beside lichen on the trainer's host ({e})"
         ) from None
-    group = NCCLWeightTransferEngine.trainer_init(init)
+    group = trainer_init(init)
 
     class _Sender:
         def send(self, names: list[str], dtype_names: list[str], shapes: list, tensors: list) -> None:
-            NCCLWeightTransferEngine.trainer_send_weights(iter(zip(names, tensors)), {"group": group, "packed": False})
+            for t in tensors:
+                group.broadcast(t, src=0, stream=torch.cuda.current_stream())
 
     return _Sender()
