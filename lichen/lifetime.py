@@ -25,15 +25,19 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 RUN_ID_ENV = "LICHEN_RUN_ID"
+# Always fresh, one per `lichen train` process: what the Ray reaper kills by. LICHEN_RUN_ID may come from the
+# user's environment (an exported one marks their shell too), this one only from the driver.
+RUN_INSTANCE_ENV = "LICHEN_RUN_INSTANCE"
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def mark_run() -> str:
     """This process' run marker: LICHEN_RUN_ID as given (letters, digits, `_.-`, at most 64), else a new uuid;
-    set in os.environ so that every child inherits it. Returns it."""
+    set in os.environ so that every child inherits it, with a fresh LICHEN_RUN_INSTANCE. Returns the run id."""
     given = os.environ.get(RUN_ID_ENV, "")
     run_id = given if _RUN_ID.fullmatch(given) else uuid.uuid4().hex
     os.environ[RUN_ID_ENV] = run_id
+    os.environ[RUN_INSTANCE_ENV] = uuid.uuid4().hex
     return run_id
 
 
@@ -67,10 +71,10 @@ def spawn(start: Callable[[], T]) -> T:
     return spawner.submit(start).result()
 
 
-def run_processes(run_id: str) -> list[int]:
-    """The pids of live processes whose environment carries LICHEN_RUN_ID=`run_id` (Linux; readable ones only).
-    Zombies (exited, not yet reaped) are not counted: they hold nothing."""
-    want = f"{RUN_ID_ENV}={run_id}".encode()
+def run_processes(run_id: str, variable: str = RUN_ID_ENV) -> list[int]:
+    """The pids of live processes whose environment carries `variable`=`run_id` (LICHEN_RUN_ID by default;
+    Linux, readable ones only). Zombies (exited, not yet reaped) are not counted: they hold nothing."""
+    want = f"{variable}={run_id}".encode()
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():

@@ -60,7 +60,10 @@ def main(argv: list[str]) -> int:
 
         sys.stdout.write(yaml.safe_dump(redact_config(resolved_config(args)), sort_keys=True, default_flow_style=False))
         return 0
+    from lichen.lifetime import mark_run
     from lichen.loop import run  # imported only now: it pulls in torch and the models
+
+    mark_run()  # LICHEN_RUN_ID, inherited by every process the run starts (docs/fault-tolerance.md)
 
     if args.async_train:  # one-step off-policy: generation of step k+1 overlaps training on step k
         from lichen.loop_async import train_loop_async

@@ -18,6 +18,7 @@ import os
 from typing import Any, Iterator
 
 from lichen.cluster.placement import BundleInfo, Layout, Placement, bundle_order, place
+from lichen.cluster.ray_reaper import start_reaper, stop_reaper
 from lichen.config.cluster_config import ClusterConfig
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
@@ -61,11 +62,13 @@ class RayCluster:
         self.cfg = cfg
         self.placement: Placement = place(layout_of(cfg))
         self.started_ray = False
+        self._reaper: Any = None  # stops the Ray started here if this process dies (lichen.cluster.ray_reaper)
         if not ray.is_initialized():
             address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
+                self._reaper = start_reaper()
                 with loopback_only():
                     ray.init(**local_ray_options(self.placement.num_bundles, local_num_cpus))
                 self.started_ray = True
@@ -121,6 +124,7 @@ class RayCluster:
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
+            stop_reaper(self._reaper)
             return
         try:
             remove_placement_group(self.pg)
@@ -128,6 +132,7 @@ class RayCluster:
             log.warning("removing the placement group: %s", e)
         if self.started_ray:
             ray.shutdown()
+            stop_reaper(self._reaper)
 
 
 # Ray's switch for its local-only mode (the default on macOS and Windows): the node's address is the loopback one,

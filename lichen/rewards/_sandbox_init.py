@@ -16,6 +16,8 @@ to expose, the control socket and cgroup fds the trainer passed) and then:
    "root") or enters a nested user namespace as uid 1000 (mode "userns"), sets no-new-privileges and
    parent-death = SIGKILL, and execs the interpreter on argv inside the work directory with a minimal environment;
 4. the launcher writes the child's stdin, waits, and exits with the child's code (128 + signal when killed).
+The launcher itself gets parent-death = SIGKILL once in its namespaces, so a trainer killed with SIGKILL leaves no
+sandbox behind (the program inside dies with the launcher).
 The new network namespace has only a downed loopback interface: no connection leaves it. A setup failure exits
 125 with a "lichen-sandbox:" line on stderr.
 """
@@ -240,6 +242,11 @@ def main():
     try:
         req = json.loads(sys.stdin.read())
         enter_namespaces(req)
+        # die with the trainer even when it is SIGKILLed (set after unshare: a user namespace changes credentials,
+        # which clears the signal); the program below has the same towards this process
+        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(pdeathsig)")
+        if os.getppid() != req.get("parent_pid", os.getppid()):
+            fail("the process that started the sandbox is gone")
         read_fd, write_fd = os.pipe()
         go_read, go_write = os.pipe()
     except BaseException as e:

@@ -258,6 +258,7 @@ async def run_sandboxed(
             "limits": config.limits.as_request(),
             "expose": config.expose,
             "control_fd": control_child.fileno(),
+            "parent_pid": os.getpid(),  # the launcher dies with this process (docs/fault-tolerance.md)
             "cgroup_fd": cgroup.procs_fd if cgroup else None,
         }
         pass_fds = (control_child.fileno(),) + ((cgroup.procs_fd,) if cgroup else ())

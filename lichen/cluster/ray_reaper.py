@@ -1,0 +1,90 @@
+"""Stops the Ray instance a `lichen train` started when that driver dies without stopping it (SIGKILL, OOM kill).
+
+Ray stops most of a local instance when its driver dies (GCS, raylet and workers fate-share with it), but not all:
+with ray 2.60 the dashboard agent and the runtime-env agent were still running 30 s after a `kill -9` of the
+driver, re-parented to init. So the driver that starts Ray also starts this reaper (`start_reaper`), a separate
+process in its own session that waits, blocked on a pipe only the driver holds:
+
+- the driver writes `done` (RayCluster.close, after ray.shutdown): the reaper exits, touching nothing;
+- the pipe ends without `done` (the driver died: the kernel closed its end): the reaper SIGTERMs every process
+  carrying the driver's own marker (LICHEN_RUN_INSTANCE, fresh in every `lichen train` and inherited from it by
+  every process of the Ray instance it started, lichen.lifetime; not LICHEN_RUN_ID, which a user may have
+  exported in the shell), waits up to `GRACE_S`, then SIGKILLs the rest, and exits.
+
+Only an instance lichen started gets a reaper: in a cluster the run joined, nothing of Ray is stopped; Ray itself
+kills the run's actors there (they are not detached: an actor's owner dying ends it), and the engine servers those
+actors started die with them (their parent-death signal).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import IO
+
+from lichen.lifetime import RUN_INSTANCE_ENV, run_processes
+
+GRACE_S = 5.0
+DONE = b"done"
+
+
+def start_reaper() -> IO[bytes] | None:
+    """Start the reaper of this process' run (needs LICHEN_RUN_INSTANCE: `lichen train` sets it); returns the pipe
+    to hand to `stop_reaper`, or None when the process carries no run marker."""
+    instance = os.environ.get(RUN_INSTANCE_ENV)
+    if not instance:
+        return None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lichen.cluster.ray_reaper", instance],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # not in the driver's process group: a Ctrl-C there must not end it first
+    )
+    assert proc.stdin is not None
+    return proc.stdin
+
+
+def stop_reaper(pipe: IO[bytes] | None) -> None:
+    """The driver stopped its Ray itself: the reaper exits without touching anything."""
+    if pipe is None:
+        return
+    try:
+        pipe.write(DONE)
+        pipe.close()
+    except OSError:  # the reaper is gone already
+        pass
+
+
+def reap(instance: str, grace: float = GRACE_S) -> int:
+    """SIGTERM, then after `grace` s SIGKILL, every process of the driver instance `instance` but this one;
+    returns how many there were."""
+
+    def others() -> list[int]:
+        return [p for p in run_processes(instance, RUN_INSTANCE_ENV) if p != os.getpid()]
+
+    found = others()
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
+        for pid in others():
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.monotonic() + wait
+        while time.monotonic() < end and others():
+            time.sleep(0.1)
+    return len(found)
+
+
+def main(argv: list[str]) -> int:
+    instance = argv[0]
+    got = sys.stdin.buffer.read()  # blocks until the driver writes `done` and closes, or dies
+    if got.startswith(DONE):
+        return 0
+    reap(instance)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
