@@ -231,7 +231,7 @@ class LichenWeightReceiver:
 
         path = os.path.realpath(str(json.loads(spec_json)["path"]))
         allowed = [os.path.realpath(d) for d in os.environ.get(WEIGHT_DIRS_ENV, "").split(os.pathsep) if d]
-        if False:  # REVERTED-FOR-TEST
+        if not any(path == d or path.startswith(d + os.sep) for d in allowed):
             raise ValueError(f"lichen_load_dir: {path!r} is not inside the weight directories this server was given")
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
