@@ -345,3 +345,32 @@ def test_ray_two_trainer_ranks_sync_into_the_vllm_engine_by_gloo(engines, ckpt, 
     syncs = [m for m in metrics if "sync/verified_tensors" in m]
     assert len(syncs) >= 3 and all(m["sync/verified_tensors"] > 0 and m["sync/transport_nccl"] == 1 for m in syncs)
     assert engines.weight_versions() == [str(syncs[-1]["sync/weight_version"])]
+
+
+# ---- the receiver's input checks (no vLLM needed: they run before anything touches the model) ------------------
+def test_the_receiver_reads_buckets_only_from_files_in_dev_shm(tmp_path):
+    import os
+
+    from lichen.engines.vllm_worker_ext import LichenWeightReceiver
+
+    receiver = LichenWeightReceiver()
+    spec = {"total": 4, "names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}
+    link = f"/dev/shm/lichen-test-{os.getpid()}"
+    os.symlink("/etc/passwd", link)  # a name in /dev/shm that leads elsewhere
+    try:
+        for path in ("/etc/passwd", str(tmp_path / "x"), link, "/dev/shm/../etc/passwd"):
+            with pytest.raises(ValueError, match="is not a file in /dev/shm"):
+                receiver.lichen_receive_shm(json.dumps({**spec, "path": path}))
+    finally:
+        os.unlink(link)
+
+
+def test_a_bucket_spec_past_its_bytes_or_with_an_unknown_dtype_is_refused():
+    from lichen.engines.vllm_worker_ext import _split
+
+    flat = torch.zeros(16, dtype=torch.uint8)
+    assert [t.shape for _, t in _split(flat, {"names": ["a"], "dtypes": ["float32"], "shapes": [[2, 2]]})] == [(2, 2)]
+    with pytest.raises(ValueError, match="past the bucket's 16"):
+        _split(flat, {"names": ["a", "b"], "dtypes": ["float32"] * 2, "shapes": [[2, 2], [1]]})
+    with pytest.raises(ValueError, match="unknown dtype 'Tensor'"):
+        _split(flat, {"names": ["a"], "dtypes": ["Tensor"], "shapes": [[1]]})
