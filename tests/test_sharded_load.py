@@ -7,6 +7,7 @@ Ranks run in torch.multiprocessing children (fresh processes: their resident hig
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -255,9 +256,12 @@ def test_each_rank_peaks_well_below_the_model_at_load(big_ckpt, tiny_ckpt, addit
             f"the model {model_bytes / 2**20:.0f} MiB"
         )
     # A rank holds half the model; a full load peaked at twice the model. The benchmark holds the strict bound
-    # (model / ranks + largest tensor + 10%); here a generous one: three quarters of the model.
+    # (model / ranks + largest tensor + 10%); here the same bound with a generous 30% (187 MiB; a full load: 512).
+    with safetensors.safe_open(os.path.join(big_ckpt, "model.safetensors"), framework="pt") as f:
+        largest = max(4 * math.prod(f.get_slice(n).get_shape()) for n in f.keys())  # fp32 bytes
+    bound = 1.3 * (model_bytes / 2 + largest)
     for got, base in zip(ranks, fixed):
-        assert got["growth"] - base["growth"] < 0.75 * model_bytes, (got["growth"], base["growth"], model_bytes)
+        assert got["growth"] - base["growth"] < bound, (got["growth"], base["growth"], bound)
 
 
 # ---- the slice reader on one process (plain tensors: the whole tensor is "owned") --------------------------------
