@@ -313,8 +313,8 @@ def report(res: dict, args) -> list[str]:
                 )
                 sb = bs + b["sync_gb"] if bs is not None else None
                 lb = bl + b["load_gb"] if bl is not None else None
-                ok = "ok" if s is not None and sb is not None and s <= sb else "OVER"
-                okl = "ok" if ld is not None and lb is not None and ld <= lb else "OVER"
+                ok = "-" if s is None or sb is None else "ok" if s <= sb else "OVER"
+                okl = "-" if ld is None or lb is None else "ok" if ld <= lb else "OVER"
                 print(
                     f"{e['params'] / 1e6:>7.1f}M {t:<9} {k:>4} {_f(s, '.2f'):>7} {_f(sb, '.2f'):>7} {ok:<4} "
                     f"{_f(ld, '.2f'):>7} {_f(lb, '.2f'):>7} {okl}"
