@@ -234,6 +234,33 @@ def test_a_tensor_changed_after_the_sender_hashed_it_is_caught(engines, ckpt, mo
     assert seen and victim in str(info.value) and "differ from the trainer's" in str(info.value), str(info.value)
 
 
+def test_the_health_probe_catches_a_hung_engine_core_that_vllm_health_calls_healthy(engines):
+    """vLLM's /health checks only that its engine core has not died: a hung one (SIGSTOP) still answers 200. The
+    health monitor's probe through VLLMClient generates one token, as SGLang's /health_generate does."""
+    import os
+    import signal
+    import urllib.request
+
+    import psutil
+
+    from lichen.engines.health import HealthMonitor
+
+    server = psutil.Process(engines.launcher.servers[0].proc.pid)
+    cores = [p for p in server.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, [(p.pid, p.name(), p.cmdline()) for p in server.children(recursive=True)]
+    monitor = HealthMonitor(engines, timeout=5.0)
+    assert engines.run(monitor.probe(0)) == (True, "")
+    os.kill(cores[0].pid, signal.SIGSTOP)
+    try:
+        with urllib.request.urlopen(engines.urls[0] + "/health", timeout=30) as r:
+            assert r.status == 200  # vLLM itself: healthy
+        healthy, why = engines.run(monitor.probe(0))
+    finally:
+        os.kill(cores[0].pid, signal.SIGCONT)
+    assert not healthy and "no answer within 5 s" in why, why
+    assert engines.run(monitor.probe(0)) == (True, "")
+
+
 # ---- a training run, the engine killed mid-rollout ---------------------------------------------------------------
 SEEN: dict = {}
 

@@ -12,7 +12,7 @@ answer back, so everything above it is the same for every backend:
 | POST /abort_request {rid} / {abort_all}        | POST /abort_requests {request_ids: [PREFIX + rid]} / {}     |
 | GET /flush_cache                               | POST /reset_prefix_cache                                    |
 | GET /model_info                                | GET /v1/models + GET /weight_info                           |
-| GET /health_generate                           | GET /health                                                 |
+| GET /health_generate                           | POST /inference/v1/generate, one token (vLLM's /health misses a hung engine core) |
 | POST /release_memory_occupation                | POST /sleep?level=1 (--offload-rollout; CUDA only)          |
 | POST /resume_memory_occupation {tags}          | POST /wake_up?tags=weights&tags=kv_cache                    |
 | POST /update_weights_from_disk {model_path, weight_version} | /collective_rpc lichen_load_dir + POST /update_weight_version |
@@ -44,9 +44,11 @@ REQUEST_ID_PREFIX = "generate-tokens-"
 # SGLang path -> vLLM path, where only the path differs (bodies translated in VLLMClient.request)
 SAME_MEANING = {
     "/continue_generation": "/resume",
-    "/health_generate": "/health",
     "/flush_cache": "/reset_prefix_cache",
 }
+# GET /health_generate -> one greedy token from token 0: vLLM's /health reports only an engine core that died
+# (EngineDeadError), and answers 200 while a hung (e.g. SIGSTOPped) engine core holds every request forever
+HEALTH_PROBE = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "temperature": 0.0, "detokenize": False}}
 # What has_endpoint probes for an SGLang path vLLM answers through another (or several) of its own.
 PROBED_AS = {
     "/generate": GENERATE,
@@ -55,6 +57,7 @@ PROBED_AS = {
     "/model_info": "/weight_info",
     "/update_weights_from_disk": "/collective_rpc",
     "/weights_checker": "/collective_rpc",
+    "/health_generate": GENERATE,
     **SAME_MEANING,
 }
 
@@ -144,9 +147,10 @@ class VLLMClient(EngineClient):
     ) -> tuple[int, Any]:
         """EngineClient.request with SGLang's paths and bodies translated to vLLM's (answers translated back)."""
         up = super().request
+        if path == "/health_generate":  # the health monitor's probe: SGLang's generates one token
+            return await up("POST", GENERATE, HEALTH_PROBE, params=params, **kwargs)
         if path in SAME_MEANING:
-            method = "POST" if path != "/health_generate" else "GET"
-            return await up(method, SAME_MEANING[path], {} if method == "POST" else None, params=params, **kwargs)
+            return await up("POST", SAME_MEANING[path], {}, params=params, **kwargs)
         if path == "/pause_generation":
             mode = "keep" if (body or {}).get("mode") in ("in_place", "retract") else "abort"
             return await up("POST", "/pause", None, params={"mode": mode}, **kwargs)
