@@ -140,3 +140,70 @@ def test_engines_added_mid_run_wait_for_the_next_sync(tiny_ckpt, tmp_path, caplo
         engines.close()
         external.stop()
     assert not any(launcher.alive())
+
+
+def test_pool_flags(tiny_ckpt, addition_data, tmp_path):
+    from helpers.runs import base_args
+
+    from lichen.config import parse_train_args
+    from lichen.config.engine_config import EngineConfig
+    from lichen.errors import ConfigError
+
+    engines = ["--num-rollout", "1", "--rollout-num-engines", "2", "--update-weight-transport", "disk"]
+    engines += ["--update-weight-disk-dir", str(tmp_path / "w")]
+
+    def parse(*extra):
+        return parse_train_args(base_args(tiny_ckpt, addition_data, tmp_path / "o", *engines, *extra)[1:])
+
+    cfg = EngineConfig.from_args(parse("--use-fault-tolerance"))
+    assert (cfg.min_healthy, cfg.max_failed_restarts) == (1, 3)
+    assert cfg.control_file == str(tmp_path / "o" / "engines.add")
+    args = parse("--use-fault-tolerance", "--min-healthy-engines", "2", "--rollout-max-failed-restarts", "5")
+    assert (args.min_healthy_engines, args.rollout_max_failed_restarts) == (2, 5)
+    for extra, text in [
+        (["--min-healthy-engines", "1"], "--min-healthy-engines only applies with --use-fault-tolerance"),
+        (["--rollout-max-failed-restarts", "2"], "--rollout-max-failed-restarts only applies with"),
+        (["--use-fault-tolerance", "--min-healthy-engines", "0"], "--min-healthy-engines must be >= 1, got 0"),
+        (["--use-fault-tolerance", "--rollout-max-failed-restarts", "0"], "--rollout-max-failed-restarts must be"),
+        (["--use-fault-tolerance", "--min-healthy-engines", "3"], "is more than the run's 2 engine(s)"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            parse(*extra)
+        assert text in str(info.value), str(info.value)
+
+
+def test_a_hostile_control_file_is_refused_without_hanging(tmp_path, caplog):
+    """The control file is read from the engines' event loop: a FIFO planted there must not block it, a link must
+    not make lichen read (or quote) another file, and a line being written is not read half."""
+    from types import SimpleNamespace
+
+    from lichen.engines.pool import EnginePool
+
+    control = tmp_path / "engines.add"
+    engines = SimpleNamespace(clients=[], router=SimpleNamespace(in_rotation=list))
+    pool = EnginePool(engines, control_file=str(control))
+
+    def read_lines() -> list:
+        out: list = []
+        reader = threading.Thread(target=lambda: out.append(pool.read_new_lines()), daemon=True)
+        reader.start()
+        reader.join(30)
+        assert not reader.is_alive(), "reading the control file hangs"
+        return out[0]
+
+    os.mkfifo(control)
+    assert read_lines() == [] and read_lines() == []
+    control.unlink()
+    secret = tmp_path.parent / f"{tmp_path.name}-secret"
+    secret.write_text("http://10.0.0.1:1\n")
+    control.symlink_to(secret)
+    assert read_lines() == []
+    control.unlink()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and "not a regular file" in errors[0] and "outside its directory" in errors[1], errors
+    assert "10.0.0.1" not in " ".join(errors)
+    control.write_text("http://127.0.0.1:9\nlaunch")  # the second line has no newline yet
+    assert read_lines() == [(1, "http://127.0.0.1:9")]
+    with open(control, "a") as f:
+        f.write("\n")
+    assert read_lines() == [(2, "launch")]

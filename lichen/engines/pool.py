@@ -6,7 +6,7 @@ below which the run stops, and engines added while the run goes on (docs/fault-t
   If fewer than `min_healthy` engines are left that are not retired, the run stops with one line
   (EnginesBelowFloor, a RunError): every request, and every one waiting for an engine, fails with it.
 - Adding: the control file (`<output dir>/engines.add`) is read every health-check interval. Each new line
-  (the file is append-only: lines already read are not read again) is
+  (the file is append-only: lines already read are not read again; a line counts once its newline is written) is
     - an engine server's address (`http://host:port` or `host:port`): lichen connects to it with the external
       engines' keys (--rollout-external-engine-api-key-file / $LICHEN_ENGINE_API_KEY), or
     - `launch`: lichen starts one more server as it started the others (launched runs only);
@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from lichen.engines.client import EngineError, normalize_url
 from lichen.observe.metrics import get_logger
+from lichen.safe_files import UnsafeFile, read_inside
 
 log = get_logger(__name__)
 
@@ -59,6 +60,7 @@ class EnginePool:
         self.retired: list[int] = []
         self.added = 0
         self._lines_read = 0
+        self._refused: str | None = None  # why the control file was last refused (each reason reported once)
 
     # ---- retiring -----------------------------------------------------------------------------------------
     def restart_succeeded(self, index: int) -> None:
@@ -97,17 +99,18 @@ class EnginePool:
     def read_new_lines(self) -> list[tuple[int, str]]:
         """(line number, text) of the control file's lines not read before; a bad file gets one error."""
         path = self.control_file
-        if not path or not os.path.exists(path):
+        if not path or not os.path.lexists(path):
             return []
-        try:
-            if os.path.getsize(path) > MAX_CONTROL_BYTES:
-                raise ValueError(f"over {MAX_CONTROL_BYTES} bytes")
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-            log.error("engine control file %s cannot be read (%s); fix or remove it", path, _first_line(e))
-            self._lines_read = max(self._lines_read, 0)
+        try:  # a regular file inside the output directory: a FIFO or a link planted there cannot hang or leak
+            raw = read_inside(os.path.dirname(path) or ".", os.path.basename(path), MAX_CONTROL_BYTES)
+            text = raw.decode("utf-8")
+            lines = text[: text.rfind("\n") + 1].splitlines()  # a last line still being written waits
+        except (UnsafeFile, UnicodeDecodeError) as e:
+            if self._refused != _first_line(e):  # once per reason, not every interval
+                log.error("engine control file %s not read: %s; fix or remove it", path, _first_line(e))
+            self._refused = _first_line(e)
             return []
+        self._refused = None
         if len(lines) < self._lines_read:
             log.error(
                 "engine control file %s has %d lines, %d were read before: lines are only appended, never removed; "
@@ -141,7 +144,10 @@ class EnginePool:
         if text == LAUNCH:
             launcher = engines.launcher
             if launcher is None or not hasattr(launcher, "add"):
-                raise ValueError("'launch' needs engines lichen launched (--rollout-num-engines); give an address")
+                raise ValueError(
+                    "'launch' starts one more lichen serve engine, for runs that launched theirs "
+                    "(--rollout-num-engines, lichen backend, local runtime); give an address instead"
+                )
             url = await asyncio.get_running_loop().run_in_executor(None, launcher.add)
             keys: tuple[str | None, str | None] = (None, None)  # the run's own (the clients default to them)
         else:
