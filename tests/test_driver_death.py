@@ -23,6 +23,7 @@ import pytest
 from helpers.runs import base_args
 
 from lichen.lifetime import run_processes
+from lichen.observe.metrics import read_metrics
 
 GONE_WITHIN_S = 30.0
 HOLD_ENV = "LICHEN_TEST_HOLD_AFTER_CHECKPOINT"  # a directory: the reward holds the run once it has a checkpoint
@@ -157,6 +158,10 @@ def test_kill_9_of_a_local_run_leaves_nothing(tiny_ckpt, addition_data, tmp_path
         assert len(restarted) == 2 and first[0] not in restarted, [cmdline(p) for p in run_processes(run_id)]
 
     kill_held_run(argv, save, tmp_path, restart_an_engine)
+    # the pool's metrics of both runs' steps (the killed run's first, the resumed run's)
+    pool = [{k: m[k] for k in m if k.startswith("engines/")} for m in read_metrics(str(tmp_path / "out"))]
+    pool = [p for p in pool if p]
+    assert pool and all(p == {"engines/healthy": 2.0, "engines/retired": 0.0, "engines/added": 0.0} for p in pool)
 
 
 @pytest.mark.slow
