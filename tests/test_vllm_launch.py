@@ -238,3 +238,19 @@ def test_the_key_guard_closes_every_path_but_health():
     assert _asgi_status(guard, "/pause", "OPTIONS") == 200
     with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
         KeyGuard(app, key="")
+
+
+def test_a_ray_engine_actor_starts_one_vllm_server_on_its_gpus_with_the_run_s_key(ckpt, addition_data, tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
+    from lichen.cluster.engine_actors import EngineHostImpl, engine_env
+    from lichen.engines.auth import SERVE_KEY_ENV
+
+    cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--vllm-python", _python(tmp_path))
+    keys = {SERVE_KEY_ENV: "run-key"}
+    actor = EngineHostImpl(cfg, 1, [6, 7], "10.0.0.1", keys)
+    launcher = actor._vllm_launcher("10.0.0.7", engine_env(keys, [6, 7]), str(tmp_path / "logs"))
+    assert launcher.num_engines == 1 and launcher.host == "10.0.0.7"
+    assert launcher.api_key == launcher.env["VLLM_API_KEY"] == "run-key" and SERVE_KEY_ENV not in launcher.env
+    assert launcher.env["CUDA_VISIBLE_DEVICES"] == "6,7"  # the actor's GPUs; no per-engine slicing on top
+    cmd = launcher.command_for(0, 31000)
+    assert cmd[0] == _python(tmp_path) and cmd[cmd.index("--host") + 1] == "10.0.0.7" and "run-key" not in cmd

@@ -1,5 +1,6 @@
-"""Engine servers started by Ray actors on their placement bundles: `lichen serve`, or SGLang with
-`--rollout-engine-backend sglang`.
+"""Engine servers started by Ray actors on their placement bundles: `lichen serve`, SGLang with
+`--rollout-engine-backend sglang`, or vLLM with `--rollout-engine-backend vllm` (lichen.engines.vllm_launcher, one
+engine per actor, the run's key in VLLM_API_KEY).
 
 Each `EngineHost` actor sits on its engine's first bundle and runs one server through lichen.engines.launcher or
 lichen.engines.sglang_launcher (so the server dies with its actor, logs under <output>/engines/engine_<i>/, gets
@@ -78,6 +79,8 @@ class EngineHostImpl:
         env = engine_env(self.keys, self.gpu_ids)
         if _backend(cfg) == "sglang":
             self.launcher = self._sglang_launcher(host, env, log_dir)
+        elif _backend(cfg) == "vllm":
+            self.launcher = self._vllm_launcher(host, env, log_dir)
         else:
             self.launcher = EngineLauncher(
                 cfg.model_path,
@@ -110,6 +113,17 @@ class EngineHostImpl:
         launcher.api_key = launcher.env[SERVE_KEY_ENV] = self.keys[SERVE_KEY_ENV]
         return launcher
 
+    def _vllm_launcher(self, host: str, env: dict[str, str], log_dir: str | None) -> Any:
+        """vLLM (lichen.engines.vllm_launcher) for this actor's one engine, with the run's key."""
+        from lichen.engines.vllm_launcher import VLLMLauncher
+
+        launcher = VLLMLauncher.from_config(
+            self.cfg, num_engines=1, host=host, env=env, log_dir=log_dir, ready_timeout=SGLANG_READY_TIMEOUT_S
+        )
+        launcher.api_key = launcher.env[launcher.key_env] = self.keys[SERVE_KEY_ENV]
+        launcher.env.pop(SERVE_KEY_ENV, None)  # the key travels in vLLM's own variable only
+        return launcher
+
     def restart(self) -> str:
         return self.launcher.restart(0)
 
@@ -139,9 +153,9 @@ class RayEngineSet:
         import ray
 
         self.cluster, self.cfg = cluster, cfg
-        sglang = _backend(cfg) == "sglang"
-        self.api_key, self.admin_api_key = new_key(), None if sglang else new_key()
-        self.ready_timeout = SGLANG_READY_TIMEOUT_S if sglang else READY_TIMEOUT_S
+        external = _backend(cfg) in ("sglang", "vllm")  # one key on every path; their start takes minutes
+        self.api_key, self.admin_api_key = new_key(), None if external else new_key()
+        self.ready_timeout = SGLANG_READY_TIMEOUT_S if external else READY_TIMEOUT_S
         self._host_cls = ray.remote(EngineHostImpl)
         self.actors: list[Any] = [self._make(i) for i in range(len(cluster.placement.engines))]
 

@@ -201,14 +201,19 @@ class VLLMLauncher(SGLangLauncher):
         return cmd  # vLLM reads its key from the environment itself
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, **kwargs: Any) -> "VLLMLauncher":
-        """The launcher of `cfg.num_engines` vLLM servers of EngineConfig `cfg`, keyed per run."""
+    def from_config(
+        cls, cfg: EngineConfig, *, num_engines: int | None = None, host: str = "127.0.0.1", **kwargs: Any
+    ) -> "VLLMLauncher":
+        """The launcher of `cfg.num_engines` vLLM servers of EngineConfig `cfg`, keyed per run. `num_engines` /
+        `host`: one engine of a Ray engine actor (lichen.cluster.engine_actors), which binds its node's address and
+        whose CUDA_VISIBLE_DEVICES the actor sets."""
         python = resolve_python(cfg.vllm_python)
-        multi = cfg.num_engines > 1
+        count = cfg.num_engines if num_engines is None else num_engines
+        multi = count > 1
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
         def command_for(i: int, port: int) -> list[str]:
-            cmd = build_vllm_command(cfg, port=port, python=python)
+            cmd = build_vllm_command(cfg, port=port, host=host, python=python)
             if multi:  # each engine its own GPUs; `env` keeps the per-engine variable out of the shared env
                 cmd = [
                     shutil.which("env") or "/usr/bin/env",
@@ -222,5 +227,5 @@ class VLLMLauncher(SGLangLauncher):
         dirs = os.pathsep.join(os.path.abspath(d) for d in (cfg.weight_dir, cfg.local_checkpoint_dir) if d)
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath, WEIGHT_DIRS_ENV: dirs, **kwargs.pop("env", {})}
         kwargs.setdefault("keyed", True)
-        log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="lichen-vllm-logs-")
-        return cls(command_for, cfg.num_engines, log_dir=log_dir, env=env, **kwargs)
+        log_dir = kwargs.pop("log_dir", None) or cfg.log_dir or tempfile.mkdtemp(prefix="lichen-vllm-logs-")
+        return cls(command_for, count, log_dir=log_dir, env=env, host=host, **kwargs)
