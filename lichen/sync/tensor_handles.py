@@ -41,7 +41,6 @@ from torch.multiprocessing import reductions
 
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
-from lichen.sync.distributed import engine_nbytes
 from lichen.sync.senders import InProcessSender
 from lichen.weights.rank_send import engine_nbytes_of, plan_meta_buckets
 from lichen.weights.wire import dtype_name
@@ -107,15 +106,13 @@ def shm_free_bytes(path: str = SHM_DIR) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def fill_bucket(
-    bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+def alloc_bucket(
+    specs: list[tuple[str, list[int], torch.dtype]], dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """One flat uint8 tensor holding `bucket` cast to `dtype` (floating tensors), in shared memory on CPU; returns
-    it and the (name, view of it) pairs to serialize."""
-    offsets, total = [], 0
-    for _, t in bucket:
-        offsets.append(total)
-        total += _aligned(engine_nbytes(t, dtype))
+    """One flat uint8 tensor with room for the tensors `specs` ((name, shape, trainer dtype)) in `dtype` (floating
+    ones; others keep theirs), in shared memory on CPU, unwritten; returns it and the (name, view of it) pairs."""
+    sizes = [engine_nbytes_of(shape, dtype_name(src), dtype) for _, shape, src in specs]
+    total = sum(_aligned(size) for size in sizes)
     if device.type == "cpu":
         free = shm_free_bytes()
         if free is not None and total > free:  # writing past a full tmpfs kills the process (SIGBUS), not an error
@@ -127,12 +124,22 @@ def fill_bucket(
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     if device.type == "cpu":
         flat.untyped_storage()._share_filename_cpu_()  # into /dev/shm before any byte is written
-    views = []
-    for (name, t), off in zip(bucket, offsets):
-        want = dtype if t.is_floating_point() else t.dtype
-        view = flat[off : off + engine_nbytes(t, dtype)].view(want).view(t.shape)
+    views, off = [], 0
+    for (name, shape, src), size in zip(specs, sizes):
+        want = dtype if src.is_floating_point else src
+        views.append((name, flat[off : off + size].view(want).view(tuple(int(d) for d in shape))))
+        off += _aligned(size)
+    return flat, views
+
+
+def fill_bucket(
+    bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """One flat uint8 tensor holding `bucket` cast to `dtype` (floating tensors), in shared memory on CPU; returns
+    it and the (name, view of it) pairs to serialize."""
+    flat, views = alloc_bucket([(n, list(t.shape), t.dtype) for n, t in bucket], dtype, device)
+    for (_, t), (_, view) in zip(bucket, views):
         view.copy_(t.detach())
-        views.append((name, view))
     return flat, views
 
 

@@ -268,25 +268,35 @@ class RankSender:
 
         import torch.distributed as dist
 
-        from lichen.sync.tensor_handles import fill_bucket, serialize
+        from lichen.sync.tensor_handles import alloc_bucket, serialize
 
         self.tensor_release()
         dtype = parse_dtype(engine_dtype)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        mine = [j for j in range(int(entries)) if j % world == rank]
-        bucket = list(self.gathered(names, dtype))  # a collective per tensor: every rank, the same names
-        t0 = time.perf_counter()
-        handles: dict[int, str] = {}
-        if mine:
-            device = bucket[0][1].device if bucket[0][1].is_cuda else torch.device("cpu")
-            flat, views = fill_bucket(bucket, dtype, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the engine reads the bytes through its own stream
-            handles = {j: serialize(views) for j in mine}  # each its own reference, released by its engine
+        mine = [j for j in range(int(entries)) if j % world == rank]  # rank 0 always serves entry 0
+        rows = {row[0]: row for row in self._meta()}
+        views: list[tuple[str, torch.Tensor]] = []
+        if mine:  # the bucket's memory first, then each full tensor copied (cast) into it and dropped
+            on_cuda = rows[names[0]][3] == "cuda"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+            specs = [(n, rows[n][1], parse_dtype(rows[n][2])) for n in names]
+            flat, views = alloc_bucket(specs, dtype, device)
             self._held = (flat, views)
-        fill_s = time.perf_counter() - t0
-        sums = {name: tensor_checksum(t) for name, t in bucket} if rank == 0 else {}
-        del bucket
+        sums: dict[str, str] = {}
+        fill_s = 0.0
+        for i, (name, t) in enumerate(self._gather(names)):  # a collective per tensor: every rank, the same names
+            if views:
+                t0 = time.perf_counter()
+                views[i][1].copy_(t.detach())
+                fill_s += time.perf_counter() - t0
+            if rank == 0:
+                sums[name] = tensor_checksum(views[i][1])  # the bytes the engines will read
+            del t
+        handles: dict[int, str] = {}
+        if views:
+            if views[0][1].is_cuda:
+                torch.cuda.synchronize(views[0][1].device)  # the engine reads the bytes through its own stream
+            handles = {j: serialize(views) for j in mine}  # each its own reference, released by its engine
         parts: list[Any] = [None] * world
         if world > 1:
             dist.gather_object(handles, parts if rank == 0 else None, dst=0)
