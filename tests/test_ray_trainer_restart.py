@@ -82,6 +82,10 @@ def _argv(tiny_ckpt, data, tmp_path, name: str, triggers: str, *extra: str, step
         str(tmp_path / f"{name}_ckpt"),
         "--save-interval",
         "2",  # checkpoints after steps 2 and 3 (the last)
+        # written before the step goes on: with --async-save the ranks may still be writing step 2's checkpoint
+        # when the kill at step 3 comes, and then it is lost (the run goes back to step 0, correctly, but which
+        # of the two happens would depend on timing)
+        "--no-async-save",
         "--log-samples",
         "16",  # every sample of a step (4 prompts x 4)
         "--custom-advantage-function-path",
