@@ -21,6 +21,7 @@ import copy
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from lichen.errors import RunError
@@ -96,9 +97,19 @@ class Snapshot:
             else:
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
-        buf.copy_(t, non_blocking=t.is_cuda)
-        self._on_cuda = self._on_cuda or t.is_cuda
+        if t.device.type == "cpu" and t.is_contiguous() and buf.is_contiguous():
+            _copy_bytes(buf, t)
+        else:
+            buf.copy_(t, non_blocking=t.is_cuda)
+            self._on_cuda = self._on_cuda or t.is_cuda
         return buf
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst` = `src` (contiguous CPU tensors of one shape and dtype) as one single-threaded memcpy. torch's copy_
+    splits a large copy over its intra-op threads, which on a loaded CPU wait on each other: 240 MB took 0.1-0.4 s
+    with 2 threads against 0.03-0.07 s with one (measured at load average 15-25 on 2 cores)."""
+    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
 
 class BackgroundWrite:
