@@ -12,7 +12,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from helpers.dist_ranks import config, free_port, run_ranks, trainer_argv
+from helpers.dist_ranks import config, free_port, run_ranks, step_batch, trainer_argv
 
 SMALL_FILES = 64 * 1024  # a file size that splits the tiny model into several files (an index)
 
@@ -29,19 +29,31 @@ def export_worker(rank: int, world_size: int, argv: list[str], port: int, out: s
     torch.set_num_threads(1)
     cfg, args = config(argv)
     t = dt.DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    lora = cfg.lora is not None
+    if lora:  # a step, so B != 0 and the merged policy differs from the base
+        t.train(0, step_batch(t.model.cfg.vocab_size, 0))
     real_full, real_save = fsdp.full_weights, safetensors.torch.save_file
 
     def refuse(*a, **k):
         raise AssertionError("the streamed export built a whole-model dict")
 
+    def adapters_only(tensors, *a, **k):  # LoRA's adapter file (a few tensors) is written from a dict, as before
+        if not all("lora_" in n for n in tensors):
+            refuse()
+        return real_save(tensors, *a, **k)
+
     fsdp.full_weights = refuse
-    safetensors.torch.save_file = refuse
+    safetensors.torch.save_file = adapters_only
     t.save(os.path.join(out, "ckpt"), 0)  # hf/ at the default file size
     dt.plan_shards = lambda state: hf_io.plan_shards(state, SMALL_FILES)
     t._stream_hf(os.path.join(out, "small_stream"))
     fsdp.full_weights, safetensors.torch.save_file = real_full, real_save
     weights = fsdp.full_weights(t.model)
     if rank == 0:
+        if lora:  # the multi-rank LoRA save before streaming: the adapters and the merge from the gathered state
+            from lichen.train import lora as lora_mod
+
+            weights = lora_mod.export_rank0(t.actor, weights, os.path.join(out, "whole", "lora"), 0, cfg.hf_checkpoint)
         write_hf_exports(weights, os.path.join(out, "whole"), 0, cfg)
         with open(os.path.join(cfg.hf_checkpoint, "config.json")) as f:
             hf_config = json.load(f)
@@ -62,9 +74,11 @@ def _tensors(d: str) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["lichen", "hf"])
+@pytest.mark.parametrize("impl", ["lichen", "hf", "lora"])
 def test_streamed_export_equals_the_whole_dict_export(tiny_ckpt, addition_data, tmp_path, impl):
-    extra = ["--model-impl", "hf"] if impl == "hf" else []
+    extra = {"lichen": [], "hf": ["--model-impl", "hf"], "lora": ["--use-lora", "--lora-rank", "4", "--lr", "0.05"]}[
+        impl
+    ]
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
     config(argv)
     run_ranks(export_worker, 2, argv, free_port(), str(tmp_path))
@@ -80,6 +94,14 @@ def test_streamed_export_equals_the_whole_dict_export(tiny_ckpt, addition_data, 
             assert a[f].keys() == b[f].keys(), f
             for name in a[f]:
                 assert a[f][name].dtype == b[f][name].dtype and torch.equal(a[f][name], b[f][name]), (f, name)
+    if impl == "lora":  # lora/: the same adapters and config as the gathered-state save wrote
+        ours, theirs = tmp_path / "ckpt" / "iter_0000000" / "lora", tmp_path / "whole" / "lora"
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+        a, b = _tensors(str(ours)), _tensors(str(theirs))
+        assert a.keys() == b.keys() and all(torch.equal(a[f][n], b[f][n]) for f in a for n in a[f])
+        base = safetensors.torch.load_file(os.path.join(tiny_ckpt, "model.safetensors"))
+        merged = _tensors(str(tmp_path / "ckpt" / "iter_0000000" / "hf"))["model.safetensors"]
+        assert any(not torch.equal(merged[n], base[n]) for n in merged if n.endswith("q_proj.weight"))
     index = "model.safetensors.index.json"
     small = json.loads((tmp_path / "small_stream" / index).read_text())
     assert small == json.loads((tmp_path / "small_whole" / index).read_text())

@@ -56,7 +56,6 @@ from lichen.train.checkpoint import (
     SavedTrainer,
     iter_dir,
     warn_fresh_optimizer,
-    write_hf_exports,
 )
 from lichen.train.ckpt_integrity import CheckpointDamaged, checkpoint_files, file_entries, read_inside, verify
 from lichen.train.log_probs import LogProbs
@@ -335,19 +334,12 @@ class DistTrainer:
         manifest, meta.json and `latest`."""
         d = iter_dir(ckpt_dir, rollout_id)
         dcp.save(self._sharded_state(optimizer=not self.cfg.no_save_optim), checkpoint_id=os.path.join(d, DIST_DIR))
-        if self.cfg.lora is not None:  # hf/ is the merged policy; lora/ the adapters (as a single-rank save)
-            with self.memory.weights_resident():  # the HF export keeps buffers and both names of tied weights
-                weights = fsdp.full_weights(self.actor.model)
-            if weights is not None:  # rank 0
-                from lichen.train import lora
-
-                weights = lora.export_rank0(
-                    self.actor, weights, os.path.join(d, LORA_DIR), rollout_id, self.cfg.hf_checkpoint
-                )
-                write_hf_exports(weights, d, rollout_id, self.cfg)  # hf/, and --save-hf's copy
-        else:
-            with self.memory.weights_resident():
-                self._export_hf(d, rollout_id)
+        with self.memory.weights_resident():
+            if self.cfg.lora is not None:  # lora/ (and --save-lora) the adapters, gathered: they are small
+                self._save_adapters(d, rollout_id)
+            self._export_hf(d, rollout_id)  # with LoRA the merged policy, merged as it streams
+            if self.cfg.lora is not None and self.cfg.lora.save_merged_hf:
+                self._stream_hf(self.cfg.lora.save_merged_hf.format(rollout_id=rollout_id))
         dist.barrier()  # every rank's shards are written before they are hashed
         return SavedTrainer(self._hash_files(d), world_size=self.world_size)
 
@@ -366,12 +358,21 @@ class DistTrainer:
         and rank 0 appends it to the file being written, so no rank holds more than one full tensor."""
         # this rank's shards (DTensors report their global shapes), or --async-save's gathered copies (rank 0)
         state = self.actor.model.state_dict() if full_tensors is None else full_tensors
-        plan = plan_shards(state)
+        sources = None
+        if self.cfg.lora is not None and full_tensors is None:  # the merged policy, as lora.merge_state exports it
+            from lichen.train import lora
 
-        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            sources = lora.merged_sources(self.actor.model, list(state))
+        shapes = state if sources is None else {n: state[base] for n, (base, _) in sources.items()}
+        plan = plan_shards(shapes)
+
+        def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
                 t = state[name].detach()
                 yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            return gathered(names) if sources is None else lora.gather_merged(gathered, sources, names)
 
         if self.rank != 0:
             for names in plan:  # the same collectives as rank 0's writes, in the same order
@@ -380,12 +381,27 @@ class DistTrainer:
             return
 
         def write_file(names: list[str], path: str, header: dict[str, str]) -> int:
-            rows = [(n, list(state[n].shape), state[n].dtype) for n in names]
+            rows = [(n, list(shapes[n].shape), shapes[n].dtype) for n in names]
             return write_streamed(path, rows, full(names), header)
 
         with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
             config = json.load(f)
         write_hf_shards(plan, _never, out, config=config, copy_files_from=self.cfg.hf_checkpoint, write_file=write_file)
+
+    def _save_adapters(self, d: str, rollout_id: int) -> None:
+        """LoRA: the adapters (every rank gathers them; a few MB) as peft's adapter directory in checkpoint `d`'s
+        lora/ and at --save-lora, written by rank 0 (lichen.train.lora.save_adapter, as a single-rank save)."""
+        from lichen.train import lora
+
+        model, lcfg = self.actor.model, self.cfg.lora
+        assert lcfg is not None
+        adapters = dict(fsdp.full_tensors(model, [n for n, _ in model.named_parameters() if ".lora_" in n]))
+        if self.rank == 0:
+            lora.save_adapter(model, lcfg, os.path.join(d, LORA_DIR), self.cfg.hf_checkpoint, adapters)
+            if lcfg.save_lora:
+                lora.save_adapter(
+                    model, lcfg, lcfg.save_lora.format(rollout_id=rollout_id), self.cfg.hf_checkpoint, adapters
+                )
 
     def save_async(self, ckpt_dir: str, rollout_id: int) -> bool:
         """--async-save: `save`'s files, staged here and written in the background (lichen.train.rank_ckpt_async);

@@ -22,7 +22,7 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import safetensors.torch
 import torch
@@ -225,12 +225,14 @@ def merge_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def merged_sources(model: nn.Module) -> dict[str, MergedSource]:
-    """Each tensor of the merged policy (the engines' names, in merged_named_weights' order) -> (the parameter of
-    the adapted `model` holding its base value, and for an adapted weight (its lora_A, its lora_B parameter names,
-    the LoRA layer)): what a sender gathers to build it."""
+def merged_sources(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, MergedSource]:
+    """Each tensor of the merged policy (the engines' names, in merged_named_weights' order; or, with `names`, the
+    adapted model's state-dict names, as merge_state's export) -> (the tensor of the adapted `model` holding its
+    base value, and for an adapted weight (its lora_A, its lora_B parameter names, the LoRA layer)): what a sender
+    or a streamed export gathers to build it."""
     adapted = _adapted_with_names(model)
-    return dict(src for name, _ in model.named_parameters() if (src := _source(name, adapted)) is not None)
+    names = [n for n, _ in model.named_parameters()] if names is None else names
+    return dict(src for name in names if (src := _source(name, adapted)) is not None)
 
 
 @torch.no_grad()
