@@ -461,8 +461,9 @@ def test_sigterm_answers_in_flight_requests_then_exits_0(server):
     call(server.url + "/pause_generation", {"mode": "in_place"})
     held, held_res = in_thread(gen, server, {"input_ids": [7], "sampling_params": {"max_new_tokens": 3}})
     held.join(0.3)
-    t0 = time.monotonic()
-    assert server.stop() == 0 and time.monotonic() - t0 < 5
+    # exit code 0: it left on SIGTERM by itself (stop() kills it after `grace`, a -9); no wall-clock bound, which
+    # failed under load (9.3 s at load average ~30 against a 5 s bound)
+    assert server.stop(grace=60) == 0
     for thread, out in ((th, res), (held, held_res)):
         thread.join(10)
         st, body = out["r"]
