@@ -2,8 +2,6 @@
 (docs/architecture.md#engine-protocol), checked against
 an in-process full forward of the same checkpoint, plus the OpenAI-compatible endpoints and shutdown."""
 
-import time
-
 import pytest
 import torch
 from helpers.serve_checks import full_forward, gen, in_thread, server_and_reference, wait_running
