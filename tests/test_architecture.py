@@ -29,6 +29,7 @@ SHARED = {
     "key_files",
     "safe_files",
     "excerpt",
+    "lifetime",
     "lichen",
 }
 ANYTHING = None
@@ -61,6 +62,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "key_files": set(),
     "safe_files": set(),
     "excerpt": set(),
+    "lifetime": set(),
     "observe": {"types", "safe_files"},
     "lichen": set(),
 }

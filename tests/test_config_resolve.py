@@ -246,6 +246,12 @@ DEFAULTS = {
     "save_hf": None,
     "sglang_config": None,
     "sglang_frozen_models": (),
+    # engines, vLLM and fault tolerance (docs/engines.md, docs/fault-tolerance.md)
+    "vllm_python": None,
+    "rollout_max_failed_restarts": None,
+    "min_healthy_engines": None,
+    "max_trainer_restarts": None,
+    "async_save": True,
 }
 
 

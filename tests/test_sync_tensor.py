@@ -22,8 +22,9 @@ from helpers.serve_process import call as plain_call
 
 from lichen.engines.tensor_payload import PayloadError, load_named_tensors
 from lichen.sync.distributed import plan_buckets
-from lichen.sync.tensor_handles import TensorSync, fill_bucket, serialize
+from lichen.sync.tensor_handles import TensorSync
 from lichen.weights.hf_io import load_hf_state_dict
+from lichen.weights.shm_buckets import fill_bucket, serialize
 
 F32 = torch.float32
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -68,9 +69,9 @@ def test_buckets_split_by_engine_bytes_and_views_are_aligned():
 
 def test_a_bucket_larger_than_the_free_shared_memory_is_refused_before_it_is_written(monkeypatch):
     from lichen.errors import ConfigError
-    from lichen.sync import tensor_handles
+    from lichen.weights import shm_buckets
 
-    monkeypatch.setattr(tensor_handles, "shm_free_bytes", lambda: 1000)
+    monkeypatch.setattr(shm_buckets, "shm_free_bytes", lambda: 1000)
     with pytest.raises(ConfigError, match=r"--update-weight-buffer-size .*--shm-size"):
         fill_bucket([("w", torch.zeros(1000))], F32, torch.device("cpu"))
     flat, _ = fill_bucket([("w", torch.zeros(100))], F32, torch.device("cpu"))  # 400 bytes fit

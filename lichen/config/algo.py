@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from lichen.config import rollout_config
 from lichen.config.checks import check_dotted_path, check_float, check_hf_dir, given
 from lichen.errors import ConfigError
 
@@ -282,20 +283,4 @@ def _check_opd(args: argparse.Namespace) -> None:
                 "--opd-type sglang asks the teacher's servers (--sglang-config), so --opd-teacher-load is not used; "
                 "drop it, or use --opd-type megatron"
             )
-        opd_teacher_name([spec.name for spec in getattr(args, "sglang_frozen_models", ())])
-
-
-OPD_TEACHER = "teacher"
-
-
-def opd_teacher_name(frozen: list[str]) -> str:
-    """The frozen model of --sglang-config that --opd-type sglang asks: the one named 'teacher', else the only one."""
-    if OPD_TEACHER in frozen:
-        return OPD_TEACHER
-    if len(frozen) == 1:
-        return frozen[0]
-    have = f"its frozen models are {', '.join(frozen)}" if frozen else "no frozen model is described"
-    raise ConfigError(
-        f"--opd-type sglang: the teacher is the --sglang-config model named {OPD_TEACHER!r} (update_weights: false), "
-        f"or its only frozen model; {have}. Describe the teacher there, or use --opd-type megatron --opd-teacher-load"
-    )
+        rollout_config.opd_teacher_name([spec.name for spec in getattr(args, "sglang_frozen_models", ())])

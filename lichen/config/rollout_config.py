@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, replace
 
 from lichen.config.model_code import model_options
+from lichen.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -210,3 +211,19 @@ class RolloutConfig:
             frozen_models=tuple(getattr(args, "sglang_frozen_models", ())),
             opd_teacher_served=bool(args.use_opd and args.opd_type == "sglang"),
         )
+
+
+OPD_TEACHER = "teacher"
+
+
+def opd_teacher_name(frozen: list[str]) -> str:
+    """The frozen model of --sglang-config that --opd-type sglang asks: the one named 'teacher', else the only one."""
+    if OPD_TEACHER in frozen:
+        return OPD_TEACHER
+    if len(frozen) == 1:
+        return frozen[0]
+    have = f"its frozen models are {', '.join(frozen)}" if frozen else "no frozen model is described"
+    raise ConfigError(
+        f"--opd-type sglang: the teacher is the --sglang-config model named {OPD_TEACHER!r} (update_weights: false), "
+        f"or its only frozen model; {have}. Describe the teacher there, or use --opd-type megatron --opd-teacher-load"
+    )

@@ -1,6 +1,6 @@
 """--use-opd --opd-type sglang: the teacher's log-probs of each response, asked of its engine servers.
 
-The teacher is a frozen model of --sglang-config (lichen.config.algo.opd_teacher_name). After a rollout step's
+The teacher is a frozen model of --sglang-config (lichen.config.rollout_config.opd_teacher_name). After a rollout step's
 samples are made, each sample's tokens go to the teacher's servers as slime's on-policy-distillation reward sends
 them (max_new_tokens 0, return_logprob, logprob_start_len 0, the rollout temperature; lichen.engines.frozen_models
 .FrozenModels.score), and the log-probs of the response tokens are stored in `sample.teacher_log_probs`. The trainer
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lichen.config.algo import opd_teacher_name
+from lichen.config.rollout_config import opd_teacher_name
 from lichen.engines.frozen_models import FrozenModels
 from lichen.types import Sample
 

@@ -268,7 +268,7 @@ class RankSender:
 
         import torch.distributed as dist
 
-        from lichen.sync.tensor_handles import alloc_bucket, serialize
+        from lichen.weights.shm_buckets import alloc_bucket, serialize
 
         self.tensor_release()
         dtype = parse_dtype(engine_dtype)
