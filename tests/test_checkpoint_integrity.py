@@ -347,3 +347,11 @@ def test_checkpoint_without_trainer_state_or_critic_is_a_clear_error(tiny_ckpt, 
     assert main(resume_argv(tiny_ckpt, addition_data, tmp_path, copy)) == 2
     err = capsys.readouterr().err
     assert "--debug-rollout-only" in err and "Traceback" not in err
+
+
+def test_load_dir_that_does_not_exist_yet_is_a_fresh_start(tmp_path):
+    """--load naming the --save directory of a run that has not saved yet (the config allows it): no checkpoint,
+    not a FileNotFoundError traceback."""
+    from lichen.train.checkpoint import find_latest
+
+    assert find_latest(str(tmp_path / "not-yet")) is None

@@ -282,6 +282,8 @@ def _resume_problem(d: str) -> str | None:
 
 
 def _checkpoint_ids(load_dir: str) -> list[int]:
+    if not os.path.isdir(load_dir):  # --load naming the --save directory of a run that has not saved yet
+        return []
     ids = [int(m.group(1)) for m in map(_ITER.match, os.listdir(load_dir)) if m]
     return sorted(i for i in ids if os.path.isdir(iter_dir(load_dir, i)))
 
