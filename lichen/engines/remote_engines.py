@@ -176,45 +176,43 @@ class RemoteEngines:
             raise EngineError("; ".join(str(r) if str(r).startswith(c.url) else f"{c.url}: {r}" for c, r in errors))
         return results
 
-    def debug_stacks(self, timeout: float = 10.0) -> dict[str, str]:
-        """{url: every thread's stack} of each server (`GET /debug/stacks`), or why it gave none; for the hang
-        watchdog, so it never raises and waits at most `timeout` seconds."""
+    def _ask_each(self, path: str, timeout: float, params: dict | None = None) -> list[Any]:
+        """Each server's (status, body) for `GET path`, or the exception it gave; never raises and waits at most
+        `timeout` seconds: the hang watchdog and the trace ask through it, and must never cost the run."""
 
-        async def ask(c: EngineClient) -> str:
+        async def ask(c: EngineClient) -> Any:
             try:
-                status, body = await c.request("GET", "/debug/stacks", timeout=timeout, retry=False)
+                return await c.request("GET", path, params=params, timeout=timeout, retry=False)
             except Exception as e:
-                return f"no answer: {type(e).__name__}: {e}"
-            return body if status == 200 and isinstance(body, str) else f"HTTP {status}: {body}"
+                return e
 
-        async def ask_all() -> list[str]:
+        async def ask_all() -> list[Any]:
             return list(await asyncio.gather(*[ask(c) for c in self.clients]))
 
         try:
-            return dict(zip(self.urls, self.run(ask_all(), timeout=timeout + 5)))
+            return self.run(ask_all(), timeout=timeout + 5)
         except Exception as e:
-            return {url: f"no answer: {type(e).__name__}: {e}" for url in self.urls}
+            return [e for _ in self.urls]
+
+    def debug_stacks(self, timeout: float = 10.0) -> dict[str, str]:
+        """{url: every thread's stack} of each server (`GET /debug/stacks`), or why it gave none (hang watchdog)."""
+
+        def text(answer: Any) -> str:
+            if isinstance(answer, BaseException):
+                return f"no answer: {type(answer).__name__}: {answer}"
+            status, body = answer
+            return body if status == 200 and isinstance(body, str) else f"HTTP {status}: {body}"
+
+        return {url: text(a) for url, a in zip(self.urls, self._ask_each("/debug/stacks", timeout))}
 
     def debug_trace(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
         """{url: its `GET /debug/trace?since=` answer} of the servers that gave one (lichen serve), for --trace."""
-
-        async def ask(c: EngineClient) -> dict | None:
-            try:
-                status, body = await c.request(
-                    "GET", "/debug/trace", params={"since": repr(since)}, timeout=timeout, retry=False
-                )
-            except Exception:
-                return None
-            return body if status == 200 and isinstance(body, dict) else None
-
-        async def ask_all() -> list:
-            return list(await asyncio.gather(*[ask(c) for c in self.clients]))
-
-        try:
-            answers = self.run(ask_all(), timeout=timeout + 5)
-        except Exception:  # the trace must never cost the run
-            return {}
-        return {url: a for url, a in zip(self.urls, answers) if a is not None}
+        answers = self._ask_each("/debug/trace", timeout, {"since": repr(since)})
+        return {
+            url: a[1]
+            for url, a in zip(self.urls, answers)
+            if not isinstance(a, BaseException) and a[0] == 200 and isinstance(a[1], dict)
+        }
 
     def engine_failed(self, index: int, reason: str) -> None:
         """Engine `index` is dead or hung (on the engines' loop): out of rotation, its requests re-sent, and
