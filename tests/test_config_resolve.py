@@ -242,6 +242,7 @@ DEFAULTS = {
     "no_save_optim": False,
     "reset_optimizer_states": False,
     "optimizer_cpu_offload": False,
+    "lr_warmup_fraction": None,
     "rollout_sample_hook_path": [],
     "save_hf": None,
     "sglang_config": None,

@@ -591,3 +591,10 @@ def test_partial_rollout_passes_with_dynamic_sampling_over_servers(files, engine
         *engines,
     )
     assert args.partial_rollout and args.mask_offpolicy_in_partial_rollout
+
+
+def test_warmup_fraction_and_iters_exclude_each_other(files):
+    with pytest.raises(ConfigError, match="--lr-warmup-fraction and --lr-warmup-iters both set the warm-up"):
+        parse("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3")
+    with pytest.raises(ConfigError, match="lr-warmup-fraction"):
+        parse("--lr-warmup-fraction", "1.5")

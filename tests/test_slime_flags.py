@@ -114,14 +114,18 @@ def test_mapped_flags_are_translated(base):
     )
     rows = rows_of(args)
     assert args.gradient_checkpointing is True
-    assert args.lr_warmup_iters == 5  # 5% of 100 rollout steps x 1 optimizer step each
+    assert args.lr_warmup_fraction == 0.05  # lichen's own flag now (slime's name), resolved with the run length
+    from lichen.config.train_config import OptimizerConfig
+
+    assert OptimizerConfig.from_args(args).warmup_iters == 5  # 5% of 100 rollout steps x 1 optimizer step each
+    args.num_rollout = 40  # e.g. --num-epoch resolved against the data set before the trainer is built
+    assert OptimizerConfig.from_args(args).warmup_iters == 2
     assert args.wandb_run_name == "run7"
     assert args.train_backend == "torch"  # slime's FSDP backend is lichen's torch backend
     assert {
         rows[f].cls
         for f in (
             "--recompute-granularity",
-            "--lr-warmup-fraction",
             "--optimizer",
             "--wandb-exp-name",
             "--train-backend",

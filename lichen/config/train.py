@@ -100,6 +100,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="optimizer steps of linear warm-up from 0")
     g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="warm-up as a fraction of the decay length (--lr-decay-iters, else the run's optimizer steps, known "
+        "once --num-epoch is resolved against the data): round(F x that) steps; excludes --lr-warmup-iters "
+        "(slime's/Megatron's flag; default: none)",
+    )
+    g.add_argument(
         "--lr-decay-iters",
         type=int,
         default=None,
@@ -256,6 +264,9 @@ def check(args: argparse.Namespace) -> None:
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay ends at --min-lr")
     check_int_at_least(args, "lr_warmup_iters", 0)
+    check_float(args, "lr_warmup_fraction", low=0.0, high=1.0)
+    if args.lr_warmup_fraction is not None and given(args, "lr_warmup_iters"):
+        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; give one of them")
     check_int_at_least(args, "lr_decay_iters", 1)
     check_float(args, "weight_decay", low=0.0)
     check_float(args, "adam_beta1", low=0.0, high=1.0, high_open=True)

@@ -46,10 +46,18 @@ class OptimizerConfig:
             eps=args.adam_eps,
             weight_decay=args.weight_decay if weight_decay is None else weight_decay,
             clip_grad=args.clip_grad,
-            warmup_iters=args.lr_warmup_iters,
+            warmup_iters=warmup_iters(args),
             decay_iters=args.lr_decay_iters or total_optimizer_steps(args),
             decay_style=args.lr_decay_style,
         )
+
+
+def warmup_iters(args: argparse.Namespace) -> int:
+    """--lr-warmup-iters, or round(--lr-warmup-fraction x the decay length) (Megatron's rule)."""
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    if fraction is None:
+        return args.lr_warmup_iters
+    return round(fraction * (args.lr_decay_iters or total_optimizer_steps(args)))
 
 
 def total_optimizer_steps(args: argparse.Namespace) -> int:

@@ -226,8 +226,6 @@ def _map(row: Row, rule: FlagRule, out: Scan) -> list[str]:
         _not_yet(row, f"--optimizer {value}: lichen's optimizer is AdamW; use adam")
     elif row.flag == "--wandb-exp-name" and value:
         return ["--wandb-run-name", value]
-    elif row.flag == "--lr-warmup-fraction" and _number(value) is None:
-        _not_yet(row, f"--lr-warmup-fraction {value!r}: expected a number in [0, 1]")
     elif row.flag == "--ci-test":
         return ["--check-weight-update-equal"]
     return []
@@ -300,14 +298,6 @@ def _number(text: str) -> float | None:
 
 def finish(out: Scan, args: argparse.Namespace) -> None:
     """After argparse: mappings that need parsed values, and the "checked" comparison with config.json."""
-    fraction = out.values("--lr-warmup-fraction")
-    if fraction and _number(fraction[0]) is not None and "lr_warmup_iters" not in args._explicit:
-        if args.num_rollout is not None:
-            steps = args.num_rollout * args.num_steps_per_rollout
-            args.lr_warmup_iters = round(float(fraction[0]) * (args.lr_decay_iters or steps))
-            _row(out, "--lr-warmup-fraction").lichen = f"--lr-warmup-iters {args.lr_warmup_iters}"
-        else:
-            _not_yet(_row(out, "--lr-warmup-fraction"), "needs --num-rollout (the run length in steps)")
     _check_model(out, args)
 
 

@@ -223,12 +223,6 @@ SLIME_FLAGS: dict[str, FlagRule] = {
     **_rules(MAPPED, "--gradient-checkpointing", "Megatron's activation recompute", "--recompute-granularity"),
     **_rules(
         MAPPED,
-        "--lr-warmup-iters = round(fraction x optimizer steps of the run)",
-        "Megatron gives warm-up as a fraction of the decay length",
-        "--lr-warmup-fraction",
-    ),
-    **_rules(
-        MAPPED,
         "AdamW (lichen's only optimizer); adam is accepted, others refused",
         "Megatron's adam is AdamW with decoupled weight decay",
         "--optimizer",
