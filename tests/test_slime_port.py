@@ -14,6 +14,7 @@ import lichen.cli
 from lichen.errors import ConfigError
 from lichen.port_slime.bash_values import Assumptions
 from lichen.port_slime.script import read_script
+from lichen.port_slime.trial_base import copy_tokenizer, write_data_file, write_torch_dist
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slime"
 MODELS = ("Qwen3-4B", "GLM-Z1-9B-0414", "gpt-oss-20b-bf16", "GLM-4.7-Flash")
@@ -41,15 +42,11 @@ def base_dir(tmp_path, monkeypatch):
     """$BASE_DIR of the fixture scripts: config.json + tiny tokenizer per model, torch_dist dirs, data files."""
     for name in MODELS:
         shutil.copytree(FIXTURES / "hf" / name, tmp_path / name)
-        for f in (FIXTURES / "tokenizer").iterdir():
-            shutil.copy(f, tmp_path / name / f.name)
+        copy_tokenizer(str(FIXTURES / "tokenizer"), str(tmp_path / name))
     for name in TORCH_DIST:
-        (tmp_path / name / "iter_0000001").mkdir(parents=True)
-        (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("1")
-        (tmp_path / name / "iter_0000001" / ".metadata").write_bytes(b"")
+        write_torch_dist(str(tmp_path / name))
     for rel in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl", "rl_data/aime-2024.jsonl"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text('{"prompt": "1+1?", "label": "2"}\n')
+        write_data_file(str(tmp_path / rel))
     monkeypatch.setenv("BASE_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-0123456789")
     monkeypatch.chdir(tmp_path)
