@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing lichen
 import lichen.cli  # noqa: E402
 from lichen.config.slime.flags_data import CLASSES  # noqa: E402
 from lichen.port_slime.bash_values import Assumptions  # noqa: E402
-from lichen.port_slime.trial_base import populate, read_inputs  # noqa: E402
+from lichen.port_slime.trial_base import mismatches, populate, read_inputs  # noqa: E402
 
 TOKENIZER = ROOT / "tests" / "fixtures" / "slime" / "tokenizer"
 HF_REF = "--ref-load-is-hf-checkpoint"
@@ -182,8 +182,12 @@ def measure(scripts_dir: str, rel: str, work: str, tokenizer: str) -> Result:
     copy = copy_scripts(scripts_dir, base)
     script = os.path.join(copy, rel)
     inputs = read_inputs(script, Assumptions.parse(assumes(base)))
-    populate(inputs, base, tokenizer)
+    config = populate(inputs, base, tokenizer)
     notes = [] if inputs.model_args else ["no MODEL_ARGS at the train.py command"]
+    if config is not None:  # the built config.json must match every checked flag it was built from
+        notes += [f"config.json: {m}" for m in mismatches(inputs.model_args, config)]
+    if inputs.model_type is None:
+        notes.append(f"no model_type known for {inputs.model_files or 'the script (it sources no model file)'}")
     plain = port(script, base, [])
     hf_ref = port(script, base, [HF_REF])
     return Result(rel, inputs.model_type or "-", plain, hf_ref, notes)
@@ -227,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             if fnmatch.fnmatch(rel, opts.only)
         ]
     print(markdown(results))
-    return 0
+    for r in results:  # what the table cannot show: a model file the scratch config does not reproduce
+        for note in r.notes:
+            print(f"{r.script}: {note}", file=sys.stderr)
+    return 1 if any(r.notes for r in results) else 0
 
 
 if __name__ == "__main__":
