@@ -7,6 +7,7 @@ Suites:
   sync      weight-sync transports and delta encodings on one model (lichen_bench.sync)
   logprobs  the trainer's log-probs at a 151,936-token vocabulary, chunked vs full logits (lichen_bench.log_probs)
   ckpt      step time with a checkpoint every step: no save vs synchronous vs asynchronous (lichen_bench.ckpt_save)
+  engines   lichen serve vs vLLM: generation, log-prob mismatch, sync time (lichen_bench.engines)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUITES = {
     "sync": ("lichen_bench.sync", "weight sync: full disk vs delta xor/overwrite vs nccl(gloo), bytes and speed"),
     "logprobs": ("lichen_bench.log_probs", "train-step time and peak memory, chunked vs full-vocabulary logits"),
     "ckpt": ("lichen_bench.ckpt_save", "step time with --save-interval 1: no save vs sync vs async checkpoint writes"),
+    "engines": ("lichen_bench.engines", "lichen serve vs vLLM: tok/s and latency, log-prob mismatch, sync time"),
 }
 
 USAGE = (
