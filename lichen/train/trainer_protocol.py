@@ -8,7 +8,10 @@ which kind of trainer they hold.
 Checkpoints: `save` writes the trainer's own files of `iter_N/` and returns their manifest entries (hashed by the
 process that wrote each file); lichen.train.checkpoint.save_checkpoint writes everything else of the checkpoint
 (rollout_state.json, meta.json, checksums.json, `latest`). `load` restores a checkpoint the driver has already
-chosen and verified (lichen.train.checkpoint.find_latest).
+chosen and verified (lichen.train.checkpoint.find_latest). With --async-save a trainer may also offer
+`save_async(save_dir, rollout_id) -> (() -> SavedTrainer) | None`: copy its state now, write the files off the
+training path, and return what waits for the writes (None: it saves synchronously this time); checkpoint.py looks it
+up with getattr, so a trainer without it (NullTrainer) is saved synchronously. The local and Ray trainers have it.
 """
 
 from __future__ import annotations
