@@ -253,8 +253,11 @@ def populate(inputs: ScriptInputs, base: str, tokenizer_dir: str) -> dict | None
     itself, nor a --load that is the --save directory: a first run's is empty), every data file the argv names
     under `base` and the files the script writes there with `cat > FILE <<EOF`. The config written, or None when
     the script names no --hf-checkpoint under `base`."""
-    root = os.path.abspath(base)
-    under = lambda p: p is not None and os.path.abspath(p).startswith(root + os.sep)  # noqa: E731
+    root = os.path.abspath(base) + os.sep
+
+    def under(path: str | None) -> bool:  # only what the script names inside the scratch dir is written
+        return path is not None and os.path.abspath(path).startswith(root)
+
     hf = inputs.value("--hf-checkpoint")
     config = None
     if hf is not None and under(hf):
