@@ -147,3 +147,19 @@ def test_a_ray_checkpoint_under_the_local_runtime_says_what_it_is(tiny_ckpt, add
     msg = str(e.value)
     assert "saved by --runtime ray's 2 trainer ranks" in msg and "--runtime ray" in msg
     assert "--debug-rollout-only" not in msg
+
+
+def test_a_sharded_checkpoint_without_dcp_metadata_falls_back(tmp_path, capsys):
+    """A Ray checkpoint whose manifest verifies but whose dist/ lacks torch.distributed.checkpoint's .metadata (seen
+    once after a rank was killed mid-sync with --async-save): --load resumes the previous checkpoint instead of the
+    ranks failing in load with FileNotFoundError."""
+    save = str(tmp_path / "ckpt")
+    for rollout_id in (0, 1):
+        ckpt.save_checkpoint(save, rollout_id, ShardedTrainer(), {"sample_offset": rollout_id})
+    d = ckpt.iter_dir(save, 1)
+    os.remove(os.path.join(d, ckpt.DIST_DIR, ".metadata"))
+    write_manifest(d)  # verifies
+    verify(d)
+    capsys.readouterr()
+    assert ckpt.find_latest(save) == 0
+    assert "iter_0000001/dist/.metadata: missing" in capsys.readouterr().err

@@ -267,7 +267,11 @@ def commit(save_dir: str, rollout_id: int, saved: SavedTrainer, rollout_state: d
 
 def _resume_problem(d: str) -> str | None:
     """Why a checkpoint that verified still cannot resume (its rollout_state.json or meta.json absent from its
-    manifest, or not a JSON object), else None."""
+    manifest, or not a JSON object; a multi-rank trainer's dist/ without the .metadata file torch.distributed.
+    checkpoint loads first), else None."""
+    dist_dir = os.path.join(d, DIST_DIR)
+    if os.path.isdir(dist_dir) and not os.path.isfile(os.path.join(dist_dir, ".metadata")):
+        return f"{DIST_DIR}/.metadata: missing (the sharded state cannot be loaded)"
     for name in (ROLLOUT_STATE, META):
         try:
             with open_inside(d, name) as f:
