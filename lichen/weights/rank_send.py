@@ -57,13 +57,24 @@ Gather = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
 # Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
 # broadcasting (1-based, counted over the process's life), right after that bucket's first tensor is gathered:
 # the rank is lost mid-broadcast at a chosen point, not at a chosen time (tests/test_ray_rank_killed_in_sync.py).
+# "R:K:FILE" fires only while FILE exists and removes it: once per run, not again in the ranks a recovery restarts
+# with the same environment (scripts/chaos_run.py).
 KILL_IN_BUCKET_ENV = "LICHEN_TEST_KILL_RANK_IN_BUCKET"
 
 
 def _kill_point(rank: int, bucket: int) -> bool:
     """Whether KILL_IN_BUCKET_ENV names this rank and bucket (unset, or anything else: no)."""
+    point = f"{rank}:{bucket}"
     want = os.environ.get(KILL_IN_BUCKET_ENV, "")
-    return want == f"{rank}:{bucket}"
+    if want == point:
+        return True
+    if not want.startswith(point + ":"):
+        return False
+    try:
+        os.unlink(want[len(point) + 1 :])
+    except FileNotFoundError:  # fired already
+        return False
+    return True
 
 
 def engine_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,9 +7,12 @@ import threading
 import time
 
 
-def kill_when_busy(engines, index: int, seen: dict, timeout: float = 60.0) -> threading.Thread:
-    """Start a thread that SIGKILLs engine `index`'s process once its client has a request in flight (or after
-    `timeout` s); it records `in_flight_at_kill` and `killed_pid` in `seen`. Join it after the rollout."""
+def kill_when_busy(
+    engines, index: int, seen: dict, timeout: float = 60.0, sig: int = signal.SIGKILL
+) -> threading.Thread:
+    """Start a thread that SIGKILLs engine `index`'s process (or sends it `sig`: SIGSTOP makes a hung engine) once
+    its client has a request in flight (or after `timeout` s); it records `in_flight_at_kill` and `killed_pid` in
+    `seen`. Join it after the rollout."""
     victim = engines.launcher.servers[index].proc
 
     def kill() -> None:
@@ -18,7 +21,7 @@ def kill_when_busy(engines, index: int, seen: dict, timeout: float = 60.0) -> th
             time.sleep(0.0005)
         seen["in_flight_at_kill"] = engines.clients[index].in_flight
         seen["killed_pid"] = victim.pid
-        victim.send_signal(signal.SIGKILL)
+        victim.send_signal(sig)
 
     killer = threading.Thread(target=kill)
     killer.start()
