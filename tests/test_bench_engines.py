@@ -57,15 +57,16 @@ def test_run_numbers_and_summary_from_scripted_rows():
     assert got["sync_s"] == 3.0 and got["sync_each_s"] == [2.0, 4.0]
     assert got["lp_diff_mean"] == pytest.approx(2e-6) and got["lp_diff_max"] == 9e-6
     assert run_numbers([{}])["sync_s"] is None
-    s = summarize([float(i) for i in range(1, 11)], [2.0, 4.0], [100, 100])
-    assert s["tok_s_each"] == [50.0, 25.0] and s["tok_s"] == 37.5
+    s = summarize([float(i) for i in range(1, 11)], [2.0, 4.0], [100, 100], [1.0, 4.0])
+    assert s["tok_s_each"] == [50.0, 25.0] and s["tok_s"] == 37.5 and s["tok_per_cpu_s"] == 62.5
     assert s["latency_median_s"] == 5.5 and s["latency_p90_s"] == 9.0
 
 
-def _table(out: str, title: str) -> list[list[str]]:
-    """The rows (split on blanks) of the table that follows the line starting with `title`, to its blank line."""
+def _table(out: str, title: str, above: int = 2) -> list[list[str]]:
+    """The rows (split on blanks) of the table whose title line starts with `title`, to its blank line; `above`:
+    the lines above the rows (title, header)."""
     lines = out[out.index(title) :].split("\n\n")[0].splitlines()
-    return [ln.split() for ln in lines[2:]]  # title, header
+    return [ln.split() for ln in lines[above:]]
 
 
 @pytest.mark.slow
@@ -86,7 +87,13 @@ def test_quick_mode_prints_each_part_from_the_runs(tmp_path, capsys):
         assert r["requests"] == q["prompts"] * q["samples"] and r["forced_lengths"]
         assert r["tokens_each"] == [q["prompts"] * q["samples"] * q["tokens"]] * q["repeats"]
         assert r["tok_s"] == pytest.approx(r["tokens_each"][0] / r["wall_each_s"][0])
-        assert row[1:4] == [f"{r['tok_s']:.1f}", f"{r['latency_median_s']:.3f}", f"{r['latency_p90_s']:.3f}"]
+        assert r["tok_per_cpu_s"] == pytest.approx(r["tokens_each"][0] / r["cpu_each_s"][0])
+        assert row[1:5] == [
+            f"{r['tok_s']:.1f}",
+            f"{r['latency_median_s']:.3f}",
+            f"{r['latency_p90_s']:.3f}",
+            f"{r['tok_per_cpu_s']:.1f}",
+        ]
         assert r["pinned"]["threads_pinned"] > 0 and r["pinned"]["affinities"] == [res["settings"]["core_list"]]
     lc, vl = servers["lichen"], servers["vllm"]
     assert gen[2][:2] == ["lichen/vLLM", f"{lc['tok_s'] / vl['tok_s']:.2f}x"]
@@ -104,12 +111,21 @@ def test_quick_mode_prints_each_part_from_the_runs(tmp_path, capsys):
         if row[1] in ("lichen", "vllm"):
             r = runs[f"{row[1]}-{row[0]}"]
             assert row[2:] == [f"{r['lp_diff_mean']:.2e}", f"{r['lp_diff_max']:.2e}"]
-    sync = _table(out, "3. time/sync")
+    sync = _table(out, "3. time/sync", above=3)
     assert len(sync) == len(q["transports"])
     for row in sync:
         t = row[2]
-        lcs, vls = runs[f"lichen-{t}"]["sync_s"], runs[f"vllm-{t}"]["sync_s"]
-        assert row[3:] == [f"{lcs:.3f}", f"{vls:.3f}", f"{lcs / vls:.2f}x"]
+        lc, vl = runs[f"lichen-{t}"], runs[f"vllm-{t}"]
+        lcs, vls = lc["sync_s"], vl["sync_s"]
+        lc2, vl2 = lc["sync_each_s"][1], vl["sync_each_s"][1]  # two steps: the one sync after the first
+        assert row[3:] == [
+            f"{lcs:.3f}",
+            f"{vls:.3f}",
+            f"{lcs / vls:.2f}x",
+            f"{lc2:.3f}",
+            f"{vl2:.3f}",
+            f"{lc2 / vl2:.2f}x",
+        ]
     assert re.search(r"load average around the measurements: [\d.]+ - [\d.]+", out)
 
 

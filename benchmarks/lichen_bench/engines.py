@@ -10,7 +10,8 @@ a head size of 64 or more, which every one of these has.
 
 1. Generation (lichen_bench.engines_gen): one server of each on --gen-model, pinned to --cores with as many
    threads, --prompts of W2's prompts x --samples each, --tokens forced new tokens (ignore_eos), temperature 1,
-   the same seeds; useful tok/s (median over --repeats passes) and per-request latency (median, p90 over all).
+   the same seeds; useful tok/s (median over --repeats passes), per-request latency (median, p90 over all) and
+   response tokens per CPU second of the server's processes (the measure that survives a shared machine).
 2. Log-prob mismatch and 3. sync time (lichen_bench.engines_train): `lichen train` over one launched engine of
    each, per model of --sizes and transport of --transports; part 2 is the first size's runs: the rollout/trainer
    `train_rollout_logprob_abs_diff` (mean of the steps' means, max of the steps' maxima); part 3 the mean
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per lichen train run (default 1800)")
     p.add_argument("--work-dir", default="runs/bench_engines", help="runs go under DIR/runs-NNN (default %(default)s)")
     p.add_argument("--json", default=None, help="write every number as JSON here (default <run dir>/engines.json)")
+    p.add_argument(
+        "--report", default=None, metavar="JSON", help="print the tables of an earlier run's JSON, run nothing"
+    )
     args = p.parse_args(argv)
     if args.quick:
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a.startswith("--")}
@@ -211,6 +215,12 @@ def part_train(res: dict, args: argparse.Namespace, backends: list[str]) -> None
                 save_json(args, res)
 
 
+def later_mean(run: dict) -> float | None:
+    """The mean time/sync of a run's syncs after its first (None with fewer than two)."""
+    later = (run.get("sync_each_s") or [])[1:]
+    return sum(later) / len(later) if later else None
+
+
 def report(res: dict, args: argparse.Namespace) -> list[str]:
     """Print one table per part; returns the failed runs' lines."""
     if res.get("vllm_missing"):
@@ -223,18 +233,22 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
             f"tokens, temperature 1, model {gen['model']['name']} ({gen['model']['params'] / 1e6:.1f}M), each server "
             f"pinned to cores {args.cores} with {len(args.core_list)} thread(s); tok/s median of {args.repeats} pass(es)"
         )
-        print(f"{'server':<8} {'tok/s':>9} {'lat med s':>10} {'lat p90 s':>10} {'forced':>7} {'start s':>8}")
+        print(
+            f"{'server':<8} {'tok/s':>9} {'lat med s':>10} {'lat p90 s':>10} {'tok/CPU-s':>10} {'forced':>7} "
+            f"{'start s':>8}"
+        )
         for b, r in s.items():
             print(
                 f"{b:<8} {r['tok_s']:>9.1f} {r['latency_median_s']:>10.3f} {r['latency_p90_s']:>10.3f} "
-                f"{'yes' if r['forced_lengths'] else 'NO':>7} {r['start_s']:>8.0f}"
+                f"{_f(r.get('tok_per_cpu_s'), '.1f'):>10} {'yes' if r['forced_lengths'] else 'NO':>7} {r['start_s']:>8.0f}"
             )
         if "lichen" in s and "vllm" in s:
             lc, vl = s["lichen"], s["vllm"]
             print(
                 f"{'lichen/vLLM':<8} {_ratio(lc['tok_s'], vl['tok_s']):>9} "
                 f"{_ratio(lc['latency_median_s'], vl['latency_median_s']):>10} "
-                f"{_ratio(lc['latency_p90_s'], vl['latency_p90_s']):>10}"
+                f"{_ratio(lc['latency_p90_s'], vl['latency_p90_s']):>10} "
+                f"{_ratio(lc.get('tok_per_cpu_s'), vl.get('tok_per_cpu_s')):>10}"
             )
     entries = res.get("train") or []
     failed = [f"{r['tag']}: {r['error']} ({r['log']})" for e in entries for r in e["runs"].values() if "error" in r]
@@ -256,14 +270,20 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
                 f"{_ratio(lc.get('lp_diff_max'), vl.get('lp_diff_max')):>10}"
             )
         print(f"\n3. time/sync per sync (mean of {args.steps}), one engine, run pinned to cores {args.train_cores}")
-        print(f"{'model':<14} {'transport':<9} {'lichen s':>9} {'vLLM s':>9} {'lichen/vLLM':>11}")
+        print("(and the mean of the syncs after the first: the gloo group forms in the first one)")
+        print(
+            f"{'model':<14} {'transport':<9} {'lichen s':>9} {'vLLM s':>9} {'lichen/vLLM':>11} {'2+ lichen':>10} "
+            f"{'2+ vLLM':>9} {'lichen/vLLM':>11}"
+        )
         for e in entries:
             label = f"{e['model']['name']} {e['model']['params'] / 1e6:.1f}M"
             for t in args.transports:
                 lc, vl = e["runs"].get(f"lichen-{t}", {}), e["runs"].get(f"vllm-{t}", {})
+                lc2, vl2 = later_mean(lc), later_mean(vl)
                 print(
                     f"{label:<14} {t:<9} {_f(lc.get('sync_s')):>9} {_f(vl.get('sync_s')):>9} "
-                    f"{_ratio(lc.get('sync_s'), vl.get('sync_s')):>11}"
+                    f"{_ratio(lc.get('sync_s'), vl.get('sync_s')):>11} {_f(lc2):>10} {_f(vl2):>9} "
+                    f"{_ratio(lc2, vl2):>11}"
                 )
     lo = [c["loadavg"][0] for c in res["loads"] if c.get("loadavg")]
     for r in (gen or {}).get("servers", {}).values():
@@ -275,8 +295,21 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
     return failed
 
 
+def reprint(path: str) -> int:
+    """--report: the tables of the JSON an earlier invocation wrote, with its settings."""
+    from lichen.errors import ConfigError
+    from lichen_bench.children import load_json
+
+    res = load_json(path)
+    if not res or "settings" not in res:
+        raise ConfigError(f"--report {path}: not a JSON file written by lichen bench engines")
+    return 1 if report(res, argparse.Namespace(**res["settings"])) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return reprint(args.report)
     root = fresh_run_dir(args.work_dir)
     args.json = args.json or os.path.join(root, "engines.json")
     print(f"runs under {root}", flush=True)

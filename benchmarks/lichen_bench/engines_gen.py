@@ -10,6 +10,9 @@ VLLM_CPU_OMP_THREADS_BIND to the same cores (vLLM otherwise binds its own choice
 A pass sends every request at once (token ids in, temperature 1, per-request seed, ignore_eos + max_new_tokens:
 every response has exactly that many tokens on both servers) and times each request from send to answer; useful
 tok/s = response tokens / the pass's wall time. A short warm-up pass (not timed) runs first on each server.
+Also the CPU seconds (user + system, /proc) the server's processes used during each pass, and response tokens per
+CPU second: on a shared machine the wall time depends on the share of the pinned cores each server gets from the
+scheduler (more runnable threads get more of it), the CPU time much less.
 """
 
 from __future__ import annotations
@@ -103,8 +106,16 @@ def server_argv(backend: str, model: str, prompts: str, out: str, threads: int, 
     return argv + (vllm_flags if backend == "vllm" else [])
 
 
-def summarize(latencies: list[float], walls: list[float], tokens: list[int]) -> dict:
-    """Useful tok/s per pass and its median, per-request latency median and p90 over every request of every pass."""
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) used so far by the processes under `root` (lichen_bench.sync's reader)."""
+    from lichen_bench.sync import _cpu_seconds
+
+    return sum(_cpu_seconds(pid) for pid in process_tree(root))
+
+
+def summarize(latencies: list[float], walls: list[float], tokens: list[int], cpu: list[float]) -> dict:
+    """Useful tok/s per pass and its median, per-request latency median and p90 over every request of every pass,
+    and useful tokens per CPU second of the server's processes (median over passes)."""
     lat = sorted(latencies)
     p90 = lat[min(len(lat) - 1, int(round(0.9 * (len(lat) - 1))))]
     rates = [n / w for n, w in zip(tokens, walls)]
@@ -115,7 +126,13 @@ def summarize(latencies: list[float], walls: list[float], tokens: list[int]) -> 
         "latency_p90_s": p90,
         "wall_each_s": walls,
         "tokens_each": tokens,
+        "cpu_each_s": cpu,
+        "tok_per_cpu_s": statistics.median(n / c for n, c in zip(tokens, cpu)) if all(cpu) else None,
     }
+
+
+def _per_cpu(r: dict) -> str:
+    return "-" if r.get("tok_per_cpu_s") is None else f"{r['tok_per_cpu_s']:.1f}"
 
 
 def _requests(prompt_ids: list[list[int]], samples: int, tokens: int) -> list[Any]:
@@ -168,9 +185,12 @@ def measure_server(
         timed_pass(engines, _requests(prompt_ids[:2], 1, 8))  # warm-up, not timed
         reqs = _requests(prompt_ids, args.samples, args.tokens)
         loads = [load_check(f"gen {backend}", "before", len(cores))]
-        lat, walls, toks, lengths = [], [], [], []
+        lat, walls, toks, lengths, cpu = [], [], [], [], []
+        server = engines.launcher.servers[0].proc.pid
         for _ in range(args.repeats):
+            c0 = tree_cpu_seconds(server)
             s, w, n, lens = timed_pass(engines, reqs)
+            cpu.append(tree_cpu_seconds(server) - c0)
             lat += s
             walls.append(w)
             toks.append(n)
@@ -178,7 +198,7 @@ def measure_server(
         loads.append(load_check(f"gen {backend}", "after", len(cores)))
     finally:
         engines.close()
-    out = summarize(lat, walls, toks)
+    out = summarize(lat, walls, toks, cpu)
     out.update(
         backend=backend,
         requests=len(reqs),
@@ -189,7 +209,8 @@ def measure_server(
     )
     print(
         f"[{backend}] {out['tok_s']:.1f} tok/s (passes {', '.join(f'{r:.1f}' for r in out['tok_s_each'])}); "
-        f"latency median {out['latency_median_s']:.2f} s, p90 {out['latency_p90_s']:.2f} s",
+        f"latency median {out['latency_median_s']:.2f} s, p90 {out['latency_p90_s']:.2f} s; "
+        f"{_per_cpu(out)} tokens per CPU second of the server",
         flush=True,
     )
     return out
