@@ -139,3 +139,13 @@ def test_without_vllm_the_bench_says_so_and_measures_lichen_alone(tmp_path, caps
     assert "vLLM's environment is missing" in out and "vLLM NOT MEASURED" in out and "no-python" in out
     res = json.loads(out_json.read_text())
     assert list(res["gen"]["servers"]) == ["lichen"] and "lichen/vLLM" not in out
+
+
+def test_report_of_a_file_that_is_not_the_bench_json_is_one_error(tmp_path):
+    from lichen.errors import ConfigError
+
+    bad = tmp_path / "other.json"
+    bad.write_text('{"a": 1}')
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(ConfigError, match=f"--report {path}: not a JSON file written by lichen bench engines"):
+            bench.main(["--report", str(path)])

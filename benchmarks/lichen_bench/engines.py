@@ -35,7 +35,7 @@ from typing import Any
 from lichen_bench.engines_gen import measure_server, parse_cores
 from lichen_bench.engines_train import BACKENDS, TRANSPORTS, one_run, train_argv
 from lichen_bench.machine import fresh_run_dir, machine_info
-from lichen_bench.sync_ray import _f, _ratio, save_json  # the same formats and atomic JSON as --runtime ray
+from lichen_bench.sync_ray import _f, _ratio, checkpoint_numels, save_json  # as --runtime ray's
 
 QUICK = {  # seconds, not minutes: the plumbing of every part on a 2-layer model (the test's mode)
     "gen_model": "1e5",
@@ -115,22 +115,6 @@ def model_spec(text: str) -> float | None:
     return params
 
 
-def checkpoint_params(model: str) -> int:
-    """Parameters stored in a checkpoint's safetensors files (read from their headers)."""
-    from safetensors import safe_open
-
-    total = 0
-    for name in sorted(os.listdir(model)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model, name), "pt") as f:
-                for key in f.keys():
-                    n = 1
-                    for d in f.get_slice(key).get_shape():
-                        n *= int(d)
-                    total += n
-    return total
-
-
 def make_model(root: str, text: str) -> dict:
     """Write model `text` under `root` (once per invocation); {"name", "dir", "params"}."""
     from lichen.models.tiny import make_tiny_model
@@ -144,7 +128,7 @@ def make_model(root: str, text: str) -> dict:
             ensure_checkpoint(WORKLOADS["w2"], d)
         else:
             make_tiny_model(d, seed=0, init_std=0.02, max_position_embeddings=512, **model_shape(params))
-    n = checkpoint_params(d)
+    n = sum(checkpoint_numels(d))
     return {"name": "W2" if params is None else text, "dir": d, "params": n}
 
 

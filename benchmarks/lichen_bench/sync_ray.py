@@ -85,11 +85,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_inputs(root: str, params: float) -> tuple[str, str, dict]:
     """A random-init llama of about `params` parameters and a prompt file; (model dir, prompts, its sizes)."""
-    from safetensors import safe_open
-
     from lichen.models.tiny import make_tiny_model
 
     model = make_tiny_model(os.path.join(root, "model"), seed=0, init_std=0.02, **model_shape(params))
+    numels = checkpoint_numels(model)
+    prompts = os.path.join(root, "prompts.jsonl")
+    with open(prompts, "w", encoding="utf-8") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n")
+    with open(os.path.join(root, f"{REWARD_MODULE}.py"), "w", encoding="utf-8") as f:
+        f.write(REWARD_SOURCE)
+    return model, prompts, {"params": sum(numels), "largest": max(numels)}
+
+
+def checkpoint_numels(model: str) -> list[int]:
+    """The element count of every tensor in a checkpoint's safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
     numels = []
     for name in sorted(os.listdir(model)):
         if name.endswith(".safetensors"):
@@ -99,13 +111,7 @@ def make_inputs(root: str, params: float) -> tuple[str, str, dict]:
                     for d in f.get_slice(key).get_shape():
                         n *= int(d)
                     numels.append(n)
-    prompts = os.path.join(root, "prompts.jsonl")
-    with open(prompts, "w", encoding="utf-8") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n")
-    with open(os.path.join(root, f"{REWARD_MODULE}.py"), "w", encoding="utf-8") as f:
-        f.write(REWARD_SOURCE)
-    return model, prompts, {"params": sum(numels), "largest": max(numels)}
+    return numels
 
 
 def train_argv(runtime: str, transport: str, ranks: int, model: str, prompts: str, run: str, args) -> list[str]:
