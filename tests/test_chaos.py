@@ -15,7 +15,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import chaos_run  # noqa: E402
-from conftest import write_addition  # noqa: E402
 
 from lichen.cli import main  # noqa: E402
 
@@ -47,14 +46,14 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(CASES))
-def test_chaos_run_ends_with_the_fault_free_weights_and_samples(runtime, tiny_ckpt, tmp_path):
+def test_chaos_run_ends_with_the_fault_free_weights_and_samples(runtime, tiny_ckpt, addition_data, tmp_path):
     faults, trainer_restarts, reruns = CASES[runtime]
     if runtime == "ray":
         pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
         from helpers.ray_local import shared_ray
 
         shared_ray()
-    data = write_addition(tmp_path / "add.jsonl", 64)
+    data = addition_data  # 64 addition prompts (conftest's session fixture)
     runs = {
         name: chaos_run.train(runtime, str(tmp_path / name), tiny_ckpt, data, STEPS, 1, f, in_process)
         for name, f in (("fault_free", []), ("chaos", faults))
