@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', '.join(k2 for k2, v in FAULTS.items() if v[0] == a.runtime)}"
             )
     faults = schedule(a.runtime, a.seed, a.steps, kinds)
+    if a.workdir:
+        os.makedirs(a.workdir, exist_ok=True)  # the runs go in a fresh directory inside it
     with tempfile.TemporaryDirectory(prefix="lichen-chaos-", dir=a.workdir) as root:
         from lichen.models.tiny import make_tiny_model
 
