@@ -157,9 +157,31 @@ async def _paused_while_running(engines, task, before: float, running: int = 1, 
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while await _tokens_generated(client) <= before or await _metric(client, "vllm:num_requests_running") < running:
-        assert not task.done() and loop.time() < end, "the requests never started generating"
+        if task.done():  # finished inside one poll (a loaded machine): the caller tries again with new requests
+            raise _Missed()
+        assert loop.time() < end, "the requests never started generating"
         await asyncio.sleep(0.02)
     await client.call_json("POST", "/pause_generation", {"mode": "in_place"})
+
+
+class _Missed(Exception):
+    """The request finished before the poll saw it running: on a loaded machine a poll can take longer than the
+    whole generation. Not a failure of the engine; the scenario runs again (MISSED_TRIES at most)."""
+
+
+MISSED_TRIES = 4
+
+
+def _retry_missed(scenario):
+    """Run `scenario()` until its requests are caught running (see _Missed); its own assertions are not retried."""
+    for attempt in range(MISSED_TRIES):
+        try:
+            return scenario()
+        except _Missed:
+            if attempt == MISSED_TRIES - 1:
+                raise AssertionError(
+                    f"the requests finished before they were seen running, {MISSED_TRIES} times"
+                ) from None
 
 
 LONG = 4000  # tokens: seconds of decoding on this CPU, against the milliseconds the pause takes to arrive
@@ -181,7 +203,7 @@ def test_abort_returns_the_kept_tokens_and_a_continuation_finishes_the_sample(en
             await client.call_json("POST", "/continue_generation", {})
         return await task
 
-    part = engines.run(abort_mid_generation())
+    part = _retry_missed(lambda: engines.run(abort_mid_generation()))
     kept = part.output_ids
     assert part.finish_reason == "abort" and 0 < len(kept) < LONG and len(part.output_logprobs) == len(kept)
     rest_len = 50
@@ -202,14 +224,19 @@ def test_abort_all_ends_every_running_request(engines):
         # frozen as soon as the first tokens are out: waiting for all three to run was a race under load (in a
         # loaded CI run the first request finished its 4000 tokens before the poll saw three running); an abort
         # ends a request that is still waiting just the same
-        await _paused_while_running(engines, tasks[0], before)
+        try:
+            await _paused_while_running(engines, tasks[0], before)
+        except _Missed:  # end the others too before the next try
+            await client.call_json("POST", "/abort_request", {"abort_all": True})
+            await asyncio.gather(*tasks)
+            raise
         try:
             await client.call_json("POST", "/abort_request", {"abort_all": True})
         finally:
             await client.call_json("POST", "/continue_generation", {})
         return await asyncio.gather(*tasks)
 
-    results = engines.run(abort_all())
+    results = _retry_missed(lambda: engines.run(abort_all()))
     assert [r.finish_reason for r in results] == ["abort"] * len(PROMPTS)
     assert all(len(r.output_ids) < LONG for r in results)
 
