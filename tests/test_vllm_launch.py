@@ -6,8 +6,10 @@ SGLang -> vLLM request translation, and the key guard as an ASGI app (the real s
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
+import sys
 
 import pytest
 from helpers.runs import base_args
@@ -254,3 +256,71 @@ def test_a_ray_engine_actor_starts_one_vllm_server_on_its_gpus_with_the_run_s_ke
     assert launcher.env["CUDA_VISIBLE_DEVICES"] == "6,7"  # the actor's GPUs; no per-engine slicing on top
     cmd = launcher.command_for(0, 31000)
     assert cmd[0] == _python(tmp_path) and cmd[cmd.index("--host") + 1] == "10.0.0.7" and "run-key" not in cmd
+
+
+# ---- readiness: /health, then one generate with its log-prob ---------------------------------------------------
+STUB_VLLM = r"""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code, obj):
+        raw = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self):
+        self._send(200, {})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(os.environ["STUB_RECORD"], "a") as f:
+            f.write(json.dumps({"path": self.path, "auth": self.headers.get("Authorization"), "body": body}) + "\n")
+        if os.environ.get("STUB_FAIL"):
+            self._send(500, {"error": "the log-prob gather did not compile"})
+        else:
+            self._send(200, {"choices": [{"token_ids": [3], "logprobs": {"content": [{"token_id": 3, "logprob": -1.0}]}}]})
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_launched_vllm_server_is_ready_after_a_first_generate_with_its_log_prob(tmp_path, fail):
+    """vLLM compiles its log-prob gather on the first request that asks for log-probs, holding every request behind
+    it (30 s and more on a busy CPU: long enough for the health check to call the engine hung). The launcher makes
+    that request before it calls a server (launched or restarted) ready."""
+    from lichen.engines.sglang_launcher import SGLangLaunchError
+
+    script = tmp_path / "stub_vllm.py"
+    script.write_text(STUB_VLLM)
+    record = tmp_path / "calls.jsonl"
+    env = {"STUB_RECORD": str(record), **({"STUB_FAIL": "1"} if fail else {})}
+    launcher = VLLMLauncher(
+        lambda i, port: [sys.executable, str(script), str(port)],
+        1,
+        log_dir=str(tmp_path / "logs"),
+        env=env,
+        keyed=True,
+        poll=0.05,
+        ready_timeout=60,
+    )
+    try:
+        if fail:
+            with pytest.raises(SGLangLaunchError, match="answered /health but not its first generate.*500"):
+                launcher.start()
+            return
+        launcher.start()
+        launcher.restart(0)
+        calls = [json.loads(line) for line in record.read_text().splitlines()]
+        assert len(calls) == 2  # at the start and at the restart
+        for c in calls:
+            assert c["path"] == "/inference/v1/generate" and c["auth"] == f"Bearer {launcher.api_key}"
+            assert c["body"]["sampling_params"]["logprobs"] == 0 and c["body"]["sampling_params"]["max_tokens"] == 1
+    finally:
+        launcher.stop(grace=5)

@@ -263,6 +263,7 @@ class SGLangLauncher(ServerSet):
                     f"{s.proc.returncode}: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
                 )
             if _answers_200(s.url + self.ready_path):
+                self.warm_up(s, end)
                 return
             if time.monotonic() > end:
                 raise SGLangLaunchError(
@@ -270,6 +271,9 @@ class SGLangLauncher(ServerSet):
                     f"within {self.ready_timeout:g} s: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
                 )
             time.sleep(self.poll)
+
+    def warm_up(self, s: _Server, end: float) -> None:
+        """Work a server must have done before it is ready (SGLang's ready path already generates: nothing)."""
 
     def restart(self, i: int) -> str:
         """Kill engine i (its whole process group) and start it again; returns its new URL once it is ready."""

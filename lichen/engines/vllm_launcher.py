@@ -22,18 +22,24 @@ tree (what `scripts/setup_vllm.sh` creates). Engine i runs
 
 The key: vLLM reads VLLM_API_KEY from its environment (never its command line, which every local user sees), and
 lichen's KeyGuard (lichen.engines.vllm_guard) extends it from vLLM's /v1, /inference paths to the control plane.
-The server is ready when `GET /health` answers 200. Process groups, restart and stop: SGLangLauncher's.
+The server is ready when `GET /health` answers 200 and a first generate with log-probs came back (`VLLMLauncher.warm_up`:
+vLLM compiles its log-prob gather on that request). Process groups, restart and stop: SGLangLauncher's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from typing import TYPE_CHECKING, Any, Sequence
 
 import lichen
-from lichen.engines.sglang_launcher import SGLangLauncher
+from lichen.engines.sglang_launcher import SGLangLauncher, SGLangLaunchError, _Server, _tail
+from lichen.engines.vllm_client import GENERATE, vllm_generate_body
 
 # the receiver of weight syncs (lichen.sync.vllm_sync) and where it may load checkpoints from
 from lichen.engines.vllm_worker_ext import RECEIVER, WEIGHT_DIRS_ENV
@@ -191,7 +197,8 @@ def lichen_path_dir() -> str:
 
 
 class VLLMLauncher(SGLangLauncher):
-    """K vLLM servers (SGLangLauncher's process handling; readiness on /health, the key in VLLM_API_KEY)."""
+    """K vLLM servers (SGLangLauncher's process handling; ready once /health answers and a first generate with
+    log-probs did (`warm_up`); the key in VLLM_API_KEY)."""
 
     backend = "vllm"
     ready_path = "/health"
@@ -199,6 +206,26 @@ class VLLMLauncher(SGLangLauncher):
 
     def keyed(self, cmd: list[str]) -> list[str]:
         return cmd  # vLLM reads its key from the environment itself
+
+    def warm_up(self, s: _Server, end: float) -> None:
+        """One token with its log-prob, asked as rollouts ask. vLLM compiles its log-prob gather (torch.compile,
+        even at -O0) on the first such request: seconds on a quiet CPU, over 30 s on a busy one, while the engine
+        holds every request and health probe behind it. Done here, that time counts against the ready timeout and
+        an engine (launched or restarted) enters rotation answering at its normal speed."""
+        body = vllm_generate_body({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(s.url + GENERATE, json.dumps(body).encode(), headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=max(1.0, end - time.monotonic())) as resp:
+                resp.read()
+        except (urllib.error.URLError, OSError) as e:
+            detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else ""
+            raise SGLangLaunchError(
+                f"--rollout-engine-backend vllm: {s.url} answered /health but not its first generate ({GENERATE}, "
+                f"one token with its log-prob): {e} {detail}: {' '.join(s.cmd)}\n{_tail(s.log_path)}"
+            ) from None
 
     @classmethod
     def from_config(
