@@ -286,3 +286,28 @@ def restart_engine(launcher: Any, index: int, monitor: HealthMonitor | None = No
         return None
     url = launcher.restart(index)
     return None if stopping() else url
+
+
+def watch(
+    engines: Any, *, interval: float, timeout: float, first_wait: float, pool: dict | None = None
+) -> HealthMonitor:
+    """Start a HealthMonitor on RemoteEngines `engines` (which must re-send a failed engine's requests: failover)
+    with an EnginePool of keyword arguments `pool` (lichen.engines.pool: retiring, the floor, engines added)."""
+    from lichen.engines.pool import EnginePool
+
+    if not engines.router.failover:
+        raise ValueError("a health monitor needs failover=True (requests of a failed engine are re-sent)")
+    monitor = HealthMonitor(
+        engines,
+        interval=interval,
+        timeout=timeout,
+        first_wait=first_wait,
+        launcher=engines.launcher,
+        restart_timeout=float(getattr(engines.launcher, "ready_timeout", 600.0)),
+    )
+    monitor.pool = EnginePool(engines, **(pool or {}))
+    engines.router.on_down = monitor.on_down
+    # a request that finds every engine out waits for a restarted one rather than failing the step
+    engines.router.no_engine_wait = monitor.restart_timeout
+    monitor.start()
+    return monitor

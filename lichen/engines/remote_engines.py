@@ -42,6 +42,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence
 
 from lichen.aio import gather_or_cancel
+from lichen.engines import engine_debug
 from lichen.engines.client import (
     EngineClient,
     EngineError,
@@ -176,43 +177,13 @@ class RemoteEngines:
             raise EngineError("; ".join(str(r) if str(r).startswith(c.url) else f"{c.url}: {r}" for c, r in errors))
         return results
 
-    def _ask_each(self, path: str, timeout: float, params: dict | None = None) -> list[Any]:
-        """Each server's (status, body) for `GET path`, or the exception it gave; never raises and waits at most
-        `timeout` seconds: the hang watchdog and the trace ask through it, and must never cost the run."""
-
-        async def ask(c: EngineClient) -> Any:
-            try:
-                return await c.request("GET", path, params=params, timeout=timeout, retry=False)
-            except Exception as e:
-                return e
-
-        async def ask_all() -> list[Any]:
-            return list(await asyncio.gather(*[ask(c) for c in self.clients]))
-
-        try:
-            return self.run(ask_all(), timeout=timeout + 5)
-        except Exception as e:
-            return [e for _ in self.urls]
-
     def debug_stacks(self, timeout: float = 10.0) -> dict[str, str]:
         """{url: every thread's stack} of each server (`GET /debug/stacks`), or why it gave none (hang watchdog)."""
-
-        def text(answer: Any) -> str:
-            if isinstance(answer, BaseException):
-                return f"no answer: {type(answer).__name__}: {answer}"
-            status, body = answer
-            return body if status == 200 and isinstance(body, str) else f"HTTP {status}: {body}"
-
-        return {url: text(a) for url, a in zip(self.urls, self._ask_each("/debug/stacks", timeout))}
+        return engine_debug.stacks(self, timeout)
 
     def debug_trace(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
         """{url: its `GET /debug/trace?since=` answer} of the servers that gave one (lichen serve), for --trace."""
-        answers = self._ask_each("/debug/trace", timeout, {"since": repr(since)})
-        return {
-            url: a[1]
-            for url, a in zip(self.urls, answers)
-            if not isinstance(a, BaseException) and a[0] == 200 and isinstance(a[1], dict)
-        }
+        return engine_debug.trace(self, since, timeout)
 
     def engine_failed(self, index: int, reason: str) -> None:
         """Engine `index` is dead or hung (on the engines' loop): out of rotation, its requests re-sent, and
@@ -388,26 +359,11 @@ class RemoteEngines:
         return self.run(admit()) if self.monitor is not None else []
 
     def start_health_monitor(self, *, interval: float, timeout: float, first_wait: float, pool: Any = None) -> Any:
-        """Watch the engines (lichen.engines.health); needs `failover`. `pool`: keyword arguments of an
+        """Watch the engines (lichen.engines.health.watch); needs `failover`. `pool`: keyword arguments of an
         EnginePool (lichen.engines.pool: retiring, the floor, engines added). Returns the HealthMonitor."""
-        from lichen.engines.health import HealthMonitor
-        from lichen.engines.pool import EnginePool
+        from lichen.engines.health import watch
 
-        if not self.router.failover:
-            raise ValueError("a health monitor needs failover=True (requests of a failed engine are re-sent)")
-        self.monitor = HealthMonitor(
-            self,
-            interval=interval,
-            timeout=timeout,
-            first_wait=first_wait,
-            launcher=self.launcher,
-            restart_timeout=float(getattr(self.launcher, "ready_timeout", 600.0)),
-        )
-        self.monitor.pool = EnginePool(self, **(pool or {}))
-        self.router.on_down = self.monitor.on_down
-        # a request that finds every engine out waits for a restarted one rather than failing the step
-        self.router.no_engine_wait = self.monitor.restart_timeout
-        self.monitor.start()
+        self.monitor = watch(self, interval=interval, timeout=timeout, first_wait=first_wait, pool=pool)
         return self.monitor
 
     def abort_all(self) -> None:
