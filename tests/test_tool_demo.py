@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import agentic_calculator as demo  # noqa: E402
+import agentic_calculator_demo as driver  # noqa: E402
 
 from lichen.models.tokenizer import load_tokenizer  # noqa: E402
 from lichen.rollout.tool_rollout import check_turn  # noqa: E402
@@ -63,7 +64,7 @@ def test_cold_start_mix_answers_from_memory_or_calls_the_tool(tok):
 )
 def test_bad_cold_start_flags_are_usage_errors(flags, capsys):
     with pytest.raises(SystemExit) as e:
-        demo.parse_args(flags)
+        driver.parse_args(flags)
     assert e.value.code == 2 and flags[0] in capsys.readouterr().err
 
 
@@ -90,8 +91,8 @@ def test_parser_and_reward():
 
 
 def test_sft_early_stop_rule_is_the_first_eval_reaching_the_target(tmp_path):
-    assert demo.stop_step([(25, 0.0), (50, 0.39), (75, 0.4), (100, 0.9)], 0.4) == 75
-    assert demo.stop_step([(25, 0.0), (50, 0.1)], 0.4) is None
+    assert driver.stop_step([(25, 0.0), (50, 0.39), (75, 0.4), (100, 0.9)], 0.4) == 75
+    assert driver.stop_step([(25, 0.0), (50, 0.1)], 0.4) is None
     metrics = tmp_path / "metrics.jsonl"
     rows = [
         {"step": 25, "eval/sft_eval/reward_mean": 0.2},
@@ -99,7 +100,7 @@ def test_sft_early_stop_rule_is_the_first_eval_reaching_the_target(tmp_path):
         {"step": 50, "eval/sft_eval/reward_mean": 0.5},
         {"step": 50, "eval/heldout/reward_mean": 0.9},
     ]
-    stop = demo.EarlyStop(str(metrics), 0.4)
+    stop = driver.EarlyStop(str(metrics), 0.4)
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     assert not stop("step 25/100 | loss 1.0 | eval sft_eval 0.200") and stop.step is None
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -108,8 +109,8 @@ def test_sft_early_stop_rule_is_the_first_eval_reaching_the_target(tmp_path):
 
 
 def test_data_splits_share_no_problem(tmp_path):
-    args = demo.parse_args(["--seed", "3", "--train-problems", "300", "--heldout", "40", "--sft-eval-problems", "30"])
-    paths = demo.make_data(args, str(tmp_path))
+    args = driver.parse_args(["--seed", "3", "--train-problems", "300", "--heldout", "40", "--sft-eval-problems", "30"])
+    paths = driver.make_data(args, str(tmp_path))
     rows = [[json.loads(line) for line in Path(p).read_text().splitlines()] for p in paths]
     assert [len(r) for r in rows] == [300, 40, 30]
     prompts = [{r["prompt"] for r in split} for split in rows]
@@ -118,7 +119,7 @@ def test_data_splits_share_no_problem(tmp_path):
     kinds = [r["metadata"]["sft_trace"] for r in rows[0]]  # the cold-start mix: drawn per training problem
     assert 0.4 < kinds.count("tool") / 300 < 0.6 and set(kinds) == {"tool", "direct"}
     assert all("metadata" not in r for split in rows[1:] for r in split)  # test and SFT-eval rows: plain
-    all_tool = demo.parse_args(
+    all_tool = driver.parse_args(
         [
             "--seed",
             "3",
@@ -132,7 +133,7 @@ def test_data_splits_share_no_problem(tmp_path):
             "1",
         ]
     )
-    paths = demo.make_data(all_tool, str(tmp_path / "all_tool"))
+    paths = driver.make_data(all_tool, str(tmp_path / "all_tool"))
     again = [json.loads(line) for line in Path(paths[0]).read_text().splitlines()]
     assert [r["prompt"] for r in again] == [r["prompt"] for r in rows[0]]  # the fraction does not move the splits
     assert {r["metadata"]["sft_trace"] for r in again} == {"tool"}
