@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_tok_s(model, args) -> float:
-    from lichen.engines.engine import Engine, GenRequest
+    from lichen.engines.core.engine import Engine, GenRequest
 
     engine = Engine(model, eos_token_ids=[1], max_batch_size=args.batch)
     reqs = [

@@ -45,7 +45,7 @@ def per_layer(calls: list) -> dict[int, list]:
 def measure(ckpt: str, args) -> tuple[int, int, float, float]:
     import torch
 
-    from lichen.engines.engine import Engine, GenRequest
+    from lichen.engines.core.engine import Engine, GenRequest
     from lichen.models.loading import load_model
 
     model = load_model(ckpt, impl="hf").eval()

@@ -96,7 +96,7 @@ class CalcParser:
     _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 
     def parse(self, text: str) -> Any:
-        from lichen.engines.tool_parsers import ParsedOutput, ToolCall
+        from lichen.engines.api.tool_parsers import ParsedOutput, ToolCall
 
         calls = [ToolCall("calc", json.dumps({"expr": m.group(1)})) for m in self._CALL.finditer(text)]
         content = self._CALL.sub("", text).strip()

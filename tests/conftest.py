@@ -51,8 +51,8 @@ def addition_data(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pair(tiny_ckpt, tmp_path_factory):
     """Two `lichen serve` engines on the tiny checkpoint behind one RemoteEngines, shared by a test module."""
-    from lichen.engines.launcher import EngineLauncher
-    from lichen.engines.remote_engines import RemoteEngines
+    from lichen.engines.clients.launcher import EngineLauncher
+    from lichen.engines.clients.remote_engines import RemoteEngines
 
     tmp = str(tmp_path_factory.getbasetemp())  # the tests' weight dirs and local copies are all below it
     launcher = EngineLauncher(
@@ -70,7 +70,7 @@ def pair(tiny_ckpt, tmp_path_factory):
 @pytest.fixture
 def launched(monkeypatch) -> list:
     """Every EngineLauncher a test starts (for checking that runs stop what they launched)."""
-    from lichen.engines.launcher import EngineLauncher
+    from lichen.engines.clients.launcher import EngineLauncher
 
     seen: list = []
     start = EngineLauncher.start

@@ -11,8 +11,8 @@ from helpers.runs import base_args
 from helpers.serve_process import call
 
 from lichen.config import parse_train_args
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.sglang_launcher import SGLangLauncher
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.clients.sglang_launcher import SGLangLauncher
 from lichen.rollout import generate as generate_module
 
 

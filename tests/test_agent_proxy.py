@@ -94,7 +94,7 @@ async def silent_agent(base_url, sample, api_key):
 
 def test_agent_function_is_a_generate_function(tiny_ckpt):
 
-    from lichen.engines.sampler import derive_seed
+    from lichen.engines.core.sampler import derive_seed
     from lichen.rollout import agent_rollout
     from lichen.rollout.custom_generate import run_custom_generate
     from lichen.types import Sample

@@ -16,7 +16,7 @@ import pytest
 from helpers.agent_proxy import TOOLS, named, serving
 from helpers.agent_proxy import client as _client
 
-from lichen.engines.engine import Engine, GenRequest, GenResult
+from lichen.engines.core.engine import Engine, GenRequest, GenResult
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 from lichen.rollout.custom_generate import BatchingEngine
@@ -273,7 +273,7 @@ def test_the_engine_client_reads_long_events_and_error_events():
     pieces, arrives whole; an error event after it is an EngineRequestError with its code and message."""
     from aiohttp import web
 
-    from lichen.engines.client import EngineClient, EngineRequestError
+    from lichen.engines.clients.client import EngineClient, EngineRequestError
 
     big = {"text": "x" * 700_000, "meta_info": {"finish_reason": None}}  # over the 512 KiB line limit
 

@@ -18,7 +18,7 @@ from helpers.runs import THREADS, base_args, dumped_samples, run
 
 from lichen.config import parse_train_args
 from lichen.config.rollout_config import RolloutConfig
-from lichen.engines.engine import GenResult
+from lichen.engines.core.engine import GenResult
 from lichen.errors import ConfigError
 from lichen.loop import NullTrainer
 from lichen.loop_async import train_loop_fully_async

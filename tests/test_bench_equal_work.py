@@ -27,7 +27,7 @@ def test_engines_are_timed_on_identical_forced_lengths(tiny_ckpt, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lichen.engines.engine import Engine
+    from lichen.engines.core.engine import Engine
     from lichen_bench import run_gen
     from lichen_bench.workloads import Workload
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lichen.engines import decode_batch
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core import decode_batch
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 from lichen.models.tiny import make_tiny_model
 
 

@@ -291,9 +291,9 @@ def test_two_fsdp_ranks_chunked_match_one_rank(tiny_ckpt, addition_data, tmp_pat
 def test_engine_prompt_log_probs_in_chunks_equal_one_pass(tiny_ckpt, monkeypatch):
     """The in-process engine scores a prompt PROMPT_LOGPROB_CHUNK positions at a time: 5-position chunks (a
     40-token prompt, scored from position 3) give the one-pass values, top log-probs and picked ids exactly."""
-    from lichen.engines import decode_batch
-    from lichen.engines.decode_batch import DecodeBatch, Seq
-    from lichen.engines.engine import Engine
+    from lichen.engines.core import decode_batch
+    from lichen.engines.core.decode_batch import DecodeBatch, Seq
+    from lichen.engines.core.engine import Engine
 
     engine = Engine.from_pretrained(tiny_ckpt, dtype=torch.float32)
     prompt = [(7 * i) % 90 + 3 for i in range(40)]

@@ -1,4 +1,4 @@
-"""The engine HTTP client and router (lichen/engines/client.py, router.py).
+"""The engine HTTP client and router (lichen/engines/clients/client.py, router.py).
 
 Client behaviour (retries, concurrency cap, API key) is checked against small aiohttp servers run in the test,
 whose handlers count what really reached them; the protocol translation against one real `lichen serve` with
@@ -14,7 +14,7 @@ from aiohttp import web
 from helpers.batch_schedule import assert_mostly_same_generations
 from helpers.serve_process import launch
 
-from lichen.engines.client import (
+from lichen.engines.clients.client import (
     EngineClient,
     EngineError,
     EngineRequestError,
@@ -23,9 +23,9 @@ from lichen.engines.client import (
     normalize_url,
     result_from_output,
 )
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.router import NoEngineAvailable, Router
-from lichen.engines.sampler import derive_seed
+from lichen.engines.clients.router import NoEngineAvailable, Router
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 
 KEY = "sekrit-key"
 

@@ -111,7 +111,7 @@ def test_every_sample_fits_and_long_prompts_are_dropped(ckpt64, data, tmp_path, 
 
 
 def test_in_process_engine_refuses_what_does_not_fit(ckpt64):
-    from lichen.engines.engine import Engine, GenRequest
+    from lichen.engines.core.engine import Engine, GenRequest
 
     engine = Engine.from_pretrained(ckpt64)
     prompt = list(range(20, 30))

@@ -14,10 +14,10 @@ from helpers.runs import base_args, dumped_samples, run
 
 from lichen.config.rollout_config import SamplingConfig
 from lichen.data.dataset import PromptRecord
-from lichen.engines.engine import Engine, GenResult
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.sampler import derive_seed
-from lichen.engines.sglang_launcher import SGLangLauncher
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.clients.sglang_launcher import SGLangLauncher
+from lichen.engines.core.engine import Engine, GenResult
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import UserError
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout import custom_generate

@@ -11,7 +11,7 @@ from helpers.runs import read_dump
 
 from lichen.cli import main
 from lichen.config import parse_train_args, sampling
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import ConfigError, UserError
 from lichen.rollout.filters import (
     check_reward_nonzero_std,
@@ -157,7 +157,7 @@ def _parse(argv):
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    from lichen.engines.engine import Engine
+    from lichen.engines.core.engine import Engine
 
     return Engine.from_pretrained(tiny_ckpt, device="cpu")
 

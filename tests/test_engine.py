@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed, row_noise, sample_rows, truncate_logprobs
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed, row_noise, sample_rows, truncate_logprobs
 
 
 def uniform_noise(seeds, step, vocab_size):

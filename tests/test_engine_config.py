@@ -8,7 +8,7 @@ import dataclasses
 from helpers.runs import base_args
 
 from lichen.config import EngineConfig, ObserveConfig, SyncConfig, build_train_parser, parse_train_args
-from lichen.engines.launch_args import launch_server_args
+from lichen.engines.clients.launch_args import launch_server_args
 
 
 def _parse(tiny_ckpt, addition_data, tmp_path, *extra):

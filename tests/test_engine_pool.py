@@ -1,4 +1,4 @@
-"""Engines come and go (--use-fault-tolerance; lichen.engines.pool, docs/fault-tolerance.md#engines-come-and-go).
+"""Engines come and go (--use-fault-tolerance; lichen.engines.clients.pool, docs/fault-tolerance.md#engines-come-and-go).
 
 Real `lichen serve` engines on the tiny checkpoint:
 - one engine dies with requests in flight: ONE warning sums it up (what, how many re-sent, how long), the
@@ -21,12 +21,12 @@ import time
 import pytest
 from helpers.serve_process import launch
 
-from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
-from lichen.engines.engine import GenRequest
-from lichen.engines.launcher import EngineLauncher
-from lichen.engines.pool import pool_metrics
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.router import EnginesBelowFloor
+from lichen.engines.api.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
+from lichen.engines.clients.launcher import EngineLauncher
+from lichen.engines.clients.pool import pool_metrics
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.clients.router import EnginesBelowFloor
+from lichen.engines.core.engine import GenRequest
 from lichen.errors import RunError
 
 SERVER_ARGS = ["--num-threads", "1"]
@@ -177,7 +177,7 @@ def test_a_hostile_control_file_is_refused_without_hanging(tmp_path, caplog):
     not make lichen read (or quote) another file, and a line being written is not read half."""
     from types import SimpleNamespace
 
-    from lichen.engines.pool import EnginePool
+    from lichen.engines.clients.pool import EnginePool
 
     control = tmp_path / "engines.add"
     engines = SimpleNamespace(clients=[], router=SimpleNamespace(in_rotation=list))

@@ -23,10 +23,10 @@ from helpers.serve_process import call
 
 from lichen.config import parse_train_args
 from lichen.config.engine_config import required_endpoints
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.sampler import derive_seed
-from lichen.engines.sglang_launcher import SGLangLauncher
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.clients.sglang_launcher import SGLangLauncher
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 

@@ -9,7 +9,7 @@ import torch
 from helpers.serve_checks import full_forward, gen, in_thread, server_and_reference, wait_running
 from helpers.serve_process import call, stream
 
-from lichen.engines.engine import Engine, GenRequest
+from lichen.engines.core.engine import Engine, GenRequest
 from lichen.models import load_model
 from lichen.models.tiny import make_tiny_model
 

@@ -22,10 +22,10 @@ from helpers.scripted_engines import ScriptedEngines, scripted_tokens
 
 from lichen.config import parse_train_args
 from lichen.config.rollout_config import SamplingConfig
-from lichen.engines.engine import Engine, GenRequest, GenResult
-from lichen.engines.launcher import EngineLauncher
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.sampler import derive_seed
+from lichen.engines.clients.launcher import EngineLauncher
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.core.engine import Engine, GenRequest, GenResult
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import SEED_ROUND_STRIDE
 from lichen.rollout.partial import (
@@ -525,7 +525,7 @@ def test_partial_rollout_over_lichen_serve_with_exact_resume(
 def test_a_stopped_launcher_refuses_to_restart(tiny_ckpt):
     """health.restart_engine goes through EngineLauncher.restart: once stop() began, nothing new is started (a
     restart racing with shutdown would leave a server nobody stops)."""
-    from lichen.engines.launcher import EngineLaunchError
+    from lichen.engines.clients.launcher import EngineLaunchError
 
     launcher = EngineLauncher(tiny_ckpt, 1)
     launcher.stop()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lichen.engines.decode_batch import DecodeBatch, Seq
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.decode_batch import DecodeBatch, Seq
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 from lichen.models.tiny import make_tiny_model
 
 ROWS = 16  # one finished row is 1/16 of the batch: below any "wait until enough rows finished" threshold

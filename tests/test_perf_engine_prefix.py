@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 from lichen.models.tiny import make_tiny_model
 
 PROMPTS = [[5, 9, 11, 4], [7, 3], [5, 9, 11, 4, 8, 2], [13]]  # ragged: the prefill is left-padded
@@ -68,7 +68,7 @@ def test_shared_prefill_matches_each_request_alone(engine):
 
 def test_shared_prefill_scores_every_prompt(engine):
     """Prompt log-probs (input_logprob_start) come from the shared row's hidden states, per sequence."""
-    from lichen.engines.decode_batch import DecodeBatch, Seq
+    from lichen.engines.core.decode_batch import DecodeBatch, Seq
 
     seqs = [
         Seq(input_ids=list(p), max_new_tokens=0, input_logprob_start=0, temperature=t)

@@ -23,7 +23,7 @@ from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config import parse_train_args  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 from lichen.config.engine_config import EngineConfig  # noqa: E402
-from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV  # noqa: E402
+from lichen.engines.api.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV  # noqa: E402
 
 LAYOUT = [
     "--runtime",

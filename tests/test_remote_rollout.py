@@ -22,9 +22,9 @@ from helpers.runs import THREADS, base_args, dumped_samples, run
 from lichen.cli import main
 from lichen.config import parse_train_args
 from lichen.config.engine_config import required_endpoints
-from lichen.engines.client import EngineError
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed
+from lichen.engines.clients.client import EngineError
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.rollout.generate import generate_rollout
 from lichen.sync.disk import push_full, write_version
@@ -335,7 +335,7 @@ print("inherited SIGINT:", signal.getsignal(signal.SIGINT), "blocked:", signal.p
       file=sys.stderr, flush=True)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-from lichen.engines.launcher import EngineLauncher
+from lichen.engines.clients.launcher import EngineLauncher
 launcher = EngineLauncher(sys.argv[1], 1, server_args=["--num-threads", "1"])
 launcher.start()
 print("PIDS", *launcher.pids, flush=True)

@@ -110,7 +110,7 @@ def record_reward(args, sample) -> float:
 # ---- helpers -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    from lichen.engines.engine import Engine
+    from lichen.engines.core.engine import Engine
 
     return Engine.from_pretrained(tiny_ckpt, device="cpu")
 

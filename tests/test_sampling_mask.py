@@ -7,8 +7,8 @@ import torch
 from helpers.runs import base_args, run
 
 import lichen.train.micro_batches as micro_mod
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import kept_sets
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import kept_sets
 from lichen.models.tiny import make_tiny_model
 from lichen.train.actor import TrainActor
 from lichen.train.chunked_logprobs import LMHead, chunked_token_log_probs, log_probs_from_logits
@@ -189,7 +189,7 @@ def test_lichen_serve_returns_the_sets_in_slimes_form(tiny_ckpt, tmp_path):
     without it gets none and the same tokens; a malformed answer is one clear error."""
     from helpers.serve_process import call, launch
 
-    from lichen.engines.client import EngineError, generate_payload, result_from_output
+    from lichen.engines.clients.client import EngineError, generate_payload, result_from_output
 
     proc = launch(tiny_ckpt, "--num-threads", "1", log_path=str(tmp_path / "serve.log"))
     try:
@@ -224,7 +224,7 @@ def test_lichen_serve_returns_the_sets_in_slimes_form(tiny_ckpt, tmp_path):
 def test_partial_rollout_continuation_appends_the_sets():
     """A resumed sample's sets are its segments' sets in order; a segment without sets drops them all (the trainer
     then scores the whole response over the full vocabulary rather than misalign positions)."""
-    from lichen.engines.engine import GenResult
+    from lichen.engines.core.engine import GenResult
     from lichen.rollout.partial import SEGMENTS_KEY, extend_sample
 
     s = Sample(

@@ -133,9 +133,9 @@ def test_keys_from_a_file_or_the_environment_stay_off_the_command_line(tiny_ckpt
 
 
 def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
-    from lichen.engines.engine import GenRequest
-    from lichen.engines.launcher import EngineLauncher
-    from lichen.engines.remote_engines import RemoteEngines
+    from lichen.engines.clients.launcher import EngineLauncher
+    from lichen.engines.clients.remote_engines import RemoteEngines
+    from lichen.engines.core.engine import GenRequest
 
     launcher = EngineLauncher(tiny_ckpt, 1, server_args=["--num-threads", "1"], log_dir=str(tmp_path))
     other = EngineLauncher(tiny_ckpt, 1)
@@ -163,7 +163,7 @@ def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
 def test_external_engine_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from lichen.engines.launch_args import external_keys
+    from lichen.engines.clients.launch_args import external_keys
 
     key_file = tmp_path / "engine.key"
     key_file.write_text(KEY)

@@ -1,4 +1,4 @@
-"""Continuous batching (lichen/engines/decode_batch.py, scheduler.py) in process: sequences that join a running batch,
+"""Continuous batching (lichen/engines/core/decode_batch.py, scheduler.py) in process: sequences that join a running batch,
 leave it, are retracted or aborted still get the tokens and log-probs they would get alone."""
 
 import threading
@@ -6,11 +6,11 @@ import threading
 import pytest
 import torch
 
-from lichen.engines import decode_batch as batch_mod
-from lichen.engines.decode_batch import Seq
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed, row_noise, sample_rows
-from lichen.engines.scheduler import Scheduler
+from lichen.engines.core import decode_batch as batch_mod
+from lichen.engines.core.decode_batch import Seq
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed, row_noise, sample_rows
+from lichen.engines.server.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,8 +7,8 @@ import torch
 from helpers.serve_checks import full_forward, gen, in_thread, server_and_reference, wait_running
 from helpers.serve_process import call, stream
 
-from lichen.engines.engine import Engine, GenRequest
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.engine import Engine, GenRequest
+from lichen.engines.core.sampler import derive_seed
 from lichen.models.tiny import make_tiny_model, token_strings
 from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from helpers.serve_process import call, launch
 
-from lichen.engines.limits import BoundedAppRunner, Limits
+from lichen.engines.server.limits import BoundedAppRunner, Limits
 
 GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
 
@@ -144,8 +144,8 @@ class InProcess:
     """A LichenServer and its app (with lichen serve's runner) on a loop in a thread, on a free loopback port."""
 
     def __init__(self, model: str, tok: HeldTokenizer, limits: Limits):
-        from lichen.engines.engine import Engine
-        from lichen.engines.http_server import LichenServer
+        from lichen.engines.core.engine import Engine
+        from lichen.engines.server.http_server import LichenServer
         from lichen.models import load_model
         from lichen.models.tokenizer import eos_token_ids
 
@@ -248,7 +248,7 @@ def test_counts_and_lengths_are_checked_before_anything_is_tokenized(held):
 def test_launched_engines_get_a_body_cap_sized_from_the_run():
     from types import SimpleNamespace
 
-    from lichen.engines.launch_args import MIN_REQUEST_BYTES, launch_limits
+    from lichen.engines.clients.launch_args import MIN_REQUEST_BYTES, launch_limits
 
     def flags(prompt: int | None, response: int | None) -> dict:
         cfg = SimpleNamespace(concurrency=8, max_prompt_len=prompt, max_response_len=response)

@@ -206,7 +206,7 @@ def test_a_huge_n_is_refused_at_once_and_memory_stays_flat(server):
 def test_a_full_queue_answers_503_and_the_client_backs_off(server):
     import asyncio
 
-    from lichen.engines.client import EngineClient
+    from lichen.engines.clients.client import EngineClient
 
     assert call(server.url + "/pause_generation", {"mode": "abort"})[0] == 200
     outs: dict[int, list[str]] = {}
@@ -315,8 +315,8 @@ def test_scheduler_state_read_elsewhere_never_touches_the_live_batch(tiny_ckpt):
     """/v1/loads and /get_server_info read the scheduler's counts from the event loop thread while the scheduler
     thread mutates the batch; len() of a batch mid-update once raised (a 500 under load). The counts are published
     by the scheduler thread after each pass, so reading them never looks at the batch."""
-    from lichen.engines.engine import Engine
-    from lichen.engines.scheduler import Scheduler
+    from lichen.engines.core.engine import Engine
+    from lichen.engines.server.scheduler import Scheduler
     from lichen.models import load_model
 
     class Mutating:  # a batch caught between `rows` and `n_dead` being updated
@@ -333,7 +333,7 @@ def test_scheduler_state_read_elsewhere_never_touches_the_live_batch(tiny_ckpt):
 def test_launched_engines_get_the_runs_dirs_and_bounds(tmp_path):
     from types import SimpleNamespace
 
-    from lichen.engines.launch_args import launch_server_args
+    from lichen.engines.clients.launch_args import launch_server_args
 
     cfg = SimpleNamespace(
         device="cpu",

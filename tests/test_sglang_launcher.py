@@ -22,7 +22,7 @@ from helpers.serve_process import call
 
 from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig
-from lichen.engines.sglang_launcher import (
+from lichen.engines.clients.sglang_launcher import (
     LICHEN_SETS,
     SGLangLauncher,
     build_sglang_command,

@@ -16,9 +16,9 @@ import torch
 import xxhash
 from helpers.serve_process import call as plain_call
 
-from lichen.engines.client import EngineError
-from lichen.engines.engine import Engine
-from lichen.engines.remote_engines import RemoteEngines
+from lichen.engines.clients.client import EngineError
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.core.engine import Engine
 from lichen.models import load_model
 from lichen.sync.disk import FullDiskSync
 from lichen.sync.disk_delta import DeltaSync
@@ -220,7 +220,7 @@ def test_corrupted_delta_fails_the_sync_and_engines_keep_serving(pair, tiny_ckpt
 
 
 def _req():
-    from lichen.engines.engine import GenRequest
+    from lichen.engines.core.engine import GenRequest
 
     return GenRequest(input_ids=[3, 4, 5], max_new_tokens=3, temperature=0.0)
 
@@ -339,7 +339,7 @@ def test_live_apply_falls_back_to_the_verified_local_copy(pair, tiny_ckpt, tmp_p
 
 
 def test_apply_delta_live_in_place_checks_order_and_checksums(tmp_path):
-    from lichen.engines.weight_endpoints import apply_delta_live
+    from lichen.engines.server.weight_endpoints import apply_delta_live
     from lichen.weights import DeltaError, VersionPublisher
 
     g = torch.Generator().manual_seed(0)

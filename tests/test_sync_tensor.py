@@ -20,7 +20,7 @@ import xxhash
 from helpers.runs import base_args, run
 from helpers.serve_process import call as plain_call
 
-from lichen.engines.tensor_payload import PayloadError, load_named_tensors
+from lichen.engines.server.tensor_payload import PayloadError, load_named_tensors
 from lichen.sync.distributed import plan_buckets
 from lichen.sync.tensor_handles import TensorSync
 from lichen.weights.hf_io import load_hf_state_dict
@@ -89,7 +89,7 @@ def test_handles_map_the_same_memory_in_an_unrelated_process():
         [
             sys.executable,
             "-c",
-            "import sys\nfrom lichen.engines.tensor_payload import load_named_tensors\n"
+            "import sys\nfrom lichen.engines.server.tensor_payload import load_named_tensors\n"
             "[(n, t)] = load_named_tensors(sys.stdin.readline().strip())\nprint(float(t[5, 7]), flush=True)\n"
             "sys.stdin.readline()\nprint(float(t[5, 7]), flush=True)\n",
         ],

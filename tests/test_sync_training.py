@@ -13,8 +13,8 @@ import os
 import pytest
 from helpers.runs import base_args, dumped_samples, pop_engines, run
 
-from lichen.engines.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
-from lichen.engines.launcher import EngineLauncher
+from lichen.engines.api.auth import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV
+from lichen.engines.clients.launcher import EngineLauncher
 
 THREADS = ["--num-threads", "1"]
 

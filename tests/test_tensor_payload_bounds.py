@@ -13,7 +13,7 @@ import pickle
 import pytest
 from helpers.serve_process import call, launch
 
-from lichen.engines.tensor_payload import MAX_DEPTH, MAX_OPS, PayloadError, load_named_tensors
+from lichen.engines.server.tensor_payload import MAX_DEPTH, MAX_OPS, PayloadError, load_named_tensors
 from lichen.excerpt import excerpt, json_excerpt
 
 

@@ -14,7 +14,7 @@ import pytest
 from helpers.serve_process import launch
 from helpers.tool_calls import CALL, MSGS, TOOLS, scripted  # noqa: F401 - `scripted` is a fixture
 
-from lichen.engines.tool_parsers import TaggedJsonParser, ToolCall, load_parser
+from lichen.engines.api.tool_parsers import TaggedJsonParser, ToolCall, load_parser
 from lichen.errors import ConfigError
 
 P = TaggedJsonParser()
@@ -88,7 +88,7 @@ class UpperParser:
     """A plug-in parser: the whole reply is one call `upper` with the text as its argument."""
 
     def parse(self, text):
-        from lichen.engines.tool_parsers import ParsedOutput
+        from lichen.engines.api.tool_parsers import ParsedOutput
 
         return ParsedOutput(None, [ToolCall("upper", json.dumps({"text": text}))])
 
@@ -229,7 +229,7 @@ def test_real_server_with_the_sdk(tiny_ckpt, tmp_path):
 
 
 def test_serve_flag_is_checked_before_the_model_loads(tiny_ckpt):
-    from lichen.engines.serve import build_parser, check_args
+    from lichen.engines.server.serve import build_parser, check_args
 
     args = build_parser().parse_args(["--model", tiny_ckpt, "--tool-call-parser", "mistral"])
     with pytest.raises(ConfigError, match="^--tool-call-parser 'mistral': unknown parser"):

@@ -10,7 +10,7 @@ import pytest
 from helpers.tool_calls import CALL, MSGS, TOOLS, scripted  # noqa: F401 - `scripted` is a fixture
 from helpers.tool_rollout import enc, rollout
 
-from lichen.engines.tool_parsers import (
+from lichen.engines.api.tool_parsers import (
     MAX_CALL_CHARS,
     MAX_CALL_DEPTH,
     MAX_CALLS,

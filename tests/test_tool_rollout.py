@@ -14,8 +14,8 @@ from helpers.scripted_policy import scripted_generate
 from helpers.tool_rollout import ScriptedEngine, add, boom, enc, rollout, slow  # noqa: F401 - tools by dotted path
 from helpers.tool_rollout import tool_args as _args
 
-from lichen.engines.engine import Engine
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.engine import Engine
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import ConfigError
 from lichen.models.tokenizer import encode_prompt, load_tokenizer
 from lichen.observe.sample_log import sample_record

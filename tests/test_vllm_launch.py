@@ -18,11 +18,10 @@ from helpers.vllm import vllm_tiny_model
 from lichen.cli import main
 from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig
-from lichen.engines.client import generate_payload
-from lichen.engines.engine import GenRequest
-from lichen.engines.vllm_client import sglang_output, vllm_generate_body
-from lichen.engines.vllm_guard import KeyGuard
-from lichen.engines.vllm_launcher import (
+from lichen.engines.clients.client import generate_payload
+from lichen.engines.clients.vllm_client import sglang_output, vllm_generate_body
+from lichen.engines.clients.vllm_guard import KeyGuard
+from lichen.engines.clients.vllm_launcher import (
     CPU_KV_CACHE_BYTES,
     PYTHON_ENV,
     RECEIVER,
@@ -31,7 +30,8 @@ from lichen.engines.vllm_launcher import (
     engine_gpus,
     resolve_python,
 )
-from lichen.engines.vllm_worker_ext import WEIGHT_DIRS_ENV
+from lichen.engines.clients.vllm_worker_ext import WEIGHT_DIRS_ENV
+from lichen.engines.core.engine import GenRequest
 from lichen.errors import ConfigError
 
 
@@ -56,7 +56,7 @@ def _python(tmp_path) -> str:
 
 
 def test_exact_command_from_lichen_flags_and_passthrough(ckpt, addition_data, tmp_path, monkeypatch):
-    monkeypatch.setattr("lichen.engines.vllm_launcher._cuda_here", lambda: False)
+    monkeypatch.setattr("lichen.engines.clients.vllm_launcher._cuda_here", lambda: False)
     cfg = _cfg(
         ckpt,
         addition_data,
@@ -73,7 +73,7 @@ def test_exact_command_from_lichen_flags_and_passthrough(ckpt, addition_data, tm
         "PY", "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
         "--port", "31000", "--seed", "1234", "--dtype", "float32", "--tensor-parallel-size", "1",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out",
-        "--middleware", "lichen.engines.vllm_guard.KeyGuard", "--worker-extension-cls", RECEIVER, "--max-num-seqs", "8",
+        "--middleware", "lichen.engines.clients.vllm_guard.KeyGuard", "--worker-extension-cls", RECEIVER, "--max-num-seqs", "8",
         "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--max-model-len", "512", "--enforce-eager",
     ]  # fmt: skip
     # the user's memory sizing replaces lichen's CPU default
@@ -94,7 +94,7 @@ def test_launcher_environment_keeps_the_key_off_the_command_line(ckpt, addition_
     assert launcher.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert launcher.env[WEIGHT_DIRS_ENV] == str(weights)  # the only directory its receiver loads from
     linked = os.path.join(launcher.env["PYTHONPATH"].split(os.pathsep)[0], "lichen")
-    assert os.path.isfile(os.path.join(linked, "engines", "vllm_guard.py"))
+    assert os.path.isfile(os.path.join(linked, "engines", "clients", "vllm_guard.py"))
     cmd = launcher.command_for(1, 31001)
     assert cmd[1] == "CUDA_VISIBLE_DEVICES=5" and launcher.api_key not in " ".join(cmd)
     assert launcher.keyed(cmd) == cmd
@@ -110,7 +110,9 @@ def test_the_interpreter_comes_from_the_flag_the_environment_or_a_hint(tmp_path,
     with pytest.raises(ConfigError, match=r"\$LICHEN_VLLM_PYTHON .*nope: not an executable file; .*setup_vllm.sh"):
         resolve_python(None)
     monkeypatch.delenv(PYTHON_ENV)
-    monkeypatch.setattr("lichen.engines.vllm_launcher.default_python", lambda: str(tmp_path / "none" / "python"))
+    monkeypatch.setattr(
+        "lichen.engines.clients.vllm_launcher.default_python", lambda: str(tmp_path / "none" / "python")
+    )
     with pytest.raises(ConfigError, match="no vLLM environment at .*setup_vllm.sh"):
         resolve_python(None)
 
@@ -198,14 +200,14 @@ def test_a_lichen_request_becomes_vllms_and_its_answer_lichens():
     ],
 )
 def test_a_malformed_vllm_answer_is_one_clear_error(answer):
-    from lichen.engines.client import EngineError
+    from lichen.engines.clients.client import EngineError
 
     with pytest.raises(EngineError, match="/inference/v1/generate"):
         sglang_output(answer, "http://e")
 
 
 def test_the_sampling_mask_is_refused_not_dropped():
-    from lichen.engines.client import EngineError
+    from lichen.engines.clients.client import EngineError
 
     payload = generate_payload(GenRequest([1], 2, top_p=0.5, return_sampling_mask=True))
     with pytest.raises(EngineError, match="sampling mask"):
@@ -245,7 +247,7 @@ def test_the_key_guard_closes_every_path_but_health():
 def test_a_ray_engine_actor_starts_one_vllm_server_on_its_gpus_with_the_run_s_key(ckpt, addition_data, tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
     from lichen.cluster.engine_actors import EngineHostImpl, engine_env
-    from lichen.engines.auth import SERVE_KEY_ENV
+    from lichen.engines.api.auth import SERVE_KEY_ENV
 
     cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "2", "--vllm-python", _python(tmp_path))
     keys = {SERVE_KEY_ENV: "run-key"}
@@ -295,7 +297,7 @@ def test_a_launched_vllm_server_is_ready_after_a_first_generate_with_its_log_pro
     """vLLM compiles its log-prob gather on the first request that asks for log-probs, holding every request behind
     it (30 s and more on a busy CPU: long enough for the health check to call the engine hung). The launcher makes
     that request before it calls a server (launched or restarted) ready."""
-    from lichen.engines.sglang_launcher import SGLangLaunchError
+    from lichen.engines.clients.sglang_launcher import SGLangLaunchError
 
     script = tmp_path / "stub_vllm.py"
     script.write_text(STUB_VLLM)

@@ -1,5 +1,5 @@
 """A real vLLM server (vLLM's own environment, .venv-vllm) launched by lichen with `--rollout-engine-backend vllm`,
-driven through RemoteEngines and lichen.engines.vllm_client: shapes, log-probs against lichen's own model in
+driven through RemoteEngines and lichen.engines.clients.vllm_client: shapes, log-probs against lichen's own model in
 float64, seeds, stop ids / ignore_eos, abort + continue, weight-version tags, the disk reload, and the key guard
 of vLLM's control plane. One server for the module (each start costs about a minute on this CPU)."""
 
@@ -18,9 +18,9 @@ from helpers.vllm import vllm_python, vllm_tiny_model
 
 from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig
-from lichen.engines.engine import GenRequest
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.vllm_worker_ext import WEIGHT_DIRS_ENV
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.clients.vllm_worker_ext import WEIGHT_DIRS_ENV
+from lichen.engines.core.engine import GenRequest
 from lichen.models import load_model
 
 EOS = {1, 3}  # the tiny model's EOS ids (generation_config.json's eos_token_id: <|endoftext|>, <|im_end|>)
@@ -272,7 +272,7 @@ def weight_dir(engines) -> Path:
 
 
 def test_a_checkpoint_outside_the_run_s_weight_directory_is_refused(engines, ckpt):
-    from lichen.engines.client import EngineRequestError
+    from lichen.engines.clients.client import EngineRequestError
 
     with pytest.raises(EngineRequestError, match="not inside the weight directories"):
         engines.update_weights_from_disk(ckpt, "9")

@@ -1,4 +1,4 @@
-"""Weight sync into vLLM (lichen.sync.vllm_sync, lichen.engines.vllm_worker_ext; docs/engines.md#weight-sync).
+"""Weight sync into vLLM (lichen.sync.vllm_sync, lichen.engines.clients.vllm_worker_ext; docs/engines.md#weight-sync).
 
 - vLLM's own CUDA protocol, which cannot run here: its request sequence against a scripted HTTP peer;
 - one real vLLM server (vLLM's environment, .venv-vllm) launched by lichen for the module: both CPU transports
@@ -7,7 +7,7 @@
 - a 3-step `lichen train` over launched vLLM engines with the gloo transport and --use-fault-tolerance, engine 0
   SIGKILLed mid-rollout: its requests re-sent to engine 1, it is restarted and re-joins at the next sync (a new
   group), no sample lost or duplicated, every sync verified. Two engines: a broadcast leaves no checkpoint for a
-  lone restarted engine to load mid-rollout (lichen.engines.health), as for every broadcast transport.
+  lone restarted engine to load mid-rollout (lichen.engines.clients.health), as for every broadcast transport.
 - `--runtime ray`: 2 trainer ranks and a vLLM engine actor, trainer rank 0 broadcasting, every sync verified;
 - the receiver's input checks, and the health probe that catches a hung vLLM engine core.
 """
@@ -28,9 +28,9 @@ from helpers.vllm import vllm_python, vllm_tiny_model
 from lichen import sync
 from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig, SyncConfig
-from lichen.engines.engine import GenRequest
-from lichen.engines.remote_engines import RemoteEngines
-from lichen.engines.vllm_client import VLLMClient
+from lichen.engines.clients.remote_engines import RemoteEngines
+from lichen.engines.clients.vllm_client import VLLMClient
+from lichen.engines.core.engine import GenRequest
 from lichen.errors import NotAvailableYet
 from lichen.models import load_model
 from lichen.sync.verify import WeightMismatchError
@@ -245,7 +245,7 @@ def test_the_health_probe_catches_a_hung_engine_core_that_vllm_health_calls_heal
 
     import psutil
 
-    from lichen.engines.health import HealthMonitor
+    from lichen.engines.clients.health import HealthMonitor
 
     server = psutil.Process(engines.launcher.servers[0].proc.pid)
     cores = [p for p in server.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
@@ -376,7 +376,7 @@ def test_ray_two_trainer_ranks_sync_into_a_vllm_engine_actor_by_gloo(ckpt, addit
 def test_the_receiver_reads_buckets_only_from_files_in_dev_shm(tmp_path):
     import os
 
-    from lichen.engines.vllm_worker_ext import LichenWeightReceiver
+    from lichen.engines.clients.vllm_worker_ext import LichenWeightReceiver
 
     receiver = LichenWeightReceiver()
     spec = {"total": 4, "names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}
@@ -391,7 +391,7 @@ def test_the_receiver_reads_buckets_only_from_files_in_dev_shm(tmp_path):
 
 
 def test_a_bucket_spec_past_its_bytes_or_with_an_unknown_dtype_is_refused():
-    from lichen.engines.vllm_worker_ext import _split
+    from lichen.engines.clients.vllm_worker_ext import _split
 
     flat = torch.zeros(16, dtype=torch.uint8)
     assert [t.shape for _, t in _split(flat, {"names": ["a"], "dtypes": ["float32"], "shapes": [[2, 2]]})] == [(2, 2)]

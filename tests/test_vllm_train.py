@@ -1,5 +1,5 @@
 """`lichen train` over one vLLM engine that lichen launches (`--rollout-engine-backend vllm`), weights synced by
-the disk transport (vLLM reloads each version in place: lichen.engines.vllm_client): three steps, every sample
+the disk transport (vLLM reloads each version in place: lichen.engines.clients.vllm_client): three steps, every sample
 tagged with the version it was generated with, and the rollout / trainer log-prob mismatch logged per step (small
 and non-zero: vLLM's float32 CPU kernels against lichen's)."""
 

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from lichen.engines import decode_batch
-    from lichen.engines.engine import Engine
+    from lichen.engines.core import decode_batch
+    from lichen.engines.core.engine import Engine
     from lichen_bench import run_gen
     from lichen_bench.workloads import WORKLOADS, make_prompts
 

@@ -24,7 +24,7 @@ def _engine_from(root: str | None, checkpoint: str):
         sys.path.insert(0, root)
     try:
         import lichen
-        from lichen.engines.engine import Engine
+        from lichen.engines.core.engine import Engine
 
         if root and not lichen.__file__.startswith(root):
             raise SystemExit(f"--old-tree {root}: lichen was imported from {lichen.__file__}, not from there")

@@ -145,7 +145,7 @@ def write_prompts(root: str, count: int) -> str:
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here (its environment's interpreter missing or not importing vllm), or None."""
-    from lichen.engines.vllm_launcher import resolve_python
+    from lichen.engines.clients.vllm_launcher import resolve_python
     from lichen.errors import ConfigError
 
     try:

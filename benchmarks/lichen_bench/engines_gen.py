@@ -136,7 +136,7 @@ def _per_cpu(r: dict) -> str:
 
 
 def _requests(prompt_ids: list[list[int]], samples: int, tokens: int) -> list[Any]:
-    from lichen.engines.engine import GenRequest
+    from lichen.engines.core.engine import GenRequest
 
     return [
         GenRequest(list(p), tokens, temperature=1.0, seed=1000 + i * samples + j, ignore_eos=True)
@@ -169,7 +169,7 @@ def measure_server(
     """Start one `backend` server, pin it, warm it up, time --repeats passes; its numbers (see the module doc)."""
     from lichen.config import parse_train_args
     from lichen.config.engine_config import EngineConfig
-    from lichen.engines.remote_engines import RemoteEngines
+    from lichen.engines.clients.remote_engines import RemoteEngines
 
     cores = args.core_list
     env = {VLLM_BIND_ENV: ",".join(map(str, cores)), "OMP_NUM_THREADS": str(len(cores))}

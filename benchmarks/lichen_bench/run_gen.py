@@ -81,7 +81,7 @@ def _hf_generate(model, tokenizer, prompts, wl, lengths: list[int], seed) -> dic
 
 def _lichen_generate(engine, tokenizer, prompts, wl, seed, lengths: list[int] | None = None) -> dict:
     """lichen's Engine on `prompts`: natural lengths (EOS stops, at most the workload's), or exactly `lengths`."""
-    from lichen.engines.engine import GenRequest
+    from lichen.engines.core.engine import GenRequest
 
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     reqs = [
@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32).eval()
     engine = None
     try:
-        from lichen.engines.engine import Engine
+        from lichen.engines.core.engine import Engine
 
         engine = Engine.from_pretrained(a.checkpoint, device="cpu")
     except Exception as e:  # the engine API changed: report, keep the HF baseline

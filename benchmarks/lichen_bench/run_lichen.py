@@ -95,7 +95,7 @@ def install() -> None:
         prefix, step, rows = torch_profile.rsplit(":", 2)
         install_profiler(prefix, int(step), int(rows))
     _wrap("lichen.models.transformer", "CausalLM", "forward", _forward_wrapper)
-    _wrap("lichen.engines.engine", "Engine", "generate", _engine_wrapper)
+    _wrap("lichen.engines.core.engine", "Engine", "generate", _engine_wrapper)
     _wrap("lichen.rollout.manager", "RolloutManager", "generate", _rollout_wrapper)
 
 

@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         return sync_ray.main(rest)
     args = parse_args(rest)
     torch.set_num_threads(args.threads)
-    from lichen.engines.launcher import EngineLauncher
-    from lichen.engines.remote_engines import RemoteEngines
+    from lichen.engines.clients.launcher import EngineLauncher
+    from lichen.engines.clients.remote_engines import RemoteEngines
     from lichen.models.tiny import make_tiny_model
 
     dtype = getattr(torch, args.dtype)

@@ -27,7 +27,7 @@ def install(prefix: str, steps: int, rows: int) -> None:
     """In the `lichen train` child: profile call number `steps` of Engine.generate and of TrainActor.train."""
     import functools
 
-    from lichen.engines.engine import Engine
+    from lichen.engines.core.engine import Engine
     from lichen.train.actor import TrainActor
 
     def wrap(cls, attr: str, name: str) -> None:

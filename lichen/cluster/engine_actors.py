@@ -1,9 +1,9 @@
 """Engine servers started by Ray actors on their placement bundles: `lichen serve`, SGLang with
-`--rollout-engine-backend sglang`, or vLLM with `--rollout-engine-backend vllm` (lichen.engines.vllm_launcher, one
+`--rollout-engine-backend sglang`, or vLLM with `--rollout-engine-backend vllm` (lichen.engines.clients.vllm_launcher, one
 engine per actor, the run's key in VLLM_API_KEY).
 
-Each `EngineHost` actor sits on its engine's first bundle and runs one server through lichen.engines.launcher or
-lichen.engines.sglang_launcher (so the server dies with its actor, logs under <output>/engines/engine_<i>/, gets
+Each `EngineHost` actor sits on its engine's first bundle and runs one server through lichen.engines.clients.launcher or
+lichen.engines.clients.sglang_launcher (so the server dies with its actor, logs under <output>/engines/engine_<i>/, gets
 its keys through the environment). The server sees the GPUs of all its bundles (`engine_env`:
 CUDA_VISIBLE_DEVICES; on a CPU host these are Ray's declared GPUs, which CPU torch ignores), so an SGLang engine
 starts at the first of them, `--base-gpu-id 0`, with `--tp-size` its GPU count (`sglang_command`). It binds
@@ -22,8 +22,8 @@ from typing import Any
 
 from lichen.cluster.actor_group import reported_env
 from lichen.cluster.runtime import RayCluster
-from lichen.engines.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
-from lichen.engines.sglang_launcher import build_sglang_command
+from lichen.engines.api.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV, new_key
+from lichen.engines.clients.sglang_launcher import build_sglang_command
 from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
@@ -69,8 +69,8 @@ class EngineHostImpl:
     def start(self) -> str:
         import ray
 
-        from lichen.engines.launch_args import launch_server_args
-        from lichen.engines.launcher import EngineLauncher
+        from lichen.engines.clients.launch_args import launch_server_args
+        from lichen.engines.clients.launcher import EngineLauncher
 
         cfg = self.cfg
         ip = ray.util.get_node_ip_address()
@@ -97,7 +97,7 @@ class EngineHostImpl:
     def _sglang_launcher(self, host: str, env: dict[str, str], log_dir: str | None) -> Any:
         import tempfile
 
-        from lichen.engines.sglang_launcher import SGLangLauncher
+        from lichen.engines.clients.sglang_launcher import SGLangLauncher
 
         cfg = self.cfg
         launcher = SGLangLauncher(
@@ -114,8 +114,8 @@ class EngineHostImpl:
         return launcher
 
     def _vllm_launcher(self, host: str, env: dict[str, str], log_dir: str | None) -> Any:
-        """vLLM (lichen.engines.vllm_launcher) for this actor's one engine, with the run's key."""
-        from lichen.engines.vllm_launcher import VLLMLauncher
+        """vLLM (lichen.engines.clients.vllm_launcher) for this actor's one engine, with the run's key."""
+        from lichen.engines.clients.vllm_launcher import VLLMLauncher
 
         launcher = VLLMLauncher.from_config(
             self.cfg, num_engines=1, host=host, env=env, log_dir=log_dir, ready_timeout=SGLANG_READY_TIMEOUT_S
@@ -212,6 +212,6 @@ class RayEngineSet:
 
 def ray_remote_engines(cluster: RayCluster, cfg: Any) -> Any:
     """The run's engines (`cfg` an EngineConfig) as Ray actors behind one RemoteEngines, which stops them on close."""
-    from lichen.engines.remote_engines import RemoteEngines
+    from lichen.engines.clients.remote_engines import RemoteEngines
 
     return RemoteEngines.from_config(cfg, launcher=RayEngineSet(cluster, cfg))

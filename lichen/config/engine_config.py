@@ -68,7 +68,7 @@ class EngineConfig:
     gpus_per_engine: int
     memory_saver: bool
     passthrough: tuple[str, ...]  # --sglang-<flag> / --vllm-<flag> tokens
-    # launched vLLM servers: the interpreter of vLLM's environment (--vllm-python; None: lichen.engines.vllm_launcher)
+    # launched vLLM servers: the interpreter of vLLM's environment (--vllm-python; None: lichen.engines.clients.vllm_launcher)
     vllm_python: str | None = None
 
     @classmethod

@@ -4,7 +4,7 @@
 ones lichen reads itself (SGLANG_CONSUMED_FLAGS). Unknown `--sglang-*` arguments are therefore collected into
 `args.sglang_passthrough` (a flat token list, e.g. ["--sglang-mem-fraction-static", "0.8"]) instead of failing;
 they need `--rollout-engine-backend sglang --rollout-num-engines K`, and one that sets what lichen sets itself
-(model path, host, port, tp size, ...: lichen.engines.sglang_launcher.LICHEN_SETS) is an error.
+(model path, host, port, tp size, ...: lichen.engines.clients.sglang_launcher.LICHEN_SETS) is an error.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def _check_server_engines(args: argparse.Namespace) -> None:
 
 def _check_sglang_launch(args: argparse.Namespace) -> None:
     """--rollout-engine-backend / --rollout-num-gpus-per-engine / the --sglang-* pass-through."""
-    from lichen.engines.sglang_launcher import check_passthrough
+    from lichen.engines.clients.sglang_launcher import check_passthrough
 
     backend = getattr(args, "rollout_engine_backend", "lichen")
     check_int_at_least(args, "rollout_num_gpus_per_engine", 1)
@@ -358,7 +358,7 @@ def _check_sglang_launch(args: argparse.Namespace) -> None:
 
 def _check_fault_tolerance(args: argparse.Namespace) -> None:
     """--use-fault-tolerance and the --rollout-health-check-* flags (resolved to their defaults here)."""
-    # slime's defaults (lichen.engines.health has the same): first check after 300 s, then every 10 s, 5 s to answer
+    # slime's defaults (lichen.engines.clients.health has the same): first check after 300 s, then every 10 s, 5 s to answer
     health = (
         ("rollout_health_check_interval", 10.0, True),
         ("rollout_health_check_timeout", 5.0, True),

@@ -178,7 +178,7 @@ class RolloutConfig:
     load_debug_rollout_data: str | None
     load_forge_rollout_data: str | None  # slime's forge replay: dumps replayed with engines and sync live
     eval_datasets: tuple[dict, ...]  # one resolved config per eval data set (lichen.config.eval)
-    # frozen models served beside the policy (--sglang-config; lichen.engines.frozen_models.FrozenModelSpec)
+    # frozen models served beside the policy (--sglang-config; lichen.engines.clients.frozen_models.FrozenModelSpec)
     frozen_models: tuple = ()
     opd_teacher_served: bool = False  # --use-opd --opd-type sglang: samples get the teacher's log-probs
 

@@ -19,7 +19,7 @@ What lichen takes: per model `name`, `model_path`, `update_weights`, `num_gpus_p
 `engine_groups`; per group `worker_type` regular (and placeholder, which launches nothing, as in slime),
 `num_gpus`, `num_gpus_per_engine`. A group's engines are num_gpus / num_gpus_per_engine. The updatable model is
 the policy: its engines are --rollout-num-engines (set from the file, or checked against it). Each frozen model is
-launched beside it (lichen.engines.frozen_models). Not taken, each a usage error naming the key: prefill / decode /
+launched beside it (lichen.engines.clients.frozen_models). Not taken, each a usage error naming the key: prefill / decode /
 encoder workers (PD and EPD disaggregation), per-group `overrides`, more than one updatable model, and any key
 slime does not define.
 """

@@ -62,7 +62,7 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-turns must be at least 1, got {args.max_turns}")
     if not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):
         raise ConfigError(f"--tool-timeout must be a positive number of seconds, got {args.tool_timeout:g}")
-    from lichen.engines.tool_parsers import load_parser
+    from lichen.engines.api.tool_parsers import load_parser
     from lichen.plugins import load_function
 
     parser = load_parser(args.tool_call_parser, "--tool-call-parser")

@@ -1,7 +1,7 @@
 """`--rollout-engine-backend vllm`: the `--vllm-python` flag and what a run with vLLM engines cannot do.
 
 `--vllm-<flag>` arguments are collected with the `--sglang-*` pass-through (lichen.config.rollout) and handed to
-launched vLLM servers verbatim (lichen.engines.vllm_launcher). What lichen's rollout needs and vLLM cannot give is
+launched vLLM servers verbatim (lichen.engines.clients.vllm_launcher). What lichen's rollout needs and vLLM cannot give is
 refused here, at start, with one line each (docs/engines.md#what-is-refused), never degraded at run time.
 """
 
@@ -46,7 +46,7 @@ def check(args: argparse.Namespace) -> None:
     if tokens:
         if not args.rollout_num_engines:
             raise ConfigError(f"{tokens[0]}: --vllm-... flags apply to launched servers, not external ones; drop it")
-        from lichen.engines.vllm_launcher import check_passthrough
+        from lichen.engines.clients.vllm_launcher import check_passthrough
 
         check_passthrough(tokens, args.rollout_max_batch_size)
     if [t for t in getattr(args, "sglang_passthrough", None) or [] if t.startswith("--sglang-")]:
@@ -70,7 +70,7 @@ def check(args: argparse.Namespace) -> None:
             )
     if args.rollout_num_engines and args.hf_checkpoint:
         _check_cpu_head_dim(args.hf_checkpoint)
-    from lichen.engines.vllm_launcher import _cuda_here
+    from lichen.engines.clients.vllm_launcher import _cuda_here
 
     if getattr(args, "offload_rollout", False) and args.rollout_num_engines and not _cuda_here():
         # vLLM's own check (vllm/config/model.py) would stop the server a minute into its start

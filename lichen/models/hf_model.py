@@ -10,7 +10,7 @@ are the module's (`model.layers.0...`, `lm_head.weight`): weight sync and export
 
 Packed training rows (several samples per row, a block-diagonal mask) are unpacked here into one sample per row:
 linear-attention and sliding-window layers cannot be told where a packed sample starts by a mask, so each sample
-runs alone, exactly as the engine saw it. Decoding (lichen.engines.hf_decode) goes through `decode`, which uses
+runs alone, exactly as the engine saw it. Decoding (lichen.engines.core.hf_decode) goes through `decode`, which uses
 the module's own cache (transformers' DynamicCache or the model's cache class).
 """
 
@@ -180,7 +180,7 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [rows, T, H] of right-padded rows (causal); a packed `attn_mask` is unpacked."""
         if cache is not None:
-            raise TypeError("HFCausalLM: decoding goes through decode() (lichen.engines.hf_decode)")
+            raise TypeError("HFCausalLM: decoding goes through decode() (lichen.engines.core.hf_decode)")
         if attn_mask is None:
             return self._run_base(input_ids, position_ids)
         return self._forward_packed(input_ids, attn_mask)

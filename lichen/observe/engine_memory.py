@@ -1,7 +1,7 @@
 """The peak memory of engine servers per loop phase (`memory/engine{i}/<phase>_peak_rss_gb`, and
 `_cuda_max_allocated_gb` on CUDA), for RunObserver: at a phase's start every engine in rotation gets
 `POST /reset_peak_memory`, at its end `GET /server_info` reports its peaks in "memory" (lichen serve's own fields,
-lichen/engines/info_endpoints.py). An engine that lacks them (SGLang) or does not answer adds nothing: the
+lichen/engines/server/info_endpoints.py). An engine that lacks them (SGLang) or does not answer adds nothing: the
 metrics never cost the run.
 """
 

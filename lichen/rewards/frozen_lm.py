@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lichen.engines.frozen_models import FrozenModels, active
+from lichen.engines.clients.frozen_models import FrozenModels, active
 from lichen.errors import ConfigError
 from lichen.types import Sample
 

@@ -27,9 +27,9 @@ import asyncio
 import concurrent.futures
 from typing import TYPE_CHECKING, Any
 
-from lichen.engines.client import EngineError
-from lichen.engines.engine import GenResult
-from lichen.engines.sampler import derive_seed
+from lichen.engines.clients.client import EngineError
+from lichen.engines.core.engine import GenResult
+from lichen.engines.core.sampler import derive_seed
 from lichen.observe.metrics import get_logger
 from lichen.rollout.context import RolloutContext
 from lichen.rollout.filters import run_group_filter

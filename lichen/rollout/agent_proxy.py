@@ -12,7 +12,7 @@ agent lichen started: each request must carry the proxy's key (a fresh random on
 as `Authorization: Bearer KEY` — what the SDK sends for `api_key=KEY` — or `x-api-key`) and name a live session.
 Anything else is refused (401 / 404, an OpenAI-style JSON error), nothing of it is recorded, and it is counted
 (`proxy.refused`; `rollout/agent_proxy_refused` in a run's metrics). Request bodies are checked as `lichen serve`
-checks them (lichen.engines.openai_api): a malformed one is a 400 naming the field, never a 500.
+checks them (lichen.engines.server.openai_api): a malformed one is a 400 naming the field, never a 500.
 
 Token fidelity across turns:
 an assistant message the proxy itself returned is rendered back as the raw text it generated, and a prompt whose
@@ -42,12 +42,12 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from lichen.engines.auth import new_key, request_has_key
-from lichen.engines.chat_tools import template_messages, tool_mode
-from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.openai_requests import apply_template, chat_messages, refuse_response_format, request_sampling
-from lichen.engines.protocol import RequestError, bool_field, expect, int_field, loads
-from lichen.engines.tool_parsers import ToolCallParser, load_parser, tool_finish_reason
+from lichen.engines.api.auth import new_key, request_has_key
+from lichen.engines.api.chat_tools import template_messages, tool_mode
+from lichen.engines.api.openai_requests import apply_template, chat_messages, refuse_response_format, request_sampling
+from lichen.engines.api.protocol import RequestError, bool_field, expect, int_field, loads
+from lichen.engines.api.tool_parsers import ToolCallParser, load_parser, tool_finish_reason
+from lichen.engines.core.engine import GenRequest, GenResult
 from lichen.rollout.agent_proxy_stream import ReplyStream, generation, token_logprobs
 from lichen.rollout.tool_rollout import first_mismatch
 from lichen.rollout.trajectory import Trajectory

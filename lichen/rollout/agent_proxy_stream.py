@@ -1,5 +1,5 @@
 """A `stream=True` reply of the agent proxy (lichen/rollout/agent_proxy.py) as the engine generates it: OpenAI
-chat-completion chunks over SSE, the way `lichen serve` streams chat (lichen/engines/openai_api.py): a role chunk,
+chat-completion chunks over SSE, the way `lichen serve` streams chat (lichen/engines/server/openai_api.py): a role chunk,
 then after every engine step the new text run through the tool-call parser's stream state (`feed(text so far,
 final)`: content once it cannot start a call, each call once its block closed), the log-probs of the step's tokens
 when asked, the finish reason with the last chunk, [DONE].
@@ -21,9 +21,9 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.responses import stream_error
-from lichen.engines.tool_parsers import ToolCallParser, tool_finish_reason
+from lichen.engines.api.protocol import stream_error
+from lichen.engines.api.tool_parsers import ToolCallParser, tool_finish_reason
+from lichen.engines.core.engine import GenRequest, GenResult
 
 
 def token_logprobs(tok: Any, ids: list[int], logprobs: list[float]) -> list[dict]:

@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from lichen.config.tool_config import ToolConfig
-from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.sampler import derive_seed
-from lichen.engines.tool_parsers import load_parser
+from lichen.engines.api.tool_parsers import load_parser
+from lichen.engines.core.engine import GenRequest, GenResult
+from lichen.engines.core.sampler import derive_seed
 from lichen.plugins import load_function
 from lichen.rollout.agent_proxy import REFUSED_KEY, AgentProxy
 from lichen.rollout.agent_proxy_stream import generation

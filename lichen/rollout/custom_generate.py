@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from lichen.aio import gather_or_cancel
-from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.engine import GenRequest, GenResult
+from lichen.engines.core.sampler import derive_seed
 from lichen.errors import UserError
 from lichen.plugins import load_function
 from lichen.types import Sample, Status

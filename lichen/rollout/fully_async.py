@@ -31,7 +31,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.sampler import derive_seed
 from lichen.observe.metrics import get_logger
 from lichen.rollout.abort_surplus import Gate, can_abort, drain, member_sample, result_or_none
 from lichen.rollout.context import active

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from lichen.data import PromptSource, load_prompt_dataset, parse_spec
 from lichen.data.fit import fit_prompts
 from lichen.devices import resolve_device
-from lichen.engines.engine import Engine
-from lichen.engines.frozen_models import FrozenModels, set_active
-from lichen.engines.pool import pool_metrics
+from lichen.engines.clients.frozen_models import FrozenModels, set_active
+from lichen.engines.clients.pool import pool_metrics
+from lichen.engines.core.engine import Engine
 from lichen.errors import DataError
 from lichen.models.tokenizer import load_tokenizer
 from lichen.observe.metrics import get_logger
@@ -114,7 +114,7 @@ class RolloutManager:
         ctx.eval_sets = load_eval_sets(cfg.eval_datasets, max_row_bytes=d.max_row_bytes)
         ctx.eval_sets = {name: (c, self._fit_eval(ctx, name, c, recs)) for name, (c, recs) in ctx.eval_sets.items()}
         if engine is None and cfg.use_engine_servers:
-            from lichen.engines.remote_engines import RemoteEngines
+            from lichen.engines.clients.remote_engines import RemoteEngines
 
             if engine_cfg is None:
                 raise TypeError(
@@ -270,7 +270,7 @@ class RolloutManager:
 
 
 def _launch_frozen(specs: tuple, engine_cfg: "EngineConfig | None", policy: Any) -> FrozenModels:
-    """Launch --sglang-config's frozen models and make them the run's (lichen.engines.frozen_models.active)."""
+    """Launch --sglang-config's frozen models and make them the run's (lichen.engines.clients.frozen_models.active)."""
     if engine_cfg is None:
         close = getattr(policy, "close", None)
         if close is not None:

@@ -2,7 +2,7 @@
 
 The teacher is a frozen model of --sglang-config (lichen.config.rollout_config.opd_teacher_name). After a rollout step's
 samples are made, each sample's tokens go to the teacher's servers as slime's on-policy-distillation reward sends
-them (max_new_tokens 0, return_logprob, logprob_start_len 0, the rollout temperature; lichen.engines.frozen_models
+them (max_new_tokens 0, return_logprob, logprob_start_len 0, the rollout temperature; lichen.engines.clients.frozen_models
 .FrozenModels.score), and the log-probs of the response tokens are stored in `sample.teacher_log_probs`. The trainer
 then adds -opd_kl_coef * (log pi - log pi_teacher) to the advantages (lichen.train.advantage), exactly as with the
 teacher it scores itself under --opd-type megatron; the rollout time includes the teacher's.
@@ -14,7 +14,7 @@ import asyncio
 import time
 
 from lichen.config.rollout_config import opd_teacher_name
-from lichen.engines.frozen_models import FrozenModels
+from lichen.engines.clients.frozen_models import FrozenModels
 from lichen.types import Sample
 
 

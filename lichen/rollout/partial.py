@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.sampler import truncates
+from lichen.engines.core.engine import GenRequest, GenResult
+from lichen.engines.core.sampler import truncates
 from lichen.errors import ConfigError
 from lichen.rollout.messages import PARTIAL_NEEDS_SERVERS, PARTIAL_WITH_CUSTOM_GENERATE
 from lichen.rollout.trajectory import add_engine

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from lichen.engines.engine import GenRequest, GenResult
-from lichen.engines.sampler import derive_seed, truncates
+from lichen.engines.core.engine import GenRequest, GenResult
+from lichen.engines.core.sampler import derive_seed, truncates
 from lichen.rewards import score_samples
 from lichen.rollout.context import RolloutContext
 from lichen.rollout.custom_generate import build_custom_samples

@@ -30,8 +30,8 @@ import logging
 from typing import Any
 
 from lichen.config.tool_config import ToolConfig
-from lichen.engines.sampler import derive_seed
-from lichen.engines.tool_parsers import ParsedOutput, ToolCall, load_parser
+from lichen.engines.api.tool_parsers import ParsedOutput, ToolCall, load_parser
+from lichen.engines.core.sampler import derive_seed
 from lichen.models.tokenizer import encode_prompt
 from lichen.rollout.custom_generate import current
 from lichen.rollout.tools import Tool, load_tools, run_tool

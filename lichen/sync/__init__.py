@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lichen.engines.client import EngineError
+from lichen.engines.clients.client import EngineError
 from lichen.errors import NotAvailableYet
 from lichen.observe.metrics import get_logger
 from lichen.sync.senders import trainer_sender

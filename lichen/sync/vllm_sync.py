@@ -1,7 +1,7 @@
 """Weight sync into vLLM servers (`--rollout-engine-backend vllm`; docs/engines.md#weight-sync).
 
 vLLM's own weight-transfer backends (`nccl`, `ipc`) are CUDA-only, so on CPU lichen's receiver runs inside vLLM's
-worker (lichen.engines.vllm_worker_ext, loaded with `--worker-extension-cls`) and is driven through
+worker (lichen.engines.clients.vllm_worker_ext, loaded with `--worker-extension-cls`) and is driven through
 `/collective_rpc`; the trainer's side is the same sender as every other transport (lichen.weights.rank_send:
 trainer rank 0 under --runtime ray, else this process):
 
@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from lichen.engines.vllm_worker_ext import RECEIVER as EXTENSION
+from lichen.engines.clients.vllm_worker_ext import RECEIVER as EXTENSION
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.sync.distributed import BroadcastSync, buckets
@@ -50,11 +50,11 @@ SHM_DIR = "/dev/shm"
 
 def is_vllm(engines: Any) -> bool:
     """Whether `engines` (a RemoteEngines) are vLLM servers (--rollout-engine-backend vllm: launched, or external
-    ones), i.e. reached through lichen.engines.vllm_client."""
+    ones), i.e. reached through lichen.engines.clients.vllm_client."""
     cls = getattr(engines, "_client_cls", None)
     if cls is None:
         return False
-    from lichen.engines.vllm_client import VLLMClient
+    from lichen.engines.clients.vllm_client import VLLMClient
 
     return isinstance(cls, type) and issubclass(cls, VLLMClient)
 
@@ -279,7 +279,7 @@ class VLLMNativeSync:
             return
         worlds = [int(b.get("world_size") or 1) for b in _each_get(self.engines, "/get_world_size?include_dp=false")]
         world = 1 + sum(worlds)
-        from lichen.engines.sglang_launcher import free_port
+        from lichen.engines.clients.sglang_launcher import free_port
         from lichen.weights.rank_send import master_address
 
         host = master_address(list(urls))

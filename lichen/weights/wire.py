@@ -2,7 +2,7 @@
 
 The standalone torch.distributed group of `/init_weights_update_group` and its broadcast, SGLang's flattened
 bucket layout of `/update_weights_from_distributed`, dtype names as requests carry them, and the xxh3-128
-checksums of `/weights_checker`. The engine's endpoints (lichen.engines.weight_endpoints) and the trainer's
+checksums of `/weights_checker`. The engine's endpoints (lichen.engines.server.weight_endpoints) and the trainer's
 transports (lichen.sync) both import them from here, so neither side reaches into the other.
 
 A leaf: torch and the standard library, and lichen.weights.delta_codec for the checksums.

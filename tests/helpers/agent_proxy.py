@@ -11,7 +11,7 @@ import threading
 
 import openai
 
-from lichen.engines.engine import GenResult
+from lichen.engines.core.engine import GenResult
 from lichen.rollout.agent_proxy import AgentProxy
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
@@ -137,7 +137,7 @@ def agent_training_run(tiny_ckpt, data, tmp_path, monkeypatch, agent_path: str):
     to call `add` and then answer "3": (metric rows, dumped samples, the engine's (input_ids, output_ids), tok)."""
     from helpers.runs import base_args, dumped_samples, run
     from helpers.scripted_policy import scripted_generate
-    from lichen.engines.engine import Engine
+    from lichen.engines.core.engine import Engine
     from lichen.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_ckpt)

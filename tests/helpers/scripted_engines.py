@@ -8,7 +8,7 @@ import threading
 import time
 import types
 
-from lichen.engines.engine import GenRequest, GenResult
+from lichen.engines.core.engine import GenRequest, GenResult
 
 
 def scripted_tokens(req: GenRequest) -> list[int]:

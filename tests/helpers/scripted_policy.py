@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from lichen.engines.engine import GenResult
+from lichen.engines.core.engine import GenResult
 
 
 def scripted_generate(tok, reply_for: Callable[[str], str], returned: list) -> Callable:

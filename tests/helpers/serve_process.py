@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from lichen.engines.server_process import ServerProcess
+from lichen.engines.clients.server_process import ServerProcess
 
 
 def launch(

@@ -10,7 +10,7 @@ import threading
 import openai
 import pytest
 
-from lichen.engines.tool_parsers import load_parser
+from lichen.engines.api.tool_parsers import load_parser
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 TOOLS = [
@@ -32,8 +32,8 @@ class ScriptedServer:
     def __init__(self, ckpt: str, reply: str, parser: str = "hermes", template: str | None = None):
         import torch
 
-        from lichen.engines.engine import Engine
-        from lichen.engines.http_server import LichenServer
+        from lichen.engines.core.engine import Engine
+        from lichen.engines.server.http_server import LichenServer
         from lichen.models import load_model
         from lichen.models.tokenizer import eos_token_ids, load_tokenizer
 

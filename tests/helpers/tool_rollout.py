@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from lichen.engines.engine import GenResult
+from lichen.engines.core.engine import GenResult
 from lichen.rollout.custom_generate import run_custom_generate
 from lichen.rollout.tool_rollout import generate
 from lichen.types import Sample

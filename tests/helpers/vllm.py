@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from lichen.engines.vllm_launcher import resolve_python
+from lichen.engines.clients.vllm_launcher import resolve_python
 from lichen.errors import ConfigError
 
 SKIP_ENV = "LICHEN_SKIP_VLLM"

@@ -343,7 +343,7 @@ DIFFERS: dict[str, str] = {
     "--sglang-config": "lichen takes a subset of slime's YAML: regular (and placeholder) server groups, one updatable "
     "model (the policy, its engines --rollout-num-engines) and frozen models launched beside it that weight sync "
     "never reaches; prefill/decode/encoder workers, per-group overrides and unknown keys stop with a usage error "
-    "naming the key; plug-ins reach frozen models through lichen.engines.frozen_models (keyed servers), not "
+    "naming the key; plug-ins reach frozen models through lichen.engines.clients.frozen_models (keyed servers), not "
     "args.sglang_model_routers",
     "--no-save-optim": "the learning-rate schedule's position is still saved (Megatron leaves its scheduler out "
     "too); a resume from such a checkpoint starts a fresh optimizer with a warning (slime: its reloads skip the "

@@ -23,7 +23,7 @@ import ast
 import math
 import operator
 
-from lichen.engines.sampler import derive_seed
+from lichen.engines.core.sampler import derive_seed
 from lichen.rollout.custom_generate import current
 from lichen.rollout.trajectory import Trajectory
 from lichen.types import Sample, Status
