@@ -13,7 +13,7 @@ quickstart: setup
 	.venv/bin/python examples/quickstart.py
 
 test: setup-test
-	.venv/bin/python -m pytest -n 2 -q -rs tests
+	.venv/bin/python -m pytest -n 2 -q -rs --durations=30 tests
 
 # The inner loop: every test not marked slow (no Ray, no multi-rank trainer, no long run; see the marker in
 # pyproject.toml). CI runs everything (make test).
