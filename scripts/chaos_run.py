@@ -9,11 +9,12 @@ checkpoint after every step. The faults (tests/chaos_plugins.py; each fires at a
 time):
 
 - local (two launched `lichen serve` engines, --use-fault-tolerance, delta disk sync): engine SIGKILL
-  mid-rollout, an engine hung (SIGSTOP) past its health-check timeout, a corrupt delta file;
+  mid-rollout, an engine hung (SIGSTOP) past its health-check timeout, a corrupt delta file, the run's process
+  SIGKILLed in the middle of a checkpoint save (its files written, not its manifest nor `latest`);
 - ray (two trainer ranks, one `lichen serve` engine, --max-trainer-restarts): a rank SIGKILLed mid-train, a rank
   SIGKILLed mid-sync (inside a weight broadcast bucket).
 
-A fault that ends the run (a corrupt delta stops it, by design) is recovered as a scheduler would: the same
+A fault that ends the run (a corrupt delta stops it, by design; a killed process) is recovered as a scheduler would: the same
 command again with `--load` of its --save directory. The report: the faults injected, the steps replayed (work
 lost), the samples trained per step against the fault-free run (none twice, none lost), the max weight difference.
 """
@@ -51,6 +52,7 @@ FAULTS = {
         1,
         "corrupt delta file (version 1 is the chain's full version; the last is not synced)",
     ),
+    "ckpt_kill": ("local", 1, 0, "the process killed mid-save (checkpoint files written, no manifest or latest)"),
     "rank_kill_train": ("ray", 1, 0, "trainer rank SIGKILL mid-train"),
     "rank_kill_sync": ("ray", 1, 1, "trainer rank SIGKILL mid-sync (weight version k's broadcast)"),
 }
@@ -206,15 +208,15 @@ def train(
     return res
 
 
-def trained_steps(res: Result) -> tuple[dict[int, list], int, int, int]:
+def trained_steps(res: Result) -> tuple[dict[int, list], int, int, int, int]:
     """({step: (sample index, tokens) of the rollout it finally trained on, sorted}, completed steps trained
-    again, trainer restarts, reruns with --load). The rollout dumps (--save-debug-rollout-data, written before the
+    again, trainer restarts, reruns with --load, rollouts generated again by a rerun). The rollout dumps (--save-debug-rollout-data, written before the
     step trains; a replay writes its own) say what each step trained on: a step's metrics row and sample log
     follow its sync, so a step whose sync failed has neither. A later attempt's dump of a step is the one the final
     weights hold. Completed steps (a metrics row) lost by a recovery: those a trainer restart replayed
     (`fault/steps_replayed`) and those of a failed attempt after the checkpoint the next attempt resumed from."""
     final: dict[int, list] = {}
-    replayed = restarts = 0
+    replayed = restarts = regenerated = 0
     dumps = [_dumps(out) for out, _rc in res.attempts]
     for i, (out, _rc) in enumerate(res.attempts):
         rows = [m for m in read_metrics(out) if "train/loss" in m]
@@ -223,8 +225,10 @@ def trained_steps(res: Result) -> tuple[dict[int, list], int, int, int]:
         if i + 1 < len(dumps):
             resumed_at = min(dumps[i + 1], default=1)
             replayed += len({m["step"] for m in rows if m["step"] >= resumed_at})
+            # a step whose checkpoint never finished has no metrics row, but its rollout (and training) was done
+            regenerated += len([step for step in dumps[i] if step >= resumed_at])
         final.update(dumps[i])
-    return final, replayed, restarts, len(res.attempts) - 1
+    return final, replayed, restarts, len(res.attempts) - 1, regenerated
 
 
 def _dumps(out: str) -> dict[int, list]:
@@ -239,8 +243,8 @@ def _dumps(out: str) -> dict[int, list]:
 
 def compare(straight: Result, chaos: Result, steps: int) -> dict:
     """What the report prints: accounting and the max weight difference of the chaos run against the fault-free."""
-    base, _, _, _ = trained_steps(straight)
-    got, replayed, trainer_restarts, run_restarts = trained_steps(chaos)
+    base, _, _, _, _ = trained_steps(straight)
+    got, replayed, trainer_restarts, run_restarts, regenerated = trained_steps(chaos)
     per_step = {}
     for step in range(1, steps + 1):
         mine = got.get(step, [])
@@ -261,6 +265,7 @@ def compare(straight: Result, chaos: Result, steps: int) -> dict:
         "trainer_restarts": trainer_restarts,
         "run_restarts_with_load": run_restarts,
         "steps_replayed": replayed,
+        "rollouts_regenerated": regenerated,
         "per_step": per_step,
         "max_weight_diff": diff,
     }
@@ -277,6 +282,7 @@ def report(runtime: str, seed: int, steps: int, summary: dict) -> str:
         f"{summary['run_restarts_with_load']} rerun(s) with --load"
     )
     lines.append(f"steps lost and replayed (completed steps trained again): {summary['steps_replayed']}")
+    lines.append(f"rollouts generated again by a rerun with --load: {summary['rollouts_regenerated']}")
     for step, s in summary["per_step"].items():
         lines.append(
             f"  step {step}: {s['samples']} samples trained, {s['twice']} twice, {s['lost']} lost, "

@@ -13,6 +13,10 @@ module and the variable through --train-env-vars.
   it): `corrupt_delta.<version>` flips one byte of the version's largest file; the engines' checksums find it.
 - advantage (--custom-advantage-function-path, every trainer rank): constant advantages 0.25;
   `rank_kill_train.<step>` makes rank 1 SIGKILL itself after the step's first collectives.
+- checkpoint (installed by `rollout` as lichen.train.ckpt_async's write hook, in the local runtime's one process):
+  `ckpt_kill.<step>` ends the process once step `step`'s checkpoint files are written, before its manifest and
+  `latest` (SIGKILL; in a test's in-process run, where a SIGKILL would end the test, an exception no handler of
+  lichen's takes, with the same files left on disk).
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ import torch
 from helpers.engine_kill import kill_when_busy
 
 TRIGGERS_ENV = "LICHEN_CHAOS_TRIGGERS"
+IN_PROCESS_ENV = "LICHEN_CHAOS_IN_PROCESS"  # set by tests/test_chaos.py: the run shares the test's process
 LOG = "injected.log"
+
+
+class Crash(BaseException):
+    """A process death inside a test's in-process run: BaseException, so lichen's error handling lets it through."""
 
 
 def _take(name: str) -> str | None:
@@ -45,9 +54,27 @@ def note(folder: str, line: str) -> None:
         f.write(line + "\n")
 
 
+def checkpoint_hook(stage: str, rollout_id: int) -> None:
+    """ckpt_async's write hook: the process dies once step `ckpt_kill.<step>`'s checkpoint files are written."""
+    if stage != "files":
+        return
+    folder = _take(f"ckpt_kill.{rollout_id + 1}")
+    if folder is None:
+        return
+    note(
+        folder, f"ckpt_kill step {rollout_id + 1}: the process killed with the checkpoint's files written, no manifest"
+    )
+    if os.environ.get(IN_PROCESS_ENV):
+        raise Crash(f"chaos: killed while saving checkpoint {rollout_id}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def rollout(args, rollout_id, prompts, manager):
     """lichen's own rollout, with engine 0 killed or engine 1 hung while it holds requests where scheduled."""
     from lichen.rollout.generate import generate_rollout
+    from lichen.train import ckpt_async
+
+    ckpt_async.WRITE_HOOK = checkpoint_hook  # the trainer runs in this process (local runtime)
 
     step = rollout_id + 1
     for kind, index, sig, what in (

@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import chaos_run  # noqa: E402
+from chaos_plugins import IN_PROCESS_ENV, Crash  # noqa: E402
 
 from lichen.cli import main  # noqa: E402
 
@@ -23,10 +24,13 @@ STEPS = 3
 
 def in_process(argv: list[str], env: dict[str, str]) -> int:
     """`lichen train argv` in this process, with `env` set for it (the driver's plug-ins read it)."""
+    env = {**env, IN_PROCESS_ENV: "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         return main(argv)
+    except Crash:  # the chaos plug-ins' stand-in for the process' SIGKILL
+        return -9
     finally:
         for k, v in saved.items():
             if v is None:
@@ -37,17 +41,18 @@ def in_process(argv: list[str], env: dict[str, str]) -> int:
 
 CASES = {
     # engine 0 killed while it holds requests; a corrupt delta of version 2 stops the run (rerun with --load from
-    # step 2's checkpoint); engine 1 hung past its 5 s health-check timeout in the rerun
-    "local": ([("engine_kill", 1), ("corrupt_delta", 2), ("slow_engine", 3)], 0, 1),
+    # step 2's checkpoint); engine 1 hung past its 5 s health-check timeout in the rerun, whose process is then
+    # killed while it saves step 3's checkpoint (second rerun, from step 2's: step 3 trained again)
+    "local": ([("engine_kill", 1), ("corrupt_delta", 2), ("slow_engine", 3), ("ckpt_kill", 3)], 0, 2, 1),
     # rank 1 killed inside a broadcast bucket of version 1 (after step 1), then in step 2's training
-    "ray": ([("rank_kill_sync", 1), ("rank_kill_train", 2)], 2, 0),
+    "ray": ([("rank_kill_sync", 1), ("rank_kill_train", 2)], 2, 0, 0),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(CASES))
 def test_chaos_run_ends_with_the_fault_free_weights_and_samples(runtime, tiny_ckpt, addition_data, tmp_path):
-    faults, trainer_restarts, reruns = CASES[runtime]
+    faults, trainer_restarts, reruns, regenerated = CASES[runtime]
     if runtime == "ray":
         pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
         from helpers.ray_local import shared_ray
@@ -64,6 +69,8 @@ def test_chaos_run_ends_with_the_fault_free_weights_and_samples(runtime, tiny_ck
     assert len(summary["faults_injected"]) == len(faults) and summary["armed_not_fired"] == [], summary
     assert (summary["trainer_restarts"], summary["run_restarts_with_load"]) == (trainer_restarts, reruns), summary
     assert summary["steps_replayed"] == 0  # a checkpoint after every step, written before the step goes on
+    # ... but the step whose save never finished (no metrics row) had its rollout and training done: redone
+    assert summary["rollouts_regenerated"] == regenerated, summary
     for step, s in summary["per_step"].items():
         assert (s["samples"], s["twice"], s["lost"], s["same_as_fault_free"]) == (16, 0, 0, True), (step, s)
     assert summary["max_weight_diff"] <= 1e-6

@@ -239,7 +239,10 @@ def save_checkpoint(save_dir: str, rollout_id: int, trainer, rollout_state: dict
     start = getattr(trainer, "save_async", None) if asynchronous else None
     write = start(save_dir, rollout_id) if start is not None else None
     if write is None:
-        commit(save_dir, rollout_id, trainer.save(save_dir, rollout_id), rollout_state)
+        ckpt_async.hook("start", rollout_id)
+        saved = trainer.save(save_dir, rollout_id)
+        ckpt_async.hook("files", rollout_id)  # the files are written, nothing says so yet (the chaos run kills here)
+        commit(save_dir, rollout_id, saved, rollout_state)
         return d
     state = copy.deepcopy(rollout_state)  # as it is now: the rollout side moves on while the files are written
 

@@ -29,9 +29,9 @@ from lichen.observe.metrics import get_logger
 
 log = get_logger(__name__)
 
-# Tests set this to a function (stage, rollout_id) called by the writing thread at "start" (before any file is
-# written) and at "files" (the trainer's files written, before the manifest and `latest`): a hook can block the
-# write or end the process there. None in a run.
+# Tests set this to a function (stage, rollout_id) called by the writing thread (by the training thread when the
+# save is synchronous) at "start" (before any file is written) and at "files" (the trainer's files written, before
+# the manifest and `latest`): a hook can block the write or end the process there. None in a run.
 WRITE_HOOK: Callable[[str, int], None] | None = None
 
 
