@@ -30,16 +30,16 @@ SEEN: dict = {}  # what the rollout plug-in saw, per step and at the node loss
 NODES: dict = {}  # the test's Cluster, for the plug-in (it runs in the driver: this process)
 
 
-def _engine_node(engines) -> str:
-    """The Ray node id of engine 0's actor (EngineHostImpl.where)."""
-    return ray.get(engines.launcher.actors[0].where.remote(), timeout=120)["node_id"]
+def _engine_node(engine_set) -> str:
+    """The Ray node id of engine 0's actor (EngineHostImpl.where) in `engine_set`, a RayEngineSet."""
+    return ray.get(engine_set.actors[0].where.remote(), timeout=120)["node_id"]
 
 
 def _lose_node_when_busy(engines, rollout: threading.Thread, timeout: float = 300.0) -> None:
     """Once engine 0 holds a request, remove the node of its actor from the Cluster, then add a fresh node with one
     GPU (resources exist again). In the main thread: Ray's Node registers signal handlers, which only it may do."""
     cluster: Cluster = NODES["cluster"]
-    lost_id = _engine_node(engines)
+    lost_id = _engine_node(engines.launcher)
     lost = next(n for n in cluster.list_all_nodes() if n.node_id == lost_id)
     assert lost is not cluster.head_node, "the engine must sit on a worker node (the head has no GPU)"
     end = time.monotonic() + timeout
@@ -59,7 +59,7 @@ def node_losing_rollout(args, rollout_id, data_source, evaluation=False):
     engines = current().engine
     SEEN.setdefault("versions", []).append(engines.weight_versions())
     SEEN.setdefault("restarts", []).append(list(engines.monitor.restarts))
-    SEEN.setdefault("nodes", []).append(_engine_node(engines))
+    SEEN.setdefault("nodes", []).append(_engine_node(engines.launcher))
     if rollout_id != 1 or evaluation:
         return generate_rollout(args, rollout_id, data_source, evaluation)
     out: dict = {}
@@ -77,6 +77,7 @@ def node_losing_rollout(args, rollout_id, data_source, evaluation=False):
         _lose_node_when_busy(engines, rollout)
     finally:
         rollout.join()
+    SEEN["versions_after_loss"] = engines.weight_versions()  # the restarted engine caught up to version 1
     if "error" in out:
         raise out["error"]
     return out["result"]
@@ -86,9 +87,7 @@ def node_losing_rollout(args, rollout_id, data_source, evaluation=False):
 def three_nodes():
     """A head with no GPU and two worker nodes with one GPU each (Ray numbers them; CPU torch ignores them)."""
     own_ray()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": STORE}
-    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": STORE})
     for _ in range(2):
         cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=STORE)
     ray.init(address=cluster.address, log_to_driver=False)
@@ -135,6 +134,10 @@ def test_an_engine_whose_node_is_lost_is_restarted_on_a_new_node(three_nodes, ti
             "30",
             "--rollout-health-check-first-wait",
             "0",
+            # a restart that fails retires the lone engine and stops the run at once, instead of its requests
+            # waiting out the restart timeout (300 s)
+            "--rollout-max-failed-restarts",
+            "1",
             "--rollout-function-path",
             "test_ray_engine_node_loss.node_losing_rollout",
             "--save-debug-rollout-data",
@@ -153,5 +156,46 @@ def test_an_engine_whose_node_is_lost_is_restarted_on_a_new_node(three_nodes, ti
         groups = read_dump(dump.format(rollout_id=k))["samples"]
         assert [len(g) for g in groups] == [4, 4, 4, 4]
         assert sorted(s["index"] for g in groups for s in g) == list(range(16))
-    # the restarted engine took step 2's sync: it serves the version the trainer pushed
-    assert SEEN["versions"] == [[None], ["1"], ["2"]] or SEEN["versions"][1:] == [["1"], ["2"]], SEEN["versions"]
+    # the restarted engine loaded the last synced version to re-join, and took step 2's sync
+    assert SEEN["versions"] == [["0"], ["1"], ["2"]], SEEN["versions"]
+    assert SEEN["versions_after_loss"] == ["1"], SEEN
+
+
+class _OneEngineOnBundle1:
+    """What RayEngineSet reads of a RayCluster: one engine on bundle 1 of `pg` (bundle 0 holds the other GPU)."""
+
+    def __init__(self, pg):
+        from lichen.cluster.placement import Placement
+
+        self.pg, self.driver_ip = pg, ray.util.get_node_ip_address()
+        self.placement = Placement(num_bundles=2, actor=(0,), engines=((1,),))
+
+    def strategy(self, logical: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=logical)
+
+    def gpu_ids(self, logicals):
+        return [0 for _ in logicals]
+
+
+@pytest.mark.slow
+def test_a_restart_waits_for_a_lost_node_up_to_the_ready_timeout_then_fails(three_nodes):
+    """No node comes back: the restart gives up after its ready timeout with one clear error (the health monitor
+    then counts a failed restart) and leaves no actor behind that could start a server later."""
+    from ray.util.placement_group import placement_group
+
+    from lichen.cluster.engine_actors import RayEngineSet
+
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * 2, strategy="PACK")  # one bundle on each worker: no GPU left
+    ray.get(pg.ready(), timeout=120)
+    engines = RayEngineSet(_OneEngineOnBundle1(pg), cfg=None)  # never started: its actor only has to exist
+    lost_id = _engine_node(engines)
+    three_nodes.remove_node(next(n for n in three_nodes.list_all_nodes() if n.node_id == lost_id))
+    engines.ready_timeout = 5.0
+    begin = time.monotonic()
+    with pytest.raises(TimeoutError, match="engine 0: no new Ray actor on its placement-group bundle started within 5"):
+        engines.restart(0)
+    assert time.monotonic() - begin < 60
+    with pytest.raises(ray.exceptions.RayActorError):  # the pending actor was killed, not left to start later
+        ray.get(engines.actors[0].where.remote(), timeout=60)

@@ -18,6 +18,7 @@ local launches, and an engine whose actor died is started again in a new actor o
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from lichen.cluster.actor_group import reported_env
@@ -32,6 +33,7 @@ ENGINE_GPU_SHARE = 0.2  # slime's share: fits next to a trainer rank (0.4) on a 
 READY_TIMEOUT_S = 300.0
 SGLANG_READY_TIMEOUT_S = 1800.0  # SGLang's start-up (weights, CUDA graphs) takes minutes on large models
 PROBE_READ_BYTES = 256  # the sync directory's probe file holds a 32-character token
+PROBE_GPU_SHARE = 0.01
 
 
 def engine_env(keys: dict[str, str], gpu_ids: list[int]) -> dict[str, str]:
@@ -43,6 +45,13 @@ def sglang_command(cfg: Any, *, port: int, host: str, python: str | None = None)
     """The SGLang command an engine's actor runs (`cfg` an EngineConfig): its server sees only its own GPUs
     (engine_env), so every engine starts at GPU 0 of them, whatever its index in the run."""
     return build_sglang_command(cfg, engine_index=0, port=port, host=host, python=python)
+
+
+def _gpu_id() -> int:
+    """The GPU of the bundle this Ray task runs on (RayEngineSet._bundle_gpu_ids)."""
+    import ray
+
+    return int(ray.get_gpu_ids()[0])
 
 
 def _backend(cfg: Any) -> str:
@@ -159,7 +168,7 @@ class RayEngineSet:
         self._host_cls = ray.remote(EngineHostImpl)
         self.actors: list[Any] = [self._make(i) for i in range(len(cluster.placement.engines))]
 
-    def _make(self, i: int) -> Any:
+    def _make(self, i: int, gpu_ids: list[int] | None = None) -> Any:
         bundles = self.cluster.placement.engines[i]
         keys = {SERVE_KEY_ENV: self.api_key}
         if self.admin_api_key:
@@ -167,7 +176,27 @@ class RayEngineSet:
         # no runtime_env: --train-env-vars are the trainer's only
         return self._host_cls.options(
             num_cpus=0, num_gpus=ENGINE_GPU_SHARE, scheduling_strategy=self.cluster.strategy(bundles[0])
-        ).remote(self.cfg, i, self.cluster.gpu_ids(bundles), self.cluster.driver_ip, keys)
+        ).remote(self.cfg, i, gpu_ids or self.cluster.gpu_ids(bundles), self.cluster.driver_ip, keys)
+
+    def _bundle_gpu_ids(self, i: int, timeout: float) -> list[int]:
+        """The GPU ids of engine `i`'s bundles as they are now. When a node is lost, Ray reschedules the
+        placement group's bundles that were on it onto a node with free resources, where the GPU ids can differ
+        from those probed at the start (RayCluster.order): the server must see the GPUs its bundles now hold."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        # a sliver of the bundle's one GPU: it fits next to whatever shares the bundle (a colocated trainer rank)
+        probe = ray.remote(num_cpus=0, num_gpus=PROBE_GPU_SHARE)(_gpu_id)
+        refs = [
+            probe.options(scheduling_strategy=self.cluster.strategy(b)).remote()
+            for b in self.cluster.placement.engines[i]
+        ]
+        try:
+            return [int(g) for g in ray.get(refs, timeout=timeout)]
+        except GetTimeoutError:
+            for r in refs:  # not placed yet: drop them, or they would run whenever resources come back
+                ray.cancel(r, force=True)
+            raise
 
     def start(self) -> list[str]:
         import ray
@@ -179,14 +208,31 @@ class RayEngineSet:
     def restart(self, index: int) -> str:
         """Restart engine `index`'s server; if its actor is gone, start a new actor on the same bundle."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
             return ray.get(self.actors[index].restart.remote())
         except RayActorError:
             log.warning("engine %d: its Ray actor died; starting a new one on the same bundle", index)
-            self.actors[index] = self._make(index)
-            return ray.get(self.actors[index].start.remote())
+        # An actor merely unreachable (ActorUnavailableError) may still run its server: end it before another starts.
+        ray.kill(self.actors[index])
+        # Its node may be gone (the raylet died): the new actor waits until Ray has rescheduled the bundle on a node
+        # with free resources. The whole wait, placement included, is bounded by the ready timeout, so a restart
+        # never blocks forever when no node comes back; the health monitor then counts a failed restart, tries again
+        # at its next interval, and retires the engine after --rollout-max-failed-restarts (the run goes on with the
+        # other engines meanwhile).
+        deadline = time.monotonic() + self.ready_timeout
+        try:
+            gpu_ids = self._bundle_gpu_ids(index, self.ready_timeout)
+            self.actors[index] = self._make(index, gpu_ids)
+            return ray.get(self.actors[index].start.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except GetTimeoutError:
+            ray.kill(self.actors[index])  # not placed yet: never let it start a server later
+            raise TimeoutError(
+                f"engine {index}: no new Ray actor on its placement-group bundle started within "
+                f"{self.ready_timeout:g} s (its node was lost and no node with free resources has taken the bundle "
+                "yet, or its server did not become ready)"
+            ) from None
 
     def read_each(self, path: str) -> list[dict]:
         """Each engine's actor reads `path` on its node: the disk transports' visibility check."""
