@@ -66,10 +66,11 @@ def tool_turn_ids(tok, tool_messages: list[dict], ended_with: str | None) -> lis
             "the chat template renders an assistant message differently from its generation prompt "
             "followed by the content; the tool rollout cannot place tool messages after a turn"
         )
-    suffix = full[len(head) :]
-    if ended_with and suffix.startswith(ended_with):
-        suffix = suffix[len(ended_with) :]
-    return list(tok.encode(suffix, add_special_tokens=False))
+    ids = list(tok.encode(full[len(head) :], add_special_tokens=False))
+    # dropped only when the template's first tokens ARE the stop token: a plain-character stop (e.g. "<") that is
+    # merely the first character of the template's closing text (`<|im_end|>`) must not eat that token's text
+    ended = list(tok.encode(ended_with, add_special_tokens=False)) if ended_with else []
+    return ids[len(ended) :] if ended and ids[: len(ended)] == ended else ids
 
 
 def first_mismatch(trained: list[int], reference: list[int]) -> dict | None:

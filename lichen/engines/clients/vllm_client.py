@@ -26,7 +26,8 @@ docs/architecture.md#log-prob-convention), the per-sample `seed`, `stop_token_id
 lichen and SGLang, turns the stop ids off too), stop tokens
 kept in the output (vLLM keeps stop *token ids* in `token_ids`), and the request id lichen chose, so one request
 can be aborted. The weight version of a result is the one its last tokens were sampled with (vLLM's per-choice
-`weight_versions` spans). A request that asks for its sampling mask is refused (vLLM's CPU runner has none).
+`weight_versions` spans). A request that asks for its sampling mask is refused (vLLM's CPU runner has none), and so
+is one with top-p < 1 or top-k > 0 (vLLM's log-probs are then over the kept tokens, not lichen's full vocabulary).
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def vllm_generate_body(payload: dict) -> dict:
     if sp.get("custom_params", {}).get("return_top_p_token_ids"):
         raise EngineError(
             "vLLM engines cannot return the sampling mask (top-p / top-k kept sets): use top-p 1 and top-k -1"
+        )
+    if float(sp.get("top_p", 1.0)) < 1.0 or int(sp.get("top_k", -1)) > 0:
+        # vLLM's processed_logprobs are taken after its top-p / top-k filter, i.e. renormalised over the kept
+        # tokens; lichen's convention is the full vocabulary (docs/architecture.md#log-prob-convention), so such a
+        # sample's log-probs would be silently off (an agent behind the agent proxy can ask for top_p < 1)
+        raise EngineError(
+            f"vLLM engines report a top-p / top-k sample's log-probs renormalised over the kept tokens, not over the "
+            f"full vocabulary as lichen trains on them: top_p {sp.get('top_p')}, top_k {sp.get('top_k')} refused; "
+            "use top_p 1 and top_k -1"
         )
     out: dict[str, Any] = {
         "max_tokens": int(sp["max_new_tokens"]),
