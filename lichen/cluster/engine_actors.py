@@ -12,7 +12,8 @@ its engines get no separate admin key.
 
 `RayEngineSet` is the driver's handle on them with the launcher interface RemoteEngines and the health monitor
 use (`start`, `stop`, `restart(i)`, `api_key`, `admin_api_key`, `ready_timeout`): fault tolerance works as with
-local launches, and an engine whose actor died is started again in a new actor on the same bundle.
+local launches, and an engine whose actor died is started again in a new actor on the same bundle (its node
+lost: wherever Ray reschedules that bundle, waited for up to the ready timeout; docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
