@@ -11,8 +11,9 @@ time):
 - local (two launched `lichen serve` engines, --use-fault-tolerance, delta disk sync): engine SIGKILL
   mid-rollout, an engine hung (SIGSTOP) past its health-check timeout, a corrupt delta file, the run's process
   SIGKILLed in the middle of a checkpoint save (its files written, not its manifest nor `latest`);
-- ray (two trainer ranks, one `lichen serve` engine, --max-trainer-restarts): a rank SIGKILLed mid-train, a rank
-  SIGKILLed mid-sync (inside a weight broadcast bucket).
+- ray (two trainer ranks, two `lichen serve` engine actors, --max-trainer-restarts, --use-fault-tolerance): a rank
+  SIGKILLed mid-train, a rank SIGKILLed mid-sync (inside a weight broadcast bucket), an engine actor's server
+  SIGKILLed mid-rollout.
 
 A fault that ends the run (a corrupt delta stops it, by design; a killed process) is recovered as a scheduler would: the same
 command again with `--load` of its --save directory. The report: the faults injected, the steps replayed (work
@@ -54,9 +55,19 @@ FAULTS = {
     ),
     "ckpt_kill": ("local", 1, 0, "the process killed mid-save (checkpoint files written, no manifest or latest)"),
     "rank_kill_train": ("ray", 1, 0, "trainer rank SIGKILL mid-train"),
+    "ray_engine_kill": ("ray", 1, 0, "engine SIGKILL mid-rollout (the server of a Ray engine actor)"),
     "rank_kill_sync": ("ray", 1, 1, "trainer rank SIGKILL mid-sync (weight version k's broadcast)"),
 }
 BUFFER = 64 * 1024  # broadcast bucket size: several buckets per sync, so the kill is mid-sync
+HEALTH_FLAGS = [  # engines watched, restarted and re-joined; a hung one is found within 5 s
+    "--use-fault-tolerance",
+    "--rollout-health-check-interval",
+    "0.5",
+    "--rollout-health-check-timeout",
+    "5",
+    "--rollout-health-check-first-wait",
+    "0",
+]
 Runner = Callable[[list[str], dict[str, str]], int]
 
 
@@ -110,13 +121,16 @@ def run_argv(runtime: str, model: str, data: str, out: str, save: str, steps: in
             "--actor-num-gpus-per-node",
             "2",
             "--rollout-num-gpus",
-            "1",
+            "2",  # two engines: a killed one re-joins at the next broadcast while the other serves
             "--update-weight-transport",
             "nccl",
             "--update-weight-buffer-size",
             str(BUFFER),
             "--max-trainer-restarts",
             "4",
+            *HEALTH_FLAGS,
+            "--rollout-function-path",
+            "chaos_plugins.rollout",
             "--train-env-vars",
             json.dumps(env),
         ]
@@ -134,13 +148,7 @@ def run_argv(runtime: str, model: str, data: str, out: str, save: str, steps: in
             os.path.join(os.path.dirname(save), "weights"),
             "--update-weight-local-checkpoint-dir",
             os.path.join(os.path.dirname(save), "local_weights"),
-            "--use-fault-tolerance",
-            "--rollout-health-check-interval",
-            "0.5",
-            "--rollout-health-check-timeout",
-            "5",
-            "--rollout-health-check-first-wait",
-            "0",
+            *HEALTH_FLAGS,
             "--rollout-function-path",
             "chaos_plugins.rollout",
             "--custom-update-weight-post-write-path",
@@ -165,6 +173,7 @@ class Result:
     attempts: list[tuple[str, int]] = field(default_factory=list)
     injected: list[str] = field(default_factory=list)
     armed_left: list[str] = field(default_factory=list)
+    engine_restarts: int = 0  # engines restarted by --use-fault-tolerance (as the steps' metrics saw them)
 
 
 def train(
@@ -217,10 +226,12 @@ def trained_steps(res: Result) -> tuple[dict[int, list], int, int, int, int]:
     (`fault/steps_replayed`) and those of a failed attempt after the checkpoint the next attempt resumed from."""
     final: dict[int, list] = {}
     replayed = restarts = regenerated = 0
+    res.engine_restarts = 0
     dumps = [_dumps(out) for out, _rc in res.attempts]
     for i, (out, _rc) in enumerate(res.attempts):
         rows = [m for m in read_metrics(out) if "train/loss" in m]
         restarts = max([restarts, *(int(m.get("fault/trainer_restarts", 0)) for m in rows)])
+        res.engine_restarts += max([0, *(int(m.get("engines/restarts", 0)) for m in rows)])  # counted per attempt
         replayed += sum(int(m.get("fault/steps_replayed", 0)) for m in rows)
         if i + 1 < len(dumps):
             resumed_at = min(dumps[i + 1], default=1)
@@ -263,6 +274,7 @@ def compare(straight: Result, chaos: Result, steps: int) -> dict:
         "faults_injected": chaos.injected,
         "armed_not_fired": chaos.armed_left,
         "trainer_restarts": trainer_restarts,
+        "engine_restarts": chaos.engine_restarts,
         "run_restarts_with_load": run_restarts,
         "steps_replayed": replayed,
         "rollouts_regenerated": regenerated,
@@ -278,8 +290,8 @@ def report(runtime: str, seed: int, steps: int, summary: dict) -> str:
     if summary["armed_not_fired"]:
         lines.append(f"  armed but never fired: {', '.join(summary['armed_not_fired'])}")
     lines.append(
-        f"recoveries: {summary['trainer_restarts']} trainer restart(s), "
-        f"{summary['run_restarts_with_load']} rerun(s) with --load"
+        f"recoveries: {summary['trainer_restarts']} trainer restart(s), {summary['engine_restarts']} engine "
+        f"restart(s) seen by a later step, {summary['run_restarts_with_load']} rerun(s) with --load"
     )
     lines.append(f"steps lost and replayed (completed steps trained again): {summary['steps_replayed']}")
     lines.append(f"rollouts generated again by a rerun with --load: {summary['rollouts_regenerated']}")

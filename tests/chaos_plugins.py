@@ -6,7 +6,8 @@ removes the file first (so that a replayed step, or a rank restarted by a recove
 injects the fault, after appending one line to `injected.log` there. The trainer ranks of a Ray run see this
 module and the variable through --train-env-vars.
 
-- rollout (--rollout-function-path, the driver): `engine_kill.<step>` SIGKILLs engine 0 once it holds a request;
+- rollout (--rollout-function-path, the driver): `engine_kill.<step>` (`ray_engine_kill.<step>` on Ray, where the
+  server is its engine actor's child) SIGKILLs engine 0 once it holds a request;
   `slow_engine.<step>` SIGSTOPs engine 1 once it holds one (alive, never answering: the health check's timeout
   finds it, it is restarted and its requests are re-sent).
 - corrupt_delta (--custom-update-weight-post-write-path, after a version is written, before the engines pull
@@ -79,6 +80,7 @@ def rollout(args, rollout_id, prompts, manager):
     step = rollout_id + 1
     for kind, index, sig, what in (
         ("engine_kill", 0, signal.SIGKILL, "SIGKILL"),
+        ("ray_engine_kill", 0, signal.SIGKILL, "(a Ray engine actor's server) SIGKILL"),
         ("slow_engine", 1, signal.SIGSTOP, "SIGSTOP (hung past the health-check timeout)"),
     ):
         folder = _take(f"{kind}.{step}")

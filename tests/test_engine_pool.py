@@ -82,7 +82,12 @@ def test_one_line_per_death_then_retired_then_below_the_floor(tiny_ckpt, tmp_pat
         retired = messages(caplog, "retired after", logging.WARNING)
         assert len(retired) == 1 and "continues on 1 engine(s)" in retired[0], retired
         assert len(engines.generate(requests(4))) == 4
-        assert pool_metrics(engines) == {"engines/healthy": 1.0, "engines/retired": 1.0, "engines/added": 0.0}
+        assert pool_metrics(engines) == {
+            "engines/healthy": 1.0,
+            "engines/retired": 1.0,
+            "engines/added": 0.0,
+            "engines/restarts": 0.0,  # every restart failed
+        }
 
         # the last engine fails the same way: below the floor of 1, generation stops with one line
         os.kill(launcher.pids[1], signal.SIGKILL)
@@ -125,7 +130,12 @@ def test_engines_added_mid_run_wait_for_the_next_sync(tiny_ckpt, tmp_path, caplo
         assert f"{control}:6: engine not added" in errors[1] and "already in the pool" in errors[1]
         assert monitor.states[1:] == ["pending", "pending"] and engines.router.in_rotation() == [0]
         assert {r.weight_version for r in engines.generate(requests(6))} == {"1"}  # only the synced engine works
-        assert pool_metrics(engines) == {"engines/healthy": 1.0, "engines/retired": 0.0, "engines/added": 2.0}
+        assert pool_metrics(engines) == {
+            "engines/healthy": 1.0,
+            "engines/retired": 0.0,
+            "engines/added": 2.0,
+            "engines/restarts": 0.0,
+        }
 
         engines.update_weights_from_disk(tiny_ckpt, "2")  # the next sync brings them in, at the current version
         assert engines.router.in_rotation() == [0, 1, 2] and engines.weight_versions() == ["2", "2", "2"]

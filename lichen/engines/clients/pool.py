@@ -14,7 +14,8 @@ below which the run stops, and engines added while the run goes on (docs/fault-t
   endpoint the run needs; then it waits out of rotation, like a restarted engine, until the next weight sync
   brings it to the current version (before the first sync: at once, it serves the launch checkpoint). A line
   that cannot be used gets one error naming the file, the line and what to do; the run goes on.
-- Metrics: `engines/healthy` (in rotation), `engines/retired`, `engines/added` (`pool_metrics`, each step).
+- Metrics: `engines/healthy` (in rotation), `engines/retired`, `engines/added`, `engines/restarts` (`pool_metrics`,
+  each step).
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class EnginePool:
             "engines/healthy": float(len(self.engines.router.in_rotation())),
             "engines/retired": float(len(self.retired)),
             "engines/added": float(self.added),
+            "engines/restarts": float(sum(self.engines.monitor.restarts)),  # since the run (this attempt) began
         }
 
 
