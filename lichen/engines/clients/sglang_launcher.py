@@ -19,7 +19,11 @@ A server is ready when `GET /health_generate` answers 200 (docs/architecture.md#
 in its own process
 group, so stopping it also stops the scheduler and detokenizer processes SGLang forks; `stop()` (also at exit)
 sends SIGTERM to the group and SIGKILL after a grace period. `restart(i)` kills engine i's group and starts it
-again on a new port (the fault-tolerance monitor uses it).
+again on a new port (the fault-tolerance monitor uses it); `add()` starts one more engine, index K, K+1, ... (a
+`launch` line of the engine control file, docs/fault-tolerance.md#engines-come-and-go). An added engine takes the
+next GPUs, as engine i takes GPUs i*N .. i*N+N-1 of those lichen was given (`gpus`, from CUDA_VISIBLE_DEVICES or
+every GPU the machine has): one past them is refused, never started on GPUs another engine holds. Without CUDA there
+is nothing to place.
 """
 
 from __future__ import annotations
@@ -71,6 +75,21 @@ LICHEN_SETS_WHEN_GIVEN: dict[str, str] = {
 
 class SGLangLaunchError(UserError):
     """An SGLang server did not start (its log tail is in the message)."""
+
+
+def given_gpus() -> list[str] | None:
+    """The GPUs lichen was given, as engines number them (CUDA_VISIBLE_DEVICES, else every GPU the machine has);
+    None without CUDA (a CPU run: nothing to place)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        count = torch.cuda.device_count()
+    except ImportError:  # pragma: no cover - lichen always has torch
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(count)]
 
 
 def sglang_flag(token: str) -> str:
@@ -174,8 +193,9 @@ class _Server:
 class SGLangLauncher(ServerSet):
     """K SGLang servers; `command_for(i, port) -> argv` builds engine i's command (build_sglang_command).
 
-    `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts). `keyed`: give
-    the servers a fresh random API key, through their environment (see keyed_command), never on their command
+    `log_dir/engine_{i}.log` receives each server's stdout and stderr (appended across restarts). `gpus`: the GPUs
+    lichen was given (given_gpus()) and `gpus_per_engine` N, for the check that an added engine i has its GPUs
+    i*N .. i*N+N-1 (None: nothing to place). `keyed`: give the servers a fresh random API key, through their environment (see keyed_command), never on their command
     line; `api_key` is what clients send (`admin_api_key` stays None: SGLang then takes the key everywhere).
     Subclasses for other servers (lichen.engines.clients.vllm_launcher) change the class attributes below and `keyed`."""
 
@@ -194,12 +214,15 @@ class SGLangLauncher(ServerSet):
         env: dict | None = None,
         poll: float = 1.0,
         keyed: bool = False,
+        gpus: list[str] | None = None,
+        gpus_per_engine: int = 1,
     ):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.command_for, self.num_engines, self.host = command_for, num_engines, host
         self.log_dir, self.ready_timeout, self.poll = log_dir, ready_timeout, poll
         self.env = dict(env or {})
+        self.gpus, self.gpus_per_engine = gpus, gpus_per_engine
         self.api_key = self.admin_api_key = None
         if keyed:
             self.api_key = new_key()
@@ -217,8 +240,9 @@ class SGLangLauncher(ServerSet):
             return build_sglang_command(cfg, engine_index=i, port=port)
 
         kwargs.setdefault("keyed", True)
+        kwargs.setdefault("gpus", given_gpus())
         log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="lichen-sglang-logs-")  # a run always has one
-        return cls(command_for, cfg.num_engines, log_dir=log_dir, **kwargs)
+        return cls(command_for, cfg.num_engines, log_dir=log_dir, gpus_per_engine=int(cfg.gpus_per_engine), **kwargs)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -284,6 +308,46 @@ class SGLangLauncher(ServerSet):
             self.servers[i] = new = self._spawn(i)
         self._wait_ready(new, time.monotonic() + self.ready_timeout)
         return new.url
+
+    def add(self) -> str:
+        """Start one more server (engine index len(servers), e.g. for a `launch` line of the run's engine control
+        file) with the same command builder; returns its URL once it is ready. A start that fails leaves nothing
+        running and raises SGLangLaunchError with the log tail. Blocking (call it from a worker thread)."""
+        with self._lock:
+            if self._stopped:
+                raise SGLangLaunchError(f"cannot add an engine: the {self.backend} launcher is stopped")
+            index = len(self.servers)
+            self._check_gpus(index)
+            new = self._spawn(index)
+            self.servers.append(new)
+        try:
+            self._wait_ready(new, time.monotonic() + self.ready_timeout)
+        except BaseException:
+            with self._lock:  # out of the list too: engine i must stay the pool's engine i (restart(i))
+                _kill_group(new.proc, grace=0.0)
+                self.servers.remove(new)
+            raise
+        self.num_engines = len(self.servers)
+        return new.url
+
+    def _check_gpus(self, index: int) -> None:
+        """SGLangLaunchError when engine `index` would need GPUs beyond those lichen was given: its command would
+        name devices that do not exist (SGLang's --base-gpu-id, vLLM's CUDA_VISIBLE_DEVICES slice), or lead it
+        onto GPUs another engine holds."""
+        if self.gpus is None:
+            return
+        per = self.gpus_per_engine
+        need = range(index * per, (index + 1) * per)
+        if need.stop <= len(self.gpus):
+            return
+        names = ", ".join(f"#{g}" for g in need)
+        given = ",".join(self.gpus) or "none"
+        raise SGLangLaunchError(
+            f"cannot add {self.backend} engine {index}: it would need GPU(s) {names} of those lichen was given "
+            f"(engine i takes i*{per} .. i*{per}+{per - 1}, --rollout-num-gpus-per-engine {per}), but lichen was "
+            f"given {len(self.gpus)} ({given}) and engines 0..{index - 1} hold them: none are free; start the run "
+            "with more GPUs visible, or start the engine yourself and add its address"
+        )
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every server's process group, SIGKILL after `grace` s. Idempotent."""

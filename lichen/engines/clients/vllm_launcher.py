@@ -17,7 +17,8 @@ tree (what `scripts/setup_vllm.sh` creates). Engine i runs
   token-in/token-out endpoint `/inference/v1/generate` (`--enable-scale-out`) and the key guard;
 - on a machine without CUDA, `--kv-cache-memory-bytes` is 512 MiB unless `--vllm-kv-cache-memory-bytes` or
   `--vllm-gpu-memory-utilization` is given (vLLM's CPU default reserves 92 % of the machine's memory);
-- with several engines, engine i sees GPUs i*N .. i*N+N-1 (CUDA_VISIBLE_DEVICES, within the one lichen was given);
+- with several engines, engine i sees GPUs i*N .. i*N+N-1 (CUDA_VISIBLE_DEVICES, within the one lichen was given),
+  an engine added mid-run (`add()`) too;
 - every other `--vllm-<flag> [VALUE...]` is passed through verbatim as `--<flag> [VALUE...]`.
 
 The key: vLLM reads VLLM_API_KEY from its environment (never its command line, which every local user sees), and
@@ -38,7 +39,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any, Sequence
 
 import lichen
-from lichen.engines.clients.sglang_launcher import SGLangLauncher, SGLangLaunchError, _Server, _tail
+from lichen.engines.clients.sglang_launcher import SGLangLauncher, SGLangLaunchError, _Server, _tail, given_gpus
 from lichen.engines.clients.vllm_client import GENERATE, vllm_generate_body
 
 # the receiver of weight syncs (lichen.sync.vllm_sync) and where it may load checkpoints from
@@ -241,7 +242,9 @@ class VLLMLauncher(SGLangLauncher):
 
         def command_for(i: int, port: int) -> list[str]:
             cmd = build_vllm_command(cfg, port=port, host=host, python=python)
-            if multi:  # each engine its own GPUs; `env` keeps the per-engine variable out of the shared env
+            # each engine its own GPUs (an added one, i >= count, too: never the first engine's by inheritance);
+            # `env` keeps the per-engine variable out of the shared env
+            if multi or i > 0:
                 cmd = [
                     shutil.which("env") or "/usr/bin/env",
                     f"CUDA_VISIBLE_DEVICES={engine_gpus(i, int(cfg.gpus_per_engine), visible)}",
@@ -254,5 +257,7 @@ class VLLMLauncher(SGLangLauncher):
         dirs = os.pathsep.join(os.path.abspath(d) for d in (cfg.weight_dir, cfg.local_checkpoint_dir) if d)
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath, WEIGHT_DIRS_ENV: dirs, **kwargs.pop("env", {})}
         kwargs.setdefault("keyed", True)
+        kwargs.setdefault("gpus", given_gpus())  # what an added engine is checked against (SGLangLauncher.add)
         log_dir = kwargs.pop("log_dir", None) or cfg.log_dir or tempfile.mkdtemp(prefix="lichen-vllm-logs-")
-        return cls(command_for, count, log_dir=log_dir, env=env, host=host, **kwargs)
+        per = int(cfg.gpus_per_engine)
+        return cls(command_for, count, log_dir=log_dir, env=env, host=host, gpus_per_engine=per, **kwargs)
