@@ -165,3 +165,14 @@ def test_a_launch_line_adds_an_sglang_engine_pending_until_the_next_sync(tmp_pat
     finally:
         engines.close()
     assert launcher.alive() == [False, False]  # the added engine is stopped with the others
+
+
+def test_a_launch_line_on_external_engines_is_refused_with_one_line():
+    import asyncio
+    from types import SimpleNamespace
+
+    pool = EnginePool(SimpleNamespace(clients=[], launcher=None))
+    with pytest.raises(ValueError) as info:
+        asyncio.run(pool.add_line("launch"))
+    msg = str(info.value)
+    assert "\n" not in msg and "external (--rollout-external-engine-addrs)" in msg and "give an address" in msg

@@ -14,6 +14,10 @@ its engines get no separate admin key.
 use (`start`, `stop`, `restart(i)`, `api_key`, `admin_api_key`, `ready_timeout`): fault tolerance works as with
 local launches, and an engine whose actor died is started again in a new actor on the same bundle (its node
 lost: wherever Ray reschedules that bundle, waited for up to the ready timeout; docs/fault-tolerance.md).
+`add()` (a `launch` line of the engine control file) starts one more engine actor outside the run's placement
+group, whose bundles are fixed: it asks Ray for --rollout-num-gpus-per-engine whole GPUs wherever they are free and
+learns their ids inside the actor (ray.get_gpu_ids()); its start, placement included, is bounded by the ready
+timeout like a restart's, and it is stopped with the others.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ READY_TIMEOUT_S = 300.0
 SGLANG_READY_TIMEOUT_S = 1800.0  # SGLang's start-up (weights, CUDA graphs) takes minutes on large models
 PROBE_READ_BYTES = 256  # the sync directory's probe file holds a 32-character token
 PROBE_GPU_SHARE = 0.01
+OUTSIDE = "outside the run's placement group"  # where an added engine's actor goes
 
 
 def engine_env(keys: dict[str, str], gpu_ids: list[int]) -> dict[str, str]:
@@ -62,7 +67,7 @@ def _backend(cfg: Any) -> str:
 class EngineHostImpl:
     """The body of one engine's actor (wrapped by ray.remote in `EngineHost`)."""
 
-    def __init__(self, cfg: Any, index: int, gpu_ids: list[int], driver_ip: str, keys: dict[str, str]):
+    def __init__(self, cfg: Any, index: int, gpu_ids: list[int] | None, driver_ip: str, keys: dict[str, str]):
         self.cfg, self.index, self.gpu_ids, self.driver_ip, self.keys = cfg, index, gpu_ids, driver_ip, keys
         self.launcher: Any = None
 
@@ -83,6 +88,8 @@ class EngineHostImpl:
         from lichen.engines.clients.launcher import EngineLauncher
 
         cfg = self.cfg
+        if self.gpu_ids is None:  # an added engine, outside the placement group: the GPUs Ray gave this actor
+            self.gpu_ids = [int(g) for g in ray.get_gpu_ids()]
         ip = ray.util.get_node_ip_address()
         host = "127.0.0.1" if ip == self.driver_ip else ip
         log_dir = os.path.join(cfg.log_dir, f"engine_{self.index}") if cfg.log_dir else None
@@ -167,17 +174,51 @@ class RayEngineSet:
         self.api_key, self.admin_api_key = new_key(), None if external else new_key()
         self.ready_timeout = SGLANG_READY_TIMEOUT_S if external else READY_TIMEOUT_S
         self._host_cls = ray.remote(EngineHostImpl)
+        self._stopped = False
         self.actors: list[Any] = [self._make(i) for i in range(len(cluster.placement.engines))]
 
-    def _make(self, i: int, gpu_ids: list[int] | None = None) -> Any:
-        bundles = self.cluster.placement.engines[i]
+    def _keys(self) -> dict[str, str]:
         keys = {SERVE_KEY_ENV: self.api_key}
         if self.admin_api_key:
             keys[SERVE_ADMIN_KEY_ENV] = self.admin_api_key
+        return keys
+
+    def _make(self, i: int, gpu_ids: list[int] | None = None) -> Any:
+        bundles = self.cluster.placement.engines[i]
         # no runtime_env: --train-env-vars are the trainer's only
         return self._host_cls.options(
             num_cpus=0, num_gpus=ENGINE_GPU_SHARE, scheduling_strategy=self.cluster.strategy(bundles[0])
-        ).remote(self.cfg, i, gpu_ids or self.cluster.gpu_ids(bundles), self.cluster.driver_ip, keys)
+        ).remote(self.cfg, i, gpu_ids or self.cluster.gpu_ids(bundles), self.cluster.driver_ip, self._keys())
+
+    def _make_outside(self, i: int) -> Any:
+        """Engine `i`'s actor outside the placement group (an added engine): the bundles' sliver (ENGINE_GPU_SHARE)
+        fits because a bundle reserves its GPU; out here a sliver would share a GPU with whatever holds it, so the
+        actor takes --rollout-num-gpus-per-engine whole GPUs that no bundle or other actor holds."""
+        return self._host_cls.options(
+            num_cpus=0, num_gpus=int(self.cfg.gpus_per_engine), scheduling_strategy="DEFAULT"
+        ).remote(self.cfg, i, None, self.cluster.driver_ip, self._keys())
+
+    def _not_started(self, index: int, where: str, why: str) -> TimeoutError:
+        return TimeoutError(
+            f"engine {index}: no new Ray actor {where} started within {self.ready_timeout:g} s ({why}, or its "
+            "server did not become ready)"
+        )
+
+    def _outside_why(self) -> str:
+        return f"no node has {int(self.cfg.gpus_per_engine)} GPU(s) free outside the run's placement group yet"
+
+    def _start_within(self, index: int, deadline: float, where: str, why: str) -> str:
+        """Start engine `index`'s (new) actor's server; the wait, Ray's placement of the actor included, ends at
+        `deadline`: a restart or an add never blocks forever when no resources come free (the actor is killed,
+        so it never starts a server later)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(self.actors[index].start.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except GetTimeoutError:
+            ray.kill(self.actors[index])
+            raise self._not_started(index, where, why) from None
 
     def _bundle_gpu_ids(self, i: int, timeout: float) -> list[int]:
         """The GPU ids of engine `i`'s bundles as they are now. When a node is lost, Ray reschedules the
@@ -223,17 +264,36 @@ class RayEngineSet:
         # at its next interval, and retires the engine after --rollout-max-failed-restarts (the run goes on with the
         # other engines meanwhile).
         deadline = time.monotonic() + self.ready_timeout
+        if index >= len(self.cluster.placement.engines):  # an added engine: a new actor wherever GPUs are free
+            self.actors[index] = self._make_outside(index)
+            return self._start_within(index, deadline, OUTSIDE, self._outside_why())
+        where = "on its placement-group bundle"
+        why = "its node was lost and no node with free resources has taken the bundle yet"
         try:
             gpu_ids = self._bundle_gpu_ids(index, self.ready_timeout)
-            self.actors[index] = self._make(index, gpu_ids)
-            return ray.get(self.actors[index].start.remote(), timeout=max(1.0, deadline - time.monotonic()))
         except GetTimeoutError:
-            ray.kill(self.actors[index])  # not placed yet: never let it start a server later
-            raise TimeoutError(
-                f"engine {index}: no new Ray actor on its placement-group bundle started within "
-                f"{self.ready_timeout:g} s (its node was lost and no node with free resources has taken the bundle "
-                "yet, or its server did not become ready)"
-            ) from None
+            raise self._not_started(index, where, why) from None
+        self.actors[index] = self._make(index, gpu_ids)
+        return self._start_within(index, deadline, where, why)
+
+    def add(self) -> str:
+        """One more engine actor (a `launch` line of the engine control file; see the module doc); returns its URL
+        once its server is ready. A start that fails or times out kills the actor (its server dies with it) and
+        leaves the set as it was. Blocking (call it from a worker thread)."""
+        import ray
+
+        if self._stopped:
+            raise RuntimeError("cannot add an engine: the run's engine actors are stopped")
+        index = len(self.actors)
+        self.actors.append(self._make_outside(index))
+        try:
+            url = self._start_within(index, time.monotonic() + self.ready_timeout, OUTSIDE, self._outside_why())
+        except BaseException:
+            ray.kill(self.actors[index])
+            self.actors.pop(index)  # engine i stays the pool's engine i (restart(i))
+            raise
+        log.info("engine %d added on Ray: %s", index, url)
+        return url
 
     def read_each(self, path: str) -> list[dict]:
         """Each engine's actor reads `path` on its node: the disk transports' visibility check."""
@@ -249,6 +309,7 @@ class RayEngineSet:
     def stop(self, grace: float = 10.0) -> None:
         import ray
 
+        self._stopped = True
         for a in self.actors:
             try:
                 ray.get(a.stop.remote(), timeout=grace + 20)

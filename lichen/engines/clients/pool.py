@@ -9,7 +9,8 @@ below which the run stops, and engines added while the run goes on (docs/fault-t
   (the file is append-only: lines already read are not read again; a line counts once its newline is written) is
     - an engine server's address (`http://host:port` or `host:port`): lichen connects to it with the external
       engines' keys (--rollout-external-engine-api-key-file / $LICHEN_ENGINE_API_KEY), or
-    - `launch`: lichen starts one more server as it started the others (launched runs only);
+    - `launch`: lichen starts one more server as it started the others (its launcher's `add()`: lichen serve,
+      SGLang or vLLM launched here, or a Ray engine actor; runs on external engines only refuse it);
   blank lines and `#` comments are skipped. The new engine must answer /health and /model_info and route every
   endpoint the run needs; then it waits out of rotation, like a restarted engine, until the next weight sync
   brings it to the current version (before the first sync: at once, it serves the launch checkpoint). A line
@@ -146,8 +147,9 @@ class EnginePool:
             launcher = engines.launcher
             if launcher is None or not hasattr(launcher, "add"):
                 raise ValueError(
-                    "'launch' starts one more lichen serve engine, for runs that launched theirs "
-                    "(--rollout-num-engines, lichen backend, local runtime); give an address instead"
+                    "'launch' starts one more engine as the run started its others; this run's engines are "
+                    "external (--rollout-external-engine-addrs), started by no launcher of lichen's: give an "
+                    "address instead"
                 )
             url = await asyncio.get_running_loop().run_in_executor(None, launcher.add)
             keys: tuple[str | None, str | None] = (None, None)  # the run's own (the clients default to them)
