@@ -70,8 +70,9 @@ def checkpoint_hook(stage: str, rollout_id: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def rollout(args, rollout_id, prompts, manager):
+def rollout(args, rollout_id, data_source, evaluation=False):
     """lichen's own rollout, with engine 0 killed or engine 1 hung while it holds requests where scheduled."""
+    from lichen.rollout.context import current
     from lichen.rollout.generate import generate_rollout
     from lichen.train import ckpt_async
 
@@ -87,13 +88,13 @@ def rollout(args, rollout_id, prompts, manager):
         if folder is None:
             continue
         seen: dict = {}
-        killer = kill_when_busy(manager.engine, index, seen, sig=sig)
+        killer = kill_when_busy(current().engine, index, seen, sig=sig)
         try:
-            return generate_rollout(args, rollout_id, prompts, manager)
+            return generate_rollout(args, rollout_id, data_source)
         finally:
             killer.join()
             note(folder, f"{kind} step {step}: engine {index} {what} with {seen.get('in_flight_at_kill')} in flight")
-    return generate_rollout(args, rollout_id, prompts, manager)
+    return generate_rollout(args, rollout_id, data_source)
 
 
 def corrupt_delta(version_dir: str) -> None:

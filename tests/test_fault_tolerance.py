@@ -185,12 +185,14 @@ def test_fault_tolerance_flags(tiny_ckpt, addition_data, tmp_path):
 SEEN: dict = {}
 
 
-def killing_rollout(args, rollout_id, prompts, manager):
+def killing_rollout(args, rollout_id, data_source, evaluation=False):
     """Step 0: SIGKILL engine 0 while it has a request in flight. Step 1: record the engines' state."""
-    engines = manager.engine
+    from lichen.rollout.context import current
+
+    engines = current().engine
     if rollout_id == 0:
         killer = kill_when_busy(engines, 0, SEEN)
-        groups = generate_rollout(args, rollout_id, prompts, manager)
+        groups = generate_rollout(args, rollout_id, data_source)
         killer.join()
         SEEN["reissued_from"] = list(engines.router.reissued_from)
     else:
@@ -200,7 +202,7 @@ def killing_rollout(args, rollout_id, prompts, manager):
             "pids": list(engines.launcher.pids),
             "restarts": list(engines.monitor.restarts),
         }
-        groups = generate_rollout(args, rollout_id, prompts, manager)
+        groups = generate_rollout(args, rollout_id, data_source)
     return groups
 
 

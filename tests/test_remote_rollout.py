@@ -300,8 +300,8 @@ def test_training_over_two_launched_engines_matches_in_process(tiny_ckpt, additi
     assert not any(launched[0].alive())  # the run stopped its servers
 
 
-def failing_rollout(args, rollout_id, prompts, manager):
-    generate_rollout(args, rollout_id, prompts, manager)  # the servers did work ...
+def failing_rollout(args, rollout_id, data_source, evaluation=False):
+    generate_rollout(args, rollout_id, data_source)  # the servers did work ...
     raise RuntimeError("rollout plug-in failed")  # ... and then the run fails
 
 

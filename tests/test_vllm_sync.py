@@ -267,17 +267,18 @@ def test_the_health_probe_catches_a_hung_engine_core_that_vllm_health_calls_heal
 SEEN: dict = {}
 
 
-def killing_rollout(args, rollout_id, prompts, manager):
+def killing_rollout(args, rollout_id, data_source, evaluation=False):
     """Step 1: SIGKILL engine 0 while it has a request in flight. Every step: what the engines report."""
+    from lichen.rollout.context import current
     from lichen.rollout.generate import generate_rollout
 
-    engines = manager.engine
+    engines = current().engine
     SEEN.setdefault("versions", []).append(engines.weight_versions())
     SEEN.setdefault("restarts", []).append(list(engines.monitor.restarts))
     if rollout_id != 1:
-        return generate_rollout(args, rollout_id, prompts, manager)
+        return generate_rollout(args, rollout_id, data_source)
     killer = kill_when_busy(engines, 0, SEEN, timeout=120)
-    groups = generate_rollout(args, rollout_id, prompts, manager)
+    groups = generate_rollout(args, rollout_id, data_source)
     killer.join()
     return groups
 
