@@ -19,8 +19,7 @@ import sys
 import pytest
 from helpers.fake_sglang import write_fake_sglang
 from helpers.serve_process import call
-from test_engine_pool import wait_for  # the same bounded wait
-from test_sglang_launcher import _gone
+from helpers.waits import gone, wait_for
 
 from lichen.engines.clients.pool import EnginePool, pool_metrics
 from lichen.engines.clients.remote_engines import RemoteEngines
@@ -82,7 +81,7 @@ def test_a_failed_add_leaves_nothing_running(tmp_path):
         with pytest.raises(SGLangLaunchError, match="did not answer /health_generate within 3 s"):
             launcher.add()
         assert len(launcher.servers) == 1 and launcher.alive() == [True]
-        assert _gone(int(pid_file.read_text()))  # its process group was killed
+        assert gone(int(pid_file.read_text()))  # its process group was killed
         mode["added"] = "exits"
     finally:
         launcher.stop(grace=5)

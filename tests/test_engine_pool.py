@@ -16,10 +16,10 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import pytest
 from helpers.serve_process import launch
+from helpers.waits import wait_for
 
 from lichen.engines.api.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV
 from lichen.engines.clients.launcher import EngineLauncher
@@ -30,14 +30,6 @@ from lichen.engines.core.engine import GenRequest
 from lichen.errors import RunError
 
 SERVER_ARGS = ["--num-threads", "1"]
-
-
-def wait_for(cond, timeout: float = 120.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def requests(n: int, new_tokens: int = 8) -> list[GenRequest]:

@@ -19,6 +19,7 @@ import time
 import pytest
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 from helpers.serve_process import call
+from helpers.waits import gone
 
 from lichen.config import parse_train_args
 from lichen.config.engine_config import EngineConfig
@@ -189,14 +190,6 @@ def test_flags_lichen_sets_cannot_be_passed_through(tiny_ckpt, addition_data, tm
 
 
 # ---- the process lifecycle ---------------------------------------------------------------------------------------
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_launcher_starts_restarts_and_stops_servers(tmp_path):
     env = write_fake_sglang(tmp_path)
 
@@ -226,7 +219,7 @@ def test_launcher_starts_restarts_and_stops_servers(tmp_path):
                 assert json.load(f) == command_for(i, int(port))[3:]
         old_pid = launcher.pids[0]
         new_url = launcher.restart(0)
-        assert launcher.pids[0] != old_pid and _gone(old_pid) and call(new_url + "/health_generate")[0] == 200
+        assert launcher.pids[0] != old_pid and gone(old_pid) and call(new_url + "/health_generate")[0] == 200
         log = (tmp_path / "logs" / "engine_0.log").read_text()
         assert log.count("[lichen] starting:") == 2 and log.count("ARGV ") == 2  # appended across the restart
     finally:
@@ -258,12 +251,12 @@ def test_stop_takes_the_servers_children_down(tmp_path):
     launcher = SGLangLauncher(command_for, 1, log_dir=str(tmp_path / "logs"), env=env, poll=0.05)
     launcher.start()
     child = int(child_pid.read_text())
-    assert not _gone(child)
+    assert not gone(child)
     launcher.stop(grace=5)
     end = time.monotonic() + 10
-    while not _gone(child) and time.monotonic() < end:
+    while not gone(child) and time.monotonic() < end:
         time.sleep(0.05)
-    if not _gone(child):
+    if not gone(child):
         os.kill(child, signal.SIGKILL)
         pytest.fail("the server's child process outlived stop()")
 
