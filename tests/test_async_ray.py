@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.ray_local import shared_ray  # noqa: E402
-from helpers.runs import base_args, dumped_samples, run  # noqa: E402
+from helpers.runs import base_args, dumped_samples, ray_args, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +31,7 @@ def test_async_over_ray_two_ranks_one_engine(ray_local, tiny_ckpt, addition_data
             tmp_path / "o",
             "--num-rollout",
             "3",
-            "--device",
-            "cpu",
-            "--num-threads",
-            "1",
-            "--runtime",
-            "ray",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--rollout-num-gpus",
-            "1",
+            *ray_args(2, 1),
             "--async",
             "--save-debug-rollout-data",
             dump,
@@ -69,16 +60,7 @@ def test_fully_async_over_ray(ray_local, tiny_ckpt, addition_data, tmp_path):
             tmp_path / "o",
             "--num-rollout",
             "3",
-            "--device",
-            "cpu",
-            "--num-threads",
-            "1",
-            "--runtime",
-            "ray",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--rollout-num-gpus",
-            "1",
+            *ray_args(2, 1),
             "--fully-async",
             "--max-staleness",
             "1",

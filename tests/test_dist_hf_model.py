@@ -22,7 +22,7 @@ from helpers.dist_ranks import (
     two_ranks_and_local,
 )
 from helpers.ray_local import shared_ray  # noqa: E402
-from helpers.runs import THREADS, base_args, run
+from helpers.runs import THREADS, base_args, ray_args, run
 
 from lichen.models.tiny import make_tiny_model
 
@@ -163,15 +163,7 @@ def test_ray_runtime_two_ranks_hf_moe_with_router_loss(ckpts, addition_data, tmp
             "0.1",
             "--num-rollout",
             "2",
-            "--device",
-            "cpu",
-            *THREADS,
-            "--runtime",
-            "ray",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--rollout-num-gpus",
-            "1",
+            *ray_args(2, 1),
             "--save",
             str(tmp_path / "ckpt"),
         )

@@ -129,7 +129,7 @@ def test_ray_run_with_lora(tiny_ckpt, addition_data, tmp_path):
     (it serves the merged weights gathered from the shards), --check-weight-update-equal passes, and the checkpoint
     holds lora/ next to the merged hf/."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
-    from helpers.runs import base_args, run
+    from helpers.runs import base_args, ray_args, run
 
     from lichen.train.lora import read_adapter
 
@@ -141,16 +141,7 @@ def test_ray_run_with_lora(tiny_ckpt, addition_data, tmp_path):
             tmp_path / "r",
             "--num-rollout",
             "2",
-            "--device",
-            "cpu",
-            "--num-threads",
-            "1",
-            "--runtime",
-            "ray",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--rollout-num-gpus",
-            "1",
+            *ray_args(2, 1),
             "--check-weight-update-equal",
             "--save",
             str(tmp_path / "c"),

@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.ray_local import own_ray  # noqa: E402
-from helpers.runs import base_args, read_dump, run  # noqa: E402
+from helpers.runs import base_args, ray_args, read_dump, run  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 STORE = 100 * 1024 * 1024
@@ -109,16 +109,7 @@ def test_an_engine_whose_node_is_lost_is_restarted_on_a_new_node(three_nodes, ti
             tmp_path / "out",
             "--num-rollout",
             "3",
-            "--device",
-            "cpu",
-            "--num-threads",
-            "1",
-            "--runtime",
-            "ray",
-            "--actor-num-gpus-per-node",
-            "1",
-            "--rollout-num-gpus",
-            "1",
+            *ray_args(1, 1),
             # a full version on disk: the restarted lone engine loads it and re-joins at once (a broadcast leaves
             # nothing to load, so it would wait for the sync after the rollout that waits for it)
             "--update-weight-transport",

@@ -22,7 +22,7 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
 
 from helpers.ray_local import shared_ray  # noqa: E402
-from helpers.runs import base_args, final_weights, run  # noqa: E402
+from helpers.runs import base_args, final_weights, ray_args, run  # noqa: E402
 
 from lichen.cli import main  # noqa: E402
 from lichen.cluster.actor_group import exit_cause  # noqa: E402
@@ -68,16 +68,7 @@ def _argv(tiny_ckpt, data, tmp_path, name: str, triggers: str, *extra: str, step
         tmp_path / name,
         "--num-rollout",
         str(steps),
-        "--device",
-        "cpu",
-        "--num-threads",
-        "1",
-        "--runtime",
-        "ray",
-        "--actor-num-gpus-per-node",
-        "2",
-        "--rollout-num-gpus",
-        "1",
+        *ray_args(2, 1),
         "--save",
         str(tmp_path / f"{name}_ckpt"),
         "--save-interval",

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lich
 from helpers import chromium  # noqa: E402
 from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.reward_server import RewardServer  # noqa: E402
-from helpers.runs import base_args, run  # noqa: E402
+from helpers.runs import base_args, ray_args, run  # noqa: E402
 
 STEPS = 2
 SAMPLES = 16  # --rollout-batch-size 4 x --n-samples-per-prompt 4 (helpers.runs.base_args)
@@ -33,16 +33,7 @@ def run_dir(tiny_ckpt, addition_data, tmp_path_factory) -> str:
             out,
             "--num-rollout",
             str(STEPS),
-            "--device",
-            "cpu",
-            "--num-threads",
-            "1",
-            "--runtime",
-            "ray",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--rollout-num-gpus",
-            "2",
+            *ray_args(2, 2),
             "--rm-type",
             "remote_rm",
             "--rm-url",

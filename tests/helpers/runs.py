@@ -34,6 +34,13 @@ def base_args(ckpt, data, out, *extra):
     ]
 
 
+def ray_args(ranks: int = 2, engine_gpus: int = 1) -> list[str]:
+    """`--runtime ray` on this CPU: `ranks` trainer ranks and engines on `engine_gpus` of the test Ray instance's
+    fake GPUs (tests/helpers/ray_local.py), one torch thread per process."""
+    return ["--device", "cpu", *THREADS, "--runtime", "ray", "--actor-num-gpus-per-node", str(ranks),
+            "--rollout-num-gpus", str(engine_gpus)]  # fmt: skip
+
+
 def run(argv) -> list[dict]:
     assert main(argv) == 0
     out = argv[argv.index("--output-dir") + 1]
