@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import aiohttp
 
@@ -256,6 +256,7 @@ class EngineClient:
         """A /generate call under the concurrency cap, counted as outstanding while it waits and in flight while
         it runs (the router's load signals)."""
         self._ensure()
+        assert self._slots is not None  # made with the session
         self.outstanding += 1
         try:
             async with self._slots:
@@ -272,14 +273,14 @@ class EngineClient:
         async with self._generate_slot():
             return await self.call_json("POST", "/generate", payload)
 
-    async def generate_stream(self, payload: dict) -> AsyncIterator[dict]:
+    async def generate_stream(self, payload: dict) -> AsyncGenerator[dict, None]:
         """POST /generate with `"stream": true` under the concurrency cap: each event's object (the output so far,
         as lichen serve and SGLang stream it) until [DONE]. Sent once, never retried (part of the output may have
         been used). Closing the iterator early closes the connection, which aborts the request on the server."""
         async with self._generate_slot():
             self.attempts += 1
             try:
-                async with self._session.post(
+                async with self._ensure().post(
                     self.url + "/generate",
                     data=json.dumps({**payload, "stream": True}),
                     headers=self._headers("/generate", json_body=True),

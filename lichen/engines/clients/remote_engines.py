@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import threading
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Sequence
 
 from lichen.aio import gather_or_cancel
 from lichen.engines.clients import engine_debug
@@ -140,7 +141,7 @@ class RemoteEngines:
         return [self.clients[i] for i in self.router.in_rotation()]
 
     # ---- running coroutines -------------------------------------------------------------------------------
-    def run(self, coro: Awaitable, timeout: float | None = None) -> Any:
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run `coro` on the engines' event loop and wait for it (an interrupt cancels it there too)."""
         if self._closed or threading.current_thread() is self._thread:
             if asyncio.iscoroutine(coro):
@@ -407,7 +408,7 @@ class RemoteEngines:
         self.run(resume())
 
     # ---- weight transports (driven by lichen.sync) ----------------------------------------------------------
-    def submit(self, coro: Awaitable):
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> "concurrent.futures.Future[Any]":
         """Start `coro` on the engines' loop and return a concurrent Future at once: for HTTP calls that must be
         in flight while the caller's thread does its part (a torch.distributed broadcast)."""
         if self._closed:
@@ -469,7 +470,9 @@ class RemoteEngines:
             if failed:
                 for t in rest:
                     t.cancel()
-                raise failed[0].exception()
+                error = failed[0].exception()
+                assert error is not None  # the failed ones
+                raise error
             return [t.result() for t in tasks]
 
         return self.submit(fail_fast())

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncGenerator, Callable, Sequence
 
 from lichen.engines.clients.client import EngineClient, EngineUnavailable
 from lichen.errors import RunError
@@ -256,7 +256,9 @@ class Router:
             for event in failovers:
                 event.done_one()
 
-    async def generate_stream(self, payload: dict, session_id: str | None = None) -> AsyncIterator[tuple[int, dict]]:
+    async def generate_stream(
+        self, payload: dict, session_id: str | None = None
+    ) -> AsyncGenerator[tuple[int, dict], None]:
         """`generate` streamed: (engine index, output so far) per event. Picked as `generate` picks, but sent once:
         a stream that started is not re-sent on failover, nor taken back by `fail` (its connection ends with the
         engine)."""

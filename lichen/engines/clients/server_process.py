@@ -27,6 +27,7 @@ class ServerProcess:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None  # started with stdout=PIPE
         for line in self.proc.stdout:
             m = _READY.search(line)
             if m and not self._found:

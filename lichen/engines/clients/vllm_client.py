@@ -33,7 +33,7 @@ is one with top-p < 1 or top-k > 0 (vLLM's log-probs are then over the kept toke
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 from urllib.parse import urlencode
 
 from lichen.engines.clients.client import EngineClient, EngineError
@@ -144,7 +144,7 @@ class VLLMClient(EngineClient):
         async with self._generate_slot():
             return sglang_output(await self.call_json("POST", GENERATE, body), self.url)
 
-    async def generate_stream(self, payload: dict) -> AsyncIterator[dict]:
+    async def generate_stream(self, payload: dict) -> AsyncGenerator[dict, None]:
         """The whole output as one event (vLLM streams deltas without log-probs of the tokens so far in the
         shape lichen's stream consumers read; the final result is the same)."""
         yield await self.generate(payload)
