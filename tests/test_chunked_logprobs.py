@@ -222,7 +222,7 @@ def test_train_step_matches_the_full_logits(tiny_ckpt, addition_data, tmp_path, 
 
 def test_chunked_is_the_default(tiny_ckpt, addition_data, tmp_path):
     actor = make_actor(tiny_ckpt, addition_data, tmp_path)
-    assert actor.cfg.log_probs_chunk_size == 512 and actor.log_probs.chunk_size == 512
+    assert actor.cfg.batching.log_probs_chunk_size == 512 and actor.log_probs.chunk_size == 512
 
 
 def test_hf_softcapped_head_matches_its_logits():

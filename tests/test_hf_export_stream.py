@@ -53,15 +53,17 @@ def export_worker(rank: int, world_size: int, argv: list[str], port: int, out: s
         if lora:  # the multi-rank LoRA save before streaming: the adapters and the merge from the gathered state
             from lichen.train import lora as lora_mod
 
-            weights = lora_mod.export_rank0(t.actor, weights, os.path.join(out, "whole", "lora"), 0, cfg.hf_checkpoint)
+            weights = lora_mod.export_rank0(
+                t.actor, weights, os.path.join(out, "whole", "lora"), 0, cfg.models.hf_checkpoint
+            )
         write_hf_exports(weights, os.path.join(out, "whole"), 0, cfg)
-        with open(os.path.join(cfg.hf_checkpoint, "config.json")) as f:
+        with open(os.path.join(cfg.models.hf_checkpoint, "config.json")) as f:
             hf_config = json.load(f)
         hf_io.save_hf_checkpoint(
             weights,
             os.path.join(out, "small_whole"),
             config=hf_config,
-            copy_files_from=cfg.hf_checkpoint,
+            copy_files_from=cfg.models.hf_checkpoint,
             max_shard_bytes=SMALL_FILES,
         )
     t.close()

@@ -27,7 +27,9 @@ def two_steps_worker(rank: int, world_size: int, argv: list[str], offload: bool,
     torch.set_num_threads(1)
     fsdp.offloads_to_cpu = lambda requested, device: requested
     cfg, args = config(argv)
-    cfg = dataclasses.replace(cfg, optimizer_cpu_offload=offload)
+    cfg = dataclasses.replace(
+        cfg, optimizer_state=dataclasses.replace(cfg.optimizer_state, optimizer_cpu_offload=offload)
+    )
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     policies = {
         type(m._get_fsdp_state()._fsdp_param_group.offload_policy) is CPUOffloadPolicy

@@ -36,7 +36,8 @@ def float64_reference(actor, samples, **switches) -> tuple[dict, dict]:
     """The same step in float64, all samples in one micro-batch, sample order, no packing, no skipping."""
     ref = copy.deepcopy(actor)
     ref.model.double()
-    ref.cfg = dataclasses.replace(ref.cfg, micro_batch_size=len(samples), use_dynamic_batch_size=False)
+    batching = dataclasses.replace(ref.cfg.batching, micro_batch_size=len(samples), use_dynamic_batch_size=False)
+    ref.cfg = dataclasses.replace(ref.cfg, batching=batching)
     ref.sort_by_length = ref.pack_sequences = ref.skip_zero_advantage = False
     for k, v in switches.items():
         setattr(ref, k, v)

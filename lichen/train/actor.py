@@ -71,22 +71,23 @@ class TrainActor:
 
     def __init__(self, cfg: TrainerConfig, plugin_args: Any = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        torch.manual_seed(cfg.seed)
-        tok = load_tokenizer(cfg.hf_checkpoint)
+        models = cfg.models
+        self.device = resolve_device(models.device)
+        torch.manual_seed(models.seed)
+        tok = load_tokenizer(models.hf_checkpoint)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # fp32 master weights; --bf16 runs the forward/backward under autocast.
-        self.model = load_model(cfg.hf_checkpoint, device=self.device, dtype=torch.float32, **cfg.model_options)
-        self.model.gradient_checkpointing = cfg.gradient_checkpointing
+        self.model = load_model(models.hf_checkpoint, device=self.device, dtype=torch.float32, **models.model_options)
+        self.model.gradient_checkpointing = models.gradient_checkpointing
         self.model.train()
         if cfg.lora is not None:
             self._apply_lora()
         # --only-train / --freeze-params-name-list: before the optimizer, which takes what still requires a gradient
-        self.frozen_params = apply_param_filter(self.model, cfg)
+        self.frozen_params = apply_param_filter(self.model, cfg.param_filter, lora=cfg.lora is not None)
         self.ref_model = self._reference_model() if cfg.needs_ref_model else None
         self.teacher_model = (
-            _frozen_model(cfg.opd_teacher_load, self.device, cfg.model_options)
-            if cfg.opd_teacher_load is not None
+            _frozen_model(models.opd_teacher_load, self.device, models.model_options)
+            if models.opd_teacher_load is not None
             else None
         )
         opt = cfg.optimizer  # with --use-lora: the adapters' learning rate and weight decay
@@ -97,7 +98,7 @@ class TrainActor:
             eps=opt.eps,
             weight_decay=opt.weight_decay,
         )
-        self.log_probs = LogProbs(self.device, cfg.temperature, cfg.bf16, cfg.log_probs_chunk_size)
+        self.log_probs = LogProbs(self.device, models.temperature, models.bf16, cfg.batching.log_probs_chunk_size)
         # Exact fast paths (switched off only by tests that compare against the plain computation): micro-batches
         # over length-sorted samples packed several to a row, and no backward for samples whose loss terms are all
         # exactly zero.
@@ -108,39 +109,49 @@ class TrainActor:
         self.pack_sequences = self.device.type == "cpu"
         # A group's prompt computed once per packed row (lichen.train.micro_batches.PromptGroups): needs packed rows
         # and lichen's own attention, which takes any block mask; --model-impl hf unpacks rows by segment instead.
-        self.share_prompts = not cfg.disable_prompt_sharing and isinstance(self.model, CausalLM)
-        self.skip_zero_advantage = not cfg.disable_zero_advantage_skip
+        self.share_prompts = not cfg.batching.disable_prompt_sharing and isinstance(self.model, CausalLM)
+        self.skip_zero_advantage = not cfg.batching.disable_zero_advantage_skip
         self.opt_step = 0
         self._offloaded = False
+        loss = cfg.loss
         self.plugins = LossPlugins(
-            custom_loss=_plugin(cfg.custom_loss_function_path, "--custom-loss-function-path")
-            if cfg.loss_type == "custom_loss"
+            custom_loss=_plugin(loss.custom_loss_function_path, "--custom-loss-function-path")
+            if loss.loss_type == "custom_loss"
             else None,
-            pg_reducer=_plugin(cfg.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path"),
-            tis_fn=_plugin(cfg.custom_tis_function_path, "--custom-tis-function-path") if cfg.use_tis else None,
+            pg_reducer=_plugin(loss.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path"),
+            tis_fn=_plugin(loss.custom_tis_function_path, "--custom-tis-function-path") if loss.use_tis else None,
             args=plugin_args,
         )
-        self.router_aux = RouterAuxLoss(self.model, cfg.moe_aux_loss_coeff)
-        self.loss = StepLoss(cfg, self.plugins, router_aux=self.router_aux.active)
-        self.custom_advantage = _plugin(cfg.custom_advantage_function_path, "--custom-advantage-function-path")
-        self.critic = self._make_critic() if cfg.advantage_estimator == "ppo" else None
+        self.router_aux = RouterAuxLoss(self.model, loss.moe_aux_loss_coeff)
+        self.loss = StepLoss(
+            loss, self.plugins, estimator=cfg.advantage.advantage_estimator, router_aux=self.router_aux.active
+        )
+        self.custom_advantage = _plugin(
+            cfg.advantage.custom_advantage_function_path, "--custom-advantage-function-path"
+        )
+        self.critic = self._make_critic() if cfg.advantage.advantage_estimator == "ppo" else None
 
     def _apply_lora(self) -> None:
         """--use-lora (docs/lora.md): adapters join the policy and every other weight freezes, so the optimizer
         holds the adapters only; --lora-load starts them from a saved adapter directory."""
         from lichen.train import lora
 
-        lora.apply_lora(self.model, self.cfg.lora)
-        lora.init_adapters(self.model, self.cfg.seed)  # as the multi-rank trainer's, whose adapters start on meta
-        if self.cfg.lora.load:
-            source = self.cfg.lora.load
+        lcfg = self.cfg.lora
+        assert lcfg is not None  # called with --use-lora only
+        lora.apply_lora(self.model, lcfg)
+        lora.init_adapters(
+            self.model, self.cfg.models.seed
+        )  # as the multi-rank trainer's, whose adapters start on meta
+        if lcfg.load:
+            source = lcfg.load
             lora.load_adapter_state(self.model, lora.read_adapter(source), f"--lora-load {source}")
 
     def _reference_model(self):
         """A frozen copy of --ref-load (or --hf-checkpoint); with --use-lora the policy module with its adapters
         disabled (the base weights never train, so no second model is needed)."""
         if self.cfg.lora is None:
-            return _frozen_model(self.cfg.ref_load or self.cfg.hf_checkpoint, self.device, self.cfg.model_options)
+            models = self.cfg.models
+            return _frozen_model(models.ref_load or models.hf_checkpoint, self.device, models.model_options)
         from lichen.train.lora import ReferencePolicy
 
         return ReferencePolicy(self.model)
@@ -237,10 +248,10 @@ class TrainActor:
 
     # ---- the train step -----------------------------------------------------------------------------------
     def planner(self) -> MicroBatchPlanner:
-        cfg = self.cfg
+        batching = self.cfg.batching
         return MicroBatchPlanner(
-            cfg.micro_batch_size,
-            cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
+            batching.micro_batch_size,
+            batching.max_tokens_per_gpu if batching.use_dynamic_batch_size else None,
             sort=self.sort_by_length,
             pack=self.pack_sequences,
             flops_coeff=self.flops_coeff,
@@ -249,18 +260,18 @@ class TrainActor:
     @property
     def flops_coeff(self) -> float | None:
         """--balance-by-flops: the linear coefficient of a sample's cost coeff*L + L^2, from config.json."""
-        if not self.cfg.balance_by_flops:
+        if not self.cfg.batching.balance_by_flops:
             return None
         from lichen.models.hf_model import read_config_json
         from lichen.train.flops_balance import flops_coeff
 
-        return flops_coeff(read_config_json(self.cfg.hf_checkpoint))
+        return flops_coeff(read_config_json(self.cfg.models.hf_checkpoint))
 
     def train(self, rollout_id: int, batch: list[list[Sample]]) -> dict:
         """One train step on a rollout step's groups of samples; returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        if cfg.reset_optimizer_states:  # slime: before every rollout step's training, the critic's too
+        if cfg.optimizer_state.reset_optimizer_states:  # slime: before every rollout step's training, the critic's too
             for optimizer in (self.optimizer, getattr(self.critic, "optimizer", None)):
                 if optimizer is not None:
                     reset_adam_state(optimizer)
@@ -276,11 +287,11 @@ class TrainActor:
         recomputed_old = self._log_probs_phase(tb, no_grad_plans)
         # 2. advantages
         tb.advantages, tb.returns, metrics = advantage.step_advantages(
-            cfg, tb, self.custom_advantage, self.plugins.args
+            cfg.advantage, cfg.loss, tb, self.custom_advantage, self.plugins.args
         )
-        if cfg.save_debug_train_data:
-            self._dump(rollout_id, tb)
-        use_tis = cfg.use_tis and tb.rollout_log_probs is not None and cfg.loss_type == "policy_loss"
+        if cfg.debug.save_debug_train_data:
+            self._dump(cfg.debug.save_debug_train_data.format(rollout_id=rollout_id), rollout_id, tb)
+        use_tis = cfg.loss.use_tis and tb.rollout_log_probs is not None and cfg.loss.loss_type == "policy_loss"
         # The first step's training forward gives the trainer's log-probs for the mismatch metric, unless
         # separately computed old log-probs serve as those.
         record = tb.rollout_log_probs is not None and (tb.old_log_probs is None or tb.old_is_rollout)
@@ -290,7 +301,7 @@ class TrainActor:
             tb.host.input_lengths,
             tb.mask,
             tb.advantages,
-            num_steps=cfg.num_steps_per_rollout,
+            num_steps=cfg.batching.num_steps_per_rollout,
             skip=self.skip_zero_advantage and self.plugins.pg_reducer is None,
             zero_advantage_is_zero_loss=self._zero_advantage_is_zero_loss(),
             # Skipped rows still feed metrics that read their log-probs: ppo_kl and clipfrac against given old
@@ -301,14 +312,14 @@ class TrainActor:
             sharing=tb.host.sharing,
         )
         trainer_lp = torch.zeros_like(tb.mask) if record else None
-        critic_only = self.critic is not None and rollout_id < cfg.num_critic_only_steps
+        critic_only = self.critic is not None and rollout_id < cfg.critic.num_critic_only_steps
         per_step: list[dict] = []
         for plan in steps:  # 4. per optimizer step: the critic's step, then loss/backward per micro-batch + step
             if self.critic is not None:
                 for key, value in self.critic.train_step(
-                    tb, plan.critic, global_counts(tb.mask[plan.indices], cfg.max_response_len)
+                    tb, plan.critic, global_counts(tb.mask[plan.indices], cfg.loss.max_response_len)
                 ).items():
-                    metrics[key] = metrics.get(key, 0.0) + value / cfg.num_steps_per_rollout
+                    metrics[key] = metrics.get(key, 0.0) + value / cfg.batching.num_steps_per_rollout
             if critic_only:
                 continue
             per_step.append(self._optimizer_step(tb, plan, use_tis, trainer_lp if plan.record_log_probs else None))
@@ -320,7 +331,7 @@ class TrainActor:
         elif critic_only and record:  # the policy did not move; its log-probs come from one pass
             trainer_lp = self.log_probs.of_batch(self.model, tb.host, no_grad_plans, tb.response_width)
         metrics.update(step_metrics(tb, per_step, trainer_lp, recomputed_old))
-        check_mismatch(metrics, cfg.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
+        check_mismatch(metrics, cfg.debug.ci_train_rollout_logprob_abs_diff_threshold, rollout_id)
         metrics["time/train"] = time.perf_counter() - t0
         self.last_step_metrics = per_step
         # the step's per-token values, [n, R] in batch order (None: not computed), for the loop's sample log
@@ -334,36 +345,39 @@ class TrainActor:
         lp = lambda model: self.log_probs.of_batch(model, tb.host, plans, tb.response_width)  # noqa: E731
         # Old log-probs: recomputed in a separate no-grad pass whose micro-batches differ from training's, so
         # the first-step ppo_kl == 0 check exercises batch-shape independence rather than reusing one forward.
-        recompute = cfg.loss_type != "sft_loss" and (cfg.num_steps_per_rollout > 1 or cfg.force_recompute_old_log_probs)
-        if cfg.use_rollout_logprobs and tb.rollout_log_probs is not None:
+        loss = cfg.loss
+        recompute = loss.loss_type != "sft_loss" and (
+            cfg.batching.num_steps_per_rollout > 1 or loss.force_recompute_old_log_probs
+        )
+        if loss.use_rollout_logprobs and tb.rollout_log_probs is not None:
             tb.old_log_probs = tb.rollout_log_probs
         elif recompute:
             tb.old_log_probs = lp(self.model)
         if self.ref_model is not None:
             tb.ref_log_probs = lp(self.ref_model)
-        distill = cfg.use_opd and cfg.loss_type != "sft_loss"
+        distill = cfg.advantage.use_opd and loss.loss_type != "sft_loss"
         if distill and self.teacher_model is not None:
             tb.teacher_log_probs = lp(self.teacher_model)
         elif distill:  # --opd-type sglang: the teacher's servers scored the samples in the rollout
             tb.teacher_log_probs = tb.host.teacher_log_probs(self.device)
         # The current policy's log-probs, where no old (or, for distillation, engine) log-probs stand in for them.
-        kl_needs = self.ref_model is not None and cfg.kl_coef != 0
+        kl_needs = self.ref_model is not None and cfg.advantage.kl_coef != 0
         opd_needs = distill and tb.rollout_log_probs is None
         if tb.old_log_probs is None and (kl_needs or opd_needs):
             tb.policy_log_probs = lp(self.model)
-        if self.critic is not None and cfg.loss_type != "sft_loss":
+        if self.critic is not None and loss.loss_type != "sft_loss":
             tb.values = self.critic.values(tb.host, plans, tb.response_width)
         return recompute
 
     def _zero_advantage_is_zero_loss(self) -> bool:
         """Whether a zero-advantage sample adds exactly 0 to the loss: only the built-in policy losses are -A
         times a factor, and no entropy, KL or router load-balancing term reads the sample."""
-        cfg = self.cfg
+        loss = self.cfg.loss
         return (
-            cfg.loss_type == "policy_loss"
+            loss.loss_type == "policy_loss"
             and self.plugins.custom_loss is None
-            and cfg.entropy_coef == 0
-            and not (cfg.use_kl_loss and self.ref_model is not None)
+            and loss.entropy_coef == 0
+            and not (loss.use_kl_loss and self.ref_model is not None)
             and not self.router_aux.active
         )
 
@@ -373,15 +387,15 @@ class TrainActor:
         """Phases 3 and 4 for one global batch: each micro-batch's share of the loss and its backward, then clip
         and one AdamW step. `trainer_lp`, when given, receives the training forward's log-probs."""
         cfg = self.cfg
-        counts = global_counts(tb.mask[plan.indices], cfg.max_response_len)
+        counts = global_counts(tb.mask[plan.indices], cfg.loss.max_response_len)
         terms = self.loss.begin_step(
-            counts, kl_loss=tb.ref_log_probs is not None and cfg.use_kl_loss, use_tis=use_tis, device=self.device
+            counts, kl_loss=tb.ref_log_probs is not None and cfg.loss.use_kl_loss, use_tis=use_tis, device=self.device
         )
 
         def loss_of(mb_plan) -> torch.Tensor:
             mb = tb.host.micro(mb_plan, self.device)
             with self.router_aux.recording(self.model):
-                logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.entropy_coef != 0)
+                logp, entropy = self.log_probs.forward(self.model, mb, need_entropy=cfg.loss.entropy_coef != 0)
             if trainer_lp is not None:
                 trainer_lp[mb.indices, : logp.shape[1]] = logp.detach().to(trainer_lp.dtype)
             aux = self.router_aux.share(self.model, mb_plan, tb.host.input_lengths, plan.trained, self.device)
@@ -439,16 +453,16 @@ class TrainActor:
         `trainer_lp` each rank filled, over the ranks.)"""
         return {key: float(value) for key, value in terms.sums.items()}
 
-    def _dump(self, rollout_id: int, tb: TrainBatch) -> None:
-        """--save-debug-train-data: what this step trained on, for checking it against reference math."""
-        path = self.cfg.save_debug_train_data.format(rollout_id=rollout_id)
+    def _dump(self, path: str, rollout_id: int, tb: TrainBatch) -> None:
+        """--save-debug-train-data: what this step trained on (written to `path`), for checking it against
+        reference math."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
         torch.save(
             {
                 "rollout_id": rollout_id,
                 "samples": [s.to_dict() for s in tb.samples],
-                "rewards": advantage.sample_rewards(tb.samples, self.cfg.reward_key),
+                "rewards": advantage.sample_rewards(tb.samples, self.cfg.advantage.reward_key),
                 "advantages": cpu(tb.advantages),
                 "mask": cpu(tb.mask),
                 "old_log_probs": cpu(tb.old_log_probs),

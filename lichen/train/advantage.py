@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lichen import algo
-from lichen.config.train_config import TrainerConfig
+from lichen.config.train_config import AdvantageConfig, LossConfig
 from lichen.train.train_batch import TrainBatch
 from lichen.types import Sample, Status
 
@@ -30,20 +30,21 @@ def sample_rewards(samples: list[Sample], reward_key: str | None) -> torch.Tenso
 
 
 def step_advantages(
-    cfg: TrainerConfig, tb: TrainBatch, custom_fn=None, plugin_args: Any = None
+    cfg: AdvantageConfig, loss: LossConfig, tb: TrainBatch, custom_fn=None, plugin_args: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """(advantages [n, R], GAE returns [n, R] or None, metrics) of the step.
 
-    `custom_fn` is the loaded --custom-advantage-function-path plug-in; it receives the opaque `plugin_args`.
+    `loss` gives the KL estimator (--kl-loss-type) and --loss-type (SFT has no advantages). `custom_fn` is the
+    loaded --custom-advantage-function-path plug-in; it receives the opaque `plugin_args`.
     """
     mask = tb.mask
     metrics: dict = {}
     kl = None
     if tb.ref_log_probs is not None and cfg.kl_coef != 0:
         base = tb.old_log_probs if tb.old_log_probs is not None else tb.policy_log_probs
-        kl = algo.approx_kl(base, tb.ref_log_probs, cfg.kl_loss_type) * mask
+        kl = algo.approx_kl(base, tb.ref_log_probs, loss.kl_loss_type) * mask
     returns = None
-    if cfg.loss_type == "sft_loss":
+    if loss.loss_type == "sft_loss":
         adv = torch.zeros_like(mask)
     elif tb.values is not None:
         adv, returns = critic_advantages(cfg, tb.samples, tb.values, mask, kl)
@@ -64,7 +65,7 @@ def step_advantages(
 
 
 def critic_advantages(
-    cfg: TrainerConfig, samples: list[Sample], values: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None
+    cfg: AdvantageConfig, samples: list[Sample], values: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """--advantage-estimator ppo: GAE over token rewards (-kl_coef * KL_t, plus the reward at the last token)
     with the critic's values; returns (advantages, returns)."""
@@ -79,7 +80,7 @@ def critic_advantages(
 
 
 def compute_advantages(
-    cfg: TrainerConfig,
+    cfg: AdvantageConfig,
     samples: list[Sample],
     resp_mask: torch.Tensor,
     kl: torch.Tensor | None = None,

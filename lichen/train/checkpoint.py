@@ -53,6 +53,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from lichen.config.train_config import TrainerConfig
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.torch_files import load_plain, save_plain
@@ -141,18 +142,20 @@ def begin_save(save_dir: str, rollout_id: int) -> str:
     return d
 
 
-def write_hf_exports(weights: dict[str, torch.Tensor], d: str, rollout_id: int, cfg) -> None:
-    """The policy `weights` as checkpoint `d`'s hf/ and, with --save-hf (`cfg.save_hf`), as the same export at
-    save_hf.format(rollout_id=...); config.json and the tokenizer files come from cfg.hf_checkpoint. (The local
-    trainer's save and rank 0 of the multi-rank trainer both write through here.)"""
-    with open(os.path.join(cfg.hf_checkpoint, "config.json")) as f:
+def write_hf_exports(weights: dict[str, torch.Tensor], d: str, rollout_id: int, cfg: TrainerConfig) -> None:
+    """The policy `weights` as checkpoint `d`'s hf/ and, with --save-hf (`cfg.checkpoint.save_hf`), as the same
+    export at save_hf.format(rollout_id=...); config.json and the tokenizer files come from
+    cfg.models.hf_checkpoint. (The local trainer's save and rank 0 of the multi-rank trainer both write through
+    here.)"""
+    hf_checkpoint, save_hf = cfg.models.hf_checkpoint, cfg.checkpoint.save_hf
+    with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
-    save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=cfg.hf_checkpoint)
-    if cfg.save_hf:
+    save_hf_checkpoint(weights, os.path.join(d, "hf"), config=config, copy_files_from=hf_checkpoint)
+    if save_hf:
         from lichen.config.train_config import save_hf_dir
 
-        out = save_hf_dir(cfg.save_hf, rollout_id)
-        save_hf_checkpoint(weights, out, config=config, copy_files_from=cfg.hf_checkpoint)
+        out = save_hf_dir(save_hf, rollout_id)
+        save_hf_checkpoint(weights, out, config=config, copy_files_from=hf_checkpoint)
         log.info("--save-hf: wrote the policy of checkpoint %d as an HF checkpoint to %s", rollout_id, out)
 
 
@@ -166,7 +169,7 @@ def save_trainer(save_dir: str, rollout_id: int, trainer) -> SavedTrainer:
     if trainer.cfg.lora is not None:  # --use-lora: hf/ is the merged policy; the adapters are what a resume restores
         from lichen.train import lora
 
-        hf_checkpoint = trainer.cfg.hf_checkpoint
+        hf_checkpoint = trainer.cfg.models.hf_checkpoint
         lora.save_adapter(trainer.model, trainer.cfg.lora, os.path.join(d, LORA_DIR), hf_checkpoint)
         lora.save_exports(trainer, files["weights"], rollout_id, hf_checkpoint)
         written.append(LORA_DIR)
@@ -199,7 +202,7 @@ def _trainer_files(trainer) -> dict:
         "weights": {k: v.detach() for k, v in state["model"].items()},
         "trainer_state": {"format": STATE_FORMAT, "opt_step": state["opt_step"], "rng": rng_state()},
     }
-    if not trainer.cfg.no_save_optim:
+    if not trainer.cfg.checkpoint.no_save_optim:
         files["trainer_state"]["optimizer"] = state["optimizer"]
     elif "critic" in state:  # slime's critic saves under the same flag
         state["critic"] = {k: v for k, v in state["critic"].items() if k != "optimizer"}
@@ -208,7 +211,7 @@ def _trainer_files(trainer) -> dict:
     return files
 
 
-def _write_trainer_files(d: str, rollout_id: int, cfg, files: dict) -> list[str]:
+def _write_trainer_files(d: str, rollout_id: int, cfg: TrainerConfig, files: dict) -> list[str]:
     """Write `files` (_trainer_files) into checkpoint `d` (and --save-hf's export); the top-level entries written."""
     write_hf_exports(files["weights"], d, rollout_id, cfg)
     save_plain(files["trainer_state"], os.path.join(d, TRAINER_STATE))

@@ -42,15 +42,16 @@ class ValueModel(nn.Module):
 
 
 class Critic:
-    """The value model and its optimizer; `cfg.critic_optimizer` is --critic-lr (default --lr) with the policy's
-    AdamW settings."""
+    """The value model and its optimizer; `cfg.critic.optimizer` is --critic-lr (default --lr) with the policy's
+    AdamW settings. It reads `cfg.critic`, its backbone's `cfg.models` and the policy's `cfg.loss.loss_agg_mode`."""
 
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg, self.device = cfg, device
+        models = cfg.models
         backbone = load_model(
-            cfg.critic_load or cfg.hf_checkpoint, device=device, dtype=torch.float32, **cfg.model_options
+            models.critic_load or models.hf_checkpoint, device=device, dtype=torch.float32, **models.model_options
         )
-        backbone.gradient_checkpointing = cfg.gradient_checkpointing
+        backbone.gradient_checkpointing = models.gradient_checkpointing
         self.model = ValueModel(backbone).to(device)
         self.model.train()
         self.optimizer = self.make_optimizer()
@@ -58,7 +59,7 @@ class Critic:
     def make_optimizer(self) -> torch.optim.Optimizer:
         # The LM head is unused by the critic; leaving it out of the optimizer keeps AdamW from decaying it.
         params = [p for n, p in self.model.named_parameters() if "lm_head" not in n]
-        opt = self.cfg.critic_optimizer
+        opt = self.cfg.critic.optimizer
         return make_adamw(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
 
     @torch.no_grad()
@@ -72,8 +73,9 @@ class Critic:
 
     def train_step(self, tb: TrainBatch, plans: list[Plan], counts: dict) -> dict:
         """One AdamW step on the global batch cut into `plans`, toward the GAE returns of `tb`."""
-        cfg = self.cfg
-        agg = lambda x, m: algo.aggregate_loss(x, m, cfg.loss_agg_mode, **counts)  # noqa: E731
+        critic = self.cfg.critic
+        agg_mode = self.cfg.loss.loss_agg_mode
+        agg = lambda x, m: algo.aggregate_loss(x, m, agg_mode, **counts)  # noqa: E731
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # value loss, clip fraction
 
@@ -84,17 +86,17 @@ class Critic:
             m = tb.mask[rows, :r]
             old = tb.values[rows, :r]
             v = self.model(mb)
-            loss = agg(algo.value_loss(v, old, tb.returns[rows, :r], m, value_clip=cfg.value_clip), m)
+            loss = agg(algo.value_loss(v, old, tb.returns[rows, :r], m, value_clip=critic.value_clip), m)
             sums[0] += loss.detach()
-            if cfg.value_clip is not None:
-                sums[1] += agg(((v.detach() - old).abs() > cfg.value_clip).float(), m)
+            if critic.value_clip is not None:
+                sums[1] += agg(((v.detach() - old).abs() > critic.value_clip).float(), m)
             return loss
 
         total, clipfrac = self._backward(tb, plans, loss_of, sums).tolist()
         grad_norm, _ = clip_and_step(
             self.optimizer,
             self.model.parameters(),
-            clip_grad=cfg.critic_optimizer.clip_grad,
+            clip_grad=critic.optimizer.clip_grad,
             has_samples=counts["global_num_samples"] > 0,
         )
         return {"critic/value_loss": total, "critic/value_clipfrac": clipfrac, "critic/grad_norm": float(grad_norm)}

@@ -27,7 +27,7 @@ class RankCritic(Critic):
             self.model,
             layers=fsdp.decoder_layers(self.model.backbone),
             bf16=False,
-            cpu_offload=fsdp.offloads_to_cpu(cfg.optimizer_cpu_offload, device),
+            cpu_offload=fsdp.offloads_to_cpu(cfg.optimizer_state.optimizer_cpu_offload, device),
         )
         self.optimizer = self.make_optimizer()  # over this rank's shards
 

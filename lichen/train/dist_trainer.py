@@ -136,9 +136,9 @@ class _RankActor(TrainActor):
         # The models are built on meta and sharded before any weight is read: each rank reads its own slices
         # (lichen.models.sharded_load). LoRA injects its adapters into the policy on meta (the first model loaded);
         # with --lora-load the policy loads whole as before (peft loads the saved adapters into whole tensors).
-        offload = fsdp.offloads_to_cpu(cfg.optimizer_cpu_offload, resolve_device(cfg.device))
+        offload = fsdp.offloads_to_cpu(cfg.optimizer_state.optimizer_cpu_offload, resolve_device(cfg.models.device))
         weights = fsdp.sharded_load(
-            bf16=cfg.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS), cpu_offload=offload
+            bf16=cfg.models.bf16, region=lambda: self.memory.region(memory_saver.WEIGHTS), cpu_offload=offload
         )
         if cfg.lora is not None:
             weights = dataclasses.replace(weights, prepare=_inject_adapters_once(cfg), source=_adapter_source())
@@ -153,7 +153,7 @@ class _RankActor(TrainActor):
         if loaded_full:
             with self.memory.region(memory_saver.WEIGHTS):  # the shards are allocated here: torch_memory_saver tag
                 for model in loaded_full:
-                    fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.bf16, cpu_offload=offload)
+                    fsdp.shard(model, layers=fsdp.decoder_layers(model), bf16=cfg.models.bf16, cpu_offload=offload)
         opt = cfg.optimizer  # over this rank's shards (the parent's optimizer held the unsharded parameters)
         self.optimizer = make_adamw(
             [p for p in self.model.parameters() if p.requires_grad],  # LoRA: adapters only
@@ -164,7 +164,12 @@ class _RankActor(TrainActor):
         )
         self.memory.tag_optimizer(self.optimizer)  # its state, created at the first step
         self.log_probs = RankLogProbs(
-            self.device, cfg.temperature, cfg.bf16, cfg.log_probs_chunk_size, rank=rank, world_size=world_size
+            self.device,
+            cfg.models.temperature,
+            cfg.models.bf16,
+            cfg.batching.log_probs_chunk_size,
+            rank=rank,
+            world_size=world_size,
         )
 
     def _apply_lora(self) -> None:
@@ -172,7 +177,7 @@ class _RankActor(TrainActor):
         if isinstance(model, fsdp.FSDPModule):  # the adapters were injected on meta (the load's prepare)
             from lichen.train import lora
 
-            lora.init_adapters(model, self.cfg.seed)
+            lora.init_adapters(model, self.cfg.models.seed)
         else:  # loaded whole (--lora-load, or a checkpoint only from_pretrained reads): as one rank, sharded after
             super()._apply_lora()
 
@@ -223,9 +228,9 @@ class DistTrainer:
         backend: str | None = None,
     ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        device = resolve_device(cfg.device)
+        device = resolve_device(cfg.models.device)
         backend = backend or fsdp.default_backend(
-            device, cpu_offload=fsdp.offloads_to_cpu(cfg.optimizer_cpu_offload, device)
+            device, cpu_offload=fsdp.offloads_to_cpu(cfg.optimizer_state.optimizer_cpu_offload, device)
         )
         fsdp.init_process_group(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, backend=backend
@@ -333,7 +338,10 @@ class DistTrainer:
         manifest entry (the other ranks an empty SavedTrainer); the caller (lichen.train.checkpoint) writes the
         manifest, meta.json and `latest`."""
         d = iter_dir(ckpt_dir, rollout_id)
-        dcp.save(self._sharded_state(optimizer=not self.cfg.no_save_optim), checkpoint_id=os.path.join(d, DIST_DIR))
+        dcp.save(
+            self._sharded_state(optimizer=not self.cfg.checkpoint.no_save_optim),
+            checkpoint_id=os.path.join(d, DIST_DIR),
+        )
         with self.memory.weights_resident():
             if self.cfg.lora is not None:  # lora/ (and --save-lora) the adapters, gathered: they are small
                 self._save_adapters(d, rollout_id)
@@ -346,10 +354,10 @@ class DistTrainer:
     def _export_hf(self, d: str, rollout_id: int, full: dict[str, torch.Tensor] | None = None) -> None:
         """hf/ of checkpoint `d` and --save-hf's copy (_stream_hf; from `full`, gathered tensors, if given)."""
         self._stream_hf(os.path.join(d, "hf"), full)
-        if self.cfg.save_hf:
+        if self.cfg.checkpoint.save_hf:
             from lichen.config.train_config import save_hf_dir
 
-            self._stream_hf(save_hf_dir(self.cfg.save_hf, rollout_id), full)
+            self._stream_hf(save_hf_dir(self.cfg.checkpoint.save_hf, rollout_id), full)
 
     def _stream_hf(self, out: str, full_tensors: dict[str, torch.Tensor] | None = None) -> None:
         """The policy as an HF checkpoint at `out`, as write_hf_exports writes it (the same files, tensors and
@@ -384,9 +392,11 @@ class DistTrainer:
             rows = [(n, list(shapes[n].shape), shapes[n].dtype) for n in names]
             return write_streamed(path, rows, full(names), header)
 
-        with open(os.path.join(self.cfg.hf_checkpoint, "config.json")) as f:
+        with open(os.path.join(self.cfg.models.hf_checkpoint, "config.json")) as f:
             config = json.load(f)
-        write_hf_shards(plan, _never, out, config=config, copy_files_from=self.cfg.hf_checkpoint, write_file=write_file)
+        write_hf_shards(
+            plan, _never, out, config=config, copy_files_from=self.cfg.models.hf_checkpoint, write_file=write_file
+        )
 
     def _save_adapters(self, d: str, rollout_id: int) -> None:
         """LoRA: the adapters (every rank gathers them; a few MB) as peft's adapter directory in checkpoint `d`'s
@@ -397,10 +407,10 @@ class DistTrainer:
         assert lcfg is not None
         adapters = dict(fsdp.full_tensors(model, [n for n, _ in model.named_parameters() if ".lora_" in n]))
         if self.rank == 0:
-            lora.save_adapter(model, lcfg, os.path.join(d, LORA_DIR), self.cfg.hf_checkpoint, adapters)
+            lora.save_adapter(model, lcfg, os.path.join(d, LORA_DIR), self.cfg.models.hf_checkpoint, adapters)
             if lcfg.save_lora:
                 lora.save_adapter(
-                    model, lcfg, lcfg.save_lora.format(rollout_id=rollout_id), self.cfg.hf_checkpoint, adapters
+                    model, lcfg, lcfg.save_lora.format(rollout_id=rollout_id), self.cfg.models.hf_checkpoint, adapters
                 )
 
     def save_async(self, ckpt_dir: str, rollout_id: int) -> bool:
@@ -421,7 +431,7 @@ class DistTrainer:
             from lichen.train.rank_ckpt_async import RankAsyncSave
 
             self._async_save = RankAsyncSave(self.rank, self.world_size)
-        state = self._sharded_state(optimizer=not self.cfg.no_save_optim)
+        state = self._sharded_state(optimizer=not self.cfg.checkpoint.no_save_optim)
         self._async_save.start(state, d, os.path.join(d, DIST_DIR), hf)
         return True
 

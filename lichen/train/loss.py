@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from lichen import algo
-from lichen.config.train_config import TrainerConfig
+from lichen.config.train_config import LossConfig
 from lichen.train.train_batch import TrainBatch
 from lichen.types import Sample
 
@@ -42,8 +42,8 @@ def tis_weights(
     return w.clamp(clip_low, clip)
 
 
-def _policy_terms(cfg: TrainerConfig, logp, old, adv, mask):
-    est = cfg.advantage_estimator
+def _policy_terms(cfg: LossConfig, est: str, logp, old, adv, mask):
+    """The policy loss of advantage estimator `est` (gspo and cispo have their own), OPSM's mask applied."""
     kw = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high)
     if est == "gspo":
         out = algo.gspo_policy_loss(logp, old, adv, mask, **kw)
@@ -68,10 +68,11 @@ class StepTerms:
 
 
 class StepLoss:
-    """The loss of a train step (--loss-type, the estimator's policy loss, entropy, KL, TIS, plug-ins)."""
+    """The loss of a train step (--loss-type, the estimator's policy loss, entropy, KL, TIS, plug-ins);
+    `estimator` is --advantage-estimator, which picks the policy loss."""
 
-    def __init__(self, cfg: TrainerConfig, plugins: LossPlugins, *, router_aux: bool = False):
-        self.cfg, self.plugins = cfg, plugins
+    def __init__(self, cfg: LossConfig, plugins: LossPlugins, *, estimator: str, router_aux: bool = False):
+        self.cfg, self.plugins, self.estimator = cfg, plugins, estimator
         self.router_aux = router_aux  # the step adds --moe-aux-loss-coeff x the router's loss (lichen.train.router_aux)
 
     def begin_step(self, counts: dict, *, kl_loss: bool, use_tis: bool, device: torch.device) -> StepTerms:
@@ -121,7 +122,7 @@ class StepLoss:
                 None,
             )
         else:
-            pg, m = _policy_terms(cfg, logp, old, adv, m)
+            pg, m = _policy_terms(cfg, self.estimator, logp, old, adv, m)
             per_tok = pg["loss"]
             if step.use_tis:
                 rollout = tb.rollout_log_probs[rows, :r]

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from lichen.config.train_config import TrainerConfig, compile_name_patterns
+from lichen.config.train_config import ParamFilterConfig, compile_name_patterns
 from lichen.errors import ConfigError
 
 ONLY_TRAIN_FLAG = "--only-train-params-name-list"
 FREEZE_FLAG = "--freeze-params-name-list"
 
 
-def apply_param_filter(model: nn.Module, cfg: TrainerConfig) -> list[str]:
-    """Freeze `model`'s parameters as cfg's name lists say, among those that train now (with LoRA: the adapters);
+def apply_param_filter(model: nn.Module, cfg: ParamFilterConfig, *, lora: bool) -> list[str]:
+    """Freeze `model`'s parameters as cfg's name lists say, among those that train now (`lora`: the adapters);
     returns the names frozen here (empty without either flag). Raises ConfigError when a pattern matches no such
     parameter or nothing would be left to train."""
     if cfg.only_train_params_name_list:
@@ -35,13 +35,13 @@ def apply_param_filter(model: nn.Module, cfg: TrainerConfig) -> list[str]:
         return []
     compiled = compile_name_patterns(patterns, flag)
     candidates = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    among = "LoRA adapter" if cfg.lora is not None else "model"
+    among = "LoRA adapter" if lora else "model"
     for pattern, rx in zip(patterns, compiled):
         if not any(rx.search(name) for name, _ in candidates):
             examples = ", ".join(name for name, _ in candidates[:3])
             raise ConfigError(
                 f"{flag}: {pattern!r} matches no {among} parameter name (re.search); names look like {examples}"
-                + (" (with --use-lora the patterns select among the adapters)" if cfg.lora is not None else "")
+                + (" (with --use-lora the patterns select among the adapters)" if lora else "")
             )
     frozen = []
     for name, p in candidates:
