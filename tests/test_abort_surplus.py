@@ -4,11 +4,14 @@ tests/test_sglang_launcher.py (deterministic tokens per request, counters of the
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 from helpers.fake_sglang import fake_sglang_command, write_fake_sglang
 from helpers.rollout import dicts_without_engine, rollout_worker
 from helpers.runs import base_args
 from helpers.serve_process import call
+from helpers.waits import wait_for
 
 from lichen.config import parse_train_args
 from lichen.engines.clients.remote_engines import RemoteEngines
@@ -59,17 +62,27 @@ def one_step(tiny_ckpt, addition_data, tmp_path, engines):
 def test_surplus_requests_are_aborted_and_the_kept_groups_are_unchanged(
     tiny_ckpt, addition_data, tmp_path, engines, monkeypatch
 ):
-    # Each engine takes one request at a time, in order (the router alternates them): the first 8 requests (round
-    # positions 0..3) are answered, every later one is held on its engine until lichen aborts, so the cut comes
-    # before the round is generated however slowly this process decides its groups.
+    # Each engine takes one request at a time, in order: the first 4 on each (round positions 0..3, one sample of
+    # each on either engine) are answered, every later one is held until lichen aborts, so the cut comes before the
+    # round is generated however slowly this process decides its groups. The engines are frozen until all 16
+    # requests are routed: with no answer in between, the router's least-outstanding rule alternates them (request
+    # k to engine k % 2). Without the pause an answer arriving mid-routing under load could send a 5th request of
+    # positions 0..3 to one engine, which then held a request the kept groups need until the hold's 120 s bound.
     for url in engines.urls:
         assert call(url + "/test_hold", {"after": 4})[0] == 200
-    groups, extra = one_step(tiny_ckpt, addition_data, tmp_path, engines)
+        assert call(url + "/test_freeze", {"on": True})[0] == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        step = pool.submit(one_step, tiny_ckpt, addition_data, tmp_path, engines)
+        wait_for(lambda: sum(engines.router.routed) == 16 or step.done(), timeout=60, what="16 requests routed")
+        for url in engines.urls:
+            assert call(url + "/test_freeze", {"on": False})[0] == 200
+        groups, extra = step.result(timeout=120)
+    assert engines.router.routed == [8, 8]
     sent = sum(c["generate_requests"] for c in counts(engines))
     assert [c["aborts"] for c in counts(engines)] == [1, 1]
-    # kept: round positions 1 and 3, decided in order; positions 4..7 were cut: of their 8 requests, the ones still
-    # queued behind the one-request-per-engine cap were never sent
-    assert extra["rollout/dynamic_sampling_aborted_groups"] == 4 and 8 <= sent < 16
+    # kept: round positions 1 and 3, decided in order; positions 4..7 were cut: of their 8 requests only the one held
+    # on each engine was sent, the ones queued behind the one-request-per-engine cap never were
+    assert extra["rollout/dynamic_sampling_aborted_groups"] == 4 and sent == 10
     assert extra["rollout/dynamic_sampling_kept_groups"] == 2
     assert extra["rollout/dynamic_sampling_generated_groups"] == 4
 

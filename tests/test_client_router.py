@@ -221,6 +221,25 @@ def test_router_least_outstanding_with_round_robin_ties():
     asyncio.run(main())
 
 
+def test_a_burst_of_picks_counts_each_pick_at_once():
+    # Requests picked in one burst, before any of their calls started running (a rollout submits a whole round at
+    # once): each pick must count at once, or the burst sees the same stale loads and piles onto one engine.
+    async def main():
+        busy, idle = StubEngine("busy", hold=True), StubEngine("idle", hold=True)
+        router = Router([busy, idle])
+        first = asyncio.ensure_future(router.generate({"n": 0}))
+        await asyncio.sleep(0.01)  # `busy` holds one request
+        burst = [asyncio.ensure_future(router.generate({"n": n})) for n in range(1, 6)]
+        await asyncio.sleep(0.01)
+        # loads (1, 0) -> idle, then ties alternate: 2 more to busy, 3 to idle (counting only started calls: 0 and 5)
+        assert (busy.outstanding, idle.outstanding) == (3, 3) and router.routed == [3, 3]
+        busy.release.set()
+        idle.release.set()
+        await asyncio.gather(first, *burst)
+
+    asyncio.run(main())
+
+
 def test_router_session_affinity():
     async def main():
         engines = [StubEngine("a", hold=True), StubEngine("b", hold=True)]

@@ -151,11 +151,17 @@ def _cancel_surplus(engine: Any, futures: list) -> int:
     """Cancel what has not answered (a request still queued for a slot is never sent) and abort the rest on
     the servers; returns how many requests that was."""
     surplus = [f for f in futures if not f.done()]
-    for f in surplus:
-        f.cancel()
     if surplus:
+        # All cancelled in one step of the engines' loop: cancelled one by one from this thread, the loop could end a
+        # running request's slot before a queued request of the same engine was cancelled, and send that one.
+        engine.submit(_cancel_all(surplus)).result()
         engine.abort_all()  # the ones running on the servers stop there
     return len(surplus)
+
+
+async def _cancel_all(futures: list) -> None:
+    for f in futures:
+        f.cancel()
 
 
 class Gate:

@@ -5,7 +5,8 @@ deterministic /generate (tokens are a function of the request's sampling_seed an
 recognisable) that holds each request FAKE_SGLANG_DELAY seconds; GET /server_info counts the /generate and
 /abort_request calls it received. POST /test_hold {"after": N} makes it answer the next N /generate requests and
 hold every later one until an /abort_request arrives (then they, and any sent after it, answer "abort"), so tests
-of aborting do not depend on how fast the client decides; {"after": null} turns holding off. Used by the SGLang launcher, fault-tolerance, abort and custom-generate tests.
+of aborting do not depend on how fast the client decides; {"after": null} turns holding off. POST /test_freeze {"on":
+true} holds every /generate until {"on": false} (unlike /pause_generation, which lichen itself ends). Used by the SGLang launcher, fault-tolerance, abort and custom-generate tests.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ print("ARGV " + json.dumps(argv), flush=True)
 with open(os.path.join(os.environ["FAKE_SGLANG_DIR"], "pid_%d" % os.getpid()), "w") as f:
     json.dump(argv, f)
 state = {"version": "default", "paused": False, "model": opt("--model-path"), "generate_requests": 0, "aborts": 0,
-         "hold_after": None, "aborted": False}
+         "hold_after": None, "aborted": False, "frozen": False}
 cond = threading.Condition()
 DELAY = float(os.environ.get("FAKE_SGLANG_DELAY", "0"))
 PATHS = {"/generate", "/health", "/health_generate", "/model_info", "/pause_generation", "/continue_generation",
@@ -50,14 +51,15 @@ class H(BaseHTTPRequestHandler):
         with cond:
             cond.wait_for(lambda: not state["paused"])
     def held(self):
-        # True: this request was held until an abort (the bound only keeps a broken test from hanging)
+        # True: this request was held until an abort; None: no abort came within the bound (a broken test: the
+        # request fails rather than being answered late, which would let the test pass slowly)
         with cond:
             if state["hold_after"] is None:
                 return False
             if state["hold_after"] > 0 and not state["aborted"]:
                 state["hold_after"] -= 1
                 return False
-            return cond.wait_for(lambda: state["aborted"], timeout=120)
+            return cond.wait_for(lambda: state["aborted"], timeout=120) or None
     def do_OPTIONS(self):
         self.reply(200 if self.path in PATHS else 404)
     def do_GET(self):
@@ -78,7 +80,11 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/generate":
             state["generate_requests"] += 1
             self.gate()
+            with cond:  # /test_freeze: held until thawed (lichen's own /continue_generation does not release it)
+                cond.wait_for(lambda: not state["frozen"], timeout=120)
             aborted = self.held()
+            if aborted is None:
+                return self.reply(500, {"error": "held 120 s and no /abort_request came"})
             time.sleep(0 if aborted else DELAY)
             sp = body.get("sampling_params", {})
             out = tokens(int(sp.get("sampling_seed", 0)), body["input_ids"], int(sp.get("max_new_tokens", 4)))
@@ -110,6 +116,11 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/test_hold":
             with cond:
                 state["hold_after"], state["aborted"] = body.get("after"), False
+                cond.notify_all()
+            return self.reply(200)
+        if self.path == "/test_freeze":
+            with cond:
+                state["frozen"] = bool(body.get("on"))
                 cond.notify_all()
             return self.reply(200)
         if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):

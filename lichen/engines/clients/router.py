@@ -1,7 +1,7 @@
 """Spreads `/generate` requests over N engine servers: least outstanding requests, sticky sessions.
 
-Policy. A request goes to the engine in rotation with the fewest outstanding requests (accepted and not yet
-answered, queued behind the engine's concurrency cap included); ties go round-robin, so equal engines take
+Policy. A request goes to the engine in rotation with the fewest outstanding requests (routed to it and not yet
+answered, queued behind the engine's concurrency cap included, counted from the pick itself); ties go round-robin, so equal engines take
 turns. A request that names a `session_id` (a multi-turn conversation) goes to the engine that served the
 session before, as long as that engine is in rotation, so its prefix cache is reused; a new session is placed
 by the load rule and remembered (the most recent `max_sessions` sessions are kept).
@@ -105,6 +105,10 @@ class Router:
         self.on_down: Callable[[int, str], None] | None = None
         self._next = 0  # where the round-robin tie-break starts
         self._attempts: list[set[asyncio.Future]] = [set() for _ in self.clients]  # per engine, not yet answered
+        # Requests routed to each engine and not yet ended, counted at the pick itself: a client's own `outstanding`
+        # counts only once its call has started running, so a burst of picks made before then all saw the same
+        # stale counts and could pile onto one engine (16 requests at once split 2:14).
+        self._load = [0] * len(self.clients)
         self._restored: asyncio.Event | None = None  # created on the event loop that first waits on it
         self.fatal: str | None = None  # set by stop_all(): the run cannot go on
         self._failovers: dict[int, Failover] = {}  # engine index -> its latest failure (summed up in one line)
@@ -132,6 +136,7 @@ class Router:
         self.reissued_from.append(0)
         self.routed.append(0)
         self._attempts.append(set())
+        self._load.append(0)
         return len(self.clients) - 1
 
     def stop_all(self, reason: str) -> None:
@@ -183,7 +188,7 @@ class Router:
                 return index
         n = len(self.clients)
         order = [(self._next + k) % n for k in range(n)]
-        index = min((i for i in order if i in self.active), key=lambda i: self.clients[i].outstanding)
+        index = min((i for i in order if i in self.active), key=lambda i: self._load[i])
         self._next = (index + 1) % n
         if session_id is not None:
             self.sessions[session_id] = index
@@ -222,6 +227,7 @@ class Router:
                 index = await self._pick_or_wait(session_id)
                 client = self.clients[index]
                 self.routed[index] += 1
+                self._load[index] += 1
                 attempt = asyncio.ensure_future(client.generate(payload))
                 self._attempts[index].add(attempt)
                 try:
@@ -235,6 +241,7 @@ class Router:
                     raise
                 finally:
                     self._attempts[index].discard(attempt)
+                    self._load[index] -= 1
                 event = self._taken_by.pop(attempt, None)
                 if attempt.cancelled():  # fail(index) took it back
                     why = "its engine was taken out of rotation"
@@ -264,9 +271,13 @@ class Router:
         engine)."""
         index = await self._pick_or_wait(session_id)
         self.routed[index] += 1
-        async with contextlib.aclosing(self.clients[index].generate_stream(payload)) as events:
-            async for out in events:
-                yield index, out
+        self._load[index] += 1
+        try:
+            async with contextlib.aclosing(self.clients[index].generate_stream(payload)) as events:
+                async for out in events:
+                    yield index, out
+        finally:
+            self._load[index] -= 1
 
     async def close(self) -> None:
         for event in self._failovers.values():
