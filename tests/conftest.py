@@ -16,6 +16,14 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    # The modules holding a slow test go first (in their own order): under `-n 2` the long Ray, vLLM and multi-rank
+    # tests then start early and the run ends on short tests, rather than one worker finishing a 100 s test alone.
+    # Whole modules move, so a module-scoped fixture (a launched engine) is still set up once per worker.
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+
+
 def pytest_report_header(config):
     import torch
 

@@ -47,6 +47,7 @@ def _log_probs(ckpt: str, s: dict) -> list[float]:
         return lp.gather(1, ids[0, 1:, None])[:, 0][-s["response_length"] :].tolist()
 
 
+@pytest.mark.slow
 def test_served_teacher_log_probs_make_the_distillation_term(tiny_ckpt, teacher_ckpt, addition_data, tmp_path):
     dump = str(tmp_path / "d" / "r_{rollout_id}.pt")
     argv = base_args(tiny_ckpt, addition_data, tmp_path / "o", "--num-rollout", "1", *THREADS)

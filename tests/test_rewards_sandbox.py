@@ -284,6 +284,7 @@ def test_code_reward_results_cannot_be_forged(sandbox):
     assert asyncio.run(grader.grade(fenced(forged), ["assert False"] * 3, {})) == 0.0
 
 
+@pytest.mark.slow
 def test_code_rm_type_through_the_runner(sandbox):
     args = reward_config(code_timeout=30.0, code_memory_mb=256, code_max_procs=16, code_sandbox_uid_base=UID_BASE)
     fn = build_reward_fn("code", None, args)

@@ -47,6 +47,7 @@ def _mean_log_probs(ckpt: str, samples: list[dict]) -> list[float]:
     return out
 
 
+@pytest.mark.slow
 def test_frozen_teacher_is_never_synced_and_scores_the_reward(tiny_ckpt, addition_data, tmp_path, monkeypatch):
     config = _write(tmp_path, POLICY + _teacher(tiny_ckpt))
     seen: list[tuple] = []
