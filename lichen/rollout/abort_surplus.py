@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 from typing import TYPE_CHECKING, Any
 
+from lichen.engines.api.engine_protocol import AbortableEngine
 from lichen.engines.clients.client import EngineError
 from lichen.engines.core.engine import GenResult
 from lichen.engines.core.sampler import derive_seed
@@ -147,7 +148,7 @@ def _decoder(tokenizer: Any):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _cancel_surplus(engine: Any, futures: list) -> int:
+def _cancel_surplus(engine: AbortableEngine, futures: list) -> int:
     """Cancel what has not answered (a request still queued for a slot is never sent) and abort the rest on
     the servers; returns how many requests that was."""
     surplus = [f for f in futures if not f.done()]
@@ -168,7 +169,7 @@ class Gate:
     """Holds requests beyond the engines' concurrency caps on our side, so that after the cut they are never
     sent (inside the client's own queue they could not be told apart from requests already running)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: AbortableEngine):
         self._engine = engine
         clients = getattr(engine, "clients", None) or []
         self.capacity = sum(getattr(c, "concurrency", 0) for c in clients) or 1 << 30
@@ -184,7 +185,7 @@ class Gate:
             return await self._engine.agenerate(request, allow_abort=True)
 
 
-def drain(engine: Any, futures: list, gate: Gate, poll: float = 0.25) -> int:
+def drain(engine: AbortableEngine, futures: list, gate: Gate, poll: float = 0.25) -> int:
     """After the cut: no further request is sent, and the running ones are aborted until every one has answered
     (one that reached its server just after an abort call is caught by the next). Returns how many were open."""
     gate.cut = True

@@ -44,6 +44,7 @@ from aiohttp import web
 
 from lichen.engines.api.auth import new_key, request_has_key
 from lichen.engines.api.chat_tools import template_messages, tool_mode
+from lichen.engines.api.engine_protocol import AsyncEngine
 from lichen.engines.api.openai_requests import apply_template, chat_messages, refuse_response_format, request_sampling
 from lichen.engines.api.protocol import RequestError, bool_field, expect, int_field, loads
 from lichen.engines.api.tool_parsers import ToolCallParser, load_parser, tool_finish_reason
@@ -107,7 +108,7 @@ def refused_metrics(samples: list[Sample]) -> dict:
 class AgentProxy:
     def __init__(
         self,
-        engine: Any,
+        engine: AsyncEngine,
         tokenizer: Any,
         *,
         parser: ToolCallParser | None = None,

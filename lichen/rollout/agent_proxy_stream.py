@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
+from lichen.engines.api.engine_protocol import AsyncEngine
 from lichen.engines.api.protocol import stream_error
 from lichen.engines.api.tool_parsers import ToolCallParser, tool_finish_reason
 from lichen.engines.core.engine import GenRequest, GenResult
@@ -33,7 +34,7 @@ def token_logprobs(tok: Any, ids: list[int], logprobs: list[float]) -> list[dict
     ]
 
 
-def generation(engine: Any, request: GenRequest, session_id: str) -> AsyncIterator[GenResult]:
+def generation(engine: AsyncEngine, request: GenRequest, session_id: str) -> AsyncIterator[GenResult]:
     """The engine's `agenerate_stream`, or its `agenerate` as a stream of one (finished) step."""
     stream = getattr(engine, "agenerate_stream", None)
     return stream(request, session_id) if stream is not None else _whole(engine.agenerate(request, session_id))

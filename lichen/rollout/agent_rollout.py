@@ -66,15 +66,16 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> list[Sam
     """The custom generate function (see the module docstring)."""
     cfg = ToolConfig.from_args(args)
     agent = load_function(cfg.agent_path, FLAG)
+    engine = _RolloutEngine(current())
     proxy = AgentProxy(
-        _RolloutEngine(current()),
+        engine,
         current().tokenizer,
         parser=load_parser(cfg.parser, "--tool-call-parser"),
         check_fidelity=cfg.check_fidelity,
     )
     await proxy.start()  # one per trajectory: its key, sessions and sockets end with it
     sid = proxy.open_session()
-    proxy.engine.params[sid] = sampling_params
+    engine.params[sid] = sampling_params
     try:
         await agent(proxy.session_url(sid), sample, api_key=proxy.api_key)
     finally:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from lichen.aio import gather_or_cancel
+from lichen.engines.api.engine_protocol import AsyncEngine, BatchEngine
 from lichen.engines.core.engine import GenRequest, GenResult
 from lichen.engines.core.sampler import derive_seed
 from lichen.errors import UserError
@@ -67,7 +68,7 @@ class GenerateContext:
 
     args: Any
     tokenizer: Any
-    engine: Any  # has `async agenerate(GenRequest, session_id=None) -> GenResult`
+    engine: AsyncEngine
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None
@@ -122,7 +123,7 @@ class BatchingEngine:
     as the next `Engine.generate` batch in a worker thread (one batch at a time; the engine is not re-entrant).
     `agenerate_stream` yields the generation as it grows (from `Engine.generate`'s `on_step`)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: BatchEngine):
         self.engine = engine
         # each request's queue gets (new ids, their log-probs) per step when it streams, then its GenResult or error;
         # a streaming request's Event is set when its reader stops, which stops its row
@@ -175,6 +176,7 @@ class BatchingEngine:
             streams = [(k, out, left) for k, (_, out, left) in enumerate(batch) if left is not None]
             # an engine of the caller's need not take on_step unless a request streams
             kwargs = {"on_step": _publisher(loop, streams)} if streams else {}
+            results: list[GenResult] | list[BaseException]
             try:
                 results = await asyncio.to_thread(self.engine.generate, requests, **kwargs)
             except BaseException as e:  # noqa: BLE001 - every caller of the batch gets the error

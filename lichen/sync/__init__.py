@@ -25,13 +25,17 @@ Metrics per sync: `time/sync` and its parts (`time/sync_publish`, `time/sync_tra
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lichen.engines.clients.client import EngineError
-from lichen.errors import NotAvailableYet
+from lichen.errors import ConfigError, NotAvailableYet
 from lichen.observe.metrics import get_logger
 from lichen.sync.senders import trainer_sender
 from lichen.sync.verify import SyncError, WeightMismatchError, engine_dtype, verify_engines, verify_in_process
+
+if TYPE_CHECKING:  # sync does not import lichen.config at run time (docs/architecture.md#import-directions)
+    from lichen.config.engine_config import SyncConfig
+    from lichen.engines.clients.remote_engines import RemoteEngines
 
 log = get_logger(__name__)
 
@@ -51,7 +55,7 @@ _ENDPOINTS = {
 }
 
 
-def push(trainer, rollout, version: int, cfg: Any = None) -> dict:
+def push(trainer, rollout, version: int, cfg: SyncConfig | None = None) -> dict:
     """Publish the trainer's current weights as weight version `version` to every engine of `rollout`, as the
     SyncConfig `cfg` says (lichen.config.engine_config; when None, resolved from the rollout's `args`).
 
@@ -85,7 +89,7 @@ def push(trainer, rollout, version: int, cfg: Any = None) -> dict:
     }
 
 
-def _state(engines: Any, cfg: Any) -> dict:
+def _state(engines: RemoteEngines, cfg: SyncConfig) -> dict:
     """Per-RemoteEngines state: the engine dtype, the transport object, the endpoint check done once."""
     st = getattr(engines, _STATE_ATTR, None)
     if st is None and _is_vllm(engines):  # broadcast and shared memory through vLLM's endpoints; disk as for all
@@ -107,13 +111,13 @@ def _state(engines: Any, cfg: Any) -> dict:
     return st
 
 
-def _is_vllm(engines: Any) -> bool:
+def _is_vllm(engines: RemoteEngines) -> bool:
     from lichen.sync.vllm_sync import is_vllm
 
     return is_vllm(engines)
 
 
-def _post_write_hook(cfg: Any):
+def _post_write_hook(cfg: SyncConfig):
     path = cfg.post_write_path
     if not path:
         return None
@@ -122,7 +126,7 @@ def _post_write_hook(cfg: Any):
     return load_function(path, "--custom-update-weight-post-write-path")
 
 
-def _make_transport(engines: Any, cfg: Any) -> Any:
+def _make_transport(engines: RemoteEngines, cfg: SyncConfig) -> Any:
     transport, mode = cfg.transport, cfg.mode
     if transport == "nccl":
         from lichen.sync.distributed import BroadcastSync
@@ -134,17 +138,26 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
 
         check_same_host(engines)
         return TensorSync(engines, buffer_size=cfg.buffer_size)
-    if mode in ("full", "delta"):  # before the first version is written: every engine must see the directory
-        from lichen.sync.visibility import check_dir_visible
+    if mode not in ("full", "delta"):
+        raise NotAvailableYet(
+            f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is not available"
+        )
+    # lichen.config.sync refuses these flag combinations; a SyncConfig built in code gets the same one line
+    disk_dir, local_dir = cfg.disk_dir, cfg.local_dir
+    if disk_dir is None:
+        raise ConfigError("--update-weight-transport disk needs --update-weight-disk-dir DIR")
+    from lichen.sync.visibility import check_dir_visible
 
-        check_dir_visible(engines, cfg.disk_dir)
+    check_dir_visible(engines, disk_dir)  # before the first version is written: every engine must see it
     if mode == "delta":
         from lichen.sync.disk_delta import DeltaSync
 
+        if local_dir is None:
+            raise ConfigError("--update-weight-mode delta needs --update-weight-local-checkpoint-dir DIR")
         return DeltaSync(
             engines,
-            disk_dir=cfg.disk_dir,
-            local_dir=cfg.local_dir,
+            disk_dir=disk_dir,
+            local_dir=local_dir,
             hf_checkpoint=cfg.hf_checkpoint,
             encoding=cfg.delta_encoding,
             checksum_format=cfg.delta_checksum,
@@ -152,23 +165,19 @@ def _make_transport(engines: Any, cfg: Any) -> Any:
             keep_files=cfg.keep_files,
             post_write_hook=_post_write_hook(cfg),
         )
-    if mode == "full":
-        from lichen.sync.disk import FullDiskSync
+    from lichen.sync.disk import FullDiskSync
 
-        return FullDiskSync(
-            engines,
-            disk_dir=cfg.disk_dir,
-            hf_checkpoint=cfg.hf_checkpoint,
-            keep_files=cfg.keep_files,
-            post_write_hook=_post_write_hook(cfg),
-            buffer_size=cfg.buffer_size,
-        )
-    raise NotAvailableYet(
-        f"--update-weight-transport {transport} --update-weight-mode {mode} to server engines is not available"
+    return FullDiskSync(
+        engines,
+        disk_dir=disk_dir,
+        hf_checkpoint=cfg.hf_checkpoint,
+        keep_files=cfg.keep_files,
+        post_write_hook=_post_write_hook(cfg),
+        buffer_size=cfg.buffer_size,
     )
 
 
-def _push_to_servers(trainer, cfg: Any, engines: list, version: int) -> dict:
+def _push_to_servers(trainer, cfg: SyncConfig, engines: list, version: int) -> dict:
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {"sync/weight_version": version, f"sync/transport_{cfg.transport}": 1}
     sender = trainer_sender(trainer)  # the trainer's ranks send (--runtime ray), else this process
