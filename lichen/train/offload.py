@@ -18,6 +18,13 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device, pin: bool) -
                 state[key] = moved.pin_memory() if pin else moved
 
 
+def drop_gradients(model: torch.nn.Module) -> None:
+    """Free the last optimizer step's gradients: every step zeroes them first (`zero_grad(set_to_none=True)`), so
+    nothing reads them once the optimizer stepped."""
+    for p in model.parameters():
+        p.grad = None
+
+
 def offload_to_cpu(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     for p in model.parameters():
         p.data = p.data.to("cpu").pin_memory()
