@@ -103,8 +103,10 @@ def test_model_shape_of_w1_counts_4_2m_parameters(tmp_path):
 
 
 # ---- summaries ----------------------------------------------------------------------------------------------
-def _step(step, gen, train, lengths, engine=None, engine_tok=None, train_tok=None, reward=0.5):
+def _step(step, gen, train, lengths, engine=None, engine_tok=None, train_tok=None, reward=0.5, grad_tok=None):
     return {
+        "train_grad_tokens": grad_tok,
+        "train_nograd_tokens": None if grad_tok is None else train_tok - grad_tok,
         "step_time": step,
         "generate_time": gen,
         "train_time": train,
@@ -119,8 +121,8 @@ def _step(step, gen, train, lengths, engine=None, engine_tok=None, train_tok=Non
 def test_summary_skips_the_warmup_step_and_divides_sums():
     steps = [
         _step(9.0, 5.0, 4.0, [[2, 1]], engine=4.0, engine_tok=99, train_tok=99, reward=0.0),  # warm-up, dropped
-        _step(3.0, 1.0, 1.5, [[2, 2], [2, 4]], engine=0.5, engine_tok=12, train_tok=14, reward=0.25),
-        _step(5.0, 3.0, 1.5, [[3, 1]], engine=1.5, engine_tok=4, train_tok=4, reward=1.0),
+        _step(3.0, 1.0, 1.5, [[2, 2], [2, 4]], engine=0.5, engine_tok=12, train_tok=14, reward=0.25, grad_tok=10),
+        _step(5.0, 3.0, 1.5, [[3, 1]], engine=1.5, engine_tok=4, train_tok=4, reward=1.0, grad_tok=3),
     ]
     s = report.summarize_run(steps, SHAPE, matmul_flops=1e9, peak_rss_kib=2048, wall_s=20.0)
     assert s["num_timed_steps"] == 2
@@ -138,7 +140,14 @@ def test_summary_skips_the_warmup_step_and_divides_sums():
     flops = sum(_naive_forward_flops(SHAPE, p, r) for p, r in [[2, 2], [2, 4], [3, 1]])
     assert s["engine_gflops"] == pytest.approx(flops / 2.0 / 1e9)
     assert s["trainer_gflops"] == pytest.approx(3 * flops / 3.0 / 1e9)
-    assert s["trainer_matmul_frac"] == pytest.approx(3 * flops / 3.0 / 1e9)
+    assert "trainer_matmul_frac" not in s  # useful FLOPs over the peak could read above 1 with prompt sharing
+    # kernel efficiency over the computed positions: each step's useful FLOPs per useful position (p + r - 1)
+    # x (3 x trained + no-grad positions), over the train time; and the prompt-sharing line, useful / trained
+    step2 = (_naive_forward_flops(SHAPE, 2, 2) + _naive_forward_flops(SHAPE, 2, 4)) / (3 + 5) * (3 * 10 + 4)
+    step3 = _naive_forward_flops(SHAPE, 3, 1) / 3 * (3 * 3 + 1)
+    assert s["trainer_computed_gflops"] == pytest.approx((step2 + step3) / 3.0 / 1e9)
+    assert s["trainer_computed_matmul_frac"] == pytest.approx((step2 + step3) / 3.0 / 1e9)
+    assert s["train_useful_per_trained_position"] == pytest.approx(11 / 13)
     assert s["reward_curve"] == [0.0, 0.25, 1.0] and s["reward_mean"] == pytest.approx(1.25 / 3)
     assert s["peak_rss_mib"] == 2.0
 

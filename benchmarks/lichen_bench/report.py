@@ -7,7 +7,13 @@ Tokens:
   - useful rollout tokens: generated response tokens (EOS included, nothing after it);
   - useful positions: p + r - 1 per sequence (see lichen_bench.limits), the positions a forward must run;
   - computed positions: rows x sequence length of every forward the framework actually ran, so left/right
-    padding and finished rows kept in the batch count.
+    padding and finished rows kept in the batch count; the trainer's are split into trained ones (forward and
+    backward) and no-grad ones (old, reference log-probs).
+FLOP/s: "useful" counts the FLOPs of the useful positions (forward, x3 with the backward), the work any framework
+must do; it can exceed what the hardware did when a framework computes fewer positions (lichen computes a group's
+shared prompt once). The trainer's kernel efficiency is therefore over the positions it computed (the useful
+FLOPs per position of the step x (3 x trained + no-grad positions)) / the matmul peak, and the saving from prompt
+sharing is its own line: useful / trained positions (above 1: positions not computed; below 1: padding).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ METRICS = (
     ("engine_gflops", "engine useful GFLOP/s", "GFLOP/s", "{:.2f}"),
     ("trainer_gflops", "trainer useful GFLOP/s", "GFLOP/s", "{:.2f}"),
     ("engine_matmul_frac", "engine / matmul peak", "", "{:.3f}"),
-    ("trainer_matmul_frac", "trainer / matmul peak", "", "{:.3f}"),
+    ("trainer_computed_gflops", "trainer computed GFLOP/s", "GFLOP/s", "{:.2f}"),
+    ("trainer_computed_matmul_frac", "trainer kernel efficiency (computed / matmul peak)", "", "{:.3f}"),
+    ("train_useful_per_trained_position", "useful / trained positions (prompt sharing)", "", "{:.3f}"),
     ("skipped_samples", "zero-advantage backwards skipped / step", "", "{:.1f}"),
     ("reward_mean", "reward (mean over steps)", "", "{:.3f}"),
     ("peak_rss_mib", "peak RSS", "MiB", "{:.0f}"),
@@ -80,6 +88,8 @@ def lichen_steps(child: dict, metrics: list[dict]) -> list[dict]:
                 "train_tokens": (inst.get("train_grad_tokens", 0) + inst.get("train_nograd_tokens", 0))
                 if inst
                 else None,
+                "train_grad_tokens": inst.get("train_grad_tokens"),
+                "train_nograd_tokens": inst.get("train_nograd_tokens"),
                 "response_length_mean": m.get("rollout/response_length_mean"),
                 # samples with zero advantage get a forward but no backward (lichen/train/step_schedule.py)
                 "skipped_frac": (m.get("train/skipped_samples") or 0) / max(len(inst.get("lengths") or []), 1),
@@ -102,6 +112,8 @@ def trl_steps(child: dict) -> list[dict]:
                 "lengths": s["lengths"],
                 "engine_tokens": s["engine_tokens"],
                 "train_tokens": s["train_grad_tokens"] + s["train_nograd_tokens"],
+                "train_grad_tokens": s["train_grad_tokens"],
+                "train_nograd_tokens": s["train_nograd_tokens"],
             }
         )
     return steps
@@ -152,6 +164,12 @@ def summarize_run(
                 batch_forward_flops(shape, s["lengths"]) * (3 - 2 * s.get("skipped_frac", 0.0)) for s in timed
             )
             out["trainer_gflops"] = train_flops / (out["train_s"] * n) / 1e9
+            computed = computed_train_flops(shape, timed)
+            if computed is not None:
+                out["trainer_computed_gflops"] = computed / (out["train_s"] * n) / 1e9
+        trained = [s.get("train_grad_tokens") for s in timed]
+        if all(t for t in trained):
+            out["train_useful_per_trained_position"] = useful / sum(trained)
         apply_peak(out, matmul_flops)
     if all(s["engine_tokens"] is not None for s in timed):
         out["engine_computed_positions"] = sum(s["engine_tokens"] for s in timed) / n
@@ -169,9 +187,25 @@ def summarize_run(
     return out
 
 
+def computed_train_flops(shape: dict, steps: list[dict]) -> float | None:
+    """The trainer's FLOPs over the positions it computed: per step, the useful forward FLOPs per useful position
+    x (3 x trained positions + no-grad positions); None without the per-step counts."""
+    total = 0.0
+    for s in steps:
+        grad, nograd = s.get("train_grad_tokens"), s.get("train_nograd_tokens")
+        if grad is None or nograd is None or not s["lengths"]:
+            return None
+        per_position = batch_forward_flops(shape, s["lengths"]) / sum(useful_tokens(p, r) for p, r in s["lengths"])
+        total += per_position * (3 * grad + nograd)
+    return total
+
+
 def apply_peak(summary: dict, matmul_flops: float | None) -> None:
     """Set the engine / trainer fractions of the matmul throughput `matmul_flops` (FLOP/s) in `summary`."""
-    for key, frac in (("engine_gflops", "engine_matmul_frac"), ("trainer_gflops", "trainer_matmul_frac")):
+    for key, frac in (
+        ("engine_gflops", "engine_matmul_frac"),
+        ("trainer_computed_gflops", "trainer_computed_matmul_frac"),
+    ):
         if matmul_flops and summary.get(key) is not None:
             summary[frac] = summary[key] * 1e9 / matmul_flops
 
