@@ -128,8 +128,10 @@ def kill_held_run(argv: list[str], save: str, tmp_path, before_kill) -> None:
         try:
             before_kill(run_id, log_text)
             wait_for(lambda: (tmp_path / "held").exists(), 900, "the run to hold after its first checkpoint")
-            names = " | ".join(cmdline(p)[:60] for p in run_processes(run_id))
-            assert " serve " in names, names  # the run's engines carry its marker
+            # whole command lines: cut to a width, a long interpreter path (a clone under a long directory)
+            # hides the subcommand
+            names = [cmdline(p) for p in run_processes(run_id)]
+            assert any(" serve " in n for n in names), names  # the run's engines carry its marker
             took = assert_all_gone(run_id, driver)
         finally:
             if driver.poll() is None:
