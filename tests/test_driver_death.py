@@ -231,7 +231,7 @@ def zombie(pid: int) -> bool:
 
 
 REAPED_DRIVER = r"""
-import subprocess, sys, time
+import os, subprocess, sys, time
 from lichen.cluster.ray_reaper import start_reaper, stop_reaper
 from lichen.lifetime import mark_run
 mark_run()
@@ -239,6 +239,12 @@ pipe = start_reaper()
 # a process of the run that nothing else stops (as Ray's agents, which can outlive their driver)
 child = subprocess.Popen(["sleep", "600"])
 print(child.pid, flush=True)
+if sys.argv[1] == "forked":
+    # a forked child inherits every descriptor, the driver's end of the reaper's pipe too: the pipe stays open
+    # when the driver dies, the reaper must notice the death itself
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
 if sys.argv[1] == "done":
     stop_reaper(pipe)  # the driver stopped its Ray itself: the reaper leaves
     print("stopped", flush=True)
@@ -246,7 +252,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("ending", ["killed", "done"])
+@pytest.mark.parametrize("ending", ["killed", "forked", "done"])
 def test_ray_reaper_stops_what_the_killed_driver_started(tmp_path, ending):
     """The reaper of lichen.cluster.ray_reaper, deterministically: a driver that dies (SIGKILL) leaves nothing
     carrying its instance marker; one that said `done` (it stopped its Ray) has its processes left alone."""
@@ -261,7 +267,7 @@ def test_ray_reaper_stops_what_the_killed_driver_started(tmp_path, ending):
         wait_for(lambda: {driver.pid, child} <= set(run_processes(run_id)), 60, "the driver and its child")
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
-        if ending == "killed":
+        if ending in ("killed", "forked"):
             wait_for(lambda: not run_processes(run_id), GONE_WITHIN_S, "the reaper to stop the driver's processes")
         else:
             # the reaper has exited (it carries the marker too) and the child is alive: it left, touching nothing

@@ -6,10 +6,13 @@ driver, re-parented to init. So the driver that starts Ray also starts this reap
 process in its own session that waits, blocked on a pipe only the driver holds:
 
 - the driver writes `done` (RayCluster.close, after ray.shutdown): the reaper exits, touching nothing;
-- the pipe ends without `done` (the driver died: the kernel closed its end): the reaper SIGTERMs every process
-  carrying the driver's own marker (LICHEN_RUN_INSTANCE, fresh in every `lichen train` and inherited from it by
-  every process of the Ray instance it started, lichen.lifetime; not LICHEN_RUN_ID, which a user may have
-  exported in the shell), waits up to `GRACE_S`, then SIGKILLs the rest, and exits.
+- the pipe ends without `done` (the driver died: the kernel closed its end), or the reaper's parent is no longer
+  the driver (it died while a child it forked, which inherits every descriptor, still holds the pipe open): the
+  reaper SIGTERMs every process carrying the driver's own marker (LICHEN_RUN_INSTANCE, fresh in every
+  `lichen train` and inherited from it by every process of the Ray instance it started, lichen.lifetime; not
+  LICHEN_RUN_ID, which a user may have exported in the shell), waits up to `GRACE_S`, SIGKILLs the rest, and
+  sweeps again until none has been left for `SETTLE_S` (a dying raylet can start an agent again after the first
+  sweep), at most `LIMIT_S`; then it exits.
 
 Only an instance lichen started gets a reaper: in a cluster the run joined, nothing of Ray is stopped; Ray itself
 kills the run's actors there (they are not detached: an actor's owner dying ends it), and the engine servers those
@@ -19,6 +22,7 @@ actors started die with them (their parent-death signal).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -28,6 +32,9 @@ from typing import IO
 from lichen.lifetime import RUN_INSTANCE_ENV, run_processes
 
 GRACE_S = 5.0
+SETTLE_S = 2.0
+LIMIT_S = 20.0
+POLL_S = 0.5
 DONE = b"done"
 
 
@@ -38,7 +45,7 @@ def start_reaper() -> IO[bytes] | None:
     if not instance:
         return None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lichen.cluster.ray_reaper", instance],
+        [sys.executable, "-m", "lichen.cluster.ray_reaper", instance, str(os.getpid())],
         stdin=subprocess.PIPE,
         start_new_session=True,  # not in the driver's process group: a Ctrl-C there must not end it first
     )
@@ -57,30 +64,58 @@ def stop_reaper(pipe: IO[bytes] | None) -> None:
         pass
 
 
-def reap(instance: str, grace: float = GRACE_S) -> int:
-    """SIGTERM, then after `grace` s SIGKILL, every process of the driver instance `instance` but this one;
-    returns how many there were."""
+def reap(instance: str, grace: float = GRACE_S, settle: float = SETTLE_S, limit: float = LIMIT_S) -> int:
+    """SIGTERM, then after `grace` s SIGKILL, every process of the driver instance `instance` but this one, again
+    until none has been found for `settle` s (or `limit` s have passed); returns how many there were."""
 
     def others() -> list[int]:
         return [p for p in run_processes(instance, RUN_INSTANCE_ENV) if p != os.getpid()]
 
-    found = others()
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
-        for pid in others():
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        end = time.monotonic() + wait
-        while time.monotonic() < end and others():
+    found: set[int] = set()
+    stop = time.monotonic() + limit
+    quiet_since = time.monotonic()
+    while time.monotonic() < stop:
+        pids = others()
+        if not pids:
+            if time.monotonic() - quiet_since >= settle:
+                break
             time.sleep(0.1)
+            continue
+        found.update(pids)
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
+            for pid in others():
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            end = time.monotonic() + wait
+            while time.monotonic() < end and others():
+                time.sleep(0.1)
+        quiet_since = time.monotonic()
     return len(found)
 
 
+def wait_for_driver(pipe: IO[bytes], driver: int, poll: float = POLL_S) -> bool:
+    """Block until the driver says `done` (True) or dies (False): its end of `pipe` closed, or this process's
+    parent is no longer `driver`."""
+    fd = pipe.fileno()
+    got = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], poll)
+        if ready:
+            chunk = os.read(fd, 64)
+            if not chunk:
+                return got.startswith(DONE)
+            got += chunk
+            if got.startswith(DONE):
+                return True
+        elif os.getppid() != driver:
+            return False
+
+
 def main(argv: list[str]) -> int:
-    instance = argv[0]
-    got = sys.stdin.buffer.read()  # blocks until the driver writes `done` and closes, or dies
-    if got.startswith(DONE):
+    instance, driver = argv[0], int(argv[1])
+    if wait_for_driver(sys.stdin.buffer, driver):
         return 0
     reap(instance)
     return 0
