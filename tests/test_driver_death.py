@@ -241,7 +241,8 @@ child = subprocess.Popen(["sleep", "600"])
 print(child.pid, flush=True)
 if sys.argv[1] == "forked":
     # a forked child inherits every descriptor, the driver's end of the reaper's pipe too: the pipe stays open
-    # when the driver dies, the reaper must notice the death itself
+    # when the driver dies, the reaper must notice the death itself. (The forked child itself is out of its reach:
+    # /proc shows a process's environment as exec'd, and this one's was exec'd before mark_run.)
     if os.fork() == 0:
         time.sleep(600)
         os._exit(0)
@@ -267,8 +268,10 @@ def test_ray_reaper_stops_what_the_killed_driver_started(tmp_path, ending):
         wait_for(lambda: {driver.pid, child} <= set(run_processes(run_id)), 60, "the driver and its child")
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
-        if ending in ("killed", "forked"):
+        if ending == "killed":
             wait_for(lambda: not run_processes(run_id), GONE_WITHIN_S, "the reaper to stop the driver's processes")
+        elif ending == "forked":
+            wait_for(lambda: child not in run_processes(run_id), GONE_WITHIN_S, "the reaper to stop the child")
         else:
             # the reaper has exited (it carries the marker too) and the child is alive: it left, touching nothing
             wait_for(lambda: run_processes(run_id) == [child], GONE_WITHIN_S, "the reaper to leave")
