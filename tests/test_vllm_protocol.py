@@ -188,7 +188,9 @@ class _Missed(Exception):
     scenario runs again (MISSED_TRIES at most)."""
 
 
-MISSED_TRIES = 4
+# 4 were all missed once in a CI run beside other test runs (the final run of 2026-12-06); a broken abort still
+# fails every try
+MISSED_TRIES = 8
 
 
 def _retry_missed(scenario):
