@@ -239,6 +239,10 @@ pipe = start_reaper()
 # a process of the run that nothing else stops (as Ray's agents, which can outlive their driver)
 child = subprocess.Popen(["sleep", "600"])
 print(child.pid, flush=True)
+if sys.argv[1] == "killed":
+    # as Ray's agents at times: a ray:: process of the run (LICHEN_RUN_ID) without the instance marker, orphaned
+    env = {k: v for k, v in os.environ.items() if k != "LICHEN_RUN_INSTANCE"}
+    subprocess.run(["bash", "-c", "(exec -a ray::FakeAgent sleep 600 &)"], env=env, check=True)
 if sys.argv[1] == "forked":
     # a forked child inherits every descriptor, the driver's end of the reaper's pipe too: the pipe stays open
     # when the driver dies, the reaper must notice the death itself. (The forked child itself is out of its reach:

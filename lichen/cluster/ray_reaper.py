@@ -29,7 +29,7 @@ import sys
 import time
 from typing import IO
 
-from lichen.lifetime import RUN_INSTANCE_ENV, run_processes
+from lichen.lifetime import RUN_ID_ENV, RUN_INSTANCE_ENV, run_processes
 
 GRACE_S = 5.0
 SETTLE_S = 2.0
@@ -69,7 +69,7 @@ def reap(instance: str, grace: float = GRACE_S, settle: float = SETTLE_S, limit:
     until none has been found for `settle` s (or `limit` s have passed); returns how many there were."""
 
     def others() -> list[int]:
-        return [p for p in run_processes(instance, RUN_INSTANCE_ENV) if p != os.getpid()]
+        return [p for p in run_processes(instance, RUN_INSTANCE_ENV) if p != os.getpid()] + orphaned_agents()
 
     found: set[int] = set()
     stop = time.monotonic() + limit
@@ -93,6 +93,28 @@ def reap(instance: str, grace: float = GRACE_S, settle: float = SETTLE_S, limit:
                 time.sleep(0.1)
         quiet_since = time.monotonic()
     return len(found)
+
+
+def orphaned_agents() -> list[int]:
+    """Ray processes (`ray::...`) of this run (LICHEN_RUN_ID) left without a parent (re-parented to init). Ray's
+    dashboard and runtime-env agents sometimes start with an environment that lacks LICHEN_RUN_INSTANCE (seen in 1
+    of 5 kill -9 runs), so the instance marker alone misses them; an agent of a live run has its raylet as parent,
+    so only a dead instance's agents match."""
+    run_id = os.environ.get(RUN_ID_ENV)
+    if not run_id:
+        return []
+    found = []
+    for pid in run_processes(run_id, RUN_ID_ENV):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                name = f.read()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if name.startswith(b"ray::") and ppid == 1 and pid != os.getpid():
+            found.append(pid)
+    return found
 
 
 def wait_for_driver(pipe: IO[bytes], driver: int, poll: float = POLL_S) -> bool:
