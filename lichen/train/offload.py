@@ -26,10 +26,9 @@ def drop_gradients(model: torch.nn.Module) -> None:
 
 
 def offload_to_cpu(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    drop_gradients(model)  # not needed across phases (zeroed at the next step anyway)
     for p in model.parameters():
         p.data = p.data.to("cpu").pin_memory()
-        if p.grad is not None:
-            p.grad = None  # gradients are not needed across phases (zeroed at the next step anyway)
     _move_optimizer_state(optimizer, "cpu", pin=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
