@@ -3,6 +3,7 @@ exits with code 3 after a second timeout unless --watchdog-wait."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,40 @@ def test_memory_phase_reads_cuda_peaks_when_cuda_is_in_use(monkeypatch):
     assert calls == ["reset", "read"] and got["memory/train_cuda_max_allocated_gb"] == 3.0
     assert got["memory/train_peak_rss_gb"] > 0.01 and "memory/reward_peak_rss_gb" not in got
     assert phases.take_memory() == {}  # taken once
+
+
+def test_a_process_keeps_its_lifetime_peak_across_phase_resets(tmp_path):
+    """A phase's reset of VmHWM also lowers the kernel's lifetime peak (the ru_maxrss a parent's wait4 gets) to the
+    last phase's: a 400 MB buffer in the first of two phases is gone from ru_maxrss, and lifetime_peak_rss_bytes
+    (what `lichen bench rl` reports) keeps it."""
+    script = tmp_path / "peaks.py"
+    script.write_text(
+        "import json, sys\n"
+        "from lichen.observe.phases import PhaseTracker, lifetime_peak_rss_bytes, peak_rss_bytes\n"
+        "phases = PhaseTracker()\n"
+        "before = peak_rss_bytes()\n"
+        "with phases.phase('generate', 0, memory=True):\n"
+        "    buf = bytearray(400 * 2**20)\n"
+        "    buf[:: 4096] = b'x' * len(buf[:: 4096])\n"  # touch every page
+        "    del buf\n"
+        "with phases.phase('train', 0, memory=True):\n"
+        "    pass\n"
+        "json.dump({'before': before, 'lifetime': lifetime_peak_rss_bytes(), 'mem': phases.take_memory()}, sys.stdout)\n"
+    )
+    # a launcher forks the script: a child forked straight from this (large) test process would start its
+    # ru_maxrss at this process' size
+    launcher = (
+        "import os, subprocess, sys\n"
+        "proc = subprocess.Popen([sys.executable, sys.argv[1]], stdout=subprocess.PIPE)\n"
+        "out = proc.stdout.read()\n"
+        "_, status, usage = os.wait4(proc.pid, 0)\n"
+        "assert os.waitstatus_to_exitcode(status) == 0\n"
+        "sys.stdout.write(out.decode()[:-1] + ', \"ru_maxrss_kib\": %d}' % usage.ru_maxrss)\n"
+    )
+    got = json.loads(
+        subprocess.run([sys.executable, "-c", launcher, str(script)], capture_output=True, check=True).stdout
+    )
+    mib = 2**20
+    assert got["lifetime"] >= got["before"] + 390 * mib
+    assert got["mem"]["memory/generate_peak_rss_gb"] * 1024**3 >= got["before"] + 390 * mib
+    assert got["ru_maxrss_kib"] * 1024 < got["before"] + 200 * mib  # the kernel's counter lost the first phase

@@ -112,6 +112,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     install()
     from lichen.cli import main as cli_main
+    from lichen.observe.phases import lifetime_peak_rss_bytes
 
     profile_path = os.environ.get("LICHEN_BENCH_PROFILE")
     if profile_path:  # an untimed extra run: cProfile of the whole process, top functions by own time
@@ -139,6 +140,9 @@ def main(argv: list[str]) -> int:
                 "steps": steps,
                 "instrumentation_missing": STATE["missing"],
                 "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                # lichen resets VmHWM per phase, which lowers ru_maxrss to the last phase's peak: the parent's
+                # wait4 would see that, not the run's peak
+                "lifetime_peak_rss_kib": lifetime_peak_rss_bytes() // 1024,
                 "torch_threads": _torch_threads(),
             },
             f,

@@ -2,7 +2,8 @@
 
 Every framework run is its own child process (`python -m lichen_bench.run_lichen` / `run_trl`), so imports,
 memory and thread pools do not leak between them; each child's peak RSS is the kernel's `ru_maxrss` for that
-process, read with `os.wait4` when it exits. `ctx` holds what every run of one workload shares: checkpoint,
+process, read with `os.wait4` when it exits (for lichen, the larger of it and the lifetime peak the run kept
+itself: lichen's per-phase memory metrics reset the kernel's counter). `ctx` holds what every run of one workload shares: checkpoint,
 prompt file, steps, seed, threads, timeout, model shape, extra lichen flags, matmul peak.
 """
 
@@ -138,7 +139,8 @@ def run_lichen(
             "error": f"lichen run in {out_dir} logged {len(steps)} steps for {ctx['steps']} run; its metrics are "
             f"not this run's alone"
         }
-    summary = report.summarize_run(steps, ctx["shape"], ctx["matmul"], child["maxrss_kib"], child["wall_s"])
+    peak_kib = max(child["maxrss_kib"], data.get("lifetime_peak_rss_kib") or 0)
+    summary = report.summarize_run(steps, ctx["shape"], ctx["matmul"], peak_kib, child["wall_s"])
     summary["cpu_s"] = child["cpu_s"]
     summary["torch_threads"] = data.get("torch_threads")
     summary["instrumentation_missing"] = data.get("instrumentation_missing", [])

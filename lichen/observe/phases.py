@@ -28,6 +28,9 @@ from typing import Any, Iterator
 _GB = 1024**3
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
+# The largest VmHWM read just before a reset: resetting VmHWM also lowers the kernel's lifetime peak (the
+# ru_maxrss a parent's wait4 reports), so the process keeps the lifetime peak itself (`lifetime_peak_rss_bytes`).
+_peak_before_resets = 0
 
 
 @dataclass
@@ -47,7 +50,10 @@ class PhaseRecord:
 
 
 def _reset_peak_rss() -> bool:
-    """Linux: writing 5 to clear_refs resets the process' peak RSS (VmHWM) to its current RSS."""
+    """Linux: writing 5 to clear_refs resets the process' peak RSS (VmHWM) to its current RSS; the peak it
+    replaces is kept for `lifetime_peak_rss_bytes`."""
+    global _peak_before_resets
+    _peak_before_resets = max(_peak_before_resets, peak_rss_bytes())
     try:
         with open(_CLEAR_REFS, "w") as f:
             f.write("5")
@@ -67,6 +73,12 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def lifetime_peak_rss_bytes() -> int:
+    """The process' peak resident set since it started, across `reset_peaks` calls (which lower the kernel's own
+    lifetime counter, ru_maxrss, to the peak since the last reset)."""
+    return max(_peak_before_resets, peak_rss_bytes())
 
 
 def _cuda() -> Any:
