@@ -281,6 +281,7 @@ def _check_run(run: dict, wl):
     assert len(run["reward_curve"]) == 1 and 0.0 <= run["reward_curve"][0] <= 1.0
 
 
+@pytest.mark.slow
 def test_harness_runs_one_lichen_step(smoke_checkpoint):
     from lichen_bench.rl import main
 

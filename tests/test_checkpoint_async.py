@@ -163,6 +163,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("stage", ["start", "files"])
+@pytest.mark.slow
 def test_a_process_killed_during_the_write_resumes_exactly_from_the_previous_checkpoint(
     tiny_ckpt, addition_data, tmp_path, stage
 ):

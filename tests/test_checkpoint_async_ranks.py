@@ -65,6 +65,7 @@ def _metadata(d: str):
     return m.state_dict_metadata, m.storage_data
 
 
+@pytest.mark.slow
 def test_two_ranks_async_save_writes_the_sync_saves_bytes_and_resumes(tiny_ckpt, addition_data, tmp_path):
     """Every file byte-identical but DCP's .metadata, which records the checkpoint's own path and save id: its
     tensors' metadata and storage layout are equal (and checksums.json differs by that entry only)."""

@@ -102,6 +102,7 @@ def special(kind: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("where", ["latest", "manifest", "listed", "rollout_state"])
 @pytest.mark.parametrize("kind", ["fifo", "zero", "pagemap"])
+@pytest.mark.slow
 def test_special_files_neither_hang_nor_exhaust_memory(tmp_path, kind, where):
     load = tmp_path / "c"
     d = ckpt.iter_dir(str(load), 0)

@@ -290,6 +290,7 @@ def keyed_server(tiny_ckpt, tmp_path_factory):
     server.stop()
 
 
+@pytest.mark.slow
 def test_real_server_key_endpoints_and_in_process_equality(keyed_server, tiny_ckpt):
     reqs = [
         GenRequest(input_ids=[5, 9, 14, 3], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=derive_seed(1, 0, 0)),

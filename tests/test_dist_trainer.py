@@ -63,6 +63,7 @@ def test_split_across_ranks_balances_tokens_and_pads_to_equal_counts():
     ],
     ids=["grpo", "grpo_kl_loss_clipped", "two_steps_ref_kl_in_reward", "uneven_counts_observed_rows", "ppo_critic"],
 )
+@pytest.mark.slow
 def test_two_ranks_match_single_rank_trainer(tiny_ckpt, addition_data, tmp_path, extra):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *extra)
     assert_matches_single_rank(*two_ranks_and_local(argv, tmp_path))
@@ -165,6 +166,7 @@ def sharded_ckpt(tiny_ckpt, addition_data, tmp_path_factory):
     return str(d / "ckpt"), argv
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_has_a_manifest_of_every_shard(sharded_ckpt):
     ckpt, _ = sharded_ckpt
     d = os.path.join(ckpt, "iter_0000000")
@@ -176,6 +178,7 @@ def test_sharded_checkpoint_has_a_manifest_of_every_shard(sharded_ckpt):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.slow
 def test_damaged_shard_stops_the_load_on_every_rank_naming_the_file(sharded_ckpt, tmp_path, damage):
     src, argv = sharded_ckpt
     ckpt = str(tmp_path / "ckpt")
@@ -199,6 +202,7 @@ def test_damaged_shard_stops_the_load_on_every_rank_naming_the_file(sharded_ckpt
     assert errors[0] == errors[1]
 
 
+@pytest.mark.slow
 def test_intact_sharded_checkpoint_loads(sharded_ckpt, tmp_path):
     ckpt, argv = sharded_ckpt
     run_ranks(load_error_worker, 2, argv, free_port(), str(tmp_path), ckpt)

@@ -54,6 +54,7 @@ def test_add_starts_the_next_engine_with_the_same_builder(tmp_path):
     assert len(launcher.servers) == 2
 
 
+@pytest.mark.slow
 def test_a_failed_add_leaves_nothing_running(tmp_path):
     env = write_fake_sglang(tmp_path)
     pid_file = tmp_path / "hung_pid"

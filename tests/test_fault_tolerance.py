@@ -63,6 +63,7 @@ def requests(n: int) -> list[GenRequest]:
     return [GenRequest(input_ids=[i + 1, 2, 3], max_new_tokens=4, seed=derive_seed(3, i)) for i in range(n)]
 
 
+@pytest.mark.slow
 def test_hung_engine_requests_move_engine_restarts_and_rejoins_at_next_sync(fake_pair, tmp_path):
     engines = fake_pair
     (tmp_path / "v1").mkdir()
@@ -99,6 +100,7 @@ def test_hung_engine_requests_move_engine_restarts_and_rejoins_at_next_sync(fake
     assert [r.weight_version for r in engines.generate(requests(4))] == ["2"] * 4
 
 
+@pytest.mark.slow
 def test_pause_longer_than_the_timeout_is_no_failure_but_a_hidden_pause_is(fake_pair):
     engines = fake_pair
     monitor = engines.start_health_monitor(interval=0.1, timeout=TIMEOUT, first_wait=0)

@@ -47,6 +47,7 @@ def commands(out: str) -> dict[str, list[str]]:
     return {m[1]: shlex.split(m[2]) for m in re.finditer(r"^command\[(\w+)\]: (.*)$", out, re.M)}
 
 
+@pytest.mark.slow
 def test_dry_run_prints_every_check_as_planned_and_its_command(dry_run: tuple[Path, str]) -> None:
     work, out = dry_run
     rows = {m[1]: m[2].strip() for m in re.finditer(r"^\| (\w+)\s+\| ([^|]+)\|", out, re.M)}

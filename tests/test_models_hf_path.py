@@ -142,6 +142,7 @@ def test_ppo_critic_on_the_hf_path(ckpts, addition_data, tmp_path):
     assert len(train) == 2 and max(r["train/train_rollout_logprob_abs_diff"] for r in train) <= PARITY
 
 
+@pytest.mark.slow
 def test_launched_engine_with_disk_sync(ckpts, addition_data, tmp_path, launched):
     """A launched `lichen serve` engine on the HF path, weights synced through disk versions (the module layout
     the trainer writes, read back through from_pretrained)."""

@@ -45,6 +45,7 @@ def server(served):
 
 
 @pytest.mark.parametrize("path", ["/pull_weights"])
+@pytest.mark.slow
 def test_untested_weight_transports_are_refused_naming_the_feature(server, path):
     st, body = call(server.url + path, {})
     assert st == 400 and "not supported on the generic HF model path" in body["message"]

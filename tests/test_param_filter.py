@@ -87,6 +87,7 @@ def freeze_worker(rank: int, world_size: int, argv: list[str], port: int, out: s
     t.close()
 
 
+@pytest.mark.slow
 def test_two_fsdp2_ranks_keep_frozen_parameters_and_match_one_rank(tiny_ckpt, addition_data, tmp_path):
     """FSDP2 shards a decoder layer with frozen and trained parameters as one unit (mixed requires_grad): the
     frozen ones keep their values, the rest match the single-rank trainer's update."""
@@ -163,6 +164,7 @@ def test_flag_mistakes_are_refused_when_parsing(tiny_ckpt, addition_data, tmp_pa
         parse_train_args(trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), *flags))
 
 
+@pytest.mark.slow
 def test_cli_exits_2_naming_the_flag(tiny_ckpt, addition_data, tmp_path):
     """The whole `lichen train` run: one line naming the flag and the pattern, exit code 2, no traceback."""
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"), "--freeze-params-name-list", "no_such_param")

@@ -90,6 +90,7 @@ def test_eight_declared_gpus_colocated_rank_and_engine_share_a_gpu(ray_local):
         assert e["cuda_visible_devices"] == ranks[2 * i]["cuda_visible_devices"]
 
 
+@pytest.mark.slow
 def test_offload_train_on_cuda_preloads_the_memory_saver_in_trainer_actors_only(ray_local, monkeypatch, tmp_path):
     """The hook's library is a stand-in (an empty file: the dynamic loader warns and ignores it); what is checked is
     the environment each actor starts with (lichen.cluster.train_env)."""

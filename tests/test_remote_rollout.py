@@ -305,6 +305,7 @@ def failing_rollout(args, rollout_id, data_source, evaluation=False):
     raise RuntimeError("rollout plug-in failed")  # ... and then the run fails
 
 
+@pytest.mark.slow
 def test_servers_stop_when_the_run_raises(tiny_ckpt, addition_data, tmp_path, launched):
     argv = base_args(
         tiny_ckpt,

@@ -259,6 +259,7 @@ def test_outputs_match():
     assert not outputs_match("abc", "abd")
 
 
+@pytest.mark.slow
 def test_code_reward_pass_fractions(sandbox):
     grader = CodeReward(sandbox, case_timeout_s=TIMEOUT)
     solve = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)"

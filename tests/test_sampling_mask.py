@@ -183,6 +183,7 @@ def test_run_mismatch_metric_shows_the_mask(tiny_ckpt, addition_data, tmp_path, 
     assert without > 1e-3 and ref_gap[0] > 1e-2
 
 
+@pytest.mark.slow
 def test_lichen_serve_returns_the_sets_in_slimes_form(tiny_ckpt, tmp_path):
     """A real `lichen serve`: slime's request (custom_params.return_top_p_token_ids) gets meta_info
     top_p_token_ids / top_p_token_offsets, which the client turns into the per-token sets; the same request

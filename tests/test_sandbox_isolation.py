@@ -221,6 +221,7 @@ print(json.dumps(out))
 
 
 @as_nobody
+@pytest.mark.slow
 def test_unprivileged_trainer_holds_against_the_same_attacks(host_secrets):
     out, log = run_as_nobody(_AS_NOBODY, ESCAPE, MEMORY_HOG, SNOOP % host_secrets)
     assert out["mode"] == "userns"

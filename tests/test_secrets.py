@@ -211,6 +211,7 @@ class _RewardServer(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_planted_keys_appear_in_no_output_of_a_run(tiny_ckpt, addition_data, tmp_path):
     keys = {
         "wandb": "planted-wandb-key-0123456789abcdef0123456789ab",

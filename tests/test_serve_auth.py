@@ -39,6 +39,7 @@ def test_refuses_a_public_address_without_a_key(tiny_ckpt):
     assert r.returncode == 2 and "--api-key" in r.stderr and "0.0.0.0" in r.stderr
 
 
+@pytest.mark.slow
 def test_data_plane_needs_the_key(server):
     for headers in (None, bearer("wrong"), {"x-api-key": "wrong"}, {"Authorization": KEY}):
         st, body = call(server.url + "/generate", GEN, headers=headers)
@@ -84,6 +85,7 @@ def _cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode()
 
 
+@pytest.mark.slow
 def test_keys_from_a_file_or_the_environment_stay_off_the_command_line(tiny_ckpt, tmp_path):
     loose = tmp_path / "loose.key"
     loose.write_text(KEY + "\n")
@@ -132,6 +134,7 @@ def test_keys_from_a_file_or_the_environment_stay_off_the_command_line(tiny_ckpt
     assert KEY not in (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.slow
 def test_launched_engines_get_a_fresh_key_per_run(tiny_ckpt, tmp_path):
     from lichen.engines.clients.launcher import EngineLauncher
     from lichen.engines.clients.remote_engines import RemoteEngines

@@ -34,6 +34,7 @@ def model(both):
 LONG = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 9}}
 
 
+@pytest.mark.slow
 def test_generate_response_shapes(server):
     st, out = gen(server, {"text": "hi there", "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
     assert st == 200 and set(out) == {"text", "output_ids", "meta_info"}
@@ -220,6 +221,7 @@ def test_abort_returns_partial_output(server):
     assert load["num_running_reqs"] + load["num_waiting_reqs"] == 0
 
 
+@pytest.mark.slow
 def test_pause_blocks_new_generation_until_continue(server):
     th, res = in_thread(gen, server, LONG)
     wait_running(server)

@@ -23,6 +23,7 @@ def message(body) -> str:
     return body["message"] if "message" in body else body["error"]["message"]
 
 
+@pytest.mark.slow
 def test_response_format_is_refused_not_ignored(server):
     chat = {"model": "m", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 2}
     for rf in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):

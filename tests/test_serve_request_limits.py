@@ -64,6 +64,7 @@ def test_a_chunked_body_is_cut_off_at_the_cap(cli):
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
 
 
+@pytest.mark.slow
 def test_a_slow_body_is_cut_off(cli):
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     reply = raw_exchange(cli.port, head, b'{"input_ids"')  # 12 of 100 bytes, then nothing
@@ -82,6 +83,7 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+@pytest.mark.slow
 def test_ready_and_metrics_answer_as_documented(cli):
     st, out = call(cli.url + "/ready")
     assert st == 200 and out["ready"] is True and out["paused"] is False

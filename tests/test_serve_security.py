@@ -203,6 +203,7 @@ def test_a_huge_n_is_refused_at_once_and_memory_stays_flat(server):
     assert call(server.url + "/generate", GEN)[0] == 200
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_503_and_the_client_backs_off(server):
     import asyncio
 

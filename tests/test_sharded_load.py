@@ -93,6 +93,7 @@ def untied_ckpt(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("which", ["tied", "untied"])
+@pytest.mark.slow
 def test_two_ranks_load_their_slices_and_match_the_single_rank_trainer(
     which, tiny_ckpt, untied_ckpt, addition_data, tmp_path
 ):

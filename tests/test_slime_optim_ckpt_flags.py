@@ -171,6 +171,7 @@ def dcp_worker(rank: int, world_size: int, argv: list[str], port: int, out: str)
     t.close()
 
 
+@pytest.mark.slow
 def test_one_fsdp2_rank_resets_saves_without_optimizer_and_exports_hf(tiny_ckpt, addition_data, tmp_path, caplog):
     template = str(tmp_path / "export" / "{rollout_id}")
     argv = trainer_argv(

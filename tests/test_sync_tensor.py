@@ -298,6 +298,7 @@ def test_slimes_flattened_bucket_format_is_read(pair, tiny_ckpt, sglang_bucket_c
 
 
 # ---- a training run -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_training_over_launched_engines_by_tensor_handles(tiny_ckpt, addition_data, tmp_path):
     metrics = run(
         base_args(

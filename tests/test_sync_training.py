@@ -68,6 +68,7 @@ def _samples(path: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("transport", ["nccl", "disk-full", "disk-delta"])
+@pytest.mark.slow
 def test_three_steps_over_two_engines_match_in_process(
     tiny_ckpt, addition_data, tmp_path, addrs, in_process, transport
 ):

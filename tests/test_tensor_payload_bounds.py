@@ -90,6 +90,7 @@ def rss_kb(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 def test_the_nested_payload_over_http_is_a_small_400_and_memory_stays_flat(tiny_ckpt, tmp_path):
     server = launch(tiny_ckpt, "--num-threads", "1", log_path=str(tmp_path / "serve.log"))
     try:

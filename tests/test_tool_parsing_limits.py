@@ -140,6 +140,7 @@ def test_a_raising_plugin_parser_fails_the_call_not_the_run(tok):
 
 
 # ---- lichen serve: the attack is a 200 whose content is the text --------------------------------------------------
+@pytest.mark.slow
 def test_serve_answers_the_attack_with_content(scripted):  # noqa: F811 - the fixture
     s = scripted("x " + DEEP)
     r = s.client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS)

@@ -189,6 +189,7 @@ def _reference(ckpt: str, weights: dict, output: list[int]) -> list[float]:
 
 
 @pytest.mark.parametrize("transport", ["nccl", "tensor"])
+@pytest.mark.slow
 def test_each_cpu_transport_changes_what_vllm_serves_records_the_version_and_is_verified(engines, ckpt, transport):
     base = load_hf_state_dict(ckpt)
     try:
@@ -236,6 +237,7 @@ def test_a_tensor_changed_after_the_sender_hashed_it_is_caught(engines, ckpt, mo
     assert seen and victim in str(info.value) and "differ from the trainer's" in str(info.value), str(info.value)
 
 
+@pytest.mark.slow
 def test_the_health_probe_catches_a_hung_engine_core_that_vllm_health_calls_healthy(engines):
     """vLLM's /health checks only that its engine core has not died: a hung one (SIGSTOP) still answers 200. The
     health monitor's probe through VLLMClient generates one token, as SGLang's /health_generate does."""

@@ -236,6 +236,7 @@ def _direct(engines, turn, max_tokens: int, seed: int, **kw):
     return r
 
 
+@pytest.mark.slow
 def test_an_sdk_agent_calls_a_tool_and_the_session_is_vllms_tokens(proxy, engines, tok):
     """Two requests of an `openai`-SDK agent: a reply that ended on a stop character comes back as a tool call, the
     agent runs it and asks again; the session is one Sample of vLLM's tokens and log-probs with the tool turn

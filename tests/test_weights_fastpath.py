@@ -267,6 +267,7 @@ def test_native_loads_once_and_reports_why_it_is_unavailable(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_kernel_compiles_without_a_cache_directory(monkeypatch):
     import numba
 
