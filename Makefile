@@ -1,5 +1,5 @@
-# Two entry points (README "Quick start"): `make quickstart` and `make test`. Both set up .venv first.
-.PHONY: setup setup-test quickstart test test-fast test-avx2 test-latest static-checks bench-quickstart
+# Two entry points (README "Quick start"): `make quickstart` and `make test-all`. Both set up .venv first.
+.PHONY: setup setup-test quickstart test-all test test-e2e test-fast test-avx2 test-latest static-checks bench-quickstart
 
 setup:
 	scripts/setup.sh
@@ -12,13 +12,21 @@ setup-test:
 quickstart: setup
 	.venv/bin/python examples/quickstart.py
 
-test: setup-test
+# Three tiers (markers in pyproject.toml). test-all: the whole suite, what CI runs (.ci/run).
+test-all: setup-test
 	.venv/bin/python -m pytest -n 2 -q -rs --durations=30 tests
 
-# The inner loop: every test not marked slow (no Ray, no multi-rank trainer, no long run; see the marker in
-# pyproject.toml). CI runs everything (make test).
+# Before a commit: everything but the heavy end-to-end runs (marker e2e: vLLM, Ray clusters, multi-rank trainers,
+# chaos and kill -9 runs), which test-e2e runs on their own.
+test: setup-test
+	.venv/bin/python -m pytest -n 2 -q -rs --durations=15 -m "not e2e" tests
+
+test-e2e: setup-test
+	.venv/bin/python -m pytest -n 2 -q -rs --durations=15 -m e2e tests
+
+# The inner loop: neither slow nor e2e (no server start-up, no Ray, no multi-rank trainer, no long run).
 test-fast: setup-test
-	.venv/bin/python -m pytest -n 2 -q -rs -m "not slow" tests
+	.venv/bin/python -m pytest -n 2 -q -rs -m "not slow and not e2e" tests
 
 # The suite on the newest versions pyproject.toml allows (not the tested set in constraints/tested.txt), in its
 # own environment, and vLLM's newest in .venv-vllm-latest (not constraints/vllm-tested.txt). On success it marks .venv-latest green: scripts/freeze_constraints.sh then makes that set the

@@ -12,6 +12,8 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lich
 from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.runs import base_args, dumped_samples, ray_args, run  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 @pytest.fixture(scope="module")
 def ray_local():

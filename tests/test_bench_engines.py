@@ -16,6 +16,8 @@ from lichen_bench import engines as bench
 from lichen_bench.engines_gen import summarize
 from lichen_bench.engines_train import run_numbers
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 @pytest.mark.parametrize(
     "argv, message",

@@ -11,6 +11,8 @@ import pytest
 
 from lichen_bench import sync as bench_sync
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 def test_help_lists_the_options(capsys):
     with pytest.raises(SystemExit) as info:

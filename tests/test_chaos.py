@@ -19,6 +19,8 @@ from chaos_plugins import IN_PROCESS_ENV, Crash  # noqa: E402
 
 from lichen.cli import main  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 STEPS = 3
 
 

@@ -86,6 +86,7 @@ def test_two_ranks_async_save_writes_the_sync_saves_bytes_and_resumes(tiny_ckpt,
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_ray_ranks_write_while_the_group_trains_and_the_driver_commits(tiny_ckpt, addition_data, tmp_path):
     """--runtime ray: every rank's write is held (LICHEN_TEST_CKPT_HOLD_FILE) until the group's next train step
     has returned to the driver; the driver's checkpoint thread waits for the writes in the ranks' "ckpt"

@@ -26,6 +26,8 @@ from helpers.runs import THREADS, base_args, ray_args, run
 
 from lichen.models.tiny import make_tiny_model
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 SMALL = dict(
     hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=256
 )

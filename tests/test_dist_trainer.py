@@ -27,6 +27,8 @@ from helpers.dist_ranks import (
 
 from lichen.train.step_schedule import plan_cost, split_across_ranks
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 STEPS = 4
 
 

@@ -25,6 +25,8 @@ from helpers.runs import base_args
 from lichen.lifetime import run_processes
 from lichen.observe.metrics import read_metrics
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 GONE_WITHIN_S = 30.0
 HOLD_ENV = "LICHEN_TEST_HOLD_AFTER_CHECKPOINT"  # a directory: the reward holds the run once it has a checkpoint
 

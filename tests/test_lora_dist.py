@@ -24,6 +24,8 @@ from helpers.ray_local import shared_ray  # noqa: E402
 from lichen.train.actor import TrainActor
 from lichen.train.dist_trainer import DistTrainer
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 LORA = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "0.02"]
 STEPS = 3
 

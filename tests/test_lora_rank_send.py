@@ -68,6 +68,7 @@ BUCKET = 16 * 1024
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_lora_ray_run_driver_receives_no_tensor(tiny_ckpt, addition_data, tmp_path, monkeypatch):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lichen[ray]')")
     from helpers.ray_local import shared_ray

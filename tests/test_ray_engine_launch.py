@@ -23,6 +23,8 @@ from helpers.runs import base_args, run  # noqa: E402
 
 from lichen.engines.core.engine import GenRequest  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 SEEN: dict = {}  # what the rollout plug-in saw, per step
 
 

@@ -25,6 +25,8 @@ from helpers.ray_local import own_ray  # noqa: E402
 from helpers.runs import base_args, ray_args, read_dump, run  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 STORE = 100 * 1024 * 1024
 SEEN: dict = {}  # what the rollout plug-in saw, per step and at the node loss
 NODES: dict = {}  # the test's Cluster, for the plug-in (it runs in the driver: this process)

@@ -26,6 +26,8 @@ pytest.importorskip("aiohttp_cors", reason="Ray's job server needs ray[default] 
 from helpers.dist_ranks import free_port  # noqa: E402
 from helpers.runs import base_args, read_metrics  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 HEAD_START_S = 300  # a generous deadline: the head's start-up shares 2 busy cores

@@ -22,6 +22,8 @@ from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 from lichen.errors import ConfigError  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 def raise_on_rank_1(args, samples, *, rewards, mask, kl):
     """An advantage plug-in that fails on trainer rank 1 and works on the others."""

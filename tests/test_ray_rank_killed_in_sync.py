@@ -26,6 +26,8 @@ from lichen.observe.metrics import read_metrics  # noqa: E402
 from lichen.weights.rank_send import KILL_IN_BUCKET_ENV, plan_meta_buckets, tensor_meta  # noqa: E402
 from lichen.weights.wire import GROUP_TIMEOUT_S  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 BUFFER = 64 * 1024  # several tensors per bucket, several buckets per sync
 # A failure bound, not a schedule: from step 1's metrics row (written after version 1's sync) to the failed run's
 # return there is one tiny step and the failing sync; a run that waited on a collective for the weight group's

@@ -26,6 +26,8 @@ from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 from lichen.observe.sample_log import read_samples  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 @pytest.fixture(scope="module")
 def ray_local():

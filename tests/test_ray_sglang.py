@@ -25,6 +25,8 @@ from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 from lichen.config.engine_config import EngineConfig  # noqa: E402
 from lichen.engines.api.auth import SERVE_ADMIN_KEY_ENV, SERVE_KEY_ENV  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 LAYOUT = [
     "--runtime",
     "ray",

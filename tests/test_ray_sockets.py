@@ -18,6 +18,8 @@ from lichen.cluster.actor_group import RayTrainGroup  # noqa: E402
 from lichen.cluster.runtime import RayCluster  # noqa: E402
 from lichen.config.cluster_config import ClusterConfig  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 def listening(proc: psutil.Process) -> list[tuple[str, int]]:
     """The (address, port) of every TCP/UDP socket `proc` listens on or has bound without a peer."""

@@ -17,6 +17,8 @@ from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.runs import base_args, run  # noqa: E402
 from helpers.sync_guard import assert_served_what_was_sent, record_checksums, record_ray_gets  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 BUCKET = 16 * 1024
 
 

@@ -13,6 +13,8 @@ from lichen import sync
 from lichen.errors import ConfigError
 from lichen.sync.visibility import PROBE_PREFIX, check_dir_visible
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 class NodeViews:
     """A launcher whose engine i reads paths as its node sees them: `roots[i]` replaces the shared directory (None:

@@ -17,6 +17,8 @@ from lichen.train import memory_saver
 from lichen.train.dist_trainer import DistTrainer
 from lichen.train.memory_saver import memory_saver_active
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 LIB = "/site-packages/torch_memory_saver_hook_mode_preload_cu12.abi3.so"
 
 

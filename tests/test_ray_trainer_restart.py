@@ -29,6 +29,8 @@ from lichen.cluster.actor_group import exit_cause  # noqa: E402
 from lichen.observe.metrics import read_metrics  # noqa: E402
 from lichen.observe.sample_log import read_samples  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 TRIGGER_ENV = "LICHEN_TEST_KILL_TRIGGERS"
 _calls = {"n": 0}  # this rank process' calls of the plug-in: one per step
 

@@ -12,6 +12,8 @@ from helpers.ray_local import own_ray  # noqa: E402
 from helpers.runs import base_args, run  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 @pytest.fixture(scope="module")
 def two_nodes():

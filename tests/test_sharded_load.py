@@ -17,6 +17,8 @@ from helpers.dist_ranks import config, free_port, rank_files, rel_diff, run_rank
 
 from lichen.train.actor import TrainActor
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 def _forbid_full_loads() -> None:
     """Make the full-model loaders raise in this rank process: the sharded load must not call them."""

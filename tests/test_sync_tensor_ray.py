@@ -15,6 +15,8 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'lich
 from helpers.runs import base_args, run  # noqa: E402
 from helpers.sync_guard import assert_served_what_was_sent, record_checksums, record_ray_gets  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 BUCKET = 16 * 1024  # the tiny model is many buckets
 
 

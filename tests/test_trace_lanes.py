@@ -18,6 +18,8 @@ from helpers.ray_local import shared_ray  # noqa: E402
 from helpers.reward_server import RewardServer  # noqa: E402
 from helpers.runs import base_args, ray_args, run  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 STEPS = 2
 SAMPLES = 16  # --rollout-batch-size 4 x --n-samples-per-prompt 4 (helpers.runs.base_args)
 

@@ -34,6 +34,8 @@ from lichen.engines.clients.vllm_worker_ext import WEIGHT_DIRS_ENV
 from lichen.engines.core.engine import GenRequest
 from lichen.errors import ConfigError
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:

@@ -23,7 +23,10 @@ from lichen.engines.clients.vllm_worker_ext import WEIGHT_DIRS_ENV
 from lichen.engines.core.engine import GenRequest
 from lichen.models import load_model
 
-pytestmark = pytest.mark.slow  # every test talks to a launched vLLM server (~30 s to start on 2 cores)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.e2e,
+]  # every test talks to a launched vLLM server (~30 s to start on 2 cores)
 
 EOS = {1, 3}  # the tiny model's EOS ids (generation_config.json's eos_token_id: <|endoftext|>, <|im_end|>)
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22], [40, 41, 42, 43, 44, 45]]

@@ -37,6 +37,8 @@ from lichen.sync.verify import WeightMismatchError
 from lichen.sync.vllm_sync import VLLMNativeSync
 from lichen.weights.hf_io import load_hf_state_dict
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 VLLM_FLAGS = ["--vllm-max-model-len", "512", "--vllm-optimization-level", "0"]  # -O0: no torch.compile at start
 
 

@@ -34,6 +34,8 @@ from lichen.models import load_model
 from lichen.models.tokenizer import load_tokenizer
 from lichen.rollout.agent_proxy import AgentProxy
 
+pytestmark = pytest.mark.e2e  # see the marker in pyproject.toml: make test leaves it to make test-e2e
+
 SPECIAL_IDS = [0, 1, 2, 3, 4]  # the tiny tokenizer's <|pad|>, <|endoftext|>, <|im_start|>, <|im_end|>, <|unk|>
 STOP_CHARS = "0123456789.,;:!?()<>"
 VLLM_FLAGS = ["--vllm-max-model-len", "512", "--vllm-optimization-level", "0"]  # -O0: no torch.compile

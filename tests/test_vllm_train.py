@@ -12,7 +12,7 @@ import pytest
 from helpers.runs import base_args, run
 from helpers.vllm import vllm_python, vllm_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_three_steps_over_a_launched_vllm_engine_with_disk_sync(addition_data, tmp_path):
