@@ -264,7 +264,12 @@ def test_the_health_probe_catches_a_hung_engine_core_that_vllm_health_calls_heal
     finally:
         os.kill(cores[0].pid, signal.SIGCONT)
     assert not healthy and "no answer within 5 s" in why, why
-    assert engines.run(monitor.probe(0)) == (True, "")
+    # resumed, it answers again: the first probes may still time out behind the work queued while it was stopped
+    # (seen once under a load average of 35), so up to 6 probes
+    answers = []
+    while len(answers) < 6 and answers[-1:] != [(True, "")]:
+        answers.append(engines.run(monitor.probe(0)))
+    assert answers[-1] == (True, ""), answers
 
 
 # ---- a training run, the engine killed mid-rollout ---------------------------------------------------------------
