@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import sys
 import time
 
@@ -139,9 +138,8 @@ def main(argv: list[str]) -> int:
                 "wall_s": time.perf_counter() - t0,
                 "steps": steps,
                 "instrumentation_missing": STATE["missing"],
-                "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                # lichen resets VmHWM per phase, which lowers ru_maxrss to the last phase's peak: the parent's
-                # wait4 would see that, not the run's peak
+                # not ru_maxrss: lichen resets VmHWM per phase, which lowers ru_maxrss (and the parent's wait4) to
+                # the last phase's peak
                 "lifetime_peak_rss_kib": lifetime_peak_rss_bytes() // 1024,
                 "torch_threads": _torch_threads(),
             },

@@ -3,8 +3,8 @@
 Every framework run is its own child process (`python -m lichen_bench.run_lichen` / `run_trl`), so imports,
 memory and thread pools do not leak between them; each child's peak RSS is the kernel's `ru_maxrss` for that
 process, read with `os.wait4` when it exits (for lichen, the larger of it and the lifetime peak the run kept
-itself: lichen's per-phase memory metrics reset the kernel's counter). `ctx` holds what every run of one workload shares: checkpoint,
-prompt file, steps, seed, threads, timeout, model shape, extra lichen flags, matmul peak.
+itself: lichen's per-phase memory metrics reset the kernel's counter). `ctx` holds what every run of one workload
+shares: checkpoint, prompt file, steps, seed, threads, timeout, model shape, extra lichen flags, matmul peak.
 """
 
 from __future__ import annotations
