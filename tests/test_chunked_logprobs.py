@@ -25,7 +25,7 @@ from helpers.dist_ranks import (
     step_batch,
     trainer_argv,
 )
-from helpers.trainer import make_actor, ragged_samples
+from helpers.trainer import make_actor, ragged_samples, recorded_grads
 
 import lichen.train.advantage as advantage_mod
 import lichen.train.chunked_logprobs as chunked_mod
@@ -205,8 +205,9 @@ def test_train_step_matches_the_full_logits(tiny_ckpt, addition_data, tmp_path, 
         if chunk != "-1":  # the chunked trainer never computes full logits
             monkeypatch.setattr(actor.model, "logits", lambda h: pytest.fail("full logits computed"))
         samples = samples or ragged_samples(actor.model.cfg.vocab_size, seed=2)
-        metrics = actor.train(0, [samples])
-        grads = {n: p.grad.clone() for n, p in actor.model.named_parameters()}
+        with recorded_grads(actor.model, actor.optimizer) as seen:
+            metrics = actor.train(0, [samples])
+        grads = seen[0]
         results.append((metrics, grads, actor.last_token_values["trainer_log_probs"]))
     (m_full, g_full, lp_full), (m_chunk, g_chunk, lp_chunk) = results
     scale = max(1.0, max(g.abs().max().item() for g in g_full.values()))
@@ -261,8 +262,9 @@ def _local_run(argv):
     cfg, args = config(argv)
     local = TrainActor(cfg, plugin_args=args)
     vocab = local.model.cfg.vocab_size
-    metrics = [local.train(0, step_batch(vocab, 0))]
-    grads = {n: p.grad.clone() for n, p in local.model.named_parameters()}
+    with recorded_grads(local.model, local.optimizer) as seen:
+        metrics = [local.train(0, step_batch(vocab, 0))]
+    grads = seen[0]
     metrics += [local.train(k, step_batch(vocab, k)) for k in range(1, 3)]
     return local, metrics, grads
 

@@ -20,6 +20,7 @@ from helpers.dist_ranks import (
     trainer_argv,
 )
 from helpers.ray_local import shared_ray  # noqa: E402
+from helpers.trainer import recorded_grads
 
 from lichen.train.actor import TrainActor
 from lichen.train.dist_trainer import DistTrainer
@@ -37,9 +38,10 @@ def lora_worker(rank: int, world_size: int, argv: list[str], port: int, out: str
     cfg, args = config(argv)
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     vocab = t.model.cfg.vocab_size
-    metrics = [t.train(0, step_batch(vocab, 0))]
+    with recorded_grads(t.model, t.actor.optimizer) as seen:
+        metrics = [t.train(0, step_batch(vocab, 0))]
     named = dict(t.model.named_parameters())
-    grads = {n: p.grad.full_tensor() for n, p in named.items() if p.grad is not None}
+    grads = {n: g.full_tensor() for n, g in seen[0].items()}
     in_optimizer = sorted(
         n for n, p in named.items() if any(p is q for g in t.actor.optimizer.param_groups for q in g["params"])
     )
@@ -57,8 +59,9 @@ def _local(argv):
     cfg, args = config(argv)
     local = TrainActor(cfg, plugin_args=args)
     vocab = local.model.cfg.vocab_size
-    metrics = [local.train(0, step_batch(vocab, 0))]
-    grads = {n: p.grad.clone() for n, p in local.model.named_parameters() if p.grad is not None}
+    with recorded_grads(local.model, local.optimizer) as seen:
+        metrics = [local.train(0, step_batch(vocab, 0))]
+    grads = seen[0]
     metrics += [local.train(k, step_batch(vocab, k)) for k in range(1, STEPS)]
     return local, metrics, grads
 

@@ -12,21 +12,23 @@ import pytest
 import safetensors.torch
 import torch
 from helpers.dist_ranks import config, free_port, rank_files, run_ranks, step_batch, trainer_argv
+from helpers.trainer import recorded_grads
 
 LORA = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "0.05"]
 
 
 def merged_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
     """After a step (so B != 0): the sender's metadata and every tensor it gathers in small buckets (the `rows`
-    op, whole rows), and the merge of the whole gathered state; which parameters held a gradient after the step and
-    once the sync began."""
+    op, whole rows), and the merge of the whole gathered state; which parameters had a gradient in the step and which
+    still hold one once the sync began."""
     from lichen.train.dist_trainer import DistTrainer
 
     torch.set_num_threads(1)
     cfg, args = config(argv)
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
-    t.train(0, step_batch(t.model.cfg.vocab_size, 0))
-    grads = [n for n, p in t.model.named_parameters() if p.grad is not None]  # the adapters' (LoRA trains those)
+    with recorded_grads(t.model, t.actor.optimizer) as seen:
+        t.train(0, step_batch(t.model.cfg.vocab_size, 0))
+    grads = list(seen[0])  # the adapters' (LoRA trains those)
     meta = t.sync_weights("meta")
     grads_in_sync = [n for n, p in t.model.named_parameters() if p.grad is not None]
     sent: dict = {}
@@ -50,8 +52,8 @@ def test_ranks_send_the_merged_policy_bucket_by_bucket(tiny_ckpt, addition_data,
     run_ranks(merged_worker, 2, argv, free_port(), str(tmp_path))
     ranks = rank_files(tmp_path, 2)
     r0 = ranks[0]
-    # the step's gradients are freed once a sync starts (a rank's sync memory holds no gradient shard)
-    assert all(r["grads"] and r["grads_in_sync"] == [] for r in ranks)
+    # only the adapters had gradients, freed after the step: a rank's sync memory holds no gradient shard
+    assert all(r["grads"] and all(".lora_" in n for n in r["grads"]) and r["grads_in_sync"] == [] for r in ranks)
     whole = r0["whole"]
     assert [row[0] for row in r0["meta"]] == list(whole)  # the engines' names, in the merged order
     assert all(".lora_" not in n and ".base_layer" not in n for n in whole)

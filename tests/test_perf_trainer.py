@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from helpers.trainer import make_actor, ragged_samples
+from helpers.trainer import grads_of_step, make_actor, ragged_samples
 
 import lichen.train.advantage as advantage_mod
 from lichen.models import load_model
@@ -31,15 +31,6 @@ def fixed_advantages(monkeypatch, values: list[float]) -> torch.Tensor:
         advantage_mod, "compute_advantages", lambda cfg, samples, mask, kl=None, **plugin: (adv[:, None] * mask, {})
     )
     return adv
-
-
-def grads_after_train(actor: TrainActor, samples, **switches) -> tuple[dict, dict]:
-    """(gradients of the step's loss, metrics) from one TrainActor.train on a copy of the actor."""
-    a = copy.deepcopy(actor)
-    for k, v in switches.items():
-        setattr(a, k, v)
-    metrics = a.train(0, [samples])
-    return {n: p.grad.clone() for n, p in a.model.named_parameters()}, metrics
 
 
 def reference_grads(actor: TrainActor, samples, adv: torch.Tensor, mode: str, max_len: int) -> dict:
@@ -138,12 +129,12 @@ def test_step_gradient_matches_float64_reference(tiny_ckpt, addition_data, tmp_p
     samples = ragged_samples(actor.model.cfg.vocab_size)
     adv = fixed_advantages(monkeypatch, [0.5, -1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.5, -0.25, 0.0, 0.75])
     ref = reference_grads(actor, samples, adv, mode, max_len=14)
-    fast, metrics = grads_after_train(actor, samples)
+    fast, metrics = grads_of_step(actor, samples)
     assert metrics["train/skipped_samples"] == 6  # zero advantage: no backward
     scale = max(g.abs().max().item() for g in ref.values())
     assert max_abs(fast, ref) <= 1e-5 * scale
     # and the plain computation (sample order, one padded row per sample, no skip) agrees with it
-    plain, _ = grads_after_train(actor, samples, sort_by_length=False, pack_sequences=False, skip_zero_advantage=False)
+    plain, _ = grads_of_step(actor, samples, sort_by_length=False, pack_sequences=False, skip_zero_advantage=False)
     assert max_abs(fast, plain) <= 1e-6
 
 
@@ -151,8 +142,8 @@ def test_sorted_packed_equals_unsorted_padded_for_fixed_micro_batches(tiny_ckpt,
     actor = make_actor(tiny_ckpt, addition_data, tmp_path, "--micro-batch-size", "6")
     samples = ragged_samples(actor.model.cfg.vocab_size, seed=1)
     fixed_advantages(monkeypatch, [0.3 * (i - 5) for i in range(12)])
-    fast, m_fast = grads_after_train(actor, samples)
-    plain, m_plain = grads_after_train(actor, samples, sort_by_length=False, pack_sequences=False)
+    fast, m_fast = grads_of_step(actor, samples)
+    plain, m_plain = grads_of_step(actor, samples, sort_by_length=False, pack_sequences=False)
     assert max_abs(fast, plain) <= 1e-6
     assert max(g.abs().max().item() for g in plain.values()) > 1e-3  # the gradient is not trivially zero
     for key in ("train/loss", "train/ppo_kl", "train/train_rollout_logprob_abs_diff"):
@@ -166,8 +157,8 @@ def test_zero_advantage_skip_is_bit_identical(tiny_ckpt, addition_data, tmp_path
     samples = ragged_samples(actor.model.cfg.vocab_size, seed=2)
     samples[5].status = Status.FAILED  # masked out entirely: skipped as well
     fixed_advantages(monkeypatch, [0.0, 1.0, 0.0, -1.0, 0.0, 0.5, 0.0, 0.0, 2.0, 0.0, -0.5, 0.0])
-    skip, m_skip = grads_after_train(actor, samples)
-    full, m_full = grads_after_train(actor, samples, skip_zero_advantage=False)
+    skip, m_skip = grads_of_step(actor, samples)
+    full, m_full = grads_of_step(actor, samples, skip_zero_advantage=False)
     assert m_skip["train/skipped_samples"] == 8 and m_full["train/skipped_samples"] == 0
     assert all(torch.equal(skip[k], full[k]) for k in full)
     for key in m_full:
@@ -197,7 +188,7 @@ def test_skip_is_off_when_another_term_reads_the_sample(tiny_ckpt, addition_data
     actor = make_actor(tiny_ckpt, addition_data, tmp_path, "--micro-batch-size", "4", "--entropy-coef", "0.01")
     samples = ragged_samples(actor.model.cfg.vocab_size, seed=5)
     fixed_advantages(monkeypatch, [0.0] * 6 + [1.0] * 6)
-    _, metrics = grads_after_train(actor, samples)
+    _, metrics = grads_of_step(actor, samples)
     assert metrics["train/skipped_samples"] == 0
 
 

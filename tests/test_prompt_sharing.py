@@ -1,12 +1,11 @@
 """Prompt sharing (lichen.train.micro_batches.PromptGroups): a group's prompt computed once per packed row gives
 the unshared layout's log-probs and gradients, checked in float64 against the same step with sharing off."""
 
-import copy
 import random
 
 import pytest
 import torch
-from helpers.trainer import make_actor
+from helpers.trainer import grads_of_step, make_actor
 
 import lichen.train.advantage as advantage_mod
 from lichen.models import load_model
@@ -115,13 +114,6 @@ def test_shared_rows_give_each_sample_its_unshared_log_probs_float64(tiny_ckpt):
         assert (a[j, : x.response_length] - ref).abs().max().item() <= 1e-10
 
 
-def _grads_of_step(actor, samples, *, share: bool):
-    a = copy.deepcopy(actor)
-    a.share_prompts = share
-    metrics = a.train(0, [samples])
-    return {n: p.grad.clone() for n, p in a.model.named_parameters() if p.grad is not None}, metrics
-
-
 def _double(actor):
     actor.model.double()
     if actor.critic is not None:
@@ -150,8 +142,8 @@ def test_train_step_gradients_equal_the_unshared_layout_float64(tiny_ckpt, addit
     assert actor.share_prompts
     s = grouped_samples(actor.model.cfg.vocab_size, rollout_lp=False)  # float64: no fp32 mismatch metric
     fixed_advantages(monkeypatch, [0.5, -1.0, 0.0, 2.0, 1.0, -0.5, 0.0, 0.25, 1.5, -0.25, 0.0, 0.75, -1.0, 0.3, 0.9])
-    shared, m_s = _grads_of_step(actor, s, share=True)
-    plain, m_p = _grads_of_step(actor, s, share=False)
+    shared, m_s = grads_of_step(actor, s, share_prompts=True)
+    plain, m_p = grads_of_step(actor, s, share_prompts=False)
     assert _rel(shared, plain) <= 1e-9
     if "--num-steps-per-rollout" not in extra:
         assert m_s["train/ppo_kl"] == 0.0 == m_p["train/ppo_kl"]  # first step: the policy is the old one
@@ -176,8 +168,8 @@ def test_ppo_step_with_critic_on_the_shared_layout(tiny_ckpt, addition_data, tmp
     s = grouped_samples(actor.model.cfg.vocab_size, rollout_lp=False)
     for k, x in enumerate(s):
         x.reward = float(k % 3) - 1.0
-    shared, m_s = _grads_of_step(actor, s, share=True)
-    plain, m_p = _grads_of_step(actor, s, share=False)
+    shared, m_s = grads_of_step(actor, s, share_prompts=True)
+    plain, m_p = grads_of_step(actor, s, share_prompts=False)
     assert _rel(shared, plain) <= 1e-9
     for key in m_p:
         if key.startswith("critic/"):  # the critic hands fp32 values on (lichen.train.critic): fp32 rounding

@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 from helpers.dist_ranks import config, free_port, rank_files, rel_diff, run_ranks, step_batch, trainer_argv
+from helpers.trainer import recorded_grads
 
 from lichen.train.actor import TrainActor
 
@@ -62,8 +63,9 @@ def load_and_step_worker(rank: int, world_size: int, argv: list[str], port: int,
     adapters = {n: p.full_tensor() for n, p in t.model.named_parameters() if ".lora_" in n}
     buffers = {n: b.clone() for n, b in t.model.named_buffers()}
     batch = step_batch(t.model.cfg.vocab_size, 0)
-    metrics = t.train(0, batch)
-    grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters() if p.grad is not None}
+    with recorded_grads(t.model, t.actor.optimizer) as seen:
+        metrics = t.train(0, batch)
+    grads = {n: g.full_tensor() for n, g in seen[0].items()}
     values = t.token_values(range(sum(len(g) for g in batch)))
     torch.save(
         {
@@ -124,8 +126,9 @@ def test_two_ranks_load_their_slices_and_match_the_single_rank_trainer(
             assert torch.equal(ranks[0][key][n], on_disk[n]), (key, n)
     # one step: per-token log-probs, gradients and loss as the single-rank trainer computes them
     batch = step_batch(local.model.cfg.vocab_size, 0)
-    metrics = local.train(0, batch)
-    grads = {n: p.grad for n, p in local.model.named_parameters()}
+    with recorded_grads(local.model, local.optimizer) as seen:
+        metrics = local.train(0, batch)
+    grads = seen[0]
     values = local.token_values(range(sum(len(g) for g in batch)))
     worst = max(rel_diff(ranks[0]["grads"][n], g) for n, g in grads.items())
     assert worst <= 1e-6, worst
@@ -178,8 +181,9 @@ def test_hf_path_and_lora_ranks_load_their_slices_and_match_the_single_rank_trai
         assert all(torch.equal(ranks[0]["adapters"][n], a) for n, a in adapters.items())
         assert any(a.abs().sum() > 0 for n, a in adapters.items() if ".lora_A." in n)
     batch = step_batch(local.model.cfg.vocab_size, 0)
-    metrics = local.train(0, batch)
-    grads = {n: p.grad for n, p in local.model.named_parameters() if p.grad is not None}
+    with recorded_grads(local.model, local.optimizer) as seen:
+        metrics = local.train(0, batch)
+    grads = seen[0]
     values = local.token_values(range(sum(len(g) for g in batch)))
     assert grads and ranks[0]["grads"].keys() >= grads.keys()
     worst = max(rel_diff(ranks[0]["grads"][n], g) for n, g in grads.items())

@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 import torch
 from helpers.runs import base_args, final_weights, run
-from helpers.trainer import make_actor, ragged_samples
+from helpers.trainer import grads_of_step, make_actor, ragged_samples, recorded_grads
 
 from lichen.train.micro_batches import split_by_tokens
+from lichen.train.optim import clip_and_step
 from lichen.weights.hf_io import load_hf_state_dict
 
 
@@ -25,11 +26,8 @@ def step_grads(actor, samples, **switches) -> tuple[dict, dict]:
     """(gradients, metrics) of one train step on a copy of `actor`; AdamW's division by sqrt(v) + eps can turn a
     1e-11 rounding difference of a gradient into a weight difference of ~lr, so the split property is tested on
     gradients (DEVELOPERS: compare against float64 references, not weights after an optimizer step)."""
-    a = copy.deepcopy(actor)
-    for k, v in switches.items():
-        setattr(a, k, v)
-    metrics = a.train(0, [samples])
-    return {n: p.grad.detach().double().clone() for n, p in a.model.named_parameters()}, metrics
+    grads, metrics = grads_of_step(actor, samples, **switches)
+    return {n: g.double() for n, g in grads.items()}, metrics
 
 
 def float64_reference(actor, samples, **switches) -> tuple[dict, dict]:
@@ -77,6 +75,25 @@ def test_step_gradient_does_not_depend_on_micro_batch_split(tiny_ckpt, addition_
     assert scaled_err(grads, ref) <= 1e-5
     for key in ("train/loss", "train/ppo_kl", "train/pg_clipfrac"):
         assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-6), key
+
+
+def test_a_step_leaves_no_gradient_held(tiny_ckpt, addition_data, tmp_path):
+    """After TrainActor.train the gradients are freed (rollout and weight sync then run without one more copy of
+    the trained parameters); the step did see them."""
+    actor = make_actor(tiny_ckpt, addition_data, tmp_path)
+    with recorded_grads(actor.model, actor.optimizer) as seen:
+        actor.train(0, [scored_samples(actor, seed=7)])
+    assert len(seen) == 1 and max(g.abs().max().item() for g in seen[0].values()) > 0
+    assert all(p.grad is None for p in actor.model.parameters())
+
+
+@pytest.mark.parametrize("grad, steps", [(0.5, True), (float("nan"), False)])
+def test_clip_and_step_frees_the_gradients_whether_it_stepped_or_not(grad, steps):
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), grad)
+    _, stepped = clip_and_step(torch.optim.SGD([p], lr=0.1), [p], clip_grad=1.0, has_samples=True)
+    assert stepped == steps and p.grad is None
+    assert torch.equal(p.detach(), torch.ones(3)) != steps
 
 
 def test_split_runs_through_the_loop_train_and_move_the_weights(tiny_ckpt, addition_data, tmp_path):

@@ -61,7 +61,6 @@ from lichen.train.ckpt_integrity import CheckpointDamaged, checkpoint_files, fil
 from lichen.train.log_probs import LogProbs
 from lichen.train.loss import StepTerms
 from lichen.train.micro_batches import Plan, StepBatch
-from lichen.train.offload import drop_gradients
 from lichen.train.optim import make_adamw
 from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
 from lichen.train.train_batch import TrainBatch
@@ -284,11 +283,6 @@ class DistTrainer:
         answers with metadata and checksums, never the model. The shards are brought back first if paused."""
         if op not in SENDER_OPS:
             raise ValueError(f"unknown weight sender op {op!r}")
-        # The last step's gradients are freed before the gathers: a rank's sync then holds its shards, optimizer
-        # state and at most two buckets, not a gradient shard as well (one more model / ranks of memory).
-        drop_gradients(self.actor.model)
-        if self.actor.critic is not None:
-            drop_gradients(self.actor.critic.model)
         sender = getattr(self, "_weight_sender", None)
         if sender is None:
             sender = self._make_sender()

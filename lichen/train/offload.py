@@ -1,8 +1,8 @@
 """Moving the trainer's state off the accelerator while engines generate (docs/architecture.md#offload).
 
-Parameters, gradients and optimizer state go to pinned CPU memory and come back before training. A Ray trainer
-rank started with torch_memory_saver's hook pauses its allocations by region tag instead (lichen.train.
-memory_saver). On CPU the trainer never calls these.
+Parameters and optimizer state go to pinned CPU memory and come back before training (gradients are freed after
+every step). A Ray trainer rank started with torch_memory_saver's hook pauses its allocations by region tag instead
+(lichen.train.memory_saver). On CPU the trainer never calls these.
 """
 
 from __future__ import annotations
@@ -18,15 +18,8 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device, pin: bool) -
                 state[key] = moved.pin_memory() if pin else moved
 
 
-def drop_gradients(model: torch.nn.Module) -> None:
-    """Free the last optimizer step's gradients: every step zeroes them first (`zero_grad(set_to_none=True)`), so
-    nothing reads them once the optimizer stepped."""
-    for p in model.parameters():
-        p.grad = None
-
-
 def offload_to_cpu(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    drop_gradients(model)  # not needed across phases (zeroed at the next step anyway)
+    # no gradients to move: lichen.train.optim.clip_and_step frees them after every step
     for p in model.parameters():
         p.data = p.data.to("cpu").pin_memory()
     _move_optimizer_state(optimizer, "cpu", pin=True)

@@ -65,11 +65,18 @@ def clip_and_step(
     optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], *, clip_grad: float, has_samples: bool
 ) -> tuple[torch.Tensor, bool]:
     """Clip the global gradient norm to `clip_grad` (0: measure only) and step, unless the global batch had no
-    trainable sample or the norm is not finite. Returns (grad norm, whether the optimizer stepped)."""
+    trainable sample or the norm is not finite. Returns (grad norm, whether the optimizer stepped).
+
+    The gradients are freed afterwards: every step starts from `zero_grad(set_to_none=True)`, so nothing reads
+    them again, and holding them through rollout and weight sync would cost one more copy of the trained
+    parameters (a rank's shard under FSDP2) at the phase where the engine needs the memory."""
+    params = list(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
     stepped = has_samples and bool(torch.isfinite(grad_norm))
     if stepped:
         optimizer.step()
+    for p in params:
+        p.grad = None
     return grad_norm, stepped
 
 

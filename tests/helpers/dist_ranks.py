@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers.trainer import ragged_samples
+from helpers.trainer import ragged_samples, recorded_grads
 from lichen.config import TrainerConfig, parse_train_args
 from lichen.train import checkpoint
 from lichen.train.actor import TrainActor
@@ -114,8 +114,9 @@ def grads_worker(rank: int, world_size: int, argv: list[str], port: int, out: st
     """Step 0's full gradients, then every step's metrics."""
     torch.set_num_threads(1)
     t = _trainer(argv, rank, world_size, port)
-    metrics = [t.train(0, step_batch(_vocab(t), 0))]
-    grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters()}
+    with recorded_grads(t.model, t.actor.optimizer) as seen:
+        metrics = [t.train(0, step_batch(_vocab(t), 0))]
+    grads = {n: g.full_tensor() for n, g in seen[0].items()}
     metrics += [t.train(k, step_batch(_vocab(t), k)) for k in range(1, steps)]
     weights = t.full_state_dict()
     torch.save({"grads": grads, "metrics": metrics, "weights": weights}, os.path.join(out, f"rank{rank}.pt"))
@@ -203,8 +204,9 @@ def two_ranks_and_local(argv: list[str], tmp_path) -> tuple[list[dict], TrainAct
     assert ranks[1]["weights"] is None and ranks[0]["weights"] is not None
     local = TrainActor(cfg, plugin_args=args)
     vocab = local.model.cfg.vocab_size
-    metrics = [local.train(0, step_batch(vocab, 0))]
-    grads = {n: p.grad for n, p in local.model.named_parameters()}
+    with recorded_grads(local.model, local.optimizer) as seen:
+        metrics = [local.train(0, step_batch(vocab, 0))]
+    grads = seen[0]
     metrics += [local.train(k, step_batch(vocab, k)) for k in range(1, 3)]
     assert grads.keys() == ranks[0]["grads"].keys()
     return ranks, local, metrics, grads

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import random
+from collections.abc import Iterator
+
+import torch
 
 from lichen.config import TrainerConfig, parse_train_args
 from lichen.train.actor import TrainActor
@@ -57,3 +62,31 @@ def make_actor(tiny_ckpt, addition_data, tmp_path, *extra) -> TrainActor:
         ]
     )
     return TrainActor(TrainerConfig.from_args(args), plugin_args=args)
+
+
+@contextlib.contextmanager
+def recorded_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """The gradients every optimizer step inside the block sees, by parameter name (copies, DTensors stay
+    DTensors). The trainer frees them once the optimizer stepped (lichen.train.optim.clip_and_step), so a test
+    reads them here; a skipped step records nothing."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def record(*_: object) -> None:
+        seen.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    handle = optimizer.register_step_pre_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def grads_of_step(actor: TrainActor, samples: list[Sample], **switches: object) -> tuple[dict, dict]:
+    """(gradients by parameter name, metrics) of one train step on a copy of `actor` (its attributes in
+    `switches` set first), the global batch `samples` in one rollout."""
+    a = copy.deepcopy(actor)
+    for k, v in switches.items():
+        setattr(a, k, v)
+    with recorded_grads(a.model, a.optimizer) as seen:
+        metrics = a.train(0, [samples])
+    return seen[0], metrics
