@@ -189,16 +189,16 @@ def test_a_client_that_leaves_mid_stream_records_nothing(tiny_ckpt):
             if chunk.choices[0].delta.content:
                 break
         stream.close()
-        # aiohttp drops a connection's transport when the client closed it (the handler itself runs on)
+        # The proxy finds the client gone at a write: of a chunk before the gate (the client closed before the proxy
+        # wrote them all, seen under load), or, once the gate lets the generation go on, of one of the chunks after
+        # it (the reply has 5 more before its last; aiohttp refuses the write after the one the kernel failed).
+        engine.gate.set()
         deadline = time.monotonic() + 30
-        while not _lost(p) and time.monotonic() < deadline:
+        while len(engine.stopped_at) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _lost(p), "the proxy never saw the client go"
-        engine.gate.set()  # the generation goes on; the proxy's next write finds the client gone
-        _wait_handled(p)
-        assert len(p.sessions[named(p, "D")].turns) == 1  # only the first request's
         steps, total = engine.stopped_at[-1]
-        assert steps < total  # closed before its end
+        assert len(engine.stopped_at) == 2 and steps < total  # the leaving stream's generation closed before its end
+        assert len(p.sessions[named(p, "D")].turns) == 1  # only the first request's
         engine.gate_at = None
         r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     assert r2.choices[0].message.content == "it is 11"
