@@ -145,6 +145,30 @@ def test_memory_phase_reads_cuda_peaks_when_cuda_is_in_use(monkeypatch):
     assert phases.take_memory() == {}  # taken once
 
 
+def test_a_memory_phase_starts_by_giving_freed_heap_back(tmp_path):
+    """200 MB of 4 KB heap blocks, every 16th kept: freeing the rest leaves glibc holding the pages (they are
+    not at the top of the heap); the next memory phase returns them, so its peak does not carry them."""
+    script = tmp_path / "heap.py"
+    script.write_text(
+        "import json, sys\n"
+        "from lichen.observe.phases import PhaseTracker\n"
+        "def rss():\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS:')).split()[1]) * 1024\n"
+        "blocks = [bytearray(4000) for _ in range(50_000)]\n"
+        "kept = blocks[::16]\n"
+        "del blocks\n"
+        "freed = rss()\n"
+        "phases = PhaseTracker()\n"
+        "with phases.phase('train', 0, memory=True):\n"
+        "    inside = rss()\n"
+        "json.dump({'freed': freed, 'inside': inside, 'mem': phases.take_memory()}, sys.stdout)\n"
+    )
+    got = json.loads(subprocess.run([sys.executable, str(script)], capture_output=True, check=True).stdout)
+    mib = 2**20
+    assert got["freed"] - got["inside"] >= 120 * mib, got
+    assert got["mem"]["memory/train_peak_rss_gb"] * 1024**3 <= got["freed"] - 120 * mib, got
+
+
 def test_a_process_keeps_its_lifetime_peak_across_phase_resets(tmp_path):
     """A phase's reset of VmHWM also lowers the kernel's lifetime peak (the ru_maxrss a parent's wait4 gets) to the
     last phase's: a 400 MB buffer in the first of two phases is gone from ru_maxrss, and lifetime_peak_rss_bytes

@@ -7,7 +7,8 @@ One process-wide `PhaseTracker` (`tracker()`) is fed by `with phase("train", ste
 - the finished ones, as slices for the trace (lichen.observe.trace);
 - for phases opened with `memory=True` (the loop's top-level ones), the peak resident memory (CPU) and the
   peak CUDA allocation during the phase, as `memory/<phase>_peak_rss_gb` and
-  `memory/<phase>_cuda_max_allocated_gb` in the step's metrics.
+  `memory/<phase>_cuda_max_allocated_gb` in the step's metrics. Such a phase first gives the heap that earlier
+  phases freed back to the OS (`release_free_heap`): every lichen process does at the loop's phase starts.
 
 A phase may be entered from any thread and concurrently (rewards run many calls at once); each entry is its own
 record. Nested memory phases are not supported (the peak counters are process-wide), so only the loop's
@@ -17,6 +18,8 @@ non-overlapping phases measure memory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import itertools
 import resource
 import sys
@@ -92,9 +95,32 @@ def _cuda() -> Any:
         return None
 
 
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def release_free_heap() -> bool:
+    """Give the pages of freed heap memory back to the OS (glibc's `malloc_trim(0)`); False where the C library
+    has none (musl, macOS). glibc keeps what a process frees for its later allocations, and with its adaptive
+    mmap threshold even large tensors come from that heap after a while: without this, the phase after a train
+    step runs on top of the step's freed activations, and the process' footprint only grows."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def reset_peaks() -> bool:
-    """Reset this process' peak counters (RSS; CUDA's where the run initialised it); False where the peak RSS
-    cannot be reset (then `read_peaks` gives the lifetime peak, which still bounds the phase's)."""
+    """A memory phase starts in this process: freed heap goes back to the OS first (`release_free_heap`, so the
+    phase's peak is its own, not the last phase's leftovers on top of it), then the peak counters are reset (RSS;
+    CUDA's where the run initialised it). False where the peak RSS cannot be reset (then `read_peaks` gives the
+    lifetime peak, which still bounds the phase's)."""
+    release_free_heap()
     cuda = _cuda()
     if cuda is not None:
         cuda.reset_peak_memory_stats()
