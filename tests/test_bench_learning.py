@@ -121,6 +121,7 @@ def test_sft_flags_resolve_to_an_sft_run(tmp_path):
 
 
 # ---- the whole suite ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # 20 s on 2 idle cores: the largest of make test-fast
 def test_suite_smoke_run(tmp_path, capsys):
     pytest.importorskip("trl")  # the CI needs both frameworks
     out = tmp_path / "r.json"
