@@ -76,12 +76,24 @@ def test_exact_command_from_lichen_flags_and_passthrough(ckpt, addition_data, tm
         "--port", "31000", "--seed", "1234", "--dtype", "float32", "--tensor-parallel-size", "1",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out",
         "--middleware", "lichen.engines.clients.vllm_guard.KeyGuard", "--worker-extension-cls", RECEIVER, "--max-num-seqs", "8",
-        "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--max-model-len", "512", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--max-num-batched-tokens", "512",
+        "--max-model-len", "512", "--enforce-eager",
     ]  # fmt: skip
-    # the user's memory sizing replaces lichen's CPU default
-    cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "1", "--vllm-gpu-memory-utilization", "0.3")
-    cmd = build_vllm_command(cfg, port=1, python="PY")
-    assert "--kv-cache-memory-bytes" not in cmd and cmd[-2:] == ["--gpu-memory-utilization", "0.3"]
+    # on CPU a prompt is never prefilled in chunks (vLLM 0.32's CPU build crashes on a chunked seeded request),
+    # unless the user sizes the steps or chunking; with no --vllm-max-model-len the length is vLLM's to decide
+    for extra, want, lichens in (
+        (["--vllm-max-model-len=4096"], ["--max-num-batched-tokens", "4096", "--max-model-len=4096"], 1),
+        (
+            ["--vllm-max-model-len", "4096", "--vllm-max-num-batched-tokens", "256"],
+            ["--max-num-batched-tokens", "256"],
+            0,
+        ),
+        ([], ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)], 0),
+    ):
+        cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "1", *extra)
+        cmd = build_vllm_command(cfg, port=1, python="PY")
+        assert cmd[-len(want) :] == want
+        assert cmd.count("--max-num-batched-tokens") == lichens + ("--vllm-max-num-batched-tokens" in extra)
 
 
 def test_launcher_environment_keeps_the_key_off_the_command_line(ckpt, addition_data, tmp_path, monkeypatch):

@@ -78,6 +78,7 @@ LICHEN_SETS: dict[str, str] = {
 LICHEN_SETS_WHEN_GIVEN: dict[str, str] = {"--max-num-seqs": "--rollout-max-batch-size"}
 # Any of these given: lichen leaves vLLM's memory sizing on CPU to them.
 MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+CHUNKING_FLAGS = ("--max-num-batched-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill")
 
 
 class VLLMLaunchError(ConfigError):
@@ -179,7 +180,23 @@ def build_vllm_command(cfg: EngineConfig, *, port: int, host: str = "127.0.0.1",
         cmd += ["--enable-sleep-mode"]
     if not _cuda_here() and not given.intersection(MEMORY_FLAGS):
         cmd += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    max_len = _passthrough_value(passthrough, "--max-model-len")
+    if not _cuda_here() and max_len is not None and not given.intersection(CHUNKING_FLAGS):
+        # vLLM 0.32's CPU build crashes its engine core on a seeded request whose prompt is prefilled in chunks (it
+        # rewinds the request's generator with set_offset, which CPU generators lack): a step that takes the
+        # longest prompt whole never chunks one. A partial rollout's continuation (prompt + kept tokens) is long.
+        cmd += ["--max-num-batched-tokens", max_len]
     return cmd + translate_passthrough(passthrough)
+
+
+def _passthrough_value(tokens: Sequence[str], name: str) -> str | None:
+    """The value given to vLLM's `name` (`--vllm-<flag> V` or `--vllm-<flag>=V`), None if not given."""
+    for k, token in enumerate(tokens):
+        if token.startswith(VLLM_PREFIX) and vllm_flag(token) == name:
+            if "=" in token:
+                return token.split("=", 1)[1]
+            return tokens[k + 1] if k + 1 < len(tokens) else None
+    return None
 
 
 def engine_gpus(index: int, per_engine: int, visible: str | None) -> str:
