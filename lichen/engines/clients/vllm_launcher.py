@@ -180,12 +180,15 @@ def build_vllm_command(cfg: EngineConfig, *, port: int, host: str = "127.0.0.1",
         cmd += ["--enable-sleep-mode"]
     if not _cuda_here() and not given.intersection(MEMORY_FLAGS):
         cmd += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
-    max_len = _passthrough_value(passthrough, "--max-model-len")
-    if not _cuda_here() and max_len is not None and not given.intersection(CHUNKING_FLAGS):
+    if not _cuda_here() and not given.intersection(CHUNKING_FLAGS):
         # vLLM 0.32's CPU build crashes its engine core on a seeded request whose prompt is prefilled in chunks (it
-        # rewinds the request's generator with set_offset, which CPU generators lack): a step that takes the
-        # longest prompt whole never chunks one. A partial rollout's continuation (prompt + kept tokens) is long.
-        cmd += ["--max-num-batched-tokens", max_len]
+        # rewinds the request's generator with set_offset, which CPU generators lack). Chunks come from a long
+        # prompt or from a step's token budget running out mid-prompt (many prompts at once): no chunked prefill
+        # then, and a step takes the longest prompt whole.
+        cmd += ["--no-enable-chunked-prefill"]
+        max_len = _passthrough_value(passthrough, "--max-model-len")
+        if max_len is not None:
+            cmd += ["--max-num-batched-tokens", max_len]
     return cmd + translate_passthrough(passthrough)
 
 
