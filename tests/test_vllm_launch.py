@@ -76,28 +76,20 @@ def test_exact_command_from_lichen_flags_and_passthrough(ckpt, addition_data, tm
         "--port", "31000", "--seed", "1234", "--dtype", "float32", "--tensor-parallel-size", "1",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out",
         "--middleware", "lichen.engines.clients.vllm_guard.KeyGuard", "--worker-extension-cls", RECEIVER, "--max-num-seqs", "8",
-        "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
+        "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--no-enable-chunked-prefill",
         "--max-model-len", "512", "--enforce-eager",
     ]  # fmt: skip
     # on CPU a prompt is never prefilled in chunks (vLLM 0.32's CPU build crashes on a chunked seeded request),
-    # unless the user sizes the steps or chunking; with no --vllm-max-model-len the length is vLLM's to decide
-    for extra, want, lichens in (
-        (
-            ["--vllm-max-model-len=4096"],
-            ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--max-model-len=4096"],
-            1,
-        ),
-        (
-            ["--vllm-max-model-len", "4096", "--vllm-max-num-batched-tokens", "256"],
-            ["--max-num-batched-tokens", "256"],
-            0,
-        ),
-        ([], ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--no-enable-chunked-prefill"], 0),
+    # unless the user sizes the steps or chunking
+    for extra, chunking_off in (
+        ([], True),
+        (["--vllm-max-num-batched-tokens", "256"], False),
+        (["--vllm-enable-chunked-prefill"], False),
     ):
-        cfg = _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "1", *extra)
-        cmd = build_vllm_command(cfg, port=1, python="PY")
-        assert cmd[-len(want) :] == want
-        assert cmd.count("--max-num-batched-tokens") == lichens + ("--vllm-max-num-batched-tokens" in extra)
+        cmd = build_vllm_command(
+            _cfg(ckpt, addition_data, tmp_path, "--rollout-num-engines", "1", *extra), port=1, python="PY"
+        )
+        assert ("--no-enable-chunked-prefill" in cmd) == chunking_off
 
 
 def test_launcher_environment_keeps_the_key_off_the_command_line(ckpt, addition_data, tmp_path, monkeypatch):

@@ -77,7 +77,7 @@ def req(prompt, n, seed, **kw) -> GenRequest:
 
 def test_a_seeded_prompt_longer_than_vllms_default_cpu_step_is_answered(engines):
     """vLLM 0.32's CPU build crashes its engine core on a seeded request prefilled in chunks (2048-token steps by
-    default on CPU); the launcher sizes a step to --vllm-max-model-len, so a partial rollout's long continuation
+    default on CPU); the launcher turns chunked prefill off on CPU, so a partial rollout's long continuation
     (prompt + kept tokens) is one step. Fails without it: 'CPU Generator does not use offset'."""
     prompt = [5 + k % 90 for k in range(3000)]
     (r,) = engines.generate([req(prompt, 4, seed=11, ignore_eos=True)])

@@ -103,16 +103,14 @@ def _malloc_trim() -> Any:
         return None
 
 
-def release_free_heap() -> bool:
-    """Give the pages of freed heap memory back to the OS (glibc's `malloc_trim(0)`); False where the C library
-    has none (musl, macOS). glibc keeps what a process frees for its later allocations, and with its adaptive
+def release_free_heap() -> None:
+    """Give the pages of freed heap memory back to the OS (glibc's `malloc_trim(0)`; nothing where the C library
+    has none: musl, macOS). glibc keeps what a process frees for its later allocations, and with its adaptive
     mmap threshold even large tensors come from that heap after a while: without this, the phase after a train
     step runs on top of the step's freed activations, and the process' footprint only grows."""
     trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    if trim is not None:
+        trim(0)
 
 
 def reset_peaks() -> bool:

@@ -184,22 +184,9 @@ def build_vllm_command(cfg: EngineConfig, *, port: int, host: str = "127.0.0.1",
         # vLLM 0.32's CPU build crashes its engine core on a seeded request whose prompt is prefilled in chunks (it
         # rewinds the request's generator with set_offset, which CPU generators lack). Chunks come from a long
         # prompt or from a step's token budget running out mid-prompt (many prompts at once): no chunked prefill
-        # then, and a step takes the longest prompt whole.
+        # then (vLLM raises its step budget to the longest prompt, max_model_len, itself).
         cmd += ["--no-enable-chunked-prefill"]
-        max_len = _passthrough_value(passthrough, "--max-model-len")
-        if max_len is not None:
-            cmd += ["--max-num-batched-tokens", max_len]
     return cmd + translate_passthrough(passthrough)
-
-
-def _passthrough_value(tokens: Sequence[str], name: str) -> str | None:
-    """The value given to vLLM's `name` (`--vllm-<flag> V` or `--vllm-<flag>=V`), None if not given."""
-    for k, token in enumerate(tokens):
-        if token.startswith(VLLM_PREFIX) and vllm_flag(token) == name:
-            if "=" in token:
-                return token.split("=", 1)[1]
-            return tokens[k + 1] if k + 1 < len(tokens) else None
-    return None
 
 
 def engine_gpus(index: int, per_engine: int, visible: str | None) -> str:
