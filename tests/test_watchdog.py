@@ -16,9 +16,10 @@ DEADLINE_S = 120  # generous: the machine's cores are shared; the hang ends as s
 
 
 def wait_for_dump(args, sample) -> float:
-    """A reward that hangs (sample 0 of the first step only) until the watchdog has dumped it."""
+    """A reward that hangs (sample 0 of the first step only) until the watchdog has dumped it. Not "until any
+    dump": a generation slower than the timeout is dumped first, naming generate."""
     folder = os.path.join(args.output_dir, "watchdog")
-    if sample.index == 0 and not os.path.isdir(folder):
+    if sample.index == 0 and not _reward_dumps(folder):
         deadline = time.monotonic() + DEADLINE_S
         while not _reward_dumps(folder) and time.monotonic() < deadline:
             time.sleep(0.05)
