@@ -193,7 +193,7 @@ def train(
     env = {TRIGGERS_ENV: triggers, "PYTHONPATH": os.pathsep.join([TESTS, REPO])}
     for kind, step in faults:
         open(os.path.join(triggers, f"{kind}.{step}"), "w").close()
-        if kind == "rank_kill_sync":  # rank 1's second bucket of weight version `step`'s broadcast (v0 is the first)
+        if kind == "rank_kill_sync":  # rank 1 gathers version `step`'s 2nd bucket (v0 is the first) as the 1st is sent
             env[KILL_IN_BUCKET_ENV] = (
                 f"1:{step * buckets_per_sync(model) + 2}:{os.path.join(triggers, f'{kind}.{step}')}"
             )

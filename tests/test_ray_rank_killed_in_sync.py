@@ -3,8 +3,9 @@ the sync fails with one line naming the rank and the engine, in bounded time, no
 the next run with --load resumes from the last checkpoint.
 
 The kill is deterministic: LICHEN_TEST_KILL_RANK_IN_BUCKET (lichen.weights.rank_send) makes rank 1 kill itself
-inside its K-th broadcast bucket, right after the bucket's first tensor is gathered; K is chosen so that it falls
-in the second bucket of weight version 2 (the sync after step 2, whose checkpoint is already written)."""
+inside the K-th bucket it gathers, right after the bucket's first tensor; the ranks gather bucket k+1 while bucket
+k is on the wire, so K is chosen as bucket 3 of weight version 2 (the sync after step 2, whose checkpoint is
+already written): rank 1 dies while bucket 2 is broadcast."""
 
 from __future__ import annotations
 
@@ -126,8 +127,9 @@ def test_rank_killed_mid_broadcast_fails_in_one_line_leaves_nothing_and_resumes(
     shutil.copytree(tiny_ckpt, model)
     n = _buckets_per_sync(model)
     assert n >= 3
-    # buckets 1..n are version 0's (the sync before step 1), n+1..2n version 1's, then version 2's: its second one
-    kill_at = 2 * n + 2
+    # buckets 1..n are version 0's (the sync before step 1), n+1..2n version 1's, then version 2's: its third one,
+    # gathered during bucket 2's broadcast
+    kill_at = 2 * n + 3
     save = str(tmp_path / "ckpt")
     env = json.dumps({KILL_IN_BUCKET_ENV: f"1:{kill_at}"})
 

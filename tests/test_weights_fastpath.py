@@ -461,3 +461,27 @@ def test_stage_is_refused_or_failed_but_the_pull_still_succeeds(tmp_path):
         stage.swap_in()
     with pytest.raises(ValueError, match="contiguous"):
         LiveStage({"t": torch.zeros(4, 4).t()}, 1, chain)
+
+
+def test_the_weight_threads_follow_the_environment(monkeypatch):
+    """LICHEN_WEIGHT_THREADS sets the pools' size per process (a rank's delta encode on its share of a host's
+    cores); unset, the cores up to 8; a bad value is one error naming the variable."""
+    import threading
+
+    from lichen.weights.parallel import THREADS_ENV, default_threads
+
+    def threads_used() -> int:
+        seen: set[int] = set()
+        parallel_map(lambda _: seen.add(threading.get_ident()), range(64))
+        return len(seen)
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert default_threads() == max(1, min(8, os.cpu_count() or 1))
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert default_threads() == 1 and threads_used() == 1
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert default_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=THREADS_ENV):
+            default_threads()

@@ -5,7 +5,9 @@
 
 For each model size (a llama of about that many parameters, random init, lichen_bench.sync.model_shape) and each
 transport, two `lichen train` runs of --steps GRPO steps (1 prompt x 2 samples, 2 new tokens: the step is cheap,
-the sync is the point), each in a fresh run directory, one process thread each (`--num-threads 1`):
+the sync is the point), each in a fresh run directory, one thread per process (`--num-threads 1` for torch,
+LICHEN_WEIGHT_THREADS=1 for the weight code's pools: each rank encodes its delta part on one core, so 2 ranks vs 1
+compares equal per-rank resources even on a 2-core machine):
 
 - `--runtime ray`: 2 trainer ranks (FSDP2 over gloo) + 1 `lichen serve` engine, each a Ray actor;
 - `--runtime local`: the `lichen train` process trains, 1 launched `lichen serve` engine;
@@ -35,6 +37,7 @@ import os
 import sys
 import time
 
+from lichen.weights.parallel import THREADS_ENV
 from lichen_bench.children import run_child, tail
 from lichen_bench.machine import fresh_run_dir, load_check
 from lichen_bench.sync import model_shape
@@ -200,9 +203,8 @@ def one_run(tag: str, argv: list[str], run: str, transport: str, ranks: int, arg
     os.makedirs(run)
     loads.append(load_check(tag, "before", 2))
     reward_dir = os.path.dirname(run)  # make_inputs wrote the reward module beside the model
-    child = run_child(
-        argv, os.path.join(run, "train.log"), timeout=args.timeout, threads=1, extra_env={"PYTHONPATH": reward_dir}
-    )
+    env = {"PYTHONPATH": reward_dir, THREADS_ENV: "1"}  # the weight code on one thread per process, as torch
+    child = run_child(argv, os.path.join(run, "train.log"), timeout=args.timeout, threads=1, extra_env=env)
     loads.append(load_check(tag, "after", 2))
     if child["rc"] != 0:
         return {"tag": tag, "error": f"exit {child['rc']}", "log": child["log"], "log_tail": tail(child["log"])}

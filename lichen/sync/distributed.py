@@ -261,7 +261,9 @@ class BroadcastSync:
                 if self.flattened:
                     payload["load_format"] = "flattened_bucket"
                 pending = self._post_bucket(payload, bucket, dtype)
-                fut = sender.submit("broadcast", names, dtype_name(dtype), self.flattened)
+                # the ranks gather the next bucket while this one is on the wire (RankSender.broadcast)
+                then = [row[0] for row in plan[k]] if self.flattened and k < len(plan) else None
+                fut = sender.submit("broadcast", names, dtype_name(dtype), self.flattened, then)
                 try:
                     sums.update(wait_with_engines(fut, pending) or {})
                 except BaseException as e:

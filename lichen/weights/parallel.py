@@ -18,7 +18,19 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+# Threads of the weight code per process (encode, apply, checksum pools), where a launcher shares a host's cores
+# between processes: each trainer rank's delta encode then runs on its own share (lichen bench sync --runtime ray
+# sets 1, so 2 ranks vs 1 on a 2-core machine compares equal per-rank resources).
+THREADS_ENV = "LICHEN_WEIGHT_THREADS"
+
+
 def default_threads() -> int:
+    """$LICHEN_WEIGHT_THREADS if set, else the machine's cores, at most 8."""
+    want = os.environ.get(THREADS_ENV, "").strip()
+    if want:
+        if not want.isdigit() or int(want) < 1:
+            raise ValueError(f"{THREADS_ENV}={want!r}: expected a whole number of threads, at least 1")
+        return int(want)
     return max(1, min(8, os.cpu_count() or 1))
 
 

@@ -143,7 +143,8 @@ class RankSender:
         self._host: str | None = None
         self._delta: Any = None  # lichen.weights.rank_delta.RankDeltaWriter, at the first delta_part
         self._held: Any = None  # tensor_bucket's shared bucket, until the engines answered
-        self._buckets = 0  # broadcast buckets taken part in, for the fault injection (KILL_IN_BUCKET_ENV)
+        self._buckets = 0  # broadcast buckets gathered, for the fault injection (KILL_IN_BUCKET_ENV)
+        self._ahead: Any = None  # ((names, engine dtype), flat, sums): the bucket `broadcast` gathered ahead
         self.group: Any = None
 
     def meta(self) -> list[list]:
@@ -156,6 +157,7 @@ class RankSender:
         process at; returns (address, port). A group still held is closed first (the engines' side was
         destroyed)."""
         self.group_close()
+        self._ahead = None
         host = master_address(urls)
         self._store = master_store(host, world_size, timeout_s)
         self._host = host
@@ -175,6 +177,7 @@ class RankSender:
         )
 
     def group_close(self) -> None:
+        self._ahead = None
         if self.group is not None:
             self.group.close()
         self.group = self._store = None
@@ -185,40 +188,82 @@ class RankSender:
         for name, t in self._gather(names):
             yield name, engine_cast(t, dtype)
 
-    def broadcast(self, names: list[str], engine_dtype: str, flattened: bool = True) -> dict[str, str] | None:
+    def broadcast(
+        self, names: list[str], engine_dtype: str, flattened: bool = True, then: list[str] | None = None
+    ) -> dict[str, str] | None:
         """Every rank: gather the bucket `names`; rank 0 broadcasts it in the engine dtype (one flattened uint8
         tensor, each tensor's bytes in `names` order, or tensor by tensor) and returns {name: xxh3-128} of what it
-        sent; other ranks return None."""
+        sent; other ranks return None.
+
+        `then` (flattened only) names the next bucket: every rank gathers it while rank 0's broadcast of this one
+        is in flight, and the next call finds it gathered. The gather (into rank 0, over the trainer's group)
+        and the broadcast (out of rank 0, over the weight group) then overlap instead of taking turns; rank 0
+        holds two buckets at most."""
         dtype = parse_dtype(engine_dtype)
+        if self.rank == 0 and self.group is None:
+            raise RuntimeError("the weight broadcast group is not formed on trainer rank 0")
+        if not flattened:
+            return self._broadcast_each(names, dtype)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (tuple(names), engine_dtype):
+            flat, sums = ahead[1], ahead[2]
+        else:  # the first bucket of a sync (or a sync after a failed one: what was gathered ahead is dropped)
+            flat, sums = self._fill(names, dtype)
+        work = self.group.broadcast_async(flat) if self.rank == 0 else None
+        try:
+            if then:
+                self._ahead = ((tuple(then), engine_dtype), *self._fill(then, dtype))
+        finally:
+            if work is not None:
+                work.wait()
+        return sums if self.rank == 0 else None
+
+    def _fill(self, names: list[str], dtype: torch.dtype) -> tuple[torch.Tensor | None, dict[str, str]]:
+        """Every rank gathers the bucket `names`; rank 0 copies it into one flattened uint8 tensor (each tensor's
+        bytes in order, each full tensor dropped once copied) and returns it with {name: xxh3-128}; other ranks
+        return (None, {})."""
+        self._buckets += 1
+        if self.rank != 0:
+            for i, _ in enumerate(self.gathered(names, dtype)):
+                if i == 0 and _kill_point(self.rank, self._buckets):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return None, {}
+        rows = {row[0]: row for row in self._meta()}
+        device = self._send_device(rows[names[0]])
+        total = sum(engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names)
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        sums: dict[str, str] = {}
+        offset = 0
+        for name, t in self.gathered(names, dtype):
+            sums[name] = tensor_checksum(t)
+            size = t.numel() * t.element_size()
+            flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
+            offset += size
+        if offset != total:
+            raise RuntimeError(f"bucket {names[:3]}...: gathered {offset} bytes, planned {total}")
+        return flat, sums
+
+    def _broadcast_each(self, names: list[str], dtype: torch.dtype) -> dict[str, str] | None:
+        """`broadcast` tensor by tensor (not flattened): each gathered tensor is broadcast as it comes."""
         self._buckets += 1
         if self.rank != 0:
             for i, _ in enumerate(self.gathered(names, dtype)):
                 if i == 0 and _kill_point(self.rank, self._buckets):
                     os.kill(os.getpid(), signal.SIGKILL)
             return None
-        if self.group is None:
-            raise RuntimeError("the weight broadcast group is not formed on trainer rank 0")
-        rows = {row[0]: row for row in self._meta()}
-        on_cuda = self.group.backend == "nccl" and rows[names[0]][3] == "cuda"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-        total = sum(engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names)
-        flat = torch.empty(total if flattened else 0, dtype=torch.uint8, device=device)
+        device = self._send_device(next(row for row in self._meta() if row[0] == names[0]))
         sums: dict[str, str] = {}
-        offset = 0
-        for name, t in self.gathered(names, dtype):  # each full tensor is dropped once copied
+        for name, t in self.gathered(names, dtype):
             sums[name] = tensor_checksum(t)
-            t = t.to(device)
-            if not flattened:
-                self.group.broadcast(t)
-                continue
-            size = t.numel() * t.element_size()
-            flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
-            offset += size
-        if flattened:
-            if offset != total:
-                raise RuntimeError(f"bucket {names[:3]}...: gathered {offset} bytes, planned {total}")
-            self.group.broadcast(flat)
+            self.group.broadcast(t.to(device))
         return sums
+
+    def _send_device(self, first: list) -> torch.device:
+        """Where rank 0 stages a bucket whose first tensor has the tensor_meta row `first`: its CUDA device when
+        the group is NCCL and the weights are on CUDA."""
+        if self.group is not None and self.group.backend == "nccl" and first[3] == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def write_full(
         self, path: str, plan: list[list[str]], engine_dtype: str, config: dict, copy_files_from: str, metadata: dict

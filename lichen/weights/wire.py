@@ -37,9 +37,14 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` in place from rank 0 (rank 0 sends it, the others receive into it)."""
+        self.broadcast_async(tensor).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start `broadcast`; returns the work handle to `.wait()` on. `tensor` must stay alive and unchanged
+        until then."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)

@@ -1,0 +1,110 @@
+"""The trainer-side broadcast sender (lichen.weights.rank_send.RankSender.broadcast) overlaps the gather of bucket
+k+1 with the transfer of bucket k: checked on the order of events against a recording weight group, and on the
+bytes it sends. End to end (real engines, real gloo groups, 2 trainer ranks) the same path is covered by
+tests/test_sync_endpoints.py and tests/test_ray_sync_senders.py."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from lichen.weights.rank_send import RankSender, tensor_meta
+from lichen.weights.wire import flatten_tensors, tensor_checksum
+
+BUCKETS = [["a", "b"], ["c"], ["d", "e"]]
+
+
+class RecordingGroup:
+    """A weight group whose broadcasts are recorded: when each starts and when it is waited for, and the bytes
+    it held at the start (a sender that changed them before the wait would show up as a mismatch at the wait)."""
+
+    backend = "gloo"
+
+    def __init__(self, events: list[tuple[str, str]]):
+        self.events = events
+        self.sent: list[torch.Tensor] = []
+        self.count = 0
+
+    def broadcast_async(self, tensor: torch.Tensor):
+        self.count += 1
+        k, at_start = self.count, tensor.clone()
+        self.events.append(("start", f"bucket {k}"))
+        events, sent = self.events, self.sent
+
+        class Work:
+            def wait(self) -> None:
+                assert torch.equal(tensor, at_start), f"bucket {k} changed while on the wire"
+                events.append(("wait", f"bucket {k}"))
+                sent.append(at_start)
+
+        return Work()
+
+
+@pytest.fixture
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(3 + i, 2, generator=g) for i, n in enumerate("abcde")}
+
+
+def sender_of(weights: dict[str, torch.Tensor], events: list[tuple[str, str]]) -> RankSender:
+    def gather(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for n in names:
+            events.append(("gather", n))
+            yield n, weights[n].clone()  # a fresh full tensor per gather, as an FSDP2 all-gather gives
+
+    sender = RankSender(0, gather, lambda: [tensor_meta(n, t) for n, t in weights.items()])
+    sender.group = RecordingGroup(events)
+    return sender
+
+
+def test_the_next_bucket_is_gathered_while_this_one_is_on_the_wire(weights):
+    events: list[tuple[str, str]] = []
+    sender = sender_of(weights, events)
+    sums: dict[str, str] = {}
+    for k, names in enumerate(BUCKETS):  # as lichen.sync.distributed.BroadcastSync.push_from asks
+        then = BUCKETS[k + 1] if k + 1 < len(BUCKETS) else None
+        sums.update(sender.broadcast(names, "float32", True, then) or {})
+    assert events == [
+        ("gather", "a"),
+        ("gather", "b"),
+        ("start", "bucket 1"),
+        ("gather", "c"),  # bucket 2 while bucket 1 is in flight
+        ("wait", "bucket 1"),
+        ("start", "bucket 2"),
+        ("gather", "d"),
+        ("gather", "e"),
+        ("wait", "bucket 2"),
+        ("start", "bucket 3"),
+        ("wait", "bucket 3"),
+    ]
+    group = sender.group
+    assert [t.tolist() for t in group.sent] == [
+        flatten_tensors([weights[n] for n in names]).tolist() for names in BUCKETS
+    ]
+    assert sums == {n: tensor_checksum(t) for n, t in weights.items()}
+    assert sender._ahead is None  # nothing held once the last bucket went
+
+
+def test_a_bucket_gathered_ahead_for_another_call_is_not_sent(weights):
+    """A sync that failed after gathering ahead leaves that bucket behind; the next sync starts at its own first
+    bucket, gathers it afresh and sends the current weights."""
+    events: list[tuple[str, str]] = []
+    sender = sender_of(weights, events)
+    sender.broadcast(BUCKETS[0], "float32", True, BUCKETS[1])  # the failed sync stopped here, bucket 2 gathered
+    weights["c"] += 1.0  # the next step changed it
+    events.clear()
+    sums = sender.broadcast(BUCKETS[1], "bfloat16", True, None)  # same names, another engine dtype: not reused
+    assert events[0] == ("gather", "c")
+    assert sums == {"c": tensor_checksum(weights["c"].to(torch.bfloat16))}
+    assert torch.equal(sender.group.sent[-1], flatten_tensors([weights["c"].to(torch.bfloat16)]))
+
+
+def test_the_broadcast_in_flight_is_waited_for_when_the_next_gather_fails(weights):
+    events: list[tuple[str, str]] = []
+    sender = sender_of(weights, events)
+    with pytest.raises(KeyError):
+        sender.broadcast(BUCKETS[0], "float32", True, ["no-such-tensor"])
+    assert events[-1] == ("wait", "bucket 1")
+    assert sender._ahead is None
