@@ -1,14 +1,17 @@
-"""The trainer-side broadcast sender (lichen.weights.rank_send.RankSender.broadcast) overlaps the gather of bucket
-k+1 with the transfer of bucket k: checked on the order of events against a recording weight group, and on the
-bytes it sends. End to end (real engines, real gloo groups, 2 trainer ranks) the same path is covered by
-tests/test_sync_endpoints.py and tests/test_ray_sync_senders.py."""
+"""The trainer-side weight sender (lichen.weights.rank_send.RankSender): its broadcast overlaps the gather of bucket
+k+1 with the transfer of bucket k (checked on the order of events against a recording weight group, and on the
+bytes it sends), and FSDP2 ranks gather in the engine dtype (2 ranks in torch.multiprocessing children). End to
+end (real engines, real gloo groups, 2 trainer ranks) the same path is covered by tests/test_sync_endpoints.py
+and tests/test_ray_sync_senders.py."""
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
 import torch
+from helpers.dist_ranks import config, step_batch
 
 from lichen.weights.rank_send import RankSender, tensor_meta
 from lichen.weights.wire import flatten_tensors, tensor_checksum
@@ -49,7 +52,7 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def sender_of(weights: dict[str, torch.Tensor], events: list[tuple[str, str]]) -> RankSender:
-    def gather(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def gather(names: list[str], dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for n in names:
             events.append(("gather", n))
             yield n, weights[n].clone()  # a fresh full tensor per gather, as an FSDP2 all-gather gives
@@ -108,3 +111,50 @@ def test_the_broadcast_in_flight_is_waited_for_when_the_next_gather_fails(weight
         sender.broadcast(BUCKETS[0], "float32", True, ["no-such-tensor"])
     assert events[-1] == ("wait", "bucket 1")
     assert sender._ahead is None
+
+
+def cast_gather_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
+    """After a step: what rank 0 sends for a bf16 engine (the `rows` op, whole tensors), the dtypes of the shards
+    the all-gathers moved, and the gathered state for comparison."""
+    from torch.distributed.tensor import DTensor
+
+    from lichen.train.dist_trainer import DistTrainer
+
+    torch.set_num_threads(1)
+    cfg, args = config(argv)
+    t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    t.train(0, step_batch(t.model.cfg.vocab_size, 0))
+    moved: list[str] = []
+    original = DTensor.full_tensor
+
+    def recording(self, *a, **k):
+        moved.append(str(self.dtype))
+        return original(self, *a, **k)
+
+    DTensor.full_tensor = recording  # type: ignore[method-assign]
+    try:
+        names = [row[0] for row in t.sync_weights("meta")]
+        sent = t.sync_weights("rows", names, "bfloat16", None)
+    finally:
+        DTensor.full_tensor = original  # type: ignore[method-assign]
+    whole = t.full_state_dict()
+    torch.save({"sent": sent, "moved": moved, "whole": whole}, os.path.join(out, f"rank{rank}.pt"))
+    t.close()
+
+
+@pytest.mark.slow
+def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addition_data, tmp_path):
+    """A bf16 engine's sync: the ranks cast their fp32 shards before the all-gather (half the bytes on the wire) and
+    rank 0 sends exactly the gathered fp32 weights cast to bf16."""
+    from helpers.dist_ranks import free_port, rank_files, run_ranks, trainer_argv
+
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
+    config(argv)
+    run_ranks(cast_gather_worker, 2, argv, free_port(), str(tmp_path))
+    r0, r1 = rank_files(tmp_path, 2)
+    whole = r0["whole"]
+    assert r0["sent"].keys() == whole.keys() and r1["sent"] is None
+    for name, w in whole.items():
+        assert w.dtype == torch.float32
+        assert r0["sent"][name].dtype == torch.bfloat16 and torch.equal(r0["sent"][name], w.to(torch.bfloat16)), name
+    assert r0["moved"] == r1["moved"] == ["torch.bfloat16"] * len(whole)  # every all-gather moved bf16 shards

@@ -296,8 +296,8 @@ class DistTrainer:
         lichen.train.lora.gather_merged), so a rank never holds more than a bucket of it."""
         model = self.actor.model
 
-        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-            return fsdp.full_tensors(model, names)
+        def full(names: list[str], dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+            return fsdp.full_tensors(model, names, dtype)
 
         if self.cfg.lora is None:
             return RankSender(self.rank, full, lambda: [tensor_meta(n, p) for n, p in model.named_parameters()])
@@ -305,11 +305,11 @@ class DistTrainer:
 
         sources = lora.merged_sources(model)
         params = dict(model.named_parameters())
-        return RankSender(
-            self.rank,
-            lambda names: lora.gather_merged(full, sources, names),
-            lambda: [tensor_meta(n, params[base]) for n, (base, _) in sources.items()],
-        )
+
+        def merged(names: list[str], dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+            return lora.gather_merged(full, sources, names)  # gathered and merged in the trainer's dtype, then cast
+
+        return RankSender(self.rank, merged, lambda: [tensor_meta(n, params[base]) for n, (base, _) in sources.items()])
 
     def _sharded_state(self, *, optimizer: bool = True) -> dict:
         """What DCP saves and loads; without the optimizers' states for --no-save-optim checkpoints."""

@@ -142,15 +142,28 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def full_tensors(
+    model: nn.Module, names: list[str], dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full parameter) for each of `names`, one at a time: a DTensor shard's `full_tensor()` (an
     all-gather: every rank must ask for the same names in the same order), else the tensor itself. Only one full
-    tensor is alive per step of the iteration, so a weight sync never holds the whole model."""
+    tensor is alive per step of the iteration, so a weight sync never holds the whole model.
+
+    dtype: floating-point shards are cast to it before the all-gather (a bf16 engine's sync moves half the bytes
+    of fp32; casting is elementwise, so the result equals the gathered tensor cast); tensors held whole are
+    yielded as they are."""
     reshard(model)  # the root's parameters are the sharded ones again after a no-grad forward
     params = dict(model.named_parameters())
     for name in names:
         p = params[name].detach()
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p)
+        if not isinstance(p, DTensor):
+            yield name, p
+            continue
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype:
+            cast = p.to(dtype)
+            assert isinstance(cast, DTensor)  # an elementwise op keeps the placement: still this rank's shard
+            p = cast
+        yield name, p.full_tensor()
 
 
 def full_weights(model: nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -4,8 +4,8 @@ Under `--runtime ray` every trainer rank holds one `RankSender` (lichen.train.di
 with `--runtime local` the `lichen train` process holds one (lichen.sync.senders). The driver's half of a transport
 (lichen.sync) makes the HTTP calls and tells the senders which bucket to send; no tensor passes through it.
 
-A sender reads the weights through `gather(names)`, which yields (name, full tensor) one tensor at a time. On an
-FSDP2 rank that is each DTensor's `full_tensor()`, a collective: every rank must be asked for the same names in
+A sender reads the weights through `gather(names, dtype)`, which yields (name, full tensor) one tensor at a time.
+On an FSDP2 rank that is each DTensor's `full_tensor()` of its shard cast to the engine dtype, a collective: every rank must be asked for the same names in
 the same order, and every rank is (the driver calls an op on all ranks at once). Only rank 0 keeps what it gathers:
 it owns the broadcast group's store and rank 0 of the group, and it returns the per-tensor checksums of what it
 sent, which the driver compares with the engines' own (lichen.sync.verify).
@@ -52,7 +52,11 @@ SENDER_OPS = frozenset(
     }
 )
 
-Gather = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+# gather(names, dtype): (name, full tensor) for each of `names`, in order. `dtype` is the engine dtype the caller
+# casts floating-point tensors to: a gather may cast before it gathers (an FSDP2 rank casts its shard, so the
+# all-gather moves engine-dtype bytes: half of fp32's for bf16 engines; the cast is elementwise, so the result is
+# bitwise the same) or yield the tensors as they are.
+Gather = Callable[[list[str], torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
 
 # Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
 # broadcasting (1-based, counted over the process's life), right after that bucket's first tensor is gathered:
@@ -185,7 +189,7 @@ class RankSender:
     # ---- sending ------------------------------------------------------------------------------------------
     def gathered(self, names: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor in the engine dtype) one at a time, on every rank (each one a collective)."""
-        for name, t in self._gather(names):
+        for name, t in self._gather(names, dtype):
             yield name, engine_cast(t, dtype)
 
     def broadcast(
@@ -340,7 +344,7 @@ class RankSender:
             self._held = (flat, views)
         sums: dict[str, str] = {}
         fill_s = 0.0
-        for i, (name, t) in enumerate(self._gather(names)):  # a collective per tensor: every rank, the same names
+        for i, (name, t) in enumerate(self._gather(names, dtype)):  # a collective per tensor: every rank, same names
             if views:
                 t0 = time.perf_counter()
                 views[i][1].copy_(t.detach())
@@ -381,8 +385,8 @@ class RankSender:
 def local_gather(state: dict[str, torch.Tensor]) -> Gather:
     """`gather` over tensors this process holds whole (the single-rank trainer's)."""
 
-    def gather(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in names:
+    def gather(names: list[str], dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:  # whole already: nothing to gather, the caller casts
             yield name, state[name]
 
     return gather
