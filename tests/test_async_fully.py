@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Callable
 
 import pytest
 import torch
 from helpers.async_driver import assert_side_error, run_driver
 from helpers.runs import THREADS, base_args, dumped_samples, run
+from helpers.waits import wait_for
 
 from lichen.config import parse_train_args
 from lichen.config.rollout_config import RolloutConfig
@@ -127,14 +129,16 @@ class HoldingEngine:
 
 
 class FakeTrainer(NullTrainer):  # saves no trainer files: the worker's state is what these tests look at
-    def __init__(self, fail_at: int | None = None):
-        self.fail_at = fail_at
+    def __init__(self, fail_at: int | None = None, before_train: Callable[[int], None] | None = None):
+        self.fail_at, self.before_train = fail_at, before_train
         self.batches: list[list[list]] = []
 
     def named_weights(self):
         return iter([("w", torch.zeros(1))])
 
     def train(self, rollout_id, batch):
+        if self.before_train is not None:
+            self.before_train(rollout_id)
         if rollout_id == self.fail_at:
             raise ValueError("loss is nan")
         self.batches.append(batch)
@@ -145,7 +149,9 @@ def keep_even_prompts(args, group) -> bool:
     return group[0].metadata["prompt_index"] % 2 == 0
 
 
-def _drive(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, engine_fail=None, train_fail=None, engine=None):
+def _drive(
+    tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, engine_fail=None, train_fail=None, engine=None, before=None
+):
     args = _parse(
         tiny_ckpt,
         addition_data,
@@ -162,7 +168,7 @@ def _drive(tiny_ckpt, addition_data, tmp_path, num_rollout, *extra, engine_fail=
     args.num_rollout = num_rollout
     engine = engine or HoldingEngine(args.n_samples_per_prompt, engine_fail)
     manager = RolloutManager(RolloutConfig.from_args(args), args, engine)
-    trainer = FakeTrainer(train_fail)
+    trainer = FakeTrainer(train_fail, before and (lambda rollout_id: before(engine, rollout_id)))
     return engine, trainer, run_driver(train_loop_fully_async, args, trainer, manager)
 
 
@@ -236,7 +242,14 @@ def test_resume_keeps_the_cut_groups_and_loses_no_prompt(tiny_ckpt, addition_dat
     """2 steps + save, then load + 2 steps: the checkpoint holds groups cut at the sync (partial tokens) and
     finished ones; every prompt handed out is trained once or held at the end, none twice, none missing."""
     save = ["--save", str(tmp_path / "c")]
-    engine, first, _ = _drive(tiny_ckpt, addition_data, tmp_path / "a", 2, *save)
+
+    def hold_one_at_the_save(engine: HoldingEngine, rollout_id: int) -> None:
+        # the worker starts its next group while the trainer trains; under load it may not have by the time the
+        # driver pauses it for the checkpoint: the last step trains only once a group hangs on the engine
+        if rollout_id == 1:
+            wait_for(lambda: engine.held, what="a group held on the engine before the checkpoint")
+
+    engine, first, _ = _drive(tiny_ckpt, addition_data, tmp_path / "a", 2, *save, before=hold_one_at_the_save)
     at_save = ckpt.load_rollout_state(str(tmp_path / "c"), 1)
     assert at_save["partial_rollout"]["groups"], "no group was in flight at the checkpoint"
     _, second, _ = _drive(
