@@ -5,14 +5,16 @@ with `--runtime local` the `lichen train` process holds one (lichen.sync.senders
 (lichen.sync) makes the HTTP calls and tells the senders which bucket to send; no tensor passes through it.
 
 A sender reads the weights through `gather(names, dtype)`, which yields (name, full tensor) one tensor at a time.
-On an FSDP2 rank that is each DTensor's `full_tensor()` of its shard cast to the engine dtype, a collective: every rank must be asked for the same names in
-the same order, and every rank is (the driver calls an op on all ranks at once). Only rank 0 keeps what it gathers:
-it owns the broadcast group's store and rank 0 of the group, and it returns the per-tensor checksums of what it
-sent, which the driver compares with the engines' own (lichen.sync.verify).
+On an FSDP2 rank that is each DTensor's `full_tensor()` of its shard cast to the engine dtype, a collective:
+every rank must be asked for the same names in the same order, and every rank is (the driver calls an op on all
+ranks at once). Only rank 0 keeps what it gathers: it owns the broadcast group's store and rank 0 of the group,
+and it returns the per-tensor checksums of what it sent, which the driver compares with the engines' own
+(lichen.sync.verify).
 
 Memory: a bucket is gathered one tensor at a time into one preallocated buffer of the bucket's size in the engine
-dtype; each full tensor is freed once copied. A rank's extra memory during a sync is that buffer plus the largest
-single tensor (gathered, then cast).
+dtype; each full tensor is freed once copied. The broadcast gathers the next bucket while the current one is on
+the wire, so rank 0's extra memory during a sync is two such buffers plus the largest single tensor (cast, then
+gathered); the other ranks hold one full tensor at a time.
 
 `tensor` (colocated engines): every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
 the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device
@@ -226,11 +228,7 @@ class RankSender:
         """Every rank gathers the bucket `names`; rank 0 copies it into one flattened uint8 tensor (each tensor's
         bytes in order, each full tensor dropped once copied) and returns it with {name: xxh3-128}; other ranks
         return (None, {})."""
-        self._buckets += 1
-        if self.rank != 0:
-            for i, _ in enumerate(self.gathered(names, dtype)):
-                if i == 0 and _kill_point(self.rank, self._buckets):
-                    os.kill(os.getpid(), signal.SIGKILL)
+        if self._follow(names, dtype):
             return None, {}
         rows = {row[0]: row for row in self._meta()}
         device = self._send_device(rows[names[0]])
@@ -249,11 +247,7 @@ class RankSender:
 
     def _broadcast_each(self, names: list[str], dtype: torch.dtype) -> dict[str, str] | None:
         """`broadcast` tensor by tensor (not flattened): each gathered tensor is broadcast as it comes."""
-        self._buckets += 1
-        if self.rank != 0:
-            for i, _ in enumerate(self.gathered(names, dtype)):
-                if i == 0 and _kill_point(self.rank, self._buckets):
-                    os.kill(os.getpid(), signal.SIGKILL)
+        if self._follow(names, dtype):
             return None
         device = self._send_device(next(row for row in self._meta() if row[0] == names[0]))
         sums: dict[str, str] = {}
@@ -261,6 +255,17 @@ class RankSender:
             sums[name] = tensor_checksum(t)
             self.group.broadcast(t.to(device))
         return sums
+
+    def _follow(self, names: list[str], dtype: torch.dtype) -> bool:
+        """Count one more broadcast bucket; on a rank other than 0, take part in its gathers (where the fault
+        injection of KILL_IN_BUCKET_ENV fires) and return True; rank 0 returns False and gathers itself."""
+        self._buckets += 1
+        if self.rank == 0:
+            return False
+        for i, _ in enumerate(self.gathered(names, dtype)):
+            if i == 0 and _kill_point(self.rank, self._buckets):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return True
 
     def _send_device(self, first: list) -> torch.device:
         """Where rank 0 stages a bucket whose first tensor has the tensor_meta row `first`: its CUDA device when
