@@ -89,9 +89,12 @@ def test_broadcast_buckets_split_by_bytes():
 
 
 @pytest.mark.slow
-def test_broadcast_syncs_are_bit_exact_and_reuse_the_group(pair, tiny_ckpt):
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "tensor_by_tensor"])
+def test_broadcast_syncs_are_bit_exact_and_reuse_the_group(pair, tiny_ckpt, flattened):
+    """Both wire formats of /update_weights_from_distributed: one flattened uint8 tensor per bucket (load_format
+    "flattened_bucket") and SGLang's default, one broadcast per tensor (load_format null)."""
     state = load_hf_state_dict(tiny_ckpt)
-    bs = BroadcastSync(pair, buffer_size=60_000, group_name="t-broadcast")
+    bs = BroadcastSync(pair, buffer_size=60_000, group_name="t-broadcast", flattened=flattened)
     try:
         for version in (1, 2, 3):
             state = step(state, version)
