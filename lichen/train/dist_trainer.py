@@ -299,8 +299,16 @@ class DistTrainer:
         def full(names: list[str], dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
             return fsdp.full_tensors(model, names, dtype)
 
-        if self.cfg.lora is None:
-            return RankSender(self.rank, full, lambda: [tensor_meta(n, p) for n, p in model.named_parameters()])
+        def owned(
+            names: list[str], dtype: torch.dtype | None, owner: dict[str, int]
+        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+            return fsdp.owned_tensors(model, names, owner, dtype)
+
+        def meta() -> list[list]:
+            return [tensor_meta(n, p) for n, p in model.named_parameters()]
+
+        if self.cfg.lora is None:  # with LoRA every rank gathers (the merge needs the base and the adapters)
+            return RankSender(self.rank, full, meta, gather_owned=owned)
         from lichen.train import lora  # peft: the lora extra
 
         sources = lora.merged_sources(model)

@@ -166,6 +166,75 @@ def full_tensors(
         yield name, p.full_tensor()
 
 
+def owned_tensors(
+    model: nn.Module, names: list[str], owner: dict[str, int], dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, full parameter) on the rank `owner[name]`, (name, None) on the others, for each of `names` in order:
+    every rank must ask for the same names in the same order (each DTensor is one collective).
+
+    A parameter sharded on dim 0 over all ranks (FSDP2's layout: rank r holds rows [r c, (r+1) c) of the d0 rows,
+    c = ceil(d0 / N), the last ranks fewer or none) is gathered to its owner only: every rank sends its shard,
+    padded to c rows, and the owner receives N c rows and keeps the first d0. Against `full_tensors` (an
+    all-gather: every rank receives the whole model) each rank receives and allocates only what it owns, 1/N of the
+    model. Any other layout falls back to `full_tensor()` on every rank. dtype: floating-point shards are cast to
+    it first, as in `full_tensors`; tensors held whole are yielded as they are."""
+    reshard(model)
+    params = dict(model.named_parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in names:
+        p = params[name].detach()
+        mine = owner[name] == rank
+        if not isinstance(p, DTensor):
+            yield name, (p if mine else None)
+            continue
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype:
+            cast = p.to(dtype)
+            assert isinstance(cast, DTensor)  # an elementwise op keeps the placement
+            p = cast
+        if not _rows_over_all_ranks(p, world):
+            full = p.full_tensor()
+            yield name, (full if mine else None)
+            continue
+        yield name, _gather_rows(p, owner[name], rank, world)
+
+
+def _rows_over_all_ranks(p: DTensor, world: int) -> bool:
+    """Whether `p` is sharded on dim 0 over one mesh dimension holding ranks 0..world-1 in order."""
+    from torch.distributed.tensor import Shard
+
+    mesh = p.device_mesh
+    return (
+        mesh.ndim == 1
+        and p.dim() > 0
+        and p.shape[0] > 0
+        and tuple(p.placements) == (Shard(0),)
+        and mesh.mesh.flatten().tolist() == list(range(world))
+    )
+
+
+def _gather_rows(p: DTensor, dst: int, rank: int, world: int) -> torch.Tensor | None:
+    """The full tensor of a dim-0 sharded `p` on rank `dst` (a dist.gather of the equal-row padded shards), None
+    on the other ranks."""
+    local = p.to_local()
+    d0 = p.shape[0]
+    c = -(-d0 // world)
+    rest = tuple(p.shape[1:])
+    want = max(0, min(c, d0 - rank * c))
+    if local.shape[0] != want:  # every rank computes the same rule: a different layout is a bug, said at once
+        raise RuntimeError(f"a dim-0 shard of {tuple(p.shape)} on rank {rank} has {local.shape[0]} rows, not {want}")
+    if want == c:
+        send = local.contiguous()
+    else:
+        send = local.new_zeros((c, *rest))
+        send[:want].copy_(local)
+    if rank != dst:
+        dist.gather(send, None, dst=dst, group=p.device_mesh.get_group())
+        return None
+    out = torch.empty((world * c, *rest), dtype=local.dtype, device=local.device)
+    dist.gather(send, list(out.chunk(world)), dst=dst, group=p.device_mesh.get_group())
+    return out[:d0]
+
+
 def full_weights(model: nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) weights on CPU on rank 0, None on the others. Every rank must call it (it gathers).
 

@@ -2,10 +2,13 @@
 owns it (docs/runtimes.md, docs/weight-format.md).
 
 The owners are a fixed partition of the parameter names (`owner_partition`: largest first to the least loaded
-rank, by engine-dtype bytes; the same on every rank, from the same metadata). At each version every rank takes
-part in the gather of every tensor (FSDP2 `full_tensor()` is a collective, asked in the same order everywhere),
-keeps only the tensors it owns, and after the gathers encodes them against its own CPU snapshot of the previous
-version — the ranks encode at the same time, so publish time divides by their number. Each rank writes one
+rank, by engine-dtype bytes; the same on every rank, from the same metadata). At each version each tensor is
+gathered into its owner only (every rank sends its FSDP2 shard to the owner, one collective per tensor asked in the
+same order everywhere: lichen.train.fsdp.owned_tensors), so a rank receives and holds only what it owns; after
+the gathers each rank encodes its tensors against its own CPU snapshot of the previous version — the ranks gather
+and encode at the same time, so publish time divides by their number. A full version's tensors are copied into the
+snapshot; a delta's are only read (the encoder moves the snapshot to the new bytes in place), so a rank that holds
+a tensor whole encodes straight from it. Each rank writes one
 safetensors file of its tensors (`model-{rank+1:05d}-of-{world:05d}.safetensors`, in the published format: engine
 dtype and per-tensor checksums for a full version, the zstd payloads of the changed tensors for a delta) into the
 version's temporary directory; the ranks then exchange what they wrote (an all-gather of small dicts) and rank 0
@@ -13,7 +16,7 @@ returns the merged weight map and checksums. The driver (lichen.sync.disk_delta)
 renames the directory into place, so engines apply the version exactly as one the driver published itself.
 
 Memory per rank: its owned tensors once gathered (model / ranks in the engine dtype) and its snapshot (the same
-again), plus the largest tensor while it is gathered.
+again), plus one padded shard while it is sent.
 
 Errors: a rank that fails to encode or write still joins the exchange, so every rank raises the same error and
 none is left waiting in a collective.
@@ -85,18 +88,21 @@ class RankDeltaWriter:
         self.snapshot: dict[str, torch.Tensor] = {}
         self.holds: tuple[str, int] | None = None  # (chain id, version) the snapshot is
 
-    def part(
-        self, gathered: Iterator[tuple[str, torch.Tensor]], owner: dict[str, int], spec: PartSpec
-    ) -> dict[str, Any] | None:
-        """Consume `gathered` (every tensor, engine dtype, in the same order on every rank), write this rank's file
-        of version `spec.version` into `spec.tmp_dir`, exchange with the other ranks; rank 0 returns {"weight_map",
-        "sums" (xxh3-128 of each tensor's new bytes, for the driver's verify), "total_bytes", "changed_bytes",
-        "published", "ranks"}; other ranks None."""
+    def part(self, owned: Iterator[tuple[str, torch.Tensor | None]], spec: PartSpec) -> dict[str, Any] | None:
+        """Consume `owned` (every tensor's name in the same order on every rank, with its full tensor in the engine
+        dtype where this rank owns it, else None), write this rank's file of version `spec.version` into
+        `spec.tmp_dir`, exchange with the other ranks; rank 0 returns {"weight_map", "sums" (xxh3-128 of each
+        tensor's new bytes, for the driver's verify), "total_bytes", "changed_bytes", "published", "ranks"}; other
+        ranks None."""
         t0 = time.perf_counter()
         mine: dict[str, torch.Tensor] = {}
-        for name, t in gathered:
-            if owner[name] == self.rank:  # an own CPU copy: never a view of a parameter
-                mine[name] = t.to("cpu").clone() if t.device.type == "cpu" else t.to("cpu")
+        for name, t in owned:
+            if t is None:
+                continue
+            if spec.kind == "full" and t.device.type == "cpu":  # kept as the snapshot: never a view of a parameter
+                mine[name] = t.clone()
+            else:  # a delta only reads it (the encoder updates the snapshot in place), on CPU
+                mine[name] = t.to("cpu")
         t1 = time.perf_counter()
         try:
             out = {"ok": True, **self._write(mine, spec), "gather_s": t1 - t0, "write_s": time.perf_counter() - t1}

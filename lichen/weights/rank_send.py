@@ -60,6 +60,12 @@ SENDER_OPS = frozenset(
 # bitwise the same) or yield the tensors as they are.
 Gather = Callable[[list[str], torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
 
+# gather_owned(names, dtype, owner): (name, full tensor) on the rank owner[name], (name, None) on the others, in
+# order: a gather into one rank (an FSDP2 rank sends its shard to the owner: lichen.train.fsdp.owned_tensors), for
+# the `disk` delta publish where each rank encodes the tensors it owns. Without one, every rank gathers every
+# tensor and keeps its own.
+GatherOwned = Callable[[list[str], torch.dtype | None, dict[str, int]], Iterator[tuple[str, torch.Tensor | None]]]
+
 # Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
 # broadcasting (1-based, counted over the process's life), right after that bucket's first tensor is gathered:
 # the rank is lost mid-broadcast at a chosen point, not at a chosen time (tests/test_ray_rank_killed_in_sync.py).
@@ -143,8 +149,10 @@ def master_address(urls: list[str]) -> str:
 class RankSender:
     """One process's sending half. `rank` is its rank among the trainer's ranks (0 sends and owns the group)."""
 
-    def __init__(self, rank: int, gather: Gather, meta: Callable[[], list[list]]):
-        self.rank, self._gather, self._meta = rank, gather, meta
+    def __init__(
+        self, rank: int, gather: Gather, meta: Callable[[], list[list]], gather_owned: GatherOwned | None = None
+    ):
+        self.rank, self._gather, self._meta, self._gather_owned = rank, gather, meta, gather_owned
         self._store: Any = None
         self._host: str | None = None
         self._delta: Any = None  # lichen.weights.rank_delta.RankDeltaWriter, at the first delta_part
@@ -309,9 +317,9 @@ class RankSender:
         checksum_format: str,
         level: int = 1,
     ) -> dict[str, Any] | None:
-        """Every rank gathers every tensor; each writes the part of version `version` it owns (a `disk` delta
-        version encoded by the owning ranks, lichen.weights.rank_delta) into `tmp_dir`; rank 0 returns the merged
-        weight map and checksums, other ranks None."""
+        """Each tensor is gathered into the rank that owns it; each rank writes the part of version `version` it
+        owns (a `disk` delta version encoded by the owning ranks, lichen.weights.rank_delta) into `tmp_dir`; rank 0
+        returns the merged weight map and checksums, other ranks None."""
         from lichen.weights.rank_delta import PartSpec, RankDeltaWriter, owner_partition, world
 
         dtype = parse_dtype(engine_dtype)
@@ -320,10 +328,20 @@ class RankSender:
         if self._delta is None:
             self._delta = RankDeltaWriter(self.rank)
         return self._delta.part(
-            self.gathered([r[0] for r in meta], dtype),
-            owner,
+            self._owned([r[0] for r in meta], dtype, owner),
             PartSpec(tmp_dir, kind, version, chain_id, encoding, checksum_format, level),
         )
+
+    def _owned(
+        self, names: list[str], dtype: torch.dtype, owner: dict[str, int]
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, full tensor in the engine dtype) for the tensors this rank owns, (name, None) for the others."""
+        if self._gather_owned is None:
+            for name, t in self.gathered(names, dtype):
+                yield name, (t if owner[name] == self.rank else None)
+            return
+        for name, got in self._gather_owned(names, dtype, owner):
+            yield name, (None if got is None else engine_cast(got, dtype))
 
     def tensor_bucket(self, names: list[str], engine_dtype: str, entries: int) -> dict[str, Any] | None:
         """Every rank: gather the bucket `names`, hold it in shared memory (CUDA memory on a GPU rank) when this
