@@ -115,7 +115,8 @@ def test_the_broadcast_in_flight_is_waited_for_when_the_next_gather_fails(weight
 
 def cast_gather_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
     """After a step: what rank 0 sends for a bf16 engine (the `rows` op, whole tensors), the dtypes of the shards
-    the all-gathers moved, and the gathered state for comparison."""
+    the gathers moved (and whether any all-gather ran), and the gathered state for comparison."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from lichen.train.dist_trainer import DistTrainer
@@ -124,28 +125,35 @@ def cast_gather_worker(rank: int, world_size: int, argv: list[str], port: int, o
     cfg, args = config(argv)
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     t.train(0, step_batch(t.model.cfg.vocab_size, 0))
-    moved: list[str] = []
-    original = DTensor.full_tensor
+    moved: list[tuple[str, int]] = []
+    all_gathers = [0]
+    gather, full_tensor = dist.gather, DTensor.full_tensor
 
-    def recording(self, *a, **k):
-        moved.append(str(self.dtype))
-        return original(self, *a, **k)
+    def recording(tensor, *a, **k):
+        moved.append((str(tensor.dtype), k["dst"]))
+        return gather(tensor, *a, **k)
 
-    DTensor.full_tensor = recording  # type: ignore[method-assign]
+    def counting(self, *a, **k):
+        all_gathers[0] += 1
+        return full_tensor(self, *a, **k)
+
+    dist.gather, DTensor.full_tensor = recording, counting  # type: ignore[method-assign]
     try:
         names = [row[0] for row in t.sync_weights("meta")]
         sent = t.sync_weights("rows", names, "bfloat16", None)
     finally:
-        DTensor.full_tensor = original  # type: ignore[method-assign]
+        dist.gather, DTensor.full_tensor = gather, full_tensor  # type: ignore[method-assign]
     whole = t.full_state_dict()
-    torch.save({"sent": sent, "moved": moved, "whole": whole}, os.path.join(out, f"rank{rank}.pt"))
+    record = {"sent": sent, "moved": moved, "all_gathers": all_gathers[0], "whole": whole}
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
     t.close()
 
 
 @pytest.mark.slow
 def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addition_data, tmp_path):
-    """A bf16 engine's sync: the ranks cast their fp32 shards before the all-gather (half the bytes on the wire) and
-    rank 0 sends exactly the gathered fp32 weights cast to bf16."""
+    """A bf16 engine's sync: the ranks cast their fp32 shards before gathering them into rank 0 (half the bytes on
+    the wire, and no all-gather: the other ranks receive nothing) and rank 0 sends exactly the gathered fp32
+    weights cast to bf16."""
     from helpers.dist_ranks import free_port, rank_files, run_ranks, trainer_argv
 
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
@@ -157,4 +165,5 @@ def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addi
     for name, w in whole.items():
         assert w.dtype == torch.float32
         assert r0["sent"][name].dtype == torch.bfloat16 and torch.equal(r0["sent"][name], w.to(torch.bfloat16)), name
-    assert r0["moved"] == r1["moved"] == ["torch.bfloat16"] * len(whole)  # every all-gather moved bf16 shards
+    assert r0["moved"] == r1["moved"] == [("torch.bfloat16", 0)] * len(whole)  # every gather: bf16 shards, to rank 0
+    assert r0["all_gathers"] == r1["all_gathers"] == 0

@@ -4,17 +4,20 @@ Under `--runtime ray` every trainer rank holds one `RankSender` (lichen.train.di
 with `--runtime local` the `lichen train` process holds one (lichen.sync.senders). The driver's half of a transport
 (lichen.sync) makes the HTTP calls and tells the senders which bucket to send; no tensor passes through it.
 
-A sender reads the weights through `gather(names, dtype)`, which yields (name, full tensor) one tensor at a time.
-On an FSDP2 rank that is each DTensor's `full_tensor()` of its shard cast to the engine dtype, a collective:
-every rank must be asked for the same names in the same order, and every rank is (the driver calls an op on all
-ranks at once). Only rank 0 keeps what it gathers: it owns the broadcast group's store and rank 0 of the group,
-and it returns the per-tensor checksums of what it sent, which the driver compares with the engines' own
-(lichen.sync.verify).
+A sender reads the weights one tensor at a time through `gather_owned(names, dtype, owner)`, which yields the full
+tensor on the rank that owns it and None on the others: on an FSDP2 rank each DTensor's shard is cast to the
+engine dtype and sent to the owner in one `dist.gather` (lichen.train.fsdp.owned_tensors), a collective: every rank
+must be asked for the same names in the same order, and every rank is (the driver calls an op on all ranks at
+once). `nccl`, `disk` full and the sampled check gather into rank 0 only (`to_rank0`): it owns the broadcast
+group's store and rank 0 of the group, and it returns the per-tensor checksums of what it sent, which the driver
+compares with the engines' own (lichen.sync.verify). `disk` delta gathers each tensor into the rank that encodes
+it. Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
+dtype)` gives every rank every full tensor (an all-gather) and the others drop theirs.
 
 Memory: a bucket is gathered one tensor at a time into one preallocated buffer of the bucket's size in the engine
 dtype; each full tensor is freed once copied. The broadcast gathers the next bucket while the current one is on
 the wire, so rank 0's extra memory during a sync is two such buffers plus the largest single tensor (cast, then
-gathered); the other ranks hold one full tensor at a time.
+gathered); the other ranks hold one shard (padded to equal rows) at a time.
 
 `tensor` (colocated engines): every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
 the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device
@@ -202,6 +205,13 @@ class RankSender:
         for name, t in self._gather(names, dtype):
             yield name, engine_cast(t, dtype)
 
+    def to_rank0(self, names: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor in the engine dtype) one at a time on rank 0, gathered into it only where the ranks
+        can (gather_owned); every rank takes part and iterates to the end, the others get nothing."""
+        for name, t in self._owned(names, dtype, dict.fromkeys(names, 0)):
+            if t is not None:
+                yield name, t
+
     def broadcast(
         self, names: list[str], engine_dtype: str, flattened: bool = True, then: list[str] | None = None
     ) -> dict[str, str] | None:
@@ -244,7 +254,7 @@ class RankSender:
         flat = torch.empty(total, dtype=torch.uint8, device=device)
         sums: dict[str, str] = {}
         offset = 0
-        for name, t in self.gathered(names, dtype):
+        for name, t in self.to_rank0(names, dtype):
             sums[name] = tensor_checksum(t)
             size = t.numel() * t.element_size()
             flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
@@ -259,7 +269,7 @@ class RankSender:
             return None
         device = self._send_device(next(row for row in self._meta() if row[0] == names[0]))
         sums: dict[str, str] = {}
-        for name, t in self.gathered(names, dtype):
+        for name, t in self.to_rank0(names, dtype):
             sums[name] = tensor_checksum(t)
             self.group.broadcast(t.to(device))
         return sums
@@ -270,7 +280,7 @@ class RankSender:
         self._buckets += 1
         if self.rank == 0:
             return False
-        for i, _ in enumerate(self.gathered(names, dtype)):
+        for i, _ in enumerate(self._owned(names, dtype, dict.fromkeys(names, 0))):
             if i == 0 and _kill_point(self.rank, self._buckets):
                 os.kill(os.getpid(), signal.SIGKILL)
         return True
@@ -291,14 +301,14 @@ class RankSender:
         dtype = parse_dtype(engine_dtype)
         if self.rank != 0:
             for names in plan:
-                for _ in self.gathered(names, dtype):
+                for _ in self.to_rank0(names, dtype):
                     pass
             return None
         sums: dict[str, str] = {}
 
         def tensors_of(names: list[str]) -> dict[str, torch.Tensor]:
             out = {}
-            for name, t in self.gathered(names, dtype):
+            for name, t in self.to_rank0(names, dtype):
                 out[name] = t.to("cpu").clone() if t.device.type == "cpu" else t.to("cpu")  # never a view of a param
                 sums[name] = tensor_checksum(out[name])
             return out
@@ -399,7 +409,7 @@ class RankSender:
         dtype, on CPU (the sampled check of engines that report no lichen checksums)."""
         dtype = parse_dtype(engine_dtype)
         out: dict[str, torch.Tensor] = {}
-        for name, t in self.gathered(names, dtype):
+        for name, t in self.to_rank0(names, dtype):
             if self.rank == 0:
                 out[name] = (t[:n] if (n is not None and t.dim()) else t).to("cpu").clone()
         return out if self.rank == 0 else None
