@@ -116,6 +116,8 @@ def owned_worker(rank: int, world_size: int, port: int, out: str) -> None:
                 finally:
                     DTensor.full_tensor = original  # type: ignore[method-assign]
                 record["full"][str(dtype)] = dict(fsdp.full_tensors(model, names, dtype))
+                # one exchange per tensor instead of one for the four
+                record.setdefault("each", {})[str(dtype)] = dict(fsdp.owned_tensors(model, names, owner, dtype, 1))
             record["full_calls"] = full_calls[0]
             sender = RankSender(
                 rank,
@@ -150,6 +152,7 @@ def test_two_ranks_gather_each_tensor_into_its_owner_and_publish_what_one_publis
             assert got.dtype == cast and got.shape == want.shape, name
             assert torch.equal(got, want.detach().to(cast)), name
             assert torch.equal(got, mine["full"][dtype][name]), name  # what the all-gather gives
+            assert torch.equal(got, mine["each"][dtype][name]) and other["each"][dtype][name] is None, name
     assert r0["full_calls"] == r1["full_calls"] == 0  # no all-gather: every tensor went into its owner only
 
     # the two ranks' files of each version hold what the single publisher writes for the same weights

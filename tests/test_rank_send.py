@@ -125,24 +125,24 @@ def cast_gather_worker(rank: int, world_size: int, argv: list[str], port: int, o
     cfg, args = config(argv)
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     t.train(0, step_batch(t.model.cfg.vocab_size, 0))
-    moved: list[tuple[str, int]] = []
+    moved: list[list[int]] = []  # each exchange's bytes sent to each rank
     all_gathers = [0]
-    gather, full_tensor = dist.gather, DTensor.full_tensor
+    exchange, full_tensor = dist.all_to_all_single, DTensor.full_tensor
 
-    def recording(tensor, *a, **k):
-        moved.append((str(tensor.dtype), k["dst"]))
-        return gather(tensor, *a, **k)
+    def recording(output, input, output_split_sizes, input_split_sizes, **k):
+        moved.append(list(input_split_sizes))
+        return exchange(output, input, output_split_sizes, input_split_sizes, **k)
 
     def counting(self, *a, **k):
         all_gathers[0] += 1
         return full_tensor(self, *a, **k)
 
-    dist.gather, DTensor.full_tensor = recording, counting  # type: ignore[method-assign]
+    dist.all_to_all_single, DTensor.full_tensor = recording, counting  # type: ignore[method-assign]
     try:
         names = [row[0] for row in t.sync_weights("meta")]
         sent = t.sync_weights("rows", names, "bfloat16", None)
     finally:
-        dist.gather, DTensor.full_tensor = gather, full_tensor  # type: ignore[method-assign]
+        dist.all_to_all_single, DTensor.full_tensor = exchange, full_tensor  # type: ignore[method-assign]
     whole = t.full_state_dict()
     record = {"sent": sent, "moved": moved, "all_gathers": all_gathers[0], "whole": whole}
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
@@ -151,7 +151,7 @@ def cast_gather_worker(rank: int, world_size: int, argv: list[str], port: int, o
 
 @pytest.mark.slow
 def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addition_data, tmp_path):
-    """A bf16 engine's sync: the ranks cast their fp32 shards before gathering them into rank 0 (half the bytes on
+    """A bf16 engine's sync: the ranks cast their fp32 shards before exchanging them into rank 0 (half the bytes on
     the wire, and no all-gather: the other ranks receive nothing) and rank 0 sends exactly the gathered fp32
     weights cast to bf16."""
     from helpers.dist_ranks import free_port, rank_files, run_ranks, trainer_argv
@@ -165,5 +165,9 @@ def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addi
     for name, w in whole.items():
         assert w.dtype == torch.float32
         assert r0["sent"][name].dtype == torch.bfloat16 and torch.equal(r0["sent"][name], w.to(torch.bfloat16)), name
-    assert r0["moved"] == r1["moved"] == [("torch.bfloat16", 0)] * len(whole)  # every gather: bf16 shards, to rank 0
+    # every exchange sent bf16 shards (padded to ceil(rows / 2) rows) to rank 0 only, and no all-gather ran
+    bf16_shards = sum(-(-w.shape[0] // 2) * (w.numel() // w.shape[0]) * 2 for w in whole.values())
+    for r in (r0, r1):
+        assert r["moved"] and all(split[1] == 0 for split in r["moved"])
+        assert sum(split[0] for split in r["moved"]) == bf16_shards
     assert r0["all_gathers"] == r1["all_gathers"] == 0

@@ -167,35 +167,47 @@ def full_tensors(
 
 
 def owned_tensors(
-    model: nn.Module, names: list[str], owner: dict[str, int], dtype: torch.dtype | None = None
+    model: nn.Module,
+    names: list[str],
+    owner: dict[str, int],
+    dtype: torch.dtype | None = None,
+    group_bytes: int = 32 << 20,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full parameter) on the rank `owner[name]`, (name, None) on the others, for each of `names` in order:
-    every rank must ask for the same names in the same order (each DTensor is one collective).
+    every rank must ask for the same names in the same order (the exchanges are collectives).
 
-    A parameter sharded on dim 0 over all ranks (FSDP2's layout: rank r holds rows [r c, (r+1) c) of the d0 rows,
-    c = ceil(d0 / N), the last ranks fewer or none) is gathered to its owner only: every rank sends its shard,
-    padded to c rows, and the owner receives N c rows and keeps the first d0. Against `full_tensors` (an
-    all-gather: every rank receives the whole model) each rank receives and allocates only what it owns, 1/N of the
-    model. Any other layout falls back to `full_tensor()` on every rank. dtype: floating-point shards are cast to
-    it first, as in `full_tensors`; tensors held whole are yielded as they are."""
+    Parameters sharded on dim 0 over all ranks (FSDP2's layout: rank r holds rows [r c, (r+1) c) of the d0 rows,
+    c = ceil(d0 / N), the last ranks fewer or none) are exchanged a group of about `group_bytes` (full-tensor
+    bytes) at a time in one all-to-all: every rank sends each tensor's shard, padded to c rows, to the tensor's
+    owner, which keeps the first d0 of the N c rows. Against `full_tensors` (an all-gather: every rank receives
+    the whole model) each rank receives only what it owns; with the tensors spread over the owners, the ranks
+    receive at the same time, so the exchange's time divides by the ranks too. One rank yields its shards as they
+    are (they are the full tensors). Any other layout falls back to `full_tensor()` on every rank. dtype:
+    floating-point shards are cast to it first, as in `full_tensors`; tensors held whole are yielded as they are."""
     reshard(model)
     params = dict(model.named_parameters())
     rank, world = dist.get_rank(), dist.get_world_size()
+    pending: list[tuple[str, DTensor]] = []
+    size = 0
     for name in names:
         p = params[name].detach()
-        mine = owner[name] == rank
-        if not isinstance(p, DTensor):
-            yield name, (p if mine else None)
-            continue
-        if dtype is not None and p.is_floating_point() and p.dtype != dtype:
+        if isinstance(p, DTensor) and dtype is not None and p.is_floating_point() and p.dtype != dtype:
             cast = p.to(dtype)
             assert isinstance(cast, DTensor)  # an elementwise op keeps the placement
             p = cast
-        if not _rows_over_all_ranks(p, world):
-            full = p.full_tensor()
-            yield name, (full if mine else None)
+        if isinstance(p, DTensor) and _rows_over_all_ranks(p, world):
+            pending.append((name, p))
+            size += p.numel() * p.element_size()
+            if size >= group_bytes:
+                yield from _exchange_rows(pending, owner, rank, world)
+                pending, size = [], 0
             continue
-        yield name, _gather_rows(p, owner[name], rank, world)
+        yield from _exchange_rows(pending, owner, rank, world)  # in order: what came before goes first
+        pending, size = [], 0
+        if isinstance(p, DTensor):
+            p = p.full_tensor()
+        yield name, (p if owner[name] == rank else None)
+    yield from _exchange_rows(pending, owner, rank, world)
 
 
 def _rows_over_all_ranks(p: DTensor, world: int) -> bool:
@@ -212,27 +224,57 @@ def _rows_over_all_ranks(p: DTensor, world: int) -> bool:
     )
 
 
-def _gather_rows(p: DTensor, dst: int, rank: int, world: int) -> torch.Tensor | None:
-    """The full tensor of a dim-0 sharded `p` on rank `dst` (a dist.gather of the equal-row padded shards), None
-    on the other ranks."""
+def _padded_shard(p: DTensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a dim-0 sharded `p`, padded with zeros to c = ceil(d0 / world) rows, contiguous."""
     local = p.to_local()
     d0 = p.shape[0]
     c = -(-d0 // world)
-    rest = tuple(p.shape[1:])
     want = max(0, min(c, d0 - rank * c))
     if local.shape[0] != want:  # every rank computes the same rule: a different layout is a bug, said at once
         raise RuntimeError(f"a dim-0 shard of {tuple(p.shape)} on rank {rank} has {local.shape[0]} rows, not {want}")
     if want == c:
-        send = local.contiguous()
-    else:
-        send = local.new_zeros((c, *rest))
-        send[:want].copy_(local)
-    if rank != dst:
-        dist.gather(send, None, dst=dst, group=p.device_mesh.get_group())
-        return None
-    out = torch.empty((world * c, *rest), dtype=local.dtype, device=local.device)
-    dist.gather(send, list(out.chunk(world)), dst=dst, group=p.device_mesh.get_group())
-    return out[:d0]
+        return local.contiguous()
+    out = local.new_zeros((c, *p.shape[1:]))
+    out[:want].copy_(local)
+    return out
+
+
+def _exchange_rows(
+    items: list[tuple[str, DTensor]], owner: dict[str, int], rank: int, world: int
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The full tensors of the dim-0 sharded `items` on their owners (None elsewhere), in order, through one
+    all_to_all_single of their padded shards' bytes (destination-major on the way out, source-major on the way
+    in)."""
+    if not items:
+        return
+    if world == 1:
+        for name, p in items:
+            yield name, p.to_local()
+        return
+    shards = [_padded_shard(p, rank, world).reshape(-1).view(torch.uint8) for _, p in items]
+    order = sorted(range(len(items)), key=lambda i: owner[items[i][0]])  # stable: each destination's in `items` order
+    send = torch.cat([shards[i] for i in order])
+    in_splits = [sum(shards[i].numel() for i in range(len(items)) if owner[items[i][0]] == r) for r in range(world)]
+    mine = [i for i in range(len(items)) if owner[items[i][0]] == rank]
+    shards_bytes = [t.numel() for t in shards]
+    per_source = sum(shards_bytes[i] for i in mine)  # every rank sends the owner the same padded sizes
+    del shards
+    received = torch.empty(per_source * world, dtype=torch.uint8, device=send.device)
+    group = items[0][1].device_mesh.get_group()
+    dist.all_to_all_single(received, send, [per_source] * world, in_splits, group=group)
+    del send
+    offsets: dict[int, int] = {}
+    offset = 0
+    for i in mine:
+        offsets[i] = offset
+        offset += shards_bytes[i]
+    for i, (name, p) in enumerate(items):  # one full tensor built at a time, as the caller takes it
+        if i not in offsets:
+            yield name, None
+            continue
+        c, nbytes, start = -(-p.shape[0] // world), shards_bytes[i], offsets[i]
+        parts = [received[s * per_source + start : s * per_source + start + nbytes] for s in range(world)]
+        yield name, torch.cat(parts).view(p.dtype).reshape(world * c, *p.shape[1:])[: p.shape[0]]
 
 
 def full_weights(model: nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor] | None:

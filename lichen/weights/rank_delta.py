@@ -3,8 +3,8 @@ owns it (docs/runtimes.md, docs/weight-format.md).
 
 The owners are a fixed partition of the parameter names (`owner_partition`: largest first to the least loaded
 rank, by engine-dtype bytes; the same on every rank, from the same metadata). At each version each tensor is
-gathered into its owner only (every rank sends its FSDP2 shard to the owner, one collective per tensor asked in the
-same order everywhere: lichen.train.fsdp.owned_tensors), so a rank receives and holds only what it owns; after
+gathered into its owner only (every rank sends its FSDP2 shards to their owners, one all-to-all per 32 MiB of
+tensors, asked in the same order everywhere: lichen.train.fsdp.owned_tensors), so a rank receives and holds only what it owns; after
 the gathers each rank encodes its tensors against its own CPU snapshot of the previous version — the ranks gather
 and encode at the same time, so publish time divides by their number. A full version's tensors are copied into the
 snapshot; a delta's are only read (the encoder moves the snapshot to the new bytes in place), so a rank that holds
@@ -16,7 +16,7 @@ returns the merged weight map and checksums. The driver (lichen.sync.disk_delta)
 renames the directory into place, so engines apply the version exactly as one the driver published itself.
 
 Memory per rank: its owned tensors once gathered (model / ranks in the engine dtype) and its snapshot (the same
-again), plus one padded shard while it is sent.
+again), plus one exchange's shards (32 MiB) while they are sent.
 
 Errors: a rank that fails to encode or write still joins the exchange, so every rank raises the same error and
 none is left waiting in a collective.

@@ -6,9 +6,9 @@ with `--runtime local` the `lichen train` process holds one (lichen.sync.senders
 
 A sender reads the weights one tensor at a time through `gather_owned(names, dtype, owner)`, which yields the full
 tensor on the rank that owns it and None on the others: on an FSDP2 rank each DTensor's shard is cast to the
-engine dtype and sent to the owner in one `dist.gather` (lichen.train.fsdp.owned_tensors), a collective: every rank
-must be asked for the same names in the same order, and every rank is (the driver calls an op on all ranks at
-once). `nccl`, `disk` full and the sampled check gather into rank 0 only (`to_rank0`): it owns the broadcast
+engine dtype and sent to the owner (one all-to-all per 32 MiB of tensors: lichen.train.fsdp.owned_tensors), a
+collective: every rank must be asked for the same names in the same order, and every rank is (the driver calls an
+op on all ranks at once). `nccl`, `disk` full and the sampled check gather into rank 0 only (`to_rank0`): it owns the broadcast
 group's store and rank 0 of the group, and it returns the per-tensor checksums of what it sent, which the driver
 compares with the engines' own (lichen.sync.verify). `disk` delta gathers each tensor into the rank that encodes
 it. Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
@@ -16,8 +16,8 @@ dtype)` gives every rank every full tensor (an all-gather) and the others drop t
 
 Memory: a bucket is gathered one tensor at a time into one preallocated buffer of the bucket's size in the engine
 dtype; each full tensor is freed once copied. The broadcast gathers the next bucket while the current one is on
-the wire, so rank 0's extra memory during a sync is two such buffers plus the largest single tensor (cast, then
-gathered); the other ranks hold one shard (padded to equal rows) at a time.
+the wire, so rank 0's extra memory during a sync is two such buffers plus one exchange's received shards (32 MiB)
+and the largest single tensor; the other ranks hold one exchange's padded shards (32 MiB / ranks) at a time.
 
 `tensor` (colocated engines): every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
 the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device
