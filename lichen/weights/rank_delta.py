@@ -4,14 +4,14 @@ owns it (docs/runtimes.md, docs/weight-format.md).
 The owners are a fixed partition of the parameter names (`owner_partition`: largest first to the least loaded
 rank, by engine-dtype bytes; the same on every rank, from the same metadata). At each version each tensor is
 gathered into its owner only (every rank sends its FSDP2 shards to their owners, one all-to-all per 32 MiB of
-tensors, asked in the same order everywhere: lichen.train.fsdp.owned_tensors), so a rank receives and holds only what it owns; after
-the gathers each rank encodes its tensors against its own CPU snapshot of the previous version — the ranks gather
-and encode at the same time, so publish time divides by their number. A full version's tensors are copied into the
-snapshot; a delta's are only read (the encoder moves the snapshot to the new bytes in place), so a rank that holds
-a tensor whole encodes straight from it. Each rank writes one
-safetensors file of its tensors (`model-{rank+1:05d}-of-{world:05d}.safetensors`, in the published format: engine
-dtype and per-tensor checksums for a full version, the zstd payloads of the changed tensors for a delta) into the
-version's temporary directory; the ranks then exchange what they wrote (an all-gather of small dicts) and rank 0
+tensors, asked in the same order everywhere: lichen.train.fsdp.owned_tensors), so a rank receives and holds only
+what it owns; after the gathers each rank encodes its tensors against its own CPU snapshot of the previous version
+— the ranks gather and encode at the same time, so publish time divides by their number. A full version's tensors
+are copied into the snapshot; a delta's are only read (the encoder moves the snapshot to the new bytes in place),
+so a rank that holds a tensor whole encodes straight from it. Each rank writes one safetensors file of its
+tensors (`model-{rank+1:05d}-of-{world:05d}.safetensors`, in the published format: engine dtype and per-tensor
+checksums for a full version, the zstd payloads of the changed tensors for a delta) into the version's temporary
+directory; the ranks then exchange what they wrote (an all-gather of small dicts) and rank 0
 returns the merged weight map and checksums. The driver (lichen.sync.disk_delta) writes the index last and
 renames the directory into place, so engines apply the version exactly as one the driver published itself.
 

@@ -8,10 +8,10 @@ A sender reads the weights one tensor at a time through `gather_owned(names, dty
 tensor on the rank that owns it and None on the others: on an FSDP2 rank each DTensor's shard is cast to the
 engine dtype and sent to the owner (one all-to-all per 32 MiB of tensors: lichen.train.fsdp.owned_tensors), a
 collective: every rank must be asked for the same names in the same order, and every rank is (the driver calls an
-op on all ranks at once). `nccl`, `disk` full and the sampled check gather into rank 0 only (`to_rank0`): it owns the broadcast
-group's store and rank 0 of the group, and it returns the per-tensor checksums of what it sent, which the driver
-compares with the engines' own (lichen.sync.verify). `disk` delta gathers each tensor into the rank that encodes
-it. Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
+op on all ranks at once). `nccl`, `disk` full and the sampled check gather into rank 0 only (`to_rank0`): it owns
+the broadcast group's store and rank 0 of the group, and it returns the per-tensor checksums of what it sent, which
+the driver compares with the engines' own (lichen.sync.verify). `disk` delta gathers each tensor into the rank
+that encodes it. Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
 dtype)` gives every rank every full tensor (an all-gather) and the others drop theirs.
 
 Memory: a bucket is gathered one tensor at a time into one preallocated buffer of the bucket's size in the engine
@@ -64,9 +64,10 @@ SENDER_OPS = frozenset(
 Gather = Callable[[list[str], torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
 
 # gather_owned(names, dtype, owner): (name, full tensor) on the rank owner[name], (name, None) on the others, in
-# order: a gather into one rank (an FSDP2 rank sends its shard to the owner: lichen.train.fsdp.owned_tensors), for
-# the `disk` delta publish where each rank encodes the tensors it owns. Without one, every rank gathers every
-# tensor and keeps its own.
+# order: each tensor goes to its owner only (FSDP2 ranks exchange their shards in all-to-alls:
+# lichen.train.fsdp.owned_tensors). Rank 0 owns every tensor for `nccl`, `disk` full and the sampled check; for the
+# `disk` delta publish each rank owns the tensors it encodes. Without one, every rank gathers every tensor (an
+# all-gather) and keeps its own.
 GatherOwned = Callable[[list[str], torch.dtype | None, dict[str, int]], Iterator[tuple[str, torch.Tensor | None]]]
 
 # Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
