@@ -6,6 +6,7 @@ SGLang -> vLLM request translation, and the key guard as an ASGI app (the real s
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import stat
@@ -109,6 +110,13 @@ def test_launcher_environment_keeps_the_key_off_the_command_line(ckpt, addition_
     assert cmd[1] == "CUDA_VISIBLE_DEVICES=5" and launcher.api_key not in " ".join(cmd)
     assert launcher.keyed(cmd) == cmd
     assert engine_gpus(1, 2, None) == "2,3" and engine_gpus(0, 1, "7") == "7"
+    # vLLM's sockets go to the launcher's own directory, removed with it even when stop() is never called
+    scratch = launcher.scratch
+    assert launcher.env["VLLM_RPC_BASE_PATH"] == os.path.join(scratch, "rpc") and os.path.isdir(scratch)
+    assert launcher.env["TMPDIR"] == os.path.join(scratch, "tmp")
+    del launcher
+    gc.collect()
+    assert not os.path.exists(scratch)
 
 
 def test_the_interpreter_comes_from_the_flag_the_environment_or_a_hint(tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ of vLLM's control plane. One server for the module (each start costs about a min
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -328,3 +330,30 @@ def test_the_control_plane_needs_the_key(engines):
         assert _status(url + path) == 401, path
     assert _status(url + "/weight_info", key=key) == 200
     assert _status(url + "/health") == 200 and _status(url + "/metrics") == 200  # open, as on lichen serve
+
+
+def test_the_engine_s_sockets_live_in_the_launcher_s_directory_which_stop_removes(ckpt, addition_data, tmp_path):
+    """vLLM names one ZMQ socket file per API-server/engine-core channel in VLLM_RPC_BASE_PATH (default: the temp
+    directory) and never removes them: a thousand test runs left a thousand files in /tmp. The launcher points it
+    at its own directory and removes that at stop."""
+    import tempfile
+
+    from lichen.engines.clients.vllm_launcher import VLLMLauncher
+
+    vllm_python()
+    argv = base_args(ckpt, addition_data, tmp_path, "--num-rollout", "1", "--rollout-engine-backend", "vllm")
+    argv += ["--rollout-num-engines", "1"]
+    flags = ["--vllm-max-model-len", "512", "--vllm-optimization-level", "0"]
+    launcher = VLLMLauncher.from_config(EngineConfig.from_args(parse_train_args([*argv[1:], *flags])))
+    scratch = launcher.scratch
+    assert scratch and os.path.dirname(scratch) == tempfile.gettempdir()
+    rpc = os.path.join(scratch, "rpc")
+    try:
+        launcher.start()
+        # the engine's sockets are here (without VLLM_RPC_BASE_PATH they would be in the temp directory)
+        assert any(stat.S_ISSOCK(os.stat(os.path.join(rpc, f)).st_mode) for f in os.listdir(rpc)), os.listdir(rpc)
+        # and its temp files (the distributed-init file) in its TMPDIR
+        assert any(f.startswith("vllm_dist_") for f in os.listdir(os.path.join(scratch, "tmp"))), os.listdir(scratch)
+    finally:
+        launcher.stop(grace=10)
+    assert not os.path.exists(scratch)

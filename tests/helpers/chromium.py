@@ -101,6 +101,7 @@ class Browser:
             [CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": self.profile},  # its own temp files go where its profile goes (removed)
         )
         port_file = os.path.join(self.profile, "DevToolsActivePort")
         deadline = time.monotonic() + 60

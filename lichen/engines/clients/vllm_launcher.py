@@ -4,7 +4,7 @@ vLLM cannot share lichen's environment (it pins its own torch and transformers),
 interpreter: `--vllm-python PATH`, else $LICHEN_VLLM_PYTHON, else `.venv-vllm/bin/python` beside lichen's source
 tree (what `scripts/setup_vllm.sh` creates). Engine i runs
 
-    VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=KEY PYTHONPATH=<lichen's package> \\
+    VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=KEY PYTHONPATH=<scratch>/path VLLM_RPC_BASE_PATH=<scratch>/rpc \\
     PYTHON -m vllm.entrypoints.openai.api_server --model CKPT --host 127.0.0.1 --port P_i --seed SEED
         --dtype DTYPE --tensor-parallel-size N --logprobs-mode processed_logprobs --generation-config vllm
         --enable-scale-out --middleware lichen.engines.clients.vllm_guard.KeyGuard [--max-num-seqs M]
@@ -25,6 +25,12 @@ The key: vLLM reads VLLM_API_KEY from its environment (never its command line, w
 lichen's KeyGuard (lichen.engines.clients.vllm_guard) extends it from vLLM's /v1, /inference paths to the control plane.
 The server is ready when `GET /health` answers 200 and a first generate with log-probs came back (`VLLMLauncher.warm_up`:
 vLLM compiles its log-prob gather on that request). Process groups, restart and stop: SGLangLauncher's.
+
+The launcher owns one scratch directory (`<tmp>/lichen-vllm-*`): `path/` links lichen's package (`lichen_path_dir`),
+`rpc/` holds the ZMQ sockets vLLM's API server and engine core talk over (VLLM_RPC_BASE_PATH), `tmp/` is the
+servers' TMPDIR (vLLM's distributed-init files, multiprocessing's directories). vLLM leaves all of these behind: one
+socket file per channel, one `vllm_dist_*` file per engine; a thousand test runs left thousands of files in /tmp.
+`stop()` removes the directory (and so does the launcher's end without `stop()`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any, Sequence
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import lichen
 from lichen.engines.clients.sglang_launcher import SGLangLauncher, SGLangLaunchError, _Server, _tail, given_gpus
@@ -195,11 +202,12 @@ def engine_gpus(index: int, per_engine: int, visible: str | None) -> str:
     return ",".join(devices[index * per_engine : (index + 1) * per_engine])
 
 
-def lichen_path_dir() -> str:
-    """A new directory holding only a link to lichen's package: on vLLM's PYTHONPATH it makes the modules lichen
-    runs inside vLLM (the key guard; weight-sync worker extensions) importable without the rest of lichen's
-    environment, whose packages would shadow vLLM's."""
-    path = tempfile.mkdtemp(prefix="lichen-vllm-path-")
+def lichen_path_dir(scratch: str) -> str:
+    """`scratch/path`, a new directory holding only a link to lichen's package: on vLLM's PYTHONPATH it makes the
+    modules lichen runs inside vLLM (the key guard; weight-sync worker extensions) importable without the rest of
+    lichen's environment, whose packages would shadow vLLM's."""
+    path = os.path.join(scratch, "path")
+    os.mkdir(path)
     os.symlink(os.path.dirname(os.path.abspath(lichen.__file__)), os.path.join(path, "lichen"))
     return path
 
@@ -212,8 +220,17 @@ class VLLMLauncher(SGLangLauncher):
     ready_path = "/health"
     key_env = KEY_ENV
 
+    scratch: str | None = None  # the directory stop() removes (from_config makes it)
+    _remove_scratch: Callable[[], Any] | None = None  # and so does the launcher's end without stop() (a finalizer)
+
     def keyed(self, cmd: list[str]) -> list[str]:
         return cmd  # vLLM reads its key from the environment itself
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Stop every server (SGLangLauncher.stop), then remove the scratch directory and the sockets in it."""
+        super().stop(grace)
+        if self._remove_scratch is not None:
+            self._remove_scratch()
 
     def warm_up(self, s: _Server, end: float) -> None:
         """One token with its log-prob, asked as rollouts ask. vLLM compiles its log-prob gather (torch.compile,
@@ -259,12 +276,26 @@ class VLLMLauncher(SGLangLauncher):
                 ]
             return cmd
 
-        pythonpath = os.pathsep.join(p for p in (lichen_path_dir(), os.environ.get("PYTHONPATH")) if p)
+        scratch = tempfile.mkdtemp(prefix="lichen-vllm-")
+        pythonpath = os.pathsep.join(p for p in (lichen_path_dir(scratch), os.environ.get("PYTHONPATH")) if p)
+        rpc, tmp = os.path.join(scratch, "rpc"), os.path.join(scratch, "tmp")
+        os.mkdir(rpc)
+        os.mkdir(tmp)
         # the only directories a server may load weights from (lichen_load_dir), as lichen serve's --weight-dir
         dirs = os.pathsep.join(os.path.abspath(d) for d in (cfg.weight_dir, cfg.local_checkpoint_dir) if d)
-        env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath, WEIGHT_DIRS_ENV: dirs, **kwargs.pop("env", {})}
+        env = {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "PYTHONPATH": pythonpath,
+            "VLLM_RPC_BASE_PATH": rpc,
+            "TMPDIR": tmp,
+            WEIGHT_DIRS_ENV: dirs,
+            **kwargs.pop("env", {}),
+        }
         kwargs.setdefault("keyed", True)
         kwargs.setdefault("gpus", given_gpus())  # what an added engine is checked against (SGLangLauncher.add)
         log_dir = kwargs.pop("log_dir", None) or cfg.log_dir or tempfile.mkdtemp(prefix="lichen-vllm-logs-")
         per = int(cfg.gpus_per_engine)
-        return cls(command_for, count, log_dir=log_dir, env=env, host=host, gpus_per_engine=per, **kwargs)
+        launcher = cls(command_for, count, log_dir=log_dir, env=env, host=host, gpus_per_engine=per, **kwargs)
+        launcher.scratch = scratch
+        launcher._remove_scratch = weakref.finalize(launcher, shutil.rmtree, scratch, True)
+        return launcher
