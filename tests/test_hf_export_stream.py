@@ -1,5 +1,6 @@
 """The multi-rank trainer's HF export streams (issue 27 item 3): rank 0 writes each safetensors file tensor by tensor
-as the ranks gather them (lichen.weights.safetensors_stream), never a whole-model dict; the files hold the same
+as the ranks send it their shards (lichen.weights.safetensors_stream; no all-gather into every rank), never a
+whole-model dict; the files hold the same
 tensors and the same index as the whole-dict export (write_hf_exports / save_hf_checkpoint) wrote. 2 gloo ranks in
 torch.multiprocessing children (tests/helpers/dist_ranks.py)."""
 
@@ -21,6 +22,8 @@ def export_worker(rank: int, world_size: int, argv: list[str], port: int, out: s
     """A checkpoint save with the whole-model paths refused (the full state dict gather, safetensors' dict writer),
     a streamed export split into small files; then, with them allowed again, the whole-dict exports of the same
     weights at both file sizes."""
+    from torch.distributed.tensor import DTensor
+
     import lichen.train.dist_trainer as dt
     from lichen.train import fsdp
     from lichen.train.checkpoint import write_hf_exports
@@ -44,10 +47,14 @@ def export_worker(rank: int, world_size: int, argv: list[str], port: int, out: s
 
     fsdp.full_weights = refuse
     safetensors.torch.save_file = adapters_only
+    real_full_tensor = DTensor.full_tensor
+    if not lora:  # each tensor goes to rank 0 only (fsdp.owned_of), never an all-gather into every rank
+        DTensor.full_tensor = refuse  # type: ignore[method-assign]
     t.save(os.path.join(out, "ckpt"), 0)  # hf/ at the default file size
     dt.plan_shards = lambda state: hf_io.plan_shards(state, SMALL_FILES)
     t._stream_hf(os.path.join(out, "small_stream"))
     fsdp.full_weights, safetensors.torch.save_file = real_full, real_save
+    DTensor.full_tensor = real_full_tensor  # type: ignore[method-assign]
     weights = fsdp.full_weights(t.model)
     if rank == 0:
         if lora:  # the multi-rank LoRA save before streaming: the adapters and the merge from the gathered state

@@ -118,15 +118,25 @@ def owned_worker(rank: int, world_size: int, port: int, out: str) -> None:
                 record["full"][str(dtype)] = dict(fsdp.full_tensors(model, names, dtype))
                 # one exchange per tensor instead of one for the four
                 record.setdefault("each", {})[str(dtype)] = dict(fsdp.owned_tensors(model, names, owner, dtype, 1))
+            # built in the caller's buffers (a broadcast bucket's slices): the first tensor of each rank's
+            # not (into gives None)
+            bufs = {n: torch.full(p.shape, float("nan")) for n, p in _module(0).named_parameters()}
+            firsts = {min((n for n in names if owner[n] == r), key=names.index) for r in range(world_size)}
+            into = {n: b for n, b in bufs.items() if n not in firsts}.get
+            record["into"] = {
+                n: (t.data_ptr() == bufs[n].data_ptr(), t.clone())
+                for n, t in fsdp.owned_tensors(model, names, owner, into=into)
+                if t is not None
+            }
             record["full_calls"] = full_calls[0]
             sender = RankSender(
                 rank,
                 lambda ns, dt=None, m=model: fsdp.full_tensors(m, ns, dt),
                 lambda m=model: [tensor_meta(n, p) for n, p in m.named_parameters()],
-                gather_owned=lambda ns, dt, ow, m=model: fsdp.owned_tensors(m, ns, ow, dt),
+                gather_owned=lambda ns, dt, ow, into=None, m=model: fsdp.owned_tensors(m, ns, ow, dt, into=into),
             )
         else:  # the same sender (its snapshot) over the next step's weights
-            sender._gather_owned = lambda ns, dt, ow, m=model: fsdp.owned_tensors(m, ns, ow, dt)
+            sender._gather_owned = lambda ns, dt, ow, into=None, m=model: fsdp.owned_tensors(m, ns, ow, dt, into=into)
         part_dir = os.path.join(out, f"part{step}")
         os.makedirs(part_dir, exist_ok=True)
         kind = "full" if step == 1 else "delta"
@@ -154,6 +164,12 @@ def test_two_ranks_gather_each_tensor_into_its_owner_and_publish_what_one_publis
             assert torch.equal(got, mine["full"][dtype][name]), name  # what the all-gather gives
             assert torch.equal(got, mine["each"][dtype][name]) and other["each"][dtype][name] is None, name
     assert r0["full_calls"] == r1["full_calls"] == 0  # no all-gather: every tensor went into its owner only
+    for r, rank in ((r0, 0), (r1, 1)):  # built in the buffer `into` gave, or a new one where it gave none
+        mine = [n for n in expect if owner[n] == rank]
+        assert r["into"].keys() == set(mine)
+        for name in mine:
+            in_place, got = r["into"][name]
+            assert in_place == (name != mine[0]) and torch.equal(got, expect[name].detach()), name
 
     # the two ranks' files of each version hold what the single publisher writes for the same weights
     pub = VersionPublisher(str(tmp_path / "pub"), dtype=torch.bfloat16, encoding="xor")

@@ -165,9 +165,10 @@ def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addi
     for name, w in whole.items():
         assert w.dtype == torch.float32
         assert r0["sent"][name].dtype == torch.bfloat16 and torch.equal(r0["sent"][name], w.to(torch.bfloat16)), name
-    # every exchange sent bf16 shards (padded to ceil(rows / 2) rows) to rank 0 only, and no all-gather ran
+    # rank 1's exchanges sent its bf16 shards (padded to ceil(rows / 2) rows) to rank 0 only; rank 0's own shards
+    # never entered an exchange (it sent nothing); no all-gather ran
     bf16_shards = sum(-(-w.shape[0] // 2) * (w.numel() // w.shape[0]) * 2 for w in whole.values())
-    for r in (r0, r1):
-        assert r["moved"] and all(split[1] == 0 for split in r["moved"])
-        assert sum(split[0] for split in r["moved"]) == bf16_shards
+    assert r1["moved"] and all(split[1] == 0 for split in r1["moved"])
+    assert sum(split[0] for split in r1["moved"]) == bf16_shards
+    assert len(r0["moved"]) == len(r1["moved"]) and all(split == [0, 0] for split in r0["moved"])
     assert r0["all_gathers"] == r1["all_gathers"] == 0

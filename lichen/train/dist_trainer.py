@@ -300,9 +300,12 @@ class DistTrainer:
             return fsdp.full_tensors(model, names, dtype)
 
         def owned(
-            names: list[str], dtype: torch.dtype | None, owner: dict[str, int]
+            names: list[str],
+            dtype: torch.dtype | None,
+            owner: dict[str, int],
+            into: Callable[[str], torch.Tensor | None] | None = None,
         ) -> Iterator[tuple[str, torch.Tensor | None]]:
-            return fsdp.owned_tensors(model, names, owner, dtype)
+            return fsdp.owned_tensors(model, names, owner, dtype, into=into)
 
         def meta() -> list[list]:
             return [tensor_meta(n, p) for n, p in model.named_parameters()]
@@ -370,8 +373,10 @@ class DistTrainer:
     def _stream_hf(self, out: str, full_tensors: dict[str, torch.Tensor] | None = None) -> None:
         """The policy as an HF checkpoint at `out`, as write_hf_exports writes it (the same files, tensors and
         index: its state dict's names, buffers and both names of a tied weight, save_hf_checkpoint's split into
-        files), streamed: every rank gathers one tensor at a time (each DTensor's full_tensor(), in file order)
-        and rank 0 appends it to the file being written, so no rank holds more than one full tensor."""
+        files), streamed: the ranks send each tensor's shards to rank 0 only (fsdp.owned_of, in file order; LoRA's
+        merged weights: every rank gathers each base weight and its adapters, lora.gather_merged) and rank 0
+        appends it to the file being written, so no rank holds more than one full tensor (rank 0: plus one
+        exchange's received shards)."""
         # this rank's shards (DTensors report their global shapes), or --async-save's gathered copies (rank 0)
         state = self.actor.model.state_dict() if full_tensors is None else full_tensors
         sources = None
@@ -387,8 +392,12 @@ class DistTrainer:
                 t = state[name].detach()
                 yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
-        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-            return gathered(names) if sources is None else lora.gather_merged(gathered, sources, names)
+        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+            if sources is not None:
+                return lora.gather_merged(gathered, sources, names)
+            if full_tensors is not None:  # rank 0 alone, in --async-save's thread: gathered already
+                return gathered(names)
+            return fsdp.owned_of(state, names, dict.fromkeys(names, 0))  # the tensors on rank 0, None elsewhere
 
         if self.rank != 0:
             for names in plan:  # the same collectives as rank 0's writes, in the same order
@@ -398,7 +407,7 @@ class DistTrainer:
 
         def write_file(names: list[str], path: str, header: dict[str, str]) -> int:
             rows = [(n, list(shapes[n].shape), shapes[n].dtype) for n in names]
-            return write_streamed(path, rows, full(names), header)
+            return write_streamed(path, rows, ((n, t) for n, t in full(names) if t is not None), header)
 
         with open(os.path.join(self.cfg.models.hf_checkpoint, "config.json")) as f:
             config = json.load(f)
@@ -429,10 +438,9 @@ class DistTrainer:
         d = iter_dir(ckpt_dir, rollout_id)
         with self.memory.weights_resident():  # rank 0: CPU copies of the full tensors, in _stream_hf's order
             full: dict[str, torch.Tensor] = {}
-            for name, shard in self.actor.model.state_dict().items():
-                t = shard.detach()
-                whole = t.full_tensor() if isinstance(t, DTensor) else t  # every rank gathers, in the same order
-                if self.rank == 0:
+            state = {name: t.detach() for name, t in self.actor.model.state_dict().items()}
+            for name, whole in fsdp.owned_of(state, list(state), dict.fromkeys(state, 0)):  # into rank 0 only
+                if whole is not None:
                     full[name] = whole.to("cpu", copy=True)
         hf = (lambda: self._export_hf(d, rollout_id, full)) if self.rank == 0 else None
         if not hasattr(self, "_async_save"):

@@ -13,7 +13,7 @@ import ipaddress
 import os
 import socket
 from datetime import timedelta
-from typing import Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -172,25 +172,43 @@ def owned_tensors(
     owner: dict[str, int],
     dtype: torch.dtype | None = None,
     group_bytes: int = 32 << 20,
+    into: Callable[[str], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full parameter) on the rank `owner[name]`, (name, None) on the others, for each of `names` in order:
     every rank must ask for the same names in the same order (the exchanges are collectives).
 
     Parameters sharded on dim 0 over all ranks (FSDP2's layout: rank r holds rows [r c, (r+1) c) of the d0 rows,
     c = ceil(d0 / N), the last ranks fewer or none) are exchanged a group of about `group_bytes` (full-tensor
-    bytes) at a time in one all-to-all: every rank sends each tensor's shard, padded to c rows, to the tensor's
-    owner, which keeps the first d0 of the N c rows. Against `full_tensors` (an all-gather: every rank receives
-    the whole model) each rank receives only what it owns; with the tensors spread over the owners, the ranks
-    receive at the same time, so the exchange's time divides by the ranks too. One rank yields its shards as they
-    are (they are the full tensors). Any other layout falls back to `full_tensor()` on every rank. dtype:
-    floating-point shards are cast to it first, as in `full_tensors`; tensors held whole are yielded as they are."""
+    bytes) at a time in one all-to-all: every rank sends its shard of each tensor another rank owns, padded to c
+    rows, to the owner, which copies each source's rows into the full tensor once (its own shard straight from
+    its memory). Against `full_tensors` (an all-gather: every rank receives the whole model) each rank receives
+    only what it owns; with the tensors spread over the owners, the ranks receive at the same time, so the
+    exchange's time divides by the ranks too. The exchange of a group is started before the previous group's
+    tensors are yielded, so it runs while the caller works on them (encodes, copies, broadcasts): two groups'
+    received bytes are held at most. `into(name)`, when given, is where the owner builds the full tensor (a
+    contiguous tensor of its shape and dtype, e.g. a slice of a broadcast bucket: no copy after) or None for a new
+    one. One rank yields its shards as they are (they are the full tensors). Any other layout falls back to
+    `full_tensor()` on every rank. dtype: floating-point shards are cast to it first, as in `full_tensors`;
+    tensors held whole are yielded as they are."""
     reshard(model)
-    params = dict(model.named_parameters())
+    return owned_of(dict(model.named_parameters()), names, owner, dtype, group_bytes, into)
+
+
+def owned_of(
+    tensors: dict[str, torch.Tensor],
+    names: list[str],
+    owner: dict[str, int],
+    dtype: torch.dtype | None = None,
+    group_bytes: int = 32 << 20,
+    into: Callable[[str], torch.Tensor | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """`owned_tensors` over `tensors` (a module's parameters or its state dict: DTensors or tensors held whole)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pending: list[tuple[str, DTensor]] = []
     size = 0
+    in_flight: _Exchange | None = None  # started, its tensors not yet yielded
     for name in names:
-        p = params[name].detach()
+        p = tensors[name].detach()
         if isinstance(p, DTensor) and dtype is not None and p.is_floating_point() and p.dtype != dtype:
             cast = p.to(dtype)
             assert isinstance(cast, DTensor)  # an elementwise op keeps the placement
@@ -199,15 +217,22 @@ def owned_tensors(
             pending.append((name, p))
             size += p.numel() * p.element_size()
             if size >= group_bytes:
-                yield from _exchange_rows(pending, owner, rank, world)
-                pending, size = [], 0
+                started = _Exchange(pending, owner, rank, world, into)
+                if in_flight is not None:
+                    yield from in_flight.tensors()
+                in_flight, pending, size = started, [], 0
             continue
-        yield from _exchange_rows(pending, owner, rank, world)  # in order: what came before goes first
-        pending, size = [], 0
+        # in order: what came before goes first
+        for group in (in_flight, _Exchange(pending, owner, rank, world, into)):
+            if group is not None:
+                yield from group.tensors()
+        in_flight, pending, size = None, [], 0
         if isinstance(p, DTensor):
             p = p.full_tensor()
         yield name, (p if owner[name] == rank else None)
-    yield from _exchange_rows(pending, owner, rank, world)
+    for group in (in_flight, _Exchange(pending, owner, rank, world, into)):
+        if group is not None:
+            yield from group.tensors()
 
 
 def _rows_over_all_ranks(p: DTensor, world: int) -> bool:
@@ -239,42 +264,95 @@ def _padded_shard(p: DTensor, rank: int, world: int) -> torch.Tensor:
     return out
 
 
-def _exchange_rows(
-    items: list[tuple[str, DTensor]], owner: dict[str, int], rank: int, world: int
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """The full tensors of the dim-0 sharded `items` on their owners (None elsewhere), in order, through one
-    all_to_all_single of their padded shards' bytes (destination-major on the way out, source-major on the way
-    in)."""
-    if not items:
-        return
-    if world == 1:
-        for name, p in items:
-            yield name, p.to_local()
-        return
-    shards = [_padded_shard(p, rank, world).reshape(-1).view(torch.uint8) for _, p in items]
-    order = sorted(range(len(items)), key=lambda i: owner[items[i][0]])  # stable: each destination's in `items` order
-    send = torch.cat([shards[i] for i in order])
-    in_splits = [sum(shards[i].numel() for i in range(len(items)) if owner[items[i][0]] == r) for r in range(world)]
-    mine = [i for i in range(len(items)) if owner[items[i][0]] == rank]
-    shards_bytes = [t.numel() for t in shards]
-    per_source = sum(shards_bytes[i] for i in mine)  # every rank sends the owner the same padded sizes
-    del shards
-    received = torch.empty(per_source * world, dtype=torch.uint8, device=send.device)
-    group = items[0][1].device_mesh.get_group()
-    dist.all_to_all_single(received, send, [per_source] * world, in_splits, group=group)
-    del send
-    offsets: dict[int, int] = {}
-    offset = 0
-    for i in mine:
-        offsets[i] = offset
-        offset += shards_bytes[i]
-    for i, (name, p) in enumerate(items):  # one full tensor built at a time, as the caller takes it
-        if i not in offsets:
-            yield name, None
-            continue
-        c, nbytes, start = -(-p.shape[0] // world), shards_bytes[i], offsets[i]
-        parts = [received[s * per_source + start : s * per_source + start + nbytes] for s in range(world)]
-        yield name, torch.cat(parts).view(p.dtype).reshape(world * c, *p.shape[1:])[: p.shape[0]]
+class _Exchange:
+    """One all_to_all_single of the padded shards of the dim-0 sharded `items`, started at construction (async);
+    `tensors()` waits for it and yields the full tensors on their owners (None elsewhere), in order.
+
+    A rank sends its shard of each tensor another rank owns (destination-major, each owner's in `items` order) and
+    receives, from every other rank, its shard of each tensor it owns (source-major); its own shards of what it
+    owns never enter the exchange. An owned tensor is then built with one copy of each source's rows into the full
+    tensor (`into(name)`, a caller's buffer such as a slice of a broadcast bucket, or a new one)."""
+
+    def __init__(
+        self,
+        items: list[tuple[str, DTensor]],
+        owner: dict[str, int],
+        rank: int,
+        world: int,
+        into: Callable[[str], torch.Tensor | None] | None = None,
+    ):
+        self.items, self.rank, self.world, self.into = items, rank, world, into
+        self.work: Any = None
+        self.send: torch.Tensor | None = None  # alive until the exchange is done
+        self.received: torch.Tensor | None = None
+        self.offsets: dict[int, int] = {}  # owned item -> byte offset of its shard within each source's chunk
+        self.per_source = 0  # bytes each other rank sends this one: the padded shards of what it owns
+        if not items or world == 1:
+            return
+        padded = [_padded_bytes(p, world) for _, p in items]
+        for i, (name, _) in enumerate(items):
+            if owner[name] == rank:
+                self.offsets[i] = self.per_source
+                self.per_source += padded[i]
+        others = sorted((i for i, (n, _) in enumerate(items) if owner[n] != rank), key=lambda i: owner[items[i][0]])
+        shards = [_padded_shard(items[i][1], rank, world).reshape(-1).view(torch.uint8) for i in others]
+        device = items[0][1].to_local().device
+        send = torch.cat(shards) if shards else torch.empty(0, dtype=torch.uint8, device=device)
+        del shards
+        in_splits = [
+            0 if r == rank else sum(padded[i] for i in others if owner[items[i][0]] == r) for r in range(world)
+        ]
+        out_splits = [0 if s == rank else self.per_source for s in range(world)]
+        self.received = torch.empty(self.per_source * (world - 1), dtype=torch.uint8, device=device)
+        self.send = send
+        self.work = dist.all_to_all_single(
+            self.received, send, out_splits, in_splits, group=items[0][1].device_mesh.get_group(), async_op=True
+        )
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        if self.world == 1:
+            for name, p in self.items:
+                yield name, p.to_local()
+            return
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.send = None
+        for i, (name, p) in enumerate(self.items):  # one full tensor built at a time, as the caller takes it
+            if i not in self.offsets:
+                yield name, None
+                continue
+            yield name, self._build(name, p, self.offsets[i])
+        self.received = None
+
+    def _build(self, name: str, p: DTensor, start: int) -> torch.Tensor:
+        """The full tensor `p` from this rank's shard and the other ranks' received rows (source s: rows [s c, ...))."""
+        world, d0 = self.world, p.shape[0]
+        c = -(-d0 // world)
+        out = self.into(name) if self.into is not None else None
+        if out is None:
+            out = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+        elif out.shape != p.shape or out.dtype != p.dtype or not out.is_contiguous():
+            raise RuntimeError(f"{name}: into() gave {tuple(out.shape)} {out.dtype}, not {tuple(p.shape)} {p.dtype}")
+        row = p.numel() // d0 * p.element_size()  # bytes per row
+        flat = out.view(-1).view(torch.uint8)
+        assert self.received is not None
+        for s in range(world):
+            rows = max(0, min(c, d0 - s * c))
+            if not rows:
+                continue
+            dst = flat[s * c * row : (s * c + rows) * row]
+            if s == self.rank:
+                dst.copy_(p.to_local().reshape(-1).view(torch.uint8))
+            else:
+                j = s if s < self.rank else s - 1  # the received chunks skip this rank
+                at = j * self.per_source + start
+                dst.copy_(self.received[at : at + rows * row])
+        return out
+
+
+def _padded_bytes(p: DTensor, world: int) -> int:
+    """Bytes of one rank's shard of dim-0 sharded `p` padded to c = ceil(d0 / world) rows."""
+    return -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * p.element_size()
 
 
 def full_weights(model: nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -63,12 +63,23 @@ SENDER_OPS = frozenset(
 # bitwise the same) or yield the tensors as they are.
 Gather = Callable[[list[str], torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
 
+
 # gather_owned(names, dtype, owner): (name, full tensor) on the rank owner[name], (name, None) on the others, in
 # order: each tensor goes to its owner only (FSDP2 ranks exchange their shards in all-to-alls:
 # lichen.train.fsdp.owned_tensors). Rank 0 owns every tensor for `nccl`, `disk` full and the sampled check; for the
 # `disk` delta publish each rank owns the tensors it encodes. Without one, every rank gathers every tensor (an
 # all-gather) and keeps its own.
-GatherOwned = Callable[[list[str], torch.dtype | None, dict[str, int]], Iterator[tuple[str, torch.Tensor | None]]]
+# `into(name)`, when given, is where the owner may build the full tensor (a contiguous tensor of its shape in the
+# engine dtype: a slice of the bucket being filled, so no copy follows) or None.
+class GatherOwned(Protocol):
+    def __call__(
+        self,
+        names: list[str],
+        dtype: torch.dtype | None,
+        owner: dict[str, int],
+        into: Callable[[str], torch.Tensor | None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor | None]]: ...
+
 
 # Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
 # broadcasting (1-based, counted over the process's life), right after that bucket's first tensor is gathered:
@@ -206,10 +217,13 @@ class RankSender:
         for name, t in self._gather(names, dtype):
             yield name, engine_cast(t, dtype)
 
-    def to_rank0(self, names: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def to_rank0(
+        self, names: list[str], dtype: torch.dtype, into: Callable[[str], torch.Tensor | None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor in the engine dtype) one at a time on rank 0, gathered into it only where the ranks
-        can (gather_owned); every rank takes part and iterates to the end, the others get nothing."""
-        for name, t in self._owned(names, dtype, dict.fromkeys(names, 0)):
+        can (gather_owned; built in `into(name)` where it can); every rank takes part and iterates to the end, the
+        others get nothing."""
+        for name, t in self._owned(names, dtype, dict.fromkeys(names, 0), into):
             if t is not None:
                 yield name, t
 
@@ -253,12 +267,22 @@ class RankSender:
         device = self._send_device(rows[names[0]])
         total = sum(engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names)
         flat = torch.empty(total, dtype=torch.uint8, device=device)
+        views: dict[str, torch.Tensor] = {}  # each tensor's place in the bucket: the exchange builds it there
+        at = 0
+        for n in names:
+            size = engine_nbytes_of(rows[n][1], rows[n][2], dtype)
+            try:
+                views[n] = flat[at : at + size].view(parse_dtype(sent_dtype(rows[n][2], dtype))).view(rows[n][1])
+            except RuntimeError:  # an offset its dtype cannot start at (mixed dtypes): built apart, copied in
+                pass
+            at += size
         sums: dict[str, str] = {}
         offset = 0
-        for name, t in self.to_rank0(names, dtype):
+        for name, t in self.to_rank0(names, dtype, views.get):
             sums[name] = tensor_checksum(t)
             size = t.numel() * t.element_size()
-            flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
+            if name not in views or t.data_ptr() != views[name].data_ptr():  # not built in place: copied in
+                flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8))
             offset += size
         if offset != total:
             raise RuntimeError(f"bucket {names[:3]}...: gathered {offset} bytes, planned {total}")
@@ -344,14 +368,18 @@ class RankSender:
         )
 
     def _owned(
-        self, names: list[str], dtype: torch.dtype, owner: dict[str, int]
+        self,
+        names: list[str],
+        dtype: torch.dtype,
+        owner: dict[str, int],
+        into: Callable[[str], torch.Tensor | None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(name, full tensor in the engine dtype) for the tensors this rank owns, (name, None) for the others."""
         if self._gather_owned is None:
             for name, t in self.gathered(names, dtype):
                 yield name, (t if owner[name] == self.rank else None)
             return
-        for name, got in self._gather_owned(names, dtype, owner):
+        for name, got in self._gather_owned(names, dtype, owner, into):
             yield name, (None if got is None else engine_cast(got, dtype))
 
     def tensor_bucket(self, names: list[str], engine_dtype: str, entries: int) -> dict[str, Any] | None:
