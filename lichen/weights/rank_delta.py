@@ -5,8 +5,9 @@ The owners are a fixed partition of the parameter names (`owner_partition`: larg
 rank, by engine-dtype bytes; the same on every rank, from the same metadata). At each version each tensor is
 gathered into its owner only (every rank sends its FSDP2 shards to their owners, one all-to-all per 32 MiB of
 tensors, asked in the same order everywhere: lichen.train.fsdp.owned_tensors), so a rank receives and holds only
-what it owns; after the gathers each rank encodes its tensors against its own CPU snapshot of the previous version
-— the ranks gather and encode at the same time, so publish time divides by their number. A full version's tensors
+what it owns; each rank encodes its tensors against its own CPU snapshot of the previous version as they arrive
+(the next group's exchange runs meanwhile) — the ranks gather and encode at the same time, so publish time
+divides by their number. A full version's tensors
 are copied into the snapshot; a delta's are only read (the encoder moves the snapshot to the new bytes in place),
 so a rank that holds a tensor whole encodes straight from it. Each rank writes one safetensors file of its
 tensors (`model-{rank+1:05d}-of-{world:05d}.safetensors`, in the published format: engine dtype and per-tensor
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -38,7 +40,7 @@ import torch
 from lichen.weights import diff_kernel
 from lichen.weights.delta_codec import checksum, encode_tensor_cast, tensor_bytes
 from lichen.weights.hf_io import _fsync_file
-from lichen.weights.parallel import parallel_map
+from lichen.weights.parallel import default_threads, serial_torch
 from lichen.weights.wire import tensor_checksum
 
 KINDS = ("full", "delta", "hash")  # hash: write nothing, return the checksums (a version the engines already hold)
@@ -93,22 +95,48 @@ class RankDeltaWriter:
         dtype where this rank owns it, else None), write this rank's file of version `spec.version` into
         `spec.tmp_dir`, exchange with the other ranks; rank 0 returns {"weight_map", "sums" (xxh3-128 of each
         tensor's new bytes, for the driver's verify), "total_bytes", "changed_bytes", "published", "ranks"}; other
-        ranks None."""
+        ranks None. A delta's tensors are encoded as they arrive, while the next ones are exchanged."""
         t0 = time.perf_counter()
+        gather_s = 0.0  # time spent waiting for `owned` (the exchanges not hidden behind the encode)
         mine: dict[str, torch.Tensor] = {}
-        for name, t in owned:
+        stream: _DeltaStream | None = None
+        error: Exception | None = None
+        if spec.kind == "delta":
+            try:
+                stream = _DeltaStream(self, spec)
+            except Exception as e:  # still takes part in every exchange below
+                error = e
+        it = iter(owned)
+        while True:
+            t1 = time.perf_counter()
+            got = next(it, None)
+            gather_s += time.perf_counter() - t1
+            if got is None:
+                break
+            name, t = got
             if t is None:
                 continue
             if spec.kind == "full" and t.device.type == "cpu":  # kept as the snapshot: never a view of a parameter
                 mine[name] = t.clone()
             else:  # a delta only reads it (the encoder updates the snapshot in place), on CPU
                 mine[name] = t.to("cpu")
-        t1 = time.perf_counter()
+            if stream is not None and error is None:
+                try:
+                    stream.add(name, mine[name])
+                except Exception as e:
+                    error = e
         try:
-            out = {"ok": True, **self._write(mine, spec), "gather_s": t1 - t0, "write_s": time.perf_counter() - t1}
+            if error is not None:
+                raise error
+            encoded = stream.results() if stream is not None else None
+            out = {"ok": True, **self._write(mine, spec, encoded), "gather_s": gather_s}
+            out["write_s"] = time.perf_counter() - t0 - gather_s
         except Exception as e:  # joins the exchange anyway: every rank raises, none hangs
             self.snapshot, self.holds = {}, None
             out = {"ok": False, "error": f"trainer rank {self.rank}: {type(e).__name__}: {e}"}
+        finally:
+            if stream is not None:
+                stream.close()
         parts = _all_gather(out)
         bad = [p["error"] for p in parts if not p["ok"]]
         if bad:
@@ -126,9 +154,9 @@ class RankDeltaWriter:
         merged["write_s"] = max(p["write_s"] for p in parts)
         return merged
 
-    def _write(self, mine: dict[str, torch.Tensor], spec: PartSpec) -> dict[str, Any]:
+    def _write(self, mine: dict[str, torch.Tensor], spec: PartSpec, encoded: dict[str, Any] | None) -> dict[str, Any]:
         tmp_dir, kind, version, chain_id = spec.tmp_dir, spec.kind, spec.version, spec.chain_id
-        encoding, checksum_format, level = spec.encoding, spec.checksum_format, spec.level
+        encoding, checksum_format = spec.encoding, spec.checksum_format
         if kind not in KINDS:
             raise ValueError(f"unknown version kind {kind!r}")
         _, size = world()
@@ -148,23 +176,11 @@ class RankDeltaWriter:
             self.snapshot, self.holds = mine, (chain_id, version)
             return {"weight_map": dict.fromkeys(mine, fname), "sums": sums, "total_bytes": total,
                     "changed_bytes": 0, "published": len(mine)}  # fmt: skip
-        if self.holds != (chain_id, version - 1) or list(self.snapshot) != list(mine):
-            raise RuntimeError(
-                f"a delta to version {version} needs this rank's snapshot of version {version - 1} of chain "
-                f"{chain_id}, it holds {self.holds} (the driver must publish a full version)"
-            )
-        self.holds = None  # the snapshot moves as tensors are encoded: valid again only once all are
+        assert encoded is not None  # a delta's tensors were encoded as they arrived (_DeltaStream)
         payloads: dict[str, np.ndarray] = {}
         header = {}
         changed = 0
-
-        def encode(name: str) -> Any:
-            snap = self.snapshot[name]
-            return encode_tensor_cast(
-                encoding, mine[name], tensor_bytes(snap), snap.dtype, checksum_format=checksum_format, level=level
-            )
-
-        for name, e in zip(mine, parallel_map(encode, list(mine))):  # each thread its own tensors' snapshots
+        for name, e in encoded.items():
             if e is not None:
                 payloads[name] = np.frombuffer(e.payload, dtype=np.uint8)
                 header[name] = str(e.checksum)
@@ -175,6 +191,50 @@ class RankDeltaWriter:
         self.holds = (chain_id, version)
         return {"weight_map": dict.fromkeys(payloads, fname), "sums": sums, "total_bytes": total,
                 "changed_bytes": changed, "published": len(payloads)}  # fmt: skip
+
+
+class _DeltaStream:
+    """The tensors of one delta version encoded as they arrive, against the writer's snapshot of the previous
+    version (which each encode moves to the new bytes in place): inline on one weight thread, else on a pool of
+    $LICHEN_WEIGHT_THREADS (each tensor its own snapshot, so the threads share nothing). The arrival order must be
+    the snapshot's."""
+
+    def __init__(self, writer: RankDeltaWriter, spec: PartSpec):
+        version, chain_id = spec.version, spec.chain_id
+        self.missing = (
+            f"a delta to version {version} needs this rank's snapshot of version {version - 1} of chain "
+            f"{chain_id}, it holds {writer.holds} (the driver must publish a full version)"
+        )
+        if writer.holds != (chain_id, version - 1):
+            raise RuntimeError(self.missing)
+        writer.holds = None  # the snapshot moves as tensors are encoded: valid again only once all are
+        self.writer, self.spec = writer, spec
+        self.order = list(writer.snapshot)
+        self.encoded: dict[str, Any] = {}  # name -> its encoding, or the Future of it
+        threads = default_threads()
+        self.pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+
+    def _encode(self, name: str, t: torch.Tensor) -> Any:
+        snap, spec = self.writer.snapshot[name], self.spec
+        with serial_torch():
+            return encode_tensor_cast(
+                spec.encoding, t, tensor_bytes(snap), snap.dtype, checksum_format=spec.checksum_format, level=spec.level
+            )
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if len(self.encoded) >= len(self.order) or self.order[len(self.encoded)] != name:
+            raise RuntimeError(self.missing)  # not the tensors the snapshot holds, in its order
+        self.encoded[name] = self.pool.submit(self._encode, name, t) if self.pool else self._encode(name, t)
+
+    def results(self) -> dict[str, Any]:
+        """{name: encoding (None: unchanged)} in the snapshot's order, once every tensor was added and encoded."""
+        if len(self.encoded) != len(self.order):
+            raise RuntimeError(self.missing)
+        return {n: (e.result() if isinstance(e, Future) else e) for n, e in self.encoded.items()}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 def _all_gather(obj: dict[str, Any]) -> list[dict[str, Any]]:
