@@ -8,6 +8,7 @@ Suites:
   logprobs  the trainer's log-probs at a 151,936-token vocabulary, chunked vs full logits (lichen_bench.log_probs)
   ckpt      step time with a checkpoint every step: no save vs synchronous vs asynchronous (lichen_bench.ckpt_save)
   engines   lichen serve vs vLLM: generation, log-prob mismatch, sync time (lichen_bench.engines)
+  compile   the trainer's forward and backward with each decoder layer torch.compile'd vs eager (lichen_bench.compile_layers)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SUITES = {
     "logprobs": ("lichen_bench.log_probs", "train-step time and peak memory, chunked vs full-vocabulary logits"),
     "ckpt": ("lichen_bench.ckpt_save", "step time with --save-interval 1: no save vs sync vs async checkpoint writes"),
     "engines": ("lichen_bench.engines", "lichen serve vs vLLM: tok/s and latency, log-prob mismatch, sync time"),
+    "compile": ("lichen_bench.compile_layers", "train forward + backward, decoder layers compiled vs eager"),
 }
 
 USAGE = (
