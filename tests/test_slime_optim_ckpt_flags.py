@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers.dist_ranks import free_port, run_ranks, step_batch, trainer_argv
+from helpers.dist_ranks import free_ports, run_ranks, step_batch, trainer_argv
 from helpers.runs import base_args
 from helpers.trainer import make_actor, ragged_samples
 
@@ -140,14 +140,14 @@ def test_save_hf_writes_the_checkpoints_hf_export_per_rollout_id(tiny_ckpt, addi
 # --- one FSDP2 rank: the sharded (DCP) save and load ------------------------------------------------------------
 
 
-def dcp_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
+def dcp_worker(rank: int, world_size: int, argv: list[str], ports: list[int], out: str) -> None:
     """Two steps (with --reset-optimizer-states: every step count stays 1), a --no-save-optim save with --save-hf,
     then a load into a fresh trainer and one more step."""
     from helpers.dist_ranks import _trainer, save
 
     torch.set_num_threads(1)
     ckpt = os.path.join(out, "ck")
-    t = _trainer(argv, rank, world_size, port)
+    t = _trainer(argv, rank, world_size, ports[0])
     vocab = t.model.cfg.vocab_size
     for k in range(2):
         t.train(k, step_batch(vocab, k))
@@ -158,7 +158,7 @@ def dcp_worker(rank: int, world_size: int, argv: list[str], port: int, out: str)
     import torch.distributed.checkpoint as dcp
 
     keys = sorted(dcp.FileSystemReader(os.path.join(ckpt, "iter_0000001", "dist")).read_metadata().state_dict_metadata)
-    t = _trainer(argv, rank, world_size, port + 1)
+    t = _trainer(argv, rank, world_size, ports[1])  # a second group: its own port
     start = t.load(ckpt) + 1
     loaded = t.full_state_dict()
     empty = t.actor.optimizer.state_dict()["state"] == {}
@@ -178,7 +178,7 @@ def test_one_fsdp2_rank_resets_saves_without_optimizer_and_exports_hf(tiny_ckpt,
         tiny_ckpt, addition_data, str(tmp_path / "o"), "--reset-optimizer-states", "--no-save-optim", "--save-hf",
         template, "--save", str(tmp_path / "ck"),
     )  # fmt: skip
-    run_ranks(dcp_worker, 1, argv, free_port(), str(tmp_path))
+    run_ranks(dcp_worker, 1, argv, free_ports(2), str(tmp_path))
     r = torch.load(tmp_path / "rank0.pt", weights_only=True)
     assert r["steps"] == [1.0]  # reset before step 1's training: a DTensor state zeroed in place
     assert not any(k.startswith("optimizer.") for k in r["keys"]) and "opt_step" in r["keys"]

@@ -22,6 +22,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from lichen.cluster.leftovers import start_time, sweep_later
 from lichen.cluster.runtime import RayCluster
 from lichen.cluster.train_env import memory_saver_hook, train_runtime_env
 from lichen.errors import ConfigError, RunError, UserError
@@ -125,6 +126,7 @@ class TrainRankImpl:
             "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
             "port": _free_port(),
             "pid": os.getpid(),
+            "start": start_time(os.getpid()),  # with the pid, this process and no later one (lichen.cluster.leftovers)
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "env": reported_env(),
         }
@@ -345,6 +347,14 @@ class RayTrainGroup:
         self.failed = True
         for a in self.actors:
             ray.kill(a, no_restart=True)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """A rank on this host that outlives ray.kill (seen once under heavy load) is SIGKILLed after a grace
+        period (lichen.cluster.leftovers)."""
+        here = [(w["pid"], w["start"]) for w in self.where if w["ip"] == self.cluster.driver_ip and w.get("start")]
+        if here:
+            sweep_later(here)
 
     # ---- what the loop calls ------------------------------------------------------------------------------
     def train(self, rollout_id: int, batch: list) -> dict:
@@ -424,6 +434,7 @@ class RayTrainGroup:
             log.warning("closing trainer ranks: %s", e)
         for a in self.actors:
             ray.kill(a)
+        self._sweep()
 
     def token_values(self, rows: Sequence[int]) -> TokenValues:
         """Rank 0's per-token values of the last step (the same on every rank), only the rows asked for: the

@@ -342,7 +342,12 @@ class _Exchange:
                 continue
             dst = flat[s * c * row : (s * c + rows) * row]
             if s == self.rank:
-                dst.copy_(p.to_local().reshape(-1).view(torch.uint8))
+                local = p.to_local()
+                if local.shape[0] != rows:  # the rule every rank computes (_padded_shard): a different layout is a bug
+                    raise RuntimeError(
+                        f"a dim-0 shard of {tuple(p.shape)} on rank {s} has {local.shape[0]} rows, not {rows}"
+                    )
+                dst.copy_(local.reshape(-1).view(torch.uint8))
             else:
                 j = s if s < self.rank else s - 1  # the received chunks skip this rank
                 at = j * self.per_source + start

@@ -17,7 +17,7 @@ returns the merged weight map and checksums. The driver (lichen.sync.disk_delta)
 renames the directory into place, so engines apply the version exactly as one the driver published itself.
 
 Memory per rank: its owned tensors once gathered (model / ranks in the engine dtype) and its snapshot (the same
-again), plus one exchange's shards (32 MiB) while they are sent.
+again), plus two exchanges' shards (2 x 32 MiB) while they are sent.
 
 Errors: a rank that fails to encode or write still joins the exchange, so every rank raises the same error and
 none is left waiting in a collective.

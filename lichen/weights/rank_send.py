@@ -14,10 +14,11 @@ the driver compares with the engines' own (lichen.sync.verify). `disk` delta gat
 that encodes it. Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
 dtype)` gives every rank every full tensor (an all-gather) and the others drop theirs.
 
-Memory: a bucket is gathered one tensor at a time into one preallocated buffer of the bucket's size in the engine
-dtype; each full tensor is freed once copied. The broadcast gathers the next bucket while the current one is on
-the wire, so rank 0's extra memory during a sync is two such buffers plus one exchange's received shards (32 MiB)
-and the largest single tensor; the other ranks hold one exchange's padded shards (32 MiB / ranks) at a time.
+Memory: a bucket is gathered into one preallocated buffer of the bucket's size in the engine dtype, each tensor
+built in its place there where the ranks exchange shards (else copied in and freed). The broadcast gathers the
+next bucket while the current one is on the wire, so rank 0's extra memory during a sync is two such buffers plus
+two exchanges' received shards (up to 2 x 32 MiB: the next exchange starts before the current one is unpacked)
+and the largest single tensor; the other ranks hold two exchanges' padded shards (2 x 32 MiB / ranks) at most.
 
 `tensor` (colocated engines): every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
 the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device

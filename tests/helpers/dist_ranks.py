@@ -30,6 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now (each held open until all are chosen): one per process group a test starts.
+    An adjacent port (`port + 1`) is not one: another test's connection may hold it."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _rank_main(rank: int, worker, world_size: int, *args) -> None:
     # A rank killed by a signal prints every thread's Python stack, so a rare failure says where it happened.
     faulthandler.enable(all_threads=True)
