@@ -271,3 +271,18 @@ def test_sigkill_an_engine_mid_step(tiny_ckpt, addition_data, tmp_path, launched
     assert step1["pids"][0] != SEEN["killed_pid"]
     assert {tuple(s["weight_versions"]) for g in steps[1] for s in g} == {("1",)}
     assert len(launched) == 1 and not any(launched[0].alive())  # the restarted one was stopped at exit too
+
+
+def test_an_engine_killed_before_the_first_sync_leaves_rotation_and_the_sync_reads_the_others(fake_pair):
+    """Seen in a fresh-clone CI (test_driver_death's engine SIGKILL, under load): the first sync asked every engine
+    for /server_info before the health monitor had noticed the dead one; failover took it out of rotation but
+    handed back None for it, and the sync crashed on it with a traceback (AttributeError in engine_dtype)."""
+    from lichen.sync.verify import engine_dtype
+
+    engines = fake_pair
+    os.kill(engines.launcher.pids[0], signal.SIGKILL)
+    engines.launcher.servers[0].proc.wait(30)
+    infos = engines.server_infos()
+    assert len(infos) == 1 and all(isinstance(i, dict) for i in infos)
+    assert engines.router.in_rotation() == [1]
+    engine_dtype(infos)  # what the sync reads first: no None among them

@@ -175,6 +175,8 @@ def verify_engines(
                 f"engines {urls} after the sync to version {version}"
             ) from None
         for url, rows_got in zip(urls, answers):
+            if rows_got is None:  # lost during the check: out of rotation, it re-joins at a later sync
+                continue
             got = torch.tensor(rows_got, dtype=torch.float32)
             if got.shape != want.shape or not torch.equal(got, want):
                 raise WeightMismatchError(_describe(url, version, [], [], [name]))

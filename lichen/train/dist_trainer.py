@@ -375,8 +375,8 @@ class DistTrainer:
         index: its state dict's names, buffers and both names of a tied weight, save_hf_checkpoint's split into
         files), streamed: the ranks send each tensor's shards to rank 0 only (fsdp.owned_of, in file order; LoRA's
         merged weights: every rank gathers each base weight and its adapters, lora.gather_merged) and rank 0
-        appends it to the file being written, so no rank holds more than one full tensor (rank 0: plus one
-        exchange's received shards)."""
+        appends it to the file being written, so no rank holds more than one full tensor (rank 0: plus two
+        exchanges' received shards)."""
         # this rank's shards (DTensors report their global shapes), or --async-save's gathered copies (rank 0)
         state = self.actor.model.state_dict() if full_tensors is None else full_tensors
         sources = None

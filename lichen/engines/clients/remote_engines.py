@@ -429,7 +429,10 @@ class RemoteEngines:
         return [c.url for c in self._active()]
 
     def server_infos(self) -> list[dict]:
-        return self.run(self._each(lambda c: c.call_json("GET", "/server_info")))
+        """Each engine in rotation's `/server_info`. With failover, an engine that cannot be reached leaves rotation
+        (`_each`) and gives no entry: the list is the engines still in rotation, which the sync then reaches."""
+        infos = self.run(self._each(lambda c: c.call_json("GET", "/server_info")))
+        return [i for i in infos if i is not None]
 
     def paused(self):
         """Context manager: every engine in rotation paused and flushed inside; continued on exit, also after a
@@ -486,7 +489,8 @@ class RemoteEngines:
         self.run(self._each(destroy))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        """The first `truncate_size` rows of parameter `name` (nested float lists), from each engine in rotation."""
+        """The first `truncate_size` rows of parameter `name` (nested float lists), from each engine in rotation
+        (None for one that could not be reached: it left rotation)."""
         body = {"name": name, "truncate_size": int(truncate_size)}
         return self.run(self._each(lambda c: c.call_json("POST", "/get_weights_by_name", body)))
 
