@@ -259,19 +259,19 @@ class RankSender:
         return sums if self.rank == 0 else None
 
     def _fill(self, names: list[str], dtype: torch.dtype) -> tuple[torch.Tensor | None, dict[str, str]]:
-        """Every rank gathers the bucket `names`; rank 0 copies it into one flattened uint8 tensor (each tensor's
-        bytes in order, each full tensor dropped once copied) and returns it with {name: xxh3-128}; other ranks
-        return (None, {})."""
+        """Every rank gathers the bucket `names`; rank 0 returns it as one flattened uint8 tensor (each tensor's
+        bytes in order: built in its place there by the exchange, else copied in and dropped) with
+        {name: xxh3-128}; other ranks return (None, {})."""
         if self._follow(names, dtype):
             return None, {}
         rows = {row[0]: row for row in self._meta()}
         device = self._send_device(rows[names[0]])
-        total = sum(engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names)
+        sizes = [engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names]
+        total = sum(sizes)
         flat = torch.empty(total, dtype=torch.uint8, device=device)
         views: dict[str, torch.Tensor] = {}  # each tensor's place in the bucket: the exchange builds it there
         at = 0
-        for n in names:
-            size = engine_nbytes_of(rows[n][1], rows[n][2], dtype)
+        for n, size in zip(names, sizes):
             try:
                 views[n] = flat[at : at + size].view(parse_dtype(sent_dtype(rows[n][2], dtype))).view(rows[n][1])
             except RuntimeError:  # an offset its dtype cannot start at (mixed dtypes): built apart, copied in
