@@ -244,7 +244,7 @@ class DeltaSync:
                 "time/sync_publish": t1 - t0,
                 "time/sync_transfer": t2 - t1,
                 "time/sync_apply": t3 - t2,
-                "sync/bytes_read": sum(int(p.get("bytes_read", 0) or 0) for p in pulls),
+                "sync/bytes_read": sum(int(p.get("bytes_read", 0) or 0) for p in pulls if p is not None),
             }
         )
         return metrics

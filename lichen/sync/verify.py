@@ -94,6 +94,14 @@ def engine_dtype(infos: list[dict], fallback: torch.dtype = torch.bfloat16) -> t
     return fallback if name == "auto" else parse_dtype(name)
 
 
+def answered(urls: list[str], answers: list) -> tuple[list[str], list]:
+    """The (urls, answers) of the engines that answered a call to every engine in rotation. With failover an
+    engine that could not be reached answers None (`RemoteEngines._each`): it has left rotation and re-joins at
+    a later sync, so the engines still serving are the ones to check."""
+    pairs = [(u, a) for u, a in zip(urls, answers) if a is not None]
+    return [u for u, _ in pairs], [a for _, a in pairs]
+
+
 def _same_across_engines(urls: list[str], bodies: list, version: Any) -> None:
     """SGLang's own checksums cannot be recomputed by the trainer, but engines with the same layout (ranks) that
     hold the same weights report the same per_engine_checksum."""
@@ -139,6 +147,8 @@ def verify_engines(
         except Exception:
             if method == "checksum":
                 raise
+        if bodies is not None:  # an engine lost during the call answered None: it left rotation, skip it
+            urls, bodies = answered(urls, bodies)
         if bodies is not None and not all(
             isinstance(b, dict) and b.get("checksum_format") == CHECKSUM_FORMAT for b in bodies
         ):

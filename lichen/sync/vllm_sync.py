@@ -38,7 +38,7 @@ from lichen.engines.clients.vllm_worker_ext import RECEIVER as EXTENSION
 from lichen.errors import ConfigError
 from lichen.observe.metrics import get_logger
 from lichen.sync.distributed import BroadcastSync, buckets
-from lichen.sync.verify import WeightMismatchError, compare_checksums
+from lichen.sync.verify import WeightMismatchError, answered, compare_checksums
 from lichen.weights.rank_send import engine_nbytes_of
 from lichen.weights.wire import CHECKSUM_FORMAT, dtype_name, parse_dtype, tensor_checksum
 
@@ -83,7 +83,9 @@ def served_dtype(engines: Any) -> torch.dtype:
     """The dtype every engine in rotation serves in, as lichen's receiver in each reports it (vLLM's HTTP API
     does not say); all must agree."""
     answers = engines.post_each(RPC, rpc("lichen_info"))
-    names = {str(w.get("dtype")) for a in answers for w in (a.get("results") or []) if isinstance(w, dict)}
+    names = {
+        str(w.get("dtype")) for a in answers if a is not None for w in (a.get("results") or []) if isinstance(w, dict)
+    }
     if len(names) != 1:
         raise WeightMismatchError(
             f"the vLLM engines {engines.active_urls()} report dtypes {sorted(names)}: one sync cannot fit all "
@@ -145,7 +147,7 @@ class _VLLMSide:
         urls = engines.active_urls()
         answers = engines.post_each(RPC, rpc("lichen_checksums"), timeout=self.timeout_s)
         checked = 0
-        for url, answer in zip(urls, answers):
+        for url, answer in zip(*answered(urls, answers)):
             results = answer.get("results") if isinstance(answer, dict) else None
             if not isinstance(results, list) or not results:
                 raise WeightMismatchError(f"engine {url} answered no checksums after the sync to version {version}")
