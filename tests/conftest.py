@@ -7,6 +7,9 @@ import random
 import pytest
 
 
+_SESSION_TMP = "LICHEN_TEST_SESSION_TMP"
+
+
 def pytest_configure(config):
     # The suite runs two pytest workers on two cores: one torch thread each (also in the servers and runs the tests
     # start, which inherit OMP_NUM_THREADS) avoids oversubscription, which slows tiny models down many times.
@@ -14,6 +17,39 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    _use_session_tmp(config)
+
+
+def _use_session_tmp(config) -> None:
+    """Everything the suite writes to the temp directory goes to one directory of its own, removed when the run
+    passes (kept, and named, when it fails). The servers, Ray clusters, vLLM engines and runs that the tests start
+    make scratch files there (sockets, logs, compile caches, multiprocessing dirs); a process a test kills cannot
+    remove its own, so they were left in /tmp by the hundred. The xdist workers and every process they start
+    inherit TMPDIR. The name stays short: Unix socket paths under it must fit in 107 bytes."""
+    import tempfile
+
+    if hasattr(config, "workerinput") or os.environ.get(_SESSION_TMP):
+        return  # an xdist worker, or a pytest run inside the suite: the controller's directory is already set
+    path = tempfile.mkdtemp(prefix="lichen-t-")
+    os.environ["TMPDIR"] = os.environ[_SESSION_TMP] = path
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config._lichen_session_tmp = path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._lichen_exitstatus = exitstatus
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    path = getattr(config, "_lichen_session_tmp", None)
+    if path is None:
+        return
+    if getattr(config, "_lichen_exitstatus", 1) == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        print(f"\nthe test processes' temp files are kept in {path}")
 
 
 def pytest_collection_modifyitems(config, items):
