@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-
 _SESSION_TMP = "LICHEN_TEST_SESSION_TMP"
 
 
@@ -31,6 +30,7 @@ def _use_session_tmp(config) -> None:
     if hasattr(config, "workerinput") or os.environ.get(_SESSION_TMP):
         return  # an xdist worker, or a pytest run inside the suite: the controller's directory is already set
     path = tempfile.mkdtemp(prefix="lichen-t-")
+    os.chmod(path, 0o711)  # the sandbox tests' unprivileged user must reach the package copies made inside
     os.environ["TMPDIR"] = os.environ[_SESSION_TMP] = path
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     config._lichen_session_tmp = path
