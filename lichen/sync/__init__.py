@@ -73,8 +73,16 @@ def push(trainer, rollout, version: int, cfg: SyncConfig | None = None) -> dict:
             cfg = SyncConfig.from_args(rollout.args)
         return _push_to_servers(trainer, cfg, engines, version)
     t0 = time.perf_counter()
+    shared = 0
     for engine in engines:
-        engine.update_weights_from_tensors(named(), str(version))
+        # In process the engine serves the trainer's own tensors when they fit (Engine.share_weights): the loop
+        # pushes after every train step (no overlap of an in-process engine with training: lichen.config.async_mode),
+        # so the optimizer never moves weights under a generation; no copy, one model less in memory.
+        share = getattr(engine, "share_weights", None)
+        if share is not None:
+            shared += bool(share(named(), str(version)))
+        else:
+            engine.update_weights_from_tensors(named(), str(version))
     stale = [i for i, e in enumerate(engines) if e.weight_version != str(version)]
     if stale:
         raise StaleEngineError(f"engines {stale} did not take weight version {version}")
@@ -86,6 +94,7 @@ def push(trainer, rollout, version: int, cfg: SyncConfig | None = None) -> dict:
         "time/sync": time.perf_counter() - t0,
         "time/sync_verify": time.perf_counter() - t1,
         "sync/weight_version": version,
+        "sync/shared_weights": shared,  # in-process engines serving the trainer's tensors (no copy)
     }
 
 

@@ -73,6 +73,7 @@ class Engine:
         self.weight_version = weight_version
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self._shared = False  # serving a caller's tensors (share_weights), not its own copy
 
     @classmethod
     def from_pretrained(
@@ -91,12 +92,60 @@ class Engine:
     @torch.no_grad()
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
         """Copy weights in place (the in-process transport: a direct tensor copy, cast to the engine dtype)."""
+        self._own_weights()
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"engine has no parameter {name!r}")
             params[name].copy_(tensor)
         self.weight_version = str(version)
+
+    @torch.no_grad()
+    def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> bool:
+        """Serve the given tensors themselves, without a copy, when they fit the model exactly (every parameter
+        by name, with its shape, dtype and device, none requiring grad); else copy them (`update_weights_from_tensors`).
+        Returns whether they are shared.
+
+        For a caller that changes the tensors only between two calls of this method: `sync.push`'s in-process
+        engine, which the synchronous loop (the only one an in-process engine runs in) pushes after every train
+        step, so the trainer's optimizer steps never overlap a generation. The engine then holds no copy of the
+        weights (one model less in memory) and a sync copies nothing. Tied parameters stay tied."""
+        named = dict(named_tensors)
+        params = dict(self.model.named_parameters())
+        fits = named.keys() == params.keys() and all(
+            t.shape == params[n].shape
+            and t.dtype == params[n].dtype
+            and t.device == params[n].device
+            and not t.requires_grad
+            for n, t in named.items()
+        )
+        if not fits:
+            self.update_weights_from_tensors(named.items(), version)
+            return False
+        self._replace_params(lambda name, _: named[name])
+        self._shared = True
+        self.weight_version = str(version)
+        return True
+
+    def _own_weights(self) -> None:
+        """Give the engine its own parameters again after `share_weights`, so that copying into them never writes
+        into the tensors it shared (the caller's)."""
+        if self._shared:
+            self._replace_params(lambda _, p: torch.empty_like(p))
+            self._shared = False
+
+    def _replace_params(self, make: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Each parameter becomes `make(name, old)` (as a Parameter that needs no grad), in every module that
+        holds it: a parameter tied to two modules (embeddings and LM head) is replaced by one new one."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        new: dict[int, torch.nn.Parameter] = {}
+        for module in self.model.modules():
+            for leaf, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(make(names[id(p)], p.detach()), requires_grad=False)
+                module._parameters[leaf] = new[id(p)]
 
     def read_checkpoint(self, model_dir: str) -> dict[str, torch.Tensor]:
         """Read `model_dir`'s weights and check them against the served model without touching it.
@@ -142,6 +191,7 @@ class Engine:
     @torch.no_grad()
     def apply_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a checked state dict (from `read_checkpoint`) into the parameters."""
+        self._own_weights()
         for name, p in self.model.named_parameters():
             p.copy_(state[name])
 
