@@ -172,3 +172,56 @@ def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addi
     assert sum(split[0] for split in r1["moved"]) == bf16_shards
     assert len(r0["moved"]) == len(r1["moved"]) and all(split == [0, 0] for split in r0["moved"])
     assert r0["all_gathers"] == r1["all_gathers"] == 0
+
+
+def tensor_bucket_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
+    """The `tensor` transport's bucket op for one engine TP rank, then for two: the checksums rank 0 returns, each
+    rank's handles, and how many all-gathers ran."""
+    from torch.distributed.tensor import DTensor
+
+    from lichen.train.dist_trainer import DistTrainer
+
+    torch.set_num_threads(1)
+    cfg, args = config(argv)
+    t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    t.train(0, step_batch(t.model.cfg.vocab_size, 0))
+    names = [row[0] for row in t.sync_weights("meta")]
+    full_tensor, record = DTensor.full_tensor, {}
+    for entries in (1, 2):
+        all_gathers = [0]
+
+        def counting(self, *a, **k):
+            all_gathers[0] += 1
+            return full_tensor(self, *a, **k)
+
+        DTensor.full_tensor = counting  # type: ignore[method-assign]
+        try:
+            got = t.sync_weights("tensor_bucket", names, "float32", entries)
+        finally:
+            DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+        record[entries] = {"got": got, "all_gathers": all_gathers[0]}
+        t.sync_weights("tensor_release")
+    record["whole"] = t.full_state_dict()
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    t.close()
+
+
+@pytest.mark.slow
+def test_a_tensor_bucket_for_one_engine_rank_goes_into_rank_0_only(tiny_ckpt, addition_data, tmp_path):
+    """`tensor` with one engine TP rank: rank 0 serves it alone, so the bucket is exchanged into rank 0 (no
+    all-gather: rank 1 receives nothing) and rank 0's checksums are those of the trainer's whole tensors. With two
+    engine TP ranks both ranks serve one, and each gathers the whole bucket."""
+    from helpers.dist_ranks import free_port, rank_files, run_ranks, trainer_argv
+
+    from lichen.weights.wire import tensor_checksum
+
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
+    config(argv)
+    run_ranks(tensor_bucket_worker, 2, argv, free_port(), str(tmp_path))
+    r0, r1 = rank_files(tmp_path, 2)
+    want = {name: tensor_checksum(w) for name, w in r0["whole"].items()}
+    for entries in (1, 2):
+        got = r0[entries]["got"]
+        assert r1[entries]["got"] is None and got["sums"] == want and len(got["handles"]) == entries
+    assert r0[1]["all_gathers"] == r1[1]["all_gathers"] == 0
+    assert r0[2]["all_gathers"] > 0 and r1[2]["all_gathers"] > 0

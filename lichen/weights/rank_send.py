@@ -384,8 +384,9 @@ class RankSender:
             yield name, (None if got is None else engine_cast(got, dtype))
 
     def tensor_bucket(self, names: list[str], engine_dtype: str, entries: int) -> dict[str, Any] | None:
-        """Every rank: gather the bucket `names`, hold it in shared memory (CUDA memory on a GPU rank) when this
-        rank serves any of the `entries` engine TP ranks, and serialize a handle per entry it serves. Rank 0
+        """Every rank: gather the bucket `names` (into rank 0 only when it serves every entry, else into every
+        rank), hold it in shared memory (CUDA memory on a GPU rank) when this rank serves any of the `entries`
+        engine TP ranks, and serialize a handle per entry it serves. Rank 0
         returns {"handles": one per entry, in order, "sums": {name: xxh3-128}, "fill_s": seconds}; others None."""
         import time
 
@@ -407,8 +408,15 @@ class RankSender:
             self._held = (flat, views)
         sums: dict[str, str] = {}
         fill_s = 0.0
-        for i, (name, t) in enumerate(self._gather(names, dtype)):  # a collective per tensor: every rank, same names
-            if views:
+        if {j % world for j in range(int(entries))} <= {0}:
+            # rank 0 serves every entry (one engine TP rank, or one trainer rank): the tensors go into rank 0
+            # only, built in their place in the shared bucket where the exchange can (as `_fill` does)
+            into = dict(views).get if views else None
+            tensors = self._owned(names, dtype, dict.fromkeys(names, 0), into)
+        else:  # several ranks serve: each needs the whole bucket
+            tensors = self._gather(names, dtype)
+        for i, (name, t) in enumerate(tensors):  # collectives: every rank takes part, in the same order
+            if views and t is not None and t.data_ptr() != views[i][1].data_ptr():  # not built in place: copy
                 t0 = time.perf_counter()
                 views[i][1].copy_(t.detach())
                 fill_s += time.perf_counter() - t0
