@@ -201,6 +201,8 @@ def tensor_bucket_worker(rank: int, world_size: int, argv: list[str], port: int,
             DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
         record[entries] = {"got": got, "all_gathers": all_gathers[0]}
         t.sync_weights("tensor_release")
+    params = dict(t.model.named_parameters())
+    record["sharded"] = sum(isinstance(params[n], DTensor) for n in names)  # one all-gather each, in an all-gather
     record["whole"] = t.full_state_dict()
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
     t.close()
@@ -224,4 +226,5 @@ def test_a_tensor_bucket_for_one_engine_rank_goes_into_rank_0_only(tiny_ckpt, ad
         got = r0[entries]["got"]
         assert r1[entries]["got"] is None and got["sums"] == want and len(got["handles"]) == entries
     assert r0[1]["all_gathers"] == r1[1]["all_gathers"] == 0
-    assert r0[2]["all_gathers"] > 0 and r1[2]["all_gathers"] > 0
+    assert r0["sharded"] == r1["sharded"] > 0
+    assert r0[2]["all_gathers"] == r1[2]["all_gathers"] == r0["sharded"]

@@ -76,7 +76,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--disable-prompt-sharing",
         action="store_true",
         help="lay out every sample's prompt in the trainer; by default samples with identical prompt tokens in a "
-        "packed row compute the prompt once, each response attending to it through a block mask (the same "
+        "packed row compute the prompt once, each response attending to it and to itself (the same "
         "log-probs and gradients up to rounding, fewer positions; docs/algorithms.md#prompt-sharing). Only with "
         "packed rows (CPU) and lichen's own model implementation (default: off, sharing is on)",
     )

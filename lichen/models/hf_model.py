@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lichen.errors import ConfigError
+from lichen.models.packed_attention import PackedLayout
 
 
 @dataclass
@@ -176,26 +177,21 @@ class HFCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache: Any = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | PackedLayout | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [rows, T, H] of right-padded rows (causal); a packed `attn_mask` is unpacked."""
+        """Final hidden states [rows, T, H] of right-padded rows (causal); packed rows (a PackedLayout, or its
+        dense [rows, 1, T, T] block mask) are unpacked: each sample runs as its own sequence."""
         if cache is not None:
             raise TypeError("HFCausalLM: decoding goes through decode() (lichen.engines.core.hf_decode)")
         if attn_mask is None:
             return self._run_base(input_ids, position_ids)
-        return self._forward_packed(input_ids, attn_mask)
+        if isinstance(attn_mask, PackedLayout):
+            return self._forward_packed(input_ids, attn_mask.segments())
+        return self._forward_packed(input_ids, _mask_segments(attn_mask))
 
-    def _forward_packed(self, input_ids: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def _forward_packed(self, input_ids: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """Rows cut into `segments` (flat start, length), each run from position 0, gathered back into place."""
         rows, T = input_ids.shape
-        # A token's sample starts at the first key it may attend to; a run of equal starts is one sample.
-        first = attn_mask[:, 0].to(torch.int8).argmax(-1).tolist()
-        segments = []  # (flat start, length)
-        for r in range(rows):
-            s = 0
-            for t in range(1, T + 1):
-                if t == T or first[r][t] != first[r][s]:
-                    segments.append((r * T + s, t - s))
-                    s = t
         width = max(n for _, n in segments)
         src = torch.zeros((len(segments), width), dtype=torch.long)
         back = torch.empty(rows * T, dtype=torch.long)
@@ -233,6 +229,21 @@ class HFCausalLM(nn.Module):
         if diff:
             raise ValueError(f"{model_dir!r} has a different model config: {'; '.join(diff)}")
         return {n: p.detach() for n, p in HFCausalLM(module).named_parameters()}
+
+
+def _mask_segments(attn_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(flat start, length) of the samples of a dense [rows, 1, T, T] block mask of samples alone."""
+    rows, T = attn_mask.shape[0], attn_mask.shape[-1]
+    # A token's sample starts at the first key it may attend to; a run of equal starts is one sample.
+    first = attn_mask[:, 0].to(torch.int8).argmax(-1).tolist()
+    segments = []
+    for r in range(rows):
+        s = 0
+        for t in range(1, T + 1):
+            if t == T or first[r][t] != first[r][s]:
+                segments.append((r * T + s, t - s))
+                s = t
+    return segments
 
 
 def read_config_json(model_dir: str) -> dict:

@@ -6,7 +6,9 @@ so checkpoints load as is.
 
 Two call shapes:
 - training / scoring: `model(input_ids, position_ids)` over right-padded rows, causal attention. Pad tokens sit
-  after every real token, so causal masking alone keeps them out of the real tokens' attention.
+  after every real token, so causal masking alone keeps them out of the real tokens' attention. Packed rows
+  (several samples side by side) pass their `attn_mask=PackedLayout` (lichen.models.packed_attention): attention
+  runs segment by segment.
 - decoding: `model(input_ids, position_ids, cache=KVCache, attn_mask=...)`: keys and values are written into a
   preallocated cache at `cache.length` and attention reads the cache up to the new length.
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lichen.models.config import ModelConfig
+from lichen.models.packed_attention import PackedLayout, packed_attention
 
 
 class RMSNorm(nn.Module):
@@ -90,7 +93,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, cache: KVCache | None, attn_mask: torch.Tensor | PackedLayout | None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
@@ -102,7 +107,9 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         gqa = cfg.num_kv_heads != cfg.num_heads
-        if cache is None:
+        if isinstance(attn_mask, PackedLayout):  # packed training rows: each segment its own attention
+            out = packed_attention(q, k, v, attn_mask, enable_gqa=gqa)
+        elif cache is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask, enable_gqa=gqa
             )
@@ -188,7 +195,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache: KVCache | None = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | PackedLayout | None = None,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)

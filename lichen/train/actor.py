@@ -103,12 +103,13 @@ class TrainActor:
         # over length-sorted samples packed several to a row, and no backward for samples whose loss terms are all
         # exactly zero.
         self.sort_by_length = True
-        # Packed rows need a dense [rows, 1, T, T] block mask: cheap for the CPU flash kernel, but on GPUs it
-        # would push SDPA off its flash kernels (a varlen kernel is the tool there), so GPUs get sorted,
-        # one-sample-per-row micro-batches.
+        # Packed rows run attention segment by segment (lichen.models.packed_attention): a causal SDPA call per
+        # sample, a masked one per shared prompt's response part. Measured on CPU only; on GPUs, where many small
+        # kernel launches per row may cost more than the padding they save (a varlen kernel is the tool there),
+        # micro-batches stay sorted and one sample per row until that is measured.
         self.pack_sequences = self.device.type == "cpu"
         # A group's prompt computed once per packed row (lichen.train.micro_batches.PromptGroups): needs packed rows
-        # and lichen's own attention, which takes any block mask; --model-impl hf unpacks rows by segment instead.
+        # and lichen's own attention; --model-impl hf unpacks rows into one sequence per sample instead.
         self.share_prompts = not cfg.batching.disable_prompt_sharing and isinstance(self.model, CausalLM)
         self.skip_zero_advantage = not cfg.batching.disable_zero_advantage_skip
         self.opt_step = 0

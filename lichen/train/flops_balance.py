@@ -88,5 +88,5 @@ def balanced_micro_batches(indices: list[int], lengths: list[int], max_tokens: i
 
 def plan_flops(plan: list[list[int]], lengths: list[int], coeff: float) -> float:
     """The estimated cost of a micro-batch: the sum of its samples' sample_cost (slime's per-sample estimate; a
-    packed row's dense block mask costs more attention than its samples' L^2, see docs/performance.md)."""
+    packed row's attention runs sample by sample, lichen.models.packed_attention, so it costs its samples' L^2)."""
     return sum(sample_cost(lengths[i], coeff) for row in plan for i in row)

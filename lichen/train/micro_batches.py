@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lichen.models.packed_attention import PackedLayout, Unit
 from lichen.train.sampling_mask import KeepSets
 from lichen.types import Sample, Status
 
@@ -32,8 +33,9 @@ class MicroBatch:
     token k of sample i (its row offset + prompt_length + k - 1; with a shared prompt, k = 0 is the prompt's last
     position); `resp_mask` is the loss mask (0 on padding and on failed samples). A sample contributes every token
     but its last: the last token's hidden state predicts nothing that is trained. `attn_mask` is None when every
-    row holds one sample (plain causal attention), else [rows, 1, T, T] bool, True where a query may attend to a
-    key (same segment and key not after query, or a response part's query and its shared prompt's key).
+    row holds one sample (plain causal attention), else the rows' PackedLayout: which spans attend to which
+    (each sample alone causally; a shared prompt's response parts also to its prompt), computed segment by segment
+    (lichen.models.packed_attention; `attn_mask.dense_mask()` is the [rows, 1, T, T] bool equivalent).
     """
 
     indices: list[int]  # positions of these samples in the step's flat sample list
@@ -42,7 +44,7 @@ class MicroBatch:
     resp_index: torch.Tensor  # [b, R], flat positions
     resp_tokens: torch.Tensor  # [b, R]
     resp_mask: torch.Tensor  # [b, R] float
-    attn_mask: torch.Tensor | None = None
+    attn_mask: PackedLayout | None = None
     keep: KeepSets | None = None  # the rollout's kept token sets of the [b, R] positions (sampling-mask replay)
 
     @property
@@ -211,7 +213,7 @@ class StepBatch:
             resp_index.to(device),
             self.resp_tokens.index_select(0, sel)[:, :R].to(device),
             self.resp_mask.index_select(0, sel)[:, :R].to(device),
-            None if attn_mask is None else attn_mask.to(device),
+            attn_mask,
             self._keep(rows, R, device),
         )
 
@@ -222,49 +224,50 @@ class StepBatch:
         return None if keep is None else keep.to(device)
 
     def _packed(self, plan: Plan, T: int, resp_index: torch.Tensor):
-        """(input_ids, position_ids, flat resp_index, block mask) of packed rows; `resp_index` relative to each
+        """(input_ids, position_ids, flat resp_index, PackedLayout) of packed rows; `resp_index` relative to each
         sample's own start, rows in row-major order of `plan`.
 
-        A sample alone is one segment: it attends causally within itself. Samples sharing a prompt (`sharing`) are
-        the prompt once (a segment), then each response part (a segment) whose queries also see the whole prompt.
+        A sample alone is one unit: it attends causally within itself. Samples sharing a prompt (`sharing`) are one
+        unit: the prompt once, then each response part, whose queries also see the whole prompt
+        (lichen.models.packed_attention).
         """
         rows = len(plan)
         input_ids = torch.full((rows, T), self.pad_id, dtype=torch.long)
         position_ids = torch.zeros((rows, T), dtype=torch.long)
-        segment = torch.full((rows, T), -1, dtype=torch.long)  # padding: a segment of its own, never empty
-        sees = torch.full((rows, T), -1, dtype=torch.long)  # a response part: the id of the prompt it sees
-        shared = torch.full((rows, T), -2, dtype=torch.long)  # a shared prompt: its id
         starts, first_pred = [], []  # per sample: flat start of its own layout; flat position predicting token 0
-        seg = 0
+        layout: list[tuple[Unit, ...]] = []
 
         def lay(r: int, off: int, i: int, lo: int, hi: int) -> None:  # sample i's input tokens lo:hi at `off`
             input_ids[r, off : off + hi - lo] = self.input_ids[i, lo:hi]
             position_ids[r, off : off + hi - lo] = torch.arange(lo, hi)
-            segment[r, off : off + hi - lo] = seg
 
         units = self.sharing.units if self.sharing is not None else (lambda row: [[i] for i in row])
         for r, row in enumerate(plan):
             off = 0
+            row_units = []
             for unit in units(row):
                 if len(unit) == 1:
                     i = unit[0]
                     lay(r, off, i, 0, self.input_lengths[i])
+                    row_units.append(Unit(off, self.input_lengths[i]))
                     starts.append(r * T + off)
                     first_pred.append(-1)  # the usual prompt_length - 1 of its own layout
-                    off, seg = off + self.input_lengths[i], seg + 1
+                    off += self.input_lengths[i]
                     continue
                 p = self.sharing.prompt[unit[0]]
                 lay(r, off, unit[0], 0, p)
-                shared[r, off : off + p] = seg
-                prompt_seg, last = seg, r * T + off + p - 1
-                off, seg = off + p, seg + 1
+                unit_start, last = off, r * T + off + p - 1
+                off += p
+                parts = []
                 for i in unit:
                     n = self.input_lengths[i] - p
                     lay(r, off, i, p, p + n)
-                    sees[r, off : off + n] = prompt_seg
+                    parts.append(n)
                     starts.append(r * T + off - p)  # as if its own prompt lay just before its response part
                     first_pred.append(last)
-                    off, seg = off + n, seg + 1
+                    off += n
+                row_units.append(Unit(unit_start, p, tuple(parts)))
+            layout.append(tuple(row_units))
         # `starts`/`first_pred` follow the row's units; MicroBatch order is the plan's row-major order
         laid = [i for row in plan for unit in units(row) for i in unit]
         where = {i: k for k, i in enumerate(laid)}
@@ -273,10 +276,7 @@ class StepBatch:
         first = torch.tensor(first_pred, dtype=torch.long)[perm]
         resp_index = resp_index + start[:, None]
         resp_index[:, 0] = torch.where(first >= 0, first, resp_index[:, 0])
-        causal = torch.ones((T, T), dtype=torch.bool).tril()
-        own = (segment[:, :, None] == segment[:, None, :]) & causal
-        attn_mask = (own | (sees[:, :, None] == shared[:, None, :]))[:, None]
-        return input_ids, position_ids, resp_index, attn_mask
+        return input_ids, position_ids, resp_index, PackedLayout(T, tuple(layout))
 
 
 def order_by_length(indices: list[int], lengths: list[int]) -> list[int]:
