@@ -20,6 +20,10 @@
 #                    with the reason on fewer than 2 GPUs
 #   sglang_engine    `pip install sglang` (capped) into its own venv with lichen, then one SGLang engine launched by
 #                    lichen sharing GPU 0 with the trainer, disk sync; skipped with the reason if the install fails
+#   packed_attention `lichen bench packed --device cuda --dtype bfloat16`: a train step over packed rows (W2's model
+#                    and samples), attention per segment vs one call with the dense mask; its result lines are
+#                    printed below the table (the data for deciding whether GPUs should pack rows, which they
+#                    do not today)
 # "peak device memory" is the highest `nvidia-smi` memory.used of any GPU while the check ran (every process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -170,6 +174,8 @@ else
   row sglang_engine "skipped: sglang did not install (logs/sglang_install.log)" 0 -
 fi
 
+run_check packed_attention 90 "$LICHEN" bench packed --device cuda --dtype bfloat16 --repeats 3 --threads 1
+
 # --- the table ---------------------------------------------------------------------------------------------------
 echo
 printf '| %-16s | %-60s | %7s | %-18s |\n' check result seconds "peak device memory"
@@ -196,6 +202,8 @@ for line in open(sys.argv[2]):
 print(f"{sys.argv[1]}: " + (", ".join(f"{k[7:]}={v:.3f}" for k, v in sorted(peaks.items())) or "no memory metrics"))
 PY
   done
+  [ -f "$WORK/logs/packed_attention.log" ] && grep -E "^(per segment / dense|max \|)" "$WORK/logs/packed_attention.log" \
+    | sed 's/^/packed_attention: /'
   echo "total $((SECONDS - START)) s; logs in $WORK/logs"
 fi
 exit "$FAILED"

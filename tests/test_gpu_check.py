@@ -20,7 +20,15 @@ import yaml
 from lichen.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("train_cuda_bf16", "memory_saver", "tensor_ipc", "nccl_sync", "sglang_install", "sglang_engine")
+CHECKS = (
+    "train_cuda_bf16",
+    "memory_saver",
+    "tensor_ipc",
+    "nccl_sync",
+    "sglang_install",
+    "sglang_engine",
+    "packed_attention",
+)
 
 # What each check's run must resolve to: the GPU path it exists for.
 EXPECTED = {
@@ -79,3 +87,12 @@ def test_each_lichen_command_resolves(
 def test_unknown_argument_is_refused() -> None:
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--gpu"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown argument '--gpu'" in proc.stderr
+
+
+def test_the_packed_attention_command_parses(dry_run: tuple[Path, str]) -> None:
+    from lichen_bench import packed_attn
+
+    cmd = commands(dry_run[1])["packed_attention"]
+    assert Path(cmd[0]).name == "lichen" and cmd[1:3] == ["bench", "packed"], cmd
+    args = packed_attn.parse_args(cmd[3:])
+    assert (args.device, args.dtype) == ("cuda", "bfloat16")

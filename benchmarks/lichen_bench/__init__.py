@@ -9,6 +9,7 @@ Suites:
   ckpt      step time with a checkpoint every step: no save vs synchronous vs asynchronous (lichen_bench.ckpt_save)
   engines   lichen serve vs vLLM: generation, log-prob mismatch, sync time (lichen_bench.engines)
   compile   the trainer's forward and backward with each decoder layer torch.compile'd vs eager (lichen_bench.compile_layers)
+  packed    a train step over packed rows, attention per segment vs one call with the dense mask (lichen_bench.packed_attn)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SUITES = {
     "ckpt": ("lichen_bench.ckpt_save", "step time with --save-interval 1: no save vs sync vs async checkpoint writes"),
     "engines": ("lichen_bench.engines", "lichen serve vs vLLM: tok/s and latency, log-prob mismatch, sync time"),
     "compile": ("lichen_bench.compile_layers", "train forward + backward, decoder layers compiled vs eager"),
+    "packed": ("lichen_bench.packed_attn", "train step over packed rows: attention per segment vs a dense mask"),
 }
 
 USAGE = (

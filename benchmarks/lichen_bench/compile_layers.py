@@ -28,15 +28,20 @@ from typing import Any
 import torch
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="lichen bench compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape (`build`), W2's by default."""
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512, W2's)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     p.add_argument("--mlp", type=int, default=1536, help="MLP intermediate size (default 1536)")
     p.add_argument("--vocab", type=int, default=102, help="vocabulary size (default 102, W2's character vocabulary)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="lichen bench compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=16, help="rows of the step (default 16)")
     p.add_argument("--seq", type=int, default=256, help="tokens per row (default 256)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default 5)")
