@@ -106,7 +106,8 @@ class TrainActor:
         # Packed rows run attention segment by segment (lichen.models.packed_attention): a causal SDPA call per
         # sample, a masked one per shared prompt's response part. Measured on CPU only; on GPUs, where many small
         # kernel launches per row may cost more than the padding they save (a varlen kernel is the tool there),
-        # micro-batches stay sorted and one sample per row until that is measured.
+        # micro-batches stay sorted and one sample per row until that is measured (scripts/gpu_check.sh's
+        # packed_attention row: `lichen bench packed --device cuda`).
         self.pack_sequences = self.device.type == "cpu"
         # A group's prompt computed once per packed row (lichen.train.micro_batches.PromptGroups): needs packed rows
         # and lichen's own attention; --model-impl hf unpacks rows into one sequence per sample instead.
