@@ -37,6 +37,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=102, help="vocabulary size (default 102, W2's character vocabulary)")
 
 
+def add_run_args(p: argparse.ArgumentParser, threads: int) -> None:
+    """How a microbenchmark runs: repeats, torch threads (default `threads`), seed, JSON output."""
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default 5)")
+    p.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the measurements as JSON here")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="lichen bench compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,10 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_args(p)
     p.add_argument("--batch", type=int, default=16, help="rows of the step (default 16)")
     p.add_argument("--seq", type=int, default=256, help="tokens per row (default 256)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default 5)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the measurements as JSON here")
+    add_run_args(p, threads=2)
     args = p.parse_args(argv)
     for name in ("hidden", "layers", "heads", "mlp", "vocab", "batch", "seq", "repeats", "threads"):
         if getattr(args, name) < 1:

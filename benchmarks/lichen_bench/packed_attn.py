@@ -32,7 +32,7 @@ import torch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from lichen_bench.compile_layers import add_model_args
+    from lichen_bench.compile_layers import add_model_args, add_run_args
 
     p = argparse.ArgumentParser(
         prog="lichen bench packed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,10 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_args(p)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model dtype (default float32)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default 5)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the measurements as JSON here")
+    add_run_args(p, threads=1)
     args = p.parse_args(argv)
     for name in ("prompts", "samples", "prompt_len", "max_tokens", "hidden", "layers", "heads", "mlp", "repeats"):
         if getattr(args, name) < 1:

@@ -23,6 +23,7 @@ n (p + n). docs/performance.md#packed-attention-one-segment-at-a-time has the me
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,7 @@ class PackedLayout:
         return mask[:, None].to(device)
 
 
+@functools.lru_cache(maxsize=512)  # every layer of every micro-batch asks for the same few (n, p); never written to
 def _prompt_then_causal(n: int, p: int, device: torch.device) -> torch.Tensor:
     """[n, p + n] bool: every query sees the p prompt keys, and part keys up to its own position."""
     mask = torch.ones((n, p + n), dtype=torch.bool, device=device)
