@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lichen.weights.rank_delta import owner_partition
+from lichen.weights.rank_owners import owner_partition
 from lichen.weights.rank_send import RankSender, local_gather, tensor_meta
 from lichen.weights.versions import VersionPublisher
 

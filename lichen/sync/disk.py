@@ -4,14 +4,16 @@ Sync to version N:
 1. the trainer's weights (`trainer.named_weights()`, as the in-process copy sends them) are written as an HF
    checkpoint to `DIR/weight_v{N:06d}/` with `save_hf_checkpoint`: written beside it and renamed into place, so an
    engine never sees a half-written version; config.json and the tokenizer files come from --hf-checkpoint.
-   Under --runtime ray trainer rank 0 writes it (`push_from`), one safetensors file per bucket of
-   --update-weight-buffer-size that every rank gathers in turn; this process only names the files;
+   Under --runtime ray the trainer ranks write it together (`push_from`): each rank the tensors it owns (a
+   partition by size), in files of at most --update-weight-buffer-size, streamed as its shards arrive
+   (lichen.weights.rank_full); this process writes the index and the side files and renames it into place;
 2. every engine loads it: pause generation -> flush cache -> /update_weights_from_disk {model_path, weight_version
    "N"} -> continue generation (RemoteEngines.update_weights_from_disk);
 3. every engine must then report weight version "N" (else StaleEngineError);
 4. older `weight_v*` directories in DIR are deleted, unless --update-weight-disk-keep-files.
 
-DIR must be readable by the servers under the same path (same machine, or a shared file system).
+DIR must be readable by the servers under the same path (same machine, or a shared file system), and under
+--runtime ray writable by every trainer rank under that path.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lichen.weights.hf_io import save_hf_checkpoint
-from lichen.weights.rank_send import plan_meta_buckets
-from lichen.weights.versions import list_versions, version_dir
+from lichen.weights.hf_io import INDEX_FILE, _header_metadata, _write_json, save_hf_checkpoint, write_side_files
+from lichen.weights.versions import install_version, list_versions, version_dir, version_tmp_dir
 from lichen.weights.wire import dtype_name
 
 
 def write_version(named_weights: Iterable, root: str, version: int, hf_checkpoint: str) -> str:
-    """Write the weights as `root/weight_v{version:06d}` (atomically); returns that path."""
+    """Write the weights as `root/weight_v{version:06d}` (atomically) from this process; returns that path."""
     path = version_dir(os.path.abspath(root), int(version))
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -120,24 +121,37 @@ class FullDiskSync:
         self.sent_checksums: dict[str, str] = {}
 
     def push_from(self, sender: Any, version: int, dtype: torch.dtype) -> dict:
-        """The version written by the sender (trainer rank 0 under --runtime ray, streaming one bucket of
-        --update-weight-buffer-size per safetensors file while every rank gathers it); this process only plans
-        the files and makes the engines' calls. The checksums of what was written go to `sent_checksums`."""
-        meta = sender.call("meta", all_ranks=False)
-        plan = [[row[0] for row in b] for b in plan_meta_buckets(meta, dtype, self.buffer_size)]
-        path = version_dir(os.path.abspath(self.disk_dir), int(version))
-        with open(os.path.join(self.hf_checkpoint, "config.json")) as f:
-            config = json.load(f)
+        """The version written by the trainer ranks together, each the tensors it owns (about model / ranks bytes,
+        streamed into its own files as its shards arrive: lichen.weights.rank_full); this process writes the index,
+        config.json and the tokenizer files, renames the directory into place and makes the engines' calls. No
+        tensor passes through it. The checksums of what the ranks wrote go to `sent_checksums`."""
+        root = os.path.abspath(self.disk_dir)
         metadata = {"weight_version": str(version)}
-        sums: dict[str, str] = {}
+        done: dict[str, Any] = {}
 
         def write() -> str:
-            sums.update(sender.call("write_full", path, plan, dtype_name(dtype), config, self.hf_checkpoint, metadata))
+            tmp = version_tmp_dir(root, version)
+            try:
+                part = sender.call("write_full", tmp, dtype_name(dtype), self.buffer_size, _header_metadata(metadata))
+                index = {"metadata": {"total_size": part["total_bytes"], **metadata}, "weight_map": part["weight_map"]}
+                _write_json(os.path.join(tmp, INDEX_FILE), index)
+                write_side_files(tmp, config=self._config(), copy_files_from=self.hf_checkpoint)
+                path = install_version(tmp, root, version)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            done.update(part)
             return path
 
         m = self._push(None, version, write)
-        self.sent_checksums = sums
+        self.sent_checksums = dict(done["sums"])
+        m["sync/publish_ranks"] = done["ranks"]
+        m["time/sync_publish_ranks"] = done["write_s"]  # the slowest rank's gathers and writes
         return m
+
+    def _config(self) -> dict:
+        with open(os.path.join(self.hf_checkpoint, "config.json")) as f:
+            return json.load(f)
 
     def _push(self, trainer: Any, version: int, write: Callable[[], str] | None = None) -> dict:
         m = push_full(

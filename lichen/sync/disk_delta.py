@@ -38,15 +38,15 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lichen.weights.delta_codec import COMPRESSION_FORMAT
-from lichen.weights.hf_io import INDEX_FILE, _copy_side_files, _fsync_dir, _write_json
+from lichen.weights.hf_io import INDEX_FILE, _write_json, write_side_files
 from lichen.weights.rank_send import sent_dtype
 from lichen.weights.versions import (
-    VERSION_PREFIX,
     VersionPublisher,
     delete_versions,
+    install_version,
     list_versions,
     remove_stale_versions,
-    version_dir,
+    version_tmp_dir,
 )
 from lichen.weights.wire import dtype_name
 
@@ -166,9 +166,7 @@ class DeltaSync:
             self.chain = {"id": uuid.uuid4().hex, "last": None, "sig": sig, "deltas": 0, "dtype": dtype}
             remove_stale_versions(self.disk_dir, version)
         chain = self.chain
-        tmp = os.path.join(self.disk_dir, f".{VERSION_PREFIX}{version:06d}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        tmp = version_tmp_dir(self.disk_dir, version)
         try:
             kind = "full" if reason else "delta"
             part = sender.call("delta_part", tmp, kind, version, chain["id"], *args)
@@ -185,15 +183,10 @@ class DeltaSync:
             # the ranks' weight maps in the tensors' order: the index reads as one publisher's
             weight_map = {row[0]: part["weight_map"][row[0]] for row in sig if row[0] in part["weight_map"]}
             if reason:
-                self._side_files(tmp)
+                write_side_files(tmp, config=self._config(), copy_files_from=self.hf_checkpoint)
             _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": meta, "weight_map": weight_map})
             wire = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
-            _fsync_dir(tmp)
-            final = version_dir(self.disk_dir, version)
-            if os.path.exists(final):  # left by an earlier run
-                delete_versions(self.disk_dir, [version])
-            os.rename(tmp, final)
-            _fsync_dir(self.disk_dir)
+            final = install_version(tmp, self.disk_dir, version)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -216,14 +209,6 @@ class DeltaSync:
         if not reason:
             metrics["sync/changed_density"] = part["changed_bytes"] / max(1, part["total_bytes"])
         return metrics
-
-    def _side_files(self, dst: str) -> None:
-        """config.json and the tokenizer files of a full version, as VersionPublisher writes them."""
-        config = self._config()
-        if self.hf_checkpoint is not None:
-            _copy_side_files(self.hf_checkpoint, dst, skip_config=config is not None)
-        if config is not None:
-            _write_json(os.path.join(dst, "config.json"), config)
 
     def _deliver(self, version: int, metrics: dict[str, Any], t0: float) -> dict:
         """The engines pull version `version` and apply it (steps 2 and 3 of the module doc)."""

@@ -126,6 +126,15 @@ def _copy_side_files(src: str, dst: str, *, skip_config: bool) -> None:
         shutil.copy2(path, os.path.join(dst, fname))
 
 
+def write_side_files(dst: str, *, config: dict | None, copy_files_from: str | None) -> None:
+    """A checkpoint's files other than weights: `config` as config.json (when given) and the tokenizer, generation
+    and chat-template files of `copy_files_from` (its config.json too when `config` is None)."""
+    if copy_files_from is not None:
+        _copy_side_files(copy_files_from, dst, skip_config=config is not None)
+    if config is not None:
+        _write_json(os.path.join(dst, CONFIG_FILE), config)
+
+
 def save_hf_checkpoint(
     state_dict: dict[str, torch.Tensor],
     out_dir: str,
@@ -235,10 +244,7 @@ def _write_checkpoint(
             os.path.join(dst, INDEX_FILE),
             {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map},
         )
-    if copy_files_from is not None:
-        _copy_side_files(copy_files_from, dst, skip_config=config is not None)
-    if config is not None:
-        _write_json(os.path.join(dst, CONFIG_FILE), config)
+    write_side_files(dst, config=config, copy_files_from=copy_files_from)
 
 
 def _swap_into_place(tmp_dir: str, out_dir: str) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import safetensors.numpy
@@ -41,32 +41,10 @@ from lichen.weights import diff_kernel
 from lichen.weights.delta_codec import checksum, encode_tensor_cast, tensor_bytes
 from lichen.weights.hf_io import _fsync_file
 from lichen.weights.parallel import default_threads, serial_torch
+from lichen.weights.rank_owners import all_gather_small, world
 from lichen.weights.wire import tensor_checksum
 
 KINDS = ("full", "delta", "hash")  # hash: write nothing, return the checksums (a version the engines already hold)
-
-
-def owner_partition(sizes: Iterable[tuple[str, int]], world_size: int) -> dict[str, int]:
-    """{name: owning rank}: largest tensor first to the least loaded rank (ties: the earlier name, the lower
-    rank). Deterministic in `sizes`' order, so every rank computes the same partition."""
-    items = list(sizes)
-    order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
-    load = [0] * max(1, int(world_size))
-    owner: dict[str, int] = {}
-    for i in order:
-        r = min(range(len(load)), key=lambda k: (load[k], k))
-        owner[items[i][0]] = r
-        load[r] += items[i][1]
-    return owner
-
-
-def world() -> tuple[bool, int]:
-    """(whether this process is in a torch.distributed group, its size): the trainer ranks' group under
-    `--runtime ray`, else one process."""
-    import torch.distributed as dist
-
-    on = dist.is_available() and dist.is_initialized()
-    return on, (dist.get_world_size() if on else 1)
 
 
 @dataclass(frozen=True)
@@ -137,7 +115,7 @@ class RankDeltaWriter:
         finally:
             if stream is not None:
                 stream.close()
-        parts = _all_gather(out)
+        parts = all_gather_small(out)
         bad = [p["error"] for p in parts if not p["ok"]]
         if bad:
             raise RuntimeError(f"publishing weight version {spec.version}: " + "; ".join(bad))
@@ -235,15 +213,3 @@ class _DeltaStream:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
-
-
-def _all_gather(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's `obj`, in rank order (this process's alone outside a process group)."""
-    on, size = world()
-    if not on or size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj)
-    return out

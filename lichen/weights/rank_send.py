@@ -8,10 +8,10 @@ A sender reads the weights one tensor at a time through `gather_owned(names, dty
 tensor on the rank that owns it and None on the others: on an FSDP2 rank each DTensor's shard is cast to the
 engine dtype and sent to the owner (one all-to-all per 32 MiB of tensors: lichen.train.fsdp.owned_tensors), a
 collective: every rank must be asked for the same names in the same order, and every rank is (the driver calls an
-op on all ranks at once). `nccl`, `disk` full and the sampled check gather into rank 0 only (`to_rank0`): it owns
+op on all ranks at once). `nccl` and the sampled check gather into rank 0 only (`to_rank0`): it owns
 the broadcast group's store and rank 0 of the group, and it returns the per-tensor checksums of what it sent, which
-the driver compares with the engines' own (lichen.sync.verify). `disk` delta gathers each tensor into the rank
-that encodes it. Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
+the driver compares with the engines' own (lichen.sync.verify). `disk` full and delta gather each tensor into the
+rank that writes it (a partition by size: lichen.weights.rank_full, lichen.weights.rank_delta). Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
 dtype)` gives every rank every full tensor (an all-gather) and the others drop theirs.
 
 Memory: a bucket is gathered into one preallocated buffer of the bucket's size in the engine dtype, each tensor
@@ -39,7 +39,6 @@ from urllib.parse import urlsplit
 
 import torch
 
-from lichen.weights.hf_io import write_hf_shards
 from lichen.weights.wire import dtype_name, master_store, open_group, parse_dtype, tensor_checksum
 
 # what the driver may ask of a rank's sender (DistTrainer.sync_weights)
@@ -67,8 +66,8 @@ Gather = Callable[[list[str], torch.dtype | None], Iterator[tuple[str, torch.Ten
 
 # gather_owned(names, dtype, owner): (name, full tensor) on the rank owner[name], (name, None) on the others, in
 # order: each tensor goes to its owner only (FSDP2 ranks exchange their shards in all-to-alls:
-# lichen.train.fsdp.owned_tensors). Rank 0 owns every tensor for `nccl`, `disk` full and the sampled check; for the
-# `disk` delta publish each rank owns the tensors it encodes. Without one, every rank gathers every tensor (an
+# lichen.train.fsdp.owned_tensors). Rank 0 owns every tensor for `nccl` and the sampled check; for `disk` full
+# and delta each rank owns the tensors it writes. Without one, every rank gathers every tensor (an
 # all-gather) and keeps its own.
 # `into(name)`, when given, is where the owner may build the full tensor (a contiguous tensor of its shape in the
 # engine dtype: a slice of the bucket being filled, so no copy follows) or None.
@@ -319,28 +318,21 @@ class RankSender:
         return torch.device("cpu")
 
     def write_full(
-        self, path: str, plan: list[list[str]], engine_dtype: str, config: dict, copy_files_from: str, metadata: dict
-    ) -> dict[str, str] | None:
-        """Every rank gathers the buckets of `plan` in order; rank 0 writes each as one safetensors file of the HF
-        checkpoint `path` (atomically, lichen.weights.hf_io.write_hf_shards), never holding more than one bucket,
-        and returns {name: xxh3-128} of what it wrote; other ranks return None."""
+        self, tmp_dir: str, engine_dtype: str, buffer_size: int, metadata: dict[str, str]
+    ) -> dict[str, Any] | None:
+        """Every rank writes its share of a full version into `tmp_dir`: each tensor gathered into the rank that
+        owns it and streamed into that rank's current file (lichen.weights.rank_full), never a whole file held.
+        Rank 0 returns {"weight_map", "sums" (xxh3-128 of what was written), "total_bytes", "ranks", "write_s"};
+        other ranks None."""
+        from lichen.weights.rank_full import plan_rank_files, write_rank_files
+        from lichen.weights.rank_owners import world
+
         dtype = parse_dtype(engine_dtype)
-        if self.rank != 0:
-            for names in plan:
-                for _ in self.to_rank0(names, dtype):
-                    pass
-            return None
-        sums: dict[str, str] = {}
-
-        def tensors_of(names: list[str]) -> dict[str, torch.Tensor]:
-            out = {}
-            for name, t in self.to_rank0(names, dtype):
-                out[name] = t.to("cpu").clone() if t.device.type == "cpu" else t.to("cpu")  # never a view of a param
-                sums[name] = tensor_checksum(out[name])
-            return out
-
-        write_hf_shards(plan, tensors_of, path, config=config, copy_files_from=copy_files_from, metadata=metadata)
-        return sums
+        meta = self._meta()
+        files = plan_rank_files(meta, dtype, world()[1], int(buffer_size))
+        owner = {name: f.rank for f in files for name in f.tensors}
+        owned = self._owned([r[0] for r in meta], dtype, owner)
+        return write_rank_files(self.rank, files, owned, meta, dtype, tmp_dir, metadata)
 
     def delta_part(
         self,
@@ -356,7 +348,8 @@ class RankSender:
         """Each tensor is gathered into the rank that owns it; each rank writes the part of version `version` it
         owns (a `disk` delta version encoded by the owning ranks, lichen.weights.rank_delta) into `tmp_dir`; rank 0
         returns the merged weight map and checksums, other ranks None."""
-        from lichen.weights.rank_delta import PartSpec, RankDeltaWriter, owner_partition, world
+        from lichen.weights.rank_delta import PartSpec, RankDeltaWriter
+        from lichen.weights.rank_owners import owner_partition, world
 
         dtype = parse_dtype(engine_dtype)
         meta = self._meta()

@@ -49,7 +49,7 @@ from lichen.weights.delta_codec import (
     encode_tensor_cast,
     tensor_bytes,
 )
-from lichen.weights.hf_io import INDEX_FILE, SINGLE_FILE, _copy_side_files, _fsync_dir, _fsync_file, _write_json
+from lichen.weights.hf_io import INDEX_FILE, SINGLE_FILE, _fsync_dir, _fsync_file, _write_json, write_side_files
 from lichen.weights.parallel import default_threads, parallel_map
 
 VERSION_PREFIX = "weight_v"
@@ -151,6 +151,30 @@ def newest_full_version(disk_dir: str, at_or_below: int | None = None) -> int | 
         if not read_version_info(version_dir(disk_dir, v)).is_delta:
             return v
     return None
+
+
+def version_tmp_dir(disk_dir: str, version: int) -> str:
+    """A fresh, empty hidden directory in `disk_dir` to write version `version` in before `install_version`."""
+    os.makedirs(disk_dir, exist_ok=True)
+    tmp = os.path.join(disk_dir, f".{VERSION_PREFIX}{version:06d}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def install_version(tmp: str, disk_dir: str, version: int) -> str:
+    """Make the fully written `tmp` version `version` of `disk_dir`: its files and itself fsynced (a file its
+    writer fsynced already costs a system call), a version of that number left by an earlier run deleted, then
+    renamed into place, so a reader sees the whole version or none of it. Returns the version's path."""
+    for fname in os.listdir(tmp):
+        _fsync_file(os.path.join(tmp, fname))
+    _fsync_dir(tmp)
+    final = version_dir(disk_dir, version)
+    if os.path.exists(final):
+        delete_versions(disk_dir, [version])
+    os.rename(tmp, final)
+    _fsync_dir(disk_dir)
+    return final
 
 
 def delete_versions(disk_dir: str, versions: list[int]) -> None:
@@ -268,23 +292,14 @@ class VersionPublisher:
             self.chain_id = uuid.uuid4().hex
         os.makedirs(self.disk_dir, exist_ok=True)
         deleted = self._remove_stale(version) if chain_start else []
-        tmp = os.path.join(self.disk_dir, f".{VERSION_PREFIX}{version:06d}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        tmp = version_tmp_dir(self.disk_dir, version)
         try:
             if reason:
                 num_published, changed = self._write_full(state_dict, tmp, version), None
             else:
                 num_published, changed = self._write_delta(state_dict, tmp, version)
             wire = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
-            for fname in os.listdir(tmp):
-                _fsync_file(os.path.join(tmp, fname))
-            _fsync_dir(tmp)
-            final = version_dir(self.disk_dir, version)
-            if os.path.exists(final):  # left by an earlier run (this publisher never reuses a number)
-                delete_versions(self.disk_dir, [version])
-            os.rename(tmp, final)
-            _fsync_dir(self.disk_dir)
+            final = install_version(tmp, self.disk_dir, version)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             self.reset()  # the snapshot may have moved past what engines can reach: restart with a full version
@@ -371,10 +386,7 @@ class VersionPublisher:
                 "weight_map": weight_map,
             },
         )
-        if self.copy_files_from is not None:
-            _copy_side_files(self.copy_files_from, dst, skip_config=self.config is not None)
-        if self.config is not None:
-            _write_json(os.path.join(dst, "config.json"), self.config)
+        write_side_files(dst, config=self.config, copy_files_from=self.copy_files_from)
         self._snapshot = {n: snapshot[n] for n in names} if keep else None
         return len(names)
 

@@ -1,0 +1,120 @@
+"""A full version of the weights written by every trainer rank at once (`disk` full under `--runtime ray`).
+
+With rank 0 writing every file, a full sync's write grows with the model and not with the ranks, and the whole
+model passes through rank 0's link. Here the tensors are split among the ranks by size (lichen.weights.rank_owners:
+each rank owns about model / ranks bytes); each tensor is gathered into its owner only (the FSDP2 shard exchange,
+one all-to-all per 32 MiB of tensors: lichen.train.fsdp.owned_tensors) and the owner streams it into its current
+file as it arrives (lichen.weights.safetensors_stream), so every rank writes the tensors the last exchange brought
+it, at the same time as the others.
+
+The files: each rank's owned tensors, in send order, cut into files of at most --update-weight-buffer-size bytes
+(a larger tensor alone); the names number every rank's files together, rank 0's first
+(`model-00001-of-NNNNN.safetensors`, ...). Every rank computes the same plan from the same metadata
+(`plan_rank_files`). Each file's header carries the version's metadata, as a single writer's would; each rank
+fsyncs its own files. The ranks then exchange what they wrote (small dicts) and rank 0 returns the weight map and the
+checksums; the driver writes the index, config.json and the tokenizer files and renames the directory into place
+(lichen.sync.disk.FullDiskSync.push_from), so an engine loads it like any sharded HF checkpoint.
+
+Memory per rank: the exchange's buffers and the tensor being written (a file is never held whole).
+
+Errors: a rank that fails to write still takes part in every exchange, so every rank raises the same error and
+none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from lichen.weights.hf_io import _fsync_file, _shard_name
+from lichen.weights.rank_owners import all_gather_small, owner_partition
+from lichen.weights.safetensors_stream import write_streamed
+from lichen.weights.wire import parse_dtype, tensor_checksum
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One safetensors file of the version: its name, the rank that writes it, its tensors in file order."""
+
+    name: str
+    rank: int
+    tensors: tuple[str, ...]
+
+
+def plan_rank_files(meta: list[list], dtype: torch.dtype, world_size: int, buffer_size: int) -> list[RankFile]:
+    """The files of a version written by `world_size` ranks, from the tensor_meta rows `meta` (send order), in
+    the engine dtype `dtype`: rank 0's files first. Deterministic: every rank computes the same list."""
+    from lichen.weights.rank_send import engine_nbytes_of, plan_meta_buckets
+
+    owner = owner_partition(((r[0], engine_nbytes_of(r[1], r[2], dtype)) for r in meta), world_size)
+    per_rank = [
+        [[row[0] for row in bucket] for bucket in plan_meta_buckets(rows, dtype, buffer_size)] if rows else []
+        for rows in ([r for r in meta if owner[r[0]] == k] for k in range(max(1, world_size)))
+    ]
+    n = sum(len(files) for files in per_rank)
+    names = (_shard_name(i, n) for i in range(n))
+    return [RankFile(next(names), k, tuple(t)) for k, files in enumerate(per_rank) for t in files]
+
+
+def write_rank_files(
+    rank: int,
+    files: list[RankFile],
+    owned: Iterator[tuple[str, torch.Tensor | None]],
+    meta: list[list],
+    dtype: torch.dtype,
+    tmp_dir: str,
+    header: dict[str, str],
+) -> dict[str, Any] | None:
+    """Consume `owned` (every tensor's name, in send order on every rank, with its full tensor in the engine dtype
+    `dtype` where this rank owns it, else None) and write this rank's files of `files` into `tmp_dir`, each with
+    the safetensors header metadata `header`. Rank 0 returns {"weight_map", "sums" (xxh3-128 of each tensor
+    written), "total_bytes", "ranks", "write_s" (the slowest rank's)}; other ranks None."""
+    from lichen.weights.rank_send import sent_dtype
+
+    t0 = time.perf_counter()
+    rows = {r[0]: r for r in meta}
+    sums: dict[str, str] = {}
+    total = 0
+    error: str | None = None
+    it = iter(owned)
+    arriving = ((name, t) for name, t in it if t is not None)  # this rank's tensors, in send order
+
+    def checked(n: int) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in itertools.islice(arriving, n):
+            t = t.to("cpu")
+            sums[name] = tensor_checksum(t)
+            yield name, t
+
+    try:
+        for f in files:
+            if f.rank != rank:
+                continue
+            path = os.path.join(tmp_dir, f.name)
+            layout = [(n, rows[n][1], parse_dtype(sent_dtype(rows[n][2], dtype))) for n in f.tensors]
+            total += write_streamed(path, layout, checked(len(layout)), header)
+            _fsync_file(path)
+    except Exception as e:  # still takes part in every exchange below
+        error = f"trainer rank {rank}: {type(e).__name__}: {e}"
+    for _ in it:  # the exchanges of the tensors after this rank's last file (or after its error)
+        pass
+    mine = {n: f.name for f in files if f.rank == rank for n in f.tensors}
+    out = {"error": error, "weight_map": mine, "sums": sums, "total_bytes": total, "s": time.perf_counter() - t0}
+    parts = all_gather_small(out)
+    bad = [p["error"] for p in parts if p["error"]]
+    if bad:
+        raise RuntimeError("writing a full weight version: " + "; ".join(bad))
+    if rank != 0:
+        return None
+    weight_map = {n: f for p in parts for n, f in p["weight_map"].items()}
+    return {
+        "weight_map": {r[0]: weight_map[r[0]] for r in meta},
+        "sums": {k: v for p in parts for k, v in p["sums"].items()},
+        "total_bytes": sum(p["total_bytes"] for p in parts),
+        "ranks": len(parts),
+        "write_s": max(p["s"] for p in parts),
+    }
