@@ -75,6 +75,15 @@ def test_one_rank_writes_what_the_single_writer_writes(tmp_path) -> None:
     assert load_hf_metadata(str(out)) == HEADER
 
 
+def test_a_directory_this_rank_does_not_see_is_named_with_what_to_do(tmp_path) -> None:
+    state = {"a.weight": torch.ones(4, 4)}
+    sender = RankSender(0, local_gather(state), lambda: meta_of(state))
+    with pytest.raises(RuntimeError) as e:
+        sender.write_full(str(tmp_path / "elsewhere"), "float32", 4096, HEADER)
+    assert "trainer rank 0: FileNotFoundError" in str(e.value) and "--update-weight-disk-dir" in str(e.value)
+    assert "shared by every trainer rank's node" in str(e.value)
+
+
 # ---- two gloo ranks ---------------------------------------------------------------------------------------------
 def _module() -> torch.nn.Module:
     """Rows that do not divide by 2 (5 and 1: rank 1's shard of the latter is empty)."""

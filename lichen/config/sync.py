@@ -39,7 +39,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--update-weight-disk-dir",
         metavar="DIR",
         default=None,
-        help="directory the disk transport writes to; required with --update-weight-transport disk (default: none)",
+        help="directory the disk transport writes to; required with --update-weight-transport disk. Every engine "
+        "reads it under the same path; under --runtime ray every trainer rank writes its share of each version "
+        "into it, so it must be shared by their nodes too (default: none)",
     )
     g.add_argument(
         "--update-weight-local-checkpoint-dir",

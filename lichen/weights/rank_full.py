@@ -91,6 +91,11 @@ def write_rank_files(
             yield name, t
 
     try:
+        if not os.path.isdir(tmp_dir):  # created by the driver: this rank's node does not share the directory
+            raise FileNotFoundError(
+                f"{tmp_dir} does not exist on this rank's node: the sync directory (--update-weight-disk-dir) must "
+                "be shared by every trainer rank's node under the same path, or use --update-weight-transport nccl"
+            )
         for f in files:
             if f.rank != rank:
                 continue
