@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     flops_per_row = sum(2 * w.numel() for w in weights)
     big = torch.randn(64 * 1024 * 1024)
     read = _median_s(lambda: big.sum(), 5)
-    print(f"one thread: memory read {big.numel() * 4 / read / 1e9:.1f} GB/s (sum of 256 MB); weights {nbytes / 1e6:.1f} MB per step")
-    print(f"{'rows':>4}  " + "  ".join(f"{k:>24}" for k in ("F.linear (engine)", "x @ Wt", "(W @ x.T).T", "numpy x @ W.T")))
+    print(
+        f"one thread: memory read {big.numel() * 4 / read / 1e9:.1f} GB/s (sum of 256 MB); weights {nbytes / 1e6:.1f} MB per step"
+    )
+    print(
+        f"{'rows':>4}  "
+        + "  ".join(f"{k:>24}" for k in ("F.linear (engine)", "x @ Wt", "(W @ x.T).T", "numpy x @ W.T"))
+    )
     for m in a.rows:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
         xn = [x.numpy() for x in xs]
