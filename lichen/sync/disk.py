@@ -135,7 +135,7 @@ class FullDiskSync:
                 part = sender.call("write_full", tmp, dtype_name(dtype), self.buffer_size, _header_metadata(metadata))
                 index = {"metadata": {"total_size": part["total_bytes"], **metadata}, "weight_map": part["weight_map"]}
                 _write_json(os.path.join(tmp, INDEX_FILE), index)
-                write_side_files(tmp, config=self._config(), copy_files_from=self.hf_checkpoint)
+                write_side_files(tmp, config=None, copy_files_from=self.hf_checkpoint)  # its config.json too
                 path = install_version(tmp, root, version)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -148,10 +148,6 @@ class FullDiskSync:
         m["sync/publish_ranks"] = done["ranks"]
         m["time/sync_publish_ranks"] = done["write_s"]  # the slowest rank's gathers and writes
         return m
-
-    def _config(self) -> dict:
-        with open(os.path.join(self.hf_checkpoint, "config.json")) as f:
-            return json.load(f)
 
     def _push(self, trainer: Any, version: int, write: Callable[[], str] | None = None) -> dict:
         m = push_full(

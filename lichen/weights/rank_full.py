@@ -11,8 +11,8 @@ The files: each rank's owned tensors, in send order, cut into files of at most -
 (a larger tensor alone); the names number every rank's files together, rank 0's first
 (`model-00001-of-NNNNN.safetensors`, ...). Every rank computes the same plan from the same metadata
 (`plan_rank_files`). Each file's header carries the version's metadata, as a single writer's would; each rank
-fsyncs its own files. The ranks then exchange what they wrote (small dicts) and rank 0 returns the weight map and the
-checksums; the driver writes the index, config.json and the tokenizer files and renames the directory into place
+fsyncs its own files. The ranks then exchange their checksums and byte counts (small dicts) and rank 0 returns them with the weight map
+(the plan); the driver writes the index, config.json and the tokenizer files and renames the directory into place
 (lichen.sync.disk.FullDiskSync.push_from), so an engine loads it like any sharded HF checkpoint.
 
 Memory per rank: the exchange's buffers and the tensor being written (a file is never held whole).
@@ -107,17 +107,16 @@ def write_rank_files(
         error = f"trainer rank {rank}: {type(e).__name__}: {e}"
     for _ in it:  # the exchanges of the tensors after this rank's last file (or after its error)
         pass
-    mine = {n: f.name for f in files if f.rank == rank for n in f.tensors}
-    out = {"error": error, "weight_map": mine, "sums": sums, "total_bytes": total, "s": time.perf_counter() - t0}
+    out = {"error": error, "sums": sums, "total_bytes": total, "s": time.perf_counter() - t0}
     parts = all_gather_small(out)
     bad = [p["error"] for p in parts if p["error"]]
     if bad:
         raise RuntimeError("writing a full weight version: " + "; ".join(bad))
     if rank != 0:
         return None
-    weight_map = {n: f for p in parts for n, f in p["weight_map"].items()}
+    where = {n: f.name for f in files for n in f.tensors}  # the plan every rank followed
     return {
-        "weight_map": {r[0]: weight_map[r[0]] for r in meta},
+        "weight_map": {r[0]: where[r[0]] for r in meta},
         "sums": {k: v for p in parts for k, v in p["sums"].items()},
         "total_bytes": sum(p["total_bytes"] for p in parts),
         "ranks": len(parts),
