@@ -11,26 +11,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers.dist_ranks import _trainer, _vocab, free_port, run_ranks, save, step_batch, trainer_argv
+from helpers.dist_ranks import (
+    _trainer,
+    _vocab,
+    async_commit,
+    async_save_begin,
+    free_port,
+    run_ranks,
+    save,
+    step_batch,
+    trainer_argv,
+)
 
 from lichen.train import checkpoint
 from lichen.train.ckpt_integrity import MANIFEST, verify
-
-
-def _async_save(t, ckpt: str, rollout_id: int) -> None:
-    """What the driver does with --async-save on Ray, here on rank 0: begin, every rank stages and starts its
-    write, (the next step may run), then every rank's entries merged and committed."""
-    if t.rank == 0:
-        checkpoint.begin_save(ckpt, rollout_id)
-    assert t.save_async(ckpt, rollout_id) is True
-
-
-def _commit(t, ckpt: str, rollout_id: int) -> None:
-    parts: list = [None] * t.world_size
-    dist.all_gather_object(parts, t.save_done().files)  # the driver gathers them through Ray
-    if t.rank == 0:
-        files = {rel: e for part in parts for rel, e in part.items()}
-        checkpoint.commit(ckpt, rollout_id, checkpoint.SavedTrainer(files, world_size=t.world_size), {})
 
 
 def async_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
@@ -40,9 +34,9 @@ def async_worker(rank: int, world_size: int, argv: list[str], port: int, out: st
     for step in range(2):
         t.train(step, step_batch(_vocab(t), step))
         save(t, sync_dir, step)
-        _async_save(t, async_dir, step)
+        async_save_begin(t, async_dir, step)
         t.train(step + 10, step_batch(_vocab(t), step + 10))  # changes the weights in place during the write
-        _commit(t, async_dir, step)
+        async_commit(t, async_dir, step)
         dist.barrier()
         # the next step starts from the saved state again, so both saves of the next step see the same weights
         if rank == 0:

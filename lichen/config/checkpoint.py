@@ -62,8 +62,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="at every checkpoint save, also write the policy as a Hugging Face checkpoint (safetensors, config, "
         "tokenizer; the same export as the checkpoint's hf/) to PATH.format(rollout_id=N), e.g. "
-        "'hf_out/step_{rollout_id}' (a PATH without {rollout_id} is overwritten each time). Needs --save "
-        "(slime's flag; default: none)",
+        "'hf_out/step_{rollout_id}' (a PATH without {rollout_id} is overwritten each time). Needs --save; "
+        "under --runtime ray every trainer rank writes some of its files, so PATH must be on storage every rank's "
+        "node shares, as --save (slime's flag; default: none)",
     )
 
 

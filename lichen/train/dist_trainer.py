@@ -13,7 +13,8 @@ sent between ranks, only tensors:
 So 2 ranks compute the single-rank TrainActor's update up to floating-point summation order.
 
 Checkpoints: `save` writes the sharded state with torch.distributed.checkpoint (DCP), which reshards on load, so
-a checkpoint loads on any number of ranks; rank 0 also exports the weights as an HF checkpoint (hf/). Each rank
+a checkpoint loads on any number of ranks; the ranks also export the weights as an HF checkpoint (hf/), each
+writing its share of the files (lichen.weights.rank_hf). Each rank
 then hashes its share of those files and rank 0 returns every entry (a SavedTrainer): the driver's
 lichen.train.checkpoint.save_checkpoint writes meta.json, checksums.json (with these entries, never re-hashed)
 and `latest`, after rollout_state.json; ranks write none of them. Layout:
@@ -66,13 +67,9 @@ from lichen.train.step_schedule import OptimizerStepPlan, split_across_ranks
 from lichen.train.train_batch import TrainBatch
 from lichen.train.trainer_protocol import TokenValues, rows_of
 from lichen.types import Sample
-from lichen.weights.hf_io import plan_shards, write_hf_shards
+from lichen.weights.hf_io import plan_shards
+from lichen.weights.rank_hf import RankHfPlan, owned_only, plan_rank_hf, write_rank_hf
 from lichen.weights.rank_send import SENDER_OPS, RankSender, tensor_meta
-from lichen.weights.safetensors_stream import write_streamed
-
-
-def _never(names: list[str]) -> dict[str, torch.Tensor]:
-    raise AssertionError("the streamed HF export writes its files itself")
 
 
 class RankLogProbs(LogProbs):
@@ -362,57 +359,75 @@ class DistTrainer:
         dist.barrier()  # every rank's shards are written before they are hashed
         return SavedTrainer(self._hash_files(d), world_size=self.world_size)
 
-    def _export_hf(self, d: str, rollout_id: int, full: dict[str, torch.Tensor] | None = None) -> None:
-        """hf/ of checkpoint `d` and --save-hf's copy (_stream_hf; from `full`, gathered tensors, if given)."""
-        self._stream_hf(os.path.join(d, "hf"), full)
+    def _export_hf(
+        self,
+        d: str,
+        rollout_id: int,
+        staged: tuple[Any, dict[str, torch.Tensor]] | None = None,
+        group: Any = None,
+        error: str | None = None,
+    ) -> None:
+        """hf/ of checkpoint `d` and --save-hf's copy (_stream_hf; from `staged`, --async-save's (plan, this rank's
+        gathered tensors), on the exchanges of `group`, if given)."""
+        self._stream_hf(os.path.join(d, "hf"), staged, group, error)
         if self.cfg.checkpoint.save_hf:
             from lichen.config.train_config import save_hf_dir
 
-            self._stream_hf(save_hf_dir(self.cfg.checkpoint.save_hf, rollout_id), full)
+            self._stream_hf(save_hf_dir(self.cfg.checkpoint.save_hf, rollout_id), staged, group, error)
 
-    def _stream_hf(self, out: str, full_tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """The policy as an HF checkpoint at `out`, as write_hf_exports writes it (the same files, tensors and
-        index: its state dict's names, buffers and both names of a tied weight, save_hf_checkpoint's split into
-        files), streamed: the ranks send each tensor's shards to rank 0 only (fsdp.owned_of, in file order; LoRA's
-        merged weights: every rank gathers each base weight and its adapters, lora.gather_merged) and rank 0
-        appends it to the file being written, so no rank holds more than one full tensor (rank 0: plus two
-        exchanges' received shards)."""
-        # this rank's shards (DTensors report their global shapes), or --async-save's gathered copies (rank 0)
-        state = self.actor.model.state_dict() if full_tensors is None else full_tensors
+    def _hf_plan(self) -> tuple[dict[str, torch.Tensor], Any, RankHfPlan]:
+        """(the live state dict, LoRA's merged sources or None, the export's plan): the files write_hf_exports
+        writes (its state dict's names, buffers and both names of a tied weight, save_hf_checkpoint's split into
+        files), each written by one rank (lichen.weights.rank_hf)."""
+        state = self.actor.model.state_dict()  # DTensors report their global shapes
         sources = None
-        if self.cfg.lora is not None and full_tensors is None:  # the merged policy, as lora.merge_state exports it
+        if self.cfg.lora is not None:  # the merged policy, as lora.merge_state exports it
             from lichen.train import lora
 
             sources = lora.merged_sources(self.actor.model, list(state))
         shapes = state if sources is None else {n: state[base] for n, (base, _) in sources.items()}
-        plan = plan_shards(shapes)
+        layout = {n: (list(t.shape), t.dtype) for n, t in shapes.items()}
+        return state, sources, plan_rank_hf(plan_shards(shapes), layout, self.world_size)
 
-        def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-            for name in names:
-                t = state[name].detach()
-                yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
-
-        def full(names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _stream_hf(
+        self,
+        out: str,
+        staged: tuple[RankHfPlan, dict[str, torch.Tensor]] | None = None,
+        group: Any = None,
+        error: str | None = None,
+    ) -> None:
+        """The policy as an HF checkpoint at `out`, as write_hf_exports writes it, written by every rank at once
+        (lichen.weights.rank_hf): each tensor's shards go to the rank that writes its file only (fsdp.owned_of;
+        LoRA's merged weights: every rank gathers each base weight and its adapters, lora.gather_merged) and that
+        rank appends it to its file, so no rank holds more than one full tensor (plus two exchanges' received
+        shards). `staged`: --async-save's plan and this rank's tensors, gathered on the training path."""
+        if staged is not None:
+            plan, mine = staged
+            owned: Iterator[tuple[str, torch.Tensor | None]] = ((n, mine.get(n)) for n in plan.order)
+        else:
+            state, sources, plan = self._hf_plan()
             if sources is not None:
-                return lora.gather_merged(gathered, sources, names)
-            if full_tensors is not None:  # rank 0 alone, in --async-save's thread: gathered already
-                return gathered(names)
-            return fsdp.owned_of(state, names, dict.fromkeys(names, 0))  # the tensors on rank 0, None elsewhere
+                from lichen.train import lora
 
-        if self.rank != 0:
-            for names in plan:  # the same collectives as rank 0's writes, in the same order
-                for _ in full(names):
-                    pass
-            return
+                def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+                    for name in names:
+                        t = state[name].detach()
+                        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
-        def write_file(names: list[str], path: str, header: dict[str, str]) -> int:
-            rows = [(n, list(shapes[n].shape), shapes[n].dtype) for n in names]
-            return write_streamed(path, rows, ((n, t) for n, t in full(names) if t is not None), header)
-
+                owned = owned_only(self.rank, plan, lora.gather_merged(gathered, sources, list(plan.order)))
+            else:
+                owned = fsdp.owned_of(state, list(plan.order), plan.owner())
         with open(os.path.join(self.cfg.models.hf_checkpoint, "config.json")) as f:
             config = json.load(f)
-        write_hf_shards(
-            plan, _never, out, config=config, copy_files_from=self.cfg.models.hf_checkpoint, write_file=write_file
+        write_rank_hf(
+            self.rank,
+            out,
+            plan,
+            owned,
+            config=config,
+            copy_files_from=self.cfg.models.hf_checkpoint,
+            group=group,
+            error=error,
         )
 
     def _save_adapters(self, d: str, rollout_id: int) -> None:
@@ -436,19 +451,24 @@ class DistTrainer:
         if self.cfg.lora is not None:
             return False
         d = iter_dir(ckpt_dir, rollout_id)
-        with self.memory.weights_resident():  # rank 0: CPU copies of the full tensors, in _stream_hf's order
-            full: dict[str, torch.Tensor] = {}
-            state = {name: t.detach() for name, t in self.actor.model.state_dict().items()}
-            for name, whole in fsdp.owned_of(state, list(state), dict.fromkeys(state, 0)):  # into rank 0 only
-                if whole is not None:
-                    full[name] = whole.to("cpu", copy=True)
-        hf = (lambda: self._export_hf(d, rollout_id, full)) if self.rank == 0 else None
+        with self.memory.weights_resident():  # CPU copies of the tensors of this rank's files of the export
+            state, _, plan = self._hf_plan()
+            mine = {
+                name: whole.to("cpu", copy=True)
+                for name, whole in fsdp.owned_of(state, list(plan.order), plan.owner())
+                if whole is not None
+            }
+
+        def hf(group: Any, error: str | None) -> None:  # in the write's thread, after DCP's (every rank)
+            self._export_hf(d, rollout_id, (plan, mine), group, error)
+
         if not hasattr(self, "_async_save"):
             from lichen.train.rank_ckpt_async import RankAsyncSave
 
             self._async_save = RankAsyncSave(self.rank, self.world_size)
-        state = self._sharded_state(optimizer=not self.cfg.checkpoint.no_save_optim)
-        self._async_save.start(state, d, os.path.join(d, DIST_DIR), hf)
+        self._async_save.start(
+            self._sharded_state(optimizer=not self.cfg.checkpoint.no_save_optim), d, os.path.join(d, DIST_DIR), hf
+        )
         return True
 
     def save_done(self) -> SavedTrainer:

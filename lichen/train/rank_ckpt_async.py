@@ -3,14 +3,14 @@
 `RankAsyncSave.start` runs on the training path of every rank at once: torch.distributed.checkpoint's
 `async_save` stages the rank's shards to CPU memory (a DefaultStager kept for the run: its CPU copies are reused by
 the next save, keyed by the source storages, which the optimizer updates in place) and writes them in DCP's
-thread; rank 0 also writes the HF export (hf/) from the full weights gathered on the training path, in a thread of
-its own. DCP's collectives (planning, the metadata) run on a gloo group of their own, created by the first save,
+thread; then every rank writes its files of the HF export (hf/: lichen.weights.rank_hf) from the tensors of those
+files, gathered into it on the training path. DCP's collectives (planning, the metadata) run on a gloo group of their own, created by the first save,
 so they never interleave with the training's collectives.
 
 `result` (every rank, from the driver's checkpoint thread through the rank actor's "ckpt" concurrency group, so it
 never queues behind the training's calls) waits for the rank's write and returns the manifest entries of the files
-it hashed: each rank a share of the DCP files (every rank's writes are complete once DCP's final collective has
-returned on any rank), rank 0 also hf/. No collective: the driver merges the shares and commits (meta.json,
+it hashed: each rank a share of the DCP and hf/ files (every rank's writes are complete once the export's final
+exchange has returned on any rank). No collective: the driver merges the shares and commits (meta.json,
 checksums.json, `latest`: lichen.train.checkpoint).
 """
 
@@ -30,6 +30,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from lichen.train.ckpt_integrity import checkpoint_files, file_entries
 
 METADATA = ".metadata"  # the DCP file the coordinator writes last
+
+# hf_write(group, error): this rank's part of the HF export, its exchanges on `group` (the write's own); `error` a
+# failure of this rank's DCP write, which the export reports to every rank instead of writing
+HfWrite = Callable[[Any, "str | None"], None]
 
 
 HOLD_ENV = "LICHEN_TEST_CKPT_HOLD_FILE"  # tests: a rank's write waits (up to HOLD_BOUND_S) for this file to exist
@@ -59,9 +63,9 @@ class RankAsyncSave:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lichen-rank-ckpt")
         self._pending: concurrent.futures.Future | None = None
 
-    def start(self, state: dict, ckpt_dir: str, dist_dir: str, hf_write: Callable[[], None] | None) -> None:
+    def start(self, state: dict, ckpt_dir: str, dist_dir: str, hf_write: HfWrite | None) -> None:
         """Stage `state` (the rank's DCP state) and write it to `dist_dir` of checkpoint `ckpt_dir` in the
-        background, with `hf_write` (rank 0's HF export) after it; every rank calls this at once."""
+        background, with `hf_write` (this rank's part of the HF export) after it; every rank calls this at once."""
         self.wait()
         if self._group is None:  # collective: every rank's first save creates it
             self._group = dist.new_group(backend="gloo")
@@ -80,22 +84,26 @@ class RankAsyncSave:
         self._pending = self._pool.submit(self._finish, upload, ckpt_dir, dist_dir, hf_write)
 
     def _finish(
-        self, upload: concurrent.futures.Future, ckpt_dir: str, dist_dir: str, hf_write: Callable[[], None] | None
+        self, upload: concurrent.futures.Future, ckpt_dir: str, dist_dir: str, hf_write: HfWrite | None
     ) -> dict[str, dict]:
-        upload.result()  # every rank's shards and the metadata are written
-        _test_hold()
-        if hf_write is not None:
-            hf_write()
+        error = None
+        try:
+            upload.result()  # every rank's shards and the metadata are written
+            _test_hold()
+        except Exception as e:
+            if hf_write is None:
+                raise
+            error = f"trainer rank {self.rank}: {type(e).__name__}: {e}"  # the export's exchanges still run
+        if hf_write is not None:  # every rank writes its files of hf/ (every rank raises if any rank failed)
+            hf_write(self._group, error)
         if not os.path.isfile(os.path.join(dist_dir, METADATA)):
             # a guard: `latest` must never name a checkpoint DCP cannot load (one test run with a rank killed
             # mid-sync was left with a committed checkpoint lacking .metadata; its cause is not found yet)
             raise RuntimeError(f"{dist_dir}/{METADATA} is missing after the write; the checkpoint is not complete")
         top = os.path.relpath(dist_dir, ckpt_dir)
         shards = sorted(f"{top}/{rel}" for rel in checkpoint_files(dist_dir))
-        mine = shards[self.rank :: self.world_size]
-        if hf_write is not None:
-            mine += [rel for rel in checkpoint_files(ckpt_dir) if rel.startswith("hf/")]
-        return file_entries(ckpt_dir, mine)
+        exported = sorted(rel for rel in checkpoint_files(ckpt_dir) if rel.startswith("hf/")) if hf_write else []
+        return file_entries(ckpt_dir, (shards + exported)[self.rank :: self.world_size])
 
     def wait(self) -> None:
         """Wait for the write in flight (its error is raised by `result`, which the driver calls)."""

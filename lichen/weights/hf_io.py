@@ -178,12 +178,11 @@ def write_hf_shards(
     config: dict | None = None,
     copy_files_from: str | None = None,
     metadata: dict | None = None,
-    write_file: Callable[[list[str], str, dict[str, str]], int] | None = None,
 ) -> None:
     """save_hf_checkpoint's layout and atomic write, one shard (a list of names) at a time: `tensors_of(names)`
     gives that shard's CPU tensors when it is written, so only one shard is ever held (the weight sync's rank 0
-    streams gathered buckets through it). `write_file(names, path, header metadata)`, when given, writes each
-    shard's file itself instead and returns its tensor bytes (a file streamed tensor by tensor)."""
+    streams gathered buckets through it). A multi-rank trainer's export writes the same files from every rank:
+    lichen.weights.rank_hf."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NotADirectoryError(f"checkpoint output {out_dir!r} exists and is not a directory")
@@ -201,7 +200,6 @@ def write_hf_shards(
             config=config,
             copy_files_from=copy_files_from,
             metadata=metadata,
-            write_file=write_file,
         )
         for fname in os.listdir(tmp_dir):
             _fsync_file(os.path.join(tmp_dir, fname))
@@ -220,13 +218,10 @@ def _write_checkpoint(
     config: dict | None,
     copy_files_from: str | None,
     metadata: dict | None,
-    write_file: Callable[[list[str], str, dict[str, str]], int] | None = None,
 ) -> None:
     header = _header_metadata(metadata)
 
     def save(names: list[str], path: str) -> int:
-        if write_file is not None:  # the caller writes the file itself (streamed: lichen.weights.safetensors_stream)
-            return write_file(names, path, header)
         tensors = tensors_of(names)
         safetensors.torch.save_file(tensors, path, metadata=header)
         return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -61,62 +61,78 @@ def plan_rank_files(meta: list[list], dtype: torch.dtype, world_size: int, buffe
     return [RankFile(next(names), k, tuple(t)) for k, files in enumerate(per_rank) for t in files]
 
 
+# where a rank does not see the directory the files go into, what to do about it
+SYNC_DIR_HINT = (
+    "the sync directory (--update-weight-disk-dir) must be shared by every trainer rank's node under the same path, "
+    "or use --update-weight-transport nccl"
+)
+
+
+def sync_layout(meta: list[list], dtype: torch.dtype) -> dict[str, tuple[list[int], torch.dtype]]:
+    """{name: (shape, dtype written)} of the tensor_meta rows `meta` sent in the engine dtype `dtype`."""
+    from lichen.weights.rank_send import sent_dtype
+
+    return {r[0]: (list(r[1]), parse_dtype(sent_dtype(r[2], dtype))) for r in meta}
+
+
 def write_rank_files(
     rank: int,
     files: list[RankFile],
     owned: Iterator[tuple[str, torch.Tensor | None]],
-    meta: list[list],
-    dtype: torch.dtype,
+    layout: dict[str, tuple[list[int], torch.dtype]],
     tmp_dir: str,
     header: dict[str, str],
+    *,
+    checksums: bool = True,
+    missing_hint: str = SYNC_DIR_HINT,
+    group: Any = None,
+    error: str | None = None,
 ) -> dict[str, Any] | None:
-    """Consume `owned` (every tensor's name, in send order on every rank, with its full tensor in the engine dtype
-    `dtype` where this rank owns it, else None) and write this rank's files of `files` into `tmp_dir`, each with
-    the safetensors header metadata `header`. Rank 0 returns {"weight_map", "sums" (xxh3-128 of each tensor
-    written), "total_bytes", "ranks", "write_s" (the slowest rank's)}; other ranks None."""
-    from lichen.weights.rank_send import sent_dtype
-
+    """Consume `owned` (every tensor's name, in send order on every rank, with its full tensor where this rank owns
+    it, else None) and write this rank's files of `files` into `tmp_dir`, each tensor as `layout` gives it
+    ({name: (shape, dtype)}), each file with the safetensors header metadata `header`. Rank 0 returns
+    {"weight_map", "sums" (xxh3-128 of each tensor written, with `checksums`), "total_bytes", "ranks", "write_s"
+    (the slowest rank's)}; other ranks None. Every rank raises the same error if any rank failed (`error`: one this
+    rank had before it began, which it reports instead of writing); `missing_hint` says what to do when a rank does
+    not see `tmp_dir`. The closing exchange runs on `group` (default: the trainer's group)."""
     t0 = time.perf_counter()
-    rows = {r[0]: r for r in meta}
     sums: dict[str, str] = {}
     total = 0
-    error: str | None = None
     it = iter(owned)
     arriving = ((name, t) for name, t in it if t is not None)  # this rank's tensors, in send order
 
     def checked(n: int) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in itertools.islice(arriving, n):
             t = t.to("cpu")
-            sums[name] = tensor_checksum(t)
+            if checksums:
+                sums[name] = tensor_checksum(t)
             yield name, t
 
     try:
-        if not os.path.isdir(tmp_dir):  # created by the driver: this rank's node does not share the directory
-            raise FileNotFoundError(
-                f"{tmp_dir} does not exist on this rank's node: the sync directory (--update-weight-disk-dir) must "
-                "be shared by every trainer rank's node under the same path, or use --update-weight-transport nccl"
-            )
+        if error is not None:
+            raise RuntimeError(error)
+        if not os.path.isdir(tmp_dir):  # created by rank 0 or the driver: this rank's node does not share it
+            raise FileNotFoundError(f"{tmp_dir} does not exist on this rank's node: {missing_hint}")
         for f in files:
             if f.rank != rank:
                 continue
             path = os.path.join(tmp_dir, f.name)
-            layout = [(n, rows[n][1], parse_dtype(sent_dtype(rows[n][2], dtype))) for n in f.tensors]
-            total += write_streamed(path, layout, checked(len(layout)), header)
+            total += write_streamed(path, [(n, *layout[n]) for n in f.tensors], checked(len(f.tensors)), header)
             _fsync_file(path)
     except Exception as e:  # still takes part in every exchange below
         error = f"trainer rank {rank}: {type(e).__name__}: {e}"
     for _ in it:  # the exchanges of the tensors after this rank's last file (or after its error)
         pass
     out = {"error": error, "sums": sums, "total_bytes": total, "s": time.perf_counter() - t0}
-    parts = all_gather_small(out)
+    parts = all_gather_small(out, group)
     bad = [p["error"] for p in parts if p["error"]]
     if bad:
-        raise RuntimeError("writing a full weight version: " + "; ".join(bad))
+        raise RuntimeError("writing weight files: " + "; ".join(bad))
     if rank != 0:
         return None
     where = {n: f.name for f in files for n in f.tensors}  # the plan every rank followed
     return {
-        "weight_map": {r[0]: where[r[0]] for r in meta},
+        "weight_map": {n: where[n] for n in layout},
         "sums": {k: v for p in parts for k, v in p["sums"].items()},
         "total_bytes": sum(p["total_bytes"] for p in parts),
         "ranks": len(parts),

@@ -33,13 +33,14 @@ def world() -> tuple[bool, int]:
     return on, (dist.get_world_size() if on else 1)
 
 
-def all_gather_small(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's `obj` (a small picklable dict), in rank order (this process's alone outside a process group)."""
+def all_gather_small(obj: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:
+    """Every rank's `obj` (a small picklable dict), in rank order (this process's alone outside a process group).
+    `group`: a process group of the same ranks other than the default one (a background thread's own)."""
     on, size = world()
     if not on or size == 1:
         return [obj]
     import torch.distributed as dist
 
     out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out

@@ -324,7 +324,7 @@ class RankSender:
         owns it and streamed into that rank's current file (lichen.weights.rank_full), never a whole file held.
         Rank 0 returns {"weight_map", "sums" (xxh3-128 of what was written), "total_bytes", "ranks", "write_s"};
         other ranks None."""
-        from lichen.weights.rank_full import plan_rank_files, write_rank_files
+        from lichen.weights.rank_full import plan_rank_files, sync_layout, write_rank_files
         from lichen.weights.rank_owners import world
 
         dtype = parse_dtype(engine_dtype)
@@ -332,7 +332,7 @@ class RankSender:
         files = plan_rank_files(meta, dtype, world()[1], int(buffer_size))
         owner = {name: f.rank for f in files for name in f.tensors}
         owned = self._owned([r[0] for r in meta], dtype, owner)
-        return write_rank_files(self.rank, files, owned, meta, dtype, tmp_dir, metadata)
+        return write_rank_files(self.rank, files, owned, sync_layout(meta, dtype), tmp_dir, metadata)
 
     def delta_part(
         self,

@@ -114,6 +114,25 @@ def save(t: DistTrainer, ckpt: str, rollout_id: int) -> None:
         checkpoint.commit(ckpt, rollout_id, saved, {})
 
 
+def async_save_begin(t: DistTrainer, ckpt: str, rollout_id: int) -> None:
+    """What the driver does with --async-save on Ray, here on rank 0: begin, then every rank stages and starts its
+    write (the next step may run before async_commit)."""
+    if t.rank == 0:
+        checkpoint.begin_save(ckpt, rollout_id)
+    assert t.save_async(ckpt, rollout_id) is True
+
+
+def async_commit(t: DistTrainer, ckpt: str, rollout_id: int) -> None:
+    """Every rank's entries of the write async_save_begin started, merged and committed (the driver's part)."""
+    import torch.distributed as dist
+
+    parts: list = [None] * t.world_size
+    dist.all_gather_object(parts, t.save_done().files)  # the driver gathers them through Ray
+    if t.rank == 0:
+        files = {rel: e for part in parts for rel, e in part.items()}
+        checkpoint.commit(ckpt, rollout_id, checkpoint.SavedTrainer(files, world_size=t.world_size), {})
+
+
 def _trainer(argv, rank, world_size, port) -> DistTrainer:
     cfg, args = config(argv)
     return DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
