@@ -172,3 +172,44 @@ def test_a_failing_rank_makes_every_rank_raise_and_keeps_the_previous_export(tin
     assert kept == _read_all(tmp_path / "first")
     assert INDEX_FILE in kept and len([f for f in kept if f.endswith(".safetensors")]) > 3
     assert [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p] == []
+
+
+def async_failing_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
+    """--async-save where rank 1's DCP write fails: the export's exchanges still run, and both ranks' results
+    raise, naming rank 1."""
+    from lichen.train import rank_ckpt_async
+
+    torch.set_num_threads(1)
+    _small_files()
+    t = _trainer(argv, rank, world_size, port)
+    if rank == 1:
+
+        def failed() -> None:
+            raise OSError(122, "Disk quota exceeded")
+
+        rank_ckpt_async._test_hold = failed
+    async_save_begin(t, os.path.join(out, "ckpt"), 0)
+    try:
+        t.save_done()
+        result = "wrote"
+    except RuntimeError as e:
+        result = str(e)
+    with open(os.path.join(out, f"result-{rank}.txt"), "w") as f:
+        f.write(result)
+    dist.barrier()
+    t.close()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_async_write_fails_makes_every_rank_fail_the_export(tiny_ckpt, addition_data, tmp_path):
+    from lichen.train import checkpoint
+
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
+    run_ranks(async_failing_worker, 2, argv, free_port(), str(tmp_path))
+    results = [(tmp_path / f"result-{r}.txt").read_text() for r in range(2)]
+    for r in results:
+        assert "trainer rank 1" in r and "Disk quota exceeded" in r, results
+    d = checkpoint.iter_dir(str(tmp_path / "ckpt"), 0)
+    assert not os.path.exists(os.path.join(d, "hf"))  # nothing installed
+    assert [p for p in os.listdir(d) if ".tmp-" in p] == []
+    assert checkpoint.find_latest(str(tmp_path / "ckpt")) is None
