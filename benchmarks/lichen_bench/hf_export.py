@@ -9,7 +9,7 @@ For each it times the synchronous export (the slowest rank's wall time) and an -
 the training path, which stages the rank's DCP shards and the tensors of its export files, and the time until the
 write is done; a warm-up round of both comes first, untimed), with each rank's peak RSS growth over its resident set before the call. The export's files are
 the single-process export's at a file size of `--file-mb` (the real default is 5 GiB, which keeps a model below
-that one file and one writer: at 64 ranks a 355B model is 142 such files); the work is equal in both variants.
+that one file and one writer: a 355B model's float32 export is 265 such files); the work is equal in both variants.
 
     PYTHONPATH=benchmarks python -m lichen_bench.hf_export [--params 2e8] [--file-mb 100] [--rounds 2]
 
