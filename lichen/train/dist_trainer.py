@@ -363,7 +363,7 @@ class DistTrainer:
         self,
         d: str,
         rollout_id: int,
-        staged: tuple[Any, dict[str, torch.Tensor]] | None = None,
+        staged: tuple[RankHfPlan, dict[str, torch.Tensor]] | None = None,
         group: Any = None,
         error: str | None = None,
     ) -> None:

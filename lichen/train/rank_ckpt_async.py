@@ -4,8 +4,9 @@
 `async_save` stages the rank's shards to CPU memory (a DefaultStager kept for the run: its CPU copies are reused by
 the next save, keyed by the source storages, which the optimizer updates in place) and writes them in DCP's
 thread; then every rank writes its files of the HF export (hf/: lichen.weights.rank_hf) from the tensors of those
-files, gathered into it on the training path. DCP's collectives (planning, the metadata) run on a gloo group of their own, created by the first save,
-so they never interleave with the training's collectives.
+files, gathered into it on the training path. DCP's collectives (planning, the metadata) and the export's small
+exchanges run on a gloo group of their own, created by the first save, so they never interleave with the
+training's collectives.
 
 `result` (every rank, from the driver's checkpoint thread through the rank actor's "ckpt" concurrency group, so it
 never queues behind the training's calls) waits for the rank's write and returns the manifest entries of the files

@@ -109,11 +109,9 @@ def write_rank_files(
             yield name, t
 
     try:
-        if error is not None:
-            raise RuntimeError(error)
-        if not os.path.isdir(tmp_dir):  # created by rank 0 or the driver: this rank's node does not share it
+        if error is None and not os.path.isdir(tmp_dir):  # made by rank 0 or the driver: not shared with this node
             raise FileNotFoundError(f"{tmp_dir} does not exist on this rank's node: {missing_hint}")
-        for f in files:
+        for f in files if error is None else ():
             if f.rank != rank:
                 continue
             path = os.path.join(tmp_dir, f.name)
