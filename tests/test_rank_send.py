@@ -175,10 +175,13 @@ def test_ranks_gather_in_the_engine_dtype_and_send_the_same_bits(tiny_ckpt, addi
 
 
 def tensor_bucket_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
-    """The `tensor` transport's bucket op for one engine TP rank, then for two: the checksums rank 0 returns, each
-    rank's handles, and how many all-gathers ran."""
+    """The `tensor` transport's bucket op for one engine TP rank, then for two, with the ranks sharing rank 0's
+    memory (they do here: one host) and with that turned off: the checksums rank 0 returns, each rank's handles,
+    how many all-gathers and all-to-alls ran, and what each rank wrote into the shared bucket."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from lichen.train import fsdp
     from lichen.train.dist_trainer import DistTrainer
 
     torch.set_num_threads(1)
@@ -186,21 +189,49 @@ def tensor_bucket_worker(rank: int, world_size: int, argv: list[str], port: int,
     t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     t.train(0, step_batch(t.model.cfg.vocab_size, 0))
     names = [row[0] for row in t.sync_weights("meta")]
-    full_tensor, record = DTensor.full_tensor, {}
-    for entries in (1, 2):
-        all_gathers = [0]
+    full_tensor, all_to_all, record = DTensor.full_tensor, dist.all_to_all_single, {}
+    write_rows, wrote = fsdp.write_local_rows, [0]
 
-        def counting(self, *a, **k):
-            all_gathers[0] += 1
-            return full_tensor(self, *a, **k)
+    def counting_writes(model, names, views):
+        before = [v.clone() for v in views]
+        write_rows(model, names, views)
+        wrote[0] += sum(int((v != b).sum()) for v, b in zip(views, before))
 
-        DTensor.full_tensor = counting  # type: ignore[method-assign]
-        try:
-            got = t.sync_weights("tensor_bucket", names, "float32", entries)
-        finally:
-            DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
-        record[entries] = {"got": got, "all_gathers": all_gathers[0]}
-        t.sync_weights("tensor_release")
+    fsdp.write_local_rows = counting_writes
+    for shared in (True, False):
+        t._weight_sender._shares_shm = None if shared else False
+        for entries in (1, 2):
+            counts = {"all_gathers": 0, "all_to_alls": 0}
+            wrote[0] = 0
+
+            def counting(self, *a, **k):
+                counts["all_gathers"] += 1
+                return full_tensor(self, *a, **k)
+
+            def counting_a2a(*a, **k):
+                counts["all_to_alls"] += 1
+                return all_to_all(*a, **k)
+
+            DTensor.full_tensor = counting  # type: ignore[method-assign]
+            dist.all_to_all_single = counting_a2a
+            try:
+                got = t.sync_weights("tensor_bucket", names, "float32", entries)
+            finally:
+                DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+                dist.all_to_all_single = all_to_all
+            record[(shared, entries)] = {"got": got, **counts, "wrote": wrote[0]}
+            t.sync_weights("tensor_release")
+        record[("probed", shared)] = t._weight_sender._shares_shm
+    from lichen.weights import shm_buckets
+
+    if rank == 1:  # a rank that cannot map rank 0's memory (another host, another /dev/shm): every rank says so
+
+        def elsewhere(handle):
+            raise FileNotFoundError("/dev/shm/torch_x")
+
+        shm_buckets.open_bucket = elsewhere
+    t._weight_sender._shares_shm = None
+    record["probe_elsewhere"] = t._weight_sender._host_shared()
     params = dict(t.model.named_parameters())
     record["sharded"] = sum(isinstance(params[n], DTensor) for n in names)  # one all-gather each, in an all-gather
     record["whole"] = t.full_state_dict()
@@ -209,10 +240,14 @@ def tensor_bucket_worker(rank: int, world_size: int, argv: list[str], port: int,
 
 
 @pytest.mark.slow
-def test_a_tensor_bucket_for_one_engine_rank_goes_into_rank_0_only(tiny_ckpt, addition_data, tmp_path):
-    """`tensor` with one engine TP rank: rank 0 serves it alone, so the bucket is exchanged into rank 0 (no
-    all-gather: rank 1 receives nothing) and rank 0's checksums are those of the trainer's whole tensors. With two
-    engine TP ranks both ranks serve one, and each gathers the whole bucket."""
+def test_a_tensor_bucket_is_written_by_every_rank_or_gathered_where_ranks_share_no_memory(
+    tiny_ckpt, addition_data, tmp_path
+):
+    """`tensor` on one host: every rank writes its own rows into rank 0's shared bucket (no all-gather, no
+    all-to-all, both ranks write a part), rank 0 answers a handle per engine TP rank and the checksums of the
+    trainer's whole tensors. Where the ranks share no memory: with one engine TP rank rank 0 serves it alone, so
+    the bucket is exchanged into rank 0 (no all-gather: rank 1 receives nothing); with two both ranks serve one,
+    and each gathers the whole bucket."""
     from helpers.dist_ranks import free_port, rank_files, run_ranks, trainer_argv
 
     from lichen.weights.wire import tensor_checksum
@@ -222,9 +257,17 @@ def test_a_tensor_bucket_for_one_engine_rank_goes_into_rank_0_only(tiny_ckpt, ad
     run_ranks(tensor_bucket_worker, 2, argv, free_port(), str(tmp_path))
     r0, r1 = rank_files(tmp_path, 2)
     want = {name: tensor_checksum(w) for name, w in r0["whole"].items()}
-    for entries in (1, 2):
-        got = r0[entries]["got"]
-        assert r1[entries]["got"] is None and got["sums"] == want and len(got["handles"]) == entries
-    assert r0[1]["all_gathers"] == r1[1]["all_gathers"] == 0
+    assert r0[("probed", True)] is r1[("probed", True)] is True  # one host: the ranks map rank 0's memory
+    assert r0["probe_elsewhere"] is r1["probe_elsewhere"] is False
+    for shared in (True, False):
+        for entries in (1, 2):
+            got = r0[(shared, entries)]["got"]
+            assert r1[(shared, entries)]["got"] is None and got["sums"] == want and len(got["handles"]) == entries
     assert r0["sharded"] == r1["sharded"] > 0
-    assert r0[2]["all_gathers"] == r1[2]["all_gathers"] == r0["sharded"]
+    for entries in (1, 2):  # shared: nothing gathered or exchanged, both ranks wrote rows
+        for r in (r0, r1):
+            assert r[(True, entries)]["all_gathers"] == r[(True, entries)]["all_to_alls"] == 0
+            assert r[(True, entries)]["wrote"] > 0
+    assert r0[(False, 1)]["all_gathers"] == r1[(False, 1)]["all_gathers"] == 0
+    assert r0[(False, 1)]["all_to_alls"] > 0
+    assert r0[(False, 2)]["all_gathers"] == r1[(False, 2)]["all_gathers"] == r0["sharded"]

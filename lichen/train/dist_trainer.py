@@ -308,7 +308,9 @@ class DistTrainer:
             return [tensor_meta(n, p) for n, p in model.named_parameters()]
 
         if self.cfg.lora is None:  # with LoRA every rank gathers (the merge needs the base and the adapters)
-            return RankSender(self.rank, full, meta, gather_owned=owned)
+            return RankSender(
+                self.rank, full, meta, gather_owned=owned, write_rows=lambda n, v: fsdp.write_local_rows(model, n, v)
+            )
         from lichen.train import lora  # peft: the lora extra
 
         sources = lora.merged_sources(model)

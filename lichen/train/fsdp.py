@@ -194,6 +194,31 @@ def owned_tensors(
     return owned_of(dict(model.named_parameters()), names, owner, dtype, group_bytes, into)
 
 
+def write_local_rows(model: nn.Module, names: list[str], views: list[torch.Tensor]) -> None:
+    """Every rank writes its own rows of each of `names` into `views[i]` (a buffer of the full tensor's shape that
+    every rank maps: a shared-memory bucket on this host), cast to the view's dtype: FSDP2's dim-0 shards land at
+    rows [r c, r c + their rows) with c = ceil(d0 / N), so the ranks assemble each tensor together, at the same
+    time, and no shard crosses a process boundary. A parameter in any other layout is gathered by every rank
+    (`full_tensor()`, a collective, in `names` order) and written by rank 0; one held whole, by rank 0."""
+    reshard(model)
+    params = dict(model.named_parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name, view in zip(names, views):
+        p = params[name].detach()
+        if isinstance(p, DTensor) and _rows_over_all_ranks(p, world):
+            local = p.to_local()
+            d0, c = p.shape[0], -(-p.shape[0] // world)
+            want = max(0, min(c, d0 - rank * c))
+            if local.shape[0] != want:  # the rule every rank assumes; a different layout is a bug, said at once
+                raise RuntimeError(f"a dim-0 shard of {tuple(p.shape)} on rank {rank} has {local.shape[0]} rows")
+            if want:
+                view[rank * c : rank * c + want].copy_(local)
+            continue
+        whole = p.full_tensor() if isinstance(p, DTensor) else p
+        if rank == 0:
+            view.copy_(whole)
+
+
 def owned_of(
     tensors: dict[str, torch.Tensor],
     names: list[str],

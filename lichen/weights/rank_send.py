@@ -20,7 +20,11 @@ next bucket while the current one is on the wire, so rank 0's extra memory durin
 two exchanges' received shards (up to 2 x 32 MiB: the next exchange starts before the current one is unpacked)
 and the largest single tensor; the other ranks hold two exchanges' padded shards (2 x 32 MiB / ranks) at most.
 
-`tensor` (colocated engines): every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
+`tensor` (colocated engines), where every rank maps rank 0's shared memory (CPU ranks on one host, probed once):
+rank 0 allocates the bucket in shared memory and every rank writes its own rows of each tensor into it at the
+same time (lichen.train.fsdp.write_local_rows): nothing is gathered, no shard crosses a process boundary, and the
+ranks checksum a share of the tensors each; rank 0 answers one handle per engine TP rank, all of that bucket.
+Otherwise (CUDA ranks, or ranks on several hosts) every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
 the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device
 with entry r) writes it into its own shared-memory (or CUDA) bucket and serializes one handle per entry it
 serves; the handles (a few hundred bytes each) are collected on rank 0, which answers them with the checksums.
@@ -79,6 +83,12 @@ class GatherOwned(Protocol):
         owner: dict[str, int],
         into: Callable[[str], torch.Tensor | None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor | None]]: ...
+
+
+# write_rows(names, views): every rank writes its own part of each tensor of `names` (cast) into `views` (full-size
+# buffers every rank maps: a shared-memory bucket on this host), at the same time; no shard crosses a process
+# boundary (lichen.train.fsdp.write_local_rows). Where a sender has none, the tensors are gathered.
+WriteRows = Callable[[list[str], list[torch.Tensor]], None]
 
 
 # Fault injection for tests: "R:K" makes trainer rank R SIGKILL itself inside the K-th bucket it takes part in
@@ -165,9 +175,16 @@ class RankSender:
     """One process's sending half. `rank` is its rank among the trainer's ranks (0 sends and owns the group)."""
 
     def __init__(
-        self, rank: int, gather: Gather, meta: Callable[[], list[list]], gather_owned: GatherOwned | None = None
+        self,
+        rank: int,
+        gather: Gather,
+        meta: Callable[[], list[list]],
+        gather_owned: GatherOwned | None = None,
+        write_rows: WriteRows | None = None,
     ):
         self.rank, self._gather, self._meta, self._gather_owned = rank, gather, meta, gather_owned
+        self._write_rows = write_rows
+        self._shares_shm: bool | None = None  # whether every rank maps rank 0's shared memory (asked once)
         self._store: Any = None
         self._host: str | None = None
         self._delta: Any = None  # lichen.weights.rank_delta.RankDeltaWriter, at the first delta_part
@@ -392,6 +409,8 @@ class RankSender:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = [j for j in range(int(entries)) if j % world == rank]  # rank 0 always serves entry 0
         rows = {row[0]: row for row in self._meta()}
+        if self._write_rows is not None and world > 1 and rows[names[0]][3] == "cpu" and self._host_shared():
+            return self._shared_bucket(names, dtype, rows, int(entries))
         views: list[tuple[str, torch.Tensor]] = []
         if mine:  # the bucket's memory first, then each full tensor copied (cast) into it and dropped
             on_cuda = rows[names[0]][3] == "cuda"
@@ -430,6 +449,72 @@ class RankSender:
             return None
         merged = {j: h for part in parts for j, h in part.items()}
         return {"handles": [merged[j] for j in range(int(entries))], "sums": sums, "fill_s": fill_s}
+
+    def _host_shared(self) -> bool:
+        """Every rank: whether every rank can map rank 0's shared memory (one host, one /dev/shm), asked once: rank
+        0 shares a few random bytes, the others map them and say whether they read the same."""
+        if self._shares_shm is None:
+            import torch.distributed as dist
+
+            from lichen.weights.rank_owners import all_gather_small
+            from lichen.weights.shm_buckets import open_bucket, serialize
+
+            world = dist.get_world_size()
+            box: list[Any] = [None]
+            if self.rank == 0:
+                token = list(os.urandom(16))
+                probe = torch.tensor(token, dtype=torch.uint8)
+                probe.untyped_storage()._share_filename_cpu_()
+                box = [(token, [serialize([("bucket", probe)]) for _ in range(world - 1)])]  # a reference per rank
+            dist.broadcast_object_list(box, src=0)
+            ok = True
+            if self.rank != 0:
+                try:
+                    seen = open_bucket(box[0][1][self.rank - 1])
+                    ok = seen.tolist() == box[0][0]
+                    del seen
+                except Exception:
+                    ok = False
+            self._shares_shm = all(p["ok"] for p in all_gather_small({"ok": ok}))
+        return self._shares_shm
+
+    def _shared_bucket(self, names: list[str], dtype: torch.dtype, rows: dict[str, list], entries: int) -> Any:
+        """tensor_bucket where every rank maps rank 0's shared memory: rank 0 allocates the bucket, every rank
+        writes its own rows of each tensor into it at the same time (write_rows: nothing is gathered), each
+        checksums a share of the tensors, and rank 0 serializes a handle per engine TP rank (each its own
+        reference), all of the one bucket."""
+        import time
+
+        import torch.distributed as dist
+
+        from lichen.weights.rank_owners import all_gather_small
+        from lichen.weights.shm_buckets import alloc_bucket, bucket_views, open_bucket, serialize
+
+        assert self._write_rows is not None
+        world = dist.get_world_size()
+        specs = [(n, rows[n][1], parse_dtype(rows[n][2])) for n in names]
+        box: list[Any] = [None]
+        if self.rank == 0:
+            flat, views = alloc_bucket(specs, dtype, torch.device("cpu"))
+            self._held = (flat, views)
+            box = [[serialize([("bucket", flat)]) for _ in range(world - 1)]]
+        dist.broadcast_object_list(box, src=0)
+        if self.rank != 0:
+            flat = open_bucket(box[0][self.rank - 1])
+            views = bucket_views(flat, specs, dtype)
+        t0 = time.perf_counter()
+        self._write_rows(names, [v for _, v in views])
+        fill_s = time.perf_counter() - t0
+        dist.barrier()  # every rank's rows are in the bucket
+        sums = {n: tensor_checksum(v) for i, (n, v) in enumerate(views) if i % world == self.rank}
+        parts = all_gather_small({"sums": sums, "fill_s": fill_s})
+        if self.rank != 0:
+            return None  # this rank's mapping goes with its views
+        return {
+            "handles": [serialize(views) for _ in range(entries)],
+            "sums": {n: p["sums"][n] for n in names for p in parts if n in p["sums"]},
+            "fill_s": max(p["fill_s"] for p in parts),
+        }
 
     def tensor_release(self) -> None:
         """Drop the bucket `tensor_bucket` holds (every engine has copied it out)."""

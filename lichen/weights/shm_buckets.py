@@ -106,12 +106,29 @@ def alloc_bucket(
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     if device.type == "cpu":
         flat.untyped_storage()._share_filename_cpu_()  # into /dev/shm before any byte is written
+    return flat, bucket_views(flat, specs, dtype)
+
+
+def bucket_views(
+    flat: torch.Tensor, specs: list[tuple[str, list[int], torch.dtype]], dtype: torch.dtype
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, view) pairs of the tensors `specs` in the bucket `flat` (alloc_bucket's layout): what another
+    process that maps the same bucket writes into."""
+    from lichen.weights.rank_send import engine_nbytes_of
+
     views, off = [], 0
-    for (name, shape, src), size in zip(specs, sizes):
+    for name, shape, src in specs:
+        size = engine_nbytes_of(shape, dtype_name(src), dtype)
         want = dtype if src.is_floating_point else src
         views.append((name, flat[off : off + size].view(want).view(tuple(int(d) for d in shape))))
         off += _aligned(size)
-    return flat, views
+    return views
+
+
+def open_bucket(handle: str) -> torch.Tensor:
+    """The bucket whose handle `serialize([("bucket", flat)])` made, mapped in this process (another trainer rank
+    on the same host: a trusted peer, so plain unpickling)."""
+    return pickle.loads(base64.b64decode(handle))[0][1]
 
 
 def fill_bucket(
