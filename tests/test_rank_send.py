@@ -271,3 +271,50 @@ def test_a_tensor_bucket_is_written_by_every_rank_or_gathered_where_ranks_share_
     assert r0[(False, 1)]["all_gathers"] == r1[(False, 1)]["all_gathers"] == 0
     assert r0[(False, 1)]["all_to_alls"] > 0
     assert r0[(False, 2)]["all_gathers"] == r1[(False, 2)]["all_gathers"] == r0["sharded"]
+
+
+def shared_fill_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
+    """A broadcast bucket filled with the ranks writing their rows into rank 0's shared memory, then gathered with
+    that turned off: rank 0's bucket bytes and checksums each way, and the all-to-alls each ran."""
+    import torch.distributed as dist
+
+    from lichen.train.dist_trainer import DistTrainer
+
+    torch.set_num_threads(1)
+    cfg, args = config(argv)
+    t = DistTrainer(cfg, args, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    t.train(0, step_batch(t.model.cfg.vocab_size, 0))
+    names = [row[0] for row in t.sync_weights("meta")]
+    sender, exchange, record = t._weight_sender, dist.all_to_all_single, {}
+    for shared in (True, False):
+        sender._shares_shm = None if shared else False
+        a2a = [0]
+
+        def counting(*a, **k):
+            a2a[0] += 1
+            return exchange(*a, **k)
+
+        dist.all_to_all_single = counting
+        try:
+            flat, sums = sender._fill(names, torch.bfloat16)
+        finally:
+            dist.all_to_all_single = exchange
+        record[shared] = {"flat": None if flat is None else flat.clone(), "sums": sums, "all_to_alls": a2a[0]}
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    t.close()
+
+
+@pytest.mark.slow
+def test_a_broadcast_bucket_written_in_shared_memory_holds_the_gathered_bytes(tiny_ckpt, addition_data, tmp_path):
+    """CPU ranks on one host fill a broadcast bucket by writing their own rows into rank 0's shared memory (no
+    all-to-all); the bucket's bytes and checksums are those the gather into rank 0 builds."""
+    from helpers.dist_ranks import free_port, rank_files, run_ranks, trainer_argv
+
+    argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
+    config(argv)
+    run_ranks(shared_fill_worker, 2, argv, free_port(), str(tmp_path))
+    r0, r1 = rank_files(tmp_path, 2)
+    assert torch.equal(r0[True]["flat"], r0[False]["flat"]) and r0[True]["sums"] == r0[False]["sums"]
+    assert len(r0[True]["sums"]) > 10 and r1[True]["flat"] is None and r1[True]["sums"] == {}
+    assert r0[True]["all_to_alls"] == r1[True]["all_to_alls"] == 0
+    assert r0[False]["all_to_alls"] == r1[False]["all_to_alls"] > 0

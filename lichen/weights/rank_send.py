@@ -14,6 +14,11 @@ the driver compares with the engines' own (lichen.sync.verify). `disk` full and 
 rank that writes it (a partition by size: lichen.weights.rank_full, lichen.weights.rank_delta). Where a sender has no `gather_owned` (LoRA's merged weights, the single-process sender), `gather(names,
 dtype)` gives every rank every full tensor (an all-gather) and the others drop theirs.
 
+CPU ranks on one host (probed once: `_host_shared`) skip the gathers of `nccl` and `tensor`: rank 0 allocates the
+bucket in shared memory and every rank writes its own rows of each tensor into it at the same time (`write_rows`,
+lichen.train.fsdp.write_local_rows), then checksums a share of the tensors; no shard crosses a process boundary.
+A bucket larger than /dev/shm has free, or one whose packed offsets a dtype cannot start at, is gathered instead.
+
 Memory: a bucket is gathered into one preallocated buffer of the bucket's size in the engine dtype, each tensor
 built in its place there where the ranks exchange shards (else copied in and freed). The broadcast gathers the
 next bucket while the current one is on the wire, so rank 0's extra memory during a sync is two such buffers plus
@@ -278,9 +283,12 @@ class RankSender:
         """Every rank gathers the bucket `names`; rank 0 returns it as one flattened uint8 tensor (each tensor's
         bytes in order: built in its place there by the exchange, else copied in and dropped) with
         {name: xxh3-128}; other ranks return (None, {})."""
+        rows = {row[0]: row for row in self._meta()}
+        shared = self._fill_shared(names, dtype, rows)
+        if shared is not None:
+            return shared
         if self._follow(names, dtype):
             return None, {}
-        rows = {row[0]: row for row in self._meta()}
         device = self._send_device(rows[names[0]])
         sizes = [engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names]
         total = sum(sizes)
@@ -304,6 +312,57 @@ class RankSender:
         if offset != total:
             raise RuntimeError(f"bucket {names[:3]}...: gathered {offset} bytes, planned {total}")
         return flat, sums
+
+    def _fill_shared(
+        self, names: list[str], dtype: torch.dtype, rows: dict[str, list]
+    ) -> tuple[torch.Tensor | None, dict[str, str]] | None:
+        """`_fill` where the ranks map rank 0's shared memory (CPU ranks on one host): rank 0 allocates the bucket
+        there, every rank writes its own rows of each tensor into it (write_rows: nothing gathered) and checksums
+        a share of them. None (on every rank) where it does not apply: CUDA weights, one rank, no write_rows, a
+        tensor whose packed offset its dtype cannot start at, or a bucket larger than /dev/shm has free."""
+        import torch.distributed as dist
+
+        if self._write_rows is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        if rows[names[0]][3] != "cpu" or not self._host_shared():
+            return None
+        from lichen.weights.rank_owners import all_gather_small
+        from lichen.weights.shm_buckets import open_bucket, serialize, shm_free_bytes
+
+        world = dist.get_world_size()
+        layout = [(n, parse_dtype(sent_dtype(rows[n][2], dtype)), rows[n][1]) for n in names]
+        sizes = [engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        if any(off % want.itemsize for (_, want, _), off in zip(layout, offsets)):
+            return None  # mixed dtypes packed at an odd offset: the gather path builds such a tensor apart
+        box: list[Any] = [None]
+        flat: torch.Tensor | None = None
+        if self.rank == 0:
+            free = shm_free_bytes()
+            if free is None or sum(sizes) <= free:
+                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                flat.untyped_storage()._share_filename_cpu_()
+                box = [[serialize([("bucket", flat)]) for _ in range(world - 1)]]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return None  # /dev/shm too small for the bucket: gathered into rank 0 instead
+        self._buckets += 1
+        if self.rank != 0:
+            flat = open_bucket(box[0][self.rank - 1])
+            if _kill_point(self.rank, self._buckets):
+                os.kill(os.getpid(), signal.SIGKILL)
+        assert flat is not None
+        views = [
+            flat[off : off + size].view(want).view(tuple(shape))
+            for (_, want, shape), off, size in zip(layout, offsets, sizes)
+        ]
+        self._write_rows(names, views)
+        dist.barrier()  # every rank's rows are in the bucket
+        mine = {n: tensor_checksum(v) for i, (n, v) in enumerate(zip(names, views)) if i % world == self.rank}
+        parts = all_gather_small({"sums": mine})
+        if self.rank != 0:
+            return None, {}  # this rank's mapping goes with its views
+        return flat, {n: p["sums"][n] for n in names for p in parts if n in p["sums"]}
 
     def _broadcast_each(self, names: list[str], dtype: torch.dtype) -> dict[str, str] | None:
         """`broadcast` tensor by tensor (not flattened): each gathered tensor is broadcast as it comes."""
