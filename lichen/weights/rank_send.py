@@ -25,11 +25,9 @@ next bucket while the current one is on the wire, so rank 0's extra memory durin
 two exchanges' received shards (up to 2 x 32 MiB: the next exchange starts before the current one is unpacked)
 and the largest single tensor; the other ranks hold two exchanges' padded shards (2 x 32 MiB / ranks) at most.
 
-`tensor` (colocated engines), where every rank maps rank 0's shared memory (CPU ranks on one host, probed once):
-rank 0 allocates the bucket in shared memory and every rank writes its own rows of each tensor into it at the
-same time (lichen.train.fsdp.write_local_rows): nothing is gathered, no shard crosses a process boundary, and the
-ranks checksum a share of the tensors each; rank 0 answers one handle per engine TP rank, all of that bucket.
-Otherwise (CUDA ranks, or ranks on several hosts) every rank gathers the bucket; each rank that serves engine TP ranks (entry j of
+`tensor` (colocated engines), where every rank maps rank 0's shared memory (above): rank 0 answers one handle per
+engine TP rank, all of the one bucket the ranks wrote. Otherwise (CUDA ranks, or ranks on several hosts) every
+rank gathers the bucket; each rank that serves engine TP ranks (entry j of
 the engines' TP ranks, in order, is served by trainer rank j mod world size: on GPUs, rank r shares its device
 with entry r) writes it into its own shared-memory (or CUDA) bucket and serializes one handle per entry it
 serves; the handles (a few hundred bytes each) are collected on rank 0, which answers them with the checksums.
@@ -546,6 +544,7 @@ class RankSender:
 
         import torch.distributed as dist
 
+        from lichen.errors import ConfigError
         from lichen.weights.rank_owners import all_gather_small
         from lichen.weights.shm_buckets import alloc_bucket, bucket_views, open_bucket, serialize
 
@@ -554,10 +553,15 @@ class RankSender:
         specs = [(n, rows[n][1], parse_dtype(rows[n][2])) for n in names]
         box: list[Any] = [None]
         if self.rank == 0:
-            flat, views = alloc_bucket(specs, dtype, torch.device("cpu"))
-            self._held = (flat, views)
-            box = [[serialize([("bucket", flat)]) for _ in range(world - 1)]]
+            try:
+                flat, views = alloc_bucket(specs, dtype, torch.device("cpu"))
+                self._held = (flat, views)
+                box = [[serialize([("bucket", flat)]) for _ in range(world - 1)]]
+            except ConfigError as e:  # /dev/shm too small: every rank raises it, none waits for the bucket
+                box = [str(e)]
         dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise ConfigError(box[0])
         if self.rank != 0:
             flat = open_bucket(box[0][self.rank - 1])
             views = bucket_views(flat, specs, dtype)
