@@ -222,14 +222,14 @@ def tensor_bucket_worker(rank: int, world_size: int, argv: list[str], port: int,
             record[(shared, entries)] = {"got": got, **counts, "wrote": wrote[0]}
             t.sync_weights("tensor_release")
         record[("probed", shared)] = t._weight_sender._shares_shm
-    from lichen.weights import shm_buckets
+    from lichen.weights import rank_shm
 
     if rank == 1:  # a rank that cannot map rank 0's memory (another host, another /dev/shm): every rank says so
 
         def elsewhere(handle):
             raise FileNotFoundError("/dev/shm/torch_x")
 
-        shm_buckets.open_bucket = elsewhere
+        rank_shm.open_bucket = elsewhere
     t._weight_sender._shares_shm = None
     record["probe_elsewhere"] = t._weight_sender._host_shared()
     params = dict(t.model.named_parameters())

@@ -314,53 +314,46 @@ class RankSender:
     def _fill_shared(
         self, names: list[str], dtype: torch.dtype, rows: dict[str, list]
     ) -> tuple[torch.Tensor | None, dict[str, str]] | None:
-        """`_fill` where the ranks map rank 0's shared memory (CPU ranks on one host): rank 0 allocates the bucket
-        there, every rank writes its own rows of each tensor into it (write_rows: nothing gathered) and checksums
-        a share of them. None (on every rank) where it does not apply: CUDA weights, one rank, no write_rows, a
-        tensor whose packed offset its dtype cannot start at, or a bucket larger than /dev/shm has free."""
-        import torch.distributed as dist
-
-        if self._write_rows is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        """`_fill` where the ranks map rank 0's shared memory (lichen.weights.rank_shm): the bucket packed as the
+        broadcast sends it, every rank writing its own rows. None (on every rank) where it does not apply: CUDA
+        weights, one rank, no write_rows, a tensor whose packed offset its dtype cannot start at, or a bucket
+        larger than /dev/shm has free (then it is gathered)."""
+        if self._write_rows is None or rows[names[0]][3] != "cpu" or not self._host_shared():
             return None
-        if rows[names[0]][3] != "cpu" or not self._host_shared():
-            return None
-        from lichen.weights.rank_owners import all_gather_small
-        from lichen.weights.shm_buckets import open_bucket, serialize, shm_free_bytes
+        from lichen.weights.rank_shm import fill_shared
+        from lichen.weights.shm_buckets import shm_free_bytes
 
-        world = dist.get_world_size()
-        layout = [(n, parse_dtype(sent_dtype(rows[n][2], dtype)), rows[n][1]) for n in names]
+        layout = [(parse_dtype(sent_dtype(rows[n][2], dtype)), rows[n][1]) for n in names]
         sizes = [engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        if any(off % want.itemsize for (_, want, _), off in zip(layout, offsets)):
+        if any(off % want.itemsize for (want, _), off in zip(layout, offsets)):
             return None  # mixed dtypes packed at an odd offset: the gather path builds such a tensor apart
-        box: list[Any] = [None]
-        flat: torch.Tensor | None = None
-        if self.rank == 0:
+
+        def alloc() -> torch.Tensor | None:
             free = shm_free_bytes()
-            if free is None or sum(sizes) <= free:
-                flat = torch.empty(sum(sizes), dtype=torch.uint8)
-                flat.untyped_storage()._share_filename_cpu_()
-                box = [[serialize([("bucket", flat)]) for _ in range(world - 1)]]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return None  # /dev/shm too small for the bucket: gathered into rank 0 instead
-        self._buckets += 1
-        if self.rank != 0:
-            flat = open_bucket(box[0][self.rank - 1])
+            if free is not None and sum(sizes) > free:
+                return None
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            flat.untyped_storage()._share_filename_cpu_()
+            return flat
+
+        def views_of(flat: torch.Tensor) -> list[torch.Tensor]:
+            return [
+                flat[off : off + size].view(want).view(tuple(shape))
+                for (want, shape), off, size in zip(layout, offsets, sizes)
+            ]
+
+        def counted() -> None:  # another rank, the bucket mapped: the fault injection's point (as in _follow)
+            self._buckets += 1
             if _kill_point(self.rank, self._buckets):
                 os.kill(os.getpid(), signal.SIGKILL)
-        assert flat is not None
-        views = [
-            flat[off : off + size].view(want).view(tuple(shape))
-            for (_, want, shape), off, size in zip(layout, offsets, sizes)
-        ]
-        self._write_rows(names, views)
-        dist.barrier()  # every rank's rows are in the bucket
-        mine = {n: tensor_checksum(v) for i, (n, v) in enumerate(zip(names, views)) if i % world == self.rank}
-        parts = all_gather_small({"sums": mine})
-        if self.rank != 0:
-            return None, {}  # this rank's mapping goes with its views
-        return flat, {n: p["sums"][n] for n in names for p in parts if n in p["sums"]}
+
+        done = fill_shared(self.rank, names, alloc, views_of, self._write_rows, counted)
+        if done is None:
+            return None
+        if self.rank == 0:
+            self._buckets += 1
+        return done.flat, done.sums
 
     def _broadcast_each(self, names: list[str], dtype: torch.dtype) -> dict[str, str] | None:
         """`broadcast` tensor by tensor (not flattened): each gathered tensor is broadcast as it comes."""
@@ -466,7 +459,7 @@ class RankSender:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = [j for j in range(int(entries)) if j % world == rank]  # rank 0 always serves entry 0
         rows = {row[0]: row for row in self._meta()}
-        if self._write_rows is not None and world > 1 and rows[names[0]][3] == "cpu" and self._host_shared():
+        if self._write_rows is not None and rows[names[0]][3] == "cpu" and self._host_shared():
             return self._shared_bucket(names, dtype, rows, int(entries))
         views: list[tuple[str, torch.Tensor]] = []
         if mine:  # the bucket's memory first, then each full tensor copied (cast) into it and dropped
@@ -508,76 +501,39 @@ class RankSender:
         return {"handles": [merged[j] for j in range(int(entries))], "sums": sums, "fill_s": fill_s}
 
     def _host_shared(self) -> bool:
-        """Every rank: whether every rank can map rank 0's shared memory (one host, one /dev/shm), asked once: rank
-        0 shares a few random bytes, the others map them and say whether they read the same."""
+        """Every rank: whether every rank maps rank 0's shared memory (lichen.weights.rank_shm.host_shared), asked
+        once per sender, and only with several ranks."""
         if self._shares_shm is None:
             import torch.distributed as dist
 
-            from lichen.weights.rank_owners import all_gather_small
-            from lichen.weights.shm_buckets import open_bucket, serialize
+            from lichen.weights.rank_shm import host_shared
 
-            world = dist.get_world_size()
-            box: list[Any] = [None]
-            if self.rank == 0:
-                token = list(os.urandom(16))
-                probe = torch.tensor(token, dtype=torch.uint8)
-                probe.untyped_storage()._share_filename_cpu_()
-                box = [(token, [serialize([("bucket", probe)]) for _ in range(world - 1)])]  # a reference per rank
-            dist.broadcast_object_list(box, src=0)
-            ok = True
-            if self.rank != 0:
-                try:
-                    seen = open_bucket(box[0][1][self.rank - 1])
-                    ok = seen.tolist() == box[0][0]
-                    del seen
-                except Exception:
-                    ok = False
-            self._shares_shm = all(p["ok"] for p in all_gather_small({"ok": ok}))
+            several = dist.is_initialized() and dist.get_world_size() > 1
+            self._shares_shm = several and host_shared(self.rank)
         return self._shares_shm
 
     def _shared_bucket(self, names: list[str], dtype: torch.dtype, rows: dict[str, list], entries: int) -> Any:
-        """tensor_bucket where every rank maps rank 0's shared memory: rank 0 allocates the bucket, every rank
-        writes its own rows of each tensor into it at the same time (write_rows: nothing is gathered), each
-        checksums a share of the tensors, and rank 0 serializes a handle per engine TP rank (each its own
-        reference), all of the one bucket."""
-        import time
-
-        import torch.distributed as dist
-
-        from lichen.errors import ConfigError
-        from lichen.weights.rank_owners import all_gather_small
-        from lichen.weights.shm_buckets import alloc_bucket, bucket_views, open_bucket, serialize
+        """tensor_bucket where every rank maps rank 0's shared memory (lichen.weights.rank_shm): the bucket in
+        alloc_bucket's layout, every rank writing its own rows; rank 0 holds it and serializes a handle per engine
+        TP rank (each its own reference), all of the one bucket."""
+        from lichen.weights.rank_shm import fill_shared
+        from lichen.weights.shm_buckets import alloc_bucket, bucket_views, serialize
 
         assert self._write_rows is not None
-        world = dist.get_world_size()
         specs = [(n, rows[n][1], parse_dtype(rows[n][2])) for n in names]
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                flat, views = alloc_bucket(specs, dtype, torch.device("cpu"))
-                self._held = (flat, views)
-                box = [[serialize([("bucket", flat)]) for _ in range(world - 1)]]
-            except ConfigError as e:  # /dev/shm too small: every rank raises it, none waits for the bucket
-                box = [str(e)]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise ConfigError(box[0])
+        done = fill_shared(
+            self.rank,
+            names,
+            lambda: alloc_bucket(specs, dtype, torch.device("cpu"))[0],  # a ConfigError when /dev/shm is too small
+            lambda flat: [v for _, v in bucket_views(flat, specs, dtype)],
+            self._write_rows,
+        )
+        assert done is not None  # alloc never returns None
         if self.rank != 0:
-            flat = open_bucket(box[0][self.rank - 1])
-            views = bucket_views(flat, specs, dtype)
-        t0 = time.perf_counter()
-        self._write_rows(names, [v for _, v in views])
-        fill_s = time.perf_counter() - t0
-        dist.barrier()  # every rank's rows are in the bucket
-        sums = {n: tensor_checksum(v) for i, (n, v) in enumerate(views) if i % world == self.rank}
-        parts = all_gather_small({"sums": sums, "fill_s": fill_s})
-        if self.rank != 0:
-            return None  # this rank's mapping goes with its views
-        return {
-            "handles": [serialize(views) for _ in range(entries)],
-            "sums": {n: p["sums"][n] for n in names for p in parts if n in p["sums"]},
-            "fill_s": max(p["fill_s"] for p in parts),
-        }
+            return None
+        views = list(zip(names, done.views))
+        self._held = (done.flat, views)
+        return {"handles": [serialize(views) for _ in range(entries)], "sums": done.sums, "fill_s": done.fill_s}
 
     def tensor_release(self) -> None:
         """Drop the bucket `tensor_bucket` holds (every engine has copied it out)."""
