@@ -131,6 +131,23 @@ def test_each_rank_writes_its_files_and_async_writes_the_sync_bytes(tiny_ckpt, a
     assert {f"hf/{f}" for f in a} <= set(manifest)
 
 
+def _record_outcome(t, out: str, write) -> None:
+    """Run `write` on this rank; out/result-{rank}.txt says "wrote" or the RuntimeError it raised; then close."""
+    try:
+        write()
+        result = "wrote"
+    except RuntimeError as e:
+        result = str(e)
+    with open(os.path.join(out, f"result-{t.rank}.txt"), "w") as f:
+        f.write(result)
+    dist.barrier()
+    t.close()
+
+
+def _outcomes(tmp_path) -> list[str]:
+    return [(tmp_path / f"result-{r}.txt").read_text() for r in range(2)]
+
+
 def failing_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
     """An export, then another over it in which rank 1's writes fail: both ranks must raise, naming rank 1."""
     from lichen.weights import rank_full
@@ -150,22 +167,14 @@ def failing_worker(rank: int, world_size: int, argv: list[str], port: int, out: 
 
         rank_full.write_streamed = broken
     t.train(0, step_batch(_vocab(t), 0))
-    try:
-        t._stream_hf(target)
-        result = "wrote"
-    except RuntimeError as e:
-        result = str(e)
-    with open(os.path.join(out, f"result-{rank}.txt"), "w") as f:
-        f.write(result)
-    dist.barrier()
-    t.close()
+    _record_outcome(t, out, lambda: t._stream_hf(target))
 
 
 @pytest.mark.slow
 def test_a_failing_rank_makes_every_rank_raise_and_keeps_the_previous_export(tiny_ckpt, addition_data, tmp_path):
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
     run_ranks(failing_worker, 2, argv, free_port(), str(tmp_path))
-    results = [(tmp_path / f"result-{r}.txt").read_text() for r in range(2)]
+    results = _outcomes(tmp_path)
     for r in results:
         assert "trainer rank 1" in r and "No space left on device" in r, results
     kept = _read_all(tmp_path / "export")  # the first export, whole: the failed one left no trace
@@ -189,15 +198,7 @@ def async_failing_worker(rank: int, world_size: int, argv: list[str], port: int,
 
         rank_ckpt_async._test_hold = failed
     async_save_begin(t, os.path.join(out, "ckpt"), 0)
-    try:
-        t.save_done()
-        result = "wrote"
-    except RuntimeError as e:
-        result = str(e)
-    with open(os.path.join(out, f"result-{rank}.txt"), "w") as f:
-        f.write(result)
-    dist.barrier()
-    t.close()
+    _record_outcome(t, out, t.save_done)
 
 
 @pytest.mark.slow
@@ -206,7 +207,7 @@ def test_a_rank_whose_async_write_fails_makes_every_rank_fail_the_export(tiny_ck
 
     argv = trainer_argv(tiny_ckpt, addition_data, str(tmp_path / "o"))
     run_ranks(async_failing_worker, 2, argv, free_port(), str(tmp_path))
-    results = [(tmp_path / f"result-{r}.txt").read_text() for r in range(2)]
+    results = _outcomes(tmp_path)
     for r in results:
         assert "trainer rank 1" in r and "Disk quota exceeded" in r, results
     d = checkpoint.iter_dir(str(tmp_path / "ckpt"), 0)

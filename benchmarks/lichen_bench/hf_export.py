@@ -97,10 +97,6 @@ def _rank(rank: int, world: int, a: argparse.Namespace, model: str, prompts: str
     os._exit(0)  # as the tests' ranks end: the gloo group's threads outlive destroy_process_group under FSDP2
 
 
-def _spawned(rank: int, world: int, *args) -> None:
-    _rank(rank, world, *args)
-
-
 def report(ranks: list[list[dict]], a: argparse.Namespace) -> list[str]:
     """The table: per variant the median over rounds of the slowest rank's times and each rank's peak growth."""
 
@@ -164,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(a.ranks, a, model, prompts, root, port), nprocs=a.ranks, join=True)
+        mp.spawn(_rank, args=(a.ranks, a, model, prompts, root, port), nprocs=a.ranks, join=True)
         ranks = [json.load(open(os.path.join(root, f"rank{r}.json"))) for r in range(a.ranks)]
         print("\n".join(report(ranks, a)))
     finally:

@@ -101,7 +101,9 @@ def send_order(
         out.append(name)
 
 
-def owned_only(rank: int, plan: RankHfPlan, tensors: Iterator[tuple[str, torch.Tensor | None]]):
+def owned_only(
+    rank: int, plan: RankHfPlan, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """`tensors` (every rank given every tensor, e.g. LoRA's merged weights) with the ones this rank does not
     write replaced by None."""
     owner = plan.owner()

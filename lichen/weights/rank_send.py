@@ -15,8 +15,8 @@ rank that writes it (a partition by size: lichen.weights.rank_full, lichen.weigh
 dtype)` gives every rank every full tensor (an all-gather) and the others drop theirs.
 
 CPU ranks on one host (probed once: `_host_shared`) skip the gathers of `nccl` and `tensor`: rank 0 allocates the
-bucket in shared memory and every rank writes its own rows of each tensor into it at the same time (`write_rows`,
-lichen.train.fsdp.write_local_rows), then checksums a share of the tensors; no shard crosses a process boundary.
+bucket in shared memory and every rank writes its own rows of each tensor into it at the same time
+(lichen.weights.rank_shm; `write_rows`: lichen.train.fsdp.write_local_rows), then checksums a share of the tensors; no shard crosses a process boundary.
 A bucket larger than /dev/shm has free, or one whose packed offsets a dtype cannot start at, is gathered instead.
 
 Memory: a bucket is gathered into one preallocated buffer of the bucket's size in the engine dtype, each tensor
