@@ -113,6 +113,59 @@ def test_the_broadcast_in_flight_is_waited_for_when_the_next_gather_fails(weight
     assert sender._ahead is None
 
 
+def test_a_sync_reuses_the_memory_of_buckets_already_sent():
+    """A CPU bucket's memory takes a later bucket of the same sync once nobody reads it (broadcast: after its wait;
+    tensor: once the driver asks for the next bucket, every engine having answered), never while it is read (the
+    recording group checks that a bucket did not change on the wire); nothing is kept after the last bucket."""
+    g = torch.Generator().manual_seed(1)
+    weights = {n: torch.randn(4, 3, generator=g) for n in "abcd"}
+    events: list[tuple[str, str]] = []
+    sender = sender_of(weights, events)
+    group = sender.group
+    ptrs: list[int] = []
+    start = group.broadcast_async
+    group.broadcast_async = lambda t: (ptrs.append(t.data_ptr()), start(t))[1]
+    buckets = [["a"], ["b"], ["c"], ["d"]]
+    for k, names in enumerate(buckets):
+        sender.broadcast(names, "float32", True, buckets[k + 1] if k + 1 < len(buckets) else None)
+    # bucket 2 is gathered while bucket 1 is on the wire (two allocations); 3 and 4 take their memory in turn
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+    assert [t.tolist() for t in group.sent] == [flatten_tensors([weights[n]]).tolist() for n in "abcd"]
+    assert len(sender._pool) == 0
+
+    held: list[tuple[int, list[float]]] = []
+    for names in buckets:
+        out = sender.tensor_bucket(names, "float32", 1)
+        flat, views = sender._held
+        assert flat.untyped_storage().is_shared()  # in /dev/shm, where an engine maps it
+        held.append((flat.data_ptr(), views[0][1].flatten().tolist()))
+        assert out["sums"] == {names[0]: tensor_checksum(weights[names[0]])}
+    assert len({p for p, _ in held}) == 1  # one allocation for the whole sync
+    assert [v for _, v in held] == [weights[n].flatten().tolist() for n in "abcd"]
+    sender.tensor_release()
+    assert sender._held is None and len(sender._pool) == 0
+
+
+def test_the_bucket_pool_reuses_by_kind_and_size():
+    from lichen.weights.shm_buckets import BucketPool, shm_empty
+
+    pool = BucketPool(keep=2)
+    shared, private = shm_empty(100), torch.empty(100, dtype=torch.uint8)
+    assert shared.untyped_storage().is_shared() and not private.untyped_storage().is_shared()
+    pool.give(shared[:60])  # a view: the whole allocation is kept
+    pool.give(private)
+    assert pool.reuse(101, shared=True) is None
+    got = pool.reuse(80, shared=True)
+    assert got is not None and got.data_ptr() == shared.data_ptr() and got.numel() == 80
+    assert pool.reuse(10, shared=True) is None  # taken
+    assert pool.reuse(10, shared=False).data_ptr() == private.data_ptr()
+    for n in (10, 30, 20):
+        pool.give(torch.empty(n, dtype=torch.uint8))
+    assert len(pool) == 2 and pool.reuse(25, shared=False).numel() == 25  # the largest two were kept
+    pool.clear()
+    assert len(pool) == 0
+
+
 def cast_gather_worker(rank: int, world_size: int, argv: list[str], port: int, out: str) -> None:
     """After a step: what rank 0 sends for a bf16 engine (the `rows` op, whole tensors), the dtypes of the shards
     the gathers moved (and whether any all-gather ran), and the gathered state for comparison."""

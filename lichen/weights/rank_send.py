@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from lichen.weights.shm_buckets import BucketPool
 from lichen.weights.wire import dtype_name, master_store, open_group, parse_dtype, tensor_checksum
 
 # what the driver may ask of a rank's sender (DistTrainer.sync_weights)
@@ -194,6 +195,7 @@ class RankSender:
         self._held: Any = None  # tensor_bucket's shared bucket, until the engines answered
         self._buckets = 0  # broadcast buckets gathered, for the fault injection (KILL_IN_BUCKET_ENV)
         self._ahead: Any = None  # ((names, engine dtype), flat, sums): the bucket `broadcast` gathered ahead
+        self._pool = BucketPool()  # CPU buckets of this sync that nobody reads any more, reused by the next ones
         self.group: Any = None
 
     def meta(self) -> list[list]:
@@ -227,6 +229,7 @@ class RankSender:
 
     def group_close(self) -> None:
         self._ahead = None
+        self._pool.clear()
         if self.group is not None:
             self.group.close()
         self.group = self._store = None
@@ -275,6 +278,10 @@ class RankSender:
         finally:
             if work is not None:
                 work.wait()
+        if flat is not None and then:  # broadcast: the next bucket but one may reuse its memory
+            self._pool.give(flat)
+        elif not then:  # the sync's last bucket: nothing stays allocated until the next sync
+            self._pool.clear()
         return sums if self.rank == 0 else None
 
     def _fill(self, names: list[str], dtype: torch.dtype) -> tuple[torch.Tensor | None, dict[str, str]]:
@@ -290,7 +297,9 @@ class RankSender:
         device = self._send_device(rows[names[0]])
         sizes = [engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names]
         total = sum(sizes)
-        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        flat = self._pool.reuse(total, shared=False) if device.type == "cpu" else None
+        if flat is None:
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
         views: dict[str, torch.Tensor] = {}  # each tensor's place in the bucket: the exchange builds it there
         at = 0
         for n, size in zip(names, sizes):
@@ -321,7 +330,7 @@ class RankSender:
         if self._write_rows is None or rows[names[0]][3] != "cpu" or not self._host_shared():
             return None
         from lichen.weights.rank_shm import fill_shared
-        from lichen.weights.shm_buckets import shm_free_bytes
+        from lichen.weights.shm_buckets import shm_empty, shm_free_bytes
 
         layout = [(parse_dtype(sent_dtype(rows[n][2], dtype)), rows[n][1]) for n in names]
         sizes = [engine_nbytes_of(rows[n][1], rows[n][2], dtype) for n in names]
@@ -330,12 +339,13 @@ class RankSender:
             return None  # mixed dtypes packed at an odd offset: the gather path builds such a tensor apart
 
         def alloc() -> torch.Tensor | None:
+            flat = self._pool.reuse(sum(sizes), shared=True)
+            if flat is not None:
+                return flat
             free = shm_free_bytes()
             if free is not None and sum(sizes) > free:
                 return None
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
-            flat.untyped_storage()._share_filename_cpu_()
-            return flat
+            return shm_empty(sum(sizes))
 
         def views_of(flat: torch.Tensor) -> list[torch.Tensor]:
             return [
@@ -454,7 +464,7 @@ class RankSender:
 
         from lichen.weights.shm_buckets import alloc_bucket, serialize
 
-        self.tensor_release()
+        self._recycle_held()
         dtype = parse_dtype(engine_dtype)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = [j for j in range(int(entries)) if j % world == rank]  # rank 0 always serves entry 0
@@ -466,7 +476,7 @@ class RankSender:
             on_cuda = rows[names[0]][3] == "cuda"
             device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
             specs = [(n, rows[n][1], parse_dtype(rows[n][2])) for n in names]
-            flat, views = alloc_bucket(specs, dtype, device)
+            flat, views = alloc_bucket(specs, dtype, device, self._pool)
             self._held = (flat, views)
         sums: dict[str, str] = {}
         fill_s = 0.0
@@ -524,7 +534,7 @@ class RankSender:
         done = fill_shared(
             self.rank,
             names,
-            lambda: alloc_bucket(specs, dtype, torch.device("cpu"))[0],  # a ConfigError when /dev/shm is too small
+            lambda: alloc_bucket(specs, dtype, torch.device("cpu"), self._pool)[0],  # ConfigError: /dev/shm too small
             lambda flat: [v for _, v in bucket_views(flat, specs, dtype)],
             self._write_rows,
         )
@@ -535,9 +545,17 @@ class RankSender:
         self._held = (done.flat, views)
         return {"handles": [serialize(views) for _ in range(entries)], "sums": done.sums, "fill_s": done.fill_s}
 
+    def _recycle_held(self) -> None:
+        """The bucket `tensor_bucket` held becomes a spare: the driver asks for the next bucket only once every
+        engine has answered for this one (copied it out), so its memory can take the next bucket's bytes."""
+        if self._held is not None:
+            self._pool.give(self._held[0])
+            self._held = None
+
     def tensor_release(self) -> None:
-        """Drop the bucket `tensor_bucket` holds (every engine has copied it out)."""
+        """Drop the bucket `tensor_bucket` holds and the spares (every engine has copied it out: the sync ended)."""
         self._held = None
+        self._pool.clear()
 
     def rows(self, names: list[str], engine_dtype: str, n: int | None) -> dict[str, torch.Tensor] | None:
         """Every rank gathers `names`; rank 0 returns the first `n` rows (all with None) of each in the engine
