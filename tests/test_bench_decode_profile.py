@@ -43,7 +43,9 @@ def test_counts_the_engines_forwards_and_the_bytes_attention_reads(tmp_path, mon
         line.split() for line in lines if line.split()[:1] in (["matmul"], ["attention"], ["other"]) and "%" in line
     ]
     assert [r[0] for r in table] == ["matmul", "attention", "other"]
-    assert sum(float(r[2].rstrip("%")) for r in table) == pytest.approx(100.0, abs=0.2)
+    # other = the unprofiled pass minus the two profiled parts (at least 0: on a model this small the profiler
+    # stretches the two parts past an unprofiled pass)
+    assert sum(float(r[2].rstrip("%")) for r in table) >= 99.8 and float(table[2][2].rstrip("%")) >= 0
     assert sum("attention of one decode step at the mean shape (6 rows" in line for line in lines) == 2
 
 

@@ -6,21 +6,21 @@ the work it did and this thread's ceiling for it.
     PYTHONPATH=benchmarks python -m lichen_bench.decode_profile [--model w2] [--prompts 8] [--samples 8]
         [--tokens 256] [--work-dir runs/bench_decode_profile]
 
-Times are the profiler's (wall time inside each operator; the process runs one thread), shares of the profiled
-pass's wall time:
+Times are the profiler's (wall time inside each operator; the process runs one thread), shares of the unprofiled
+pass's wall time (the profiler's own cost, a third of a profiled pass here, stays out):
 - matmul: the self time of aten::mm / addmm / bmm and the FLOPs torch.profiler counts for them, against the fp32
   matmul ceiling of this thread (`lichen_bench.limits.matmul_throughput`: a 2048^3 product, best of 20);
 - attention: the self time of the scaled-dot-product operators and the key/value bytes they read, counted from
   every decode forward (rows x key slots x layers x 2 x kv heads x head dim x element size: the cache view each
   forward attends over, masked slots included, as the kernel reads them), against this thread's memory read
   speed (a sum over 256 MB, as `lichen_bench.decode_gemm` measures it);
-- other: the rest of the profiled pass: the other operators (norms, rotary, sampling), the
-  Python around them and the profiler's own cost.
+- other: the rest of the unprofiled pass: the other operators (norms, rotary, sampling) and the Python around
+  them.
 Last, one decode step's attention at the pass's mean shape, each layer its own cache, two ways: torch's
 scaled_dot_product_attention (the engine's kernel) and two plain matmuls around a softmax; if both read the keys
 and values at about the memory read speed, no other kernel would make attention much faster on this machine.
 
-An unprofiled pass first gives tokens per CPU second, the number `lichen bench engines` reports per server.
+The unprofiled pass also gives tokens per CPU second, the number `lichen bench engines` reports per server.
 docs/performance.md#where-a-decode-step-goes has a run.
 """
 
@@ -173,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     useful = len(requests) * a.tokens
 
     engine.generate(_requests(ids[:2], 1, 8))  # warm-up, not timed
-    c0 = time.process_time()
+    c0, t0 = time.process_time(), time.perf_counter()
     engine.generate(requests)
-    cpu = time.process_time() - c0
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     read = read_speed()
     peak = matmul_throughput(a.matmul_size, threads=1)["best_flops_per_s"]
 
@@ -184,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
             engine.generate(requests)
-        total = time.perf_counter() - t0
+        profiled = time.perf_counter() - t0
     finally:
         undo()
     parts = split_profile(prof.key_averages())
+    total = wall
     parts["other"]["s"] = max(0.0, total - parts["matmul"]["s"] - parts["attention"]["s"])
     element = next(engine.model.parameters()).element_size()
     kv = kv_bytes(engine.model.cfg, decode, element)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{model['name']} ({model['params'] / 1e6:.1f}M parameters), {a.prompts} prompts x {a.samples} samples x "
         f"{a.tokens} forced tokens ({useful} tokens), one thread"
     )
-    print(f"unprofiled pass: {cpu:.2f} CPU-s, {useful / cpu:.1f} tokens per CPU-s")
+    print(f"unprofiled pass: {wall:.2f} s ({cpu:.2f} CPU-s), {useful / cpu:.1f} tokens per CPU-s")
     print(
         f"this thread's ceilings: memory read {read / 1e9:.1f} GB/s (sum of 256 MB), fp32 matmul "
         f"{peak / 1e9:.1f} GFLOP/s ({a.matmul_size}^3, best of 20)"
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     slots = sum(k for _, k in decode) / max(1, len(decode))
     print(
         f"profiled pass: {len(decode)} decode forwards (mean {rows:.1f} rows x {slots:.1f} key slots), "
-        f"{len(prefill)} prefill(s); {total:.2f} s"
+        f"{len(prefill)} prefill(s); {profiled:.2f} s"
     )
     print(f"{'part':<10} {'s':>7} {'share':>6}  {'work':<36} rate")
     mm, at = parts["matmul"], parts["attention"]
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "requests": {"prompts": a.prompts, "samples": a.samples, "tokens": a.tokens},
             "unprofiled_cpu_s": cpu,
+            "unprofiled_s": wall,
+            "profiled_s": profiled,
             "read_bytes_per_s": read,
             "matmul_flops_per_s": peak,
             "decode_forwards": decode,
