@@ -18,7 +18,8 @@ import time
 from typing import Callable
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `fn` after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -26,6 +27,14 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def read_speed(mb: int = 256) -> float:
+    """Bytes per second one thread reads memory at: the median of 5 sums over `mb` MB of float32."""
+    import torch
+
+    big = torch.randn(mb * 1024 * 1024 // 4)
+    return big.numel() * 4 / median_s(lambda: big.sum(), 5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,10 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     as_numpy = [w.numpy() for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = sum(2 * w.numel() for w in weights)
-    big = torch.randn(64 * 1024 * 1024)
-    read = _median_s(lambda: big.sum(), 5)
     print(
-        f"one thread: memory read {big.numel() * 4 / read / 1e9:.1f} GB/s (sum of 256 MB); weights {nbytes / 1e6:.1f} MB per step"
+        f"one thread: memory read {read_speed() / 1e9:.1f} GB/s (sum of 256 MB); weights {nbytes / 1e6:.1f} MB per step"
     )
     print(
         f"{'rows':>4}  "
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         cells = []
         for fn in variants:
-            s = _median_s(fn, a.repeats)
+            s = median_s(fn, a.repeats)
             cells.append(f"{s * 1e3:6.2f} ms {nbytes / s / 1e9:5.1f} GB/s {m * flops_per_row / s / 1e9:5.1f} GF")
         print(f"{m:>4}  " + "  ".join(f"{c:>24}" for c in cells))
     return 0

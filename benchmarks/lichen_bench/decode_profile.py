@@ -32,21 +32,9 @@ import os
 import time
 from typing import Any
 
+from lichen_bench.decode_gemm import median_s, read_speed
+
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
-
-
-def read_speed(mb: int = 256) -> float:
-    """Bytes per second this thread reads memory at: the median of 5 sums over `mb` MB of float32."""
-    import torch
-
-    big = torch.randn(mb * 1024 * 1024 // 4)
-    big.sum()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - t0)
-    return big.numel() * 4 / sorted(times)[2]
 
 
 def record_forwards(model: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]], Any]:
@@ -128,16 +116,7 @@ def attention_kernels(cfg: Any, rows: int, slots: int, repeats: int = 5) -> dict
         for k, v in caches:
             explicit_attention(q, k, v)
 
-    out = {}
-    for name, fn in (("sdpa", sdpa), ("explicit", explicit)):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = sorted(times)[repeats // 2]
-    return out
+    return {"sdpa": median_s(sdpa, repeats), "explicit": median_s(explicit, repeats)}
 
 
 def main(argv: list[str] | None = None) -> int:
